@@ -1,0 +1,178 @@
+"""Checkpoints: a directory with ``config.json``, ``model.safetensors`` and ``tokenizer.json``.
+
+Weights are only ever read from safetensors, never from pickle. Loading checks every tensor's name
+and shape first and names what is missing, unexpected or mis-shaped. Writing goes to a temporary
+directory next to the target, renamed into place when complete, so no partial checkpoint is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from ldlm.config import LDLMConfig
+from ldlm.model import LDLM
+from ldlm.tokenizer import TextTokenizer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or weights file that cannot be used; the message names the file or tensor."""
+
+
+@contextmanager
+def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``out`` only if the block completes."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass overwrite=True (CLI: --force) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new directory
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_checkpoint(
+    model: LDLM, tokenizer: TextTokenizer, out: str | os.PathLike[str], overwrite: bool = False
+) -> Path:
+    with atomic_directory(out, overwrite) as tmp:
+        model.config.save(tmp / CONFIG_FILE)
+        state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "config_sha256": model.config.config_hash()})
+        tokenizer.save(tmp)
+    return Path(out)
+
+
+def load_checkpoint(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[LDLM, TextTokenizer]:
+    """Load a checkpoint directory; the model comes back in eval mode on ``device``."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint {directory} is not a directory (expected {CONFIG_FILE} + {WEIGHTS_FILE})")
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no {CONFIG_FILE}")
+    config = LDLMConfig.load(config_path)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        hint = f" ({', '.join(pickles)} found: pickle files are never loaded, convert them to safetensors)" if pickles else ""
+        raise CheckpointError(f"checkpoint {directory} has no {WEIGHTS_FILE}{hint}")
+    with torch.device("meta"):
+        model = LDLM(config)
+    state = read_safetensors(weights, device)
+    check_state_dict(model.state_dict(), state, weights)
+    model.load_state_dict(state, assign=True)
+    model.feature_model.requires_grad_(False)
+    has_tokenizer = (directory / "tokenizer.json").is_file() or (directory / "vocab.json").is_file()
+    tokenizer = TextTokenizer.from_directory(directory) if has_tokenizer else TextTokenizer.gpt2()
+    return model.eval(), tokenizer
+
+
+def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as error:  # safetensors raises its own error types, plus OSError
+        raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
+
+
+def check_state_dict(expected: Mapping[str, Tensor], found: Mapping[str, Tensor], source: Path) -> None:
+    """Raise CheckpointError naming every missing, unexpected and mis-shaped tensor."""
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    for name in sorted(set(expected) & set(found)):
+        want, got = tuple(expected[name].shape), tuple(found[name].shape)
+        if want != got:
+            problems.append(f"tensor {name} has shape {got}, expected {want}")
+        elif not found[name].is_floating_point():
+            problems.append(f"tensor {name} has dtype {found[name].dtype}, expected a floating-point dtype")
+    if problems:
+        raise CheckpointError(f"{source} does not match the config: " + "; ".join(problems))
+
+
+# --- random initialization, optionally with real GPT-2 weights -----------------------------------
+
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def init_model(config: LDLMConfig, seed: int, gpt2_dir: str | os.PathLike[str] | None = None) -> LDLM:
+    """A seeded random-init LDLM; GPT-2 weights come from ``gpt2_dir`` when given."""
+    torch.manual_seed(seed)
+    model = LDLM(config)
+    if gpt2_dir is not None:
+        load_gpt2_weights(model, Path(gpt2_dir))
+    return model.eval()
+
+
+def load_gpt2_weights(model: LDLM, gpt2_dir: Path) -> None:
+    """Copy a local Hugging Face GPT-2 (``config.json`` + ``model.safetensors``) into the feature
+    model, and set the mask vector to the mask token's row of GPT-2's token table resized to V."""
+    config = model.config
+    hf_config_path = gpt2_dir / "config.json"
+    if not hf_config_path.is_file():
+        raise CheckpointError(f"GPT-2 directory {gpt2_dir} has no config.json")
+    hf = json.loads(hf_config_path.read_text())
+    expected = {
+        "n_embd": config.d_model,
+        "n_head": config.n_heads,
+        "n_layer": config.gpt2_layers,
+        "vocab_size": config.gpt2_vocab_size,
+        "n_positions": config.gpt2_positions,
+        "layer_norm_epsilon": config.layer_norm_eps,
+    }
+    mismatched = [f"{k}={hf.get(k)!r} (config needs {v!r})" for k, v in expected.items() if hf.get(k) != v]
+    if mismatched:
+        raise CheckpointError(f"{hf_config_path} does not match the LDLM config: {', '.join(mismatched)}")
+    weights = gpt2_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"GPT-2 directory {gpt2_dir} has no {WEIGHTS_FILE} (pickle weights are never loaded)")
+    found = read_safetensors(weights)
+    found = {name.removeprefix("transformer."): t for name, t in found.items()}
+    ours = model.feature_model.state_dict()
+    state = {}
+    for name, target in ours.items():
+        if name not in found:
+            raise CheckpointError(f"{weights} has no tensor {name} (nor transformer.{name})")
+        tensor = found[name]
+        if name.endswith(_CONV1D_WEIGHTS):
+            tensor = tensor.t()  # Hugging Face's Conv1D stores (in, out); nn.Linear wants (out, in)
+        if tensor.shape != target.shape:
+            raise CheckpointError(f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        state[name] = tensor.to(target.dtype)
+    model.feature_model.load_state_dict(state)
+    wte = state["wte.weight"]
+    # Resizing an embedding table fills new rows with the mean of the old ones (transformers'
+    # default mean_resizing, without its sampled noise).
+    mask = wte[config.mask_token_id] if config.mask_token_id < wte.shape[0] else wte.mean(dim=0)
+    model.latent_decoder.mask_embedding.copy_(mask)

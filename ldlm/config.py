@@ -1,0 +1,171 @@
+"""The one LDLM configuration: a frozen dataclass, validated once, saved as JSON next to every artifact.
+
+Field statuses follow ``shared/design/ldlm-model.md``: what the paper states is fixed by the
+``base`` preset; everything inferred or guessed is a field, so that a real checkpoint can set it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+DecodeFinal = Literal["mean", "x0"]
+
+
+@dataclass(frozen=True)
+class LDLMConfig:
+    # --- sizes shared by every component ---
+    d_model: int = 768  # D: GPT-2 width, latent width and transformer width (known)
+    n_heads: int = 12  # heads in every attention (known: 12 x 64)
+    max_seq_len: int = 1024  # L_max: position tables and the latent bank (N = L, known)
+    vocab_size: int = 50258  # V: GPT-2's 50257 + one mask token (known; the trainer may override)
+    mask_token_id: int = 50257
+    eos_token_id: int = 50256  # GPT-2 <|endoftext|>; decoded text is cut at its first occurrence
+    layer_norm_eps: float = 1e-5  # every nn.LayerNorm (known; the export promise is about it)
+    rms_norm_eps: float = 1e-5  # every RMSNorm (inferred)
+    dropout: float = 0.0  # inside the MLPs; inference runs in eval mode either way
+
+    # --- feature model: frozen GPT-2 (known) ---
+    gpt2_layers: int = 12  # depth of the GPT-2 the features come from
+    gpt2_vocab_size: int = 50257
+    gpt2_positions: int = 1024
+    feature_layer: int = -3  # index into Hugging Face's hidden_states; later blocks never run
+
+    # --- latent encoder and decoder: Perceivers (block counts known, structure inferred) ---
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    mlp_ratio: int = 4  # the MLP's hidden width is mlp_ratio * D (known for the shared MLP)
+    # Guessed: each stream projects its own keys and values. Shared projections land the
+    # Perceivers at ~44M/48M parameters, per-stream ones at ~51M/55M, which is what the paper's
+    # table (~50M, ~50-55M) reports.
+    per_stream_kv: bool = True
+
+    # --- denoiser: Llama-style diffusion transformer (known: 12 layers, ~132M) ---
+    denoiser_layers: int = 12
+    swiglu_hidden: int = 3072
+    rope_theta: float = 10000.0
+    time_max_period: float = 10.0  # sinusoidal embedding of t in [0, 1]
+
+    # --- token decoder (known: 3 layers) ---
+    token_decoder_layers: int = 3
+
+    # --- sampler (inferred or guessed, see ldlm/sampler.py) ---
+    schedule_d: float = 3.0  # tangent schedule's d
+    beta_clip_t: float = 0.95  # beta(t) is evaluated at min(t, this): beta -> inf as t -> 1
+    t_min: float = 0.05
+    default_steps: int = 50
+    decode_final: DecodeFinal = "mean"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # --- derived sizes ---
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def feature_blocks(self) -> int:
+        """GPT-2 blocks that run: hidden_states has gpt2_layers + 1 entries, the first being the
+        embeddings, so index -3 of 12 layers is the output of block 10."""
+        return self.gpt2_layers + 1 + self.feature_layer
+
+    # --- JSON round trip ---
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LDLMConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> LDLMConfig:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"config JSON must be an object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LDLMConfig:
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (json.JSONDecodeError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}: not a valid LDLM config: {error}") from error
+
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON: names the exact architecture an artifact was made from."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def _validate(c: LDLMConfig) -> None:
+    def require(ok: bool, field: str, value: object, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"config field {field}={value!r} is invalid; allowed: {allowed}")
+
+    for name in ("d_model", "n_heads", "max_seq_len", "vocab_size", "gpt2_layers", "gpt2_vocab_size",
+                 "gpt2_positions", "mlp_ratio", "swiglu_hidden", "default_steps"):
+        value = getattr(c, name)
+        require(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+    for name in ("encoder_layers", "decoder_layers", "denoiser_layers", "token_decoder_layers"):
+        value = getattr(c, name)
+        require(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+    require(c.d_model % c.n_heads == 0, "n_heads", c.n_heads, f"a divisor of d_model={c.d_model}")
+    require(c.head_dim % 2 == 0, "n_heads", c.n_heads, "a value giving an even head_dim (rotary embeddings)")
+    require(c.denoiser_layers % 2 == 0, "denoiser_layers", c.denoiser_layers,
+            "an even number (the U-Net skips pair the first half with the second)")
+    require(-c.gpt2_layers - 1 <= c.feature_layer <= -2, "feature_layer", c.feature_layer,
+            f"[{-c.gpt2_layers - 1}, -2] (index -1 is ln_f's output, which is not a block output)")
+    require(c.max_seq_len <= c.gpt2_positions, "max_seq_len", c.max_seq_len,
+            f"<= gpt2_positions={c.gpt2_positions}")
+    require(c.gpt2_vocab_size <= c.vocab_size, "gpt2_vocab_size", c.gpt2_vocab_size,
+            f"<= vocab_size={c.vocab_size}")
+    require(0 <= c.mask_token_id < c.vocab_size, "mask_token_id", c.mask_token_id, f"[0, {c.vocab_size})")
+    require(0 <= c.eos_token_id < c.vocab_size, "eos_token_id", c.eos_token_id, f"[0, {c.vocab_size})")
+    for name in ("layer_norm_eps", "rms_norm_eps", "rope_theta", "time_max_period", "schedule_d"):
+        value = getattr(c, name)
+        require(isinstance(value, (int, float)) and value > 0, name, value, "a number > 0")
+    require(0.0 <= c.dropout < 1.0, "dropout", c.dropout, "[0, 1)")
+    require(0.0 < c.t_min < 1.0, "t_min", c.t_min, "(0, 1)")
+    require(0.0 < c.beta_clip_t < 1.0, "beta_clip_t", c.beta_clip_t, "(0, 1)")
+    require(c.decode_final in ("mean", "x0"), "decode_final", c.decode_final, "'mean' or 'x0'")
+
+
+PRESETS: dict[str, LDLMConfig] = {
+    # The paper's sizes.
+    "base": LDLMConfig(),
+    # For tests and demos: small D and few layers, but a GPT-2 of 4 layers so that
+    # hidden_states[-3] is the output of a real block (2 layers would give the embeddings).
+    "tiny": LDLMConfig(
+        d_model=64,
+        n_heads=4,
+        max_seq_len=128,
+        gpt2_layers=4,
+        gpt2_positions=128,
+        encoder_layers=2,
+        decoder_layers=2,
+        denoiser_layers=2,
+        swiglu_hidden=128,
+        token_decoder_layers=1,
+    ),
+}
+
+
+def preset(name: str) -> LDLMConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,158 @@
+"""The eager pipeline: encode, decode, reconstruct and generate on top of an LDLM and a tokenizer.
+
+Inputs are checked here, once, at the boundary; the model code below trusts its tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ldlm.checkpoint import load_checkpoint
+from ldlm.model import LDLM
+from ldlm.sampler import SAMPLERS, NoiseStream, TangentSchedule, ddim_step, sample_seeds, sde_step, time_grid
+from ldlm.tokenizer import TextTokenizer
+
+
+@dataclass
+class EncodeResult:
+    latents: Tensor  # (B, L, D) standardized latents
+    attention_mask: Tensor  # (B, L) bool, True at real tokens (padding on the right)
+    token_ids: Tensor  # (B, L) int64, padded with eos
+
+
+@dataclass
+class TextResult:
+    token_ids: Tensor  # (B, L) int64
+    texts: list[str]  # detokenized, cut at the first end-of-text token
+
+
+class LDLMPipeline:
+    def __init__(self, model: LDLM, tokenizer: TextTokenizer, device: str | torch.device = "cpu") -> None:
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.device = torch.device(device)
+        self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike[str], device: str | torch.device = "cpu") -> LDLMPipeline:
+        model, tokenizer = load_checkpoint(path, device)
+        return cls(model, tokenizer, device)
+
+    # --- input checks -------------------------------------------------------------------------
+
+    def check_length(self, length: int, name: str = "length") -> None:
+        limit = self.config.max_seq_len
+        if not isinstance(length, int) or not 1 <= length <= limit:
+            raise ValueError(f"{name}={length!r} is out of range; allowed: 1..{limit} (config max_seq_len)")
+
+    def check_token_ids(self, ids: Sequence[Sequence[int]]) -> None:
+        v = self.config.vocab_size
+        if len(ids) == 0:
+            raise ValueError("no sequences given; allowed: at least one")
+        for i, row in enumerate(ids):
+            self.check_length(len(row), f"len(ids[{i}])")
+            for j, token in enumerate(row):
+                if not 0 <= int(token) < v:
+                    raise ValueError(f"ids[{i}][{j}]={int(token)} is out of range; allowed: [0, {v}) (vocab_size)")
+
+    # --- the four jobs ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EncodeResult:
+        """Texts or token-id lists -> standardized latents, right-padded to the longest input."""
+        if len(inputs) == 0:
+            raise ValueError("no inputs given; allowed: at least one text or id list")
+        ids = self.tokenizer.encode(inputs) if isinstance(inputs[0], str) else [list(map(int, r)) for r in inputs]  # type: ignore[arg-type]
+        self.check_token_ids(ids)
+        length = max(len(row) for row in ids)
+        token_ids = torch.full((len(ids), length), self.config.eos_token_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), length), dtype=torch.bool)
+        for i, row in enumerate(ids):
+            token_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = True
+        token_ids, mask = token_ids.to(self.device), mask.to(self.device)
+        latents = self.model.encode_latents(token_ids, mask)
+        return EncodeResult(latents=latents, attention_mask=mask, token_ids=token_ids)
+
+    @torch.inference_mode()
+    def decode(self, latents: Tensor, attention_mask: Tensor | None = None) -> TextResult:
+        """Standardized latents (B, L, D) -> token ids and texts. Padded positions are dropped."""
+        d = self.config.d_model
+        if latents.ndim != 3 or latents.shape[-1] != d:
+            raise ValueError(f"latents have shape {tuple(latents.shape)}; allowed: (B, L, {d})")
+        self.check_length(latents.shape[1], "latents.shape[1]")
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        token_ids = self.model.decode_tokens(latents.to(self.device), mask).cpu()
+        lengths = [latents.shape[1]] * len(token_ids) if mask is None else mask.sum(dim=1).tolist()
+        texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, lengths)]
+        return TextResult(token_ids=token_ids, texts=texts)
+
+    def reconstruct(self, texts: Sequence[str]) -> TextResult:
+        """Texts -> latents -> texts: the autoencoder's round trip."""
+        encoded = self.encode(texts)
+        return self.decode(encoded.latents, encoded.attention_mask)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        n: int,
+        length: int,
+        steps: int | None = None,
+        seed: int = 0,
+        sampler: str = "sde",
+        t_min: float | None = None,
+        progress: bool = False,
+    ) -> TextResult:
+        """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
+
+        ``sampler="ddim"`` is deterministic given the seed (the prior is still seeded); ``"sde"``
+        draws fresh noise every step, also from the seed.
+        """
+        latents = self.sample_latents(n, length, steps, seed, sampler, t_min, progress)
+        return self.decode(latents)
+
+    def sample_latents(
+        self,
+        n: int,
+        length: int,
+        steps: int | None = None,
+        seed: int = 0,
+        sampler: str = "sde",
+        t_min: float | None = None,
+        progress: bool = False,
+    ) -> Tensor:
+        cfg = self.config
+        steps = cfg.default_steps if steps is None else steps
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n={n!r} is out of range; allowed: an integer >= 1")
+        self.check_length(length)
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps={steps!r} is out of range; allowed: an integer >= 1")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler={sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
+        grid = time_grid(steps, cfg.t_min if t_min is None else t_min)
+        streams = [NoiseStream(s, (length, cfg.d_model)) for s in sample_seeds(seed, n)]
+
+        def draw() -> Tensor:
+            return torch.stack([stream.draw() for stream in streams]).to(self.device)  # (B, L, D)
+
+        x = draw()  # the prior x_1 ~ N(0, I)
+        x0_hat = torch.zeros_like(x)  # self-conditioning input of the first step
+        x_mean = x
+        with torch.inference_mode():
+            for i in tqdm(range(steps), desc="denoising", unit="step", disable=not progress):
+                t = grid[i].to(torch.float32).repeat(n).to(self.device)
+                t_next = grid[i + 1].to(torch.float32).repeat(n).to(self.device)
+                x0_hat = self.model.denoise(x, t, x0_hat)
+                if sampler == "sde":
+                    x, x_mean = sde_step(self.schedule, x, x0_hat, t, t_next, draw())
+                else:
+                    x = x_mean = ddim_step(self.schedule, x, x0_hat, t, t_next)
+        return x_mean if cfg.decode_final == "mean" else x0_hat

