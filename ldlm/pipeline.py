@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.model import LDLM
-from ldlm.sampler import SAMPLERS, NoiseStream, TangentSchedule, ddim_step, sample_seeds, sde_step, time_grid
+from ldlm.sampler import NoiseStream, TangentSchedule, run_sampler, sample_seeds, time_grid
 from ldlm.tokenizer import TextTokenizer
 
 
@@ -128,31 +127,19 @@ class LDLMPipeline:
         t_min: float | None = None,
         progress: bool = False,
     ) -> Tensor:
+        """The standardized latents (n, length, D) that ``generate`` decodes."""
         cfg = self.config
         steps = cfg.default_steps if steps is None else steps
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r} is out of range; allowed: an integer >= 1")
         self.check_length(length)
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps={steps!r} is out of range; allowed: an integer >= 1")
-        if sampler not in SAMPLERS:
-            raise ValueError(f"sampler={sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
         grid = time_grid(steps, cfg.t_min if t_min is None else t_min)
         streams = [NoiseStream(s, (length, cfg.d_model)) for s in sample_seeds(seed, n)]
 
-        def draw() -> Tensor:
+        def draw_noise() -> Tensor:
             return torch.stack([stream.draw() for stream in streams]).to(self.device)  # (B, L, D)
 
-        x = draw()  # the prior x_1 ~ N(0, I)
-        x0_hat = torch.zeros_like(x)  # self-conditioning input of the first step
-        x_mean = x
         with torch.inference_mode():
-            for i in tqdm(range(steps), desc="denoising", unit="step", disable=not progress):
-                t = grid[i].to(torch.float32).repeat(n).to(self.device)
-                t_next = grid[i + 1].to(torch.float32).repeat(n).to(self.device)
-                x0_hat = self.model.denoise(x, t, x0_hat)
-                if sampler == "sde":
-                    x, x_mean = sde_step(self.schedule, x, x0_hat, t, t_next, draw())
-                else:
-                    x = x_mean = ddim_step(self.schedule, x, x0_hat, t, t_next)
-        return x_mean if cfg.decode_final == "mean" else x0_hat
+            return run_sampler(
+                self.model.denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final, progress
+            )

@@ -15,12 +15,14 @@ identical noise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 SamplerName = Literal["sde", "ddim"]
 SAMPLERS: tuple[str, ...] = ("sde", "ddim")
@@ -107,3 +109,39 @@ def sample_seeds(seed: int, n: int) -> list[int]:
         raise ValueError(f"seed={seed!r} is invalid; allowed: an integer in [0, 2**63)")
     states = np.random.SeedSequence(seed).generate_state(n, dtype=np.uint64)
     return [int(s) >> 1 for s in states]
+
+
+DenoiseFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x_t, t, x0_prev) -> x0_hat
+
+
+def run_sampler(
+    denoise: DenoiseFn,
+    prior: Tensor,
+    draw_noise: Callable[[], Tensor],
+    grid: Tensor,
+    schedule: TangentSchedule,
+    sampler: str = "sde",
+    decode_final: str = "mean",
+    progress: bool = False,
+) -> Tensor:
+    """Integrate from the prior x_1 (B, N, D) along ``grid`` and return the latent to decode.
+
+    1. x0_prev = 0 (self-conditioning starts empty)
+    2. for each (t, t_next) in the grid: x0_hat = denoise(x_t, t, x0_prev), then one solver step,
+       then x0_prev = x0_hat
+    3. return the last mean x (``decode_final="mean"``) or the last x0_hat (``"x0"``)
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler={sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
+    b = prior.shape[0]
+    x = x_mean = prior
+    x0_hat = torch.zeros_like(prior)
+    for i in tqdm(range(len(grid) - 1), desc="denoising", unit="step", disable=not progress):
+        t = grid[i].to(device=prior.device, dtype=prior.dtype).expand(b)
+        t_next = grid[i + 1].to(device=prior.device, dtype=prior.dtype).expand(b)
+        x0_hat = denoise(x, t, x0_hat)
+        if sampler == "sde":
+            x, x_mean = sde_step(schedule, x, x0_hat, t, t_next, draw_noise())
+        else:
+            x = x_mean = ddim_step(schedule, x, x0_hat, t, t_next)
+    return x_mean if decode_final == "mean" else x0_hat

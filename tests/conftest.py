@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ldlm.checkpoint import init_model, save_checkpoint
+from ldlm.config import LDLMConfig, preset
+from ldlm.model import LDLM
+from ldlm.pipeline import LDLMPipeline
+from ldlm.tokenizer import TextTokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> LDLMConfig:
+    return preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer.gpt2()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config: LDLMConfig) -> LDLM:
+    return init_model(tiny_config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_model: LDLM, tokenizer: TextTokenizer) -> Path:
+    return save_checkpoint(tiny_model, tokenizer, tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def pipeline(tiny_checkpoint: Path) -> LDLMPipeline:
+    return LDLMPipeline.from_checkpoint(tiny_checkpoint)

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ldlm.checkpoint import CheckpointError, atomic_directory, load_checkpoint, save_checkpoint
+from ldlm.model import LDLM
+from ldlm.tokenizer import TextTokenizer
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_round_trip_is_exact(tiny_model: LDLM, tiny_checkpoint: Path) -> None:
+    loaded, tokenizer = load_checkpoint(tiny_checkpoint)
+    assert loaded.config == tiny_model.config
+    original = tiny_model.state_dict()
+    restored = loaded.state_dict()
+    assert original.keys() == restored.keys()
+    for name in original:
+        assert torch.equal(original[name], restored[name]), name
+    assert not loaded.training
+    assert tokenizer.encode(["round trip"]) == TextTokenizer.gpt2().encode(["round trip"])
+
+
+def test_wrong_shape_is_named(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    state = load_file(ckpt / "model.safetensors")
+    state["denoiser.out_norm.weight"] = torch.ones(3)
+    save_file(state, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor denoiser\.out_norm\.weight has shape \(3,\), expected \(64,\)"):
+        load_checkpoint(ckpt)
+
+
+def test_missing_and_unexpected_tensors_are_named(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    state = load_file(ckpt / "model.safetensors")
+    del state["token_decoder.norm.bias"]
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensors: token_decoder\.norm\.bias") as info:
+        load_checkpoint(ckpt)
+    assert "unexpected tensors: extra.weight" in str(info.value)
+
+
+def test_foreign_file_is_named(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    (ckpt / "model.safetensors").write_bytes(b"PK\x03\x04 this is a zip, not safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+        load_checkpoint(ckpt)
+
+
+def test_pickle_weights_are_refused_by_name(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin found: pickle files are never loaded"):
+        load_checkpoint(ckpt)
+
+
+def test_missing_directory_and_config_are_named(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="nowhere"):
+        load_checkpoint(tmp_path / "nowhere")
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    (ckpt / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(ckpt)
+
+
+def test_existing_output_needs_overwrite(tiny_model: LDLM, tokenizer: TextTokenizer, tmp_path: Path) -> None:
+    out = save_checkpoint(tiny_model, tokenizer, tmp_path / "out")
+    with pytest.raises(FileExistsError, match="--force"):
+        save_checkpoint(tiny_model, tokenizer, out)
+    save_checkpoint(tiny_model, tokenizer, out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old copies left
+
+
+def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_directory(tmp_path / "out") as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
