@@ -8,4 +8,5 @@ ckpt="${LDLM_DEMO_CHECKPOINT:-runs/tiny}"
 if [ ! -d "$ckpt" ]; then
   .venv/bin/ldlm init "$ckpt" --preset tiny --seed 0
 fi
+echo "note: a random-init checkpoint generates gibberish; that is expected (see README)." >&2
 .venv/bin/ldlm generate "$ckpt" --n 4 --length 32 --steps 50 --seed 0 "$@"
