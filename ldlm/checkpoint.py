@@ -46,6 +46,8 @@ def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> It
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new directory
     try:
         yield tmp
+        for path in tmp.rglob("*"):  # some writers (safetensors) create 0600 files
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)

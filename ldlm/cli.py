@@ -62,6 +62,32 @@ def _cmd_reconstruct(args: argparse.Namespace) -> None:
         print(f"{source!r} -> {text!r}")
 
 
+def _cmd_export(args: argparse.Namespace) -> None:
+    from ldlm.export.onnx_export import export_graphs
+
+    graphs = tuple(args.graphs.split(","))
+    result = export_graphs(
+        args.checkpoint, args.out, opset=args.opset, graphs=graphs, with_logits=args.with_logits,
+        overwrite=args.force, progress=not args.quiet,
+    )
+    for verification in result.verification:
+        print(verification.summary())
+    print(f"wrote {result.out} (opset {args.opset}; graphs {', '.join(graphs)}; manifest {result.out / 'manifest.json'})")
+
+
+def _cmd_verify_onnx(args: argparse.Namespace) -> None:
+    from ldlm.export.onnx_export import verify_export
+
+    results = verify_export(args.path, args.checkpoint)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        for result in results:
+            print(result.summary())
+    if not all(r.passed for r in results):
+        raise SystemExit(1)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -121,6 +147,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
     p.set_defaults(func=_cmd_reconstruct)
+
+    p = sub.add_parser(
+        "export",
+        help="export the inference graphs to ONNX and verify them",
+        description="Export encoder (input_ids, attention_mask -> latents), denoiser (x_t, t, x0_prev -> x0_hat) "
+        "and decoder (latents -> token_ids [, logits]) to ONNX with the dynamo exporter, dynamic batch and "
+        "sequence axes and external weight data; then verify that every nn.LayerNorm became exactly one "
+        "LayerNormalization node with the module's eps, axis, scale and bias. OUT gets a manifest.json; "
+        "on any failure nothing is left in OUT.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("out", help="output directory to create")
+    p.add_argument("--opset", type=int, default=18, help="ONNX opset: 18 (default) or 20 (single Gelu node)")
+    p.add_argument("--graphs", default="encoder,denoiser,decoder", help="comma-separated subset (default: all three)")
+    p.add_argument("--with-logits", action="store_true", help="the decoder also outputs logits (B, L, V), for parity checks")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "verify-onnx",
+        help="check the LayerNormalization nodes of an export",
+        description="Verify an export directory (or one .onnx file in it) against the LayerNorm specs in its "
+        "manifest.json, or against a checkpoint's modules with --checkpoint. Exit code 1 on failure.",
+    )
+    p.add_argument("path", help="export directory or .onnx file")
+    p.add_argument("--checkpoint", help="compare against this checkpoint's modules instead of the manifest")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=_cmd_verify_onnx)
     return parser
 
 

@@ -1,0 +1,218 @@
+"""Export stage: an LDLM checkpoint -> one verified ONNX file per inference graph, plus a manifest.
+
+OUT/
+  config.json                 the checkpoint's config
+  encoder.onnx, .onnx.data    weights as external data, so files > 2 GB work and TensorRT
+  denoiser.onnx, .onnx.data   parses from the path
+  decoder.onnx, .onnx.data
+  manifest.json               files + sha256, I/O names, dtypes, shapes, the LayerNorm specs
+Everything is written to a temporary directory and renamed into place once verified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from tqdm.auto import tqdm
+
+import ldlm
+from ldlm.checkpoint import CONFIG_FILE, atomic_directory, load_checkpoint
+from ldlm.config import LDLMConfig
+from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
+from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
+from ldlm.model import LDLM
+
+SUPPORTED_OPSETS: tuple[int, ...] = (18, 20)  # 17 comes out as 18 from dynamo; 23 has Attention, unknown to TensorRT 10
+DEFAULT_OPSET = 18
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    manifest: dict[str, Any]
+    verification: list[VerifyResult]
+
+
+def check_opset(opset: int) -> None:
+    if opset not in SUPPORTED_OPSETS:
+        raise ValueError(f"opset={opset!r} is unsupported; allowed: {', '.join(map(str, SUPPORTED_OPSETS))}")
+
+
+def graph_layer_norm_specs(model: LDLM, io: GraphIO) -> list[LayerNormSpec]:
+    """Every nn.LayerNorm the graph runs, named as in the exported module (``model.<component>...``)."""
+    return [s for c in io.components for s in layer_norm_specs(getattr(model, c), prefix=f"model.{c}")]
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """torch.onnx logs every optional op it skips (torchvision, ...) and warns about internals."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def export_graph(io: GraphIO, path: Path, opset: int, max_seq_len: int, metadata: dict[str, str]) -> None:
+    """torch.onnx (dynamo) export of one graph with dynamic batch and sequence axes."""
+    check_opset(opset)
+    with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
+        program = torch.onnx.export(
+            io.module.eval(),
+            io.example_inputs,
+            dynamo=True,
+            opset_version=opset,
+            input_names=list(io.input_names),
+            output_names=list(io.output_names),
+            dynamic_shapes=io.dynamic_shapes(max_seq_len),
+            verbose=False,
+        )
+    if program is None:
+        raise RuntimeError(f"torch.onnx.export returned no program for graph {io.name}")
+    program.model.metadata_props.update(metadata)
+    program.save(str(path), external_data=True)
+
+
+def export_graphs(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    opset: int = DEFAULT_OPSET,
+    graphs: Sequence[str] = GRAPH_NAMES,
+    with_logits: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> ExportResult:
+    """Export and verify ``graphs`` of ``checkpoint`` into ``out``; nothing is left there on failure."""
+    check_opset(opset)
+    unknown = [g for g in graphs if g not in GRAPH_NAMES]
+    if unknown or not graphs:
+        raise ValueError(f"graphs={list(graphs)!r} is invalid; allowed: a non-empty subset of {', '.join(GRAPH_NAMES)}")
+    model, _ = load_checkpoint(checkpoint)
+    config = model.config
+    metadata = {
+        "ldlm.version": ldlm.__version__,
+        "ldlm.config_sha256": config.config_hash(),
+        "ldlm.opset": str(opset),
+    }
+    try:
+        with atomic_directory(out, overwrite) as tmp:
+            config.save(tmp / CONFIG_FILE)
+            entries, results = {}, []
+            with tqdm(total=2 * len(graphs), desc="export", unit="stage", disable=not progress) as bar:
+                for name in graphs:
+                    io = graph_io(model, name, with_logits)
+                    bar.set_postfix_str(f"{name}: torch.onnx")
+                    path = tmp / f"{name}.onnx"
+                    export_graph(io, path, opset, config.max_seq_len, {**metadata, "ldlm.graph": name})
+                    bar.update()
+                    bar.set_postfix_str(f"{name}: verify")
+                    specs = graph_layer_norm_specs(model, io)
+                    results.append(verify_onnx(path, specs, name))
+                    entries[name] = _manifest_entry(path, io, specs)
+                    bar.update()
+            verify_all(results)  # raises before the rename: a failed export leaves nothing behind
+            manifest = _manifest(config, opset, entries)
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    except PermissionError as error:
+        raise ValueError(f"cannot write to {out}: {error}") from error
+    except (NotADirectoryError, FileExistsError) as error:
+        if isinstance(error, FileExistsError) and Path(out).exists():
+            raise
+        raise ValueError(f"cannot create {out}: {error}") from error
+    return ExportResult(Path(out), manifest, results)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_io(values: Sequence[onnx.ValueInfoProto]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": v.name,
+            "dtype": onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type),
+            "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+        }
+        for v in values
+    ]
+
+
+def _manifest_entry(path: Path, io: GraphIO, specs: list[LayerNormSpec]) -> dict[str, Any]:
+    model = onnx.load(str(path), load_external_data=False)
+    files = sorted(p for p in path.parent.iterdir() if p.name == path.name or p.name.startswith(path.name + "."))
+    return {
+        "file": path.name,
+        "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
+        "inputs": describe_io(model.graph.input),
+        "outputs": describe_io(model.graph.output),
+        "components": list(io.components),
+        "layer_norms": [s.to_dict() for s in specs],
+    }
+
+
+def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "ldlm_version": ldlm.__version__,
+        "torch_version": torch.__version__,
+        "onnx_version": onnx.__version__,
+        "exporter": "torch.onnx.export(dynamo=True)",
+        "opset": opset,
+        "config_sha256": config.config_hash(),
+        "graphs": entries,
+    }
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        raise ValueError(f"{directory} has no {MANIFEST_FILE}; is it a directory written by `ldlm export`?")
+    return json.loads(path.read_text())
+
+
+def verify_export(
+    path: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None
+) -> list[VerifyResult]:
+    """Verify an export directory, or one ONNX file in it, against its manifest's LayerNorm specs,
+    or against the modules of ``checkpoint`` when given (which also compares weights by value)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; allowed: an export directory or an .onnx file in one")
+    directory = path if path.is_dir() else path.parent
+    manifest = read_manifest(directory)
+    names = list(manifest["graphs"]) if path.is_dir() else [path.stem]
+    if path.is_file() and path.stem not in manifest["graphs"]:
+        raise ValueError(f"{path.name} is not listed in {directory / MANIFEST_FILE}")
+    model = None
+    if checkpoint is not None:
+        model, _ = load_checkpoint(checkpoint)
+        if model.config.config_hash() != manifest["config_sha256"]:
+            raise ValueError(f"checkpoint {checkpoint} has another config than the export (config_sha256 differs)")
+    results = []
+    for name in names:
+        entry = manifest["graphs"][name]
+        if model is not None:
+            specs = graph_layer_norm_specs(model, graph_io(model, name))
+        else:
+            specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
+        results.append(verify_onnx(directory / entry["file"], specs, name))
+    return results
