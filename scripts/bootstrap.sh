@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install ldlm into it, with the extras given as arguments (e.g. "test").
+# Create .venv (once) and install ldlm into it with the extras given as one argument (e.g. "cpu,test").
 # On a machine without torch this installs the CPU build first: a bare `torch` requirement would
 # otherwise pull a multi-GB CUDA build. Bring your own torch for GPUs (install it into .venv first).
 set -euo pipefail

@@ -3,7 +3,7 @@
 # Random weights give gibberish text: this exercises the whole tool chain, not text quality.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh cpu
 ckpt="${LDLM_DEMO_CHECKPOINT:-runs/tiny}"
 if [ ! -d "$ckpt" ]; then
   .venv/bin/ldlm init "$ckpt" --preset tiny --seed 0
