@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
-from ldlm.layers import RMSNorm, attention_mask_4d, merge_heads, sinusoidal_embedding, split_heads
+from ldlm.layers import RMSNorm, attention_bias, merge_heads, sinusoidal_embedding, split_heads
 
 
 def rotary_tables(length: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -27,20 +27,19 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RotarySelfAttention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, theta: float) -> None:
+    def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.theta = theta
         self.q_proj = nn.Linear(dim, dim, bias=False)
         self.k_proj = nn.Linear(dim, dim, bias=False)
         self.v_proj = nn.Linear(dim, dim, bias=False)
         self.o_proj = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, rotary: tuple[Tensor, Tensor], attn_bias: Tensor | None) -> Tensor:
         q, k, v = (split_heads(proj(x), self.n_heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        cos, sin = rotary_tables(x.shape[1], q.shape[-1], self.theta, x.device)  # (T, hd/2)
+        cos, sin = rotary  # (T, hd/2) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask_4d(mask))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
         return self.o_proj(merge_heads(y))
 
 
@@ -64,13 +63,15 @@ class DenoiserBlock(nn.Module):
         self.time_proj = nn.Linear(d, d)  # x += time_proj(SiLU(t_emb)) before the block
         self.self_cond_proj = nn.Linear(d, d)  # x += self_cond_proj(x0_prev) before the block
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
-        self.attn = RotarySelfAttention(d, config.n_heads, config.rope_theta)
+        self.attn = RotarySelfAttention(d, config.n_heads)
         self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
         self.mlp = SwiGLU(d, config.swiglu_hidden)
 
-    def forward(self, x: Tensor, time: Tensor, x0_prev: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, time: Tensor, x0_prev: Tensor, rotary: tuple[Tensor, Tensor], attn_bias: Tensor | None
+    ) -> Tensor:
         x = x + self.time_proj(time)[:, None, :] + self.self_cond_proj(x0_prev)
-        x = x + self.attn(self.attn_norm(x), mask)
+        x = x + self.attn(self.attn_norm(x), rotary, attn_bias)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -81,6 +82,8 @@ class Denoiser(nn.Module):
         super().__init__()
         d = config.d_model
         self.d_model = d
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
         self.time_max_period = config.time_max_period
         self.time_mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
         self.blocks = nn.ModuleList(DenoiserBlock(config) for _ in range(config.denoiser_layers))
@@ -89,12 +92,14 @@ class Denoiser(nn.Module):
     def forward(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor | None = None) -> Tensor:
         t_emb = self.time_mlp(sinusoidal_embedding(t, self.d_model, self.time_max_period).to(x_t.dtype))
         time = F.silu(t_emb)  # (B, D), shared by every block's time_proj
+        rotary = rotary_tables(x_t.shape[1], self.head_dim, self.rope_theta, x_t.device)
+        bias = attention_bias(mask, x_t.dtype)
         x = x_t
         half = len(self.blocks) // 2
         skips = []
         for block in self.blocks[:half]:
-            x = block(x, time, x0_prev, mask)
+            x = block(x, time, x0_prev, rotary, bias)
             skips.append(x)
         for block in self.blocks[half:]:
-            x = block(x + skips.pop(), time, x0_prev, mask)  # U-Net long skip, in reverse order
+            x = block(x + skips.pop(), time, x0_prev, rotary, bias)  # U-Net long skip, in reverse order
         return self.out_norm(x)

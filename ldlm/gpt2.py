@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
-from ldlm.layers import SelfAttention
+from ldlm.layers import SelfAttention, attention_bias
 
 
 class GPT2MLP(nn.Module):
@@ -29,12 +29,12 @@ class GPT2Block(nn.Module):
     def __init__(self, dim: int, n_heads: int, eps: float) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = SelfAttention(dim, n_heads, causal=True)
+        self.attn = SelfAttention(dim, n_heads)
         self.ln_2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = GPT2MLP(dim)
 
-    def forward(self, x: Tensor, key_mask: Tensor | None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), key_mask)
+    def forward(self, x: Tensor, attn_bias: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x), attn_bias)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -55,6 +55,7 @@ class GPT2Features(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(positions)[None]  # (B, T, D)
+        bias = attention_bias(attention_mask, x.dtype, causal_len=input_ids.shape[1])  # (B|1, 1, T, T)
         for block in self.h:
-            x = block(x, attention_mask)
+            x = block(x, bias)
         return x

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
-from ldlm.layers import MLP, LatentAttention, PositionTable
+from ldlm.layers import MLP, LatentAttention, PositionTable, stream_bias
 
 
 class DecoderBlock(nn.Module):
@@ -20,8 +20,8 @@ class DecoderBlock(nn.Module):
         self.attn_scale = nn.Parameter(torch.ones(()))
         self.mlp_scale = nn.Parameter(torch.ones(()))
 
-    def forward(self, queries: Tensor, latents: Tensor, mask: Tensor | None) -> Tensor:
-        queries = queries + self.attn_scale * self.attn(queries, latents, query_mask=mask, context_mask=mask)
+    def forward(self, queries: Tensor, latents: Tensor, attn_bias: Tensor | None) -> Tensor:
+        queries = queries + self.attn_scale * self.attn(queries, latents, attn_bias)
         return queries + self.mlp_scale * self.mlp(queries)
 
 
@@ -52,6 +52,7 @@ class LatentDecoder(nn.Module):
         query = self.query_mlp(self.mask_embedding[None, None]) * scale  # (1, 1, D)
         queries = (query + positions).expand(b, -1, -1)  # (B, L, D)
         latents = latents + positions
+        bias = stream_bias(mask, latents.dtype)
         for block in self.blocks:
-            queries = block(queries, latents, mask)
+            queries = block(queries, latents, bias)
         return queries

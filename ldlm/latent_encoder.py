@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
-from ldlm.layers import MLP, LatentAttention, PositionTable, RMSNorm
+from ldlm.layers import MLP, LatentAttention, PositionTable, stream_bias, RMSNorm
 
 
 class EncoderBlock(nn.Module):
@@ -16,8 +16,8 @@ class EncoderBlock(nn.Module):
         self.attn = LatentAttention(d, config.n_heads, config.rms_norm_eps, config.per_stream_kv)
         self.mlp = MLP(d, config.mlp_ratio * d, config.layer_norm_eps, config.dropout)
 
-    def forward(self, latents: Tensor, features: Tensor, mask: Tensor | None) -> Tensor:
-        latents = latents + self.attn(latents, features, query_mask=mask, context_mask=mask)
+    def forward(self, latents: Tensor, features: Tensor, attn_bias: Tensor | None) -> Tensor:
+        latents = latents + self.attn(latents, features, attn_bias)
         return latents + self.mlp(latents)
 
 
@@ -41,6 +41,7 @@ class LatentEncoder(nn.Module):
         b, length, _ = features.shape
         features = features + self.positions(length)[None]
         latents = self.latent_norm(self.latent_bank[:length])[None].expand(b, -1, -1)  # (B, L, D)
+        bias = stream_bias(mask, features.dtype)
         for block in self.blocks:
-            latents = block(latents, features, mask)
+            latents = block(latents, features, bias)
         return self.out_norm(latents)

@@ -1,7 +1,8 @@
 """Building blocks shared by the LDLM components: norms, the MLP, position tables, attention.
 
 Shapes: B batch, T query positions, S key positions, D features, H heads, hd = D / H.
-Padding masks are (B, T) bool tensors, True at real tokens; padding is on the right.
+Padding masks are (B, T) bool tensors, True at real tokens; padding is on the right. Each model part
+turns its mask into one additive attention bias per forward pass and hands it to every block.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # Written with a division (not rsqrt) so ONNX Runtime fuses it into SimplifiedLayerNormalization.
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class MLP(nn.Module):
@@ -54,21 +56,25 @@ class PositionTable(nn.Module):
         return self.weight[:length] * self.scale  # (T, D)
 
 
-def attention_mask_4d(key_mask: Tensor | None, causal_len: int | None = None) -> Tensor | None:
-    """Boolean SDPA mask (B, 1, T|1, S), True where a query may attend a key.
+# Additive bias of a masked key. exp(-1e4) is exactly 0 in float32 and float16, and unlike -inf a
+# row with every key masked stays finite instead of turning into NaN.
+MASKED_BIAS = -1e4
 
-    ``key_mask`` (B, S) marks real keys. ``causal_len`` adds a lower-triangular (T, T) mask; SDPA
-    cannot combine ``is_causal`` with an explicit mask, so the two are merged here.
+
+def attention_bias(key_mask: Tensor | None, dtype: torch.dtype, causal_len: int | None = None) -> Tensor | None:
+    """Additive SDPA mask (B|1, 1, T|1, S): 0 where a query may attend a key, MASKED_BIAS elsewhere.
+
+    ``key_mask`` (B, S) marks real keys; ``causal_len`` adds a lower-triangular (T, T) mask. SDPA
+    cannot combine ``is_causal`` with an explicit mask, so the two are merged here. None: no mask.
     """
-    mask = None if key_mask is None else key_mask[:, None, None, :].bool()  # (B, 1, 1, S)
+    allowed = None if key_mask is None else key_mask[:, None, None, :].bool()  # (B, 1, 1, S)
     if causal_len is not None:
-        causal = torch.ones(causal_len, causal_len, dtype=torch.bool, device=_device(key_mask)).tril()
-        mask = causal[None, None] if mask is None else mask & causal[None, None]  # (B, 1, T, T)
-    return mask
-
-
-def _device(t: Tensor | None) -> torch.device | None:
-    return None if t is None else t.device
+        device = None if key_mask is None else key_mask.device
+        causal = torch.ones(causal_len, causal_len, dtype=torch.bool, device=device).tril()[None, None]
+        allowed = causal if allowed is None else allowed & causal  # (B, 1, T, T)
+    if allowed is None:
+        return None
+    return (1.0 - allowed.to(dtype)) * MASKED_BIAS
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
@@ -82,20 +88,18 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 class SelfAttention(nn.Module):
-    """GPT-2-style multi-head self-attention: fused qkv with biases, optional causal mask."""
+    """GPT-2-style multi-head self-attention: fused qkv with biases. Causality, if any, is in the bias."""
 
-    def __init__(self, dim: int, n_heads: int, causal: bool) -> None:
+    def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.causal = causal
         self.c_attn = nn.Linear(dim, 3 * dim)
         self.c_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, attn_bias: Tensor | None = None) -> Tensor:
         q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)
         q, k, v = (split_heads(z, self.n_heads) for z in (q, k, v))  # (B, H, T, hd)
-        mask = attention_mask_4d(key_mask, x.shape[1] if self.causal else None)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
         return self.c_proj(merge_heads(y))
 
 
@@ -118,9 +122,8 @@ class LatentAttention(nn.Module):
         self.k_norm = RMSNorm(dim // n_heads, eps)
         self.out = nn.Linear(dim, dim, bias=False)
 
-    def forward(
-        self, query: Tensor, context: Tensor, query_mask: Tensor | None, context_mask: Tensor | None
-    ) -> Tensor:
+    def forward(self, query: Tensor, context: Tensor, attn_bias: Tensor | None) -> Tensor:
+        """``attn_bias`` masks the keys [context; query], see ``stream_bias``."""
         d = query.shape[-1]
         xq, xc = self.norm_query(query), self.norm_context(context)
         kv_context = self.kv_context if self.kv_context is not None else self.kv
@@ -129,18 +132,14 @@ class LatentAttention(nn.Module):
         q = self.q_norm(split_heads(self.q(xq), self.n_heads))  # (B, H, T, hd)
         k = self.k_norm(split_heads(k, self.n_heads))  # (B, H, S, hd)
         v = split_heads(v, self.n_heads)
-        key_mask = _concat_masks(context_mask, context, query_mask, query)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask_4d(key_mask))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
         return self.out(merge_heads(y))
 
 
-def _concat_masks(mask_a: Tensor | None, a: Tensor, mask_b: Tensor | None, b: Tensor) -> Tensor | None:
-    """The (B, S_a + S_b) key mask of two concatenated streams; None when neither has padding."""
-    if mask_a is None and mask_b is None:
-        return None
-    ones_a = mask_a if mask_a is not None else a.new_ones(a.shape[:2], dtype=torch.bool)
-    ones_b = mask_b if mask_b is not None else b.new_ones(b.shape[:2], dtype=torch.bool)
-    return torch.cat([ones_a.bool(), ones_b.bool()], dim=1)
+def stream_bias(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """Attention bias of the keys [context; query] when both streams have one entry per position
+    (N = L), so position i's token and latent are padding together."""
+    return None if mask is None else attention_bias(torch.cat([mask, mask], dim=1), dtype)
 
 
 def sinusoidal_embedding(t: Tensor, dim: int, max_period: float) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
-from ldlm.layers import MLP, SelfAttention
+from ldlm.layers import MLP, SelfAttention, attention_bias
 
 
 class TokenDecoderBlock(nn.Module):
@@ -13,11 +13,11 @@ class TokenDecoderBlock(nn.Module):
         super().__init__()
         d = config.d_model
         self.attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.attn = SelfAttention(d, config.n_heads, causal=False)
+        self.attn = SelfAttention(d, config.n_heads)
         self.mlp = MLP(d, config.mlp_ratio * d, config.layer_norm_eps, config.dropout)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), mask)
+    def forward(self, x: Tensor, attn_bias: Tensor | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), attn_bias)
         return x + self.mlp(x)
 
 
@@ -31,6 +31,7 @@ class TokenDecoder(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size)
 
     def forward(self, h: Tensor, mask: Tensor | None = None) -> Tensor:
+        bias = attention_bias(mask, h.dtype)  # bidirectional: padding only
         for block in self.blocks:
-            h = block(h, mask)
+            h = block(h, bias)
         return self.head(self.norm(h))
