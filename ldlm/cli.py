@@ -88,6 +88,25 @@ def _cmd_verify_onnx(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _cmd_build_engine(args: argparse.Namespace) -> None:
+    from ldlm.export.engine import BuildOptions, build_engines, plan_summary
+    from ldlm.export.profiles import EngineProfile
+
+    options = BuildOptions(
+        precision=args.precision,
+        profiles=tuple(EngineProfile.parse(p) for p in args.profile or ()),
+        tf32=args.tf32,
+        optimization_level=args.optimization_level,
+        workspace_mb=args.workspace_mb,
+        timing_cache=args.timing_cache,
+    )
+    graphs = tuple(args.graphs.split(",")) if args.graphs else None
+    result = build_engines(args.onnx_dir, args.out, options, graphs, args.flavor, args.force, progress=not args.quiet)
+    for manifest in result.plans.values():
+        print(plan_summary(manifest))
+    print(f"wrote {result.out}")
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -176,6 +195,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="compare against this checkpoint's modules instead of the manifest")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=_cmd_verify_onnx)
+
+    p = sub.add_parser(
+        "build-engine",
+        help="compile an export to TensorRT plans",
+        description="Build one TensorRT plan per graph of an `ldlm export` directory, with NVIDIA TensorRT or "
+        "TensorRT-RTX (which also builds without a GPU). fp16/bf16 first write a strongly typed ONNX "
+        "variant that keeps LayerNorm, RMSNorm reductions, softmax and logits in FP32. After parsing, every "
+        "LayerNormalization must be one INormalizationLayer with the module's eps and axes, or the build "
+        "fails. Each plan gets a .plan.json manifest; loading a plan elsewhere checks it.",
+    )
+    p.add_argument("onnx_dir", help="directory written by `ldlm export`")
+    p.add_argument("out", help="output directory to create")
+    p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="default: the first installed of tensorrt, tensorrt_rtx")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32", help="default: fp32 (TF32 off)")
+    p.add_argument("--profile", action="append", metavar="batch=MIN:OPT:MAX,seq=MIN:OPT:MAX",
+                   help="an optimization profile; repeat for batch buckets (default: batch=1:8:32,seq=1:128:max_seq_len)")
+    p.add_argument("--graphs", help="comma-separated subset of the export's graphs (default: all)")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls (off by default, for parity)")
+    p.add_argument("--optimization-level", type=int, default=3, help="builder optimization level 0..5 (default: 3)")
+    p.add_argument("--workspace-mb", type=int, help="workspace memory limit in MiB (default: TensorRT's)")
+    p.add_argument("--timing-cache", help="timing cache file to read and update (NVIDIA TensorRT; a no-op in TensorRT-RTX)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_build_engine)
     return parser
 
 
@@ -183,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as error:
+    except (ValueError, RuntimeError, FileExistsError, FileNotFoundError) as error:
         print(f"ldlm {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

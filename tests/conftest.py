@@ -37,3 +37,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_model: LDLM, 
 @pytest.fixture(scope="session")
 def pipeline(tiny_checkpoint: Path) -> LDLMPipeline:
     return LDLMPipeline.from_checkpoint(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def export_dir(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint exported to ONNX (decoder with logits), shared by the ONNX and engine tests."""
+    from ldlm.export.onnx_export import export_graphs
+
+    out = tmp_path_factory.mktemp("export") / "onnx"
+    export_graphs(tiny_checkpoint, out, with_logits=True)
+    return out

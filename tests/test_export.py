@@ -18,13 +18,6 @@ ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime runs the exported 
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def export_dir(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "onnx"
-    export_graphs(tiny_checkpoint, out, with_logits=True)
-    return out
-
-
 def session(path: Path) -> "ort.InferenceSession":
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2

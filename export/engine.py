@@ -1,0 +1,245 @@
+"""Build stage: verified ONNX -> TensorRT plans, one per graph, each with a manifest beside it.
+
+For each graph: lower to the requested precision (export/precision.py), parse with NVIDIA's ONNX
+parser from the file path (so external data is found), check the parsed network's LayerNorms
+(export/layernorm_network.py), add the optimization profiles, build, and write
+``<graph>.plan`` + ``<graph>.plan.json``. Works with TensorRT and TensorRT-RTX alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+import ldlm
+from ldlm.checkpoint import CONFIG_FILE, atomic_directory
+from ldlm.export.layernorm_network import check_network_layer_norms
+from ldlm.export.onnx_export import read_manifest, sha256_file
+from ldlm.export.precision import PRECISIONS, lower_precision
+from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
+from ldlm.export.trt_flavor import Flavor, gpu_info, load_flavor, recording_logger
+from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
+
+PLAN_SUFFIX = ".plan"
+MANIFEST_SUFFIX = ".plan.json"
+TIMING_CACHE_FILE = "timing.cache"
+
+
+class EngineBuildError(RuntimeError):
+    """Parsing or building failed; the message names the graph and TensorRT's own errors."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    precision: str = "fp32"
+    profiles: tuple[EngineProfile, ...] = ()  # empty: default_profiles(config)
+    tf32: bool = False  # TensorRT enables TF32 by default; FP32 parity needs it off
+    optimization_level: int = 3
+    workspace_mb: int | None = None
+    timing_cache: str | None = None  # TensorRT only; TensorRT-RTX's timing cache is a no-op
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is unsupported; allowed: {', '.join(PRECISIONS)}")
+        if not 0 <= self.optimization_level <= 5:
+            raise ValueError(f"optimization_level={self.optimization_level} is out of range; allowed: 0..5")
+        if self.workspace_mb is not None and self.workspace_mb < 1:
+            raise ValueError(f"workspace_mb={self.workspace_mb} is out of range; allowed: >= 1")
+
+
+@dataclass
+class EngineBuildResult:
+    out: Path
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)  # graph -> plan manifest
+
+
+def build_engines(
+    onnx_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: BuildOptions = BuildOptions(),
+    graphs: Sequence[str] | None = None,
+    flavor: str | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> EngineBuildResult:
+    """Build one plan per graph of the export in ``onnx_dir`` into ``out`` (atomically)."""
+    onnx_dir = Path(onnx_dir)
+    if not onnx_dir.is_dir():
+        raise ValueError(f"ONNX directory {onnx_dir} does not exist; make one with `ldlm export`")
+    manifest = read_manifest(onnx_dir)
+    from ldlm.config import LDLMConfig
+
+    config = LDLMConfig.load(onnx_dir / CONFIG_FILE)
+    graphs = list(graphs or manifest["graphs"])
+    unknown = [g for g in graphs if g not in manifest["graphs"]]
+    if unknown:
+        raise ValueError(f"graphs {unknown} are not in {onnx_dir}; allowed: {', '.join(manifest['graphs'])}")
+    profiles = options.profiles or default_profiles(config)
+    for profile in profiles:
+        profile.check(config.max_seq_len)
+    chosen = load_flavor(flavor)
+    result = EngineBuildResult(Path(out))
+    with atomic_directory(out, overwrite) as tmp:
+        shutil.copy(onnx_dir / CONFIG_FILE, tmp / CONFIG_FILE)
+        for name in tqdm(graphs, desc="build-engine", unit="graph", disable=not progress):
+            entry = manifest["graphs"][name]
+            specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
+            source = onnx_dir / entry["file"]
+            verify_all([verify_onnx(source, specs, name)])
+            parsed = source
+            if options.precision != "fp32":
+                parsed = tmp / f"{name}.{options.precision}.onnx"
+                lower_precision(source, parsed, options.precision)
+                verify_all([verify_onnx(parsed, specs, f"{name} ({options.precision})")])
+            plan_manifest = build_plan(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
+            plan_manifest["graph"] = name
+            plan_manifest["source_onnx"] = {"file": str(source), "sha256": entry["files"][entry["file"]]["sha256"]}
+            (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(plan_manifest, indent=2) + "\n")
+            result.plans[name] = plan_manifest
+    return result
+
+
+def build_plan(
+    flavor: Flavor,
+    onnx_path: Path,
+    plan_path: Path,
+    entry: dict[str, Any],
+    specs: Sequence[LayerNormSpec],
+    profiles: Sequence[EngineProfile],
+    options: BuildOptions,
+    progress: bool = False,
+) -> dict[str, Any]:
+    trt = flavor.trt
+    logger = recording_logger(flavor)
+    builder = trt.Builder(logger)
+    network = builder.create_network(_network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not onnx_path.is_file():
+        raise EngineBuildError(f"{onnx_path} does not exist")
+    if not parser.parse_from_file(str(onnx_path)):  # from the path, so external data is found
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors or 'no details'}")
+    layer_norm_problems = check_network_layer_norms(trt, network, specs)
+    if layer_norm_problems:
+        raise EngineBuildError(f"{onnx_path}: LayerNorm check after parsing failed:\n  - " + "\n  - ".join(layer_norm_problems))
+
+    config = builder.create_builder_config()
+    for profile in profiles:
+        trt_profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in profile_shapes(entry["inputs"], profile).items():
+            trt_profile.set_shape(name, low, opt, high)
+        config.add_optimization_profile(trt_profile)
+    if not options.tf32 and hasattr(trt.BuilderFlag, "TF32"):
+        config.clear_flag(trt.BuilderFlag.TF32)
+    config.builder_optimization_level = options.optimization_level
+    if options.workspace_mb is not None:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mb << 20)
+    timing_cache = _attach_timing_cache(flavor, config, options.timing_cache)
+    monitor = _progress_monitor(trt, f"{onnx_path.stem}") if progress and hasattr(trt, "IProgressMonitor") else None
+    if monitor is not None:
+        config.progress_monitor = monitor
+    start = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - start
+    if monitor is not None:
+        monitor.close()
+    if serialized is None:
+        errors = "; ".join(m for s, m in logger.messages if s in ("ERROR", "INTERNAL_ERROR"))
+        raise EngineBuildError(f"TensorRT could not build {onnx_path}: {errors or 'see the log above'}")
+    overflow = logger.layernorm_overflow_warnings()
+    if overflow:
+        raise EngineBuildError(f"{onnx_path}: TensorRT warned of LayerNorm FP16 overflow (a LayerNorm arrived decomposed): {overflow[0]}")
+    plan_path.write_bytes(bytes(serialized))
+    if timing_cache is not None:
+        _save_timing_cache(config, Path(timing_cache))
+    gpu = gpu_info()
+    return {
+        "ldlm_version": ldlm.__version__,
+        "plan": plan_path.name,
+        "plan_sha256": sha256_file(plan_path),
+        "flavor": flavor.name,
+        "trt_version": flavor.version,
+        "precision": options.precision,
+        "profiles": [p.to_dict() for p in profiles],
+        "onnx": {"file": onnx_path.name, "sha256": sha256_file(onnx_path)},
+        "build_flags": {
+            "strongly_typed": True,
+            "tf32": options.tf32,
+            "optimization_level": options.optimization_level,
+            "workspace_mb": options.workspace_mb,
+            "timing_cache": timing_cache,
+        },
+        "build_host": {"gpu": gpu.name, "compute_capability": gpu.compute_capability, "description": gpu.description},
+        "build_seconds": round(seconds, 3),
+        "layer_norms": len(specs),
+        "inputs": entry["inputs"],
+        "outputs": entry["outputs"],
+        "warnings": [m for s, m in logger.messages if s == "WARNING"][:20],
+    }
+
+
+def _network_flags(trt: Any) -> int:
+    """Strongly typed where the flag exists: the ONNX carries the precision (TensorRT 11 and RTX
+    build nothing else; TensorRT 10 accepts it)."""
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return 0 if flag is None else 1 << int(flag)
+
+
+def _attach_timing_cache(flavor: Flavor, config: Any, path: str | None) -> str | None:
+    if path is None or flavor.is_rtx:  # RTX: timing caches are no-ops; its runtime cache lives at run time
+        return None
+    data = Path(path).read_bytes() if Path(path).is_file() else b""
+    config.set_timing_cache(config.create_timing_cache(data), ignore_mismatch=False)
+    return str(path)
+
+
+def _save_timing_cache(config: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(bytes(config.get_timing_cache().serialize()))
+    os.replace(tmp, path)
+
+
+def _progress_monitor(trt: Any, label: str) -> Any:
+    """A tqdm bar over TensorRT's top-level build phases (IProgressMonitor)."""
+
+    class Monitor(trt.IProgressMonitor):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.bar: tqdm | None = None
+
+        def phase_start(self, parent: str | None, name: str, steps: int) -> None:
+            if parent is None:
+                self.bar = tqdm(total=steps, desc=f"  {label}", unit="phase", leave=False)
+            elif self.bar is not None:
+                self.bar.set_postfix_str(name[:40])
+
+        def step_complete(self, phase: str, step: int) -> bool:
+            if self.bar is not None and phase == "Building engine":
+                self.bar.update(1)
+            return True  # False would cancel the build
+
+        def phase_finish(self, name: str) -> None:
+            pass
+
+        def close(self) -> None:
+            if self.bar is not None:
+                self.bar.close()
+
+    return Monitor()
+
+
+def plan_summary(manifest: dict[str, Any]) -> str:
+    return (
+        f"{manifest['graph']}: {manifest['plan']} ({manifest['flavor']} {manifest['trt_version']}, "
+        f"{manifest['precision']}, {len(manifest['profiles'])} profile(s), {manifest['layer_norms']} LayerNorm(s) checked, "
+        f"built in {manifest['build_seconds']} s on {manifest['build_host']['description']})"
+    )
+

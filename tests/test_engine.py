@@ -1,0 +1,214 @@
+"""TensorRT engines from the tiny export, built with NVIDIA's real parser and builder.
+
+TensorRT-RTX builds engines ahead of time without a GPU, so everything up to the serialized plan
+runs here: cast pass, parsing, the network-level LayerNorm check, profiles, build, manifests.
+Running a plan needs a GPU; those tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from ldlm.export.engine import BuildOptions, EngineBuildError, build_engines, build_plan
+from ldlm.export.layernorm_network import axes_mask, check_network_layer_norms
+from ldlm.export.onnx_export import read_manifest
+from ldlm.export.precision import lower_precision
+from ldlm.export.profiles import EngineProfile, ShapeRange
+from ldlm.export.trt_flavor import FlavorError, GpuInfo, load_flavor, recording_logger
+from ldlm.export.verify import LayerNormSpec
+from ldlm.serve.tensorrt_engine import PlanMismatchError, TensorRTEngine, check_plan_manifest, read_plan_manifest
+
+trt_rtx = pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no engine was built")
+SMALL = (EngineProfile(ShapeRange(1, 2, 4), ShapeRange(1, 16, 64)),)
+
+
+@pytest.fixture(scope="module", params=["fp32", "fp16", "bf16"])
+def engines(request, export_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp(f"engines_{request.param}") / "plans"
+    build_engines(export_dir, out, BuildOptions(precision=request.param, profiles=SMALL), flavor="tensorrt_rtx")
+    return request.param, out
+
+
+def specs_of(export_dir: Path, graph: str) -> list[LayerNormSpec]:
+    return [LayerNormSpec.from_dict(d) for d in read_manifest(export_dir)["graphs"][graph]["layer_norms"]]
+
+
+def test_plans_and_manifests(engines, export_dir: Path) -> None:
+    precision, out = engines
+    export_manifest = read_manifest(export_dir)
+    for graph in ("encoder", "denoiser", "decoder"):
+        plan = out / f"{graph}.plan"
+        assert plan.stat().st_size > 10_000
+        manifest = read_plan_manifest(plan)
+        assert manifest["flavor"] == "tensorrt_rtx" and manifest["trt_version"] == trt_rtx.__version__
+        assert manifest["precision"] == precision
+        assert manifest["profiles"] == [{"batch": [1, 2, 4], "seq": [1, 16, 64]}]
+        assert manifest["build_flags"]["tf32"] is False and manifest["build_flags"]["strongly_typed"] is True
+        assert manifest["layer_norms"] == len(export_manifest["graphs"][graph]["layer_norms"])
+        assert manifest["source_onnx"]["sha256"] == export_manifest["graphs"][graph]["files"][f"{graph}.onnx"]["sha256"]
+        if not torch.cuda.is_available():
+            assert manifest["build_host"]["description"] == "AOT, no GPU"
+        assert not any("overflow" in w.lower() for w in manifest["warnings"])
+
+
+def test_typed_variant_keeps_layer_norms_and_io_in_fp32(engines) -> None:
+    precision, out = engines
+    if precision == "fp32":
+        assert not list(out.glob("*.fp32.onnx"))
+        return
+    model = onnx.load(str(out / f"encoder.{precision}.onnx"))
+    low = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[precision]
+    types = {i.name: i.data_type for i in model.graph.initializer}
+    types.update({v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]})
+    layer_norms = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
+    assert len(layer_norms) == 6
+    assert all(types[name] == onnx.TensorProto.FLOAT for n in layer_norms for name in n.input)
+    matmul_weights = [n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in {i.name for i in model.graph.initializer}]
+    lowered = [w for w in matmul_weights if types[w] == low]
+    # The rest read only value-independent tensors (the first block's latent-bank queries), which stay FP32.
+    assert len(lowered) >= 0.8 * len(matmul_weights), (len(lowered), len(matmul_weights))
+    assert all(o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for o in model.graph.output)
+    softmax = [n for n in model.graph.node if n.op_type == "Softmax"]
+    assert softmax and all(types[n.input[0]] == onnx.TensorProto.FLOAT for n in softmax)
+
+
+def test_fp16_variant_stays_close_to_fp32_in_onnx_runtime(export_dir: Path, tmp_path: Path) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    lower_precision(export_dir / "decoder.onnx", tmp_path / "decoder.fp16.onnx", "fp16")
+    latents = np.random.default_rng(0).standard_normal((2, 12, 64)).astype(np.float32)
+    ids32, logits32 = ort.InferenceSession(str(export_dir / "decoder.onnx")).run(None, {"latents": latents})
+    ids16, logits16 = ort.InferenceSession(str(tmp_path / "decoder.fp16.onnx")).run(None, {"latents": latents})
+    assert logits16.dtype == np.float32
+    assert np.abs(logits16 - logits32).max() < 1e-2 * np.abs(logits32).max()
+    assert (ids16 == ids32).mean() >= 0.99
+
+
+def parse(flavor, path: Path):
+    logger = recording_logger(flavor)
+    builder = flavor.trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = flavor.trt.OnnxParser(network, logger)
+    assert parser.parse_from_file(str(path))
+    return builder, network, parser
+
+
+def with_eps(src_dir: Path, graph: str, eps: float, dst: Path) -> Path:
+    model = onnx.load(str(src_dir / f"{graph}.onnx"))
+    node = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
+    for attr in node.attribute:
+        if attr.name == "epsilon":
+            attr.f = eps
+    onnx.save(model, str(dst))
+    return dst
+
+
+def test_network_check_passes_and_rejects_a_modified_eps(export_dir: Path, tmp_path: Path) -> None:
+    flavor = load_flavor("tensorrt_rtx")
+    specs = specs_of(export_dir, "encoder")
+    _, network, _ = parse(flavor, export_dir / "encoder.onnx")
+    assert check_network_layer_norms(flavor.trt, network, specs) == []
+
+    modified = with_eps(export_dir, "encoder", 1e-3, tmp_path / "encoder.onnx")
+    _, network, _ = parse(flavor, modified)
+    problems = check_network_layer_norms(flavor.trt, network, specs)
+    assert len(problems) == 1 and "epsilon 0.001 != module eps 1e-05" in problems[0], problems
+    entry = read_manifest(export_dir)["graphs"]["encoder"]
+    with pytest.raises(EngineBuildError, match="LayerNorm check after parsing failed"):
+        build_plan(flavor, modified, tmp_path / "encoder.plan", entry, specs, SMALL, BuildOptions())
+    assert not (tmp_path / "encoder.plan").exists()
+
+
+def test_axes_mask() -> None:
+    assert axes_mask(-1, 3) == 0b100
+    assert axes_mask(-2, 3) == 0b110
+    assert axes_mask(2, 3) == 0b100
+
+
+def test_corrupt_onnx_and_missing_inputs_fail_clearly(export_dir: Path, tmp_path: Path) -> None:
+    flavor = load_flavor("tensorrt_rtx")
+    garbage = tmp_path / "encoder.onnx"
+    garbage.write_bytes(b"\x08\x07garbage that is not a protobuf")
+    entry = read_manifest(export_dir)["graphs"]["encoder"]
+    with pytest.raises(EngineBuildError, match="TensorRT's ONNX parser rejected .*encoder.onnx"):
+        build_plan(flavor, garbage, tmp_path / "x.plan", entry, [], SMALL, BuildOptions())
+    with pytest.raises(EngineBuildError, match="does not exist"):
+        build_plan(flavor, tmp_path / "missing.onnx", tmp_path / "x.plan", entry, [], SMALL, BuildOptions())
+    with pytest.raises(ValueError, match="does not exist; make one with `ldlm export`"):
+        build_engines(tmp_path / "nowhere", tmp_path / "out")
+    broken = tmp_path / "broken_export"
+    shutil.copytree(export_dir, broken)
+    (broken / "denoiser.onnx").write_bytes(b"not onnx")
+    with pytest.raises(ValueError, match="cannot load"):
+        build_engines(broken, tmp_path / "out2", graphs=("denoiser",), flavor="tensorrt_rtx")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_bad_profiles_and_options_are_named(export_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"batch profile 4:2:8 is invalid; allowed: 1 <= min <= opt <= max"):
+        EngineProfile.parse("batch=4:2:8,seq=1:2:3")
+    with pytest.raises(ValueError, match="malformed"):
+        EngineProfile.parse("batch=1:2")
+    too_long = (EngineProfile(ShapeRange(1, 1, 2), ShapeRange(1, 8, 4096)),)
+    with pytest.raises(ValueError, match="seq profile max 4096 is out of range; allowed: <= 128"):
+        build_engines(export_dir, tmp_path / "o", BuildOptions(profiles=too_long), flavor="tensorrt_rtx")
+    with pytest.raises(ValueError, match="precision='int4'"):
+        BuildOptions(precision="int4")
+    with pytest.raises(ValueError, match="optimization_level=9"):
+        BuildOptions(optimization_level=9)
+    with pytest.raises(FlavorError, match="flavor='tensorrt_llm' is unknown"):
+        load_flavor("tensorrt_llm")
+    assert not (tmp_path / "o").exists()
+
+
+def test_plan_from_another_version_or_gpu_is_refused(engines) -> None:
+    _, out = engines
+    manifest = read_plan_manifest(out / "decoder.plan")
+    flavor = load_flavor("tensorrt_rtx")
+    check_plan_manifest(manifest, flavor, GpuInfo(None, None))  # the same TensorRT: accepted
+    older = {**manifest, "trt_version": "1.2.0"}
+    with pytest.raises(PlanMismatchError, match=r"built by tensorrt_rtx 1.2.0, but this process runs tensorrt_rtx .*rebuild it on this machine: ldlm build-engine"):
+        check_plan_manifest(older, flavor, GpuInfo(None, None))
+    datacenter = {**manifest, "flavor": "tensorrt", "build_host": {"gpu": "NVIDIA H100", "compute_capability": "9.0"}}
+
+    class FakeTensorRT:  # only the version attribute is read; the check is pure manifest logic
+        __version__ = "10.13.0"
+
+    other = type(flavor)("tensorrt", FakeTensorRT)  # type: ignore[arg-type]
+    datacenter["trt_version"] = "10.13.0"
+    with pytest.raises(PlanMismatchError, match=r"built for compute capability 9.0 \(NVIDIA H100\), but this process runs on NVIDIA A100"):
+        check_plan_manifest(datacenter, other, GpuInfo("NVIDIA A100", "8.0"))
+    with pytest.raises(PlanMismatchError, match="has no manifest"):
+        (out / "lonely.plan").write_bytes(b"x")
+        read_plan_manifest(out / "lonely.plan")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine runs instead (test below)")
+def test_running_a_plan_without_a_gpu_says_so(engines) -> None:
+    _, out = engines
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        TensorRTEngine(out / "denoiser.plan")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU: TensorRTEngine's deserialize_cuda_engine, set_input_shape, set_tensor_address, "
+    "execute_async_v3, per-stream contexts and CUDA graph replay were not exercised",
+)
+def test_engine_matches_eager_on_gpu(engines, tiny_model) -> None:
+    precision, out = engines
+    engine = TensorRTEngine(out / "denoiser.plan", cuda_graphs=True)
+    x = torch.randn(2, 16, 64)
+    t = torch.tensor([0.3, 0.7])
+    got = engine.run({"x_t": x, "t": t, "x0_prev": x})["x0_hat"].float().cpu()
+    with torch.no_grad():
+        expected = tiny_model.denoise(x, t, x)
+    tolerance = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}[precision]
+    assert (got - expected).abs().max().item() <= tolerance * max(1.0, expected.abs().max().item())
+    assert json.loads((out / "denoiser.plan.json").read_text())["precision"] == precision
