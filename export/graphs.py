@@ -1,8 +1,9 @@
 """The three inference graphs as exportable modules, with their I/O contracts.
 
 Each wrapper calls the same ``LDLM`` method the eager pipeline calls, so eager and exported
-graphs cannot drift apart. Masks cross the graph boundary as int64 (1 = real token), the
-convention of Hugging Face and Triton clients.
+graphs cannot drift apart. Every graph takes an ``attention_mask`` (B, L) int64 (1 = real
+position, padding on the right, the convention of Hugging Face and Triton clients), so requests of
+different lengths can share a padded shape bucket without changing each other's results.
 """
 
 from __future__ import annotations
@@ -29,26 +30,27 @@ class EncoderGraph(nn.Module):
 
 
 class DenoiserGraph(nn.Module):
-    """(x_t (B, N, D), t (B,), x0_prev (B, N, D)) -> x0_hat (B, N, D)."""
+    """(x_t (B, N, D), t (B,), x0_prev (B, N, D), attention_mask (B, N)) -> x0_hat (B, N, D)."""
 
     def __init__(self, model: LDLM) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, x_t: Tensor, t: Tensor, x0_prev: Tensor) -> Tensor:
-        return self.model.denoise(x_t, t, x0_prev)
+    def forward(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.model.denoise(x_t, t, x0_prev, attention_mask.bool())
 
 
 class DecoderGraph(nn.Module):
-    """latents (B, L, D) -> token_ids (B, L) int64 [, logits (B, L, V)]. The argmax is in the graph."""
+    """(latents (B, L, D), attention_mask (B, L)) -> token_ids (B, L) int64 [, logits (B, L, V)].
+    The argmax is in the graph."""
 
     def __init__(self, model: LDLM, with_logits: bool = False) -> None:
         super().__init__()
         self.model = model
         self.with_logits = with_logits
 
-    def forward(self, latents: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        logits = self.model.decode_logits(latents)
+    def forward(self, latents: Tensor, attention_mask: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        logits = self.model.decode_logits(latents, attention_mask.bool())
         token_ids = logits.argmax(dim=-1)
         return (token_ids, logits) if self.with_logits else token_ids
 
@@ -85,25 +87,26 @@ def graph_io(model: LDLM, name: str, with_logits: bool = False) -> GraphIO:
     which torch.export would specialize."""
     d, v = model.config.d_model, model.config.vocab_size
     b, length = 2, 8
+    mask = torch.ones(b, length, dtype=torch.int64)
     if name == "encoder":
         ids = torch.randint(0, model.config.gpt2_vocab_size, (b, length), generator=torch.Generator().manual_seed(0))
         return GraphIO(
-            name, EncoderGraph(model), ("feature_model", "latent_encoder"), (ids, torch.ones(b, length, dtype=torch.int64)),
+            name, EncoderGraph(model), ("feature_model", "latent_encoder"), (ids, mask),
             ("input_ids", "attention_mask"), ("latents",),
             (("batch", "seq"), ("batch", "seq")), (("batch", "seq", d),),
         )
     if name == "denoiser":
         x = torch.zeros(b, length, d)
         return GraphIO(
-            name, DenoiserGraph(model), ("denoiser",), (x, torch.full((b,), 0.5), x.clone()),
-            ("x_t", "t", "x0_prev"), ("x0_hat",),
-            (("batch", "seq", d), ("batch",), ("batch", "seq", d)), (("batch", "seq", d),),
+            name, DenoiserGraph(model), ("denoiser",), (x, torch.full((b,), 0.5), x.clone(), mask),
+            ("x_t", "t", "x0_prev", "attention_mask"), ("x0_hat",),
+            (("batch", "seq", d), ("batch",), ("batch", "seq", d), ("batch", "seq")), (("batch", "seq", d),),
         )
     if name == "decoder":
         outputs: tuple[str, ...] = ("token_ids", "logits") if with_logits else ("token_ids",)
         shapes: tuple[tuple[str | int, ...], ...] = (("batch", "seq"), ("batch", "seq", v))[: len(outputs)]
         return GraphIO(
-            name, DecoderGraph(model, with_logits), ("latent_decoder", "token_decoder"), (torch.zeros(b, length, d),),
-            ("latents",), outputs, (("batch", "seq", d),), shapes,
+            name, DecoderGraph(model, with_logits), ("latent_decoder", "token_decoder"), (torch.zeros(b, length, d), mask),
+            ("latents", "attention_mask"), outputs, (("batch", "seq", d), ("batch", "seq")), shapes,
         )
     raise ValueError(f"unknown graph {name!r}; allowed: {', '.join(GRAPH_NAMES)}")

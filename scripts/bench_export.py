@@ -45,8 +45,9 @@ def graph_inputs(model: LDLM, graph: str, batch: int, length: int) -> dict[str, 
             "x_t": torch.randn(batch, length, d, generator=gen).numpy(),
             "t": np.full((batch,), 0.5, dtype=np.float32),
             "x0_prev": torch.randn(batch, length, d, generator=gen).numpy(),
+            "attention_mask": np.ones((batch, length), dtype=np.int64),
         }
-    return {"latents": torch.randn(batch, length, d, generator=gen).numpy()}
+    return {"latents": torch.randn(batch, length, d, generator=gen).numpy(), "attention_mask": np.ones((batch, length), dtype=np.int64)}
 
 
 def eager_call(model: LDLM, graph: str, inputs: dict[str, np.ndarray]) -> Any:
@@ -54,8 +55,8 @@ def eager_call(model: LDLM, graph: str, inputs: dict[str, np.ndarray]) -> Any:
     if graph == "encoder":
         return model.encode_latents(t["input_ids"], t["attention_mask"].bool())
     if graph == "denoiser":
-        return model.denoise(t["x_t"], t["t"], t["x0_prev"])
-    return model.decode_tokens(t["latents"])
+        return model.denoise(t["x_t"], t["t"], t["x0_prev"], t["attention_mask"].bool())
+    return model.decode_tokens(t["latents"], t["attention_mask"].bool())
 
 
 def timed(fn) -> float:

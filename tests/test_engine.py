@@ -82,9 +82,10 @@ def test_typed_variant_keeps_layer_norms_and_io_in_fp32(engines) -> None:
 def test_fp16_variant_stays_close_to_fp32_in_onnx_runtime(export_dir: Path, tmp_path: Path) -> None:
     ort = pytest.importorskip("onnxruntime")
     lower_precision(export_dir / "decoder.onnx", tmp_path / "decoder.fp16.onnx", "fp16")
-    latents = np.random.default_rng(0).standard_normal((2, 12, 64)).astype(np.float32)
-    ids32, logits32 = ort.InferenceSession(str(export_dir / "decoder.onnx")).run(None, {"latents": latents})
-    ids16, logits16 = ort.InferenceSession(str(tmp_path / "decoder.fp16.onnx")).run(None, {"latents": latents})
+    feed = {"latents": np.random.default_rng(0).standard_normal((2, 12, 64)).astype(np.float32),
+            "attention_mask": np.ones((2, 12), dtype=np.int64)}
+    ids32, logits32 = ort.InferenceSession(str(export_dir / "decoder.onnx")).run(None, feed)
+    ids16, logits16 = ort.InferenceSession(str(tmp_path / "decoder.fp16.onnx")).run(None, feed)
     assert logits16.dtype == np.float32
     assert np.abs(logits16 - logits32).max() < 1e-2 * np.abs(logits32).max()
     assert (ids16 == ids32).mean() >= 0.99
@@ -206,7 +207,7 @@ def test_engine_matches_eager_on_gpu(engines, tiny_model) -> None:
     engine = TensorRTEngine(out / "denoiser.plan", cuda_graphs=True)
     x = torch.randn(2, 16, 64)
     t = torch.tensor([0.3, 0.7])
-    got = engine.run({"x_t": x, "t": t, "x0_prev": x})["x0_hat"].float().cpu()
+    got = engine.run({"x_t": x, "t": t, "x0_prev": x, "attention_mask": torch.ones(2, 16, dtype=torch.int64)})["x0_hat"].float().cpu()
     with torch.no_grad():
         expected = tiny_model.denoise(x, t, x)
     tolerance = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}[precision]

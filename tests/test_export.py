@@ -34,7 +34,8 @@ def test_export_writes_verified_graphs_and_manifest(export_dir: Path, tiny_model
          {"name": "attention_mask", "dtype": "INT64", "shape": ["batch", "seq"]}],
         [{"name": "latents", "dtype": "FLOAT", "shape": ["batch", "seq", d]}],
     )
-    assert [i["name"] for i in io["denoiser"][0]] == ["x_t", "t", "x0_prev"]
+    assert [i["name"] for i in io["denoiser"][0]] == ["x_t", "t", "x0_prev", "attention_mask"]
+    assert [i["name"] for i in io["decoder"][0]] == ["latents", "attention_mask"]
     assert io["denoiser"][0][1]["shape"] == ["batch"]
     assert io["decoder"][1] == [
         {"name": "token_ids", "dtype": "INT64", "shape": ["batch", "seq"]},
@@ -73,9 +74,12 @@ def test_denoiser_matches_eager_with_per_sample_times(export_dir: Path, tiny_mod
     for batch, length in ((3, 11), (1, 4), (6, 64)):
         x_t, x0 = torch.randn(batch, length, d, generator=gen), torch.randn(batch, length, d, generator=gen)
         t = torch.rand(batch, generator=gen)
-        (got,) = sess.run(None, {"x_t": x_t.numpy(), "t": t.numpy(), "x0_prev": x0.numpy()})
+        mask = torch.ones(batch, length, dtype=torch.int64)
+        mask[-1, length // 2 :] = 0
+        feed = {"x_t": x_t.numpy(), "t": t.numpy(), "x0_prev": x0.numpy(), "attention_mask": mask.numpy()}
+        (got,) = sess.run(None, feed)
         with torch.no_grad():
-            expected = tiny_model.denoise(x_t, t, x0).numpy()
+            expected = tiny_model.denoise(x_t, t, x0, mask.bool()).numpy()
         assert np.abs(got - expected).max() <= ATOL, (batch, length)
 
 
@@ -85,9 +89,11 @@ def test_decoder_matches_eager_tokens_and_logits(export_dir: Path, tiny_model: L
     gen = torch.Generator().manual_seed(2)
     for batch, length in ((3, 9), (1, 3), (4, 40)):
         latents = torch.randn(batch, length, d, generator=gen)
-        token_ids, logits = sess.run(None, {"latents": latents.numpy()})
+        mask = torch.ones(batch, length, dtype=torch.int64)
+        mask[0, (length + 1) // 2 :] = 0
+        token_ids, logits = sess.run(None, {"latents": latents.numpy(), "attention_mask": mask.numpy()})
         with torch.no_grad():
-            expected = tiny_model.decode_logits(latents)
+            expected = tiny_model.decode_logits(latents, mask.bool())
         assert np.abs(logits - expected.numpy()).max() <= ATOL
         np.testing.assert_array_equal(token_ids, expected.argmax(-1).numpy())
 
