@@ -27,6 +27,7 @@ from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
 from ldlm.export.trt_flavor import Flavor, gpu_info, load_flavor, recording_logger
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
+from ldlm.tokenizer import TOKENIZER_FILE
 
 PLAN_SUFFIX = ".plan"
 MANIFEST_SUFFIX = ".plan.json"
@@ -89,6 +90,8 @@ def build_engines(
     result = EngineBuildResult(Path(out))
     with atomic_directory(out, overwrite) as tmp:
         shutil.copy(onnx_dir / CONFIG_FILE, tmp / CONFIG_FILE)
+        if (onnx_dir / TOKENIZER_FILE).is_file():
+            shutil.copy(onnx_dir / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
         for name in tqdm(graphs, desc="build-engine", unit="graph", disable=not progress):
             entry = manifest["graphs"][name]
             specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]

@@ -2,6 +2,7 @@
 
 OUT/
   config.json                 the checkpoint's config
+  tokenizer.json              the checkpoint's tokenizer
   encoder.onnx, .onnx.data    weights as external data, so files > 2 GB work and TensorRT
   denoiser.onnx, .onnx.data   parses from the path
   decoder.onnx, .onnx.data
@@ -103,7 +104,7 @@ def export_graphs(
     unknown = [g for g in graphs if g not in GRAPH_NAMES]
     if unknown or not graphs:
         raise ValueError(f"graphs={list(graphs)!r} is invalid; allowed: a non-empty subset of {', '.join(GRAPH_NAMES)}")
-    model, _ = load_checkpoint(checkpoint)
+    model, tokenizer = load_checkpoint(checkpoint)
     config = model.config
     metadata = {
         "ldlm.version": ldlm.__version__,
@@ -113,6 +114,7 @@ def export_graphs(
     try:
         with atomic_directory(out, overwrite) as tmp:
             config.save(tmp / CONFIG_FILE)
+            tokenizer.save(tmp)  # servers of this directory need the checkpoint's own tokenizer
             entries, results = {}, []
             with tqdm(total=2 * len(graphs), desc="export", unit="stage", disable=not progress) as bar:
                 for name in graphs:

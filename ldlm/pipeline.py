@@ -1,19 +1,27 @@
-"""The eager pipeline: encode, decode, reconstruct and generate on top of an LDLM and a tokenizer.
+"""The pipeline: encode, decode, reconstruct and generate on top of the three inference graphs.
 
-Inputs are checked here, once, at the boundary; the model code below trusts its tensors.
+The graphs are anything with ``encode_latents``, ``denoise`` and ``decode_tokens``: the eager
+``LDLM`` itself, or ONNX Runtime / TensorRT engines behind the same three methods (ldlm.serve),
+so every backend shares this one implementation and its results API. Inputs are checked here,
+once, at the boundary; the graphs trust their tensors.
+
+Shape buckets: with ``buckets`` set, sequences are right-padded to the next bucket length and the
+padding is masked, which keeps the set of shapes an engine sees small without changing results.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ldlm.checkpoint import load_checkpoint
-from ldlm.model import LDLM
+from ldlm.config import LDLMConfig
 from ldlm.sampler import NoiseStream, TangentSchedule, run_sampler, sample_seeds, time_grid
 from ldlm.tokenizer import TextTokenizer
 
@@ -31,18 +39,44 @@ class TextResult:
     texts: list[str]  # detokenized, cut at the first end-of-text token
 
 
+class InferenceGraphs(Protocol):
+    """The three graphs, in the standardized latent space; masks are (B, L) bool, True = real."""
+
+    def encode_latents(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor: ...
+    def denoise(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor) -> Tensor: ...
+    def decode_tokens(self, latents: Tensor, mask: Tensor) -> Tensor: ...
+
+
 class LDLMPipeline:
-    def __init__(self, model: LDLM, tokenizer: TextTokenizer, device: str | torch.device = "cpu") -> None:
-        self.model = model.to(device).eval()
+    def __init__(
+        self,
+        graphs: InferenceGraphs,
+        tokenizer: TextTokenizer,
+        device: str | torch.device = "cpu",
+        config: LDLMConfig | None = None,
+        buckets: Sequence[int] = (),
+    ) -> None:
+        if isinstance(graphs, nn.Module):
+            graphs = graphs.to(device).eval()
+        self.graphs = graphs
         self.tokenizer = tokenizer
-        self.config = model.config
+        self.config: LDLMConfig = config if config is not None else graphs.config  # type: ignore[attr-defined]
         self.device = torch.device(device)
         self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
+        bad = [b for b in buckets if not 1 <= b <= self.config.max_seq_len]
+        if bad:
+            raise ValueError(f"buckets {bad} are out of range; allowed: 1..{self.config.max_seq_len} (config max_seq_len)")
+        self.buckets = sorted(set(buckets))
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], device: str | torch.device = "cpu") -> LDLMPipeline:
         model, tokenizer = load_checkpoint(path, device)
         return cls(model, tokenizer, device)
+
+    def bucket_length(self, length: int) -> int:
+        """The padded length for a batch whose longest sequence has ``length`` positions."""
+        i = bisect.bisect_left(self.buckets, length)
+        return self.buckets[i] if i < len(self.buckets) else length
 
     # --- input checks -------------------------------------------------------------------------
 
@@ -71,14 +105,15 @@ class LDLMPipeline:
         ids = self.tokenizer.encode(inputs) if isinstance(inputs[0], str) else [list(map(int, r)) for r in inputs]  # type: ignore[arg-type]
         self.check_token_ids(ids)
         length = max(len(row) for row in ids)
-        token_ids = torch.full((len(ids), length), self.config.eos_token_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), length), dtype=torch.bool)
+        padded = self.bucket_length(length)
+        token_ids = torch.full((len(ids), padded), self.config.eos_token_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), padded), dtype=torch.bool)
         for i, row in enumerate(ids):
             token_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = True
         token_ids, mask = token_ids.to(self.device), mask.to(self.device)
-        latents = self.model.encode_latents(token_ids, mask)
-        return EncodeResult(latents=latents, attention_mask=mask, token_ids=token_ids)
+        latents = self.graphs.encode_latents(token_ids, mask)
+        return EncodeResult(latents=latents[:, :length], attention_mask=mask[:, :length], token_ids=token_ids[:, :length])
 
     @torch.inference_mode()
     def decode(self, latents: Tensor, attention_mask: Tensor | None = None) -> TextResult:
@@ -86,10 +121,17 @@ class LDLMPipeline:
         d = self.config.d_model
         if latents.ndim != 3 or latents.shape[-1] != d:
             raise ValueError(f"latents have shape {tuple(latents.shape)}; allowed: (B, L, {d})")
-        self.check_length(latents.shape[1], "latents.shape[1]")
-        mask = None if attention_mask is None else attention_mask.to(self.device)
-        token_ids = self.model.decode_tokens(latents.to(self.device), mask).cpu()
-        lengths = [latents.shape[1]] * len(token_ids) if mask is None else mask.sum(dim=1).tolist()
+        b, length, _ = latents.shape
+        self.check_length(length, "latents.shape[1]")
+        if attention_mask is None:
+            attention_mask = torch.ones(b, length, dtype=torch.bool)
+        if tuple(attention_mask.shape) != (b, length):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; allowed: ({b}, {length})")
+        padded = self.bucket_length(length)
+        latents = torch.nn.functional.pad(latents.to(self.device), (0, 0, 0, padded - length))
+        mask = torch.nn.functional.pad(attention_mask.to(self.device).bool(), (0, padded - length))
+        token_ids = self.graphs.decode_tokens(latents, mask).cpu()[:, :length]
+        lengths = mask.sum(dim=1).tolist()
         texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, lengths)]
         return TextResult(token_ids=token_ids, texts=texts)
 
@@ -135,11 +177,17 @@ class LDLMPipeline:
         self.check_length(length)
         grid = time_grid(steps, cfg.t_min if t_min is None else t_min)
         streams = [NoiseStream(s, (length, cfg.d_model)) for s in sample_seeds(seed, n)]
+        padded = self.bucket_length(length)
+        mask = torch.zeros(n, padded, dtype=torch.bool, device=self.device)
+        mask[:, :length] = True
 
         def draw_noise() -> Tensor:
-            return torch.stack([stream.draw() for stream in streams]).to(self.device)  # (B, L, D)
+            noise = torch.stack([stream.draw() for stream in streams])  # (B, L, D)
+            return torch.nn.functional.pad(noise, (0, 0, 0, padded - length)).to(self.device)
+
+        def denoise(x_t: Tensor, t: Tensor, x0_prev: Tensor) -> Tensor:
+            return self.graphs.denoise(x_t, t, x0_prev, mask)
 
         with torch.inference_mode():
-            return run_sampler(
-                self.model.denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final, progress
-            )
+            latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final, progress)
+        return latents[:, :length]

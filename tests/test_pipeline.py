@@ -77,3 +77,18 @@ def test_decode_cuts_at_end_of_text(pipeline: LDLMPipeline) -> None:
 def test_bad_input_raises_value_error_naming_value_and_range(pipeline: LDLMPipeline, call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call(pipeline)
+
+
+def test_shape_buckets_do_not_change_results(pipeline: LDLMPipeline) -> None:
+    bucketed = LDLMPipeline(pipeline.graphs, pipeline.tokenizer, config=pipeline.config, buckets=(16, 64, 128))
+    assert bucketed.bucket_length(5) == 16 and bucketed.bucket_length(17) == 64
+    texts = ["A short one.", "A somewhat longer sentence, with a comma."]
+    plain, padded = pipeline.encode(texts), bucketed.encode(texts)
+    assert padded.latents.shape == plain.latents.shape
+    assert (padded.latents - plain.latents)[plain.attention_mask].abs().max().item() < 1e-5
+    a = pipeline.sample_latents(n=2, length=9, steps=3, seed=4, sampler="sde")
+    b = bucketed.sample_latents(n=2, length=9, steps=3, seed=4, sampler="sde")
+    assert b.shape == a.shape and (a - b).abs().max().item() < 1e-4
+    assert torch.equal(pipeline.decode(a).token_ids, bucketed.decode(a).token_ids)
+    with pytest.raises(ValueError, match=r"buckets \[0, 500\] are out of range; allowed: 1..128"):
+        LDLMPipeline(pipeline.graphs, pipeline.tokenizer, config=pipeline.config, buckets=(0, 500))
