@@ -1,0 +1,202 @@
+"""Step-level continuous batching for generation.
+
+The denoiser takes one t per sample, so samples at different steps, with different step counts
+and lengths, share one denoiser call. With ``policy="continuous"`` new samples join the running
+batch at the next step and finished ones leave at once; ``policy="static"`` admits a batch only
+when the previous one has fully finished (the baseline that continuous batching must beat).
+
+Every sample keeps its own noise stream, time grid and self-conditioning state, so a request gets
+exactly the tokens ``LDLMPipeline.generate`` gives it, whatever else shares its batches. Every
+submitted request gets exactly one answer: its result, or the exception that stopped it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ldlm.pipeline import LDLMPipeline, TextResult
+from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid
+
+Policy = Literal["continuous", "static"]
+
+
+class QueueFullError(RuntimeError):
+    """The scheduler's queue is at capacity; retry later."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    n: int
+    length: int
+    steps: int
+    seed: int = 0
+    sampler: str = "sde"
+    t_min: float | None = None
+
+
+@dataclass
+class _Request:
+    spec: GenerateRequest
+    future: Future[TextResult]
+    latents: list[Tensor | None]
+    remaining: int
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+
+
+@dataclass
+class _Sample:
+    request: _Request
+    index: int
+    grid: Tensor  # (steps + 1,) float64
+    stream: NoiseStream
+    x: Tensor  # (L, D)
+    x_mean: Tensor
+    x0_hat: Tensor
+    step: int = 0
+
+
+class GenerationScheduler:
+    def __init__(self, pipeline: LDLMPipeline, max_batch: int = 16, policy: Policy = "continuous", max_queue: int = 4096) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"policy={policy!r} is unknown; allowed: continuous, static")
+        self.pipeline = pipeline
+        self.max_batch = max_batch
+        self.policy = policy
+        self.max_queue = max_queue
+        self._queue: deque[_Sample] = deque()
+        self._active: list[_Sample] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.denoiser_calls = 0
+        self.samples_stepped = 0
+        self._thread = threading.Thread(target=self._loop, name="ldlm-generation", daemon=True)
+        self._thread.start()
+
+    # --- public API --------------------------------------------------------------------------
+
+    def submit(self, spec: GenerateRequest) -> Future[TextResult]:
+        """Queue a request; bad input raises here, at once, with the pipeline's messages."""
+        cfg = self.pipeline.config
+        if not isinstance(spec.n, int) or spec.n < 1:
+            raise ValueError(f"n={spec.n!r} is out of range; allowed: an integer >= 1")
+        self.pipeline.check_length(spec.length)
+        if spec.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={spec.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
+        grid = time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min)
+        request = _Request(spec, Future(), [None] * spec.n, spec.n)
+        request.future.set_running_or_notify_cancel()
+        samples = []
+        for i, seed in enumerate(sample_seeds(spec.seed, spec.n)):
+            stream = NoiseStream(seed, (spec.length, cfg.d_model))
+            prior = stream.draw()
+            samples.append(_Sample(request, i, grid, stream, prior, prior, torch.zeros_like(prior)))
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the scheduler is shut down")
+            if len(self._queue) + len(samples) > self.max_queue:
+                raise QueueFullError(f"generation queue is full ({len(self._queue)} samples waiting, max {self.max_queue})")
+            self._queue.extend(samples)
+            self._cond.notify()
+        return request.future
+
+    def generate(self, spec: GenerateRequest, timeout_s: float | None = None) -> TextResult:
+        return self.submit(spec).result(timeout_s)
+
+    @property
+    def queued_samples(self) -> int:
+        return len(self._queue)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish every queued and running sample, then stop the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    # --- the worker ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._active and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._queue and not self._active:
+                    return
+                self._admit()
+            batch = list(self._active)
+            try:
+                finished = self._step(batch)
+                if finished:
+                    self._finish(finished)
+            except Exception as error:  # every request in the batch gets the error, none hangs
+                for sample in batch:
+                    if not sample.request.future.done():
+                        sample.request.future.set_exception(error)
+                self._active = [s for s in self._active if s not in batch]
+
+    def _admit(self) -> None:
+        if self.policy == "static" and self._active:
+            return
+        now = time.perf_counter()
+        while self._queue and len(self._active) < self.max_batch:
+            sample = self._queue.popleft()
+            if sample.request.future.done():  # failed or cancelled: drop its other samples
+                continue
+            sample.request.started = sample.request.started or now
+            self._active.append(sample)
+
+    @torch.inference_mode()
+    def _step(self, batch: list[_Sample]) -> list[_Sample]:
+        """One denoiser call for every active sample, then each sample's own solver step."""
+        pipe = self.pipeline
+        lengths = [s.x.shape[0] for s in batch]
+        padded = pipe.bucket_length(max(lengths))
+
+        def stack(tensors: list[Tensor]) -> Tensor:
+            return torch.stack([F.pad(t, (0, 0, 0, padded - t.shape[0])) for t in tensors]).to(pipe.device)
+
+        mask = torch.zeros(len(batch), padded, dtype=torch.bool, device=pipe.device)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = True
+        t = torch.tensor([float(s.grid[s.step]) for s in batch], device=pipe.device)
+        t_next = torch.tensor([float(s.grid[s.step + 1]) for s in batch], device=pipe.device)
+        x = stack([s.x for s in batch])
+        x0_hat = pipe.graphs.denoise(x, t, stack([s.x0_hat for s in batch]), mask)
+        self.denoiser_calls += 1
+        self.samples_stepped += len(batch)
+        stochastic = [s.request.spec.sampler == "sde" for s in batch]
+        noise = stack([s.stream.draw() if sde else torch.zeros_like(s.x) for s, sde in zip(batch, stochastic)])
+        x_sde, mean_sde = sde_step(pipe.schedule, x, x0_hat, t, t_next, noise)
+        x_ddim = ddim_step(pipe.schedule, x, x0_hat, t, t_next)
+        finished = []
+        for i, (sample, sde, n) in enumerate(zip(batch, stochastic, lengths)):
+            sample.x = (x_sde[i] if sde else x_ddim[i])[:n].cpu()
+            sample.x_mean = (mean_sde[i] if sde else x_ddim[i])[:n].cpu()
+            sample.x0_hat = x0_hat[i, :n].cpu()
+            sample.step += 1
+            if sample.step == len(sample.grid) - 1:
+                finished.append(sample)
+        return finished
+
+    def _finish(self, finished: list[_Sample]) -> None:
+        self._active = [s for s in self._active if s not in finished]
+        final = self.pipeline.config.decode_final
+        for sample in finished:
+            request = sample.request
+            request.latents[sample.index] = sample.x_mean if final == "mean" else sample.x0_hat
+            request.remaining -= 1
+            if request.remaining == 0 and not request.future.done():
+                latents = torch.stack(request.latents)  # type: ignore[arg-type]
+                request.future.set_result(self.pipeline.decode(latents))

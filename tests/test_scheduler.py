@@ -1,0 +1,68 @@
+"""Step-level continuous batching: same tokens as the pipeline, whatever shares the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler, QueueFullError
+
+REQUESTS = [
+    GenerateRequest(n=2, length=9, steps=4, seed=1, sampler="sde"),
+    GenerateRequest(n=1, length=17, steps=2, seed=2, sampler="ddim"),
+    GenerateRequest(n=3, length=5, steps=6, seed=3, sampler="sde"),
+    GenerateRequest(n=1, length=12, steps=3, seed=4, sampler="ddim", t_min=0.2),
+]
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_mixed_requests_get_the_pipelines_tokens(pipeline: LDLMPipeline, policy: str) -> None:
+    bucketed = LDLMPipeline(pipeline.graphs, pipeline.tokenizer, config=pipeline.config, buckets=(8, 16, 32))
+    scheduler = GenerationScheduler(bucketed, max_batch=4, policy=policy)
+    try:
+        futures = [scheduler.submit(r) for r in REQUESTS]
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        scheduler.close()
+    for request, result in zip(REQUESTS, results):
+        expected = pipeline.generate(request.n, request.length, request.steps, request.seed, request.sampler, request.t_min)
+        assert result.token_ids.shape == (request.n, request.length)
+        assert torch.equal(result.token_ids, expected.token_ids), request
+        assert result.texts == expected.texts
+    # 7 samples, max_batch 4: continuous batching shares denoiser calls across requests.
+    assert scheduler.samples_stepped == sum(r.n * r.steps for r in REQUESTS)
+    if policy == "continuous":
+        assert scheduler.denoiser_calls < scheduler.samples_stepped / 2
+
+
+def test_bad_requests_fail_at_submit_and_the_queue_is_bounded(pipeline: LDLMPipeline) -> None:
+    scheduler = GenerationScheduler(pipeline, max_batch=2, max_queue=3)
+    try:
+        with pytest.raises(ValueError, match="length=999 is out of range"):
+            scheduler.submit(GenerateRequest(n=1, length=999, steps=2))
+        with pytest.raises(ValueError, match="steps=0 is invalid"):
+            scheduler.submit(GenerateRequest(n=1, length=4, steps=0))
+        with pytest.raises(ValueError, match="n=0 is out of range"):
+            scheduler.submit(GenerateRequest(n=0, length=4, steps=2))
+        with pytest.raises(QueueFullError, match="queue is full"):
+            scheduler.submit(GenerateRequest(n=4, length=4, steps=2))
+        assert scheduler.generate(GenerateRequest(n=1, length=4, steps=2), timeout_s=30).token_ids.shape == (1, 4)
+    finally:
+        scheduler.close()
+
+
+def test_a_failing_denoiser_answers_every_request(pipeline: LDLMPipeline) -> None:
+    class Broken:
+        def denoise(self, *args):
+            raise RuntimeError("engine lost")
+
+    broken = LDLMPipeline(Broken(), pipeline.tokenizer, config=pipeline.config)  # type: ignore[arg-type]
+    scheduler = GenerationScheduler(broken, max_batch=4)
+    try:
+        futures = [scheduler.submit(GenerateRequest(n=1, length=4, steps=2, seed=s)) for s in range(3)]
+        for future in futures:
+            with pytest.raises(RuntimeError, match="engine lost"):
+                future.result(timeout=30)
+    finally:
+        scheduler.close(timeout_s=10)
