@@ -132,12 +132,12 @@ def check_layer_norms(graph: onnx.GraphProto, expected: Sequence[LayerNormSpec])
             f"({', '.join(s.name for s in expected) or 'none'})"
         )
     tensors = _constant_tensors(graph)
-    for node, spec in _pair(nodes, expected):
+    for node, spec in pair_layer_norm_nodes(nodes, expected):
         problems += _check_node(node, spec, tensors)
     return problems
 
 
-def _pair(nodes: list[onnx.NodeProto], specs: Sequence[LayerNormSpec]) -> list[tuple[onnx.NodeProto, LayerNormSpec]]:
+def pair_layer_norm_nodes(nodes: list[onnx.NodeProto], specs: Sequence[LayerNormSpec]) -> list[tuple[onnx.NodeProto, LayerNormSpec]]:
     """Pair nodes with modules by scale initializer name (``<module>.weight``, as torch.onnx names
     them); whatever is left pairs in graph order, which is execution order."""
     by_weight = {f"{s.name}.weight": s for s in specs if s.weight_sha256 is not None}

@@ -107,6 +107,22 @@ def _cmd_build_engine(args: argparse.Namespace) -> None:
     print(f"wrote {result.out}")
 
 
+def _cmd_parity(args: argparse.Namespace) -> None:
+    from ldlm.serve.parity import run_parity
+    from ldlm.serve.parity_report import write_parity_report
+
+    source = args.engine_dir if args.backend == "trt" else args.onnx_dir
+    report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed, steps=args.steps)
+    files = write_parity_report(report, args.out)
+    for comparison in [*report.graphs, *report.layer_norms]:
+        if args.verbose or not comparison.passed:
+            print(comparison.summary())
+    print(report.summary())
+    print(f"reports: {', '.join(str(f) for f in files)}")
+    if not report.passed:
+        raise SystemExit(1)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -219,6 +235,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_build_engine)
+
+    p = sub.add_parser(
+        "parity",
+        help="check an engine against eager PyTorch",
+        description="Compare ONNX Runtime or TensorRT against eager PyTorch on the checkpoint: every graph output "
+        "on random, padded and stress inputs (max/mean/p99 abs and rel error, cosine per sample, NaN/Inf, "
+        "elementwise pass/fail at the precision's atol and rtol); every LayerNorm output (ONNX Runtime); and "
+        "end-to-end generation with the deterministic sampler as token agreement. Writes parity.json, "
+        "parity.md and PNG plots. Exit code 1 on failure.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")
+    p.add_argument("--backend", choices=["ort", "trt"], default="ort", help="default: ort")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32", help="sets atol/rtol (default: fp32)")
+    p.add_argument("--onnx-dir", help="ort: an `ldlm export` directory (default: export the checkpoint to a temporary one)")
+    p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")
+    p.add_argument("--out", default="parity-report", help="report directory (default: parity-report)")
+    p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the generation noise")
+    p.add_argument("--steps", type=_positive_int, default=10, help="sampler steps of the end-to-end check (default: 10)")
+    p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
+    p.set_defaults(func=_cmd_parity)
     return parser
 
 

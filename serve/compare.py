@@ -1,0 +1,123 @@
+"""One result type for parity: the comparison of one output against its reference.
+
+Conventions (Polygraphy's, made explicit): the reference is eager PyTorch; an element fails only
+when its absolute error exceeds ``atol`` AND its relative error exceeds ``rtol``; NaN or Inf on
+either side always fails; comparing nothing is an error, not a pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+# (atol, rtol) per precision, for float outputs. FP32 is what ONNX Runtime or TensorRT with TF32
+# off must reach; FP16/BF16 leave room for 10 and 7 mantissa bits.
+# Histogram of absolute errors: one bin per decade, [0, 1e-12), [1e-12, 1e-11), ..., [1e3, inf).
+HISTOGRAM_EDGES: list[float] = [0.0, *(10.0**e for e in range(-12, 4)), float("inf")]
+
+TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-4, 1e-4), "fp16": (2e-2, 2e-2), "bf16": (1e-1, 5e-2)}
+
+
+def tolerance(precision: str) -> tuple[float, float]:
+    if precision not in TOLERANCES:
+        raise ValueError(f"precision={precision!r} has no tolerances; allowed: {', '.join(TOLERANCES)}")
+    return TOLERANCES[precision]
+
+
+@dataclass
+class Comparison:
+    name: str
+    passed: bool
+    atol: float
+    rtol: float
+    shape: list[int]
+    elements: int
+    failed_elements: int
+    max_abs: float
+    mean_abs: float
+    median_abs: float
+    p99_abs: float
+    max_rel: float
+    mean_rel: float
+    p99_rel: float
+    min_atol_to_pass: float  # the smallest atol that would pass at this rtol
+    nonfinite_reference: int
+    nonfinite_candidate: int
+    cosine_min: float  # per sample (first axis)
+    cosine_mean: float
+    reference_max_abs: float
+    abs_error_histogram: list[int]  # counts per HISTOGRAM_EDGES bin
+
+    def summary(self) -> str:
+        status = "PASSED" if self.passed else "FAILED"
+        return (
+            f"{status} {self.name}: max abs {self.max_abs:.3g}, p99 abs {self.p99_abs:.3g}, max rel {self.max_rel:.3g}, "
+            f"cosine min {self.cosine_min:.6f}, {self.failed_elements}/{self.elements} elements over "
+            f"atol {self.atol:g} and rtol {self.rtol:g}"
+            + (f", NaN/Inf {self.nonfinite_reference}/{self.nonfinite_candidate}" if self.nonfinite_reference or self.nonfinite_candidate else "")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Comparison:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+def compare_outputs(name: str, reference: np.ndarray, candidate: np.ndarray, atol: float, rtol: float) -> Comparison:
+    """Compare ``candidate`` against ``reference`` elementwise; see the module docstring."""
+    reference = np.asarray(reference)
+    candidate = np.asarray(candidate)
+    if reference.shape != candidate.shape:
+        raise ValueError(f"{name}: candidate shape {candidate.shape} != reference shape {reference.shape}")
+    if reference.size == 0:
+        raise ValueError(f"{name}: nothing to compare (empty output)")
+    ref = reference.astype(np.float64)
+    cand = candidate.astype(np.float64)
+    bad_ref, bad_cand = ~np.isfinite(ref), ~np.isfinite(cand)
+    finite = ~(bad_ref | bad_cand)
+    diff = np.where(finite, np.abs(cand - ref), np.inf)
+    rel = diff / np.maximum(np.abs(ref), np.finfo(np.float64).tiny)
+    failing = (diff > atol) & (rel > rtol)
+    rtol_failing = diff[rel > rtol]
+    finite_diff = diff[finite] if finite.any() else np.array([np.inf])
+    finite_rel = rel[finite] if finite.any() else np.array([np.inf])
+    cos = _cosines(ref, cand)
+    return Comparison(
+        name=name,
+        passed=bool(not failing.any()),
+        atol=atol,
+        rtol=rtol,
+        shape=list(reference.shape),
+        elements=int(reference.size),
+        failed_elements=int(failing.sum()),
+        max_abs=float(diff.max()),
+        mean_abs=float(finite_diff.mean()),
+        median_abs=float(np.median(finite_diff)),
+        p99_abs=float(np.percentile(finite_diff, 99)),
+        max_rel=float(rel.max()),
+        mean_rel=float(finite_rel.mean()),
+        p99_rel=float(np.percentile(finite_rel, 99)),
+        min_atol_to_pass=float(rtol_failing.max()) if rtol_failing.size else 0.0,
+        nonfinite_reference=int(bad_ref.sum()),
+        nonfinite_candidate=int(bad_cand.sum()),
+        cosine_min=float(cos.min()),
+        cosine_mean=float(cos.mean()),
+        reference_max_abs=float(np.abs(ref[np.isfinite(ref)]).max()) if np.isfinite(ref).any() else math.inf,
+        abs_error_histogram=[int(c) for c in np.histogram(diff, bins=HISTOGRAM_EDGES)[0]],
+    )
+
+
+def _cosines(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Cosine similarity per sample (first axis); NaN (non-finite input) counts as -1."""
+    a = ref.reshape(ref.shape[0], -1) if ref.ndim > 1 else ref.reshape(1, -1)
+    b = cand.reshape(a.shape)
+    num = (a * b).sum(axis=1)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.where(den > 0, num / np.where(den > 0, den, 1), np.where(np.linalg.norm(a - b, axis=1) == 0, 1.0, 0.0))
+    return np.nan_to_num(cos, nan=-1.0)

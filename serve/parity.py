@@ -1,0 +1,246 @@
+"""The parity check users trust before they ship: eager PyTorch against an engine.
+
+Three levels, all against eager as the reference:
+  1. per graph: every output on random, padded and stress inputs (GPT-2-like outlier channels of
+     magnitude ~1000 for latents; real text for the encoder), padding masked out;
+  2. per LayerNorm (ONNX Runtime): a debug copy of each graph marks every LayerNormalization
+     output as a graph output; eager outputs come from hooks on the matching nn.LayerNorm;
+  3. end to end: the same seed and noise through eager and engine generation with the
+     deterministic sampler, as token agreement.
+``bisect`` names the first LayerNorm (in execution order) whose output diverges.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from ldlm.checkpoint import load_checkpoint
+from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.export.onnx_export import export_graphs, read_manifest
+from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
+from ldlm.model import LDLM
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.backends import BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs
+from ldlm.serve.compare import Comparison, compare_outputs, tolerance
+
+TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8}
+REAL_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In 1905, Albert Einstein published four papers that changed physics.",
+    "Latent diffusion models denoise continuous representations of text.",
+]
+
+
+@dataclass
+class ParityReport:
+    backend: str
+    precision: str
+    providers: dict[str, str]
+    atol: float
+    rtol: float
+    graphs: list[Comparison] = field(default_factory=list)
+    layer_norms: list[Comparison] = field(default_factory=list)
+    decoder_token_agreement: dict[str, float] = field(default_factory=dict)
+    token_agreement: float | None = None
+    token_agreement_required: float = 1.0
+    first_divergence: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        compared = self.graphs or self.layer_norms
+        ok = all(c.passed for c in self.graphs) and all(c.passed for c in self.layer_norms)
+        e2e = self.token_agreement is not None and self.token_agreement >= self.token_agreement_required
+        return bool(compared) and ok and e2e
+
+    def summary(self) -> str:
+        failed = [c.name for c in [*self.graphs, *self.layer_norms] if not c.passed]
+        status = "PASSED" if self.passed else "FAILED"
+        line = (f"{status} parity {self.backend} ({self.precision}) vs eager: {len(self.graphs)} graph outputs, "
+                f"{len(self.layer_norms)} LayerNorm outputs, token agreement {100 * (self.token_agreement or 0):.2f}%")
+        if failed:
+            line += f"; failing: {', '.join(failed[:5])}{' ...' if len(failed) > 5 else ''}"
+        if self.first_divergence:
+            line += f"; first divergence: {self.first_divergence}"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed, "backend": self.backend, "precision": self.precision, "providers": self.providers,
+            "atol": self.atol, "rtol": self.rtol, "graphs": [c.to_dict() for c in self.graphs],
+            "layer_norms": [c.to_dict() for c in self.layer_norms], "decoder_token_agreement": self.decoder_token_agreement,
+            "token_agreement": self.token_agreement, "token_agreement_required": self.token_agreement_required,
+            "first_divergence": self.first_divergence, "notes": self.notes,
+        }
+
+
+def input_sets(model: LDLM, graph: str, seed: int) -> dict[str, dict[str, np.ndarray]]:
+    """Named input sets for ``graph``: random, padded and stress (outliers / real text)."""
+    cfg = model.config
+    gen = np.random.default_rng(seed)
+    b, length, d = 3, min(24, cfg.max_seq_len), cfg.d_model
+    full = np.ones((b, length), dtype=np.int64)
+    padded = full.copy()
+    padded[1, length // 2 :] = 0
+    padded[2, length // 3 :] = 0
+    if graph == "encoder":
+        ids = gen.integers(0, cfg.gpt2_vocab_size, (b, length))
+        from ldlm.tokenizer import TextTokenizer
+
+        real = TextTokenizer.gpt2().encode(REAL_TEXT)
+        n = min(max(len(r) for r in real), cfg.max_seq_len)
+        real_ids = np.full((len(real), n), cfg.eos_token_id, dtype=np.int64)
+        real_mask = np.zeros((len(real), n), dtype=np.int64)
+        for i, row in enumerate(real):
+            real_ids[i, : min(len(row), n)] = row[:n]
+            real_mask[i, : min(len(row), n)] = 1
+        return {
+            "random": {"input_ids": ids, "attention_mask": full},
+            "padded": {"input_ids": ids, "attention_mask": padded},
+            "real-text": {"input_ids": real_ids, "attention_mask": real_mask},
+        }
+    x = gen.standard_normal((b, length, d)).astype(np.float32)
+    outliers = x.copy()
+    channels = gen.choice(d, size=max(2, d // 128), replace=False)
+    outliers[:, :, channels] = 1000.0 + 200.0 * gen.standard_normal((b, length, len(channels)))  # GPT-2-like
+    if graph == "denoiser":
+        t = gen.uniform(0.05, 1.0, b).astype(np.float32)
+        x0 = gen.standard_normal((b, length, d)).astype(np.float32)
+        return {
+            "random": {"x_t": x, "t": t, "x0_prev": x0, "attention_mask": full},
+            "padded": {"x_t": x, "t": t, "x0_prev": x0, "attention_mask": padded},
+            "stress-outliers": {"x_t": outliers, "t": t, "x0_prev": outliers, "attention_mask": full},
+        }
+    return {
+        "random": {"latents": x, "attention_mask": full},
+        "padded": {"latents": x, "attention_mask": padded},
+        "stress-outliers": {"latents": outliers, "attention_mask": full},
+    }
+
+
+def _masked(array: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Zero the padded positions (axis 1) so that garbage there is not compared."""
+    return array * mask.reshape(mask.shape + (1,) * (array.ndim - 2)).astype(array.dtype) if array.ndim >= 2 else array
+
+
+def compare_graph(name: str, eager: GraphBackend, candidate: GraphBackend, sets: dict[str, dict[str, np.ndarray]],
+                  atol: float, rtol: float, report: ParityReport) -> None:
+    for set_name, feed in sets.items():
+        reference, got = eager.run(feed), candidate.run(feed)
+        mask = feed["attention_mask"]
+        for output in candidate.output_names:
+            if output == "token_ids":
+                valid = mask.astype(bool)
+                report.decoder_token_agreement[set_name] = float((got[output][valid] == reference[output][valid]).mean())
+                continue
+            report.graphs.append(compare_outputs(f"{name}/{set_name}/{output}", _masked(reference[output], mask), _masked(got[output], mask), atol, rtol))
+
+
+def layer_norm_debug_copy(src: Path, specs: list[LayerNormSpec], dst: Path) -> list[tuple[str, LayerNormSpec]]:
+    """Copy an ONNX graph with every LayerNormalization output marked as a graph output."""
+    model = onnx.load(str(src))
+    nodes = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
+    marked = []
+    for node, spec in pair_layer_norm_nodes(nodes, specs):
+        model.graph.output.append(onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None))
+        marked.append((node.output[0], spec))
+    order = {n.output[0]: i for i, n in enumerate(nodes)}
+    marked.sort(key=lambda m: order[m[0]])  # execution order, for bisecting
+    onnx.save(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
+    return marked
+
+
+def compare_layer_norms(name: str, model: LDLM, eager: EagerBackend, onnx_path: Path, specs: list[LayerNormSpec],
+                        sets: dict[str, dict[str, np.ndarray]], atol: float, rtol: float, work: Path,
+                        report: ParityReport) -> None:
+    debug = work / f"{name}.layernorms.onnx"
+    marked = layer_norm_debug_copy(onnx_path, specs, debug)
+    if not marked:
+        return
+    session = OrtBackend(debug, name, model.config.max_seq_len).session
+    for set_name in ("random", "stress-outliers" if "stress-outliers" in sets else "real-text"):
+        feed = sets[set_name]
+        captured: dict[str, np.ndarray] = {}
+        hooks = [eager.module.get_submodule(spec.name).register_forward_hook(_capture(captured, spec.name)) for _, spec in marked]
+        try:
+            eager.run(feed)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        outputs = session.run([m[0] for m in marked], eager.check_inputs(feed))
+        mask = feed["attention_mask"]
+        for (_, spec), got in zip(marked, outputs):
+            report.layer_norms.append(compare_outputs(f"{name}:{spec.name}/{set_name}", _masked(captured[spec.name], mask), _masked(got, mask), atol, rtol))
+
+
+def _capture(store: dict[str, np.ndarray], name: str) -> Callable[..., None]:
+    def hook(module: Any, inputs: Any, output: torch.Tensor) -> None:
+        store[name] = output.detach().cpu().numpy()
+    return hook
+
+
+def run_parity(
+    checkpoint: str | Path,
+    backend: str = "ort",
+    precision: str = "fp32",
+    source: str | Path | None = None,
+    bisect: bool = False,
+    seed: int = 0,
+    steps: int = 10,
+) -> ParityReport:
+    """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
+    checkpoint itself when ``source`` is None) against eager on the checkpoint."""
+    atol, rtol = tolerance(precision)
+    model, tokenizer = load_checkpoint(checkpoint)
+    with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp:
+        work = Path(tmp)
+        if source is None:
+            if backend != "ort":
+                raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
+            source = export_graphs(checkpoint, work / "onnx", with_logits=True).out
+        source = Path(source)
+        graphs, config, _ = open_graphs(backend, source, precision)
+        if config.config_hash() != model.config.config_hash():
+            raise ValueError(f"{source} was made from another config than checkpoint {checkpoint}")
+        report = ParityReport(backend, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol,
+                              token_agreement_required=TOKEN_AGREEMENT_REQUIRED[precision])
+        eager = {g: EagerBackend(model, g, with_logits="logits" in graphs[g].output_names) for g in GRAPH_NAMES}
+        if "logits" not in graphs["decoder"].output_names:
+            report.notes.append("the decoder has no logits output: only its token ids were compared")
+        manifest = read_manifest(source) if backend == "ort" else None
+        for name in GRAPH_NAMES:
+            sets = input_sets(model, name, seed)
+            compare_graph(name, eager[name], graphs[name], sets, atol, rtol, report)
+            if manifest is not None and precision == "fp32":
+                specs = [LayerNormSpec.from_dict(d) for d in manifest["graphs"][name]["layer_norms"]]
+                compare_layer_norms(name, model, eager[name], source / manifest["graphs"][name]["file"], specs, sets, atol, rtol, work, report)
+        if manifest is None or precision != "fp32":
+            report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 graphs only")
+        length = min(32, config.max_seq_len)
+        reference = LDLMPipeline(model, tokenizer).generate(4, length, steps, seed, "ddim").token_ids
+        candidate = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config).generate(4, length, steps, seed, "ddim").token_ids
+        report.token_agreement = float((reference == candidate).float().mean())
+    if bisect and not report.passed:
+        report.first_divergence = first_divergence(report)
+    return report
+
+
+def first_divergence(report: ParityReport) -> str:
+    """The first failing LayerNorm in execution order (graphs in pipeline order), else the first failing graph."""
+    for comparison in report.layer_norms:
+        if not comparison.passed:
+            where = comparison.name.rsplit("/", 1)[0]
+            return f"LayerNorm {where} (max abs {comparison.max_abs:.3g} > atol {comparison.atol:g})"
+    for comparison in report.graphs:
+        if not comparison.passed:
+            graph = comparison.name.split("/", 1)[0]
+            return f"graph {graph}: no LayerNorm output diverged, the error arises in its other blocks ({comparison.name})"
+    return "no compared output failed; the end-to-end token agreement is below the requirement"
