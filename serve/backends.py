@@ -119,6 +119,9 @@ class OrtBackend(GraphBackend):
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        # ONNX Runtime's workers spin after each run; on a small machine that starves the torch
+        # sampler math between denoiser calls, so they sleep instead.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(path), options, providers=list(providers))
         graph_proto = onnx.load(str(path), load_external_data=False).graph
         super().__init__(graph, describe_io(graph_proto.input), describe_io(graph_proto.output), max_seq_len)

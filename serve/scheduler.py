@@ -66,7 +66,10 @@ class _Sample:
 
 
 class GenerationScheduler:
-    def __init__(self, pipeline: LDLMPipeline, max_batch: int = 16, policy: Policy = "continuous", max_queue: int = 4096) -> None:
+    def __init__(
+        self, pipeline: LDLMPipeline, max_batch: int = 16, policy: Policy = "continuous", max_queue: int = 4096,
+        start: bool = True,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
         if policy not in ("continuous", "static"):
@@ -82,6 +85,11 @@ class GenerationScheduler:
         self.denoiser_calls = 0
         self.samples_stepped = 0
         self._thread = threading.Thread(target=self._loop, name="ldlm-generation", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start the worker (when constructed with ``start=False``, e.g. to queue a known batch first)."""
         self._thread.start()
 
     # --- public API --------------------------------------------------------------------------
@@ -137,7 +145,12 @@ class GenerationScheduler:
                 self._admit()
             batch = list(self._active)
             try:
-                finished = self._step(batch)
+                # One denoiser call per length bucket: padding a 16-token sample to 128 would cost
+                # more than the extra call.
+                buckets: dict[int, list[_Sample]] = {}
+                for sample in batch:
+                    buckets.setdefault(self.pipeline.bucket_length(sample.x.shape[0]), []).append(sample)
+                finished = [done for group in buckets.values() for done in self._step(group)]
                 if finished:
                     self._finish(finished)
             except Exception as error:  # every request in the batch gets the error, none hangs
@@ -177,13 +190,16 @@ class GenerationScheduler:
         self.denoiser_calls += 1
         self.samples_stepped += len(batch)
         stochastic = [s.request.spec.sampler == "sde" for s in batch]
-        noise = stack([s.stream.draw() if sde else torch.zeros_like(s.x) for s, sde in zip(batch, stochastic)])
-        x_sde, mean_sde = sde_step(pipe.schedule, x, x0_hat, t, t_next, noise)
-        x_ddim = ddim_step(pipe.schedule, x, x0_hat, t, t_next)
+        x_next = x_mean = x_ddim = None
+        if any(stochastic):  # only the solvers some sample uses
+            noise = stack([s.stream.draw() if sde else torch.zeros_like(s.x) for s, sde in zip(batch, stochastic)])
+            x_next, x_mean = sde_step(pipe.schedule, x, x0_hat, t, t_next, noise)
+        if not all(stochastic):
+            x_ddim = ddim_step(pipe.schedule, x, x0_hat, t, t_next)
         finished = []
         for i, (sample, sde, n) in enumerate(zip(batch, stochastic, lengths)):
-            sample.x = (x_sde[i] if sde else x_ddim[i])[:n].cpu()
-            sample.x_mean = (mean_sde[i] if sde else x_ddim[i])[:n].cpu()
+            sample.x = (x_next if sde else x_ddim)[i, :n].cpu()  # type: ignore[index]
+            sample.x_mean = (x_mean if sde else x_ddim)[i, :n].cpu()  # type: ignore[index]
             sample.x0_hat = x0_hat[i, :n].cpu()
             sample.step += 1
             if sample.step == len(sample.grid) - 1:
@@ -191,12 +207,28 @@ class GenerationScheduler:
         return finished
 
     def _finish(self, finished: list[_Sample]) -> None:
+        """Record finished samples; decode every request they complete in one decoder call."""
         self._active = [s for s in self._active if s not in finished]
         final = self.pipeline.config.decode_final
+        complete: list[_Request] = []
         for sample in finished:
             request = sample.request
             request.latents[sample.index] = sample.x_mean if final == "mean" else sample.x0_hat
             request.remaining -= 1
             if request.remaining == 0 and not request.future.done():
-                latents = torch.stack(request.latents)  # type: ignore[arg-type]
-                request.future.set_result(self.pipeline.decode(latents))
+                complete.append(request)
+        if not complete:
+            return
+        latents = [z for r in complete for z in r.latents]  # type: ignore[misc]
+        longest = max(z.shape[0] for z in latents)
+        mask = torch.zeros(len(latents), longest, dtype=torch.bool)
+        for i, z in enumerate(latents):
+            mask[i, : z.shape[0]] = True
+        batch = torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents])
+        decoded = self.pipeline.decode(batch, mask)
+        start = 0
+        for request in complete:
+            n, length = request.spec.n, request.spec.length
+            rows = slice(start, start + n)
+            request.future.set_result(TextResult(decoded.token_ids[rows, :length], decoded.texts[rows]))
+            start += n
