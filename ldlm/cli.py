@@ -177,6 +177,19 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
 
 
+def _cmd_serve(args: argparse.Namespace) -> None:
+    import os
+
+    from ldlm.serve.server import ServerSettings, serve
+
+    settings = ServerSettings(
+        host=args.host, port=args.port, backend=args.backend, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
+        max_queue=args.max_queue, request_timeout_s=args.timeout_s, max_body_bytes=args.max_body_mb << 20,
+        api_key=args.api_key or os.environ.get("LDLM_API_KEY") or None, threads=args.threads,
+    )
+    serve(args.source, settings, args.log_level)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -336,6 +349,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the graphs over HTTP (KServe v2) and a text API",
+        description="Serve KServe v2 (health, metadata, infer with JSON and binary tensors, so tritonclient works) for "
+        "the encoder, denoiser and decoder graphs, plus POST /v1/generate, /v1/reconstruct and /v1/encode, with "
+        "dynamic batching, continuous batching for generation, Prometheus /metrics and OpenAPI /docs. Binds "
+        "127.0.0.1 unless told otherwise. SIGINT/SIGTERM finish in-flight requests before exiting.",
+    )
+    p.add_argument("source", help="checkpoint (eager; ort exports it first), `ldlm export` dir (ort) or `ldlm build-engine` dir (trt)")
+    p.add_argument("--backend", choices=["eager", "ort", "trt"], default="ort", help="default: ort")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--max-batch", type=_positive_int, default=16, help="samples per execution (default: 16)")
+    p.add_argument("--max-delay-ms", type=float, default=2.0, help="dynamic batching window (default: 2 ms)")
+    p.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests per graph before 503 (default: 256)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout, then 504 (default: 60)")
+    p.add_argument("--max-body-mb", type=_positive_int, default=8, help="request body cap, then 413 (default: 8 MiB)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set LDLM_API_KEY); off by default")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 

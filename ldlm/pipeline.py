@@ -86,14 +86,16 @@ class LDLMPipeline:
             raise ValueError(f"{name}={length!r} is out of range; allowed: 1..{limit} (config max_seq_len)")
 
     def check_token_ids(self, ids: Sequence[Sequence[int]]) -> None:
-        v = self.config.vocab_size
+        """Ids to encode index GPT-2's token table, so they must be below its size (the LDLM
+        vocabulary's extra mask token has no GPT-2 embedding)."""
+        v = self.config.gpt2_vocab_size
         if len(ids) == 0:
             raise ValueError("no sequences given; allowed: at least one")
         for i, row in enumerate(ids):
             self.check_length(len(row), f"len(ids[{i}])")
             for j, token in enumerate(row):
                 if not 0 <= int(token) < v:
-                    raise ValueError(f"ids[{i}][{j}]={int(token)} is out of range; allowed: [0, {v}) (vocab_size)")
+                    raise ValueError(f"ids[{i}][{j}]={int(token)} is out of range; allowed: [0, {v}) (gpt2_vocab_size)")
 
     # --- the four jobs ----------------------------------------------------------------------------
 

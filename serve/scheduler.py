@@ -15,9 +15,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ class _Sample:
 class GenerationScheduler:
     def __init__(
         self, pipeline: LDLMPipeline, max_batch: int = 16, policy: Policy = "continuous", max_queue: int = 4096,
-        start: bool = True,
+        start: bool = True, observer: Callable[[int, float, float], None] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
@@ -82,6 +83,7 @@ class GenerationScheduler:
         self._active: list[_Sample] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self.observer = observer  # (batch size, 0, compute seconds) per denoiser call, for metrics
         self.denoiser_calls = 0
         self.samples_stepped = 0
         self._thread = threading.Thread(target=self._loop, name="ldlm-generation", daemon=True)
@@ -104,7 +106,6 @@ class GenerationScheduler:
             raise ValueError(f"sampler={spec.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
         grid = time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min)
         request = _Request(spec, Future(), [None] * spec.n, spec.n)
-        request.future.set_running_or_notify_cancel()
         samples = []
         for i, seed in enumerate(sample_seeds(spec.seed, spec.n)):
             stream = NoiseStream(seed, (spec.length, cfg.d_model))
@@ -143,6 +144,10 @@ class GenerationScheduler:
                 if self._stopping and not self._queue and not self._active:
                     return
                 self._admit()
+                # a request that was cancelled or timed out frees its slots at once
+                self._active = [s for s in self._active if not s.request.future.done()]
+                if not self._active:
+                    continue
             batch = list(self._active)
             try:
                 # One denoiser call per length bucket: padding a 16-token sample to 128 would cost
@@ -155,8 +160,7 @@ class GenerationScheduler:
                     self._finish(finished)
             except Exception as error:  # every request in the batch gets the error, none hangs
                 for sample in batch:
-                    if not sample.request.future.done():
-                        sample.request.future.set_exception(error)
+                    resolve_future(sample.request.future, error=error)
                 self._active = [s for s in self._active if s not in batch]
 
     def _admit(self) -> None:
@@ -186,7 +190,10 @@ class GenerationScheduler:
         t = torch.tensor([float(s.grid[s.step]) for s in batch], device=pipe.device)
         t_next = torch.tensor([float(s.grid[s.step + 1]) for s in batch], device=pipe.device)
         x = stack([s.x for s in batch])
+        started = time.perf_counter()
         x0_hat = pipe.graphs.denoise(x, t, stack([s.x0_hat for s in batch]), mask)
+        if self.observer is not None:
+            self.observer(len(batch), 0.0, time.perf_counter() - started)
         self.denoiser_calls += 1
         self.samples_stepped += len(batch)
         stochastic = [s.request.spec.sampler == "sde" for s in batch]
@@ -230,5 +237,16 @@ class GenerationScheduler:
         for request in complete:
             n, length = request.spec.n, request.spec.length
             rows = slice(start, start + n)
-            request.future.set_result(TextResult(decoded.token_ids[rows, :length], decoded.texts[rows]))
+            resolve_future(request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows]))
             start += n
+
+
+def resolve_future(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Answer a future unless its caller cancelled it meanwhile (a race the caller may win)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

@@ -59,7 +59,7 @@ def test_decode_cuts_at_end_of_text(pipeline: LDLMPipeline) -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda p: p.encode([[1, 2, 50258]]), r"ids\[0\]\[2\]=50258 is out of range; allowed: \[0, 50258\)"),
+        (lambda p: p.encode([[1, 2, 50257]]), r"ids\[0\]\[2\]=50257 is out of range; allowed: \[0, 50257\)"),
         (lambda p: p.encode([[5, -1]]), r"ids\[0\]\[1\]=-1 is out of range"),
         (lambda p: p.encode(["fine", ""]), r"texts\[1\]='' is empty"),
         (lambda p: p.encode(["   "]), r"texts\[0\]='   ' is empty"),

@@ -1,0 +1,149 @@
+"""Dynamic batching for one graph: requests that arrive within ``max_delay_ms`` of each other run
+as one batch of at most ``max_batch`` samples.
+
+Requests may have different sequence lengths: they are right-padded to the longest and the
+padding is masked through the graph's ``attention_mask``, so each answer equals an unbatched
+run; outputs are cut back to each request's own length. Every request gets exactly one answer:
+its outputs or the exception of its batch. N requests in, N answers out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ldlm.serve.backends import GraphBackend
+from ldlm.serve.scheduler import QueueFullError, resolve_future
+
+BatchObserver = Callable[[int, float, float], None]  # (batch size, queue seconds of the oldest, compute seconds)
+
+
+@dataclass
+class _Pending:
+    inputs: dict[str, np.ndarray]
+    batch: int
+    length: int | None
+    future: Future[dict[str, np.ndarray]] = field(default_factory=Future)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class DynamicBatcher:
+    def __init__(
+        self, backend: GraphBackend, max_batch: int = 16, max_delay_ms: float = 2.0, max_queue: int = 256,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
+        if max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms={max_delay_ms} is out of range; allowed: >= 0")
+        if max_queue < 1:
+            raise ValueError(f"max_queue={max_queue} is out of range; allowed: >= 1")
+        self.backend = backend
+        self.max_batch = max_batch
+        self.max_delay_s = max_delay_ms / 1000
+        self.max_queue = max_queue
+        self.observer = observer
+        self._queue: deque[_Pending] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        seq_axes = {s["name"]: s["shape"].index("seq") for s in backend.inputs if "seq" in s["shape"]}
+        self._seq_axes = seq_axes
+        self._out_seq_axes = {o["name"]: o["shape"].index("seq") for o in backend.outputs if "seq" in o["shape"]}
+        self._thread = threading.Thread(target=self._loop, name=f"ldlm-batcher-{backend.graph}", daemon=True)
+        self._thread.start()
+
+    def submit(self, inputs: dict[str, np.ndarray]) -> Future[dict[str, np.ndarray]]:
+        """Check ``inputs`` against the graph's contract (raises at once) and queue them."""
+        arrays = self.backend.check_inputs(inputs)
+        first = arrays[self.backend.input_names[0]]
+        lengths = {a.shape[self._seq_axes[n]] for n, a in arrays.items() if n in self._seq_axes}
+        pending = _Pending(arrays, int(first.shape[0]), lengths.pop() if lengths else None)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError(f"the {self.backend.graph} batcher is shut down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(f"{self.backend.graph} queue is full ({len(self._queue)} requests waiting, max {self.max_queue})")
+            self._queue.append(pending)
+            self._cond.notify()
+        return pending.future
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Answer everything queued, then stop."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue and self._stopping:
+                    return
+                deadline = self._queue[0].queued_at + self.max_delay_s
+                while not self._stopping and self._size() < self.max_batch and (left := deadline - time.perf_counter()) > 0:
+                    self._cond.wait(left)
+                batch = self._take()
+            self._run(batch)
+
+    def _size(self) -> int:
+        return sum(p.batch for p in self._queue)
+
+    def _take(self) -> list[_Pending]:
+        batch, size = [], 0
+        while self._queue and (not batch or size + self._queue[0].batch <= self.max_batch):
+            pending = self._queue.popleft()
+            batch.append(pending)
+            size += pending.batch
+        return batch
+
+    def _run(self, batch: list[_Pending]) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.backend.run(self._concatenate(batch))
+            computed = time.perf_counter() - started
+            offset = 0
+            for pending in batch:
+                rows = slice(offset, offset + pending.batch)
+                offset += pending.batch
+                resolve_future(pending.future, {name: self._cut(name, value[rows], pending.length) for name, value in outputs.items()})
+            if self.observer is not None:
+                self.observer(offset, started - batch[0].queued_at, computed)
+        except Exception as error:  # the batch's requests all get the error; the worker lives on
+            for pending in batch:
+                resolve_future(pending.future, error=error)
+
+    def _concatenate(self, batch: list[_Pending]) -> dict[str, np.ndarray]:
+        longest = max((p.length or 0) for p in batch)
+        merged = {}
+        for name in self.backend.input_names:
+            parts = []
+            for pending in batch:
+                array = pending.inputs[name]
+                axis = self._seq_axes.get(name)
+                if axis is not None and array.shape[axis] < longest:
+                    widths = [(0, 0)] * array.ndim
+                    widths[axis] = (0, longest - array.shape[axis])
+                    array = np.pad(array, widths)  # zeros: masked padding (attention_mask 0, ids 0)
+                parts.append(array)
+            merged[name] = np.concatenate(parts, axis=0)
+        return merged
+
+    def _cut(self, name: str, value: np.ndarray, length: int | None) -> np.ndarray:
+        axis = self._out_seq_axes.get(name)
+        if axis is None or length is None:
+            return value
+        index = [slice(None)] * value.ndim
+        index[axis] = slice(0, length)
+        return value[tuple(index)]

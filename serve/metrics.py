@@ -1,0 +1,41 @@
+"""Prometheus metrics in Triton's style, on a registry of the server's own.
+
+inference_count / execution_count is the average batch size, as in Triton.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_success = Counter("ldlm_request_success", "Requests answered with 2xx", ["model"], registry=r)
+        self.request_failure = Counter("ldlm_request_failure", "Requests answered with an error", ["model", "code"], registry=r)
+        self.inference_count = Counter("ldlm_inference_count", "Samples inferred (batch entries)", ["model"], registry=r)
+        self.execution_count = Counter("ldlm_execution_count", "Graph executions (batches run)", ["model"], registry=r)
+        self.queue_seconds = Histogram("ldlm_queue_duration_seconds", "Time a batch's oldest request waited", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.compute_seconds = Histogram("ldlm_compute_duration_seconds", "Graph execution time per batch", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("ldlm_request_duration_seconds", "End-to-end request latency", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("ldlm_batch_size", "Samples per execution", ["model"], buckets=BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge("ldlm_queue_depth", "Requests waiting", ["model"], registry=r)
+
+    def observer(self, model: str):  # type: ignore[no-untyped-def]
+        """A DynamicBatcher observer recording one execution of ``model``."""
+
+        def observe(batch: int, queued_s: float, compute_s: float) -> None:
+            self.execution_count.labels(model).inc()
+            self.inference_count.labels(model).inc(batch)
+            self.batch_size.labels(model).observe(batch)
+            self.queue_seconds.labels(model).observe(queued_s)
+            self.compute_seconds.labels(model).observe(compute_s)
+
+        return observe
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,409 @@
+"""The inference service: KServe v2 for each graph, a text API, dynamic batching, metrics.
+
+  GET  /v2, /v2/health/live, /v2/health/ready
+  GET  /v2/models/{model}[/versions/{v}], .../ready
+  POST /v2/models/{model}[/versions/{v}]/infer     JSON and binary tensors (tritonclient works as is)
+  POST /v1/generate, /v1/reconstruct, /v1/encode   text in, text / ids / latents out
+  GET  /metrics                                    Prometheus
+  GET  /docs, /openapi.json                        OpenAPI
+
+Graph requests go through one DynamicBatcher per graph; generation goes through the step-level
+continuous-batching scheduler. Queues are bounded (503 with Retry-After when full), every request
+has a timeout (504), bodies are capped (413), and nothing from a request is ever executed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+import ldlm
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.backends import BackendError, BackendGraphs, open_graphs
+from ldlm.serve.batcher import DynamicBatcher
+from ldlm.serve.kserve import HEADER_LENGTH, ProtocolError, decompress, encode_infer_response, parse_infer_request, tensor_metadata
+from ldlm.serve.metrics import Metrics
+from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler, QueueFullError
+
+log = logging.getLogger("ldlm.serve")
+MODEL_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "ort"
+    max_batch: int = 16  # samples per graph execution
+    max_delay_ms: float = 2.0  # how long a batch waits for company
+    max_queue: int = 256  # requests waiting per graph before 503
+    request_timeout_s: float = 60.0
+    max_body_bytes: int = 8 << 20
+    max_n: int = 64  # samples per /v1/generate request
+    max_steps: int = 1000
+    max_texts: int = 64
+    api_key: str | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
+                  "max_body_bytes": (self.max_body_bytes, 1024, 1 << 31), "max_n": (self.max_n, 1, 1 << 16),
+                  "max_steps": (self.max_steps, 1, 1 << 20), "max_texts": (self.max_texts, 1, 1 << 16)}
+        for name, (value, low, high) in checks.items():
+            if not low <= value <= high:
+                raise ValueError(f"{name}={value} is out of range; allowed: {low}..{high}")
+        if self.request_timeout_s <= 0 or self.max_delay_ms < 0:
+            raise ValueError("request_timeout_s must be > 0 and max_delay_ms >= 0")
+
+
+class GenerateBody(BaseModel):
+    n: int = Field(1, ge=1, description="samples to generate")
+    length: int = Field(64, ge=1, description="tokens per sample")
+    steps: int = Field(50, ge=1, description="denoising steps")
+    seed: int = Field(0, ge=0, lt=2**63, description="noise seed")
+    sampler: Literal["sde", "ddim"] = Field("sde", description="sde: Euler-Maruyama; ddim: deterministic")
+    t_min: float | None = Field(None, gt=0, lt=1, description="last time of the grid")
+
+
+class TextsBody(BaseModel):
+    texts: list[str] = Field(..., min_length=1, description="input texts")
+
+
+class LDLMService:
+    """Everything a server process holds: the graphs, their batchers, the scheduler, the metrics."""
+
+    def __init__(self, source: str, settings: ServerSettings) -> None:
+        self.settings = settings
+        self._scratch = None
+        if settings.backend == "ort" and (Path(source) / "model.safetensors").is_file():
+            from ldlm.export.onnx_export import export_graphs
+
+            self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")  # a checkpoint: export it first
+            source = str(export_graphs(source, Path(self._scratch.name) / "onnx").out)
+        graphs, config, tokenizer = open_graphs(settings.backend, source, threads=settings.threads)
+        self.graphs, self.config = graphs, config
+        self.metrics = Metrics()
+        self.batchers = {
+            name: DynamicBatcher(graph, settings.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name))
+            for name, graph in graphs.items()
+        }
+        buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= config.max_seq_len) + (config.max_seq_len,)
+        self.batched_pipeline = LDLMPipeline(BatchedGraphs(self.batchers), tokenizer, config=config)
+        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=buckets)
+        self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
+                                             observer=self.metrics.observer("generate"))
+        self.ready = True
+
+    def close(self) -> None:
+        """Finish everything queued, then stop the workers (graceful shutdown)."""
+        self.ready = False
+        self.scheduler.close()
+        for batcher in self.batchers.values():
+            batcher.close()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+
+
+class BatchedGraphs:
+    """InferenceGraphs whose calls queue in the per-graph dynamic batchers (text endpoints)."""
+
+    def __init__(self, batchers: dict[str, DynamicBatcher]) -> None:
+        self.batchers = batchers
+
+    def encode_latents(self, input_ids: Any, attention_mask: Any) -> Any:
+        import torch
+
+        out = self.batchers["encoder"].submit({"input_ids": input_ids.numpy(), "attention_mask": attention_mask.long().numpy()}).result()
+        return torch.from_numpy(out["latents"])
+
+    def denoise(self, x_t: Any, t: Any, x0_prev: Any, mask: Any) -> Any:
+        import torch
+
+        feed = {"x_t": x_t.float().numpy(), "t": t.float().numpy(), "x0_prev": x0_prev.float().numpy(), "attention_mask": mask.long().numpy()}
+        return torch.from_numpy(self.batchers["denoiser"].submit(feed).result()["x0_hat"])
+
+    def decode_tokens(self, latents: Any, mask: Any) -> Any:
+        import torch
+
+        out = self.batchers["decoder"].submit({"latents": latents.float().numpy(), "attention_mask": mask.long().numpy()}).result()
+        return torch.from_numpy(out["token_ids"])
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float) -> Any:
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+    except asyncio.TimeoutError:
+        future.cancel()
+        raise HTTPError(504, f"request timed out after {timeout_s:g} s") from None
+
+
+def create_app(service: LDLMService) -> FastAPI:
+    settings = service.settings
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, service.close)  # drain, then stop
+        log.info("shutdown complete")
+
+    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan,
+                  description="LDLM inference: KServe v2 for the encoder, denoiser and decoder graphs, and a text API.")
+    app.state.service = service
+    app.add_middleware(GuardMiddleware, service=service)  # type: ignore[arg-type]
+
+    @app.exception_handler(HTTPError)
+    async def http_error(request: Request, error: HTTPError) -> JSONResponse:
+        return JSONResponse({"error": error.message}, error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = [f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in error.errors()]
+        return JSONResponse({"error": "; ".join(problems), "detail": json.loads(json.dumps(error.errors(), default=str))}, 422)
+
+    def model_or_404(name: str) -> str:
+        if name not in service.graphs:
+            raise HTTPError(404, f"unknown model {name!r}; available: {', '.join(service.graphs)}")
+        return name
+
+    @app.get("/v2")
+    async def server_metadata() -> dict[str, Any]:
+        return {"name": "ldlm", "version": ldlm.__version__, "extensions": ["binary_tensor_data"]}
+
+    @app.get("/v2/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v2/health/ready")
+    async def ready() -> Response:
+        return Response(status_code=200 if service.ready else 503)
+
+    @app.get("/v2/models/{model}")
+    @app.get("/v2/models/{model}/versions/{version}")
+    async def model_metadata(model: str, version: str = MODEL_VERSION) -> dict[str, Any]:
+        graph = service.graphs[model_or_404(model)]
+        return {"name": model, "versions": [MODEL_VERSION], "platform": f"ldlm_{graph.backend}",
+                "inputs": tensor_metadata(graph.inputs), "outputs": tensor_metadata(graph.outputs)}
+
+    @app.get("/v2/models/{model}/ready")
+    @app.get("/v2/models/{model}/versions/{version}/ready")
+    async def model_ready(model: str, version: str = MODEL_VERSION) -> Response:
+        model_or_404(model)
+        return Response(status_code=200 if service.ready else 503)
+
+    @app.post("/v2/models/{model}/infer")
+    @app.post("/v2/models/{model}/versions/{version}/infer")
+    async def infer(model: str, request: Request, version: str = MODEL_VERSION) -> Response:
+        model_or_404(model)
+        body = decompress(await request.body(), request.headers.get("content-encoding"), settings.max_body_bytes)
+        parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+        if model == "encoder" and "input_ids" in parsed.inputs:
+            check_ids(parsed.inputs["input_ids"], service.config.gpt2_vocab_size)
+        unknown = [n for n, _ in parsed.outputs or [] if n not in service.graphs[model].output_names]
+        if unknown:
+            raise HTTPError(400, f"unknown outputs {unknown}; {model} has {service.graphs[model].output_names}")
+        outputs = await wait(service.batchers[model].submit(parsed.inputs), settings.request_timeout_s)
+        content, headers = encode_infer_response(model, MODEL_VERSION, parsed, outputs)
+        return Response(content, headers=headers)
+
+    @app.post("/v1/generate")
+    async def generate(body: GenerateBody) -> dict[str, Any]:
+        """Sample texts. Random-init checkpoints give gibberish."""
+        if body.n > settings.max_n:
+            raise HTTPError(422, f"n: {body.n} is out of range; allowed: 1..{settings.max_n}")
+        if body.steps > settings.max_steps:
+            raise HTTPError(422, f"steps: {body.steps} is out of range; allowed: 1..{settings.max_steps}")
+        future = service.scheduler.submit(GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min))
+        result = await wait(future, settings.request_timeout_s)
+        return {"texts": result.texts, "token_ids": result.token_ids.tolist()}
+
+    @app.post("/v1/reconstruct")
+    async def reconstruct(body: TextsBody) -> dict[str, Any]:
+        """Texts -> latents -> texts."""
+        check_texts(body.texts, settings.max_texts)
+        result = await run_blocking(service.batched_pipeline.reconstruct, body.texts, settings.request_timeout_s)
+        return {"texts": result.texts, "token_ids": result.token_ids.tolist()}
+
+    @app.post("/v1/encode")
+    async def encode(body: TextsBody) -> dict[str, Any]:
+        """Texts -> standardized latents (B, L, D) and their attention mask."""
+        check_texts(body.texts, settings.max_texts)
+        result = await run_blocking(service.batched_pipeline.encode, body.texts, settings.request_timeout_s)
+        return {"shape": list(result.latents.shape), "latents": result.latents.tolist(), "attention_mask": result.attention_mask.long().tolist()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for name, batcher in service.batchers.items():
+            service.metrics.queue_depth.labels(name).set(batcher.queued)
+        service.metrics.queue_depth.labels("generate").set(service.scheduler.queued_samples)
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def check_ids(ids: np.ndarray, vocab: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        bad = int(ids.max() if ids.max() >= vocab else ids.min())
+        raise HTTPError(400, f"input_ids contains {bad}; allowed: [0, {vocab}) (gpt2_vocab_size)")
+
+
+def check_texts(texts: list[str], limit: int) -> None:
+    if len(texts) > limit:
+        raise HTTPError(422, f"texts: {len(texts)} items is out of range; allowed: 1..{limit}")
+
+
+async def run_blocking(fn: Any, arg: Any, timeout_s: float) -> Any:
+    return await wait(asyncio.get_running_loop().run_in_executor(None, fn, arg), timeout_s)
+
+
+class GuardMiddleware:
+    """Pure ASGI (no per-request thread hop): request ids, structured logs, body cap, bearer auth,
+    and the mapping of errors to status codes, so the process survives every bad request."""
+
+    OPEN_PATHS = ("/v2/health/",)
+
+    def __init__(self, app: Any, service: LDLMService) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        settings = self.service.settings
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        started = time.perf_counter()
+        status = {"code": 500}
+        model = _model_of(scope["path"])
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        try:
+            if settings.api_key and not scope["path"].startswith(self.OPEN_PATHS):
+                if headers.get("authorization") != f"Bearer {settings.api_key}":
+                    return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
+                return await _reply(send_wrapper, 413, f"body of {length} bytes exceeds the limit of {settings.max_body_bytes}")
+            received = 0
+
+            async def capped_receive() -> dict[str, Any]:
+                nonlocal received
+                message = await receive()
+                received += len(message.get("body", b""))
+                if received > settings.max_body_bytes:
+                    raise HTTPError(413, f"body exceeds the limit of {settings.max_body_bytes} bytes")
+                return message
+
+            await self.app(scope, capped_receive, send_wrapper)
+        except HTTPError as error:
+            await _reply(send_wrapper, error.status, error.message, error.headers)
+        except QueueFullError as error:
+            await _reply(send_wrapper, 503, str(error), {"Retry-After": "1"})
+        except (ProtocolError, BackendError, ValueError) as error:
+            await _reply(send_wrapper, 400, str(error))
+        except Exception as error:  # the process survives; the client learns nothing internal
+            log.exception("unhandled error", extra={"request_id": request_id})
+            await _reply(send_wrapper, 500, f"internal error ({type(error).__name__}); request id {request_id}")
+        finally:
+            elapsed = time.perf_counter() - started
+            code = status["code"]
+            if model is not None:
+                if code < 400:
+                    self.service.metrics.request_success.labels(model).inc()
+                else:
+                    self.service.metrics.request_failure.labels(model, str(code)).inc()
+                self.service.metrics.request_seconds.labels(model).observe(elapsed)
+            log.info("request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
+                                       "status": code, "ms": round(1000 * elapsed, 3)})
+
+
+def _model_of(path: str) -> str | None:
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        return path.split("/")[3]
+    if path.startswith("/v1/"):
+        return path.split("/")[2]
+    return None
+
+
+async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps({"error": message}).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+    except RuntimeError:
+        pass  # the response had already started; nothing more can be said
+
+
+class JsonLogFormatter(logging.Formatter):
+    FIELDS = ("request_id", "method", "path", "status", "ms")
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname, "msg": record.getMessage()}
+        entry.update({k: getattr(record, k) for k in self.FIELDS if hasattr(record, k)})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def serve(source: str, settings: ServerSettings, log_level: str = "info") -> None:
+    """Load, bind (127.0.0.1 by default), serve until SIGINT/SIGTERM, then drain and exit."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter())
+    log.handlers[:] = [handler]
+    log.setLevel(log_level.upper())
+    log.propagate = False
+    service = LDLMService(source, settings)
+    app = create_app(service)
+    url = f"http://{settings.host}:{settings.port}"
+    auth = f" -H 'Authorization: Bearer {settings.api_key}'" if settings.api_key else ""
+    print(f"ldlm serving {source} ({settings.backend}; {', '.join(f'{g}: {b.provider}' for g, b in service.graphs.items())}) on {url}", flush=True)
+    print(f"try: curl -s {url}/v1/generate -H 'Content-Type: application/json'{auth} "
+          f"-d '{{\"n\": 2, \"length\": 32, \"steps\": 20, \"seed\": 0, \"sampler\": \"ddim\"}}'", flush=True)
+    print(f"docs: {url}/docs   metrics: {url}/metrics", flush=True)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5, limit_concurrency=4 * settings.max_queue)
+    GracefulServer(config).run()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's Server, but SIGINT/SIGTERM end in a drained exit with status 0 (uvicorn re-raises
+    the signal after shutting down, which reports a clean shutdown as a kill)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
