@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
     p.add_argument("--max-batch", type=_positive_int, default=16, help="samples per execution (default: 16)")
-    p.add_argument("--max-delay-ms", type=float, default=2.0, help="dynamic batching window (default: 2 ms)")
+    p.add_argument("--max-delay-ms", type=float, default=0.0, help="dynamic batching window; 0 batches whatever queued during the last run (default: 0)")
     p.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests per graph before 503 (default: 256)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout, then 504 (default: 60)")
     p.add_argument("--max-body-mb", type=_positive_int, default=8, help="request body cap, then 413 (default: 8 MiB)")

@@ -54,7 +54,7 @@ class ServerSettings:
     port: int = 8000
     backend: str = "ort"
     max_batch: int = 16  # samples per graph execution
-    max_delay_ms: float = 2.0  # how long a batch waits for company
+    max_delay_ms: float = 0.0  # how long a batch waits for company; 0: whatever queued while the last ran
     max_queue: int = 256  # requests waiting per graph before 503
     request_timeout_s: float = 60.0
     max_body_bytes: int = 8 << 20

@@ -275,3 +275,16 @@ def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None
         if process.poll() is None:
             process.kill()
         process.wait()
+
+
+def test_load_test_script_smoke(export_dir: Path, tmp_path: Path) -> None:
+    """scripts/load_test.py end to end, briefly: its own server, 2 clients, 2 s, overhead probe."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, str(script), "--source", str(export_dir), "--clients", "2", "--seconds", "2",
+                    "--overhead-requests", "20", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["load"]["answered"] > 0 and report["load"]["errors"] == 0 and report["load"]["lost"] == 0
+    assert report["overhead"]["runner_p50_ms"] > 0 and report["server_exit_code"] == 0
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, str(script), "--url", "http://10.0.0.1:8000"], check=True, capture_output=True, timeout=60)
