@@ -190,6 +190,22 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     serve(args.source, settings, args.log_level)
 
 
+def _cmd_triton_repo(args: argparse.Namespace) -> None:
+    from ldlm.export.triton_repo import list_models, write_triton_repo
+
+    cc_plans = {}
+    for item in args.cc_plan or ():
+        cc, sep, directory = item.partition("=")
+        if not sep or not cc or not directory:
+            raise ValueError(f"--cc-plan {item!r} is malformed; allowed: CC=ENGINE_DIR, e.g. 8.6=engines-a10")
+        cc_plans[cc] = directory
+    out = write_triton_repo(args.source, args.out, args.max_batch, args.queue_delay_us, not args.cpu, cc_plans or None,
+                            args.max_n, args.force)
+    print(f"wrote {out}: models {', '.join(list_models(out))}; every config.pbtxt validated against tritonclient's schema")
+    print(f"run: docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
+          "nvcr.io/nvidia/tritonserver:<xx.yy>-py3 tritonserver --model-repository=/models   (see docs/scale-out.md)")
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -371,6 +387,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "triton-repo",
+        help="write a Triton Inference Server model repository",
+        description="Write a Triton model repository from an `ldlm build-engine` directory (tensorrt_plan models) or an "
+        "`ldlm export` directory (onnxruntime_onnx models): encoder, denoiser and decoder with dynamic batching, "
+        "instance groups and warm-up, plus the Python-backend model ldlm_generate that runs the sampling loop "
+        "through BLS calls. Every config.pbtxt is validated against tritonclient's model_config schema.",
+    )
+    p.add_argument("source", help="`ldlm build-engine` or `ldlm export` directory")
+    p.add_argument("out", help="repository directory to create")
+    p.add_argument("--max-batch", type=_positive_int, default=32, help="max_batch_size (default: 32)")
+    p.add_argument("--queue-delay-us", type=int, default=100, help="dynamic batching max_queue_delay_microseconds (default: 100)")
+    p.add_argument("--cpu", action="store_true", help="instance groups on CPU (default: GPU)")
+    p.add_argument("--cc-plan", action="append", metavar="CC=ENGINE_DIR", help="extra plans per compute capability (cc_model_filenames)")
+    p.add_argument("--max-n", type=_positive_int, default=64, help="largest N ldlm_generate accepts (default: 64)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_cmd_triton_repo)
     return parser
 
 

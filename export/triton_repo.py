@@ -1,0 +1,194 @@
+"""Scale-out stage: an export or engine directory -> a Triton Inference Server model repository.
+
+OUT/
+  encoder/config.pbtxt, encoder/1/model.plan            (tensorrt_plan, where engines exist)
+  encoder/1/model.onnx/{model.onnx, encoder.onnx.data}  (onnxruntime_onnx: external data needs a directory)
+  denoiser/..., decoder/...
+  ldlm_generate/config.pbtxt, ldlm_generate/1/{model.py, config.json, tokenizer.json}   (python backend, BLS)
+
+Every config.pbtxt is parsed with the ``model_config`` protobuf schema that tritonclient ships and
+checked against the graph's own I/O names, dtypes and dims before the repository is renamed into place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ldlm.checkpoint import CONFIG_FILE, atomic_directory
+from ldlm.config import LDLMConfig
+from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.tokenizer import TOKENIZER_FILE
+
+TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
+GENERATE_MODEL = "ldlm_generate"
+
+
+class RepositoryError(ValueError):
+    """An input directory or generated config that cannot make a valid repository."""
+
+
+def load_model_config_schema() -> Any:
+    """tritonclient's ``ModelConfig`` protobuf class (its grpc package ships the schema)."""
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except Exception as error:  # ImportError, or tritonclient's RuntimeError without grpc support
+        raise RepositoryError(f"validating config.pbtxt needs tritonclient's model_config schema: pip install 'tritonclient[grpc]' ({error})") from error
+    return model_config_pb2.ModelConfig
+
+
+def inspect_source(source: Path) -> tuple[str, dict[str, dict[str, Any]]]:
+    """('plan' | 'onnx', {graph: I/O + files}) for an engine or export directory; refuses empty or mixed ones."""
+    if not source.is_dir():
+        raise RepositoryError(f"{source} is not a directory; allowed: an `ldlm export` or `ldlm build-engine` directory")
+    plans = sorted(p.name for p in source.glob("*.plan"))
+    manifest_path = source / "manifest.json"
+    if plans:
+        missing = [g for g in GRAPH_NAMES if not (source / f"{g}.plan").is_file() or not (source / f"{g}.plan.json").is_file()]
+        if missing:
+            raise RepositoryError(f"{source} is mixed: it has plans ({', '.join(plans)}) but none, or no manifest, for {', '.join(missing)}")
+        manifests = {g: json.loads((source / f"{g}.plan.json").read_text()) for g in GRAPH_NAMES}
+        builds = {(m["flavor"], m["trt_version"], m["precision"]) for m in manifests.values()}
+        if len(builds) != 1:
+            raise RepositoryError(f"{source} is mixed: its plans come from different builds {sorted(builds)}")
+        return "plan", {g: {"inputs": m["inputs"], "outputs": m["outputs"], "profiles": m["profiles"], "files": [source / f"{g}.plan"]} for g, m in manifests.items()}
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        missing = [g for g in GRAPH_NAMES if g not in manifest.get("graphs", {})]
+        if missing:
+            raise RepositoryError(f"{source} has no {', '.join(missing)} graph(s); export all three")
+        return "onnx", {g: {"inputs": e["inputs"], "outputs": e["outputs"], "profiles": [],
+                            "files": [source / f for f in e["files"]]} for g, e in manifest["graphs"].items()}
+    raise RepositoryError(f"{source} is empty of models: no *.plan and no manifest.json")
+
+
+def model_config(name: str, kind: str, io: dict[str, Any], max_batch: int, queue_delay_us: int, gpu: bool,
+                 cc_filenames: dict[str, str] | None = None) -> str:
+    """config.pbtxt text for one graph. Triton's dims leave out the batch axis."""
+    profiles = io["profiles"]
+    preferred = sorted({p["batch"][1] for p in profiles}) or [min(8, max_batch)]
+    lines = [f'name: "{name}"', f'platform: "{"tensorrt_plan" if kind == "plan" else "onnxruntime_onnx"}"', f"max_batch_size: {max_batch}"]
+    for section, specs in (("input", io["inputs"]), ("output", io["outputs"])):
+        entries = []
+        for spec in specs:
+            dims = triton_dims(spec)
+            # A per-sample scalar (shape [batch]) is dims [1] reshaped to [] for the model.
+            reshape = " reshape: { shape: [ ] }" if len(spec["shape"]) == 1 else ""
+            entries.append(f'  {{ name: "{spec["name"]}" data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ]{reshape} }}')
+        lines.append(f"{section} [\n" + ",\n".join(entries) + "\n]")
+    lines.append(f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, preferred))} ] max_queue_delay_microseconds: {queue_delay_us} }}")
+    lines.append(f"instance_group [ {{ count: 1 kind: {'KIND_GPU' if gpu else 'KIND_CPU'} }} ]")
+    warm = []
+    for spec in io["inputs"]:
+        dims = [16 if d == -1 else d for d in triton_dims(spec)]
+        fill = "random_data: true" if spec["dtype"] == "FLOAT" else "zero_data: true"
+        warm.append(f'    key: "{spec["name"]}" value: {{ data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ] {fill} }}')
+    lines.append('model_warmup [ {\n  name: "batch1_seq16"\n  batch_size: 1\n  inputs [\n' + ",\n".join("  {" + w.strip() + " }" for w in warm) + "\n  ]\n} ]")
+    if cc_filenames:
+        lines.append("cc_model_filenames [ " + ", ".join(f'{{ key: "{cc}" value: "{file}" }}' for cc, file in cc_filenames.items()) + " ]")
+    return "\n".join(lines) + "\n"
+
+
+def triton_dims(spec: dict[str, Any]) -> list[int]:
+    """Triton's dims leave out the batch axis; symbolic axes are -1; a bare [batch] is [1]."""
+    return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]] or [1]
+
+
+def generate_config(max_n: int) -> str:
+    scalars = [("N", "TYPE_INT64"), ("LENGTH", "TYPE_INT64"), ("STEPS", "TYPE_INT64"), ("SEED", "TYPE_INT64"), ("SAMPLER", "TYPE_STRING"), ("T_MIN", "TYPE_FP32")]
+    inputs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN") else ""} }}' for n, t in scalars)
+    return (
+        f'name: "{GENERATE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n'
+        f"input [\n{inputs}\n]\n"
+        'output [\n  { name: "TEXTS" data_type: TYPE_STRING dims: [ -1 ] },\n  { name: "TOKEN_IDS" data_type: TYPE_INT64 dims: [ -1, -1 ] }\n]\n'
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+        f'parameters {{ key: "max_n" value: {{ string_value: "{max_n}" }} }}\n'
+    )
+
+
+def validate_config(text: str, io: dict[str, Any] | None, where: str) -> Any:
+    """Parse with the protobuf schema; compare names, dtypes and dims with the graph's I/O."""
+    from google.protobuf import text_format
+
+    schema = load_model_config_schema()
+    try:
+        config = text_format.Parse(text, schema())
+    except text_format.ParseError as error:
+        raise RepositoryError(f"{where}: config.pbtxt does not parse as ModelConfig: {error}") from error
+    if io is None:
+        return config
+    for section, specs in (("input", io["inputs"]), ("output", io["outputs"])):
+        declared = {t.name: t for t in getattr(config, section)}
+        if list(declared) != [s["name"] for s in specs]:
+            raise RepositoryError(f"{where}: {section} names {list(declared)} != graph's {[s['name'] for s in specs]}")
+        for spec in specs:
+            tensor = declared[spec["name"]]
+            want_type = schema.DESCRIPTOR.fields_by_name["input"].message_type.fields_by_name["data_type"].enum_type.values_by_name[TRITON_TYPES[spec["dtype"]]].number
+            want_dims = triton_dims(spec)
+            if tensor.data_type != want_type or list(tensor.dims) != want_dims:
+                raise RepositoryError(f"{where}: {section} {spec['name']} is {tensor.data_type}/{list(tensor.dims)}, the graph has {spec['dtype']}/{want_dims}")
+    return config
+
+
+def write_triton_repo(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    max_batch: int = 32,
+    queue_delay_us: int = 100,
+    gpu: bool = True,
+    cc_plans: dict[str, str | os.PathLike[str]] | None = None,
+    max_n: int = 64,
+    overwrite: bool = False,
+) -> Path:
+    """Write and validate the repository; ``cc_plans`` maps a compute capability ("8.6") to an
+    engine directory built on such a GPU (used as cc_model_filenames)."""
+    source = Path(source)
+    kind, graphs = inspect_source(source)
+    if cc_plans and kind != "plan":
+        raise RepositoryError("cc_model_filenames need engine directories; the source is an ONNX export")
+    if not 1 <= max_batch <= 1 << 16:
+        raise RepositoryError(f"max_batch={max_batch} is out of range; allowed: 1..65536")
+    config = LDLMConfig.load(source / CONFIG_FILE)
+    load_model_config_schema()  # fail before writing anything
+    with atomic_directory(out, overwrite) as tmp:
+        for name, io in graphs.items():
+            version = tmp / name / "1"
+            version.mkdir(parents=True)
+            cc_files = None
+            if kind == "plan":
+                shutil.copy(io["files"][0], version / "model.plan")
+                if cc_plans:
+                    cc_files = {}
+                    for cc, directory in cc_plans.items():
+                        file = f"model_{cc}.plan"
+                        shutil.copy(Path(directory) / f"{name}.plan", version / file)
+                        cc_files[cc] = file
+            else:
+                onnx_dir = version / "model.onnx"  # a directory: Triton loads model.onnx and its external data from it
+                onnx_dir.mkdir()
+                for file in io["files"]:
+                    shutil.copy(file, onnx_dir / ("model.onnx" if file.suffix == ".onnx" else file.name))
+            text = model_config(name, kind, io, max_batch, queue_delay_us, gpu, cc_files)
+            validate_config(text, io, f"{name}/config.pbtxt")
+            (tmp / name / "config.pbtxt").write_text(text)
+        generate = tmp / GENERATE_MODEL / "1"
+        generate.mkdir(parents=True)
+        spec = importlib.util.find_spec("ldlm.serve.triton_generate")  # located, not imported (it needs Triton)
+        assert spec is not None and spec.origin is not None
+        shutil.copy(spec.origin, generate / "model.py")
+        config.save(generate / CONFIG_FILE)
+        if (source / TOKENIZER_FILE).is_file():
+            shutil.copy(source / TOKENIZER_FILE, generate / TOKENIZER_FILE)
+        text = generate_config(max_n)
+        validate_config(text, None, f"{GENERATE_MODEL}/config.pbtxt")
+        (tmp / GENERATE_MODEL / "config.pbtxt").write_text(text)
+    return Path(out)
+
+
+def list_models(repo: str | os.PathLike[str]) -> Sequence[str]:
+    return sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))

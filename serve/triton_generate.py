@@ -1,0 +1,97 @@
+"""Triton Python-backend model ``ldlm_generate``: the sampling loop, calling the ``denoiser`` and
+``decoder`` models of the same repository through BLS.
+
+``ldlm triton-repo`` copies this file to ``ldlm_generate/1/model.py``. The sampler is not copied:
+the loop is ``ldlm.sampler.run_sampler`` with the same per-sample noise streams as our runner,
+so a seed gives the runner's tokens. The ``ldlm`` package must be importable in Triton's Python
+environment (see docs/scale-out.md).
+
+Inputs (one request each): N, LENGTH, STEPS, SEED (INT64 [1]), SAMPLER (BYTES [1], "sde"|"ddim"),
+optional T_MIN (FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
+
+from ldlm.config import LDLMConfig
+from ldlm.sampler import SAMPLERS, NoiseStream, TangentSchedule, run_sampler, sample_seeds, time_grid
+from ldlm.tokenizer import TextTokenizer
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.config = LDLMConfig.load(version_dir / "config.json")
+        tokenizer_dir = version_dir if (version_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = TextTokenizer.from_directory(tokenizer_dir) if tokenizer_dir else TextTokenizer.gpt2()
+        self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
+        self.limits = json.loads(args["model_config"]).get("parameters", {})
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            try:
+                texts, token_ids = self.generate(request)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("TEXTS", np.array([t.encode() for t in texts], dtype=np.object_)),
+                    pb_utils.Tensor("TOKEN_IDS", token_ids.astype(np.int64)),
+                ]))
+            except Exception as error:  # one bad request never takes the others down
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
+        return responses
+
+    def generate(self, request: Any) -> tuple[list[str], np.ndarray]:
+        def scalar(name: str, default: Any = None) -> Any:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                if default is None:
+                    raise ValueError(f"input {name} is required")
+                return default
+            value = tensor.as_numpy().reshape(-1)[0]
+            return value.decode() if isinstance(value, bytes) else value.item()
+
+        cfg = self.config
+        n, length, steps, seed = int(scalar("N")), int(scalar("LENGTH")), int(scalar("STEPS")), int(scalar("SEED", 0))
+        sampler, t_min = scalar("SAMPLER", "sde"), float(scalar("T_MIN", cfg.t_min))
+        max_n = int(self.limits.get("max_n", {}).get("string_value", 64))
+        if not 1 <= n <= max_n:
+            raise ValueError(f"N={n} is out of range; allowed: 1..{max_n}")
+        if not 1 <= length <= cfg.max_seq_len:
+            raise ValueError(f"LENGTH={length} is out of range; allowed: 1..{cfg.max_seq_len}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"SAMPLER={sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
+        grid = time_grid(steps, t_min)  # raises for steps <= 0
+        streams = [NoiseStream(s, (length, cfg.d_model)) for s in sample_seeds(seed, n)]
+        mask = np.ones((n, length), dtype=np.int64)
+
+        def draw_noise() -> torch.Tensor:
+            return torch.stack([stream.draw() for stream in streams])
+
+        def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor) -> torch.Tensor:
+            outputs = bls("denoiser", {"x_t": x_t.float().numpy(), "t": t.float().numpy(),
+                                       "x0_prev": x0_prev.float().numpy(), "attention_mask": mask}, ["x0_hat"])
+            return torch.from_numpy(outputs["x0_hat"])
+
+        latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final)
+        token_ids = bls("decoder", {"latents": latents.float().numpy(), "attention_mask": mask}, ["token_ids"])["token_ids"]
+        return [self.tokenizer.decode(row.tolist()) for row in token_ids], token_ids
+
+
+def bls(model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    """One synchronous BLS call to another model of the repository."""
+    request = pb_utils.InferenceRequest(
+        model_name=model,
+        inputs=[pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in inputs.items()],
+        requested_output_names=outputs,
+    )
+    response = request.exec()
+    if response.has_error():
+        raise RuntimeError(f"BLS call to {model} failed: {response.error().message()}")
+    return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}

@@ -1,0 +1,186 @@
+"""Triton model repository: configs validated by tritonclient's schema, and the ldlm_generate
+BLS loop run against an in-process stand-in for Triton's Python backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ldlm.export.triton_repo import RepositoryError, inspect_source, validate_config, write_triton_repo
+from ldlm.pipeline import LDLMPipeline
+
+pytest.importorskip("tritonclient.grpc", reason="the model_config schema ships with tritonclient[grpc]")
+pytest.importorskip("onnxruntime", reason="the stand-in BLS runs the repository's ONNX models")
+
+
+@pytest.fixture(scope="module")
+def repo(export_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_triton_repo(export_dir, tmp_path_factory.mktemp("triton") / "repo", gpu=False, max_n=8)
+
+
+def test_layout_and_configs_validate(repo: Path, export_dir: Path) -> None:
+    assert sorted(p.name for p in repo.iterdir()) == ["decoder", "denoiser", "encoder", "ldlm_generate"]
+    assert (repo / "encoder" / "1" / "model.onnx" / "model.onnx").is_file()  # external data: a directory
+    assert (repo / "encoder" / "1" / "model.onnx" / "encoder.onnx.data").is_file()
+    _, graphs = inspect_source(export_dir)
+    for name in ("encoder", "denoiser", "decoder"):
+        config = validate_config((repo / name / "config.pbtxt").read_text(), graphs[name], name)
+        assert config.platform == "onnxruntime_onnx" and config.max_batch_size == 32
+        assert list(config.dynamic_batching.preferred_batch_size) == [8]
+        assert config.instance_group[0].kind == config.instance_group[0].KIND_CPU
+        assert len(config.model_warmup) == 1
+    denoiser = validate_config((repo / "denoiser" / "config.pbtxt").read_text(), graphs["denoiser"], "denoiser")
+    t = next(i for i in denoiser.input if i.name == "t")
+    assert list(t.dims) == [1] and list(t.reshape.shape) == []
+    generate = validate_config((repo / "ldlm_generate" / "config.pbtxt").read_text(), None, "ldlm_generate")
+    assert generate.backend == "python" and {i.name for i in generate.input} >= {"N", "LENGTH", "STEPS", "SEED", "SAMPLER"}
+
+
+def test_a_config_that_disagrees_with_the_graph_is_rejected(repo: Path, export_dir: Path) -> None:
+    _, graphs = inspect_source(export_dir)
+    text = (repo / "decoder" / "config.pbtxt").read_text().replace("dims: [ -1, 64 ]", "dims: [ -1, 65 ]", 1)
+    with pytest.raises(RepositoryError, match="input latents is"):
+        validate_config(text, graphs["decoder"], "decoder")
+    with pytest.raises(RepositoryError, match="does not parse"):
+        validate_config("name: [broken", graphs["decoder"], "decoder")
+
+
+def test_repository_from_engines_with_cc_plans(export_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("tensorrt_rtx", reason="engines are built with TensorRT-RTX")
+    from ldlm.export.engine import BuildOptions, build_engines
+    from ldlm.export.profiles import EngineProfile, ShapeRange
+
+    profiles = (EngineProfile(ShapeRange(1, 1, 4), ShapeRange(1, 16, 64)), EngineProfile(ShapeRange(4, 16, 32), ShapeRange(1, 16, 64)))
+    engines = build_engines(export_dir, tmp_path / "engines", BuildOptions(profiles=profiles), flavor="tensorrt_rtx").out
+    repo = write_triton_repo(engines, tmp_path / "repo", cc_plans={"8.9": engines})
+    _, graphs = inspect_source(engines)
+    config = validate_config((repo / "encoder" / "config.pbtxt").read_text(), graphs["encoder"], "encoder")
+    assert config.platform == "tensorrt_plan" and list(config.dynamic_batching.preferred_batch_size) == [1, 16]
+    assert dict(config.cc_model_filenames) == {"8.9": "model_8.9.plan"}
+    assert (repo / "encoder" / "1" / "model.plan").is_file() and (repo / "encoder" / "1" / "model_8.9.plan").is_file()
+
+
+def test_bad_sources_and_existing_output(export_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RepositoryError, match="empty of models"):
+        write_triton_repo(tmp_path / "empty", tmp_path / "r1")
+    mixed = tmp_path / "mixed"
+    shutil.copytree(export_dir, mixed)
+    (mixed / "encoder.plan").write_bytes(b"plan")
+    with pytest.raises(RepositoryError, match="mixed"):
+        write_triton_repo(mixed, tmp_path / "r2")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="--force"):
+        write_triton_repo(export_dir, tmp_path / "taken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mixed", "taken"]
+
+
+class StandInPbUtils(types.ModuleType):
+    """The slice of triton_python_backend_utils that ldlm_generate uses; BLS runs the repository's
+    own ONNX models in ONNX Runtime, the way Triton's onnxruntime backend would."""
+
+    def __init__(self, repo: Path) -> None:
+        super().__init__("triton_python_backend_utils")
+        from ldlm.serve.backends import OrtBackend
+
+        config = json.loads((repo / "ldlm_generate" / "1" / "config.json").read_text())
+        self.models = {name: OrtBackend(repo / name / "1" / "model.onnx" / "model.onnx", name, config["max_seq_len"])
+                       for name in ("denoiser", "decoder")}
+        self.bls_calls = 0
+        utils = self
+
+        class Tensor:
+            def __init__(self, name: str, array: np.ndarray) -> None:
+                self._name, self._array = name, array
+
+            def name(self) -> str:
+                return self._name
+
+            def as_numpy(self) -> np.ndarray:
+                return self._array
+
+        class TritonError:
+            def __init__(self, message: str) -> None:
+                self._message = message
+
+            def message(self) -> str:
+                return self._message
+
+        class InferenceResponse:
+            def __init__(self, output_tensors=None, error=None) -> None:
+                self.output_tensors, self._error = output_tensors or [], error
+
+            def has_error(self) -> bool:
+                return self._error is not None
+
+            def error(self):
+                return self._error
+
+        class InferenceRequest:
+            def __init__(self, model_name: str, inputs, requested_output_names) -> None:
+                self.model_name, self.inputs, self.requested = model_name, inputs, requested_output_names
+
+            def exec(self):
+                utils.bls_calls += 1
+                try:
+                    outputs = utils.models[self.model_name].run({t.name(): t.as_numpy() for t in self.inputs})
+                except Exception as error:
+                    return InferenceResponse(error=TritonError(str(error)))
+                return InferenceResponse([Tensor(n, outputs[n]) for n in self.requested])
+
+        self.Tensor, self.TritonError, self.InferenceResponse, self.InferenceRequest = Tensor, TritonError, InferenceResponse, InferenceRequest
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return next((t for t in request.inputs if t.name() == name), None)
+
+    @staticmethod
+    def get_output_tensor_by_name(response, name):
+        return next((t for t in response.output_tensors if t.name() == name), None)
+
+
+def load_generate_model(repo: Path, monkeypatch) -> tuple[object, StandInPbUtils]:
+    stand_in = StandInPbUtils(repo)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stand_in)
+    spec = importlib.util.spec_from_file_location("ldlm_generate_model", repo / "ldlm_generate" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    # Triton hands the model its config as JSON; the part ldlm_generate reads is its parameters.
+    model.initialize({"model_repository": str(repo / "ldlm_generate"), "model_version": "1",
+                      "model_config": json.dumps({"parameters": {"max_n": {"string_value": "8"}}})})
+    return model, stand_in
+
+
+def request(pb, **values):
+    tensors = []
+    for name, value in values.items():
+        array = np.array([value.encode()], dtype=np.object_) if isinstance(value, str) else np.array([value], dtype=np.float32 if isinstance(value, float) else np.int64)
+        tensors.append(pb.Tensor(name, array))
+    return types.SimpleNamespace(inputs=tensors)
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "sde"])
+def test_generate_loop_gives_the_runners_tokens(repo: Path, pipeline: LDLMPipeline, monkeypatch, sampler: str) -> None:
+    model, pb = load_generate_model(repo, monkeypatch)
+    requests = [request(pb, N=2, LENGTH=12, STEPS=4, SEED=3, SAMPLER=sampler), request(pb, N=100, LENGTH=12, STEPS=4),
+                request(pb, N=1, LENGTH=7, STEPS=3, SEED=9, SAMPLER=sampler, T_MIN=0.1)]
+    first, bad, third = model.execute(requests)
+    assert not first.has_error() and not third.has_error()
+    assert bad.has_error() and "N=100 is out of range; allowed: 1..8" in bad.error().message()
+    tokens = pb.get_output_tensor_by_name(first, "TOKEN_IDS").as_numpy()
+    expected = pipeline.generate(2, 12, 4, 3, sampler)
+    np.testing.assert_array_equal(tokens, expected.token_ids.numpy())
+    texts = [t.decode() for t in pb.get_output_tensor_by_name(first, "TEXTS").as_numpy()]
+    assert texts == expected.texts
+    third_tokens = pb.get_output_tensor_by_name(third, "TOKEN_IDS").as_numpy()
+    assert torch.equal(torch.from_numpy(third_tokens), pipeline.generate(1, 7, 3, 9, sampler, t_min=0.1).token_ids)
+    assert pb.bls_calls == (4 + 1) + (3 + 1)  # one denoiser call per step, one decoder call per request
