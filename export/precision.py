@@ -175,7 +175,7 @@ def _fp32_nodes(graph: onnx.GraphProto, types: dict[str, int]) -> set[int]:
             name = next((x for x in nodes[i].input if x in producer), "")
     # Value dependence on the graph inputs, cut at shape ops.
     dependent = {value.name for value in graph.input}
-    for i, n in enumerate(nodes):
+    for n in nodes:
         if n.op_type not in SHAPE_OPS and any(name in dependent for name in n.input):
             dependent.update(n.output)
     keep |= {i for i, n in enumerate(nodes) if not any(name in dependent for name in n.input)}

@@ -124,56 +124,21 @@ def _cmd_parity(args: argparse.Namespace) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    import tempfile
     from pathlib import Path
 
-    import torch
+    from ldlm.serve.bench import bench_summary, plot_bench, run_bench
 
-    from ldlm.export.onnx_export import export_graphs
-    from ldlm.pipeline import LDLMPipeline
-    from ldlm.serve.backends import BackendGraphs, open_graphs
-    from ldlm.serve.bench import bench_generation, bench_graphs, mixed_workload, plot_bench, run_workload
-
-    torch.set_num_threads(args.threads)
-    names = args.backends.split(",")
+    report = run_bench(
+        args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, [int(b) for b in args.batches.split(",")],
+        args.length, args.runs, args.threads, args.gen_n, args.gen_steps, args.workload_requests, args.workload_rate,
+        args.workload_backend, args.max_batch, progress=not args.quiet,
+        workload_lengths=[int(n) for n in args.workload_lengths.split(",")],
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
-        sources = {"eager": args.checkpoint, "ort": args.onnx_dir, "trt": args.engine_dir}
-        if "ort" in names and sources["ort"] is None:
-            sources["ort"] = str(export_graphs(args.checkpoint, Path(tmp) / "onnx", progress=not args.quiet).out)
-        backends, pipelines = {}, {}
-        for name in names:
-            if sources.get(name) is None:
-                raise ValueError(f"backend {name!r} needs --engine-dir" if name == "trt" else f"backend={name!r} is unknown")
-            graphs, config, tokenizer = open_graphs(name, sources[name], threads=args.threads)
-            backends[name] = graphs
-            pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=(16, 32, 64, 128, config.max_seq_len))
-        batches = [int(b) for b in args.batches.split(",")]
-        report: dict = {"checkpoint": str(args.checkpoint), "threads": args.threads, "runs": args.runs,
-                        "torch": torch.__version__, "config_sha256": config.config_hash()}
-        report["graphs"] = bench_graphs(backends, config, batches, min(args.length, config.max_seq_len), args.runs)
-        report["generation"] = bench_generation(pipelines, args.gen_n, min(args.length, config.max_seq_len), args.gen_steps, max(3, args.runs // 3))
-        if args.workload_requests > 0:
-            workload = mixed_workload(config, args.workload_requests, args.workload_rate)
-            pipe = pipelines[args.workload_backend if args.workload_backend in pipelines else names[-1]]
-            report["batching"] = {"backend": args.workload_backend, "max_batch": args.max_batch, "rate_per_s": args.workload_rate}
-            for policy in ("static", "continuous"):
-                report["batching"][policy] = run_workload(pipe, workload, policy, args.max_batch)
-            s, c = report["batching"]["static"], report["batching"]["continuous"]
-            report["batching"]["throughput_ratio"] = round(c["tokens_per_s"] / s["tokens_per_s"], 3)
-            report["batching"]["p99_ratio"] = round(c["latency_p99_s"] / s["latency_p99_s"], 3)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_bench(report, str(out / "bench.png"))
-    for key, entry in report["graphs"].items():
-        cells = ", ".join(f"{b} p50 {v['p50_ms']:.2f} ms" + (f" (x{v['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in v else "") for b, v in entry.items())
-        print(f"{key:22s} {cells}")
-    for name, entry in report["generation"].items():
-        print(f"generate {name}: {entry['tokens_per_s']:.1f} tokens/s ({entry['n']} x {entry['length']}, {entry['steps']} steps)")
-    if "batching" in report:
-        b = report["batching"]
-        print(f"mixed arrivals: continuous {b['continuous']['tokens_per_s']} vs static {b['static']['tokens_per_s']} tokens/s "
-              f"(x{b['throughput_ratio']}), p99 {b['continuous']['latency_p99_s']} vs {b['static']['latency_p99_s']} s")
+    print("\n".join(bench_summary(report)))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
 
 
@@ -361,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-requests", type=int, default=60, help="requests in the mixed-arrival workload; 0 skips it (default: 60)")
     p.add_argument("--workload-rate", type=float, default=20.0, help="mean arrivals per second (default: 20)")
     p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")
+    p.add_argument("--workload-lengths", default="16,32,64,128", help="request lengths drawn from (default: 16,32,64,128)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="scheduler batch size (default: 8)")
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

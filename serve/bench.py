@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ def graph_feed(config: LDLMConfig, graph: str, batch: int, length: int, seed: in
 
 
 def bench_graphs(
-    backends: Mapping[str, Mapping[str, GraphBackend]], config: LDLMConfig, batches: list[int], length: int, runs: int
+    backends: Mapping[str, Mapping[str, GraphBackend]], config: LDLMConfig, batches: Sequence[int], length: int, runs: int
 ) -> dict[str, Any]:
     """{graph/bN/LM: {backend: {p50_ms, p99_ms, samples_per_s}, speedup vs eager}}."""
     results: dict[str, Any] = {}
@@ -89,10 +89,11 @@ class Arrival:
     request: GenerateRequest
 
 
-def mixed_workload(config: LDLMConfig, requests: int, rate_per_s: float, seed: int = 0) -> list[Arrival]:
-    """Poisson arrivals of requests with mixed lengths and step counts (a seeded, fixed list)."""
+def mixed_workload(config: LDLMConfig, requests: int, rate_per_s: float, seed: int = 0,
+                   lengths: Sequence[int] = (16, 32, 64, 128)) -> list[Arrival]:
+    """Poisson arrivals of requests with mixed lengths and 5..40 steps (a seeded, fixed list)."""
     gen = np.random.default_rng(seed)
-    lengths = [n for n in (16, 32, 64, 128) if n <= config.max_seq_len] or [config.max_seq_len]
+    lengths = [n for n in lengths if n <= config.max_seq_len] or [config.max_seq_len]
     at = np.cumsum(gen.exponential(1 / rate_per_s, requests))
     return [
         Arrival(float(t), GenerateRequest(n=1, length=int(gen.choice(lengths)), steps=int(gen.integers(5, 41)),
@@ -141,6 +142,80 @@ def run_workload(pipeline: LDLMPipeline, workload: list[Arrival], policy: str, m
         "denoiser_calls": scheduler.denoiser_calls,
         "mean_batch": round(scheduler.samples_stepped / max(1, scheduler.denoiser_calls), 2),
     }
+
+
+def run_bench(
+    checkpoint: str,
+    backends: list[str],
+    onnx_dir: str | None = None,
+    engine_dir: str | None = None,
+    batches: Sequence[int] = (1, 8),
+    length: int = 128,
+    runs: int = 10,
+    threads: int = 2,
+    gen_n: int = 4,
+    gen_steps: int = 10,
+    workload_requests: int = 60,
+    workload_rate: float = 20.0,
+    workload_backend: str = "ort",
+    max_batch: int = 8,
+    progress: bool = False,
+    workload_lengths: Sequence[int] = (16, 32, 64, 128),
+) -> dict[str, Any]:
+    """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from ldlm.export.onnx_export import export_graphs
+    from ldlm.serve.backends import BackendGraphs, open_graphs
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
+        sources = {"eager": checkpoint, "ort": onnx_dir, "trt": engine_dir}
+        if "ort" in backends and onnx_dir is None:
+            sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress).out)
+        graphs_by_backend, pipelines = {}, {}
+        for name in backends:
+            if name not in sources:
+                raise ValueError(f"backend={name!r} is unknown; allowed: eager, ort, trt")
+            if sources[name] is None:
+                raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
+            graphs, config, tokenizer = open_graphs(name, sources[name], threads=threads)
+            graphs_by_backend[name] = graphs
+            buckets = (16, 32, 64, 128, config.max_seq_len)
+            pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
+        length = min(length, config.max_seq_len)
+        report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__,
+                                  "config_sha256": config.config_hash()}
+        report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
+        report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3))
+        if workload_requests > 0:
+            chosen = workload_backend if workload_backend in pipelines else backends[-1]
+            workload = mixed_workload(config, workload_requests, workload_rate, lengths=workload_lengths)
+            batching: dict[str, Any] = {"backend": chosen, "max_batch": max_batch, "rate_per_s": workload_rate,
+                                        "requests": workload_requests, "lengths": list(workload_lengths)}
+            for policy in ("static", "continuous"):
+                batching[policy] = run_workload(pipelines[chosen], workload, policy, max_batch)
+            batching["throughput_ratio"] = round(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], 3)
+            batching["p99_ratio"] = round(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], 3)
+            report["batching"] = batching
+    return report
+
+
+def bench_summary(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, entry in report["graphs"].items():
+        cells = ", ".join(f"{b} p50 {v['p50_ms']:.2f} ms" + (f" (x{v['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in v else "") for b, v in entry.items())
+        lines.append(f"{key:22s} {cells}")
+    for name, entry in report["generation"].items():
+        lines.append(f"generate {name}: {entry['tokens_per_s']:.1f} tokens/s ({entry['n']} x {entry['length']}, {entry['steps']} steps)")
+    if "batching" in report:
+        b = report["batching"]
+        lines.append(f"mixed arrivals: continuous {b['continuous']['tokens_per_s']} vs static {b['static']['tokens_per_s']} tokens/s "
+                     f"(x{b['throughput_ratio']}), p99 {b['continuous']['latency_p99_s']} vs {b['static']['latency_p99_s']} s")
+    return lines
 
 
 def plot_bench(report: dict[str, Any], path: str) -> None:
