@@ -60,7 +60,8 @@ class GraphBackend(ABC):
         unknown = [n for n in inputs if n not in self.input_names]
         if missing or unknown:
             raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
-        arrays, sizes = {}, {}
+        arrays: dict[str, np.ndarray] = {}
+        sizes: dict[str, int] = {}
         for spec in self.inputs:
             name = spec["name"]
             value = inputs[name]
@@ -193,8 +194,8 @@ def open_graphs(
                 lower_precision(source, files[g], "fp16")
         return {g: OrtBackend(f, g, config.max_seq_len, providers, threads) for g, f in files.items()}, config, tokenizer
     plans = {g: path / f"{g}.plan" for g in GRAPH_NAMES}
-    graphs = {g: TensorRTBackend(p, g, config.max_seq_len) for g, p in plans.items()}
-    built = {g.engine.manifest["precision"] for g in graphs.values()}
+    graphs: dict[str, GraphBackend] = {g: TensorRTBackend(p, g, config.max_seq_len) for g, p in plans.items()}
+    built = {g.engine.manifest["precision"] for g in graphs.values() if isinstance(g, TensorRTBackend)}
     if built != {precision}:
         raise BackendError(f"engines in {path} are {sorted(built)}; asked for precision={precision!r}; rebuild with --precision {precision}")
     return graphs, config, tokenizer

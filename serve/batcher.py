@@ -101,7 +101,8 @@ class DynamicBatcher:
         return sum(p.batch for p in self._queue)
 
     def _take(self) -> list[_Pending]:
-        batch, size = [], 0
+        batch: list[_Pending] = []
+        size = 0
         while self._queue and (not batch or size + self._queue[0].batch <= self.max_batch):
             pending = self._queue.popleft()
             batch.append(pending)

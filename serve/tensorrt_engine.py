@@ -92,7 +92,7 @@ class TensorRTEngine:
         self.output_names = [n for n in names if n not in self.input_names]
         self.dtypes = {n: getattr(torch, TORCH_DTYPES[self.engine.get_tensor_dtype(n).name]) for n in names}
         self.cuda_graphs = cuda_graphs
-        self._contexts: dict[int, Any] = {}
+        self._contexts: dict[tuple[int, int], Any] = {}
         self._captures: dict[tuple[Any, ...], _GraphCapture] = {}
 
     def profile_for(self, shapes: dict[str, tuple[int, ...]]) -> int:
