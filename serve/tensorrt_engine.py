@@ -66,7 +66,10 @@ class _GraphCapture:
 class TensorRTEngine:
     """One deserialized plan. ``run`` takes and returns named torch CUDA tensors."""
 
-    def __init__(self, plan: str | Path, flavor: str | None = None, device: str = "cuda", cuda_graphs: bool = False) -> None:
+    def __init__(
+        self, plan: str | Path, flavor: str | None = None, device: str = "cuda", cuda_graphs: bool = False,
+        runtime_cache: str | Path | None = None,
+    ) -> None:
         import torch
 
         self.plan = Path(plan)
@@ -93,6 +96,16 @@ class TensorRTEngine:
         self.dtypes = {n: getattr(torch, TORCH_DTYPES[self.engine.get_tensor_dtype(n).name]) for n in names}
         self.cuda_graphs = cuda_graphs
         self._contexts: dict[tuple[int, int], Any] = {}
+        # TensorRT-RTX compiles kernels for the GPU at run time; its runtime cache keeps them across
+        # processes (the counterpart of NVIDIA TensorRT's build-time timing cache).
+        self.runtime_cache_path = Path(runtime_cache) if runtime_cache else self.plan.with_name("runtime.cache")
+        self._runtime_config = None
+        if self.flavor.is_rtx and hasattr(self.engine, "create_runtime_config"):
+            self._runtime_config = self.engine.create_runtime_config()
+            cache = self._runtime_config.create_runtime_cache()
+            if self.runtime_cache_path.is_file():
+                cache.deserialize(self.runtime_cache_path.read_bytes())
+            self._runtime_config.set_runtime_cache(cache)
         self._captures: dict[tuple[Any, ...], _GraphCapture] = {}
 
     def profile_for(self, shapes: dict[str, tuple[int, ...]]) -> int:
@@ -110,7 +123,10 @@ class TensorRTEngine:
     def _context(self, stream: Any, profile: int) -> Any:
         key = (stream.cuda_stream, profile)
         if key not in self._contexts:
-            context = self.engine.create_execution_context()
+            if self._runtime_config is not None:
+                context = self.engine.create_execution_context(self._runtime_config)
+            else:
+                context = self.engine.create_execution_context()
             context.set_optimization_profile_async(profile, stream.cuda_stream)
             self._contexts[key] = context
         return self._contexts[key]
@@ -131,6 +147,16 @@ class TensorRTEngine:
         if not context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError(f"execute_async_v3 failed for {self.plan.name}")
         return outputs
+
+    def save_runtime_cache(self) -> Path | None:
+        """Write TensorRT-RTX's runtime cache next to the plan (atomically), for the next process."""
+        if self._runtime_config is None:
+            return None
+        data = bytes(self._runtime_config.get_runtime_cache().serialize())
+        tmp = self.runtime_cache_path.with_name(self.runtime_cache_path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(self.runtime_cache_path)
+        return self.runtime_cache_path
 
     def _bind(self, context: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         for name, tensor in tensors.items():

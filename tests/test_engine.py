@@ -200,7 +200,7 @@ def test_running_a_plan_without_a_gpu_says_so(engines) -> None:
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA GPU: TensorRTEngine's deserialize_cuda_engine, set_input_shape, set_tensor_address, "
-    "execute_async_v3, per-stream contexts and CUDA graph replay were not exercised",
+    "execute_async_v3, per-stream contexts, CUDA graph replay and the RTX runtime cache were not exercised",
 )
 def test_engine_matches_eager_on_gpu(engines, tiny_model) -> None:
     precision, out = engines
@@ -213,3 +213,5 @@ def test_engine_matches_eager_on_gpu(engines, tiny_model) -> None:
     tolerance = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}[precision]
     assert (got - expected).abs().max().item() <= tolerance * max(1.0, expected.abs().max().item())
     assert json.loads((out / "denoiser.plan.json").read_text())["precision"] == precision
+    if engine.flavor.is_rtx:
+        assert engine.save_runtime_cache().stat().st_size > 0
