@@ -181,7 +181,9 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ldlm",
-        description="LDLM latent diffusion language model: checkpoints, generation and reconstruction.",
+        description="LDLM latent diffusion language model, from PyTorch to production inference: checkpoints, "
+        "generation, ONNX export and verification, TensorRT engines, parity checks, benchmarks and serving. "
+        "Typical flow: init -> export -> build-engine -> parity -> serve (or triton-repo).",
     )
     parser.add_argument("--version", action="version", version=f"ldlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
