@@ -16,7 +16,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -201,10 +201,17 @@ def open_graphs(
     return graphs, config, tokenizer
 
 
-class BackendGraphs:
-    """The ``InferenceGraphs`` methods on top of GraphBackends (torch tensors in and out)."""
+class GraphRunner(Protocol):
+    """Runs one graph: named arrays or tensors in (checked by the runner), named arrays out."""
 
-    def __init__(self, graphs: Mapping[str, GraphBackend]) -> None:
+    def run(self, inputs: dict[str, Any]) -> dict[str, np.ndarray]: ...
+
+
+class BackendGraphs:
+    """The ``InferenceGraphs`` methods on top of anything that runs a graph by name: GraphBackends,
+    or the server's DynamicBatchers in front of them (torch tensors in and out)."""
+
+    def __init__(self, graphs: Mapping[str, GraphRunner]) -> None:
         self.graphs = dict(graphs)
 
     def encode_latents(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class DynamicBatcher:
         self._thread = threading.Thread(target=self._loop, name=f"ldlm-batcher-{backend.graph}", daemon=True)
         self._thread.start()
 
-    def submit(self, inputs: dict[str, np.ndarray]) -> Future[dict[str, np.ndarray]]:
+    def submit(self, inputs: Mapping[str, Any]) -> Future[dict[str, np.ndarray]]:
         """Check ``inputs`` against the graph's contract (raises at once) and queue them."""
         arrays = self.backend.check_inputs(inputs)
         first = arrays[self.backend.input_names[0]]
@@ -72,6 +73,10 @@ class DynamicBatcher:
             self._queue.append(pending)
             self._cond.notify()
         return pending.future
+
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Submit and wait: the GraphBackend.run signature, so a batcher can stand in for its graph."""
+        return self.submit(inputs).result()
 
     @property
     def queued(self) -> int:

@@ -106,7 +106,7 @@ class LDLMService:
             for name, graph in graphs.items()
         }
         buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= config.max_seq_len) + (config.max_seq_len,)
-        self.batched_pipeline = LDLMPipeline(BatchedGraphs(self.batchers), tokenizer, config=config)
+        self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=buckets)
         self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
@@ -120,31 +120,6 @@ class LDLMService:
             batcher.close()
         if self._scratch is not None:
             self._scratch.cleanup()
-
-
-class BatchedGraphs:
-    """InferenceGraphs whose calls queue in the per-graph dynamic batchers (text endpoints)."""
-
-    def __init__(self, batchers: dict[str, DynamicBatcher]) -> None:
-        self.batchers = batchers
-
-    def encode_latents(self, input_ids: Any, attention_mask: Any) -> Any:
-        import torch
-
-        out = self.batchers["encoder"].submit({"input_ids": input_ids.numpy(), "attention_mask": attention_mask.long().numpy()}).result()
-        return torch.from_numpy(out["latents"])
-
-    def denoise(self, x_t: Any, t: Any, x0_prev: Any, mask: Any) -> Any:
-        import torch
-
-        feed = {"x_t": x_t.float().numpy(), "t": t.float().numpy(), "x0_prev": x0_prev.float().numpy(), "attention_mask": mask.long().numpy()}
-        return torch.from_numpy(self.batchers["denoiser"].submit(feed).result()["x0_hat"])
-
-    def decode_tokens(self, latents: Any, mask: Any) -> Any:
-        import torch
-
-        out = self.batchers["decoder"].submit({"latents": latents.float().numpy(), "attention_mask": mask.long().numpy()}).result()
-        return torch.from_numpy(out["token_ids"])
 
 
 async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float) -> Any:
