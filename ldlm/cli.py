@@ -112,7 +112,8 @@ def _cmd_parity(args: argparse.Namespace) -> None:
     from ldlm.serve.parity_report import write_parity_report
 
     source = args.engine_dir if args.backend == "trt" else args.onnx_dir
-    report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed, steps=args.steps)
+    report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed,
+                        steps=args.steps, progress=not args.quiet)
     files = write_parity_report(report, args.out)
     for comparison in [*report.graphs, *report.layer_norms]:
         if args.verbose or not comparison.passed:
@@ -305,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the generation noise")
     p.add_argument("--steps", type=_positive_int, default=10, help="sampler steps of the end-to-end check (default: 10)")
     p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_parity)
 
     p = sub.add_parser(

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
+from tqdm.auto import tqdm
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.export.graphs import GRAPH_NAMES
@@ -195,16 +196,19 @@ def run_parity(
     bisect: bool = False,
     seed: int = 0,
     steps: int = 10,
+    progress: bool = False,
 ) -> ParityReport:
     """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
     checkpoint itself when ``source`` is None) against eager on the checkpoint."""
     atol, rtol = tolerance(precision)
+    if source is None and backend != "ort":
+        raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
     model, tokenizer = load_checkpoint(checkpoint)
-    with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp:
+    bar = tqdm(total=len(GRAPH_NAMES) + 1, desc="parity", unit="stage", disable=not progress)
+    with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:
         work = Path(tmp)
         if source is None:
-            if backend != "ort":
-                raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
+            bar.set_postfix_str("exporting")
             source = export_graphs(checkpoint, work / "onnx", with_logits=True).out
         source = Path(source)
         graphs, config, _ = open_graphs(backend, source, precision)
@@ -217,17 +221,21 @@ def run_parity(
             report.notes.append("the decoder has no logits output: only its token ids were compared")
         manifest = read_manifest(source) if backend == "ort" else None
         for name in GRAPH_NAMES:
+            bar.set_postfix_str(name)
             sets = input_sets(model, name, seed)
             compare_graph(name, eager[name], graphs[name], sets, atol, rtol, report)
             if manifest is not None and precision == "fp32":
                 specs = [LayerNormSpec.from_dict(d) for d in manifest["graphs"][name]["layer_norms"]]
                 compare_layer_norms(name, model, eager[name], source / manifest["graphs"][name]["file"], specs, sets, atol, rtol, work, report)
+            bar.update()
         if manifest is None or precision != "fp32":
             report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 graphs only")
+        bar.set_postfix_str("end-to-end generation")
         length = min(32, config.max_seq_len)
         reference = LDLMPipeline(model, tokenizer).generate(4, length, steps, seed, "ddim").token_ids
         candidate = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config).generate(4, length, steps, seed, "ddim").token_ids
         report.token_agreement = float((reference == candidate).float().mean())
+        bar.update()
     if bisect and not report.passed:
         report.first_divergence = first_divergence(report)
     return report
