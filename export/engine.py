@@ -31,7 +31,6 @@ from ldlm.tokenizer import TOKENIZER_FILE
 
 PLAN_SUFFIX = ".plan"
 MANIFEST_SUFFIX = ".plan.json"
-TIMING_CACHE_FILE = "timing.cache"
 
 
 class EngineBuildError(RuntimeError):

@@ -49,17 +49,6 @@ def load_flavor(name: str | None = None) -> Flavor:
     raise FlavorError(f"{wanted} not installed ({'; '.join(errors)}); install it with {INSTALL_HINT}")
 
 
-def installed_flavors() -> list[str]:
-    found = []
-    for name in FLAVORS:
-        try:
-            importlib.import_module(name)
-            found.append(name)
-        except ImportError:
-            pass
-    return found
-
-
 # TensorRT prints this when a LayerNorm arrived decomposed and runs in FP16; it is a build failure.
 LAYERNORM_OVERFLOW = re.compile(r"layer\s*norm.*fp16.*overflow", re.IGNORECASE)
 

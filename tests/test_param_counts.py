@@ -34,11 +34,15 @@ def test_component_within_5_percent(base_on_meta: LDLM, component: str) -> None:
 def test_feature_model_is_gpt2_small_truncated(base_on_meta: LDLM) -> None:
     """The table's 124M is the whole GPT-2 small; we hold only the 10 blocks that run."""
     config = base_on_meta.config
-    truncated = count_parameters(base_on_meta.feature_model)
+    d = config.d_model
+    # GPT-2 by hand: a block is ln_1 (2D) + qkv (3D^2 + 3D) + proj (D^2 + D) + ln_2 (2D)
+    # + fc (4D^2 + 4D) + proj (4D^2 + D) = 12D^2 + 13D; embeddings are (vocab + positions) x D.
+    block = 12 * d * d + 13 * d
+    embeddings = (config.gpt2_vocab_size + config.gpt2_positions) * d
+    ln_f = 2 * d
     with torch.device("meta"):
-        block = count_parameters(GPT2Block(config.d_model, config.n_heads, config.layer_norm_eps))
-    ln_f = 2 * config.d_model
-    full = truncated + (config.gpt2_layers - config.feature_blocks) * block + ln_f
+        assert count_parameters(GPT2Block(d, config.n_heads, config.layer_norm_eps)) == block
     assert len(base_on_meta.feature_model.h) == 10
+    assert count_parameters(base_on_meta.feature_model) == embeddings + 10 * block
+    full = embeddings + config.gpt2_layers * block + ln_f
     assert 0.95 * 124e6 <= full <= 1.05 * 124e6, f"full GPT-2: {full / 1e6:.1f}M"
-    assert truncated == pytest.approx(full - 2 * block - ln_f)
