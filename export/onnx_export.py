@@ -197,9 +197,14 @@ def verify_export(
     """Verify an export directory, or one ONNX file in it, against its manifest's LayerNorm specs,
     or against the modules of ``checkpoint`` when given (which also compares weights by value)."""
     path = Path(path)
+    allowed = "allowed: a directory written by `ldlm export`, or an .onnx file in one"
     if not path.exists():
-        raise ValueError(f"{path} does not exist; allowed: an export directory or an .onnx file in one")
+        raise ValueError(f"{path} does not exist; {allowed}")
+    if not path.is_dir() and path.suffix != ".onnx":
+        raise ValueError(f"{path} is a file, not an export directory or an .onnx file; {allowed}")
     directory = path if path.is_dir() else path.parent
+    if not path.is_dir() and not (directory / MANIFEST_FILE).is_file():
+        raise ValueError(f"{path} is not inside an export: {directory.resolve()} has no {MANIFEST_FILE}; {allowed}")
     manifest = read_manifest(directory)
     names = list(manifest["graphs"]) if path.is_dir() else [path.stem]
     if path.is_file() and path.stem not in manifest["graphs"]:

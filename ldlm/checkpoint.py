@@ -33,12 +33,17 @@ class CheckpointError(ValueError):
     """A checkpoint or weights file that cannot be used; the message names the file or tensor."""
 
 
+def refuse_existing(out: str | os.PathLike[str], overwrite: bool = False) -> None:
+    """Fail early, before any work, when ``out`` exists and may not be replaced."""
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass overwrite=True (CLI: --force) to replace it")
+
+
 @contextmanager
 def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``out`` only if the block completes."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True (CLI: --force) to replace it")
+    refuse_existing(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     umask = os.umask(0)
@@ -71,15 +76,21 @@ def save_checkpoint(
     return Path(out)
 
 
-def load_checkpoint(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[LDLM, TextTokenizer]:
-    """Load a checkpoint directory; the model comes back in eval mode on ``device``."""
+def load_config(path: str | os.PathLike[str]) -> LDLMConfig:
+    """A checkpoint directory's config alone, without building the model."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory} is not a directory (expected {CONFIG_FILE} + {WEIGHTS_FILE})")
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"checkpoint {directory} has no {CONFIG_FILE}")
-    config = LDLMConfig.load(config_path)
+    return LDLMConfig.load(config_path)
+
+
+def load_checkpoint(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[LDLM, TextTokenizer]:
+    """Load a checkpoint directory; the model comes back in eval mode on ``device``."""
+    directory = Path(path)
+    config = load_config(directory)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)

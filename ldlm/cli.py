@@ -14,10 +14,11 @@ from ldlm import __version__
 def _cmd_init(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
-    from ldlm.checkpoint import init_model, save_checkpoint
+    from ldlm.checkpoint import init_model, refuse_existing, save_checkpoint
     from ldlm.config import preset
     from ldlm.tokenizer import TextTokenizer
 
+    refuse_existing(args.out, args.force)  # before the model is built, which takes a while at base size
     config = preset(args.preset)
     with tqdm(total=3, desc="init", unit="stage", disable=args.quiet) as bar:
         bar.set_postfix_str("building the model")
@@ -43,7 +44,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     )
     elapsed = time.perf_counter() - start
     if args.json:
-        print(json.dumps({"texts": result.texts, "token_ids": result.token_ids.tolist(), "seconds": elapsed}))
+        print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "seconds": elapsed}))
         return
     for i, text in enumerate(result.texts):
         print(f"[{i}] {text!r}")
@@ -56,7 +57,7 @@ def _cmd_reconstruct(args: argparse.Namespace) -> None:
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     result = pipeline.reconstruct(args.texts)
     if args.json:
-        print(json.dumps({"texts": result.texts, "token_ids": result.token_ids.tolist()}))
+        print(json.dumps({"texts": result.texts, "token_ids": result.ids()}))
         return
     for source, text in zip(args.texts, result.texts):
         print(f"{source!r} -> {text!r}")
@@ -130,10 +131,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from ldlm.serve.bench import bench_summary, plot_bench, run_bench
 
     report = run_bench(
-        args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, [int(b) for b in args.batches.split(",")],
+        args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, args.batches,
         args.length, args.runs, args.threads, args.gen_n, args.gen_steps, args.workload_requests, args.workload_rate,
-        args.workload_backend, args.max_batch, progress=not args.quiet,
-        workload_lengths=[int(n) for n in args.workload_lengths.split(",")],
+        args.workload_backend, args.max_batch, progress=not args.quiet, workload_lengths=args.workload_lengths,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,10 +173,23 @@ def _cmd_triton_repo(args: argparse.Namespace) -> None:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: an integer >= 1")
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}")
     return value
+
+
+def _positive_int_list(text: str) -> list[int]:
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (e.g. 1,8), got {text!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, ort, trt (default: eager,ort)")
     p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="engines to use for trt")
-    p.add_argument("--batches", default="1,8", help="batch sizes (default: 1,8)")
-    p.add_argument("--length", type=_positive_int, default=128, help="sequence length (default: 128)")
+    p.add_argument("--batches", type=_positive_int_list, default=[1, 8], help="comma-separated batch sizes (default: 1,8)")
+    p.add_argument("--length", type=_positive_int, default=128, help="sequence length, at most the config's max_seq_len (default: 128)")
     p.add_argument("--runs", type=_positive_int, default=10, help="timed runs per cell (default: 10)")
     p.add_argument("--threads", type=_positive_int, default=2, help="threads for torch and ONNX Runtime (default: 2)")
     p.add_argument("--gen-n", type=_positive_int, default=4, help="samples per generation run (default: 4)")
@@ -330,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-requests", type=int, default=60, help="requests in the mixed-arrival workload; 0 skips it (default: 60)")
     p.add_argument("--workload-rate", type=float, default=20.0, help="mean arrivals per second (default: 20)")
     p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")
-    p.add_argument("--workload-lengths", default="16,32,64,128", help="request lengths drawn from (default: 16,32,64,128)")
+    p.add_argument("--workload-lengths", type=_positive_int_list, default=[16, 32, 64, 128],
+                   help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="scheduler batch size (default: 8)")
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -26,6 +26,11 @@ from ldlm.sampler import NoiseStream, TangentSchedule, run_sampler, sample_seeds
 from ldlm.tokenizer import TextTokenizer
 
 
+def check_length(length: int, max_seq_len: int, name: str = "length") -> None:
+    if not isinstance(length, int) or not 1 <= length <= max_seq_len:
+        raise ValueError(f"{name}={length!r} is out of range; allowed: 1..{max_seq_len} (config max_seq_len)")
+
+
 @dataclass
 class EncodeResult:
     latents: Tensor  # (B, L, D) standardized latents
@@ -35,8 +40,13 @@ class EncodeResult:
 
 @dataclass
 class TextResult:
-    token_ids: Tensor  # (B, L) int64
+    token_ids: Tensor  # (B, L) int64; row i is real up to lengths[i], what the decoder made of padding after it
     texts: list[str]  # detokenized, cut at the first end-of-text token
+    lengths: list[int]  # real (unpadded) positions per row
+
+    def ids(self) -> list[list[int]]:
+        """The token ids of each text without its padded positions: what a caller should return."""
+        return [row[:n].tolist() for row, n in zip(self.token_ids, self.lengths)]
 
 
 class InferenceGraphs(Protocol):
@@ -81,9 +91,7 @@ class LDLMPipeline:
     # --- input checks -------------------------------------------------------------------------
 
     def check_length(self, length: int, name: str = "length") -> None:
-        limit = self.config.max_seq_len
-        if not isinstance(length, int) or not 1 <= length <= limit:
-            raise ValueError(f"{name}={length!r} is out of range; allowed: 1..{limit} (config max_seq_len)")
+        check_length(length, self.config.max_seq_len, name)
 
     def check_token_ids(self, ids: Sequence[Sequence[int]]) -> None:
         """Ids to encode index GPT-2's token table, so they must be below its size (the LDLM
@@ -135,7 +143,7 @@ class LDLMPipeline:
         token_ids = self.graphs.decode_tokens(latents, mask).cpu()[:, :length]
         lengths = mask.sum(dim=1).tolist()
         texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, lengths)]
-        return TextResult(token_ids=token_ids, texts=texts)
+        return TextResult(token_ids=token_ids, texts=texts, lengths=lengths)
 
     def reconstruct(self, texts: Sequence[str]) -> TextResult:
         """Texts -> latents -> texts: the autoencoder's round trip."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ldlm.config import LDLMConfig
-from ldlm.pipeline import LDLMPipeline
+from ldlm.pipeline import LDLMPipeline, check_length
 from ldlm.serve.backends import GraphBackend
 from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
 
@@ -168,9 +168,11 @@ def run_bench(
 
     import torch
 
+    from ldlm.checkpoint import load_config
     from ldlm.export.onnx_export import export_graphs
     from ldlm.serve.backends import BackendGraphs, open_graphs
 
+    check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
         sources = {"eager": checkpoint, "ort": onnx_dir, "trt": engine_dir}
@@ -186,7 +188,6 @@ def run_bench(
             graphs_by_backend[name] = graphs
             buckets = (16, 32, 64, 128, config.max_seq_len)
             pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
-        length = min(length, config.max_seq_len)
         report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__,
                                   "config_sha256": config.config_hash()}
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)

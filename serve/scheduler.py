@@ -237,7 +237,7 @@ class GenerationScheduler:
         for request in complete:
             n, length = request.spec.n, request.spec.length
             rows = slice(start, start + n)
-            resolve_future(request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows]))
+            resolve_future(request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows]))
             start += n
 
 
