@@ -13,6 +13,7 @@ Everything is written to a temporary directory and renamed into place once verif
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -43,7 +44,12 @@ MANIFEST_FILE = "manifest.json"
 class ExportResult:
     out: Path
     manifest: dict[str, Any]
-    verification: list[VerifyResult]
+    verification: list[VerifyResult]  # one per graph; each path is the final file in ``out``
+
+    def __repr__(self) -> str:  # the manifest holds every LayerNorm spec: far too long to print
+        passed = sum(r.passed for r in self.verification)
+        return (f"ExportResult(out={str(self.out)!r}, graphs={list(self.manifest['graphs'])}, "
+                f"opset={self.manifest['opset']}, verified={passed}/{len(self.verification)} passed)")
 
 
 def check_opset(opset: int) -> None:
@@ -56,18 +62,36 @@ def graph_layer_norm_specs(model: LDLM, io: GraphIO) -> list[LayerNormSpec]:
     return [s for c in io.components for s in layer_norm_specs(getattr(model, c), prefix=f"model.{c}")]
 
 
+class _KeptLayerNormFilter(logging.Filter):
+    """Drops onnxscript's "Skipping constant folding for op LayerNormalization with multiple outputs."
+
+    The latent decoder's query LayerNorm runs over constants (its position queries), so the
+    optimizer tries to fold it and skips it. Skipping is what the export needs: every nn.LayerNorm
+    must stay one LayerNormalization node. Its other messages still come through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg if isinstance(record.msg, str) else ""
+        return not (message.startswith("Skipping constant folding for op") and record.args == ("LayerNormalization",))
+
+
+_CONSTANT_FOLDING_LOGGER = "onnxscript.optimizer._constant_folding"  # the module that logs it, by name
+
+
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """torch.onnx logs every optional op it skips (torchvision, ...) and warns about internals."""
     logger = logging.getLogger("torch.onnx")
     level = logger.level
     logger.setLevel(logging.ERROR)
+    folding_logger, kept_layer_norm = logging.getLogger(_CONSTANT_FOLDING_LOGGER), _KeptLayerNormFilter()
+    folding_logger.addFilter(kept_layer_norm)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
         logger.setLevel(level)
+        folding_logger.removeFilter(kept_layer_norm)
 
 
 def export_graph(io: GraphIO, path: Path, opset: int, max_seq_len: int, metadata: dict[str, str]) -> None:
@@ -137,6 +161,8 @@ def export_graphs(
         if isinstance(error, FileExistsError) and Path(out).exists():
             raise
         raise ValueError(f"cannot create {out}: {error}") from error
+    # verified in the temporary directory, which is gone now: point at the files where they are
+    results = [dataclasses.replace(r, path=str(Path(out) / Path(r.path).name)) for r in results]
     return ExportResult(Path(out), manifest, results)
 
 

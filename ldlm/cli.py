@@ -176,9 +176,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}")
+        raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: an integer >= 1")
     return value
 
 
