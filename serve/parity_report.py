@@ -4,9 +4,12 @@ largest error per LayerNorm against the tolerance)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
+from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.serve.parity import ParityReport
 
 
@@ -66,39 +69,82 @@ def plot(report: ParityReport, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    graphs = sorted({c.name.split("/", 1)[0] for c in report.graphs})
-    if graphs:
-        from ldlm.serve.compare import HISTOGRAM_EDGES
-
-        fig, axes = plt.subplots(1, len(graphs), figsize=(5 * len(graphs), 3.5), squeeze=False)
-        labels = ["0"] + [f"{e:.0e}" for e in HISTOGRAM_EDGES[1:-1]]
-        for ax, graph in zip(axes[0], graphs):
-            for c in (c for c in report.graphs if c.name.startswith(graph + "/")):
-                ax.step(range(len(c.abs_error_histogram)), c.abs_error_histogram, where="post", label=c.name.split("/", 1)[1])
-            ax.axvline(HISTOGRAM_EDGES.index(min(e for e in HISTOGRAM_EDGES[1:] if e >= report.atol)), color="red", linestyle="--", label=f"atol {report.atol:g}")
-            ax.set_xticks(range(0, len(labels), 3), labels[::3], fontsize=7)
-            ax.set_yscale("symlog")
-            ax.set_ylim(bottom=0)
-            ax.set_xlabel("absolute error (bin lower edge)")
-            ax.set_ylabel("elements")
-            ax.set_title(graph)
-            ax.legend(fontsize=6)
-        fig.suptitle(f"{report.backend} {report.precision}: absolute error histogram per graph")
-        fig.tight_layout()
+    if report.graphs:
         files.append(out / "errors_by_graph.png")
+        fig = _plot_graphs(report, plt)
         fig.savefig(files[-1], dpi=100)
         plt.close(fig)
     if report.layer_norms:
-        fig, ax = plt.subplots(figsize=(max(6, 0.25 * len(report.layer_norms)), 4))
-        colors = ["tab:blue" if c.passed else "tab:red" for c in report.layer_norms]
-        ax.bar(range(len(report.layer_norms)), [max(c.max_abs, 1e-12) for c in report.layer_norms], color=colors)
-        ax.axhline(report.atol, color="red", linestyle="--", label=f"atol {report.atol:g}")
-        ax.set_yscale("log")
-        ax.set_xlabel("LayerNorm (execution order; red = failed)")
-        ax.set_ylabel("max abs error")
-        ax.legend()
-        fig.tight_layout()
         files.append(out / "errors_by_layernorm.png")
+        fig = _plot_layer_norms(report, plt)
         fig.savefig(files[-1], dpi=100)
         plt.close(fig)
     return files
+
+
+def graphs_in_pipeline_order(report: ParityReport) -> list[str]:
+    """The graphs compared, as the pipeline runs them (encoder, denoiser, decoder)."""
+    present = {c.name.split("/", 1)[0] for c in report.graphs}
+    return [g for g in GRAPH_NAMES if g in present] + sorted(present - set(GRAPH_NAMES))
+
+
+def layer_norm_label(name: str) -> str:
+    """``decoder:model.token_decoder.norm/random`` -> ``decoder  token_decoder.norm  (random inputs)``."""
+    graph, _, rest = name.partition(":")
+    module, _, inputs = rest.rpartition("/")
+    return f"{graph}  {module.removeprefix('model.')}  ({inputs} inputs)"
+
+
+def _plot_graphs(report: ParityReport, plt: Any) -> Any:
+    from ldlm.serve.compare import HISTOGRAM_EDGES
+
+    graphs = graphs_in_pipeline_order(report)
+    fig, axes = plt.subplots(1, len(graphs), figsize=(5 * len(graphs), 4.6), squeeze=False)
+    labels = ["0"] + [f"{e:.0e}" for e in HISTOGRAM_EDGES[1:-1]]
+    atol_bin = HISTOGRAM_EDGES.index(min(e for e in HISTOGRAM_EDGES[1:] if e >= report.atol))
+    for ax, graph in zip(axes[0], graphs):
+        rows = [c for c in report.graphs if c.name.startswith(graph + "/")]
+        for c, style in zip(rows, ["-", "--", ":", "-."] * len(rows)):  # the curves often coincide
+            inputs, _, output = c.name.split("/", 1)[1].rpartition("/")  # graph/inputs/output
+            ax.step(range(len(c.abs_error_histogram)), c.abs_error_histogram, where="post", linestyle=style,
+                    linewidth=1.6, label=f"{inputs} inputs -> {output}")
+        ax.axvline(atol_bin, color="red", linestyle="--", label=f"atol {report.atol:g}")
+        ax.set_xticks(range(0, len(labels), 3), labels[::3], fontsize=8)
+        ax.set_yscale("symlog")
+        ax.set_ylim(0, 4 * max(max(c.abs_error_histogram) for c in rows))  # headroom above the highest bin
+        ax.set_xlabel("absolute error (bin lower edge; 0 = exactly equal)")
+        ax.set_ylabel("elements")
+        ax.set_title(graph)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    fig.suptitle(f"{report.backend} {report.precision} vs eager PyTorch: absolute error histogram per graph (pipeline order)")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_layer_norms(report: ParityReport, plt: Any) -> Any:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    rows = report.layer_norms
+    nonzero = [c.max_abs for c in rows if c.max_abs > 0]
+    floor = 10.0 ** (math.floor(math.log10(min(nonzero or [report.atol]))) - 1)  # a decade below the smallest error
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.3 * len(rows)))
+    for y, c in enumerate(rows):
+        if c.max_abs == 0:  # no bar on a log axis: say it
+            ax.text(floor * 1.3, y, "0 (exactly equal)", va="center", fontsize=8, color="tab:gray")
+        else:
+            ax.barh(y, c.max_abs - floor, left=floor, color="tab:blue" if c.passed else "tab:red")
+    ax.axvline(report.atol, color="red", linestyle="--")
+    ax.set_xscale("log")
+    ax.set_xlim(left=floor, right=max([report.atol, *nonzero]) * 10)
+    ax.set_yticks(range(len(rows)), [layer_norm_label(c.name) for c in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # execution order, top to bottom
+    ax.set_xlabel("max abs error (log scale)")
+    ax.set_title(f"{report.backend} {report.precision} vs eager PyTorch:\nmax abs error per LayerNorm output, in execution order")
+    handles = [Patch(color="tab:blue", label="passed"), Patch(color="tab:red", label="failed"),
+               Line2D([], [], color="red", linestyle="--", label=f"atol {report.atol:g}")]
+    if len(nonzero) < len(rows):
+        handles.append(Line2D([], [], color="tab:gray", marker="$0$", linestyle="none", label="error exactly 0: no bar"))
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
