@@ -220,11 +220,18 @@ def bench_summary(report: dict[str, Any]) -> list[str]:
 
 
 def plot_bench(report: dict[str, Any], path: str) -> None:
-    """Graph latency per backend; with a mixed-arrival workload, its throughput and latency per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    fig = bench_figure(report, plt)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def bench_figure(report: dict[str, Any], plt: Any) -> Any:
+    """Graph latency per backend; with a mixed-arrival workload, its throughput and latency per policy."""
 
     workload = report.get("batching", {})
     policies = [p for p in ("static", "continuous") if p in workload]
@@ -261,5 +268,4 @@ def plot_bench(report: dict[str, Any], path: str) -> None:
         fig.suptitle(f"mixed arrivals at {workload['rate_per_s']:g}/s: static vs continuous batching (max batch {workload['max_batch']})",
                      x=0.7, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
