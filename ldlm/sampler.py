@@ -10,6 +10,10 @@ min(t, beta_clip_t); otherwise the first Euler-Maruyama steps from t = 1 diverge
 Every step takes per-sample times t, t_next of shape (B,), so one batch can hold samples at
 different steps, and every random draw is an input tensor, so eager and engine runs can be fed
 identical noise.
+
+On a GPU the step loop makes no host round trip: the time grid is moved to the device once,
+noise is drawn there by a per-sample device generator, and self-conditioning stays a device
+tensor. On CPU the numbers are bitwise those of the host loop (tests/test_sampler_device.py).
 """
 
 from __future__ import annotations
@@ -92,15 +96,18 @@ class NoiseStream:
     """The noise of one sample: its prior x_1, then one draw per step, all from its own seed.
 
     One stream per sample makes a sample's noise independent of the batch it runs in, so
-    static batches, continuous batches and single runs all see the same numbers.
+    static batches, continuous batches and single runs all see the same numbers. The stream draws
+    on ``device`` (no host-to-device copy per step); a CUDA generator gives other numbers than the
+    CPU one for the same seed, so runs that must share noise across devices draw on the CPU.
     """
 
-    def __init__(self, seed: int, shape: tuple[int, ...]) -> None:
+    def __init__(self, seed: int, shape: tuple[int, ...], device: str | torch.device = "cpu") -> None:
         self.shape = shape
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def draw(self) -> Tensor:
-        return torch.randn(self.shape, generator=self.generator)
+        return torch.randn(self.shape, generator=self.generator, device=self.device)
 
 
 def sample_seeds(seed: int, n: int) -> list[int]:
@@ -136,9 +143,10 @@ def run_sampler(
     b = prior.shape[0]
     x = x_mean = prior
     x0_hat = torch.zeros_like(prior)
+    times = grid.to(device=prior.device, dtype=prior.dtype)  # once: indexing it later needs no copy
     for i in tqdm(range(len(grid) - 1), desc="denoising", unit="step", disable=not progress):
-        t = grid[i].to(device=prior.device, dtype=prior.dtype).expand(b)
-        t_next = grid[i + 1].to(device=prior.device, dtype=prior.dtype).expand(b)
+        t = times[i].expand(b)
+        t_next = times[i + 1].expand(b)
         x0_hat = denoise(x, t, x0_hat)
         if sampler == "sde":
             x, x_mean = sde_step(schedule, x, x0_hat, t, t_next, draw_noise())
