@@ -154,8 +154,10 @@ class CompiledBackend(EagerBackend):
                 buffers = self._blank_inputs(*key)
                 fill_padded(buffers, tensors, self.seq_names)
                 outputs = self._module_outputs(buffers)
-            # Cut back to the request's shape; clone, since the next replay overwrites the buffers.
-            return {n: _cut(o, batch, length, n in self.seq_outputs).clone() for n, o in zip(self.output_names, outputs)}
+            # Cut back to the request's shape, float outputs as FP32; always a copy, since the next
+            # replay overwrites the buffers.
+            return {n: _cut(o, batch, length, n in self.seq_outputs).to(torch.float32 if o.is_floating_point() else o.dtype, copy=True)
+                    for n, o in zip(self.output_names, outputs)}
 
     def warm_up(self, batches: Sequence[int], lengths: Sequence[int]) -> None:
         """Capture the buckets of these shapes now rather than on the first request."""

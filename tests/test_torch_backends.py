@@ -65,6 +65,16 @@ def test_compiled_without_cuda_graphs_matches_eager(tiny_model: LDLM, graph: str
             np.testing.assert_allclose(got[name][valid], reference[name][valid], atol=2e-5, rtol=1e-5)
 
 
+def test_compiled_bf16_gives_fp32_outputs_close_to_eager_bf16(tiny_model: LDLM) -> None:
+    model = prepare_model(copy.deepcopy(tiny_model), torch.device("cpu"), "bf16")
+    feed = ragged_feed(tiny_model, "denoiser")
+    eager = EagerBackend(model, "denoiser").run(feed)["x0_hat"]
+    compiled = CompiledBackend(model, "denoiser", cuda_graphs=False).run(feed)["x0_hat"]
+    assert compiled.dtype == eager.dtype == np.float32
+    valid = feed["attention_mask"].astype(bool)
+    np.testing.assert_allclose(compiled[valid], eager[valid], atol=0.05, rtol=0.05)
+
+
 def test_compiled_chunks_batches_above_the_largest_bucket(tiny_model: LDLM) -> None:
     eager = EagerBackend(tiny_model, "denoiser")
     compiled = CompiledBackend(tiny_model, "denoiser", batch_buckets=(1, 2), cuda_graphs=False)
