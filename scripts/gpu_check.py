@@ -63,13 +63,14 @@ SIZES: dict[str, dict[str, Any]] = {
 TORCH_CANDIDATES = {"eager": ("eager", "fp32"), "eager-bf16": ("eager", "bf16"), "eager-fp16": ("eager", "fp16"),
                     "compiled-bf16": ("compiled", "bf16")}
 LATENCY_BACKENDS = ("eager", "eager-bf16", "compiled-bf16")
+STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "probe_eps")
 
 
 class Run:
     """The report, its files, and the time budget every stage checks before it starts."""
 
-    def __init__(self, out: Path, budget_s: float, tiny: bool) -> None:
-        self.out, self.budget_s, self.tiny = out, budget_s, tiny
+    def __init__(self, out: Path, budget_s: float, tiny: bool, stages: set[str] | None = None) -> None:
+        self.out, self.budget_s, self.tiny, self.selected = out, budget_s, tiny, stages
         self.started = time.perf_counter()
         self.report: dict[str, Any] = {"stages": {}}
 
@@ -77,8 +78,10 @@ class Run:
         return self.budget_s - (time.perf_counter() - self.started)
 
     def stage(self, name: str, fn: Callable[[], Any], needs_s: float) -> Any:
-        if self.left_s() < needs_s:
-            result: Any = {"skipped": f"time budget: {self.left_s():.0f} s left, the stage needs about {needs_s:.0f} s"}
+        if self.selected is not None and name not in self.selected:
+            result: Any = {"skipped": "not selected (--stages)"}
+        elif self.left_s() < needs_s:
+            result = {"skipped": f"time budget: {self.left_s():.0f} s left, the stage needs about {needs_s:.0f} s"}
         else:
             print(f"[{time.perf_counter() - self.started:6.1f} s] {name} ...", flush=True)
             start = time.perf_counter()
@@ -455,8 +458,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"), help="output directory (default: $OUT or runs/gpu_check)")
     parser.add_argument("--tiny", action="store_true", help="tiny config and small sizes: a dry run of every stage, on any device")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="stages that would not fit are skipped (default: 450)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stages that would not fit are skipped (default: 300)")
+    parser.add_argument("--stages", help=f"comma-separated subset, e.g. for a rerun (default: all of {', '.join(STAGES)})")
     args = parser.parse_args()
+    selected = set(args.stages.split(",")) if args.stages else None
+    if selected is not None and not selected <= set(STAGES):
+        parser.error(f"--stages {args.stages!r} names unknown stages; allowed: {', '.join(STAGES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -466,7 +473,7 @@ def main() -> None:
     sizes = SIZES[config_name]
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: parity and the eager baseline
     torch.set_num_threads(os.cpu_count() or 2)
-    run = Run(out, args.budget_s, args.tiny)
+    run = Run(out, args.budget_s, args.tiny, selected)
     run.report.update(date=datetime.date.today().isoformat(), config=config_name, device=str(device), tiny=args.tiny, sizes=sizes)
     env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
                            "cpu_threads": torch.get_num_threads()}
