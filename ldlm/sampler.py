@@ -88,6 +88,14 @@ def ddim_step(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor,
     return _bcast(schedule.alpha(t_next)) * x0_hat + _bcast(schedule.sigma(t_next)) * eps_hat
 
 
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device`` without a host sync: through pinned memory on CUDA (a
+    pageable copy would wait for the GPU to drain)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _bcast(per_sample: Tensor) -> Tensor:
     return per_sample[:, None, None]  # (B,) -> (B, 1, 1)
 
@@ -143,7 +151,7 @@ def run_sampler(
     b = prior.shape[0]
     x = x_mean = prior
     x0_hat = torch.zeros_like(prior)
-    times = grid.to(device=prior.device, dtype=prior.dtype)  # once: indexing it later needs no copy
+    times = to_device(grid.to(prior.dtype), prior.device)  # once: indexing it later needs no copy
     for i in tqdm(range(len(grid) - 1), desc="denoising", unit="step", disable=not progress):
         t = times[i].expand(b)
         t_next = times[i + 1].expand(b)

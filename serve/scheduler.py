@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid
+from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid, to_device
 
 Policy = Literal["continuous", "static"]
 
@@ -107,7 +107,7 @@ class GenerationScheduler:
         self.pipeline.check_length(spec.length)
         if spec.sampler not in SAMPLERS:
             raise ValueError(f"sampler={spec.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
-        grid = time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min).to(self.pipeline.device, torch.float32)
+        grid = to_device(time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min).float(), self.pipeline.device)
         request = _Request(spec, Future(), [None] * spec.n, spec.n)
         samples = []
         for i, seed in enumerate(sample_seeds(spec.seed, spec.n)):
