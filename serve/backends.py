@@ -139,10 +139,16 @@ class EagerBackend(GraphBackend):
             value = inputs[spec["name"]]
             kind = "f" if value.is_floating_point() else "b" if value.dtype == torch.bool else "i"
             self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
-            dtype = torch.int64 if spec["dtype"] == "INT64" else self.dtype
-            tensors[spec["name"]] = value.to(self.device, dtype, non_blocking=True)
+            tensors[spec["name"]] = value.to(self.device, self.input_dtype(spec), non_blocking=True)
         self._check_sizes(sizes)
         return self._forward(tensors)
+
+    def input_dtype(self, spec: dict[str, Any]) -> torch.dtype:
+        """int64 stays; per-position activations take the compute dtype; the per-sample time t
+        stays FP32 (its sinusoidal embedding is computed in FP32)."""
+        if spec["dtype"] == "INT64":
+            return torch.int64
+        return self.dtype if spec["name"] in self.seq_names else torch.float32
 
     def _batch_and_length(self, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
         mask = tensors["attention_mask"]

@@ -173,7 +173,7 @@ class CompiledBackend(EagerBackend):
     def _shapes(self, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         sizes = {"batch": batch, "seq": length}
         return {spec["name"]: (tuple(sizes[s] if isinstance(s, str) else s for s in spec["shape"]),
-                               torch.int64 if spec["dtype"] == "INT64" else self.dtype) for spec in self.inputs}
+                               self.input_dtype(spec)) for spec in self.inputs}
 
     def _blank_inputs(self, batch: int, length: int) -> dict[str, Tensor]:
         return {n: torch.zeros(shape, dtype=dtype, device=self.device) for n, (shape, dtype) in self._shapes(batch, length).items()}
