@@ -305,6 +305,10 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
     return result
 
 
+# Subprocesses run with -P: from the repository root, `-m` would otherwise import the source folder
+# ldlm/ (which has no ldlm.serve; that lives in serve/) instead of the installed package.
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -328,7 +332,7 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
 
     port = free_port()
     log = (out / "server.log").open("w")
-    command = [sys.executable, "-m", "ldlm.cli", "serve", str(checkpoint), "--backend", "compiled", "--device", str(device),
+    command = [sys.executable, "-P", "-m", "ldlm.cli", "serve", str(checkpoint), "--backend", "compiled", "--device", str(device),
                "--precision", "bf16", "--port", str(port), "--max-batch", "16", "--log-level", "warning"]
     started = time.perf_counter()
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -353,13 +357,16 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
         http_ms, raw_ms = [], []
         with httpx.Client(base_url=url, timeout=30) as client:
             for _ in range(20):  # warm-up both (the server captures its batch-1 bucket here)
-                assert client.post("/v2/models/encoder/infer", content=body).status_code == 200
+                response = client.post("/v2/models/encoder/infer", content=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
                 raw_encoder.run(feed)
             for _ in range(sizes["overhead_requests"]):
                 start = time.perf_counter()
                 response = client.post("/v2/models/encoder/infer", content=body)
                 http_ms.append(1000 * (time.perf_counter() - start))
-                assert response.status_code == 200, response.text[:200]
+                if response.status_code != 200:
+                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
                 start = time.perf_counter()
                 raw_encoder.run(feed)  # NumPy in and out, as the server's batcher runs it
                 raw_ms.append(1000 * (time.perf_counter() - start))
@@ -385,7 +392,7 @@ def probe_eps_stage(work: Path) -> dict[str, Any]:
     """``ldlm probe-eps`` on tiny engines, only where NVIDIA TensorRT is importable and the command exists."""
     if importlib.util.find_spec("tensorrt") is None:
         return {"skipped": "NVIDIA TensorRT is not importable here"}
-    help_text = subprocess.run([sys.executable, "-m", "ldlm.cli", "--help"], capture_output=True, text=True).stdout
+    help_text = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", "--help"], capture_output=True, text=True).stdout
     if "probe-eps" not in help_text:
         return {"skipped": "this ldlm has no probe-eps command"}
     ckpt = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), work / "tiny-ckpt")
@@ -394,7 +401,7 @@ def probe_eps_stage(work: Path) -> dict[str, Any]:
              ["probe-eps", str(ckpt), "--engine-dir", str(work / "tiny-engines")]]
     result: dict[str, Any] = {}
     for argv in steps:
-        done = subprocess.run([sys.executable, "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=240)
+        done = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=240)
         result[argv[0]] = {"exit_code": done.returncode, "output": (done.stdout + done.stderr)[-2000:]}
         if done.returncode != 0:
             break

