@@ -18,10 +18,7 @@ import datetime
 import importlib.util
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ldlm.checkpoint import init_model, save_checkpoint
@@ -47,7 +43,8 @@ from ldlm.serve.torch_backends import CompiledBackend, length_buckets, prepare_m
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_targets import target_rows, targets_markdown  # noqa: E402
+from gpu_service import http_stage, probe_eps_stage  # noqa: E402
+from gpu_targets import summary_markdown  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(parity_n=4, parity_len=64, parity_steps=20, lat_batches=(1, 8, 64), lat_len=128, lat_runs=20,
@@ -303,159 +300,6 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
     result["throughput_ratio"] = round(result["continuous"]["tokens_per_s"] / result["static"]["tokens_per_s"], 3)
     result["p99_ratio"] = round(result["continuous"]["latency_p99_s"] / result["static"]["latency_p99_s"], 3)
     return result
-
-
-# Subprocesses run with -P: from the repository root, `-m` would otherwise import the source folder
-# ldlm/ (which has no ldlm.serve; that lives in serve/) instead of the installed package.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def kserve_encoder_body(length: int, seed: int) -> bytes:
-    ids = np.random.default_rng(seed).integers(0, 50257, length).tolist()
-    return json.dumps({"inputs": [{"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
-                                  {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length}],
-                       "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}).encode()
-
-
-def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
-    """``ldlm serve`` (compiled bf16 on the device) in its own process on 127.0.0.1: the overhead of
-    the service over the raw runner at batch 1 (encoder, 16 tokens, binary output), then a short
-    bounded load of mixed requests from concurrent clients."""
-    import httpx
-
-    import load_test
-
-    port = free_port()
-    log = (out / "server.log").open("w")
-    command = [sys.executable, "-P", "-m", "ldlm.cli", "serve", str(checkpoint), "--backend", "compiled", "--device", str(device),
-               "--precision", "bf16", "--port", str(port), "--max-batch", "16", "--log-level", "warning"]
-    started = time.perf_counter()
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    result: dict[str, Any] = {"command": " ".join(command[1:])}
-    try:
-        deadline = time.time() + sizes["server_ready_s"]
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"ldlm serve exited with {server.returncode}; see server.log")
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"ldlm serve was not ready after {sizes['server_ready_s']} s")
-            time.sleep(0.25)
-        result["ready_after_s"] = round(time.perf_counter() - started, 1)
-        body = kserve_encoder_body(16, 0)
-        feed = {i["name"]: np.asarray(i["data"], dtype=np.int64).reshape(i["shape"]) for i in json.loads(body)["inputs"]}
-        http_ms, raw_ms = [], []
-        with httpx.Client(base_url=url, timeout=30) as client:
-            for _ in range(20):  # warm-up both (the server captures its batch-1 bucket here)
-                response = client.post("/v2/models/encoder/infer", content=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
-                raw_encoder.run(feed)
-            for _ in range(sizes["overhead_requests"]):
-                start = time.perf_counter()
-                response = client.post("/v2/models/encoder/infer", content=body)
-                http_ms.append(1000 * (time.perf_counter() - start))
-                if response.status_code != 200:
-                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
-                start = time.perf_counter()
-                raw_encoder.run(feed)  # NumPy in and out, as the server's batcher runs it
-                raw_ms.append(1000 * (time.perf_counter() - start))
-        result["overhead"] = {"graph": "encoder", "batch": 1, "length": 16, "requests": len(http_ms),
-                              "client": "httpx, JSON inputs, binary output", "http_p50_ms": round(statistics.median(http_ms), 3),
-                              "http_p99_ms": round(float(np.percentile(http_ms, 99)), 3),
-                              "runner_p50_ms": round(statistics.median(raw_ms), 3),
-                              "overhead_p50_ms": round(statistics.median(http_ms) - statistics.median(raw_ms), 3)}
-        d = httpx.get(f"{url}/v2/models/decoder", timeout=10).json()["inputs"][0]["shape"][-1]
-        result["load"] = load_test.run_clients(url, sizes["http_clients"], sizes["http_seconds"], d)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            result["server_exit_code"] = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            result["server_exit_code"] = "killed after 60 s"
-        log.close()
-    return result
-
-
-def probe_eps_stage(work: Path) -> dict[str, Any]:
-    """``ldlm probe-eps`` on tiny engines, only where NVIDIA TensorRT is importable and the command exists."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return {"skipped": "NVIDIA TensorRT is not importable here"}
-    help_text = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", "--help"], capture_output=True, text=True).stdout
-    if "probe-eps" not in help_text:
-        return {"skipped": "this ldlm has no probe-eps command"}
-    ckpt = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), work / "tiny-ckpt")
-    steps = [["export", str(ckpt), str(work / "tiny-onnx"), "--quiet"],
-             ["build-engine", str(work / "tiny-onnx"), str(work / "tiny-engines"), "--flavor", "tensorrt", "--quiet"],
-             ["probe-eps", str(ckpt), "--engine-dir", str(work / "tiny-engines")]]
-    result: dict[str, Any] = {}
-    for argv in steps:
-        done = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=240)
-        result[argv[0]] = {"exit_code": done.returncode, "output": (done.stdout + done.stderr)[-2000:]}
-        if done.returncode != 0:
-            break
-    return result
-
-
-# --- summary ---------------------------------------------------------------------------------------
-
-def summary_markdown(report: dict[str, Any]) -> str:
-    env = report.get("environment", {})
-    stages = report.get("stages", {})
-    lines = [f"# GPU check, {report.get('date', '?')}", "",
-             f"{env.get('gpu', 'no GPU')} (compute capability {env.get('capability', '-')}), torch {env.get('torch')}, "
-             f"config **{report.get('config')}** on **{report.get('device')}**; {report.get('elapsed_s', '?')} s in all.", ""]
-    if report.get("tiny"):
-        lines += ["> Dry run with the tiny config: the figures below exercise the script, they are not comparable with the targets.", ""]
-    lines += ["## Targets", "", targets_markdown(target_rows(report)), ""]
-    parity = stages.get("parity", {})
-    candidates = [k for k, v in parity.items() if isinstance(v, dict) and "outputs" in v]
-    if candidates:
-        lines += ["## Parity against CPU fp32 eager (worst over random, padded and stress inputs)", "",
-                  "| backend | output | max abs error | cosine min | elementwise at atol/rtol |", "|---|---|---|---|---|"]
-        for name in candidates:
-            for output, v in parity[name]["outputs"].items():
-                lines.append(f"| {name} | {output} | {v['max_abs']:.3g} | {v['cosine_min']:.6f} | {'pass' if v['elementwise_passed'] else 'fail'} "
-                             f"({parity[name]['atol']:g}/{parity[name]['rtol']:g}) |")
-        lines += ["", "| backend | end-to-end token agreement (ddim) | decoder token agreement |", "|---|---|---|"]
-        for name in candidates:
-            dec = ", ".join(f"{k} {100 * v:.2f}%" for k, v in parity[name]["decoder_token_agreement"].items())
-            lines.append(f"| {name} | {100 * parity[name]['token_agreement']:.2f}% | {dec} |")
-        lines.append("")
-    latency = stages.get("latency", {}).get("graphs", {})
-    if latency:
-        backends = sorted({b for cell in latency.values() for b in cell})
-        lines += [f"## Latency per graph, p50 ms (speed-up against eager fp32)", "", "| graph | " + " | ".join(backends) + " |",
-                  "|---|" + "---|" * len(backends)]
-        for key, cell in latency.items():
-            lines.append(f"| {key} | " + " | ".join(
-                f"{cell[b]['p50_ms']:.3f}" + (f" (x{cell[b]['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in cell[b] else "")
-                if b in cell else "-" for b in backends) + " |")
-        lines.append("")
-    for name in ("device_loop", "long_sample", "throughput", "batching", "http", "probe_eps", "ort_gpu"):
-        if name in stages:
-            lines += [f"## {name}", "", "```", json.dumps(_brief(stages[name]), indent=1, default=str)[:4000], "```", ""]
-    errors = {k: v["error"] for k, v in stages.items() if isinstance(v, dict) and "error" in v}
-    if errors:
-        lines += ["## Stage errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]
-    return "\n".join(lines)
-
-
-def _brief(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _brief(v) for k, v in value.items() if k not in ("traceback", "comparisons")}
-    return value
 
 
 # --- main ------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Issue 10's targets, read off a gpu_check report: one row per target with the measured figure
-and a verdict (met, missed, or not measured and why). Used by scripts/gpu_check.py."""
+and a verdict (met, missed, or not measured and why), and the Markdown summary of a report.
+Used by scripts/gpu_check.py."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -84,3 +86,51 @@ def targets_markdown(rows: list[dict[str, str]]) -> str:
     lines = ["| measure | target | measured | verdict | how |", "|---|---|---|---|---|"]
     lines += [f"| {r['measure']} | {r['target']} | {r['measured']} | {r['verdict']} | {r['note']} |" for r in rows]
     return "\n".join(lines)
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    env = report.get("environment", {})
+    stages = report.get("stages", {})
+    lines = [f"# GPU check, {report.get('date', '?')}", "",
+             f"{env.get('gpu', 'no GPU')} (compute capability {env.get('capability', '-')}), torch {env.get('torch')}, "
+             f"config **{report.get('config')}** on **{report.get('device')}**; {report.get('elapsed_s', '?')} s in all.", ""]
+    if report.get("tiny"):
+        lines += ["> Dry run with the tiny config: the figures below exercise the script, they are not comparable with the targets.", ""]
+    lines += ["## Targets", "", targets_markdown(target_rows(report)), ""]
+    parity = stages.get("parity", {})
+    candidates = [k for k, v in parity.items() if isinstance(v, dict) and "outputs" in v]
+    if candidates:
+        lines += ["## Parity against CPU fp32 eager (worst over random, padded and stress inputs)", "",
+                  "| backend | output | max abs error | cosine min | elementwise at atol/rtol |", "|---|---|---|---|---|"]
+        for name in candidates:
+            for output, v in parity[name]["outputs"].items():
+                lines.append(f"| {name} | {output} | {v['max_abs']:.3g} | {v['cosine_min']:.6f} | {'pass' if v['elementwise_passed'] else 'fail'} "
+                             f"({parity[name]['atol']:g}/{parity[name]['rtol']:g}) |")
+        lines += ["", "| backend | end-to-end token agreement (ddim) | decoder token agreement |", "|---|---|---|"]
+        for name in candidates:
+            dec = ", ".join(f"{k} {100 * v:.2f}%" for k, v in parity[name]["decoder_token_agreement"].items())
+            lines.append(f"| {name} | {100 * parity[name]['token_agreement']:.2f}% | {dec} |")
+        lines.append("")
+    latency = stages.get("latency", {}).get("graphs", {})
+    if latency:
+        backends = sorted({b for cell in latency.values() for b in cell})
+        lines += [f"## Latency per graph, p50 ms (speed-up against eager fp32)", "", "| graph | " + " | ".join(backends) + " |",
+                  "|---|" + "---|" * len(backends)]
+        for key, cell in latency.items():
+            lines.append(f"| {key} | " + " | ".join(
+                f"{cell[b]['p50_ms']:.3f}" + (f" (x{cell[b]['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in cell[b] else "")
+                if b in cell else "-" for b in backends) + " |")
+        lines.append("")
+    for name in ("device_loop", "long_sample", "throughput", "batching", "http", "probe_eps", "ort_gpu"):
+        if name in stages:
+            lines += [f"## {name}", "", "```", json.dumps(_brief(stages[name]), indent=1, default=str)[:4000], "```", ""]
+    errors = {k: v["error"] for k, v in stages.items() if isinstance(v, dict) and "error" in v}
+    if errors:
+        lines += ["## Stage errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]
+    return "\n".join(lines)
+
+
+def _brief(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _brief(v) for k, v in value.items() if k not in ("traceback", "comparisons")}
+    return value
