@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ldlm.device import DeviceError
+from ldlm.device import resolve_device as core_resolve_device
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
 from ldlm.serve.backends import BackendError, EagerBackend
@@ -39,21 +41,9 @@ LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
 def resolve_device(device: str | torch.device) -> torch.device:
     """A torch device that exists here, or a BackendError naming what is missing."""
     try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise BackendError(f"device={device!r} is unknown; allowed: cpu, cuda, cuda:N") from None
-    if resolved.type == "cpu":
-        return resolved
-    if resolved.type != "cuda":
-        raise BackendError(f"device={device!r} is not supported; allowed: cpu, cuda, cuda:N")
-    if not torch.cuda.is_available():
-        why = ("this torch build has no CUDA support" if torch.version.cuda is None
-               else f"no CUDA device is visible to torch (built for CUDA {torch.version.cuda}; check the driver and CUDA_VISIBLE_DEVICES)")
-        raise BackendError(f"device={device!r} is not available: {why} (torch {torch.__version__}); allowed here: cpu")
-    index = 0 if resolved.index is None else resolved.index
-    if index >= torch.cuda.device_count():
-        raise BackendError(f"device={device!r} is not available; allowed: cuda:0..cuda:{torch.cuda.device_count() - 1}")
-    return torch.device("cuda", index)
+        return core_resolve_device(device)
+    except DeviceError as error:
+        raise BackendError(str(error)) from None
 
 
 def check_precision(precision: str, backend: str) -> torch.dtype:

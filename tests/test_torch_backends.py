@@ -130,9 +130,11 @@ def test_missing_cuda_is_a_clear_error() -> None:
     ["serve", "{ckpt}", "--backend", "compiled", "--device", "cuda", "--precision", "bf16"],
     ["bench", "{ckpt}", "--backends", "eager", "--device", "cuda"],
     ["parity", "{ckpt}", "--backend", "eager", "--device", "cuda", "--precision", "bf16"],
+    ["generate", "{ckpt}", "--device", "cuda"],
+    ["reconstruct", "{ckpt}", "some text", "--device", "cuda"],
 ])
 def test_cli_device_cuda_without_cuda_is_a_message_not_a_traceback(tiny_checkpoint: Path, tmp_path: Path, command: list[str]) -> None:
-    argv = [a.format(ckpt=tiny_checkpoint) for a in command] + ["--out", str(tmp_path / "out")] * (command[0] != "serve")
+    argv = [a.format(ckpt=tiny_checkpoint) for a in command] + ["--out", str(tmp_path / "out")] * (command[0] in ("bench", "parity"))
     done = subprocess.run([sys.executable, "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
