@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from ldlm.config import LDLMConfig
+from ldlm.device import resolve_device
 from ldlm.model import LDLM
 from ldlm.tokenizer import TextTokenizer
 
@@ -89,6 +90,7 @@ def load_config(path: str | os.PathLike[str]) -> LDLMConfig:
 
 def load_checkpoint(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[LDLM, TextTokenizer]:
     """Load a checkpoint directory; the model comes back in eval mode on ``device``."""
+    device = resolve_device(device)  # an absent GPU is named before any file is read
     directory = Path(path)
     config = load_config(directory)
     weights = directory / WEIGHTS_FILE

@@ -112,9 +112,9 @@ def _cmd_parity(args: argparse.Namespace) -> None:
     from ldlm.serve.parity import run_parity
     from ldlm.serve.parity_report import write_parity_report
 
-    source = args.engine_dir if args.backend == "trt" else args.onnx_dir
+    source = {"trt": args.engine_dir, "ort": args.onnx_dir}.get(args.backend)  # torch backends run the checkpoint
     report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed,
-                        steps=args.steps, progress=not args.quiet)
+                        steps=args.steps, progress=not args.quiet, device=args.device, provider=args.provider)
     files = write_parity_report(report, args.out)
     for comparison in [*report.graphs, *report.layer_norms]:
         if args.verbose or not comparison.passed:
@@ -134,6 +134,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, args.batches,
         args.length, args.runs, args.threads, args.gen_n, args.gen_steps, args.workload_requests, args.workload_rate,
         args.workload_backend, args.max_batch, progress=not args.quiet, workload_lengths=args.workload_lengths,
+        device=args.device, precision=args.precision, provider=args.provider,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,6 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, backend=args.backend, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
         max_queue=args.max_queue, request_timeout_s=args.timeout_s, max_body_bytes=args.max_body_mb << 20,
         api_key=args.api_key or os.environ.get("LDLM_API_KEY") or None, threads=args.threads,
+        device=args.device, precision=args.precision, provider=args.provider,
     )
     serve(args.source, settings, args.log_level)
 
@@ -190,6 +192,16 @@ def _positive_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (e.g. 1,8), got {text!r}")
     return values
+
+
+def _device_options(p: argparse.ArgumentParser, precision: bool = True) -> None:
+    """--device and --precision for the torch backends, --provider for ONNX Runtime."""
+    p.add_argument("--device", default="cpu", help="torch backends (eager, compiled): cpu, cuda or cuda:N (default: cpu)")
+    if precision:
+        p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                       help="torch backends' dtype; LayerNorm, RMSNorm, softmax and logits stay FP32 (default: fp32)")
+    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
+                   help="ONNX Runtime execution provider; cuda and tensorrt need onnxruntime-gpu (default: cpu)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,10 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
         "parity.md and PNG plots. Exit code 1 on failure.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")
-    p.add_argument("--backend", choices=["ort", "trt"], default="ort", help="default: ort")
-    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32", help="sets atol/rtol (default: fp32)")
+    p.add_argument("--backend", choices=["ort", "trt", "eager", "compiled"], default="ort",
+                   help="ort, trt, or torch on --device: eager, compiled (shape buckets + CUDA graphs) (default: ort)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="sets atol/rtol, and the dtype of the torch backends (default: fp32)")
     p.add_argument("--onnx-dir", help="ort: an `ldlm export` directory (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")
+    _device_options(p, precision=False)
     p.add_argument("--out", default="parity-report", help="report directory (default: parity-report)")
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the generation noise")
@@ -331,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Writes OUT/bench.json and OUT/bench.png.",
     )
     p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, ort, trt (default: eager,ort)")
+    p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, ort, trt (default: eager,ort)")
     p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="engines to use for trt")
     p.add_argument("--batches", type=_positive_int_list, default=[1, 8], help="comma-separated batch sizes (default: 1,8)")
@@ -346,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-lengths", type=_positive_int_list, default=[16, 32, 64, 128],
                    help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="scheduler batch size (default: 8)")
+    _device_options(p)
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_bench)
@@ -358,8 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
         "dynamic batching, continuous batching for generation, Prometheus /metrics and OpenAPI /docs. Binds "
         "127.0.0.1 unless told otherwise. SIGINT/SIGTERM finish in-flight requests before exiting.",
     )
-    p.add_argument("source", help="checkpoint (eager; ort exports it first), `ldlm export` dir (ort) or `ldlm build-engine` dir (trt)")
-    p.add_argument("--backend", choices=["eager", "ort", "trt"], default="ort", help="default: ort")
+    p.add_argument("source", help="checkpoint (eager, compiled; ort exports it first), `ldlm export` dir (ort) or `ldlm build-engine` dir (trt)")
+    p.add_argument("--backend", choices=["eager", "compiled", "ort", "trt"], default="ort",
+                   help="eager or compiled (shape buckets + CUDA graphs) torch on --device, ort on --provider, trt (default: ort)")
+    _device_options(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
     p.add_argument("--max-batch", type=_positive_int, default=16, help="samples per execution (default: 16)")

@@ -65,6 +65,7 @@ class LDLMPipeline:
         device: str | torch.device = "cpu",
         config: LDLMConfig | None = None,
         buckets: Sequence[int] = (),
+        noise_device: str | torch.device | None = None,
     ) -> None:
         if isinstance(graphs, nn.Module):
             graphs = graphs.to(device).eval()
@@ -72,6 +73,9 @@ class LDLMPipeline:
         self.tokenizer = tokenizer
         self.config: LDLMConfig = config if config is not None else graphs.config  # type: ignore[attr-defined]
         self.device = torch.device(device)
+        # Where noise is drawn: the pipeline's device by default (no copy per step); "cpu" makes a
+        # GPU run use exactly the CPU run's noise, for parity.
+        self.noise_device = self.device if noise_device is None else torch.device(noise_device)
         self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
         bad = [b for b in buckets if not 1 <= b <= self.config.max_seq_len]
         if bad:
@@ -186,7 +190,7 @@ class LDLMPipeline:
             raise ValueError(f"n={n!r} is out of range; allowed: an integer >= 1")
         self.check_length(length)
         grid = time_grid(steps, cfg.t_min if t_min is None else t_min)
-        streams = [NoiseStream(s, (length, cfg.d_model)) for s in sample_seeds(seed, n)]
+        streams = [NoiseStream(s, (length, cfg.d_model), self.noise_device) for s in sample_seeds(seed, n)]
         padded = self.bucket_length(length)
         mask = torch.zeros(n, padded, dtype=torch.bool, device=self.device)
         mask[:, :length] = True

@@ -10,6 +10,10 @@ min(t, beta_clip_t); otherwise the first Euler-Maruyama steps from t = 1 diverge
 Every step takes per-sample times t, t_next of shape (B,), so one batch can hold samples at
 different steps, and every random draw is an input tensor, so eager and engine runs can be fed
 identical noise.
+
+On a GPU the step loop makes no host round trip: the time grid is moved to the device once,
+noise is drawn there by a per-sample device generator, and self-conditioning stays a device
+tensor. On CPU the numbers are bitwise those of the host loop (tests/test_sampler_device.py).
 """
 
 from __future__ import annotations
@@ -84,6 +88,14 @@ def ddim_step(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor,
     return _bcast(schedule.alpha(t_next)) * x0_hat + _bcast(schedule.sigma(t_next)) * eps_hat
 
 
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device`` without a host sync: through pinned memory on CUDA (a
+    pageable copy would wait for the GPU to drain)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _bcast(per_sample: Tensor) -> Tensor:
     return per_sample[:, None, None]  # (B,) -> (B, 1, 1)
 
@@ -92,15 +104,18 @@ class NoiseStream:
     """The noise of one sample: its prior x_1, then one draw per step, all from its own seed.
 
     One stream per sample makes a sample's noise independent of the batch it runs in, so
-    static batches, continuous batches and single runs all see the same numbers.
+    static batches, continuous batches and single runs all see the same numbers. The stream draws
+    on ``device`` (no host-to-device copy per step); a CUDA generator gives other numbers than the
+    CPU one for the same seed, so runs that must share noise across devices draw on the CPU.
     """
 
-    def __init__(self, seed: int, shape: tuple[int, ...]) -> None:
+    def __init__(self, seed: int, shape: tuple[int, ...], device: str | torch.device = "cpu") -> None:
         self.shape = shape
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def draw(self) -> Tensor:
-        return torch.randn(self.shape, generator=self.generator)
+        return torch.randn(self.shape, generator=self.generator, device=self.device)
 
 
 def sample_seeds(seed: int, n: int) -> list[int]:
@@ -136,9 +151,10 @@ def run_sampler(
     b = prior.shape[0]
     x = x_mean = prior
     x0_hat = torch.zeros_like(prior)
+    times = to_device(grid.to(prior.dtype), prior.device)  # once: indexing it later needs no copy
     for i in tqdm(range(len(grid) - 1), desc="denoising", unit="step", disable=not progress):
-        t = grid[i].to(device=prior.device, dtype=prior.dtype).expand(b)
-        t_next = grid[i + 1].to(device=prior.device, dtype=prior.dtype).expand(b)
+        t = times[i].expand(b)
+        t_next = times[i + 1].expand(b)
         x0_hat = denoise(x, t, x0_hat)
         if sampler == "sde":
             x, x_mean = sde_step(schedule, x, x0_hat, t, t_next, draw_noise())

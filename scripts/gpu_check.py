@@ -1,143 +1,367 @@
 #!/usr/bin/env python
-"""GPU check (run by scripts/gpu_check.sh): eager CUDA fp32/bf16 against the CPU reference for the
-tiny and base configs, then ONNX Runtime's CUDA provider and TensorRT engines where present.
-Writes OUT/gpu_check.json; every stage reports what it ran or why it was skipped."""
+"""The prepared GPU run of issue 10 (run by scripts/gpu_check.sh): every GPU backend against CPU
+fp32 eager, latency per graph, a 1024-token sample, tokens/s, continuous against static batching,
+and the HTTP service on loopback, on the base config. Writes OUT/gpu_check.json (rewritten after
+every stage, so a run cut short keeps what it measured) and OUT/gpu_check.md (figures against the
+issue's targets). Stages that cannot run say why; a stage that fails records its error and the
+run goes on. Nothing is downloaded.
+
+    python scripts/gpu_check.py --out $OUT               # base config, on CUDA
+    python scripts/gpu_check.py --tiny --out runs/gpu    # tiny config, whatever device: a dry run
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import copy
+import datetime
+import importlib.util
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ldlm.checkpoint import init_model, save_checkpoint
+from ldlm.config import LDLMConfig, preset
+from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.model import LDLM
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.backends import BackendGraphs, EagerBackend, GraphBackend
+from ldlm.serve.bench import bench_graphs, graph_feed, mixed_workload, run_workload
+from ldlm.serve.compare import tolerance
+from ldlm.serve.parity import ParityReport, compare_graph, input_sets
+from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.torch_backends import CompiledBackend, length_buckets, prepare_model
+from ldlm.tokenizer import TextTokenizer
 
-def has(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-        return True
-    except Exception:
-        return False
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_service import http_stage, probe_eps_stage  # noqa: E402
+from gpu_targets import summary_markdown  # noqa: E402
+
+SIZES: dict[str, dict[str, Any]] = {
+    "base": dict(parity_n=4, parity_len=64, parity_steps=20, lat_batches=(1, 8, 64), lat_len=128, lat_runs=20,
+                 long_len=1024, long_steps=50, long_runs=5, tps_len=128, tps_steps=50, tps_batches=(64, 128, 256), tps_runs=2,
+                 wl_max_batch=16, wl_seconds=3.0, wl_lengths=(16, 32, 64, 128), http_clients=16, http_seconds=10.0,
+                 overhead_requests=200, server_ready_s=240),
+    "tiny": dict(parity_n=2, parity_len=16, parity_steps=5, lat_batches=(1, 8), lat_len=32, lat_runs=3,
+                 long_len=128, long_steps=10, long_runs=2, tps_len=32, tps_steps=5, tps_batches=(4, 8), tps_runs=1,
+                 wl_max_batch=4, wl_seconds=2.0, wl_lengths=(16, 32), http_clients=4, http_seconds=3.0,
+                 overhead_requests=30, server_ready_s=120),
+}
+# name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline.
+TORCH_CANDIDATES = {"eager": ("eager", "fp32"), "eager-bf16": ("eager", "bf16"), "eager-fp16": ("eager", "fp16"),
+                    "compiled-bf16": ("compiled", "bf16")}
+LATENCY_BACKENDS = ("eager", "eager-bf16", "compiled-bf16")
+STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "probe_eps")
 
 
-def cuda_ms(fn, runs: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-    return round(statistics.median(times), 3)
+class Run:
+    """The report, its files, and the time budget every stage checks before it starts."""
+
+    def __init__(self, out: Path, budget_s: float, tiny: bool, stages: set[str] | None = None) -> None:
+        self.out, self.budget_s, self.tiny, self.selected = out, budget_s, tiny, stages
+        self.started = time.perf_counter()
+        self.report: dict[str, Any] = {"stages": {}}
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.started)
+
+    def stage(self, name: str, fn: Callable[[], Any], needs_s: float) -> Any:
+        if self.selected is not None and name not in self.selected:
+            result: Any = {"skipped": "not selected (--stages)"}
+        elif self.left_s() < needs_s:
+            result = {"skipped": f"time budget: {self.left_s():.0f} s left, the stage needs about {needs_s:.0f} s"}
+        else:
+            print(f"[{time.perf_counter() - self.started:6.1f} s] {name} ...", flush=True)
+            start = time.perf_counter()
+            try:
+                result = fn()
+            except Exception as error:  # record it, go on with the other stages
+                result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=6)[-3000:]}
+            if isinstance(result, dict):
+                result["stage_s"] = round(time.perf_counter() - start, 2)
+        self.report["stages"][name] = result
+        print(json.dumps({name: result}, default=str)[:1500], flush=True)
+        self.write()
+        return result
+
+    def write(self) -> None:
+        self.report["elapsed_s"] = round(time.perf_counter() - self.started, 1)
+        for name, text in (("gpu_check.json", json.dumps(self.report, indent=2, default=str) + "\n"),
+                           ("gpu_check.md", summary_markdown(self.report))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(self.out / name)  # never a half-written file
 
 
-def eager_stage(preset_name: str) -> dict[str, Any]:
-    """The three graphs on CUDA in fp32 (TF32 off) and bf16, against float64-free CPU fp32."""
-    from ldlm.checkpoint import init_model
-    from ldlm.config import preset
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    model = init_model(preset(preset_name), seed=0)
-    cfg = model.config
-    gen = torch.Generator().manual_seed(0)
-    b, length, d = 8, min(128, cfg.max_seq_len), cfg.d_model
-    ids = torch.randint(0, cfg.gpt2_vocab_size, (b, length), generator=gen)
-    mask = torch.ones(b, length, dtype=torch.bool)
-    x = torch.randn(b, length, d, generator=gen)
-    t = torch.rand(b, generator=gen)
-    calls = {
-        "encoder": lambda m, dev: m.encode_latents(ids.to(dev), mask.to(dev)),
-        "denoiser": lambda m, dev: m.denoise(x.to(dev, next(m.parameters()).dtype), t.to(dev), x.to(dev, next(m.parameters()).dtype), mask.to(dev)),
-        "decoder": lambda m, dev: m.decode_logits(x.to(dev, next(m.parameters()).dtype), mask.to(dev)),
-    }
-    result: dict[str, Any] = {}
-    with torch.inference_mode():
-        reference = {g: f(model, "cpu").float() for g, f in calls.items()}
-        for dtype in (torch.float32, torch.bfloat16):
-            gpu = init_model(preset(preset_name), seed=0).to("cuda", dtype)
-            for g, f in calls.items():
-                out = f(gpu, "cuda").float().cpu()
-                err = (out - reference[g]).abs()
-                result[f"{g}/{str(dtype)[6:]}"] = {
-                    "max_abs": float(err.max()), "ref_max_abs": float(reference[g].abs().max()),
-                    "cuda_ms_b8": cuda_ms(lambda: f(gpu, "cuda")),
-                }
-            del gpu
+
+def clone_model(model: LDLM, device: torch.device) -> LDLM:
+    """The same weights on ``device``, without a second random init or a host deep copy."""
+    with torch.device("meta"):
+        clone = LDLM(model.config)
+    clone = clone.to_empty(device=device)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+def open_candidates(model: LDLM, device: torch.device, with_logits: bool) -> dict[str, dict[str, GraphBackend]]:
+    base = clone_model(model, device)
+    models = {"fp32": base}
+    for precision in ("bf16", "fp16"):
+        models[precision] = prepare_model(copy.deepcopy(base), device, precision)
+    candidates = {}
+    for name, (backend, precision) in TORCH_CANDIDATES.items():
+        kind = EagerBackend if backend == "eager" else CompiledBackend
+        candidates[name] = {g: kind(models[precision], g, with_logits and g == "decoder") for g in GRAPH_NAMES}
+    return candidates
+
+
+def ort_gpu_candidates(checkpoint: Path, work: Path) -> tuple[dict[str, dict[str, GraphBackend]], dict[str, str]]:
+    """ONNX Runtime on the CUDA / TensorRT providers when onnxruntime-gpu is there; else why not."""
+    notes: dict[str, str] = {}
+    if importlib.util.find_spec("onnxruntime") is None:
+        return {}, {"ort": "skipped: onnxruntime is not installed"}
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    wanted = {"ort-cuda": "cuda", "ort-tensorrt": "tensorrt"}
+    runnable = {n: p for n, p in wanted.items() if {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}[p] in available}
+    for name in set(wanted) - set(runnable):
+        notes[name] = f"skipped: onnxruntime {ort.__version__} here has providers {available} (onnxruntime-gpu is not installed)"
+    if not runnable:
+        return {}, notes
+    from ldlm.export.onnx_export import export_graphs
+    from ldlm.serve.backends import open_graphs, ort_providers
+
+    onnx_dir = export_graphs(checkpoint, work / "onnx", with_logits=True).out
+    graphs = {}
+    for name, provider in runnable.items():
+        try:
+            graphs[name] = open_graphs("ort", onnx_dir, providers=ort_providers(provider))[0]
+        except Exception as error:
+            notes[name] = f"failed: {type(error).__name__}: {error}"
+    return graphs, notes
+
+
+# --- stages ----------------------------------------------------------------------------------------
+
+def parity_stage(model: LDLM, tokenizer: TextTokenizer, candidates: dict[str, dict[str, GraphBackend]], sizes: dict[str, Any]) -> dict[str, Any]:
+    """Every candidate against CPU fp32 eager: per graph output max abs error and cosine; end to
+    end, token agreement with the deterministic sampler on the reference's CPU noise."""
+    reference = {g: EagerBackend(model, g, with_logits=True) for g in GRAPH_NAMES}
+    n, length, steps = sizes["parity_n"], min(sizes["parity_len"], model.config.max_seq_len), sizes["parity_steps"]
+    ref_tokens = LDLMPipeline(model, tokenizer).generate(n, length, steps, 0, "ddim").token_ids
+    result: dict[str, Any] = {"reference": "eager fp32 on CPU", "generation": {"n": n, "length": length, "steps": steps, "sampler": "ddim"}}
+    for name, graphs in candidates.items():
+        precision = "bf16" if "bf16" in name else "fp16" if "fp16" in name else "fp32"
+        atol, rtol = tolerance(precision)
+        report = ParityReport(name, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol)
+        for g in GRAPH_NAMES:
+            compare_graph(g, reference[g], graphs[g], input_sets(model, g, 0), atol, rtol, report)
+        device = getattr(graphs["denoiser"], "device", torch.device("cpu"))
+        pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=model.config, noise_device="cpu")
+        tokens = pipe.generate(n, length, steps, 0, "ddim").token_ids
+        per_output: dict[str, dict[str, float]] = {}
+        for c in report.graphs:  # worst over the input sets, per graph output
+            graph, set_name, output = c.name.split("/")
+            key = f"{graph}/{output}"
+            entry = per_output.setdefault(key, {"max_abs": 0.0, "cosine_min": 1.0, "elementwise_passed": True})
+            entry["max_abs"] = max(entry["max_abs"], c.max_abs)
+            entry["cosine_min"] = min(entry["cosine_min"], c.cosine_min)
+            entry["elementwise_passed"] = bool(entry["elementwise_passed"] and c.passed)
+        result[name] = {"providers": report.providers, "atol": atol, "rtol": rtol, "outputs": per_output,
+                        "comparisons": [{k: v for k, v in c.to_dict().items() if k != "abs_error_histogram"} for c in report.graphs],
+                        "decoder_token_agreement": report.decoder_token_agreement,
+                        "token_agreement": float((tokens == ref_tokens).float().mean())}
     return result
 
 
-def onnx_stages(preset_name: str, work: Path) -> dict[str, Any]:
-    from ldlm.checkpoint import init_model, save_checkpoint
-    from ldlm.config import preset
-    from ldlm.export.onnx_export import export_graphs
-    from ldlm.tokenizer import TextTokenizer
+def device_loop_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device) -> dict[str, Any]:
+    """The step loop with CUDA's sync debug mode set to error (any host sync raises), and a
+    profile of one batch-1 denoiser call: how many CUDA graph launches and kernel launches."""
+    if device.type != "cuda":
+        return {"skipped": "not on CUDA: host syncs and graph replays cannot be observed on CPU"}
+    pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+    pipe.sample_latents(1, 128, 3, 0, "sde")  # warm-up, captures
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pipe.sample_latents(1, 128, 5, 0, "sde")
+        no_sync = "passed: 5 sde steps ran under torch.cuda.set_sync_debug_mode('error')"
+    except RuntimeError as error:
+        no_sync = f"FAILED: a host sync in the step loop: {error}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    denoiser = graphs["denoiser"]
+    feed = {n: torch.from_numpy(a).to(device) for n, a in graph_feed(config, "denoiser", 1, 128).items()}
+    denoiser.run_tensors(feed)  # type: ignore[attr-defined]
+    sync(device)
+    from torch.profiler import ProfilerActivity, profile
 
-    out: dict[str, Any] = {}
-    ckpt = save_checkpoint(init_model(preset(preset_name), 0), TextTokenizer.gpt2(), work / f"{preset_name}-ckpt")
-    start = time.perf_counter()
-    onnx_dir = export_graphs(ckpt, work / f"{preset_name}-onnx", with_logits=True).out
-    out["export_s"] = round(time.perf_counter() - start, 1)
-    if has("onnxruntime"):
-        import onnxruntime as ort
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        denoiser.run_tensors(feed)  # type: ignore[attr-defined]
+        sync(device)
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cuLaunchKernel", "cudaStreamSynchronize"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return {"no_host_sync_in_step_loop": no_sync, "denoiser_b1_L128_runtime_calls": counts,
+            "provider": denoiser.provider}
 
-        providers = ort.get_available_providers()
-        out["ort_providers_available"] = providers
-        if "CUDAExecutionProvider" in providers:
-            from ldlm.serve.parity import run_parity
 
-            report = run_parity(ckpt, "ort", source=onnx_dir)
-            out["ort_parity"] = report.summary()
-        else:
-            out["ort"] = "skipped: onnxruntime has no CUDAExecutionProvider here (onnxruntime-gpu not installed)"
-    for flavor in ("tensorrt", "tensorrt_rtx"):
-        if not has(flavor):
-            out[flavor] = f"skipped: {flavor} is not installed"
-            continue
-        from ldlm.export.engine import BuildOptions, build_engines
-        from ldlm.serve.parity import run_parity
+def latency_stage(backends: dict[str, dict[str, GraphBackend]], config: LDLMConfig, sizes: dict[str, Any]) -> dict[str, Any]:
+    length = min(sizes["lat_len"], config.max_seq_len)
+    return {"length": length, "runs": sizes["lat_runs"], "baseline": "eager = torch eager fp32 on the same device (TF32 off)",
+            "graphs": bench_graphs(backends, config, sizes["lat_batches"], length, sizes["lat_runs"])}
 
-        for precision in ("fp32", "fp16", "bf16"):
-            key = f"{flavor}/{precision}"
-            try:
+
+def long_sample_stage(backends: dict[str, dict[str, GraphBackend]], tokenizer: TextTokenizer, config: LDLMConfig,
+                      device: torch.device, sizes: dict[str, Any]) -> dict[str, Any]:
+    """One sample of long_len tokens, long_steps steps, batch 1: wall time from noise to token ids."""
+    length, steps = min(sizes["long_len"], config.max_seq_len), sizes["long_steps"]
+    result: dict[str, Any] = {"length": length, "steps": steps, "batch": 1,
+                              "measures": "sample_latents + decode to token ids (host copy included), p50 of runs"}
+    for name in ("compiled-bf16", "eager-bf16", "eager"):
+        pipe = LDLMPipeline(BackendGraphs(backends[name]), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+        for sampler in ("ddim", "sde") if name == "compiled-bf16" else ("ddim",):
+            def once() -> float:
                 start = time.perf_counter()
-                engines = build_engines(onnx_dir, work / f"{preset_name}-{flavor}-{precision}", BuildOptions(precision=precision), flavor=flavor).out
-                built = round(time.perf_counter() - start, 1)
-                report = run_parity(ckpt, "trt", precision, source=engines)
-                out[key] = {"build_s": built, "parity": report.summary(), "token_agreement": report.token_agreement,
-                            "worst": max((c.max_abs for c in report.graphs), default=None)}
-            except Exception as error:  # report what happened (e.g. RTX on a datacenter GPU) and go on
-                out[key] = f"failed: {type(error).__name__}: {error}"[:2000]
-    return out
+                latents = pipe.sample_latents(1, length, steps, 0, sampler)
+                ids = pipe.graphs.decode_tokens(latents, torch.ones(1, length, dtype=torch.bool, device=device)).cpu()
+                assert ids.shape == (1, length)
+                return 1000 * (time.perf_counter() - start)
+            once()  # warm-up and capture
+            times = [once() for _ in range(sizes["long_runs"] if name != "eager" else 2)]
+            result[f"{name}/{sampler}"] = {"p50_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2), "runs": len(times)}
+    return result
 
+
+def throughput_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device,
+                     sizes: dict[str, Any]) -> dict[str, Any]:
+    length, steps = min(sizes["tps_len"], config.max_seq_len), sizes["tps_steps"]
+    pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+    result: dict[str, Any] = {"backend": graphs["denoiser"].provider, "length": length, "steps": steps, "sampler": "ddim", "by_batch": {}}
+    for n in sizes["tps_batches"]:
+        pipe.generate(n, length, 2, 0, "ddim")  # warm-up and capture
+        times = []
+        for run in range(sizes["tps_runs"]):
+            start = time.perf_counter()
+            pipe.generate(n, length, steps, run, "ddim")
+            times.append(time.perf_counter() - start)
+        p50 = statistics.median(times)
+        result["by_batch"][str(n)] = {"p50_s": round(p50, 4), "tokens_per_s": round(n * length / p50, 1)}
+    best = max(result["by_batch"].items(), key=lambda kv: kv[1]["tokens_per_s"])
+    result["best"] = {"batch": int(best[0]), **best[1]}
+    return result
+
+
+def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device,
+                   sizes: dict[str, Any]) -> dict[str, Any]:
+    """Continuous against static batching on the bench's mixed-arrival workload, at an arrival rate
+    set to 1.5x the measured saturated capacity (so both policies are busy)."""
+    lengths = tuple(n for n in sizes["wl_lengths"] if n <= config.max_seq_len)
+    max_batch = sizes["wl_max_batch"]
+    pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=lengths)
+    warm_batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch]
+    for g in ("denoiser", "decoder"):
+        warm = getattr(graphs[g], "warm_up", None)
+        if warm is not None:
+            warm(warm_batches, lengths)
+    # Calibration: 2 x max_batch requests of the longest length and 10 steps, all queued at once.
+    scheduler = GenerationScheduler(pipe, max_batch, "continuous", start=False)
+    futures = [scheduler.submit(GenerateRequest(1, max(lengths), 10, i, "ddim")) for i in range(2 * max_batch)]
+    start = time.perf_counter()
+    scheduler.start()
+    for future in futures:
+        future.result(300)
+    makespan = time.perf_counter() - start
+    scheduler.close()
+    step_s = makespan / 20  # 2 x max_batch samples x 10 steps / max_batch per step
+    mean_steps = 22.5  # mixed_workload draws steps uniformly from 5..40
+    capacity_rps = max_batch / (mean_steps * step_s)
+    rate = 1.5 * capacity_rps
+    requests = int(min(2000, max(20, rate * sizes["wl_seconds"])))
+    workload = mixed_workload(config, requests, rate, lengths=lengths)
+    result: dict[str, Any] = {"max_batch": max_batch, "lengths": list(lengths), "calibration_step_s": round(step_s, 5),
+                              "rate_per_s": round(rate, 2), "requests": requests, "backend": graphs["denoiser"].provider}
+    for policy in ("static", "continuous"):
+        result[policy] = run_workload(pipe, workload, policy, max_batch)
+    result["throughput_ratio"] = round(result["continuous"]["tokens_per_s"] / result["static"]["tokens_per_s"], 3)
+    result["p99_ratio"] = round(result["continuous"]["latency_p99_s"] / result["static"]["latency_p99_s"], 3)
+    return result
+
+
+# --- main ------------------------------------------------------------------------------------------
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="runs/gpu_check")
-    parser.add_argument("--presets", default="tiny,base")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"), help="output directory (default: $OUT or runs/gpu_check)")
+    parser.add_argument("--tiny", action="store_true", help="tiny config and small sizes: a dry run of every stage, on any device")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stages that would not fit are skipped (default: 300)")
+    parser.add_argument("--stages", help=f"comma-separated subset, e.g. for a rerun (default: all of {', '.join(STAGES)})")
     args = parser.parse_args()
-    report: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
-    if not torch.cuda.is_available():
-        report["error"] = "no CUDA device visible to torch"
-    else:
-        report["gpu"] = torch.cuda.get_device_name()
-        report["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-        for name in args.presets.split(","):
-            for stage, fn in (("eager", lambda: eager_stage(name)), ("onnx", lambda: onnx_stages(name, Path(tempfile.mkdtemp())))):
-                try:
-                    report[f"{name}/{stage}"] = fn()
-                except Exception:
-                    report[f"{name}/{stage}"] = "failed: " + traceback.format_exc(limit=3)[-2000:]
-                print(json.dumps({f"{name}/{stage}": report[f"{name}/{stage}"]}, indent=1), flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    selected = set(args.stages.split(",")) if args.stages else None
+    if selected is not None and not selected <= set(STAGES):
+        parser.error(f"--stages {args.stages!r} names unknown stages; allowed: {', '.join(STAGES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: --device cuda but torch sees no CUDA device")
+    config_name = "tiny" if args.tiny else "base"
+    sizes = SIZES[config_name]
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: parity and the eager baseline
+    torch.set_num_threads(os.cpu_count() or 2)
+    run = Run(out, args.budget_s, args.tiny, selected)
+    run.report.update(date=datetime.date.today().isoformat(), config=config_name, device=str(device), tiny=args.tiny, sizes=sizes)
+    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+                           "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), capability=".".join(map(str, torch.cuda.get_device_capability(device))))
+    for module in ("onnxruntime", "tensorrt", "fastapi", "uvicorn", "httpx"):
+        env[module] = importlib.util.find_spec(module) is not None
+    run.report["environment"] = env
+    run.write()
+
+    with tempfile.TemporaryDirectory(prefix="ldlm-gpu-check-") as tmp:
+        work = Path(tmp)
+        start = time.perf_counter()
+        model = init_model(preset(config_name), 0)
+        tokenizer = TextTokenizer.gpt2()
+        checkpoint = save_checkpoint(model, tokenizer, work / "ckpt")
+        with_logits = open_candidates(model, device, with_logits=True)
+        serving = {name: {g: (CompiledBackend if isinstance(b, CompiledBackend) else EagerBackend)(b.module.model, g)  # type: ignore[attr-defined]
+                          for g, b in graphs.items()} for name, graphs in with_logits.items() if name in LATENCY_BACKENDS}
+        run.report["setup_s"] = round(time.perf_counter() - start, 1)
+        ort_graphs, ort_notes = {}, {}
+        if device.type == "cuda":
+            ort_graphs, ort_notes = ort_gpu_candidates(checkpoint, work)
+        else:
+            ort_notes = {"ort-cuda": "skipped: not on CUDA"}
+        run.report["stages"]["ort_gpu"] = ort_notes or {"opened": sorted(ort_graphs)}
+
+        run.stage("parity", lambda: parity_stage(model, tokenizer, {**with_logits, **ort_graphs}, sizes), 40)
+        run.stage("device_loop", lambda: device_loop_stage(serving["compiled-bf16"], tokenizer, model.config, device), 20)
+        run.stage("latency", lambda: latency_stage({**serving, **ort_graphs}, model.config, sizes), 60)
+        run.stage("long_sample", lambda: long_sample_stage(serving, tokenizer, model.config, device, sizes), 40)
+        run.stage("throughput", lambda: throughput_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
+        run.stage("batching", lambda: batching_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
+        run.stage("http", lambda: http_stage(checkpoint, serving["compiled-bf16"]["encoder"], device, sizes, out), 60)
+        run.stage("probe_eps", lambda: probe_eps_stage(work), 30)
+    run.write()
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {run.report['elapsed_s']} s", flush=True)
 
 
 if __name__ == "__main__":

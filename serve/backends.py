@@ -6,7 +6,9 @@ backend-specific ``_run`` does the work. ``provider`` says what really ran (ONNX
 falls back to CPU when a GPU provider cannot start, so it is read back from the session).
 
 ``BackendGraphs`` puts three GraphBackends behind the ``InferenceGraphs`` methods, so the one
-``LDLMPipeline`` (and the batching scheduler) runs on any backend.
+``LDLMPipeline`` (and the batching scheduler) runs on any backend. Torch backends also take and
+give device tensors (``run_tensors``), so a GPU pipeline makes no host copy per denoiser call.
+The torch device/precision helpers and the ``compiled`` backend live in ``torch_backends``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from ldlm.export.onnx_export import describe_io, read_manifest
 from ldlm.model import LDLM
 from ldlm.tokenizer import TextTokenizer
 
-BACKENDS: tuple[str, ...] = ("eager", "ort", "trt")
+BACKENDS: tuple[str, ...] = ("eager", "compiled", "ort", "trt")
+TORCH_BACKENDS: tuple[str, ...] = ("eager", "compiled")  # open a checkpoint, run on --device
+# --provider for ONNX Runtime: the providers asked for, in order (CPU as the fallback for ops a GPU
+# provider lacks); the first one must really run.
+ORT_PROVIDERS: dict[str, tuple[str, ...]] = {
+    "cpu": ("CPUExecutionProvider",),
+    "cuda": ("CUDAExecutionProvider", "CPUExecutionProvider"),
+    "tensorrt": ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
+}
 NUMPY_DTYPES = {"FLOAT": np.float32, "INT64": np.int64, "FLOAT16": np.float16, "INT32": np.int32, "BOOL": np.bool_}
 ORT_PRECISIONS = ("fp32", "fp16")  # ONNX Runtime's CPU provider has no bf16 kernels
 
@@ -67,27 +77,37 @@ class GraphBackend(ABC):
             value = inputs[name]
             array = value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
             dtype = NUMPY_DTYPES[spec["dtype"]]
-            if array.dtype.kind != np.dtype(dtype).kind and not (array.dtype.kind == "b" and dtype == np.int64):
-                raise BackendError(f"{self.graph}: input {name} has dtype {array.dtype}; allowed: {np.dtype(dtype).name}")
-            if array.ndim != len(spec["shape"]):
-                raise BackendError(f"{self.graph}: input {name} has shape {array.shape}; allowed: {spec['shape']}")
-            for axis, (size, want) in enumerate(zip(array.shape, spec["shape"])):
-                if isinstance(want, str):
-                    if sizes.setdefault(want, size) != size:
-                        raise BackendError(f"{self.graph}: input {name} axis {axis} ({want}) is {size}, other inputs have {sizes[want]}")
-                elif size != want:
-                    raise BackendError(f"{self.graph}: input {name} axis {axis} is {size}; allowed: {want}")
+            self._check_one(spec, array.dtype.kind, str(array.dtype), tuple(array.shape), sizes)
             arrays[name] = np.ascontiguousarray(array, dtype=dtype)
+        self._check_sizes(sizes)
+        return arrays
+
+    def _check_one(self, spec: dict[str, Any], kind: str, dtype: str, shape: tuple[int, ...], sizes: dict[str, int]) -> None:
+        """One input's dtype kind and shape against its spec; symbolic sizes collected in ``sizes``."""
+        name, want_kind = spec["name"], np.dtype(NUMPY_DTYPES[spec["dtype"]]).kind
+        if kind != want_kind and not (kind == "b" and want_kind == "i"):
+            raise BackendError(f"{self.graph}: input {name} has dtype {dtype}; allowed: {np.dtype(NUMPY_DTYPES[spec['dtype']]).name}")
+        if len(shape) != len(spec["shape"]):
+            raise BackendError(f"{self.graph}: input {name} has shape {shape}; allowed: {spec['shape']}")
+        for axis, (size, want) in enumerate(zip(shape, spec["shape"])):
+            if isinstance(want, str):
+                if sizes.setdefault(want, size) != size:
+                    raise BackendError(f"{self.graph}: input {name} axis {axis} ({want}) is {size}, other inputs have {sizes[want]}")
+            elif size != want:
+                raise BackendError(f"{self.graph}: input {name} axis {axis} is {size}; allowed: {want}")
+
+    def _check_sizes(self, sizes: dict[str, int]) -> None:
         if sizes.get("batch", 1) < 1 or not 1 <= sizes.get("seq", 1) <= self.max_seq_len:
             raise BackendError(f"{self.graph}: batch {sizes.get('batch')} / seq {sizes.get('seq')} out of range; allowed: batch >= 1, 1 <= seq <= {self.max_seq_len}")
-        return arrays
 
     @abstractmethod
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
 class EagerBackend(GraphBackend):
-    """The reference: the graph's torch module, run as exported (same wrapper, same names)."""
+    """The reference: the graph's torch module, run as exported (same wrapper, same names), on the
+    model's device and in its precision (see ``torch_backends.prepare_model``). Float outputs come
+    back as FP32."""
 
     backend = "eager"
 
@@ -99,13 +119,49 @@ class EagerBackend(GraphBackend):
         super().__init__(graph, specs, outs, model.config.max_seq_len)
         self.module = io.module.eval()
         self.device = next(model.parameters()).device
-        self.provider = f"torch {torch.__version__} eager on {self.device}"
+        # The compute dtype: the latent bank is cast with the model and never on the FP32 list.
+        self.dtype = model.latent_encoder.latent_bank.dtype
+        self.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        self.seq_names = {s["name"] for s in specs if "seq" in s["shape"]}
+        self.seq_outputs = {o["name"] for o in outs if "seq" in o["shape"]}
+        self.provider = f"torch {torch.__version__} eager on {self.device}" + ("" if self.precision == "fp32" else f" ({self.precision})")
 
     @torch.inference_mode()
-    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        result = self.module(*(torch.from_numpy(inputs[n]).to(self.device) for n in self.input_names))
+    def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Tensors in (any device; checked on their shapes alone, no copy to the host), tensors
+        out on this backend's device."""
+        sizes: dict[str, int] = {}
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing or len(inputs) != len(self.input_names):
+            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
+        tensors = {}
+        for spec in self.inputs:
+            value = inputs[spec["name"]]
+            kind = "f" if value.is_floating_point() else "b" if value.dtype == torch.bool else "i"
+            self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
+            tensors[spec["name"]] = value.to(self.device, self.input_dtype(spec), non_blocking=True)
+        self._check_sizes(sizes)
+        return self._forward(tensors)
+
+    def input_dtype(self, spec: dict[str, Any]) -> torch.dtype:
+        """int64 stays; per-position activations take the compute dtype; the per-sample time t
+        stays FP32 (its sinusoidal embedding is computed in FP32)."""
+        if spec["dtype"] == "INT64":
+            return torch.int64
+        return self.dtype if spec["name"] in self.seq_names else torch.float32
+
+    def _batch_and_length(self, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
+        mask = tensors["attention_mask"]
+        return mask.shape[0], mask.shape[1]
+
+    def _forward(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        result = self.module(*(tensors[n] for n in self.input_names))
         values = result if isinstance(result, tuple) else (result,)
-        return {n: v.cpu().numpy() for n, v in zip(self.output_names, values)}
+        return {n: v.float() if v.is_floating_point() else v for n, v in zip(self.output_names, values)}
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.run_tensors({n: torch.from_numpy(a) for n, a in inputs.items()})
+        return {n: v.cpu().numpy() for n, v in outputs.items()}
 
 
 class OrtBackend(GraphBackend):
@@ -116,7 +172,8 @@ class OrtBackend(GraphBackend):
         available = ort.get_available_providers()
         unknown = [p for p in providers if p not in available]
         if unknown:
-            raise BackendError(f"ONNX Runtime providers {unknown} are not available here; allowed: {available}")
+            hint = "; the CUDA and TensorRT providers need onnxruntime-gpu (pip install -e .[gpu])" if "CPUExecutionProvider" in available else ""
+            raise BackendError(f"ONNX Runtime providers {unknown} are not available here; allowed: {available}{hint}")
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
@@ -127,6 +184,9 @@ class OrtBackend(GraphBackend):
         graph_proto = onnx.load(str(path), load_external_data=False).graph
         super().__init__(graph, describe_io(graph_proto.input), describe_io(graph_proto.output), max_seq_len)
         self.provider = self.session.get_providers()[0]  # what really runs, not what was asked for
+        if self.provider != providers[0]:  # onnxruntime-gpu falls back to CPU silently (no GPU, no CUDA libraries)
+            raise BackendError(f"ONNX Runtime could not start {providers[0]} for {graph} (it fell back to {self.provider}); "
+                               "check that a GPU is visible and that the CUDA/cuDNN (and TensorRT) libraries onnxruntime-gpu needs are installed")
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, inputs)
@@ -157,23 +217,41 @@ def _import(module: str, backend: str, extra: str) -> Any:
         raise BackendError(f"backend {backend!r} is not installed ({error}); install it with pip install -e {extra}") from error
 
 
+def ort_providers(name: str) -> tuple[str, ...]:
+    """The ONNX Runtime provider list for ``--provider NAME``."""
+    if name not in ORT_PROVIDERS:
+        raise BackendError(f"provider={name!r} is unknown; allowed: {', '.join(ORT_PROVIDERS)}")
+    return ORT_PROVIDERS[name]
+
+
 def open_graphs(
     backend: str,
     path: str | Path,
     precision: str = "fp32",
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
     threads: int | None = None,
+    device: str = "cpu",
+    with_logits: bool = False,
 ) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
-    """Open every graph of ``path`` on ``backend``: a checkpoint (eager), an ``ldlm export``
-    directory (ort), or an ``ldlm build-engine`` directory (trt)."""
+    """Open every graph of ``path`` on ``backend``: a checkpoint (eager, compiled: on ``device``),
+    an ``ldlm export`` directory (ort: on ``providers``), or an ``ldlm build-engine`` directory (trt)."""
     if backend not in BACKENDS:
         raise BackendError(f"backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
     path = Path(path)
-    if backend == "eager":
-        if precision != "fp32":
-            raise BackendError(f"backend 'eager' cannot run precision={precision!r}; allowed: fp32")
+    if backend in TORCH_BACKENDS:
+        from ldlm.serve.torch_backends import CompiledBackend, check_precision, prepare_model, resolve_device
+
+        check_precision(precision, backend)
+        target = resolve_device(device)  # before loading: a missing device fails fast
+        if not (path / "model.safetensors").is_file():
+            raise BackendError(f"{path} is not a checkpoint (no model.safetensors); backend {backend!r} runs a checkpoint from `ldlm init`")
         model, tokenizer = load_checkpoint(path)
-        return {g: EagerBackend(model, g) for g in GRAPH_NAMES}, model.config, tokenizer
+        model = prepare_model(model, target, precision)
+        kind = EagerBackend if backend == "eager" else CompiledBackend
+        return {g: kind(model, g, with_logits and g == "decoder") for g in GRAPH_NAMES}, model.config, tokenizer
+    if device != "cpu":
+        raise BackendError(f"backend {backend!r} does not take device={device!r}; ort picks its device with providers "
+                           "(--provider cuda|tensorrt), trt runs on the GPU its engines were built for")
     if not (path / "config.json").is_file():
         raise BackendError(f"{path} has no config.json; backend {backend!r} needs a directory written by "
                            f"{'`ldlm export`' if backend == 'ort' else '`ldlm build-engine`'}")
@@ -214,14 +292,20 @@ class BackendGraphs:
     def __init__(self, graphs: Mapping[str, GraphRunner]) -> None:
         self.graphs = dict(graphs)
 
+    def _run(self, graph: str, feed: dict[str, Tensor], output: str, like: Tensor) -> Tensor:
+        """One output of ``graph``, on ``like``'s device: through device tensors where the runner
+        takes them (torch backends), else through NumPy (ONNX Runtime, TensorRT, batchers)."""
+        runner = self.graphs[graph]
+        if hasattr(runner, "run_tensors"):
+            return runner.run_tensors(feed)[output].to(like.device)
+        return torch.from_numpy(runner.run(feed)[output]).to(like.device)
+
     def encode_latents(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        out = self.graphs["encoder"].run({"input_ids": input_ids, "attention_mask": attention_mask.long()})
-        return torch.from_numpy(out["latents"])
+        return self._run("encoder", {"input_ids": input_ids, "attention_mask": attention_mask.long()}, "latents", input_ids)
 
     def denoise(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor) -> Tensor:
         feed = {"x_t": x_t.float(), "t": t.float(), "x0_prev": x0_prev.float(), "attention_mask": mask.long()}
-        return torch.from_numpy(self.graphs["denoiser"].run(feed)["x0_hat"]).to(x_t.dtype)
+        return self._run("denoiser", feed, "x0_hat", x_t).to(x_t.dtype)
 
     def decode_tokens(self, latents: Tensor, mask: Tensor) -> Tensor:
-        out = self.graphs["decoder"].run({"latents": latents.float(), "attention_mask": mask.long()})
-        return torch.from_numpy(out["token_ids"])
+        return self._run("decoder", {"latents": latents.float(), "attention_mask": mask.long()}, "token_ids", latents)

@@ -38,6 +38,24 @@ def graph_feed(config: LDLMConfig, graph: str, batch: int, length: int, seed: in
     return {"latents": gen.standard_normal((batch, length, d)).astype(np.float32), "attention_mask": mask}
 
 
+def timed_call(backend: GraphBackend, feed: dict[str, np.ndarray]) -> Callable[[], Any]:
+    """One graph call as a benchmark times it: torch backends take device tensors (put there
+    once) and are waited for; the others take NumPy, as they are served."""
+    if not hasattr(backend, "run_tensors"):
+        return lambda: backend.run(feed)
+    import torch
+
+    device = backend.device  # type: ignore[attr-defined]
+    tensors = {n: torch.from_numpy(a).to(device) for n, a in feed.items()}
+
+    def call() -> Any:
+        out = backend.run_tensors(tensors)  # type: ignore[attr-defined]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+    return call
+
+
 def bench_graphs(
     backends: Mapping[str, Mapping[str, GraphBackend]], config: LDLMConfig, batches: Sequence[int], length: int, runs: int
 ) -> dict[str, Any]:
@@ -46,13 +64,14 @@ def bench_graphs(
     for graph in ("encoder", "denoiser", "decoder"):
         for batch in batches:
             feed = graph_feed(config, graph, batch, length)
+            calls = {name: timed_call(graphs[graph], feed) for name, graphs in backends.items()}
             times: dict[str, list[float]] = {name: [] for name in backends}
-            for graphs in backends.values():
-                graphs[graph].run(feed)  # warm-up
+            for call in calls.values():
+                call()  # warm-up (and, for the compiled backend, the capture of this bucket)
             for _ in range(runs):
-                for name, graphs in backends.items():
+                for name, call in calls.items():
                     start = time.perf_counter()
-                    graphs[graph].run(feed)
+                    call()
                     times[name].append((time.perf_counter() - start) * 1000)
             entry: dict[str, Any] = {}
             for name, values in times.items():
@@ -161,8 +180,12 @@ def run_bench(
     max_batch: int = 8,
     progress: bool = False,
     workload_lengths: Sequence[int] = (16, 32, 64, 128),
+    device: str = "cpu",
+    precision: str = "fp32",
+    provider: str = "cpu",
 ) -> dict[str, Any]:
-    """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given."""
+    """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
+    The torch backends (eager, compiled) run on ``device`` in ``precision``; ort on ``provider``."""
     import tempfile
     from pathlib import Path
 
@@ -170,24 +193,27 @@ def run_bench(
 
     from ldlm.checkpoint import load_config
     from ldlm.export.onnx_export import export_graphs
-    from ldlm.serve.backends import BackendGraphs, open_graphs
+    from ldlm.serve.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
 
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
-        sources = {"eager": checkpoint, "ort": onnx_dir, "trt": engine_dir}
+        sources = {"eager": checkpoint, "compiled": checkpoint, "ort": onnx_dir, "trt": engine_dir}
         if "ort" in backends and onnx_dir is None:
             sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress).out)
         graphs_by_backend, pipelines = {}, {}
         for name in backends:
             if name not in sources:
-                raise ValueError(f"backend={name!r} is unknown; allowed: eager, ort, trt")
+                raise ValueError(f"backend={name!r} is unknown; allowed: {', '.join(sources)}")
             if sources[name] is None:
                 raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
-            graphs, config, tokenizer = open_graphs(name, sources[name], threads=threads)
+            torch_backend = name in TORCH_BACKENDS
+            graphs, config, tokenizer = open_graphs(name, sources[name], precision if torch_backend else "fp32",
+                                                    ort_providers(provider), threads, device if torch_backend else "cpu")
             graphs_by_backend[name] = graphs
             buckets = (16, 32, 64, 128, config.max_seq_len)
-            pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
+            pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, getattr(graphs["denoiser"], "device", "cpu"),
+                                           config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
         report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__,
                                   "config_sha256": config.config_hash()}
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)

@@ -29,7 +29,7 @@ from ldlm.export.onnx_export import export_graphs, read_manifest
 from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.backends import BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs
+from ldlm.serve.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
 from ldlm.serve.compare import Comparison, compare_outputs, tolerance
 
 TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8}
@@ -197,10 +197,16 @@ def run_parity(
     seed: int = 0,
     steps: int = 10,
     progress: bool = False,
+    device: str = "cpu",
+    provider: str = "cpu",
 ) -> ParityReport:
     """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
-    checkpoint itself when ``source`` is None) against eager on the checkpoint."""
+    checkpoint itself when ``source`` is None; eager and compiled run the checkpoint on ``device``
+    in ``precision``) against CPU fp32 eager on the checkpoint."""
     atol, rtol = tolerance(precision)
+    torch_backend = backend in TORCH_BACKENDS
+    if torch_backend:
+        source = checkpoint
     if source is None and backend != "ort":
         raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
     model, tokenizer = load_checkpoint(checkpoint)
@@ -211,7 +217,7 @@ def run_parity(
             bar.set_postfix_str("exporting")
             source = export_graphs(checkpoint, work / "onnx", with_logits=True).out
         source = Path(source)
-        graphs, config, _ = open_graphs(backend, source, precision)
+        graphs, config, _ = open_graphs(backend, source, precision, ort_providers(provider), device=device, with_logits=True)
         if config.config_hash() != model.config.config_hash():
             raise ValueError(f"{source} was made from another config than checkpoint {checkpoint}")
         report = ParityReport(backend, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol,
@@ -230,10 +236,15 @@ def run_parity(
             bar.update()
         if manifest is None or precision != "fp32":
             report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 graphs only")
+        if torch_backend:
+            report.notes.append(f"{backend} ran the checkpoint on {device} in {precision}; the reference is eager fp32 on CPU")
         bar.set_postfix_str("end-to-end generation")
         length = min(32, config.max_seq_len)
         reference = LDLMPipeline(model, tokenizer).generate(4, length, steps, seed, "ddim").token_ids
-        candidate = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config).generate(4, length, steps, seed, "ddim").token_ids
+        # Sampled on the backend's device with the reference's CPU noise: only the graphs differ.
+        device_of = getattr(graphs["denoiser"], "device", "cpu")
+        candidate_pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device_of, config=config, noise_device="cpu")
+        candidate = candidate_pipe.generate(4, length, steps, seed, "ddim").token_ids
         report.token_agreement = float((reference == candidate).float().mean())
         bar.update()
     if bisect and not report.passed:

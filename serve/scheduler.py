@@ -8,6 +8,9 @@ when the previous one has fully finished (the baseline that continuous batching 
 Every sample keeps its own noise stream, time grid and self-conditioning state, so a request gets
 exactly the tokens ``LDLMPipeline.generate`` gives it, whatever else shares its batches. Every
 submitted request gets exactly one answer: its result, or the exception that stopped it.
+
+State lives on the pipeline's device: grids, noise streams, x and self-conditioning, so a step
+makes no host round trip; only finished samples' latents go to the decoder.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid
+from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid, to_device
 
 Policy = Literal["continuous", "static"]
 
@@ -58,7 +61,7 @@ class _Request:
 class _Sample:
     request: _Request
     index: int
-    grid: Tensor  # (steps + 1,) float64
+    grid: Tensor  # (steps + 1,) float32 on the pipeline's device
     stream: NoiseStream
     x: Tensor  # (L, D)
     x_mean: Tensor
@@ -104,12 +107,12 @@ class GenerationScheduler:
         self.pipeline.check_length(spec.length)
         if spec.sampler not in SAMPLERS:
             raise ValueError(f"sampler={spec.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
-        grid = time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min)
+        grid = to_device(time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min).float(), self.pipeline.device)
         request = _Request(spec, Future(), [None] * spec.n, spec.n)
         samples = []
         for i, seed in enumerate(sample_seeds(spec.seed, spec.n)):
-            stream = NoiseStream(seed, (spec.length, cfg.d_model))
-            prior = stream.draw()
+            stream = NoiseStream(seed, (spec.length, cfg.d_model), self.pipeline.noise_device)
+            prior = stream.draw().to(self.pipeline.device)
             samples.append(_Sample(request, i, grid, stream, prior, prior, torch.zeros_like(prior)))
         with self._cond:
             if self._stopping:
@@ -187,8 +190,8 @@ class GenerationScheduler:
         mask = torch.zeros(len(batch), padded, dtype=torch.bool, device=pipe.device)
         for i, n in enumerate(lengths):
             mask[i, :n] = True
-        t = torch.tensor([float(s.grid[s.step]) for s in batch], device=pipe.device)
-        t_next = torch.tensor([float(s.grid[s.step + 1]) for s in batch], device=pipe.device)
+        t = torch.stack([s.grid[s.step] for s in batch])  # device tensors: no host round trip
+        t_next = torch.stack([s.grid[s.step + 1] for s in batch])
         x = stack([s.x for s in batch])
         started = time.perf_counter()
         x0_hat = pipe.graphs.denoise(x, t, stack([s.x0_hat for s in batch]), mask)
@@ -205,9 +208,9 @@ class GenerationScheduler:
             x_ddim = ddim_step(pipe.schedule, x, x0_hat, t, t_next)
         finished = []
         for i, (sample, sde, n) in enumerate(zip(batch, stochastic, lengths)):
-            sample.x = (x_next if sde else x_ddim)[i, :n].cpu()  # type: ignore[index]
-            sample.x_mean = (x_mean if sde else x_ddim)[i, :n].cpu()  # type: ignore[index]
-            sample.x0_hat = x0_hat[i, :n].cpu()
+            sample.x = (x_next if sde else x_ddim)[i, :n]  # type: ignore[index]
+            sample.x_mean = (x_mean if sde else x_ddim)[i, :n]  # type: ignore[index]
+            sample.x0_hat = x0_hat[i, :n]
             sample.step += 1
             if sample.step == len(sample.grid) - 1:
                 finished.append(sample)

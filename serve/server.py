@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field
 
 import ldlm
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.backends import BackendGraphs, open_graphs
+from ldlm.serve.backends import BackendGraphs, open_graphs, ort_providers
 from ldlm.serve.batcher import DynamicBatcher
 from ldlm.serve.kserve import HEADER_LENGTH, decompress, encode_infer_response, parse_infer_request, tensor_metadata
 from ldlm.serve.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter
@@ -62,6 +62,9 @@ class ServerSettings:
     max_texts: int = 64
     api_key: str | None = None
     threads: int | None = None
+    device: str = "cpu"  # torch backends (eager, compiled)
+    precision: str = "fp32"
+    provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
 
     def __post_init__(self) -> None:
         checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
@@ -98,7 +101,8 @@ class LDLMService:
 
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")  # a checkpoint: export it first
             source = str(export_graphs(source, Path(self._scratch.name) / "onnx").out)
-        graphs, config, tokenizer = open_graphs(settings.backend, source, threads=settings.threads)
+        graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
+                                                settings.threads, settings.device)
         self.graphs, self.config = graphs, config
         self.metrics = Metrics()
         self.batchers = {
@@ -107,7 +111,8 @@ class LDLMService:
         }
         buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= config.max_seq_len) + (config.max_seq_len,)
         self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
-        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=buckets)
+        device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
+        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=buckets)
         self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
         self.ready = True

@@ -1,0 +1,125 @@
+"""The service stages of scripts/gpu_check.py: ``ldlm serve`` on loopback (overhead over the raw
+runner, a short bounded load) and ``ldlm probe-eps`` where NVIDIA TensorRT is importable."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ldlm.checkpoint import init_model, save_checkpoint
+from ldlm.config import preset
+from ldlm.serve.backends import GraphBackend
+from ldlm.tokenizer import TextTokenizer
+
+# Subprocesses run with -P: from the repository root, `-m` would otherwise import the source folder
+# ldlm/ (which has no ldlm.serve; that lives in serve/) instead of the installed package.
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kserve_encoder_body(length: int, seed: int) -> bytes:
+    ids = np.random.default_rng(seed).integers(0, 50257, length).tolist()
+    return json.dumps({"inputs": [{"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
+                                  {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length}],
+                       "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}).encode()
+
+
+def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``ldlm serve`` (compiled bf16 on the device) in its own process on 127.0.0.1: the overhead of
+    the service over the raw runner at batch 1 (encoder, 16 tokens, binary output), then a short
+    bounded load of mixed requests from concurrent clients."""
+    import httpx
+
+    import load_test
+
+    port = free_port()
+    log = (out / "server.log").open("w")
+    command = [sys.executable, "-P", "-m", "ldlm.cli", "serve", str(checkpoint), "--backend", "compiled", "--device", str(device),
+               "--precision", "bf16", "--port", str(port), "--max-batch", "16", "--log-level", "warning"]
+    started = time.perf_counter()
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    result: dict[str, Any] = {"command": " ".join(command[1:])}
+    try:
+        deadline = time.time() + sizes["server_ready_s"]
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"ldlm serve exited with {server.returncode}; see server.log")
+            try:
+                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"ldlm serve was not ready after {sizes['server_ready_s']} s")
+            time.sleep(0.25)
+        result["ready_after_s"] = round(time.perf_counter() - started, 1)
+        body = kserve_encoder_body(16, 0)
+        feed = {i["name"]: np.asarray(i["data"], dtype=np.int64).reshape(i["shape"]) for i in json.loads(body)["inputs"]}
+        http_ms, raw_ms = [], []
+        with httpx.Client(base_url=url, timeout=30) as client:
+            for _ in range(20):  # warm-up both (the server captures its batch-1 bucket here)
+                response = client.post("/v2/models/encoder/infer", content=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
+                raw_encoder.run(feed)
+            for _ in range(sizes["overhead_requests"]):
+                start = time.perf_counter()
+                response = client.post("/v2/models/encoder/infer", content=body)
+                http_ms.append(1000 * (time.perf_counter() - start))
+                if response.status_code != 200:
+                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
+                start = time.perf_counter()
+                raw_encoder.run(feed)  # NumPy in and out, as the server's batcher runs it
+                raw_ms.append(1000 * (time.perf_counter() - start))
+        result["overhead"] = {"graph": "encoder", "batch": 1, "length": 16, "requests": len(http_ms),
+                              "client": "httpx, JSON inputs, binary output", "http_p50_ms": round(statistics.median(http_ms), 3),
+                              "http_p99_ms": round(float(np.percentile(http_ms, 99)), 3),
+                              "runner_p50_ms": round(statistics.median(raw_ms), 3),
+                              "overhead_p50_ms": round(statistics.median(http_ms) - statistics.median(raw_ms), 3)}
+        d = httpx.get(f"{url}/v2/models/decoder", timeout=10).json()["inputs"][0]["shape"][-1]
+        result["load"] = load_test.run_clients(url, sizes["http_clients"], sizes["http_seconds"], d)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            result["server_exit_code"] = server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            result["server_exit_code"] = "killed after 60 s"
+        log.close()
+    return result
+
+
+def probe_eps_stage(work: Path) -> dict[str, Any]:
+    """``ldlm probe-eps`` on tiny engines, only where NVIDIA TensorRT is importable and the command exists."""
+    if importlib.util.find_spec("tensorrt") is None:
+        return {"skipped": "NVIDIA TensorRT is not importable here"}
+    help_text = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", "--help"], capture_output=True, text=True).stdout
+    if "probe-eps" not in help_text:
+        return {"skipped": "this ldlm has no probe-eps command"}
+    ckpt = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), work / "tiny-ckpt")
+    steps = [["export", str(ckpt), str(work / "tiny-onnx"), "--quiet"],
+             ["build-engine", str(work / "tiny-onnx"), str(work / "tiny-engines"), "--flavor", "tensorrt", "--quiet"],
+             ["probe-eps", str(ckpt), "--engine-dir", str(work / "tiny-engines")]]
+    result: dict[str, Any] = {}
+    for argv in steps:
+        done = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=240)
+        result[argv[0]] = {"exit_code": done.returncode, "output": (done.stdout + done.stderr)[-2000:]}
+        if done.returncode != 0:
+            break
+    return result

@@ -1,0 +1,136 @@
+"""Issue 10's targets, read off a gpu_check report: one row per target with the measured figure
+and a verdict (met, missed, or not measured and why), and the Markdown summary of a report.
+Used by scripts/gpu_check.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+# (measure, target text, where the figure is in the report, comparison)
+Getter = Callable[[dict[str, Any]], Any]
+
+
+def _stage(report: dict[str, Any], name: str) -> dict[str, Any]:
+    stage = report.get("stages", {}).get(name)
+    if not isinstance(stage, dict):
+        raise LookupError(f"stage {name} did not run")
+    for reason in ("skipped", "error"):
+        if reason in stage:
+            raise LookupError(f"stage {name} {reason}: {str(stage[reason])[:160]}")
+    return stage
+
+
+def _long_sample(r: dict[str, Any]) -> tuple[float, str]:
+    s = _stage(r, "long_sample")
+    return s["compiled-bf16/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, compiled bf16; sde {s['compiled-bf16/sde']['p50_ms']} ms"
+
+
+def _tokens_per_s(r: dict[str, Any]) -> tuple[float, str]:
+    s = _stage(r, "throughput")
+    return s["best"]["tokens_per_s"], f"batch {s['best']['batch']}, length {s['length']}, {s['steps']} steps"
+
+
+def _compiled_speedup(r: dict[str, Any]) -> tuple[float, str]:
+    graphs = _stage(r, "latency")["graphs"]
+    key = next(k for k in graphs if k.startswith("denoiser/b1/"))
+    cell = graphs[key]
+    return cell["compiled-bf16"]["speedup_vs_eager"], f"{key}: eager fp32 {cell['eager']['p50_ms']} ms, compiled bf16 {cell['compiled-bf16']['p50_ms']} ms"
+
+
+def _batching(r: dict[str, Any]) -> tuple[tuple[float, float], str]:
+    s = _stage(r, "batching")
+    return (s["throughput_ratio"], s["p99_ratio"]), (f"throughput x{s['throughput_ratio']}, p99 x{s['p99_ratio']} "
+                                                     f"({s['requests']} requests at {s['rate_per_s']}/s, max batch {s['max_batch']})")
+
+
+def _overhead(r: dict[str, Any]) -> tuple[float, str]:
+    o = _stage(r, "http")["overhead"]
+    return o["overhead_p50_ms"], f"HTTP p50 {o['http_p50_ms']} ms - runner p50 {o['runner_p50_ms']} ms ({o['graph']}, batch 1)"
+
+
+def _bf16_agreement(r: dict[str, Any]) -> tuple[float, str]:
+    s = _stage(r, "parity")
+    names = [n for n in ("eager-bf16", "compiled-bf16") if n in s]
+    if not names:
+        raise LookupError("no bf16 backend in the parity stage")
+    worst = min(s[n]["token_agreement"] for n in names)
+    cosines = "; ".join(f"{n} cosine min " + ", ".join(f"{o} {v['cosine_min']:.5f}" for o, v in s[n]["outputs"].items()) for n in names)
+    return worst, cosines
+
+
+TARGETS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[Any, str]], Callable[[Any], bool], Callable[[Any], str]]] = [
+    ("1024-token sample, 50 steps, batch 1, noise to token ids", "<= 100 ms", _long_sample, lambda v: v <= 100, lambda v: f"{v:.1f} ms"),
+    ("generated tokens/s at large batch", ">= 20,000", _tokens_per_s, lambda v: v >= 20000, lambda v: f"{v:,.0f}"),
+    ("compiled backend against eager fp32, one denoiser call at batch 1", ">= 3x", _compiled_speedup, lambda v: v >= 3, lambda v: f"x{v:.2f}"),
+    ("continuous against static batching, mixed arrivals", ">= 1.3x throughput, p99 no worse", _batching,
+     lambda v: v[0] >= 1.3 and v[1] <= 1.0, lambda v: f"x{v[0]:.2f}, p99 x{v[1]:.2f}"),
+    ("service overhead over the raw runner, p50", "<= 2 ms", _overhead, lambda v: v <= 2, lambda v: f"{v:.3f} ms"),
+    ("bf16 against fp32, deterministic sampler", "token agreement >= 99%", _bf16_agreement, lambda v: v >= 0.99, lambda v: f"{100 * v:.2f}%"),
+]
+
+
+def target_rows(report: dict[str, Any]) -> list[dict[str, str]]:
+    rows = []
+    for measure, target, get, ok, show in TARGETS:
+        try:
+            value, note = get(report)
+            rows.append({"measure": measure, "target": target, "measured": show(value), "verdict": "met" if ok(value) else "MISSED", "note": note})
+        except (LookupError, KeyError, StopIteration, TypeError) as error:
+            rows.append({"measure": measure, "target": target, "measured": "-", "verdict": "not measured", "note": str(error) or type(error).__name__})
+    return rows
+
+
+def targets_markdown(rows: list[dict[str, str]]) -> str:
+    lines = ["| measure | target | measured | verdict | how |", "|---|---|---|---|---|"]
+    lines += [f"| {r['measure']} | {r['target']} | {r['measured']} | {r['verdict']} | {r['note']} |" for r in rows]
+    return "\n".join(lines)
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    env = report.get("environment", {})
+    stages = report.get("stages", {})
+    lines = [f"# GPU check, {report.get('date', '?')}", "",
+             f"{env.get('gpu', 'no GPU')} (compute capability {env.get('capability', '-')}), torch {env.get('torch')}, "
+             f"config **{report.get('config')}** on **{report.get('device')}**; {report.get('elapsed_s', '?')} s in all.", ""]
+    if report.get("tiny"):
+        lines += ["> Dry run with the tiny config: the figures below exercise the script, they are not comparable with the targets.", ""]
+    lines += ["## Targets", "", targets_markdown(target_rows(report)), ""]
+    parity = stages.get("parity", {})
+    candidates = [k for k, v in parity.items() if isinstance(v, dict) and "outputs" in v]
+    if candidates:
+        lines += ["## Parity against CPU fp32 eager (worst over random, padded and stress inputs)", "",
+                  "| backend | output | max abs error | cosine min | elementwise at atol/rtol |", "|---|---|---|---|---|"]
+        for name in candidates:
+            for output, v in parity[name]["outputs"].items():
+                lines.append(f"| {name} | {output} | {v['max_abs']:.3g} | {v['cosine_min']:.6f} | {'pass' if v['elementwise_passed'] else 'fail'} "
+                             f"({parity[name]['atol']:g}/{parity[name]['rtol']:g}) |")
+        lines += ["", "| backend | end-to-end token agreement (ddim) | decoder token agreement |", "|---|---|---|"]
+        for name in candidates:
+            dec = ", ".join(f"{k} {100 * v:.2f}%" for k, v in parity[name]["decoder_token_agreement"].items())
+            lines.append(f"| {name} | {100 * parity[name]['token_agreement']:.2f}% | {dec} |")
+        lines.append("")
+    latency = stages.get("latency", {}).get("graphs", {})
+    if latency:
+        backends = sorted({b for cell in latency.values() for b in cell})
+        lines += [f"## Latency per graph, p50 ms (speed-up against eager fp32)", "", "| graph | " + " | ".join(backends) + " |",
+                  "|---|" + "---|" * len(backends)]
+        for key, cell in latency.items():
+            lines.append(f"| {key} | " + " | ".join(
+                f"{cell[b]['p50_ms']:.3f}" + (f" (x{cell[b]['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in cell[b] else "")
+                if b in cell else "-" for b in backends) + " |")
+        lines.append("")
+    for name in ("device_loop", "long_sample", "throughput", "batching", "http", "probe_eps", "ort_gpu"):
+        if name in stages:
+            lines += [f"## {name}", "", "```", json.dumps(_brief(stages[name]), indent=1, default=str)[:4000], "```", ""]
+    errors = {k: v["error"] for k, v in stages.items() if isinstance(v, dict) and "error" in v}
+    if errors:
+        lines += ["## Stage errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]
+    return "\n".join(lines)
+
+
+def _brief(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _brief(v) for k, v in value.items() if k not in ("traceback", "comparisons")}
+    return value

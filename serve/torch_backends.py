@@ -1,0 +1,215 @@
+"""Torch on a chosen device: the device and precision helpers, and the compiled backend.
+
+``eager`` (``EagerBackend``) runs the graph's module as it is, on CPU or CUDA, in fp32, bf16 or
+fp16. Reduced precision follows the engines' keep-in-FP32 list: every LayerNorm and RMSNorm runs
+in FP32 (its input is upcast, its output cast back to the compute dtype), and so does the
+vocabulary head, whose logits stay FP32 for the argmax. Softmax runs inside
+``scaled_dot_product_attention``, whose CUDA kernels (flash, memory-efficient) and CPU kernel
+accumulate in FP32.
+
+``compiled`` (``CompiledBackend``) serves static shapes: inputs are padded up to a (batch bucket,
+length bucket), the padding masked through ``attention_mask``, and on CUDA one CUDA graph is
+captured per (graph, batch bucket, length bucket) on first use, so a denoiser call is one graph
+replay plus the copies into its static input buffers. With ``cuda_graphs=False`` (the default on
+CPU) the same buckets and padding run the module directly, which is how CPU tests check them.
+torch.compile is not used: no measurement has shown it helps here yet.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ldlm.device import DeviceError
+from ldlm.device import resolve_device as core_resolve_device
+from ldlm.layers import RMSNorm
+from ldlm.model import LDLM
+from ldlm.serve.backends import BackendError, EagerBackend
+
+TORCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A torch device that exists here, or a BackendError naming what is missing."""
+    try:
+        return core_resolve_device(device)
+    except DeviceError as error:
+        raise BackendError(str(error)) from None
+
+
+def check_precision(precision: str, backend: str) -> torch.dtype:
+    if precision not in TORCH_DTYPES:
+        raise BackendError(f"backend {backend!r} cannot run precision={precision!r}; allowed: {', '.join(TORCH_PRECISIONS)}")
+    return TORCH_DTYPES[precision]
+
+
+def prepare_model(model: LDLM, device: torch.device, precision: str) -> LDLM:
+    """Move ``model`` to ``device`` and cast it for ``precision``, keeping the FP32 list in FP32.
+
+    In place (the model is the backend's own copy). TF32 stays off for FP32 matmuls, as for parity.
+    """
+    dtype = check_precision(precision, "eager")
+    model = model.to(device).eval()
+    if dtype == torch.float32:
+        return model
+    model.to(dtype)
+    keep = [m for m in model.modules() if isinstance(m, (nn.LayerNorm, RMSNorm))]
+    for module in keep:
+        module.float()
+        module.register_forward_pre_hook(_upcast_inputs)
+        module.register_forward_hook(_cast_output(dtype))
+    head = model.token_decoder.head
+    head.float()
+    head.register_forward_pre_hook(_upcast_inputs)  # logits stay FP32
+    return model
+
+
+def _upcast_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.float() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _cast_output(dtype: torch.dtype) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        return output.to(dtype)
+    return hook
+
+
+def bucket_for(size: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= size (buckets sorted); size itself when it is above every bucket."""
+    i = bisect.bisect_left(buckets, size)
+    return buckets[i] if i < len(buckets) else size
+
+
+def length_buckets(max_seq_len: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> tuple[int, ...]:
+    return tuple(sorted({b for b in buckets if b <= max_seq_len} | {max_seq_len}))
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: dict[str, Tensor]  # static input buffers, filled before each replay
+    outputs: tuple[Tensor, ...]  # static output buffers, overwritten by each replay
+
+
+class CompiledBackend(EagerBackend):
+    """Static shape buckets and, on CUDA, one captured CUDA graph per (batch bucket, length bucket)."""
+
+    backend = "compiled"
+
+    def __init__(
+        self, model: LDLM, graph: str, with_logits: bool = False, batch_buckets: Sequence[int] = BATCH_BUCKETS,
+        seq_buckets: Sequence[int] | None = None, cuda_graphs: bool | None = None,
+    ) -> None:
+        super().__init__(model, graph, with_logits)
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        self.seq_buckets = length_buckets(self.max_seq_len, seq_buckets or LENGTH_BUCKETS)
+        if not self.batch_buckets or self.batch_buckets[0] < 1:
+            raise BackendError(f"batch_buckets={list(batch_buckets)} is invalid; allowed: integers >= 1")
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise BackendError(f"CUDA graphs need a CUDA device; this backend runs on {self.device}")
+        self.captured: dict[tuple[int, int], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # one pool per graph
+        self._lock = threading.Lock()  # static buffers are shared: one replay at a time
+        mode = "CUDA graphs" if self.cuda_graphs else "static buckets, no CUDA graphs"
+        self.provider = f"torch {torch.__version__} compiled ({mode}) on {self.device} ({self.precision})"
+
+    def bucket(self, batch: int, length: int) -> tuple[int, int]:
+        return bucket_for(batch, self.batch_buckets), bucket_for(length, self.seq_buckets)
+
+    def _forward(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        # Batches above the largest bucket run in chunks of the largest bucket.
+        batch, length = self._batch_and_length(tensors)
+        top = self.batch_buckets[-1]
+        if batch > top:
+            parts = [self._forward({n: t[i : i + top] for n, t in tensors.items()}) for i in range(0, batch, top)]
+            return {n: torch.cat([p[n] for p in parts]) for n in self.output_names}
+        key = self.bucket(batch, length)
+        with self._lock:
+            if self.cuda_graphs:
+                captured = self.captured.get(key) or self._capture(key)
+                fill_padded(captured.inputs, tensors, self.seq_names)
+                captured.graph.replay()
+                outputs = captured.outputs
+            else:
+                buffers = self._blank_inputs(*key)
+                fill_padded(buffers, tensors, self.seq_names)
+                outputs = self._module_outputs(buffers)
+            # Cut back to the request's shape, float outputs as FP32; always a copy, since the next
+            # replay overwrites the buffers.
+            return {n: _cut(o, batch, length, n in self.seq_outputs).to(torch.float32 if o.is_floating_point() else o.dtype, copy=True)
+                    for n, o in zip(self.output_names, outputs)}
+
+    def warm_up(self, batches: Sequence[int], lengths: Sequence[int]) -> None:
+        """Capture the buckets of these shapes now rather than on the first request."""
+        for batch in batches:
+            for length in lengths:
+                self.run_tensors(self.example_inputs(batch, length))
+
+    def example_inputs(self, batch: int, length: int) -> dict[str, Tensor]:
+        """Zeros of the contract's shapes (ones for the mask), on this backend's device."""
+        return {n: (torch.ones if n == "attention_mask" else torch.zeros)(shape, dtype=dtype, device=self.device)
+                for n, (shape, dtype) in self._shapes(batch, length).items()}
+
+    def _shapes(self, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        sizes = {"batch": batch, "seq": length}
+        return {spec["name"]: (tuple(sizes[s] if isinstance(s, str) else s for s in spec["shape"]),
+                               self.input_dtype(spec)) for spec in self.inputs}
+
+    def _blank_inputs(self, batch: int, length: int) -> dict[str, Tensor]:
+        return {n: torch.zeros(shape, dtype=dtype, device=self.device) for n, (shape, dtype) in self._shapes(batch, length).items()}
+
+    def _module_outputs(self, tensors: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        result = self.module(*(tensors[n] for n in self.input_names))
+        return result if isinstance(result, tuple) else (result,)
+
+    def _capture(self, key: tuple[int, int]) -> _Captured:
+        static = self._blank_inputs(*key)
+        static["attention_mask"].fill_(1)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS handles, kernel choice, allocator
+            for _ in range(2):
+                self._module_outputs(static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's other threads may run CUDA work while this one captures.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = self._module_outputs(static)
+        self.captured[key] = _Captured(graph, static, outputs)
+        return self.captured[key]
+
+
+def fill_padded(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], seq_names: set[str]) -> None:
+    """Copy ``tensors`` into the top-left corner of the bucket-shaped ``buffers``.
+
+    Padded positions of real rows get attention_mask 0 (they are masked out of every attention,
+    so they cannot change real positions); padded rows get zeros with a full mask (their outputs
+    are dropped; a full mask keeps them ordinary, finite inputs).
+    """
+    batch = next(iter(tensors.values())).shape[0]
+    for name, buffer in buffers.items():
+        value = tensors[name]
+        if buffer.shape == value.shape:
+            buffer.copy_(value)
+            continue
+        if name == "attention_mask":
+            buffer.zero_()
+            buffer[batch:] = 1
+        else:
+            buffer.zero_()
+        region = (slice(0, batch), slice(0, value.shape[1])) if name in seq_names else (slice(0, batch),)
+        buffer[region].copy_(value)
+
+
+def _cut(output: Tensor, batch: int, length: int, has_seq: bool) -> Tensor:
+    return output[:batch, :length] if has_seq else output[:batch]
