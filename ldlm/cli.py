@@ -21,7 +21,7 @@ def _cmd_init(args: argparse.Namespace) -> None:
     config = preset(args.preset)
     with tqdm(total=3, desc="init", unit="stage", disable=args.quiet) as bar:
         bar.set_postfix_str("building the model")
-        model = init_model(config, args.seed, args.gpt2_dir)
+        model = init_model(config, args.seed, args.gpt2_dir, norm_init=args.norm_init)
         bar.update()
         bar.set_postfix_str("loading the tokenizer")
         tokenizer = TextTokenizer.from_directory(args.tokenizer_dir) if args.tokenizer_dir else TextTokenizer.gpt2()
@@ -30,7 +30,7 @@ def _cmd_init(args: argparse.Namespace) -> None:
         save_checkpoint(model, tokenizer, args.out, overwrite=args.force)
         bar.update()
     weights = "GPT-2 from " + str(args.gpt2_dir) if args.gpt2_dir else "random GPT-2"
-    print(f"wrote {args.out} (preset {args.preset}, seed {args.seed}, {weights})")
+    print(f"wrote {args.out} (preset {args.preset}, seed {args.seed}, {weights}, norm init {args.norm_init})")
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["tiny", "base"], default="tiny", help="model size (default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="initialization seed (default: 0)")
     p.add_argument("--gpt2-dir", help="local Hugging Face GPT-2 directory (config.json + model.safetensors)")
+    p.add_argument("--norm-init", choices=["default", "random"], default="default",
+                   help="random: every LayerNorm/RMSNorm scale and bias and the feature/latent mean and std get "
+                   "their own seeded values, like a trained checkpoint, so parity sees a norm paired with the wrong "
+                   "parameters (GPT-2 weights from --gpt2-dir are kept); default: scale 1, bias 0, identity statistics")
     p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
