@@ -26,6 +26,7 @@ n = 64 and 3.7e-5 at n = 768 for eps 1e-5. An eps of 1e-6 is off by 0.9, one of 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -38,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ldlm.model import LDLM
 
 from ldlm.serve.layernorm_cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, layer_norm_cases
 
@@ -259,13 +262,26 @@ def probe_layer_norm_eps(
     it is not where the plan manifests say) against the checkpoint's modules."""
     from ldlm.checkpoint import load_checkpoint
 
+    model, _ = load_checkpoint(checkpoint)
+    return probe_artifact(model, onnx_dir, engine_dir, seed, providers, flavor, progress)
+
+
+def probe_artifact(
+    model: LDLM,
+    onnx_dir: str | os.PathLike[str] | None = None,
+    engine_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    providers: tuple[str, ...] = ("CPUExecutionProvider",),
+    flavor: str | None = None,
+    progress: bool = False,
+) -> EpsProbeReport:
+    """``probe_layer_norm_eps`` on a loaded model (the reference modules)."""
     if onnx_dir is None and engine_dir is None:
         raise ValueError("probe_layer_norm_eps needs an artifact: onnx_dir (ONNX Runtime) or engine_dir (TensorRT)")
     for name, path in (("onnx_dir", onnx_dir), ("engine_dir", engine_dir)):
         if path is not None and not Path(path).is_dir():
             raise ValueError(f"{name}={str(path)!r} is not a directory; allowed: a directory written by "
                              f"{'`ldlm export`' if name == 'onnx_dir' else '`ldlm build-engine`'}")
-    model, _ = load_checkpoint(checkpoint)
     start = time.perf_counter()
     if engine_dir is not None:
         from ldlm.serve.eps_probe_trt import probe_engines
@@ -277,3 +293,21 @@ def probe_layer_norm_eps(
         report = probe_onnx_export(model, Path(onnx_dir), seed, providers, progress)  # type: ignore[arg-type]
     report.seconds = round(time.perf_counter() - start, 3)
     return report
+
+
+def write_eps_report(report: EpsProbeReport, out: str | os.PathLike[str]) -> list[Path]:
+    """OUT/eps_probes.json (the report) and OUT/eps_probes.md (summary, table, what did not run)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {report.summary()}", "", report.table(), ""]
+    lines += [f"- fixed case {c.case} ({c.dtype}): {'PASSED' if c.passed else 'NOT RUN' if not c.ran else 'FAILED'}"
+              + (f", max abs {c.max_abs_error:.3g} (atol {c.atol:.2g})" if c.max_abs_error is not None else "") for c in report.cases]
+    lines += [f"- problem: {p}" for p in report.problems] + [f"- not exercised: {n}" for n in report.not_exercised]
+    files = []
+    for name, text in (("eps_probes.json", json.dumps(report.to_dict(), indent=2) + "\n"), ("eps_probes.md", "\n".join(lines) + "\n")):
+        path = out / name
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        files.append(path)
+    return files
