@@ -213,7 +213,7 @@ class EpsProbeReport:
         """A Markdown table: one row per LayerNorm."""
         head = "| graph | module | node | module eps | node eps | implied eps | rel. error | tolerance | status |\n|---|---|---|---|---|---|---|---|---|"
         rows = [f"| {p.graph} | {p.module} | {p.node} | {p.module_eps:g} | {p.node_eps if p.node_eps is None else f'{p.node_eps:.6g}'} | "
-                f"{'-' if p.implied_eps is None else f'{p.implied_eps:.7g}'} | "
+                f"{'-' if p.implied_eps is None else f'{p.implied_eps:.8e}'} | "
                 f"{'-' if p.implied_eps_rel_error is None else f'{p.implied_eps_rel_error:.2g}'} | {p.eps_rtol:.2g} | {p.status} |"
                 for p in self.layer_norms]
         return "\n".join([head, *rows])
