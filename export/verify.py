@@ -9,6 +9,8 @@ graph is checked structurally against the modules it was exported from:
     all ones (scale, which ONNX requires) where the module has none;
   - no decomposed LayerNorm (ReduceMean -> Sub -> Pow/Mul -> ReduceMean -> ...) appears;
   - onnx.checker's full check passes.
+Nodes are paired with modules by name (the module path torch.onnx records on each node), never by
+position, so a node reading another module's scale or bias fails.
 """
 
 from __future__ import annotations
