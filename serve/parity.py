@@ -27,10 +27,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ldlm.checkpoint import load_checkpoint
-from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.export.onnx_export import export_graphs, read_manifest
-from ldlm.export.graphs import graph_io
-from ldlm.export.onnx_export import graph_layer_norm_specs
+from ldlm.export.graphs import GRAPH_NAMES, graph_io
+from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs, read_manifest
 from ldlm.export.verify import LayerNormSpec, VerifyResult, pair_layer_norm_nodes, verify_onnx
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
@@ -292,13 +290,19 @@ def run_parity(
 
 
 def first_divergence(report: ParityReport) -> str:
-    """The first failing LayerNorm in execution order (graphs in pipeline order), else the first failing graph."""
+    """The first failing LayerNorm output in execution order (graphs in pipeline order), then the first
+    LayerNorm failing its eps probe, else the first failing graph."""
     for comparison in report.layer_norms:
         if not comparison.passed:
             where = comparison.name.rsplit("/", 1)[0]
             return f"LayerNorm {where} (max abs {comparison.max_abs:.3g} > atol {comparison.atol:g})"
+    for probe in report.eps_probes.layer_norms if report.eps_probes is not None else []:
+        if probe.problems:
+            return f"LayerNorm {probe.graph}:{probe.module} run alone (eps probe, node {probe.node}): {probe.problems[0]}"
     for comparison in report.graphs:
         if not comparison.passed:
             graph = comparison.name.split("/", 1)[0]
             return f"graph {graph}: no LayerNorm output diverged, the error arises in its other blocks ({comparison.name})"
+    if any(not v.passed for v in report.verification):
+        return "no compared output failed; the structural verifier did (see its problems)"
     return "no compared output failed; the end-to-end token agreement is below the requirement"

@@ -252,11 +252,12 @@ def test_parity_fails_on_an_encoder_eps_of_1e6_that_whole_graphs_miss(tiny_check
 def test_parity_cli_fails_on_a_decoder_eps_of_1e4(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, capsys) -> None:
     broken = edited_export(export_dir, tmp_path / "broken", "decoder", set_eps(DECODER_MLP_LN, 1e-4))
     with pytest.raises(SystemExit) as exit_:
-        main(["parity", str(tiny_checkpoint), "--onnx-dir", str(broken), "--out", str(tmp_path / "report"), "--quiet"])
+        main(["parity", str(tiny_checkpoint), "--onnx-dir", str(broken), "--out", str(tmp_path / "report"), "--bisect", "--quiet"])
     assert exit_.value.code == 1
     out = capsys.readouterr().out
+    assert f"first divergence: LayerNorm decoder:{DECODER_MLP_LN} run alone (eps probe, node node_layer_norm_2)" in out
     assert f"(module {DECODER_MLP_LN}): implied eps 0.0001" in out
-    assert f"FAILED eps probes ort" in out and f"decoder:{DECODER_MLP_LN} (node node_layer_norm_2)" in out
+    assert "FAILED eps probes ort" in out and f"decoder:{DECODER_MLP_LN} (node node_layer_norm_2)" in out
     assert json.loads((tmp_path / "report" / "parity.json").read_text())["passed"] is False
 
 
