@@ -240,8 +240,11 @@ def test_implied_eps_solver_recovers_a_numpy_layer_norm_eps() -> None:
 
 def test_parity_fails_on_an_encoder_eps_of_1e6_that_whole_graphs_miss(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path) -> None:
     broken = edited_export(export_dir, tmp_path / "broken", "encoder", set_eps(ENCODER_LN, 1e-6))
-    report = run_parity(tiny_checkpoint, "ort", source=broken)
+    report = run_parity(tiny_checkpoint, "ort", source=broken, bisect=True)
     assert report.token_agreement == 1.0 and all(c.passed for c in report.graphs), "the whole-graph checks cannot see it"
+    assert all(c.passed for c in report.layer_norms), "nor the LayerNorm outputs inside the graph"
+    assert report.first_divergence is not None
+    assert report.first_divergence.startswith(f"LayerNorm encoder:{ENCODER_LN} run alone (eps probe, node node_layer_norm_3)")
     assert not report.passed
     assert report.eps_probes is not None and [p.module for p in failing(report.eps_probes)] == [ENCODER_LN]
     assert f"eps probes FAILED (encoder:{ENCODER_LN} (node " in report.summary()
@@ -255,7 +258,7 @@ def test_parity_cli_fails_on_a_decoder_eps_of_1e4(tiny_checkpoint: Path, export_
         main(["parity", str(tiny_checkpoint), "--onnx-dir", str(broken), "--out", str(tmp_path / "report"), "--bisect", "--quiet"])
     assert exit_.value.code == 1
     out = capsys.readouterr().out
-    assert f"first divergence: LayerNorm decoder:{DECODER_MLP_LN} run alone (eps probe, node node_layer_norm_2)" in out
+    assert f"first divergence: LayerNorm decoder:{DECODER_MLP_LN}" in out
     assert f"(module {DECODER_MLP_LN}): implied eps 0.0001" in out
     assert "FAILED eps probes ort" in out and f"decoder:{DECODER_MLP_LN} (node node_layer_norm_2)" in out
     assert json.loads((tmp_path / "report" / "parity.json").read_text())["passed"] is False
