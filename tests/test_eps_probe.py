@@ -120,6 +120,25 @@ def test_norm_init_random_is_seeded_distinct_and_leaves_other_weights(tiny_confi
         init_model(tiny_config, seed=0, norm_init="ones")
 
 
+def test_cli_norm_init_random_and_loaded_gpt2_norms_are_kept(tmp_path: Path, tiny_config, capsys) -> None:
+    from ldlm.checkpoint import load_checkpoint
+
+    assert main(["init", str(tmp_path / "ckpt"), "--norm-init", "random", "--quiet"]) == 0
+    assert "norm init random" in capsys.readouterr().out
+    model, _ = load_checkpoint(tmp_path / "ckpt")
+    assert not torch.all(model.token_decoder.norm.weight == 1) and not torch.all(model.latent_std == 1)
+    transformers = pytest.importorskip("transformers", reason="transformers writes the local GPT-2 directory")
+    hf = transformers.GPT2Model(transformers.GPT2Config(
+        n_layer=tiny_config.gpt2_layers, n_embd=tiny_config.d_model, n_head=tiny_config.n_heads,
+        vocab_size=tiny_config.gpt2_vocab_size, n_positions=tiny_config.gpt2_positions))
+    with torch.no_grad():
+        hf.h[0].ln_1.weight.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "gpt2")
+    model = init_model(tiny_config, seed=0, gpt2_dir=tmp_path / "gpt2", norm_init="random")
+    assert torch.equal(model.feature_model.h[0].ln_1.weight, hf.h[0].ln_1.weight), "trained GPT-2 norms are kept"
+    assert not torch.all(model.latent_encoder.out_norm.weight == 1)
+
+
 def test_exporter_keeps_one_initializer_per_module(export_dir: Path, tiny_model) -> None:
     for graph, entry in read_manifest(export_dir)["graphs"].items():
         proto = onnx.load(str(export_dir / entry["file"]), load_external_data=False)
