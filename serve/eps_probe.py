@@ -151,7 +151,7 @@ def analyse_outputs(probe: LayerNormProbe, rows: ProbeRows, y: np.ndarray, node_
         probe.implied_eps_rel_error = abs(probe.implied_eps / probe.module_eps - 1)
         if probe.implied_eps_rel_error > probe.eps_rtol:
             probe.problems.append(f"{where}: implied eps {probe.implied_eps:.6g} != module eps {probe.module_eps:g} "
-                                  f"(relative error {probe.implied_eps_rel_error:.3g} > {probe.eps_rtol:.2g}); node eps {probe.node_eps}")
+                                  f"(relative error {probe.implied_eps_rel_error:.3g} > {probe.eps_rtol:.2g}); node eps {_eps(probe.node_eps)}")
     else:
         probe.problems.append(f"{where}: no finite sweep row: the implied eps cannot be solved")
     # Outputs against the module's own LayerNorm (weight, bias, eps from the checkpoint), in float64.
@@ -172,7 +172,11 @@ def analyse_outputs(probe: LayerNormProbe, rows: ProbeRows, y: np.ndarray, node_
         i, j = np.unravel_index(int(np.argmax(error / bound)), error.shape)
         probe.problems.append(f"{where}: output differs from the module's LayerNorm in the {rows.family[i]} rows: "
                               f"|y - y_ref| = {error[i, j]:.3g} > float32 bound {bound[i, j]:.3g} "
-                              f"(scale/bias not the module's, or eps {probe.node_eps} != {probe.module_eps:g}?)")
+                              f"(scale/bias not the module's, or eps {_eps(probe.node_eps)} != {probe.module_eps:g}?)")
+
+
+def _eps(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.8g}"  # float32 eps: 1e-5 shows as 9.9999997e-06
 
 
 @dataclass
@@ -212,7 +216,7 @@ class EpsProbeReport:
     def table(self) -> str:
         """A Markdown table: one row per LayerNorm."""
         head = "| graph | module | node | module eps | node eps | implied eps | rel. error | tolerance | status |\n|---|---|---|---|---|---|---|---|---|"
-        rows = [f"| {p.graph} | {p.module} | {p.node} | {p.module_eps:g} | {p.node_eps if p.node_eps is None else f'{p.node_eps:.6g}'} | "
+        rows = [f"| {p.graph} | {p.module} | {p.node} | {p.module_eps:g} | {_eps(p.node_eps)} | "
                 f"{'-' if p.implied_eps is None else f'{p.implied_eps:.8e}'} | "
                 f"{'-' if p.implied_eps_rel_error is None else f'{p.implied_eps_rel_error:.2g}'} | {p.eps_rtol:.2g} | {p.status} |"
                 for p in self.layer_norms]
