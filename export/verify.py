@@ -9,10 +9,13 @@ graph is checked structurally against the modules it was exported from:
     all ones (scale, which ONNX requires) where the module has none;
   - no decomposed LayerNorm (ReduceMean -> Sub -> Pow/Mul -> ReduceMean -> ...) appears;
   - onnx.checker's full check passes.
+Nodes are paired with modules by name (the module path torch.onnx records on each node), never by
+position, so a node reading another module's scale or bias fails.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
@@ -138,13 +141,21 @@ def check_layer_norms(graph: onnx.GraphProto, expected: Sequence[LayerNormSpec])
 
 
 def pair_layer_norm_nodes(nodes: list[onnx.NodeProto], specs: Sequence[LayerNormSpec]) -> list[tuple[onnx.NodeProto, LayerNormSpec]]:
-    """Pair nodes with modules by scale initializer name (``<module>.weight``, as torch.onnx names
-    them); whatever is left pairs in graph order, which is execution order."""
+    """Pair nodes with modules by name, never by position when a name is known.
+
+    First by the module path torch.onnx's dynamo exporter records in each node's
+    ``pkg.torch.onnx.name_scopes`` (so a node that reads another module's scale or bias is caught);
+    then by scale initializer name (``<module>.weight``, for graphs without that metadata);
+    whatever is left pairs in graph order, which is execution order.
+    """
+    by_name = {s.name: s for s in specs}
     by_weight = {f"{s.name}.weight": s for s in specs if s.weight_sha256 is not None}
     pairs, free_nodes = [], []
     used: set[str] = set()
     for node in nodes:
-        spec = by_weight.get(node.input[1]) if len(node.input) > 1 else None
+        spec = next((by_name[n] for n in reversed(node_name_scopes(node)) if n in by_name), None)
+        if spec is None and len(node.input) > 1:
+            spec = by_weight.get(node.input[1])
         if spec is not None and spec.name not in used:
             pairs.append((node, spec))
             used.add(spec.name)
@@ -152,6 +163,21 @@ def pair_layer_norm_nodes(nodes: list[onnx.NodeProto], specs: Sequence[LayerNorm
             free_nodes.append(node)
     free_specs = [s for s in specs if s.name not in used]
     return pairs + list(zip(free_nodes, free_specs))
+
+
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+
+def node_name_scopes(node: onnx.NodeProto) -> list[str]:
+    """The module paths enclosing ``node`` (outermost first), as torch.onnx recorded them; [] if absent."""
+    for prop in node.metadata_props:
+        if prop.key == NAME_SCOPES_KEY:
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return []
+            return [str(s) for s in scopes] if isinstance(scopes, list) else []
+    return []
 
 
 def _check_node(node: onnx.NodeProto, spec: LayerNormSpec, tensors: dict[str, np.ndarray]) -> list[str]:

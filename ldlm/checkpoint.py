@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
 from ldlm.device import resolve_device
@@ -141,13 +141,58 @@ def check_state_dict(expected: Mapping[str, Tensor], found: Mapping[str, Tensor]
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
-def init_model(config: LDLMConfig, seed: int, gpt2_dir: str | os.PathLike[str] | None = None) -> LDLM:
-    """A seeded random-init LDLM; GPT-2 weights come from ``gpt2_dir`` when given."""
+NORM_INITS: tuple[str, ...] = ("default", "random")
+
+
+def init_model(
+    config: LDLMConfig, seed: int, gpt2_dir: str | os.PathLike[str] | None = None, norm_init: str = "default"
+) -> LDLM:
+    """A seeded random-init LDLM; GPT-2 weights come from ``gpt2_dir`` when given.
+
+    ``norm_init="random"`` gives every norm and the standardization statistics their own values
+    (see ``randomize_norms``); "default" leaves them at PyTorch's init (scale 1, bias 0, identity).
+    """
+    if norm_init not in NORM_INITS:
+        raise ValueError(f"norm_init={norm_init!r} is unknown; allowed: {', '.join(NORM_INITS)}")
     torch.manual_seed(seed)
     model = LDLM(config)
     if gpt2_dir is not None:
         load_gpt2_weights(model, Path(gpt2_dir))
+    if norm_init == "random":
+        randomize_norms(model, seed, keep_feature_model=gpt2_dir is not None)
     return model.eval()
+
+
+@torch.no_grad()
+def randomize_norms(model: LDLM, seed: int, keep_feature_model: bool = False) -> None:
+    """Give every LayerNorm and RMSNorm scale and bias, and the feature and latent statistics,
+    distinct seeded values, as a trained checkpoint has.
+
+    At PyTorch's init every norm has scale 1 and bias 0: the exporter then shares one initializer
+    between all of them and a scale or bias paired with the wrong module cannot be seen. Scales are
+    1 + 0.1 N(0, 1), biases 0.1 N(0, 1), means 0.1 N(0, 1), stds exp(0.2 N(0, 1)) (positive, ~1),
+    drawn from their own generator so that every other weight stays as ``seed`` made it.
+    ``keep_feature_model`` leaves loaded GPT-2 weights alone.
+    """
+    from ldlm.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(seed + 0x5EED)
+
+    def normal(like: Tensor, scale: float) -> Tensor:
+        return scale * torch.randn(like.shape, generator=gen).to(like.dtype)
+
+    for name, module in model.named_modules():
+        if keep_feature_model and name.startswith("feature_model"):
+            continue
+        if isinstance(module, (nn.LayerNorm, RMSNorm)):
+            if module.weight is not None:
+                module.weight.copy_(1 + normal(module.weight, 0.1))
+            if getattr(module, "bias", None) is not None:
+                module.bias.copy_(normal(module.bias, 0.1))
+    for stats in ("feature", "latent"):
+        mean, std = getattr(model, f"{stats}_mean"), getattr(model, f"{stats}_std")
+        mean.copy_(normal(mean, 0.1))
+        std.copy_(torch.exp(normal(std, 0.2)))
 
 
 def load_gpt2_weights(model: LDLM, gpt2_dir: Path) -> None:

@@ -22,7 +22,7 @@ def _cmd_init(args: argparse.Namespace) -> None:
     config = preset(args.preset)
     with tqdm(total=3, desc="init", unit="stage", disable=args.quiet) as bar:
         bar.set_postfix_str("building the model")
-        model = init_model(config, args.seed, args.gpt2_dir)
+        model = init_model(config, args.seed, args.gpt2_dir, norm_init=args.norm_init)
         bar.update()
         bar.set_postfix_str("loading the tokenizer")
         tokenizer = TextTokenizer.from_directory(args.tokenizer_dir) if args.tokenizer_dir else TextTokenizer.gpt2()
@@ -31,7 +31,7 @@ def _cmd_init(args: argparse.Namespace) -> None:
         save_checkpoint(model, tokenizer, args.out, overwrite=args.force)
         bar.update()
     weights = "GPT-2 from " + str(args.gpt2_dir) if args.gpt2_dir else "random GPT-2"
-    print(f"wrote {args.out} (preset {args.preset}, seed {args.seed}, {weights})")
+    print(f"wrote {args.out} (preset {args.preset}, seed {args.seed}, {weights}, norm init {args.norm_init})")
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -119,10 +119,44 @@ def _cmd_parity(args: argparse.Namespace) -> None:
     for comparison in [*report.graphs, *report.layer_norms]:
         if args.verbose or not comparison.passed:
             print(comparison.summary())
+    for verification in report.verification:
+        if args.verbose or not verification.passed:
+            print(verification.summary())
+    if report.eps_probes is not None:
+        for probe in report.eps_probes.layer_norms:
+            if args.verbose or probe.problems:
+                print(probe.summary())
+        print(report.eps_probes.summary())
     print(report.summary())
     print(f"reports: {', '.join(str(f) for f in files)}")
     if not report.passed:
         raise SystemExit(1)
+
+
+def _cmd_probe_eps(args: argparse.Namespace) -> None:
+    from ldlm.serve.eps_probe import probe_layer_norm_eps, write_eps_report
+
+    if args.onnx_dir is None and args.engine_dir is None:
+        raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
+    report = probe_layer_norm_eps(args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor,
+                                  progress=not args.quiet)
+    if args.out:
+        print(f"wrote {', '.join(str(f) for f in write_eps_report(report, args.out))}")
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.table())
+        for probe in report.layer_norms:
+            if probe.problems:
+                print(probe.summary())
+        for case in report.cases:
+            for problem in case.problems:
+                print(f"FAILED case {case.case} ({case.dtype}): {problem}")
+        for line in [*report.problems, *(f"not exercised: {n}" for n in report.not_exercised)]:
+            print(line)
+        print(report.summary())
+    if report.status != "PASSED":
+        raise SystemExit(1 if report.status == "FAILED" else 3)
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
@@ -225,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["tiny", "base"], default="tiny", help="model size (default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="initialization seed (default: 0)")
     p.add_argument("--gpt2-dir", help="local Hugging Face GPT-2 directory (config.json + model.safetensors)")
+    p.add_argument("--norm-init", choices=["default", "random"], default="default",
+                   help="random: every LayerNorm/RMSNorm scale and bias and the feature/latent mean and std get "
+                   "their own seeded values, like a trained checkpoint, so parity sees a norm paired with the wrong "
+                   "parameters (GPT-2 weights from --gpt2-dir are kept); default: scale 1, bias 0, identity statistics")
     p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -318,8 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare ONNX Runtime or TensorRT against eager PyTorch on the checkpoint: every graph output "
         "on random, padded and stress inputs (max/mean/p99 abs and rel error, cosine per sample, NaN/Inf, "
         "elementwise pass/fail at the precision's atol and rtol); every LayerNorm output (ONNX Runtime); and "
-        "end-to-end generation with the deterministic sampler as token agreement. Writes parity.json, "
-        "parity.md and PNG plots. Exit code 1 on failure.",
+        "end-to-end generation with the deterministic sampler as token agreement; every LayerNorm run alone where eps "
+        "decides (as `ldlm probe-eps`). Given --onnx-dir or --engine-dir, the structural verifier runs first. "
+        "Writes parity.json, parity.md and PNG plots. Exit code 1 on failure.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")
     p.add_argument("--backend", choices=["ort", "trt", "eager", "compiled"], default="ort",
@@ -336,6 +375,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_parity)
+
+    p = sub.add_parser(
+        "probe-eps",
+        help="run every LayerNorm alone where eps decides, and report its implied eps",
+        description="Run each LayerNormalization node of an export (ONNX Runtime: a one-node ONNX with the node's "
+        "attributes, scale and bias) or each INormalizationLayer of an engine set (TensorRT: a one-layer engine) on "
+        "rows where eps decides the output (variance 1e-7..1e-4, constant rows, mean 1e4 with a small variance), "
+        "against torch's layer_norm with the checkpoint module's eps; solve the implied eps from the outputs; also "
+        "run the 8 fixed cases of the LayerNorm design page. Exit code 0 passed, 1 failed, 3 not run (TensorRT "
+        "without a GPU: the one-layer engines are built and their eps read back, not executed).",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (the modules' eps, weight and bias)")
+    p.add_argument("--onnx-dir", help="an `ldlm export` directory (ONNX Runtime); with --engine-dir: where the ONNX the plans were built from is")
+    p.add_argument("--engine-dir", help="an `ldlm build-engine` directory (TensorRT; runs on a GPU)")
+    p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="TensorRT flavour (default: the plans' own)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the probe rows (default: 0)")
+    p.add_argument("--out", help="also write eps_probes.json and eps_probes.md into this directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_probe_eps)
 
     p = sub.add_parser(
         "bench",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine, on the embedded default (ONNX Runtime on CPU):
-#   1. make a tiny random-init checkpoint (or take LDLM_CHECKPOINT)
-#   2. export it to ONNX and verify every LayerNormalization
+#   1. make a tiny random-init checkpoint with realistic norms (or take LDLM_CHECKPOINT)
+#   2. export it to ONNX, verify every LayerNormalization and probe each one's eps
 #   3. build TensorRT engines, where a TensorRT flavour is installed
 #   4. check parity of ONNX Runtime against eager PyTorch
 #   5. serve it on 127.0.0.1, printing the URL and a ready-to-paste curl (Ctrl-C stops it)
@@ -16,7 +16,9 @@ port="${LDLM_PORT:-8000}"
 
 echo "== 1/5 checkpoint: $ckpt"
 if [ ! -d "$ckpt" ]; then
-  "$ldlm" init "$ckpt" --preset tiny --seed 0
+  # --norm-init random: every norm has its own scale and bias, as in a trained checkpoint, so a
+  # norm paired with the wrong parameters shows in verification and parity.
+  "$ldlm" init "$ckpt" --preset tiny --seed 0 --norm-init random
 fi
 .venv/bin/ldlm generate "$ckpt" --n 2 --length 16 --steps 20 --sampler ddim --quiet
 echo "(a random-init checkpoint generates gibberish; that is expected)"
@@ -24,6 +26,7 @@ echo "(a random-init checkpoint generates gibberish; that is expected)"
 echo "== 2/5 export + verify: $runs/onnx"
 "$ldlm" export "$ckpt" "$runs/onnx" --force --quiet
 "$ldlm" verify-onnx "$runs/onnx"
+"$ldlm" probe-eps "$ckpt" --onnx-dir "$runs/onnx" --quiet  # every LayerNorm alone, where eps decides
 
 echo "== 3/5 engines"
 if .venv/bin/python -c "import tensorrt" 2>/dev/null || .venv/bin/python -c "import tensorrt_rtx" 2>/dev/null; then

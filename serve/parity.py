@@ -7,6 +7,9 @@ Three levels, all against eager as the reference:
      output as a graph output; eager outputs come from hooks on the matching nn.LayerNorm;
   3. end to end: the same seed and noise through eager and engine generation with the
      deterministic sampler, as token agreement.
+Given an artifact (an export or engine directory), the structural verifier runs first; and every
+LayerNorm is also probed alone on inputs where eps decides (serve/eps_probe.py), on the backend
+under test: a wrong epsilon is invisible at ordinary activations.
 ``bisect`` names the first LayerNorm (in execution order) whose output diverges.
 """
 
@@ -24,13 +27,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ldlm.checkpoint import load_checkpoint
-from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.export.onnx_export import export_graphs, read_manifest
-from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
+from ldlm.export.graphs import GRAPH_NAMES, graph_io
+from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs, read_manifest
+from ldlm.export.verify import LayerNormSpec, VerifyResult, pair_layer_norm_nodes, verify_onnx
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
 from ldlm.serve.compare import Comparison, compare_outputs, tolerance
+from ldlm.serve.eps_probe import EpsProbeReport, probe_artifact
 
 TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8}
 REAL_TEXT = [
@@ -54,13 +58,16 @@ class ParityReport:
     token_agreement_required: float = 1.0
     first_divergence: str | None = None
     notes: list[str] = field(default_factory=list)
+    verification: list[VerifyResult] = field(default_factory=list)  # the artifact's structural check
+    eps_probes: EpsProbeReport | None = None
 
     @property
     def passed(self) -> bool:
         compared = self.graphs or self.layer_norms
         ok = all(c.passed for c in self.graphs) and all(c.passed for c in self.layer_norms)
         e2e = self.token_agreement is not None and self.token_agreement >= self.token_agreement_required
-        return bool(compared) and ok and e2e
+        structure = all(v.passed for v in self.verification) and (self.eps_probes is None or self.eps_probes.passed)
+        return bool(compared) and ok and e2e and structure
 
     def summary(self) -> str:
         failed = [c.name for c in [*self.graphs, *self.layer_norms] if not c.passed]
@@ -71,6 +78,13 @@ class ParityReport:
             line += f"; failing: {', '.join(failed[:5])}{' ...' if len(failed) > 5 else ''}"
         if self.first_divergence:
             line += f"; first divergence: {self.first_divergence}"
+        if any(not v.passed for v in self.verification):
+            line += "; structural verifier FAILED: " + ", ".join(v.graph for v in self.verification if not v.passed)
+        if self.eps_probes is not None:
+            line += f"; eps probes {self.eps_probes.status}"
+            failing = [f"{p.graph}:{p.module} (node {p.node})" for p in self.eps_probes.layer_norms if p.problems]
+            if failing:
+                line += f" ({', '.join(failing[:5])}{' ...' if len(failing) > 5 else ''})"
         return line
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +94,8 @@ class ParityReport:
             "layer_norms": [c.to_dict() for c in self.layer_norms], "decoder_token_agreement": self.decoder_token_agreement,
             "token_agreement": self.token_agreement, "token_agreement_required": self.token_agreement_required,
             "first_divergence": self.first_divergence, "notes": self.notes,
+            "verification": [v.to_dict() for v in self.verification],
+            "eps_probes": None if self.eps_probes is None else self.eps_probes.to_dict(),
         }
 
 
@@ -188,6 +204,27 @@ def _capture(store: dict[str, np.ndarray], name: str) -> Callable[..., None]:
     return hook
 
 
+def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResult]:
+    """The structural verifier (export/verify.py) on every graph of the artifact, against the
+    checkpoint's own modules: the export's ONNX files, or for engines the ONNX each plan was built from."""
+    results = []
+    for name in GRAPH_NAMES:
+        specs = graph_layer_norm_specs(model, graph_io(model, name))
+        if backend == "ort":
+            path: Path | None = source / read_manifest(source)["graphs"][name]["file"]
+            problem = None
+        else:
+            from ldlm.serve.eps_probe_trt import locate_plan_onnx
+            from ldlm.serve.tensorrt_engine import read_plan_manifest
+
+            path, problem = locate_plan_onnx(source, read_plan_manifest(source / f"{name}.plan"), None)
+        if path is None:
+            results.append(VerifyResult(name, str(source), 0, len(specs), [problem or "no ONNX to verify"]))
+        else:
+            results.append(verify_onnx(path, specs, name))
+    return results
+
+
 def run_parity(
     checkpoint: str | Path,
     backend: str = "ort",
@@ -210,7 +247,8 @@ def run_parity(
     if source is None and backend != "ort":
         raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
     model, tokenizer = load_checkpoint(checkpoint)
-    bar = tqdm(total=len(GRAPH_NAMES) + 1, desc="parity", unit="stage", disable=not progress)
+    given = source is not None
+    bar = tqdm(total=len(GRAPH_NAMES) + 2 + given, desc="parity", unit="stage", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:
         work = Path(tmp)
         if source is None:
@@ -222,6 +260,10 @@ def run_parity(
             raise ValueError(f"{source} was made from another config than checkpoint {checkpoint}")
         report = ParityReport(backend, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol,
                               token_agreement_required=TOKEN_AGREEMENT_REQUIRED[precision])
+        if given:
+            bar.set_postfix_str("structural verifier")
+            report.verification = verify_artifact(model, backend, source)
+            bar.update()
         eager = {g: EagerBackend(model, g, with_logits="logits" in graphs[g].output_names) for g in GRAPH_NAMES}
         if "logits" not in graphs["decoder"].output_names:
             report.notes.append("the decoder has no logits output: only its token ids were compared")
@@ -247,19 +289,31 @@ def run_parity(
         candidate = candidate_pipe.generate(4, length, steps, seed, "ddim").token_ids
         report.token_agreement = float((reference == candidate).float().mean())
         bar.update()
+        bar.set_postfix_str("eps probes")
+        report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,
+                                           engine_dir=source if backend == "trt" else None, seed=seed)
+        if backend == "ort" and precision != "fp32":
+            report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
+        bar.update()
     if bisect and not report.passed:
         report.first_divergence = first_divergence(report)
     return report
 
 
 def first_divergence(report: ParityReport) -> str:
-    """The first failing LayerNorm in execution order (graphs in pipeline order), else the first failing graph."""
+    """The first failing LayerNorm output in execution order (graphs in pipeline order), then the first
+    LayerNorm failing its eps probe, else the first failing graph."""
     for comparison in report.layer_norms:
         if not comparison.passed:
             where = comparison.name.rsplit("/", 1)[0]
             return f"LayerNorm {where} (max abs {comparison.max_abs:.3g} > atol {comparison.atol:g})"
+    for probe in report.eps_probes.layer_norms if report.eps_probes is not None else []:
+        if probe.problems:
+            return f"LayerNorm {probe.graph}:{probe.module} run alone (eps probe, node {probe.node}): {probe.problems[0]}"
     for comparison in report.graphs:
         if not comparison.passed:
             graph = comparison.name.split("/", 1)[0]
             return f"graph {graph}: no LayerNorm output diverged, the error arises in its other blocks ({comparison.name})"
+    if any(not v.passed for v in report.verification):
+        return "no compared output failed; the structural verifier did (see its problems)"
     return "no compared output failed; the end-to-end token agreement is below the requirement"

@@ -58,6 +58,13 @@ def markdown(report: ParityReport) -> str:
         lines.append("")
     if report.first_divergence:
         lines += [f"First divergence (bisect): {report.first_divergence}", ""]
+    if report.verification:
+        lines += ["## Structural verifier", "", *(f"- {v.summary()}" for v in report.verification), ""]
+    if report.eps_probes is not None:
+        probes = report.eps_probes
+        lines += ["## Eps probes (each LayerNorm alone, where eps decides)", "", probes.summary(), "", probes.table(), ""]
+        lines += [f"- {p}" for probe in probes.layer_norms for p in probe.problems]
+        lines += [f"- not exercised: {n}" for n in probes.not_exercised] + [""]
     lines += [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
 

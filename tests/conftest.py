@@ -26,16 +26,10 @@ def tokenizer() -> TextTokenizer:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config: LDLMConfig) -> LDLM:
-    """Random init, but like a trained checkpoint every LayerNorm has its own gain and bias (at init
-    they are all ones and zeros, which the exporter deduplicates into one shared initializer)."""
-    model = init_model(tiny_config, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=gen))
-                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
-    return model
+    """Random init with realistic norms (``ldlm init --norm-init random``): like a trained checkpoint,
+    every LayerNorm and RMSNorm has its own scale and bias and the standardization statistics are not
+    the identity (at init the norms are all ones and zeros, which the exporter shares as one initializer)."""
+    return init_model(tiny_config, seed=0, norm_init="random")
 
 
 @pytest.fixture(scope="session")

@@ -50,6 +50,8 @@ def test_ort_parity_passes_with_full_token_agreement(tiny_checkpoint: Path, expo
     assert len(report.layer_norms) == 2 * (6 + 0 + 6)  # two input sets x every LayerNorm
     assert all(p == "CPUExecutionProvider" for p in report.providers.values())
     assert report.first_divergence is None
+    assert [v.graph for v in report.verification if v.passed] == ["encoder", "denoiser", "decoder"]
+    assert report.eps_probes is not None and report.eps_probes.passed and len(report.eps_probes.layer_norms) == 12
     files = write_parity_report(report, tmp_path / "report")
     assert {f.name for f in files} == {"parity.json", "parity.md", "errors_by_graph.png", "errors_by_layernorm.png"}
     assert json.loads((tmp_path / "report" / "parity.json").read_text())["passed"] is True
