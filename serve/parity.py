@@ -60,7 +60,9 @@ class ParityReport:
         compared = self.graphs or self.layer_norms
         ok = all(c.passed for c in self.graphs) and all(c.passed for c in self.layer_norms)
         e2e = self.token_agreement is not None and self.token_agreement >= self.token_agreement_required
-        return bool(compared) and ok and e2e
+        # The decoder's token ids are an output too: its argmax must agree as well as its logits.
+        decoder = all(a >= self.token_agreement_required for a in self.decoder_token_agreement.values())
+        return bool(compared) and ok and e2e and decoder
 
     def summary(self) -> str:
         failed = [c.name for c in [*self.graphs, *self.layer_norms] if not c.passed]

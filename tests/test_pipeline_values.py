@@ -81,3 +81,16 @@ def test_generate_equals_a_hand_written_ddim_loop(pipeline: LDLMPipeline, tiny_m
         x = a_next * x0 + s_next * eps
     got = pipeline.sample_latents(n, length, steps, seed, "ddim")
     assert (got.double() - x).abs().max().item() < 1e-3
+
+
+def test_samples_of_one_request_are_independent(pipeline: LDLMPipeline) -> None:
+    """Each sample has its own seed: no two rows of a request share a prior or their noise."""
+    from ldlm.sampler import sample_seeds
+
+    seeds = sample_seeds(3, 4)
+    assert len(set(seeds)) == 4 and sample_seeds(3, 4) == seeds and sample_seeds(4, 4) != seeds
+    assert sample_seeds(3, 2) == seeds[:2]  # a sample's seed does not depend on n
+    latents = pipeline.sample_latents(n=3, length=5, steps=2, seed=3, sampler="sde")
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert (latents[i] - latents[j]).abs().max().item() > 1e-2

@@ -100,3 +100,24 @@ def test_fp16_graph_runs_close_to_fp32_in_onnx_runtime(tmp_path: Path) -> None:
     expected = n @ w2
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_head_feeding_argmax_stays_fp32(tmp_path: Path) -> None:
+    """A decoder without a logits output: the vocabulary head is found from ArgMax back to its MatMul."""
+    gen = np.random.default_rng(4)
+    w, head = gen.standard_normal((4, 4)).astype(np.float32), gen.standard_normal((4, 10)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="body"),
+             helper.make_node("Relu", ["h"], ["r"], name="act"),
+             helper.make_node("MatMul", ["r", "HEAD"], ["logits_inner"], name="head"),
+             helper.make_node("ArgMax", ["logits_inner"], ["token_ids"], axis=-1, keepdims=0, name="argmax")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("token_ids", TensorProto.INT64, [2])],
+                              [numpy_helper.from_array(w, "W"), numpy_helper.from_array(head, "HEAD")])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    onnx.save(model, str(tmp_path / "g.onnx"))
+    lower_precision(tmp_path / "g.onnx", tmp_path / "low.onnx", "fp16")
+    low = onnx.load(str(tmp_path / "low.onnx"))
+    inits = {i.name: i.data_type for i in low.graph.initializer}
+    by_name = {n.name: n for n in low.graph.node}
+    assert inits[by_name["head"].input[1]] == TensorProto.FLOAT  # the head's weight is not rounded
+    assert inits[by_name["body"].input[1]] == TensorProto.FLOAT16  # the body's is
