@@ -94,3 +94,10 @@ def test_samples_of_one_request_are_independent(pipeline: LDLMPipeline) -> None:
     for i in range(3):
         for j in range(i + 1, 3):
             assert (latents[i] - latents[j]).abs().max().item() > 1e-2
+
+
+def test_bucket_boundaries(pipeline: LDLMPipeline) -> None:
+    """A length equal to a bucket stays in it; one past the last bucket is its own length."""
+    bucketed = LDLMPipeline(pipeline.graphs, pipeline.tokenizer, config=pipeline.config, buckets=(8, 16))
+    assert [bucketed.bucket_length(n) for n in (1, 8, 9, 16, 17, 128)] == [8, 8, 16, 16, 17, 128]
+    assert pipeline.bucket_length(5) == 5  # no buckets: no padding
