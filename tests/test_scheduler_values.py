@@ -73,3 +73,30 @@ def test_scheduler_latents_equal_the_samplers_own_loop(pipeline: LDLMPipeline) -
         (result,), _, _ = run_schedule(pipe, "continuous", [request], max_batch=4)
         latents = pipe.sample_latents(request.n, request.length, request.steps, request.seed, request.sampler)
         assert torch.equal(result.token_ids, pipe.decode(latents).token_ids), final
+
+
+def test_a_cancelled_request_frees_its_slot_at_the_next_step(pipeline: LDLMPipeline) -> None:
+    """max_batch=2; A and B run 6 steps, C one. B is cancelled during the first denoiser call:
+      [A,B] (B cancelled) -> [A] (B dropped; admission came first) -> [A,C] -> [A] -> [A] -> [A]."""
+    a = GenerateRequest(n=1, length=6, steps=6, seed=31, sampler="ddim")
+    b = GenerateRequest(n=1, length=6, steps=6, seed=32, sampler="ddim")
+    c = GenerateRequest(n=1, length=6, steps=1, seed=33, sampler="ddim")
+    sizes: list[int] = []
+    futures = []
+
+    def observe(batch: int, queued: float, compute: float) -> None:
+        sizes.append(batch)
+        if len(sizes) == 1:
+            assert futures[1].cancel()  # the caller gives up (a client timeout, a disconnect)
+
+    scheduler = GenerationScheduler(pipeline, max_batch=2, start=False, observer=observe)
+    try:
+        futures.extend(scheduler.submit(r) for r in (a, b, c))
+        scheduler.start()
+        first, third = futures[0].result(timeout=60), futures[2].result(timeout=60)
+    finally:
+        scheduler.close(timeout_s=30)
+    assert sizes == [2, 1, 2, 1, 1, 1]
+    assert scheduler.samples_stepped == 6 + 1 + 1
+    assert torch.equal(first.token_ids, pipeline.generate(1, 6, 6, 31, "ddim").token_ids)
+    assert torch.equal(third.token_ids, pipeline.generate(1, 6, 1, 33, "ddim").token_ids)
