@@ -25,7 +25,7 @@ class Clock:
 
 
 class TimedGraph:
-    """A graph whose every run takes ``ms`` on the fake clock (one slow run per ``slow_every``)."""
+    """A graph whose every run takes ``ms`` on the fake clock; with ``slow_ms``, its second timed run takes that."""
 
     def __init__(self, clock: Clock, ms: float, provider: str, slow_ms: float | None = None) -> None:
         self.clock, self.ms, self.provider, self.slow_ms, self.runs = clock, ms, provider, slow_ms, 0
