@@ -173,7 +173,7 @@ def build_plan(
         "profiles": [p.to_dict() for p in profiles],
         "onnx": {"file": onnx_path.name, "sha256": sha256_file(onnx_path)},
         "build_flags": {
-            "strongly_typed": True,
+            "strongly_typed": is_strongly_typed(trt, network),
             "tf32": options.tf32,
             "optimization_level": options.optimization_level,
             "workspace_mb": options.workspace_mb,
@@ -193,6 +193,13 @@ def _network_flags(trt: Any) -> int:
     build nothing else; TensorRT 10 accepts it)."""
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     return 0 if flag is None else 1 << int(flag)
+
+
+def is_strongly_typed(trt: Any, network: Any) -> bool:
+    """Read back from the network itself: TensorRT-RTX networks are strongly typed whatever the
+    creation flags say, and a TensorRT without the flag builds weakly typed networks."""
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return flag is not None and bool(network.get_flag(flag))
 
 
 def _attach_timing_cache(flavor: Flavor, config: Any, path: str | None) -> str | None:

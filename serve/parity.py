@@ -67,7 +67,9 @@ class ParityReport:
         ok = all(c.passed for c in self.graphs) and all(c.passed for c in self.layer_norms)
         e2e = self.token_agreement is not None and self.token_agreement >= self.token_agreement_required
         structure = all(v.passed for v in self.verification) and (self.eps_probes is None or self.eps_probes.passed)
-        return bool(compared) and ok and e2e and structure
+        # The decoder's token ids are an output too: its argmax must agree as well as its logits.
+        decoder = all(a >= self.token_agreement_required for a in self.decoder_token_agreement.values())
+        return bool(compared) and ok and e2e and structure and decoder
 
     def summary(self) -> str:
         failed = [c.name for c in [*self.graphs, *self.layer_norms] if not c.passed]

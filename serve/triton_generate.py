@@ -75,7 +75,8 @@ class TritonPythonModel:
             return torch.stack([stream.draw() for stream in streams])
 
         def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor) -> torch.Tensor:
-            outputs = bls("denoiser", {"x_t": x_t.float().numpy(), "t": t.float().numpy(),
+            # t is a per-sample scalar: config.pbtxt declares dims [1] (reshaped to [] for the model)
+            outputs = bls("denoiser", {"x_t": x_t.float().numpy(), "t": t.float().numpy().reshape(-1, 1),
                                        "x0_prev": x0_prev.float().numpy(), "attention_mask": mask}, ["x0_hat"])
             return torch.from_numpy(outputs["x0_hat"])
 

@@ -27,5 +27,15 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     assert report["generation"]["ort"]["tokens_per_s"] > 0
     for policy in ("static", "continuous"):
         assert report["batching"][policy]["requests"] == 6 and report["batching"][policy]["errors"] == 0
+    # The derived figures follow from the measured ones (the arithmetic itself: tests/test_bench_values.py).
+    for key, entry in report["graphs"].items():
+        batch = int(key.split("/")[1][1:])
+        assert entry["ort"]["speedup_vs_eager"] == pytest.approx(entry["eager"]["p50_ms"] / entry["ort"]["p50_ms"], rel=1e-2, abs=2e-3)
+        assert entry["ort"]["samples_per_s"] == pytest.approx(1000 * batch / entry["ort"]["p50_ms"], rel=1e-2)
+    generation = report["generation"]["ort"]
+    assert generation["tokens_per_s"] == pytest.approx(generation["n"] * generation["length"] / generation["p50_s"], rel=1e-2)
+    batching = report["batching"]
+    assert batching["throughput_ratio"] == pytest.approx(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], rel=1e-2)
+    assert batching["p99_ratio"] == pytest.approx(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], rel=1e-2)
     assert (out / "bench.png").stat().st_size > 1000
     assert "mixed arrivals: continuous" in capsys.readouterr().out

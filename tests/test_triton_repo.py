@@ -18,7 +18,6 @@ from ldlm.export.triton_repo import RepositoryError, inspect_source, validate_co
 from ldlm.pipeline import LDLMPipeline
 
 pytest.importorskip("tritonclient.grpc", reason="the model_config schema ships with tritonclient[grpc]")
-pytest.importorskip("onnxruntime", reason="the stand-in BLS runs the repository's ONNX models")
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +82,19 @@ def test_bad_sources_and_existing_output(export_dir: Path, tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mixed", "taken"]
 
 
+def read_config(repo: Path, model: str):
+    """A generated config.pbtxt, parsed with tritonclient's model_config schema, as Triton reads it."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse((repo / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+
+
 class StandInPbUtils(types.ModuleType):
     """The slice of triton_python_backend_utils that ldlm_generate uses; BLS runs the repository's
-    own ONNX models in ONNX Runtime, the way Triton's onnxruntime backend would."""
+    own ONNX models in ONNX Runtime, the way Triton's onnxruntime backend would. Like Triton, a BLS
+    input must have the shape its generated config.pbtxt declares ([batch] + dims), and reaches the
+    model after the config's reshape."""
 
     def __init__(self, repo: Path) -> None:
         super().__init__("triton_python_backend_utils")
@@ -94,6 +103,7 @@ class StandInPbUtils(types.ModuleType):
         config = json.loads((repo / "ldlm_generate" / "1" / "config.json").read_text())
         self.models = {name: OrtBackend(repo / name / "1" / "model.onnx" / "model.onnx", name, config["max_seq_len"])
                        for name in ("denoiser", "decoder")}
+        self.configs = {name: read_config(repo, name) for name in ("denoiser", "decoder")}
         self.bls_calls = 0
         utils = self
 
@@ -130,8 +140,21 @@ class StandInPbUtils(types.ModuleType):
 
             def exec(self):
                 utils.bls_calls += 1
+                config = utils.configs[self.model_name]
+                declared = {i.name: i for i in config.input}
+                feed = {}
+                for tensor in self.inputs:
+                    spec, shape = declared[tensor.name()], list(tensor.as_numpy().shape)
+                    dims = list(spec.dims)
+                    if len(shape) != 1 + len(dims) or not 1 <= shape[0] <= config.max_batch_size or any(
+                            d != -1 and d != s for d, s in zip(dims, shape[1:])):
+                        return InferenceResponse(error=TritonError(
+                            f"unexpected shape for input '{tensor.name()}' for model '{self.model_name}'. "
+                            f"Expected [-1,{','.join(map(str, dims))}], got {shape}"))
+                    model_shape = [shape[0], *spec.reshape.shape] if spec.HasField("reshape") else shape
+                    feed[tensor.name()] = tensor.as_numpy().reshape(model_shape)
                 try:
-                    outputs = utils.models[self.model_name].run({t.name(): t.as_numpy() for t in self.inputs})
+                    outputs = utils.models[self.model_name].run(feed)
                 except Exception as error:
                     return InferenceResponse(error=TritonError(str(error)))
                 return InferenceResponse([Tensor(n, outputs[n]) for n in self.requested])
@@ -154,9 +177,11 @@ def load_generate_model(repo: Path, monkeypatch) -> tuple[object, StandInPbUtils
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
-    # Triton hands the model its config as JSON; the part ldlm_generate reads is its parameters.
-    model.initialize({"model_repository": str(repo / "ldlm_generate"), "model_version": "1",
-                      "model_config": json.dumps({"parameters": {"max_n": {"string_value": "8"}}})})
+    # Triton hands the model its own config.pbtxt as JSON.
+    from google.protobuf import json_format
+
+    model_config = json_format.MessageToJson(read_config(repo, "ldlm_generate"), preserving_proto_field_name=True)
+    model.initialize({"model_repository": str(repo / "ldlm_generate"), "model_version": "1", "model_config": model_config})
     return model, stand_in
 
 
@@ -170,6 +195,7 @@ def request(pb, **values):
 
 @pytest.mark.parametrize("sampler", ["ddim", "sde"])
 def test_generate_loop_gives_the_runners_tokens(repo: Path, pipeline: LDLMPipeline, monkeypatch, sampler: str) -> None:
+    pytest.importorskip("onnxruntime", reason="the stand-in BLS runs the repository's ONNX models")
     model, pb = load_generate_model(repo, monkeypatch)
     requests = [request(pb, N=2, LENGTH=12, STEPS=4, SEED=3, SAMPLER=sampler), request(pb, N=100, LENGTH=12, STEPS=4),
                 request(pb, N=1, LENGTH=7, STEPS=3, SEED=9, SAMPLER=sampler, T_MIN=0.1)]

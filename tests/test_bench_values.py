@@ -1,0 +1,98 @@
+"""The bench's arithmetic against hand-computed figures.
+
+Timing itself is measured by real runs (tests/test_bench.py, `ldlm bench`); here the clock is a
+counter that each stand-in backend advances by a known amount per run, so every percentile, rate
+and ratio has one right value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ldlm.serve.bench as bench
+from ldlm.config import preset
+from ldlm.serve.bench import bench_graphs, bench_summary, mixed_workload, percentile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedGraph:
+    """A graph whose every run takes ``ms`` on the fake clock; with ``slow_ms``, its second timed run takes that."""
+
+    def __init__(self, clock: Clock, ms: float, provider: str, slow_ms: float | None = None) -> None:
+        self.clock, self.ms, self.provider, self.slow_ms, self.runs = clock, ms, provider, slow_ms, 0
+
+    def run(self, feed: dict[str, Any]) -> dict[str, Any]:
+        self.runs += 1
+        slow = self.slow_ms is not None and self.runs == 3  # the second timed run (run 1 is warm-up)
+        self.clock.now += (self.slow_ms if slow else self.ms) / 1000
+        return {}
+
+
+def test_graph_figures_and_speedup_direction(monkeypatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    config = preset("tiny")
+    backends = {
+        "eager": {g: TimedGraph(clock, 8.0, "torch") for g in ("encoder", "denoiser", "decoder")},
+        "ort": {g: TimedGraph(clock, 2.0, "CPUExecutionProvider", slow_ms=20.0) for g in ("encoder", "denoiser", "decoder")},
+    }
+    results = bench_graphs(backends, config, batches=[4], length=8, runs=5)
+    assert set(results) == {"encoder/b4/L8", "denoiser/b4/L8", "decoder/b4/L8"}
+    entry = results["denoiser/b4/L8"]
+    assert entry["eager"]["p50_ms"] == pytest.approx(8.0)
+    assert entry["ort"]["p50_ms"] == pytest.approx(2.0)  # the median ignores the one slow run
+    # p99 of [2, 20, 2, 2, 2] by linear interpolation: sorted [2, 2, 2, 2, 20], rank 0.99 * 4 = 3.96
+    assert entry["ort"]["p99_ms"] == pytest.approx(2 + 0.96 * 18, abs=1e-3)
+    assert entry["eager"]["samples_per_s"] == pytest.approx(4 / 0.008)
+    assert entry["ort"]["samples_per_s"] == pytest.approx(4 / 0.002)
+    assert entry["ort"]["speedup_vs_eager"] == pytest.approx(4.0)  # eager takes 4x as long: ort is 4x faster
+    assert "speedup_vs_eager" not in entry["eager"]
+    assert entry["ort"]["provider"] == "CPUExecutionProvider"
+    assert all(g.runs == 1 + 5 for graphs in backends.values() for g in graphs.values())  # warm-up + runs
+
+
+def test_generation_tokens_per_second(monkeypatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+
+    class TimedPipeline:
+        def generate(self, n, length, steps, seed, sampler):
+            clock.now += 0.5 if steps != 2 else 10.0  # warm-up (2 steps) is slow and must not count
+
+    results = bench.bench_generation({"ort": TimedPipeline()}, n=4, length=16, steps=10, runs=3)  # type: ignore[dict-item]
+    assert results["ort"]["p50_s"] == pytest.approx(0.5)
+    assert results["ort"]["tokens_per_s"] == pytest.approx(4 * 16 / 0.5)
+
+
+def test_percentile_and_summary_lines() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([5.0], 99) == 5.0
+    report = {"graphs": {"encoder/b1/L8": {"eager": {"p50_ms": 4.0}, "ort": {"p50_ms": 1.0, "speedup_vs_eager": 4.0}}},
+              "generation": {"ort": {"tokens_per_s": 12.5, "n": 1, "length": 8, "steps": 2}},
+              "batching": {"continuous": {"tokens_per_s": 30, "latency_p99_s": 1.0}, "static": {"tokens_per_s": 10, "latency_p99_s": 2.0},
+                           "throughput_ratio": 3.0}}
+    lines = bench_summary(report)
+    assert "ort p50 1.00 ms (x4.00)" in lines[0]
+    assert "continuous 30 vs static 10 tokens/s (x3.0)" in lines[-1]
+
+
+def test_mixed_workload_is_seeded_and_within_bounds() -> None:
+    config = preset("tiny")
+    a, b = mixed_workload(config, 50, 10.0, seed=3), mixed_workload(config, 50, 10.0, seed=3)
+    assert a == b and a != mixed_workload(config, 50, 10.0, seed=4)
+    times = [x.at_s for x in a]
+    assert times == sorted(times) and times[0] > 0
+    # Poisson arrivals at 10/s: the mean gap is 0.1 s; 50 gaps have a standard error of 0.1/sqrt(50)
+    assert abs(np.mean(np.diff([0.0, *times])) - 0.1) < 5 * 0.1 / np.sqrt(50)
+    assert {x.request.length for x in a} <= {16, 32, 64, 128}
+    assert all(5 <= x.request.steps <= 40 and x.request.seed == i for i, x in enumerate(a))
+    assert {x.request.length for x in mixed_workload(config, 20, 10.0, lengths=(16, 4096))} == {16}

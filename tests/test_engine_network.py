@@ -1,0 +1,124 @@
+"""The network-level LayerNorm check, seen through TensorRT-RTX's real parser: every rule it
+enforces (count, epsilon, axes, num_groups) is broken once on a parsed network and must be named;
+the build refuses a LayerNorm overflow warning; the manifest reads strong typing off the network."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ldlm.export.engine import BuildOptions, EngineBuildError, build_plan, is_strongly_typed
+from ldlm.export.layernorm_network import check_network_layer_norms, normalization_layers
+from ldlm.export.profiles import EngineProfile, ShapeRange
+from ldlm.export.trt_flavor import load_flavor, recording_logger
+from ldlm.export.verify import LayerNormSpec, digest
+
+pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no network was parsed")
+SMALL = (EngineProfile(ShapeRange(1, 1, 2), ShapeRange(1, 8, 16)),)
+
+
+@pytest.fixture(scope="module")
+def flavor():
+    return load_flavor("tensorrt_rtx")
+
+
+def parsed(flavor, path: Path):
+    logger = recording_logger(flavor)
+    builder = flavor.trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = flavor.trt.OnnxParser(network, logger)
+    assert parser.parse_from_file(str(path))
+    return builder, network, parser  # the builder and parser own the network: keep them alive
+
+
+def layer_norm_chain(path: Path, count: int = 4) -> tuple[list[LayerNormSpec], dict]:
+    """x (batch, seq, 8) -> ``count`` x [LayerNormalization -> Relu] -> y, built with onnx.helper (no
+    exporter, so this file stays fast); the specs are what the modules would have said."""
+    gen = np.random.default_rng(0)
+    nodes, inits, specs, last = [], [], [], "x"
+    for i in range(count):
+        weight = (1 + 0.1 * gen.standard_normal(8)).astype(np.float32)
+        bias = (0.1 * gen.standard_normal(8)).astype(np.float32)
+        inits += [numpy_helper.from_array(weight, f"ln{i}.weight"), numpy_helper.from_array(bias, f"ln{i}.bias")]
+        nodes += [helper.make_node("LayerNormalization", [last, f"ln{i}.weight", f"ln{i}.bias"], [f"n{i}"], axis=-1, epsilon=1e-5, name=f"ln{i}"),
+                  helper.make_node("Relu", [f"n{i}"], [f"r{i}"], name=f"relu{i}")]
+        specs.append(LayerNormSpec(f"ln{i}", 1e-5, -1, digest(weight), digest(bias), weight, bias))
+        last = f"r{i}"
+    shape = ["batch", "seq", 8]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info(last, TensorProto.FLOAT, shape)], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    io = [{"name": "x", "dtype": "FLOAT", "shape": shape}]
+    return specs, {"inputs": io, "outputs": [{**io[0], "name": last}]}
+
+
+def test_each_network_rule_is_enforced(flavor, tmp_path: Path) -> None:
+    trt = flavor.trt
+    specs, _ = layer_norm_chain(tmp_path / "chain.onnx")
+    keep = parsed(flavor, tmp_path / "chain.onnx")
+    network = keep[1]
+    layers = normalization_layers(trt, network)
+    assert len(layers) == len(specs) == 4
+    assert check_network_layer_norms(trt, network, specs) == []
+
+    # count: one spec fewer, or one more, than there are layers
+    fewer = check_network_layer_norms(trt, network, specs[:-1])
+    assert any("4 INormalizationLayer(s) after parsing, 3 LayerNormalization node(s) expected" in p for p in fewer), fewer
+    more = check_network_layer_norms(trt, network, [*specs, specs[0]])
+    assert any("4 INormalizationLayer(s) after parsing, 5" in p for p in more), more
+
+    # axes: the layer normalizes the last two axes of a rank-3 input instead of the last one
+    layers[1].axes = 0b110
+    problems = check_network_layer_norms(trt, network, specs)
+    assert len(problems) == 1 and "axes mask 0b110 != 0b100" in problems[0], problems
+    layers[1].axes = 0b100
+
+    # num_groups: a GroupNorm is not a LayerNorm
+    layers[2].num_groups = 2
+    problems = check_network_layer_norms(trt, network, specs)
+    assert len(problems) == 1 and "num_groups 2 != 1" in problems[0], problems
+    layers[2].num_groups = 1
+
+    # epsilon: the layer's, not the ONNX default's
+    layers[0].epsilon = 1e-6
+    problems = check_network_layer_norms(trt, network, specs)
+    assert len(problems) == 1 and "epsilon 1e-06 != module eps 1e-05" in problems[0], problems
+    layers[0].epsilon = 1e-5
+    assert check_network_layer_norms(trt, network, specs) == []
+
+
+def test_layer_norm_overflow_warning_fails_the_build(flavor, tmp_path: Path, monkeypatch) -> None:
+    """TensorRT prints this warning when a LayerNorm arrived decomposed in FP16. The real builder runs;
+    only the warning is injected into its log, as TensorRT would write it."""
+    import ldlm.export.engine as engine
+
+    def warned_logger(flavor_):
+        logger = recording_logger(flavor_)
+        logger.log(flavor_.trt.ILogger.Severity.WARNING,
+                   "Detected layernorm nodes in FP16. Running layernorm after self-attention in FP16 may cause overflow.")
+        return logger
+
+    specs, entry = layer_norm_chain(tmp_path / "chain.onnx", count=2)
+    manifest = build_plan(flavor, tmp_path / "chain.onnx", tmp_path / "clean.plan", entry, specs, SMALL, BuildOptions())
+    assert manifest["layer_norms"] == 2 and (tmp_path / "clean.plan").stat().st_size > 0  # without the warning: built
+    monkeypatch.setattr(engine, "recording_logger", warned_logger)
+    with pytest.raises(EngineBuildError, match="LayerNorm FP16 overflow"):
+        build_plan(flavor, tmp_path / "chain.onnx", tmp_path / "chain.plan", entry, specs, SMALL, BuildOptions())
+    assert not (tmp_path / "chain.plan").exists()
+
+
+def test_strongly_typed_is_read_from_the_network(flavor, tmp_path: Path) -> None:
+    trt = flavor.trt
+    layer_norm_chain(tmp_path / "chain.onnx", count=1)
+    keep = parsed(flavor, tmp_path / "chain.onnx")
+    network = keep[1]
+    assert is_strongly_typed(trt, network) is True  # TensorRT-RTX: every network is strongly typed
+    weak = types.SimpleNamespace(get_flag=lambda flag: False)  # what a weakly typed TensorRT network answers
+    assert is_strongly_typed(trt, weak) is False
+    no_flag = types.SimpleNamespace(NetworkDefinitionCreationFlag=types.SimpleNamespace())  # a TensorRT without the flag
+    assert is_strongly_typed(no_flag, weak) is False
