@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 import ldlm
 from ldlm.checkpoint import CONFIG_FILE, atomic_directory, load_checkpoint
+from ldlm.export.artifact import check_artifacts
 from ldlm.config import LDLMConfig
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
@@ -201,6 +202,7 @@ def verify_export(
         raise ValueError(f"{path} does not exist; allowed: an export directory or an .onnx file in one")
     directory = path if path.is_dir() else path.parent
     manifest = read_manifest(directory)
+    check_artifacts(directory, manifest)  # paths inside the directory, sha256 of every file
     names = list(manifest["graphs"]) if path.is_dir() else [path.stem]
     if path.is_file() and path.stem not in manifest["graphs"]:
         raise ValueError(f"{path.name} is not listed in {directory / MANIFEST_FILE}")
