@@ -167,7 +167,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             self.header_timer: asyncio.TimerHandle | None = None
             self.awaited_cycle = self.cycle
             self._arm_header_deadline()
-            if len(self.connections) > max_connections and not self._shed_idle():
+            if len(self.connections) > max_connections and self._open_connections() > max_connections and not self._shed_idle():
                 message = f"the server holds {max_connections} busy connections (its limit); retry shortly"
                 transport.write(raw_response(503, "Service Unavailable", message, "retry-after: 1\r\n"))
                 transport.close()
@@ -212,8 +212,12 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                     self.transport.write(raw_response(408, "Request Timeout", f"the request headers did not arrive within {header_timeout_s:g} s"))
                 self.transport.close()
 
+        def _open_connections(self) -> int:
+            return sum(not c.transport.is_closing() for c in self.connections)  # closed ones leave the set a loop turn later
+
         def _shed_idle(self) -> bool:
-            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol) and c.is_idle()]
+            idle = [c for c in self.connections
+                    if c is not self and isinstance(c, GuardedH11Protocol) and c.is_idle() and not c.transport.is_closing()]
             if not idle:
                 return False
             oldest = min(idle, key=lambda c: c.opened_at)
