@@ -4,6 +4,7 @@ One function, ``check_artifacts``, called wherever an export directory is opened
 for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
 - a file path that is absolute, or that leaves the directory (``../``, or a symlink out of it);
 - a file whose sha256 or size differs from the manifest (edited weights, a swapped graph);
+- an ONNX file whose external-data locations are not files of its own manifest entry;
 - a config.json whose hash differs from the manifest's ``config_sha256``.
 """
 
@@ -62,7 +63,25 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any])
                 raise ArtifactError(f"{path} is {size} bytes; its manifest says {record['bytes']} (edited or truncated); re-export it")
             if sha256_file(path) != record["sha256"]:
                 raise ArtifactError(f"{path} does not match the sha256 in {directory / MANIFEST_FILE} (edited or replaced); re-export it")
+        check_external_data(directory, entry["file"], set(entry["files"]))
     config_path = directory / CONFIG_FILE
     if config_path.is_file() and "config_sha256" in manifest:
         if LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
             raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
+
+
+def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> None:
+    """The ONNX file's weights may live in other files; each must be one the manifest hashes."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(directory / onnx_file), load_external_data=False).graph
+    except Exception as error:  # protobuf's DecodeError and friends
+        raise ArtifactError(f"{directory / onnx_file} is not a readable ONNX file ({type(error).__name__}); re-export it") from error
+    for tensor in graph.initializer:
+        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        if location is not None:
+            resolve_inside(directory, location)
+            if location not in listed:
+                raise ArtifactError(f"{directory / onnx_file} reads tensor {tensor.name!r} from {location!r}, "
+                                    f"which {directory / MANIFEST_FILE} does not list; re-export it")

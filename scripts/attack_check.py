@@ -1,7 +1,8 @@
 """Send issue 12's attacks to a real `ldlm serve` on 127.0.0.1 and write what happened as JSON.
 
 Measures, for the server code of any checkout (run it with that checkout's interpreter):
-1. memory: RSS warm, after one huge /v2 request ([520000, 1] input_ids), and after 100 mixed requests;
+1. memory: RSS warm (each route run once, small), after one huge /v2 request ([520000, 1] input_ids),
+   and after 100 mixed requests (64 texts of ~128 tokens reconstructed, 16 encoded, an [8, 64] infer, a generation);
 2. event loop: the worst /v2/health/live latency while a maximum-size JSON request is processed;
 3. slow clients: a well-behaved client's latency while 1,100 idle connections are open; how long
    200 slow-header clients stay connected; how long shutdown takes with a client stalled mid-body.
@@ -109,10 +110,11 @@ def memory(server: Server) -> dict[str, Any]:
     mixed = [("/v1/reconstruct", {"json": {"texts": [TEXT] * 64}}), ("/v1/encode", {"json": {"texts": [TEXT[:200]] * 16}}),
              ("/v2/models/encoder/infer", {"json": encoder_json(8, 64)}),
              ("/v1/generate", {"json": {"n": 4, "length": 64, "steps": 5, "sampler": "ddim"}})]
+    small = [("/v1/reconstruct", {"json": {"texts": ["warm up"]}}), ("/v1/encode", {"json": {"texts": ["warm up"]}}),
+             ("/v2/models/encoder/infer", {"json": encoder_json(1, 8)}), ("/v1/generate", {"json": {"n": 1, "length": 8, "steps": 2}})]
     with httpx.Client(base_url=server.url, timeout=600) as http:
-        for path, kwargs in mixed:
+        for path, kwargs in small:  # warm: every route has run once, at a small size
             http.post(path, **kwargs)
-        http.post("/v1/encode", json={"texts": ["warm"]})
         warm = server.rss_mb
         body, headers = binary_body(520000, 1)  # 8.3 MB: the issue's request
         started = time.perf_counter()
