@@ -13,6 +13,8 @@ request size.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 from collections import deque
@@ -26,7 +28,18 @@ import numpy as np
 from ldlm.serve.backends import GraphBackend
 from ldlm.serve.scheduler import QueueFullError, resolve_future
 
-BatchObserver = Callable[[int, float, float], None]  # (batch size, queue seconds of the oldest, compute seconds)
+BatchObserver = Callable[[int, float, float], None]
+TRIM_AFTER_BYTES = 1 << 22  # a batch whose inputs exceed this is followed by giving freed memory back
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if ctypes.util.find_library("c") else None
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap back to the OS (glibc keeps it per thread arena: after a large batch, the
+    process would otherwise stay at its peak). A no-op where malloc_trim does not exist."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)  # (batch size, queue seconds of the oldest, compute seconds)
 
 
 @dataclass
@@ -136,6 +149,8 @@ class DynamicBatcher:
         except Exception as error:  # the batch's requests all get the error; the worker lives on
             for pending in batch:
                 resolve_future(pending.future, error=error)
+        if sum(a.nbytes for p in batch for a in p.inputs.values()) > TRIM_AFTER_BYTES:
+            release_freed_memory()
 
     def _concatenate(self, batch: list[_Pending]) -> dict[str, np.ndarray]:
         longest = max((p.length or 0) for p in batch)

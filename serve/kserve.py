@@ -202,7 +202,7 @@ def encode_infer_response(
     model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray]
 ) -> tuple[bytes, dict[str, str]]:
     """The response body and headers; binary outputs follow the JSON header."""
-    wanted = request.outputs if request.outputs is not None else [(n, request.binary_outputs) for n in outputs]
+    wanted = requested_outputs(request, outputs)
     entries, blobs = [], []
     for name, binary in wanted:
         array = np.ascontiguousarray(outputs[name])
@@ -221,6 +221,21 @@ def encode_infer_response(
     if not blobs:
         return head, {"Content-Type": "application/json"}
     return head + b"".join(blobs), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
+
+
+def requested_outputs(request: InferRequest, outputs: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
+    """(name, binary) of each output to return: those asked for, or all in the request's default form."""
+    return request.outputs if request.outputs is not None else [(n, request.binary_outputs) for n in outputs]
+
+
+def json_bytes(payload: dict[str, Any]) -> bytes:
+    """Compact JSON with NumPy arrays as nested lists (a JSON worker runs this for large payloads)."""
+    return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in payload.items()}, separators=(",", ":")).encode()
+
+
+def parse_body(body: bytes, encoding: str | None, header_length: str | None, limit: int) -> InferRequest:
+    """decompress, then parse_infer_request: the whole decoding of one infer body, as one picklable call."""
+    return parse_infer_request(decompress(body, encoding, limit), header_length)
 
 
 def _kserve_datatype(dtype: np.dtype) -> str:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
+import multiprocessing
 import signal
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ldlm
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs
-from ldlm.serve.batcher import DynamicBatcher
+from ldlm.serve.batcher import DynamicBatcher, release_freed_memory
 from ldlm.serve.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
-from ldlm.serve.kserve import (DATATYPES, HEADER_LENGTH, InferRequest, decompress, encode_infer_response, parse_infer_request,
+from ldlm.serve.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
                                tensor_metadata)
 from ldlm.serve.metrics import Metrics
 from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
@@ -52,6 +52,11 @@ from ldlm.serve.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, r
 
 log = logging.getLogger("ldlm.serve")
 MODEL_VERSION = "1"
+# JSON larger than this is decoded and encoded in a worker process: in a thread, one json.loads or
+# json.dumps call holds the GIL for its whole run (seconds for an 8 MB body on a busy machine),
+# and the event loop, health probes included, waits that long.
+JSON_WORKER_BYTES = 1 << 18
+JSON_WORKER_ELEMENTS = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ class LDLMService:
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=buckets)
         self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
+        # spawn, not fork: a forked copy of ONNX Runtime's and torch's thread pools can deadlock
+        self.json_workers = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
         self.ready = True
 
     def close(self) -> None:
@@ -123,6 +130,7 @@ class LDLMService:
         self.scheduler.close()
         for batcher in self.batchers.values():
             batcher.close()
+        self.json_workers.shutdown(wait=True, cancel_futures=True)
         if self._scratch is not None:
             self._scratch.cleanup()
 
@@ -140,8 +148,17 @@ async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float) -> 
     return await wait(asyncio.get_running_loop().run_in_executor(None, fn, *args), timeout_s)
 
 
-def json_response(payload: dict[str, Any]) -> Response:
-    return Response(json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json")
+async def run_json(service: LDLMService, heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """A JSON codec call: in a worker process when ``heavy`` (no GIL shared with the loop), else in a thread."""
+    if heavy:
+        return await wait(service.json_workers.submit(fn, *args), service.settings.request_timeout_s)
+    return await run_blocking(fn, *args, timeout_s=service.settings.request_timeout_s)
+
+
+async def json_response(service: LDLMService, payload: dict[str, Any]) -> Response:
+    elements = sum(v.size for v in payload.values() if isinstance(v, np.ndarray))
+    content = await run_json(service, elements > JSON_WORKER_ELEMENTS, json_bytes, payload)
+    return Response(content, media_type="application/json")
 
 
 def create_app(service: LDLMService) -> FastAPI:
@@ -213,50 +230,49 @@ def create_app(service: LDLMService) -> FastAPI:
         """KServe v2 inference: JSON or binary tensors in and out (tritonclient's default)."""
         graph = service.graphs[model_or_404(model)]
         body, encoding, header_length = await request.body(), request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH)
-
-        def parse() -> InferRequest:  # off the loop: decoding an 8 MB JSON body takes a while
-            parsed = parse_infer_request(decompress(body, encoding, settings.max_body_bytes), header_length)
-            check_infer_inputs(model, graph, parsed.inputs, settings, service.config.gpt2_vocab_size)
-            return parsed
-
-        parsed = await run_blocking(parse, timeout_s=settings.request_timeout_s)
+        json_size = int(header_length) if header_length is not None and header_length.isdigit() else len(body)
+        parsed = await run_json(service, json_size > JSON_WORKER_BYTES or bool(encoding), parse_body, body, encoding, header_length,
+                                settings.max_body_bytes)
+        await run_blocking(check_infer_inputs, model, graph, parsed.inputs, settings, service.config.gpt2_vocab_size,
+                           timeout_s=settings.request_timeout_s)
         unknown = [n for n, _ in parsed.outputs or [] if n not in graph.output_names]
         if unknown:
             raise HTTPError(400, f"unknown outputs {unknown}; {model} has {graph.output_names}")
         outputs = await wait(service.batchers[model].submit(parsed.inputs), settings.request_timeout_s)
-        content, headers = await run_blocking(encode_infer_response, model, MODEL_VERSION, parsed, outputs,
-                                              timeout_s=settings.request_timeout_s)
+        json_elements = sum(outputs[name].size for name, binary in requested_outputs(parsed, outputs) if not binary)
+        content, headers = await run_json(service, json_elements > JSON_WORKER_ELEMENTS, encode_infer_response, model, MODEL_VERSION,
+                                          parsed, outputs)
         return Response(content, headers=headers)
 
     async def generate(body: Any) -> Response:
         """Sample texts. Random-init checkpoints give gibberish."""
         future = service.scheduler.submit(GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min))
         result = await wait(future, settings.request_timeout_s)
-        return await run_blocking(lambda: json_response({"texts": result.texts, "token_ids": result.token_ids.tolist()}),
-                                  timeout_s=settings.request_timeout_s)
+        return await json_response(service, {"texts": result.texts, "token_ids": result.token_ids.numpy()})
 
     async def reconstruct(body: Any) -> Response:
         """Texts -> latents -> texts."""
         texts = list(body.texts)
 
-        def run() -> Response:
+        def run() -> dict[str, Any]:
             check_texts(texts, service.batched_pipeline)
             result = service.batched_pipeline.reconstruct(texts)
-            return json_response({"texts": result.texts, "token_ids": result.token_ids.tolist()})
+            release_freed_memory()  # the batches' intermediates are gone; give their pages back
+            return {"texts": result.texts, "token_ids": result.token_ids.numpy()}
 
-        return await run_blocking(run, timeout_s=settings.request_timeout_s)
+        return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
 
     async def encode(body: Any) -> Response:
         """Texts -> standardized latents (B, L, D) and their attention mask."""
         texts = list(body.texts)
 
-        def run() -> Response:
+        def run() -> dict[str, Any]:
             check_texts(texts, service.batched_pipeline)
             result = service.batched_pipeline.encode(texts)
-            return json_response({"shape": list(result.latents.shape), "latents": result.latents.tolist(),
-                                  "attention_mask": result.attention_mask.long().tolist()})
+            release_freed_memory()
+            return {"shape": list(result.latents.shape), "latents": result.latents.numpy(), "attention_mask": result.attention_mask.long().numpy()}
 
-        return await run_blocking(run, timeout_s=settings.request_timeout_s)
+        return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
 
     # The body models carry this server's limits, so they are made per app and set here.
     routes: tuple[tuple[str, Callable[..., Any], type[BaseModel], type[BaseModel]], ...] = (

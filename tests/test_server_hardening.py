@@ -109,7 +109,7 @@ def test_served_sessions_give_peak_memory_back(hardened: RunningServer) -> None:
 
 def test_json_decoding_and_encoding_run_off_the_event_loop(hardened: RunningServer, monkeypatch) -> None:
     threads: dict[str, str] = {}
-    for name in ("parse_infer_request", "encode_infer_response", "json_response"):
+    for name in ("parse_body", "encode_infer_response", "json_bytes"):
         original = getattr(server_module, name)
 
         def recording(*args, _name=name, _original=original, **kwargs):
@@ -120,8 +120,31 @@ def test_json_decoding_and_encoding_run_off_the_event_loop(hardened: RunningServ
     assert post(hardened, "/v2/models/encoder/infer", json=infer_body()).status_code == 200
     assert post(hardened, "/v1/encode", json={"texts": ["off the loop"]}).status_code == 200
     loop_thread = hardened.thread.name  # uvicorn's event loop runs in the RunningServer thread
-    assert set(threads) == {"parse_infer_request", "encode_infer_response", "json_response"}
+    assert set(threads) == {"parse_body", "encode_infer_response", "json_bytes"}
     assert all(name != loop_thread for name in threads.values()), threads
+
+
+def test_large_json_is_coded_in_a_worker_process(hardened: RunningServer, tiny_model: LDLM, monkeypatch) -> None:
+    """Above the thresholds, json.loads/dumps run in another process: a thread would hold the GIL."""
+    monkeypatch.setattr(server_module, "JSON_WORKER_BYTES", 0)
+    monkeypatch.setattr(server_module, "JSON_WORKER_ELEMENTS", 0)
+    workers = hardened.service.json_workers
+    submitted: list[str] = []
+    original = workers.submit
+    monkeypatch.setattr(workers, "submit", lambda fn, *args: submitted.append(fn.__name__) or original(fn, *args))
+    ids = np.random.default_rng(5).integers(0, 50257, (2, 5))
+    body = {"id": "w1", "inputs": [{"name": "input_ids", "shape": [2, 5], "datatype": "INT64", "data": ids.tolist()},
+                                   {"name": "attention_mask", "shape": [2, 5], "datatype": "INT64", "data": [[1] * 5] * 2}]}
+    response = post(hardened, "/v2/models/encoder/infer", json=body)
+    assert response.status_code == 200 and response.json()["id"] == "w1"
+    latents = np.array(response.json()["outputs"][0]["data"], dtype=np.float32).reshape(2, 5, 64)
+    with torch.no_grad():
+        expected = tiny_model.encode_latents(torch.from_numpy(ids), torch.ones(2, 5, dtype=torch.bool)).numpy()
+    assert np.abs(latents - expected).max() < 1e-4
+    bad = post(hardened, "/v2/models/encoder/infer", json=ids_input([1, True, 3]))  # a ProtocolError raised in the worker
+    assert bad.status_code == 400 and "INT64 data holds bool values" in bad.json()["error"]
+    assert post(hardened, "/v1/encode", json={"texts": ["worker"]}).json()["shape"] == [1, 1, 64]
+    assert submitted == ["parse_body", "encode_infer_response", "parse_body", "json_bytes"]
 
 
 # --- 3. slow and idle clients --------------------------------------------------------------------
