@@ -254,16 +254,26 @@ def main() -> None:
     source = args.source or make_export(Path(scratch.name))
     report: dict[str, Any] = {"server_python": args.python, "server_cwd": args.cwd}
     server = Server(args.python, args.cwd, source, args.threads)
-    try:
-        report["memory"] = memory(server)
-        report["health_during_large"] = [
+    sections = {
+        "memory": lambda: memory(server),
+        "health_during_large": lambda: [
             health_during(server, "encoder JSON input_ids [260000, 1]", "/v2/models/encoder/infer", {"json": encoder_json(260000, 1)}),
             health_during(server, "encoder JSON input_ids [64, 128] (largest accepted)", "/v2/models/encoder/infer", {"json": encoder_json(64, 128)}),
             health_during(server, "/v1/encode 64 texts of ~128 tokens", "/v1/encode", {"json": {"texts": [TEXT] * 64}}),
-        ]
-        report["idle"] = idle_connections(server, args.idle)
-        report["slow_headers"] = slow_headers(server, 200, cap_s=40)
-        report["shutdown"] = shutdown_with_stalled_client(server, cap_s=90)
+        ],
+        "idle": lambda: idle_connections(server, args.idle),
+        "slow_headers": lambda: slow_headers(server, 200, cap_s=40),
+        "shutdown": lambda: shutdown_with_stalled_client(server, cap_s=90),
+    }
+    try:
+        for name, measure in sections.items():
+            if server.process.poll() is not None:  # e.g. killed for memory by an earlier attack
+                report[name] = {"error": f"server had exited with {server.process.returncode}"}
+                continue
+            try:
+                report[name] = measure()
+            except Exception as error:  # record it; the other attacks still run
+                report[name] = {"error": f"{type(error).__name__}: {error}", "server_exit": server.process.poll()}
     finally:
         server.stop()
         scratch.cleanup()

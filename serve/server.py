@@ -26,6 +26,7 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +121,21 @@ class LDLMService:
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=buckets)
         self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
-        # spawn, not fork: a forked copy of ONNX Runtime's and torch's thread pools can deadlock
-        self.json_workers = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+        self.json_workers = self._json_pool()
         self.ready = True
+
+    @staticmethod
+    def _json_pool() -> ProcessPoolExecutor:
+        # spawn, not fork: a forked copy of ONNX Runtime's and torch's thread pools can deadlock
+        return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+
+    def submit_json(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run a JSON codec call in a worker process; a pool broken by a dead worker is replaced."""
+        try:
+            return self.json_workers.submit(fn, *args)
+        except BrokenProcessPool:
+            self.json_workers = self._json_pool()
+            return self.json_workers.submit(fn, *args)
 
     def close(self) -> None:
         """Finish everything queued, then stop the workers (graceful shutdown)."""
@@ -151,7 +164,10 @@ async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float) -> 
 async def run_json(service: LDLMService, heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
     """A JSON codec call: in a worker process when ``heavy`` (no GIL shared with the loop), else in a thread."""
     if heavy:
-        return await wait(service.json_workers.submit(fn, *args), service.settings.request_timeout_s)
+        try:
+            return await wait(service.submit_json(fn, *args), service.settings.request_timeout_s)
+        except BrokenProcessPool:
+            raise HTTPError(503, "a JSON worker process died during this request; retry", {"Retry-After": "1"}) from None
     return await run_blocking(fn, *args, timeout_s=service.settings.request_timeout_s)
 
 

@@ -128,10 +128,10 @@ def test_large_json_is_coded_in_a_worker_process(hardened: RunningServer, tiny_m
     """Above the thresholds, json.loads/dumps run in another process: a thread would hold the GIL."""
     monkeypatch.setattr(server_module, "JSON_WORKER_BYTES", 0)
     monkeypatch.setattr(server_module, "JSON_WORKER_ELEMENTS", 0)
-    workers = hardened.service.json_workers
+    service = hardened.service
     submitted: list[str] = []
-    original = workers.submit
-    monkeypatch.setattr(workers, "submit", lambda fn, *args: submitted.append(fn.__name__) or original(fn, *args))
+    original = service.submit_json
+    monkeypatch.setattr(service, "submit_json", lambda fn, *args: submitted.append(fn.__name__) or original(fn, *args))
     ids = np.random.default_rng(5).integers(0, 50257, (2, 5))
     body = {"id": "w1", "inputs": [{"name": "input_ids", "shape": [2, 5], "datatype": "INT64", "data": ids.tolist()},
                                    {"name": "attention_mask", "shape": [2, 5], "datatype": "INT64", "data": [[1] * 5] * 2}]}
@@ -145,6 +145,17 @@ def test_large_json_is_coded_in_a_worker_process(hardened: RunningServer, tiny_m
     assert bad.status_code == 400 and "INT64 data holds bool values" in bad.json()["error"]
     assert post(hardened, "/v1/encode", json={"texts": ["worker"]}).json()["shape"] == [1, 1, 64]
     assert submitted == ["parse_body", "encode_infer_response", "parse_body", "json_bytes"]
+
+
+def test_a_killed_json_worker_is_replaced(hardened: RunningServer, monkeypatch) -> None:
+    monkeypatch.setattr(server_module, "JSON_WORKER_BYTES", 0)
+    assert post(hardened, "/v2/models/encoder/infer", json=infer_body()).status_code == 200  # the workers are up
+    for pid in list(hardened.service.json_workers._processes):  # no public API lists a pool's processes
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    first = post(hardened, "/v2/models/encoder/infer", json=infer_body())
+    assert first.status_code in (200, 503) and set(first.json()) >= ({"error"} if first.status_code == 503 else {"outputs"})
+    assert post(hardened, "/v2/models/encoder/infer", json=infer_body()).status_code == 200
 
 
 # --- 3. slow and idle clients --------------------------------------------------------------------
