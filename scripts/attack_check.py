@@ -133,6 +133,47 @@ def memory(server: Server) -> dict[str, Any]:
             "rss_after_100_mixed_mb": round(after, 1), "rss_after_over_warm": round(after / warm, 3)}
 
 
+def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
+    """Peak RSS over warm while one graph runs a batch of 1 and of 16 at ``seq`` tokens; the
+    difference over 15 samples is what each further sample costs."""
+    rng = np.random.default_rng(0)
+    feeds = {
+        "encoder": lambda b: {"input_ids": rng.integers(0, 50000, (b, seq)), "attention_mask": np.ones((b, seq), np.int64)},
+        "denoiser": lambda b: {"x_t": rng.standard_normal((b, seq, 64), np.float32), "t": np.full(b, 0.5, np.float32),
+                               "x0_prev": np.zeros((b, seq, 64), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
+        "decoder": lambda b: {"latents": rng.standard_normal((b, seq, 64), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
+    }
+    names = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
+    report: dict[str, Any] = {"seq": seq}
+    with httpx.Client(base_url=server.url, timeout=600) as http:
+        for graph, feed in feeds.items():
+            peaks = {}
+            for batch in (1, 16, 1, 16):
+                arrays = feed(batch)
+                header = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": names[a.dtype], "parameters": {"binary_data_size": a.nbytes}}
+                                     for n, a in arrays.items()], "parameters": {"binary_data_output": True}}
+                head = json.dumps(header).encode()
+                body = head + b"".join(a.tobytes() for a in arrays.values())
+                base = server.rss_mb
+                peak, done = [base], threading.Event()
+
+                def sample() -> None:
+                    while not done.is_set():
+                        peak[0] = max(peak[0], server.rss_mb)
+                        time.sleep(0.002)
+
+                sampler = threading.Thread(target=sample)
+                sampler.start()
+                code = http.post(f"/v2/models/{graph}/infer", content=body, headers={"Inference-Header-Content-Length": str(len(head))}).status_code
+                done.set()
+                sampler.join()
+                assert code == 200, code
+                peaks[batch] = peak[0] - base  # the second run of each size counts (the first loads lazily)
+            report[graph] = {"peak_over_idle_mb_batch1": round(peaks[1], 1), "peak_over_idle_mb_batch16": round(peaks[16], 1),
+                             "mb_per_sample": round((peaks[16] - peaks[1]) / 15, 2)}
+    return report
+
+
 def health_during(server: Server, label: str, path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     latencies: list[float] = []
     done = threading.Event()
@@ -248,6 +289,8 @@ def main() -> None:
     parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[1]), help="checkout the server runs from")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--idle", type=int, default=1100, help="idle connections to open (default: 1100)")
+    parser.add_argument("--sections", default="memory,health_during_large,idle,slow_headers,shutdown",
+                        help="what to measure, in order (also: memory_per_sample)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     scratch = tempfile.TemporaryDirectory(prefix="ldlm-attack-")
@@ -256,6 +299,7 @@ def main() -> None:
     server = Server(args.python, args.cwd, source, args.threads)
     sections = {
         "memory": lambda: memory(server),
+        "memory_per_sample": lambda: memory_per_sample(server),
         "health_during_large": lambda: [
             health_during(server, "encoder JSON input_ids [260000, 1]", "/v2/models/encoder/infer", {"json": encoder_json(260000, 1)}),
             health_during(server, "encoder JSON input_ids [64, 128] (largest accepted)", "/v2/models/encoder/infer", {"json": encoder_json(64, 128)}),
@@ -266,7 +310,8 @@ def main() -> None:
         "shutdown": lambda: shutdown_with_stalled_client(server, cap_s=90),
     }
     try:
-        for name, measure in sections.items():
+        for name in args.sections.split(","):
+            measure = sections[name]
             if server.process.poll() is not None:  # e.g. killed for memory by an earlier attack
                 report[name] = {"error": f"server had exited with {server.process.returncode}"}
                 continue

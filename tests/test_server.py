@@ -258,7 +258,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None
 
         def slow_request() -> None:
             body = {"n": 8, "length": 128, "steps": 1000, "seed": 1, "sampler": "ddim"}  # seconds of work
-            result["response"] = httpx.post(f"{url}/v1/generate", json=body, timeout=120)
+            result["response"] = httpx.post(f"{url}/v1/generate", json=body, timeout=600)
             result["answered_at"] = time.monotonic()
 
         thread = threading.Thread(target=slow_request)
@@ -267,7 +267,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None
         assert "response" not in result, "the request finished before the signal; make it slower"
         signalled_at = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        thread.join(120)
+        thread.join(600)
         assert result["response"].status_code == 200 and result["answered_at"] > signalled_at
         assert len(result["response"].json()["texts"]) == 8
         assert process.wait(60) == 0
