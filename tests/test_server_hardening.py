@@ -354,7 +354,7 @@ kserve_body = st.fixed_dictionaries(
                   "parameters": st.one_of(st.dictionaries(st.sampled_from(["binary_data_output"]), kserve_values, max_size=1), kserve_values)})
 
 
-@hypothesis_settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@hypothesis_settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(body=kserve_body)
 def test_fuzzed_kserve_json_never_gets_5xx(hardened: RunningServer, body: dict) -> None:
     response = post(hardened, "/v2/models/encoder/infer", content=json.dumps(body, allow_nan=True).encode())
