@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 import ldlm
 from ldlm.checkpoint import CONFIG_FILE, atomic_directory
 from ldlm.export.layernorm_network import check_network_layer_norms
+from ldlm.export.artifact import check_artifacts
 from ldlm.export.onnx_export import read_manifest, sha256_file
 from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
@@ -75,6 +76,7 @@ def build_engines(
     if not onnx_dir.is_dir():
         raise ValueError(f"ONNX directory {onnx_dir} does not exist; make one with `ldlm export`")
     manifest = read_manifest(onnx_dir)
+    check_artifacts(onnx_dir, manifest)  # build only from files that match their sha256
     from ldlm.config import LDLMConfig
 
     config = LDLMConfig.load(onnx_dir / CONFIG_FILE)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 import ldlm
 from ldlm.checkpoint import CONFIG_FILE, atomic_directory, load_checkpoint
+from ldlm.export.artifact import check_artifacts
 from ldlm.config import LDLMConfig
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
@@ -232,6 +233,7 @@ def verify_export(
     if not path.is_dir() and not (directory / MANIFEST_FILE).is_file():
         raise ValueError(f"{path} is not inside an export: {directory.resolve()} has no {MANIFEST_FILE}; {allowed}")
     manifest = read_manifest(directory)
+    check_artifacts(directory, manifest)  # paths inside the directory, sha256 of every file
     names = list(manifest["graphs"]) if path.is_dir() else [path.stem]
     if path.is_file() and path.stem not in manifest["graphs"]:
         raise ValueError(f"{path.name} is not listed in {directory / MANIFEST_FILE}")

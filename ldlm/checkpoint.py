@@ -46,7 +46,8 @@ def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> It
     out = Path(out)
     refuse_existing(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    _remove_leftovers(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new directory
@@ -64,6 +65,25 @@ def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> It
             tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove ``.NAME.PID.*.tmp`` folders of writers to ``out`` that were killed (their PID is gone)."""
+    for leftover in out.parent.glob(f".{out.name}.*.tmp"):
+        pid = leftover.name[len(out.name) + 2 :].split(".")[0]
+        if not leftover.is_dir() or (pid.isdigit() and _alive(int(pid))):
+            continue  # a writer still running (or not ours to judge)
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def save_checkpoint(

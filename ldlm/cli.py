@@ -188,6 +188,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue, request_timeout_s=args.timeout_s, max_body_bytes=args.max_body_mb << 20,
         api_key=args.api_key or os.environ.get("LDLM_API_KEY") or None, threads=args.threads,
         device=args.device, precision=args.precision, provider=args.provider,
+        max_request_samples=args.max_request_samples, max_request_tokens=args.max_request_tokens,
+        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
     )
     serve(args.source, settings, args.log_level)
 
@@ -444,9 +446,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests per graph before 503 (default: 256)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout, then 504 (default: 60)")
     p.add_argument("--max-body-mb", type=_positive_int, default=8, help="request body cap, then 413 (default: 8 MiB)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set LDLM_API_KEY); off by default")
+    p.add_argument("--max-request-samples", type=_positive_int, default=64, help="batch size of one /v2 infer request, then 413 (default: 64)")
+    p.add_argument("--max-request-tokens", type=_positive_int, default=8192,
+                   help="batch x seq of one /v2 infer request, then 413 (default: 8192)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0, help="a request's headers must arrive within this (default: 10)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request's body must arrive within this, then 408 (default: 30)")
+    p.add_argument("--max-connections", type=_positive_int, default=1024,
+                   help="open connections; above it the oldest idle one is closed, and if all are busy a new one gets 503 (default: 1024)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'. Prefer the LDLM_API_KEY environment variable: "
+                   "a command-line key is visible to every user in the process list. Off by default")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="level of the JSON request log on stderr; info logs one line per request (default: info)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -92,7 +93,10 @@ class LDLMConfig:
 
     @classmethod
     def from_json(cls, text: str) -> LDLMConfig:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("config JSON is nested too deeply; allowed: a flat object of fields") from None
         if not isinstance(data, dict):
             raise ValueError(f"config JSON must be an object, got {type(data).__name__}")
         return cls.from_dict(data)
@@ -112,18 +116,38 @@ class LDLMConfig:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
 
+# Allowed range of every field, checked at load: wide enough for any GPT-2-sized LDLM, narrow
+# enough that a config cannot ask for unbounded memory (a billion layers, a 10**9-wide model).
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "d_model": (2, 16384), "n_heads": (1, 256), "max_seq_len": (1, 65536), "vocab_size": (2, 1 << 20),
+    "gpt2_layers": (1, 96), "gpt2_vocab_size": (1, 1 << 20), "gpt2_positions": (1, 65536),
+    "encoder_layers": (1, 128), "decoder_layers": (1, 128), "mlp_ratio": (1, 64), "denoiser_layers": (2, 256),
+    "swiglu_hidden": (1, 262144), "token_decoder_layers": (1, 128), "default_steps": (1, 100000),
+}
+FLOAT_RANGES: dict[str, tuple[float, float]] = {  # open at 0 (must be > 0), closed at the top
+    "layer_norm_eps": (0.0, 1.0), "rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e9),
+    "time_max_period": (0.0, 1e6), "schedule_d": (0.0, 1e3),
+}
+
+
 def _validate(c: LDLMConfig) -> None:
     def require(ok: bool, field: str, value: object, allowed: str) -> None:
         if not ok:
             raise ValueError(f"config field {field}={value!r} is invalid; allowed: {allowed}")
 
-    for name in ("d_model", "n_heads", "max_seq_len", "vocab_size", "gpt2_layers", "gpt2_vocab_size",
-                 "gpt2_positions", "mlp_ratio", "swiglu_hidden", "default_steps"):
+    for name, (low, high) in INT_RANGES.items():
         value = getattr(c, name)
-        require(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
-    for name in ("encoder_layers", "decoder_layers", "denoiser_layers", "token_decoder_layers"):
+        require(type(value) is int and low <= value <= high, name, value, f"an integer in {low}..{high}")  # type(): no bools
+    for name, (low, high) in FLOAT_RANGES.items():
         value = getattr(c, name)
-        require(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        ok = type(value) in (int, float) and math.isfinite(value) and low < value <= high
+        require(ok, name, value, f"a number in ({low:g}, {high:g}]")
+    for name in ("mask_token_id", "eos_token_id", "feature_layer"):
+        require(type(getattr(c, name)) is int, name, getattr(c, name), "an integer")
+    for name in ("dropout", "t_min", "beta_clip_t"):
+        value = getattr(c, name)
+        require(type(value) in (int, float) and math.isfinite(value), name, value, "a finite number")
+    require(type(c.per_stream_kv) is bool, "per_stream_kv", c.per_stream_kv, "true or false")
     require(c.d_model % c.n_heads == 0, "n_heads", c.n_heads, f"a divisor of d_model={c.d_model}")
     require(c.head_dim % 2 == 0, "n_heads", c.n_heads, "a value giving an even head_dim (rotary embeddings)")
     require(c.denoiser_layers % 2 == 0, "denoiser_layers", c.denoiser_layers,
@@ -136,9 +160,6 @@ def _validate(c: LDLMConfig) -> None:
             f"<= vocab_size={c.vocab_size}")
     require(0 <= c.mask_token_id < c.vocab_size, "mask_token_id", c.mask_token_id, f"[0, {c.vocab_size})")
     require(0 <= c.eos_token_id < c.vocab_size, "eos_token_id", c.eos_token_id, f"[0, {c.vocab_size})")
-    for name in ("layer_norm_eps", "rms_norm_eps", "rope_theta", "time_max_period", "schedule_d"):
-        value = getattr(c, name)
-        require(isinstance(value, (int, float)) and value > 0, name, value, "a number > 0")
     require(0.0 <= c.dropout < 1.0, "dropout", c.dropout, "[0, 1)")
     require(0.0 < c.t_min < 1.0, "t_min", c.t_min, "(0, 1)")
     require(0.0 < c.beta_clip_t < 1.0, "beta_clip_t", c.beta_clip_t, "(0, 1)")

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
+from ldlm.export.artifact import check_artifacts
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import describe_io, read_manifest
 from ldlm.model import LDLM
@@ -167,7 +168,8 @@ class EagerBackend(GraphBackend):
 class OrtBackend(GraphBackend):
     backend = "ort"
 
-    def __init__(self, path: Path, graph: str, max_seq_len: int, providers: tuple[str, ...] = ("CPUExecutionProvider",), threads: int | None = None) -> None:
+    def __init__(self, path: Path, graph: str, max_seq_len: int, providers: tuple[str, ...] = ("CPUExecutionProvider",),
+                 threads: int | None = None, memory_arena: bool = True) -> None:
         ort = _import("onnxruntime", "ort", ".[cpu] (or .[gpu] for CUDA/TensorRT providers)")
         available = ort.get_available_providers()
         unknown = [p for p in providers if p not in available]
@@ -180,7 +182,13 @@ class OrtBackend(GraphBackend):
         # ONNX Runtime's workers spin after each run; on a small machine that starves the torch
         # sampler math between denoiser calls, so they sleep instead.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(path), options, providers=list(providers))
+        # The CPU arena keeps its peak for the life of the session: one large request would pin
+        # gigabytes. A server turns it off (memory_arena=False) so a peak is given back.
+        options.enable_cpu_mem_arena = memory_arena
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=list(providers))
+        except Exception as error:  # ONNX Runtime raises its own types (Fail, InvalidGraph, ...)
+            raise BackendError(f"ONNX Runtime cannot load {path}: {str(error).splitlines()[0][:300]}") from error
         graph_proto = onnx.load(str(path), load_external_data=False).graph
         super().__init__(graph, describe_io(graph_proto.input), describe_io(graph_proto.output), max_seq_len)
         self.provider = self.session.get_providers()[0]  # what really runs, not what was asked for
@@ -232,9 +240,12 @@ def open_graphs(
     threads: int | None = None,
     device: str = "cpu",
     with_logits: bool = False,
+    memory_arena: bool = True,
 ) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
     """Open every graph of ``path`` on ``backend``: a checkpoint (eager, compiled: on ``device``),
-    an ``ldlm export`` directory (ort: on ``providers``), or an ``ldlm build-engine`` directory (trt)."""
+    an ``ldlm export`` directory (ort: on ``providers``), or an ``ldlm build-engine`` directory (trt).
+    Every file an export manifest names is checked first (inside the directory, sha256 as written),
+    so serve, parity and bench never run an edited artifact."""
     if backend not in BACKENDS:
         raise BackendError(f"backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
     path = Path(path)
@@ -262,6 +273,7 @@ def open_graphs(
         if precision not in ORT_PRECISIONS:
             raise BackendError(f"backend 'ort' cannot run precision={precision!r}; allowed: {', '.join(ORT_PRECISIONS)}")
         manifest = read_manifest(path)
+        check_artifacts(path, manifest)
         files = {g: path / manifest["graphs"][g]["file"] for g in GRAPH_NAMES}
         if precision == "fp16":  # the same cast pass the engines use, into a scratch directory
             from ldlm.export.precision import lower_precision
@@ -270,7 +282,7 @@ def open_graphs(
             for g, source in list(files.items()):
                 files[g] = work / f"{g}.fp16.onnx"
                 lower_precision(source, files[g], "fp16")
-        return {g: OrtBackend(f, g, config.max_seq_len, providers, threads) for g, f in files.items()}, config, tokenizer
+        return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}, config, tokenizer
     plans = {g: path / f"{g}.plan" for g in GRAPH_NAMES}
     graphs: dict[str, GraphBackend] = {g: TensorRTBackend(p, g, config.max_seq_len) for g, p in plans.items()}
     built = {g.engine.manifest["precision"] for g in graphs.values() if isinstance(g, TensorRTBackend)}

@@ -5,10 +5,16 @@ Requests may have different sequence lengths: they are right-padded to the longe
 padding is masked through the graph's ``attention_mask``, so each answer equals an unbatched
 run; outputs are cut back to each request's own length. Every request gets exactly one answer:
 its outputs or the exception of its batch. N requests in, N answers out.
+
+A request of more than ``max_batch`` samples runs as chunks of ``max_batch`` (queued together,
+answered together), so the memory one execution takes is bounded by ``max_batch`` whatever the
+request size.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 from collections import deque
@@ -22,7 +28,18 @@ import numpy as np
 from ldlm.serve.backends import GraphBackend
 from ldlm.serve.scheduler import QueueFullError, resolve_future
 
-BatchObserver = Callable[[int, float, float], None]  # (batch size, queue seconds of the oldest, compute seconds)
+BatchObserver = Callable[[int, float, float], None]
+TRIM_AFTER_BYTES = 1 << 22  # a batch whose inputs exceed this is followed by giving freed memory back
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if ctypes.util.find_library("c") else None
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap back to the OS (glibc keeps it per thread arena: after a large batch, the
+    process would otherwise stay at its peak). A no-op where malloc_trim does not exist."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)  # (batch size, queue seconds of the oldest, compute seconds)
 
 
 @dataclass
@@ -64,15 +81,18 @@ class DynamicBatcher:
         arrays = self.backend.check_inputs(inputs)
         first = arrays[self.backend.input_names[0]]
         lengths = {a.shape[self._seq_axes[n]] for n, a in arrays.items() if n in self._seq_axes}
-        pending = _Pending(arrays, int(first.shape[0]), lengths.pop() if lengths else None)
+        length = lengths.pop() if lengths else None
+        batch = int(first.shape[0])
+        chunks = [_Pending({n: a[i : i + self.max_batch] for n, a in arrays.items()}, min(self.max_batch, batch - i), length)
+                  for i in range(0, batch, self.max_batch)]
         with self._cond:
             if self._stopping:
                 raise RuntimeError(f"the {self.backend.graph} batcher is shut down")
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) + len(chunks) > self.max_queue:
                 raise QueueFullError(f"{self.backend.graph} queue is full ({len(self._queue)} requests waiting, max {self.max_queue})")
-            self._queue.append(pending)
+            self._queue.extend(chunks)
             self._cond.notify()
-        return pending.future
+        return chunks[0].future if len(chunks) == 1 else _joined([c.future for c in chunks])
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Submit and wait: the GraphBackend.run signature, so a batcher can stand in for its graph."""
@@ -129,6 +149,8 @@ class DynamicBatcher:
         except Exception as error:  # the batch's requests all get the error; the worker lives on
             for pending in batch:
                 resolve_future(pending.future, error=error)
+        if sum(a.nbytes for p in batch for a in p.inputs.values()) > TRIM_AFTER_BYTES:
+            release_freed_memory()
 
     def _concatenate(self, batch: list[_Pending]) -> dict[str, np.ndarray]:
         longest = max((p.length or 0) for p in batch)
@@ -153,3 +175,27 @@ class DynamicBatcher:
         index = [slice(None)] * value.ndim
         index[axis] = slice(0, length)
         return value[tuple(index)]
+
+
+def _joined(parts: list[Future[dict[str, np.ndarray]]]) -> Future[dict[str, np.ndarray]]:
+    """One future for a chunked request: the chunks' outputs concatenated, or the first error."""
+    joined: Future[dict[str, np.ndarray]] = Future()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def done(_: Future[dict[str, np.ndarray]]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            results = [part.result() for part in parts]
+        except BaseException as error:  # noqa: BLE001 (a cancelled chunk, or its batch's error)
+            resolve_future(joined, error=error if isinstance(error, Exception) else RuntimeError(str(error)))
+            return
+        resolve_future(joined, {name: np.concatenate([r[name] for r in results], axis=0) for name in results[0]})
+
+    for part in parts:
+        part.add_done_callback(done)
+    joined.add_done_callback(lambda f: [part.cancel() for part in parts] if f.cancelled() else None)
+    return joined

@@ -1,14 +1,30 @@
-"""The service's outer layer, in pure ASGI (no per-request thread hop): request ids, structured
-JSON logs, the body cap, bearer auth, and the mapping of errors to status codes, so the process
-survives every bad request and clients never see internals."""
+"""The service's outer layer: what stands between a socket and the app.
+
+- ``GuardMiddleware`` (pure ASGI, no per-request thread hop): request ids, structured JSON logs,
+  bearer auth (constant-time compare), the body cap and body timeout (the body is read here, in
+  full, before the app sees it, so an oversized chunked body is a 413 on every route and a client
+  that stalls mid-body is answered 408 instead of holding a worker and delaying shutdown), and the
+  mapping of errors to status codes, so the process survives every bad request and clients never
+  see internals. Every error has one shape: ``{"error": "<message naming the value and the allowed range>"}``.
+- ``guarded_protocol``: uvicorn's h11 connection, plus what uvicorn lacks: a deadline for a
+  request's headers (a connection that never sends a byte, or trickles its headers, is closed
+  after ``header_timeout_s``, also between keep-alive requests) and a connection limit that sheds
+  the oldest idle connection first; only when every connection is busy does a new one get a 503
+  with Retry-After and our JSON body.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ldlm.serve.backends import BackendError
 from ldlm.serve.kserve import ProtocolError
@@ -27,13 +43,12 @@ class HTTPError(Exception):
 
 
 class GuardMiddleware:
-    """Pure ASGI (no per-request thread hop): request ids, structured logs, body cap, bearer auth,
-    and the mapping of errors to status codes, so the process survives every bad request."""
-
     OPEN_PATHS = ("/v2/health/",)
 
     def __init__(self, app: Any, service: "LDLMService") -> None:
         self.app, self.service = app, service
+        key = service.settings.api_key
+        self.expected_auth = f"Bearer {key}".encode() if key else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -52,23 +67,21 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            if settings.api_key and not scope["path"].startswith(self.OPEN_PATHS):
-                if headers.get("authorization") != f"Bearer {settings.api_key}":
+            if self.expected_auth is not None and not scope["path"].startswith(self.OPEN_PATHS):
+                given = headers.get("authorization", "").encode("latin-1")
+                if not hmac.compare_digest(given, self.expected_auth):  # no timing hint about the key
                     return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
-            length = headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-                return await _reply(send_wrapper, 413, f"body of {length} bytes exceeds the limit of {settings.max_body_bytes}")
-            received = 0
+            body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
+            replayed = False
 
-            async def capped_receive() -> dict[str, Any]:
-                nonlocal received
-                message = await receive()
-                received += len(message.get("body", b""))
-                if received > settings.max_body_bytes:
-                    raise HTTPError(413, f"body exceeds the limit of {settings.max_body_bytes} bytes")
-                return message
+            async def replay() -> dict[str, Any]:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # then only http.disconnect remains
 
-            await self.app(scope, capped_receive, send_wrapper)
+            await self.app(scope, replay, send_wrapper)
         except HTTPError as error:
             await _reply(send_wrapper, error.status, error.message, error.headers)
         except QueueFullError as error:
@@ -91,6 +104,28 @@ class GuardMiddleware:
                                        "status": code, "ms": round(1000 * elapsed, 3)})
 
 
+async def read_body(receive: Any, content_length: str | None, limit: int, timeout_s: float) -> bytes:
+    """The whole request body, at most ``limit`` bytes (413) within ``timeout_s`` (408)."""
+    if content_length is not None and (not content_length.isdigit() or int(content_length) > limit):
+        raise HTTPError(413, f"body of {content_length} bytes exceeds the limit of {limit} bytes (--max-body-mb)")
+    parts, received = [], 0
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+        except asyncio.TimeoutError:
+            raise HTTPError(408, f"the request body did not arrive within {timeout_s:g} s", {"Connection": "close"}) from None
+        if message["type"] == "http.disconnect":
+            raise HTTPError(400, "the client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        received += len(chunk)
+        if received > limit:  # chunked bodies have no Content-Length to refuse up front
+            raise HTTPError(413, f"body exceeds the limit of {limit} bytes (--max-body-mb)", {"Connection": "close"})
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
 def _model_of(path: str) -> str | None:
     if path.startswith("/v2/models/") and path.endswith("/infer"):
         return path.split("/")[3]
@@ -99,8 +134,12 @@ def _model_of(path: str) -> str | None:
     return None
 
 
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
 async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps({"error": message}).encode()
+    body = error_body(message)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     try:
@@ -108,6 +147,84 @@ async def _reply(send: Any, status: int, message: str, headers: dict[str, str] |
         await send({"type": "http.response.body", "body": body})
     except RuntimeError:
         pass  # the response had already started; nothing more can be said
+
+
+def raw_response(status: int, reason: str, message: str, extra: str = "") -> bytes:
+    """A complete HTTP/1.1 error response, for the protocol layer (no app, no h11 state)."""
+    body = error_body(message)
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"{extra}connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with a header deadline and idle-first connection shedding."""
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.opened_at = time.monotonic()
+            self.header_timer: asyncio.TimerHandle | None = None
+            self.awaited_cycle = self.cycle
+            self._arm_header_deadline()
+            if len(self.connections) > max_connections and self._open_connections() > max_connections and not self._shed_idle():
+                message = f"the server holds {max_connections} busy connections (its limit); retry shortly"
+                transport.write(raw_response(503, "Service Unavailable", message, "retry-after: 1\r\n"))
+                transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.cycle is not self.awaited_cycle:
+                self._disarm()  # the headers of a new request are in; the body has its own timeout
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self.awaited_cycle = self.cycle
+                self._arm_header_deadline()  # the next request's headers get the same deadline
+
+        def shutdown(self) -> None:
+            if not self.is_idle() and self.conn.their_state is h11.SEND_BODY:
+                self.transport.close()  # a body still arriving at shutdown will not be served: free its task now
+                return
+            super().shutdown()
+
+        def is_idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm()
+            self.header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if getattr(self, "header_timer", None) is not None:
+                self.header_timer.cancel()  # type: ignore[union-attr]
+                self.header_timer = None
+
+        def _header_timeout(self) -> None:
+            self.header_timer = None
+            if self.is_idle() and not self.transport.is_closing():  # headers incomplete: a slow or idle client
+                if self.conn.trailing_data[0]:  # part of a request came: say why it ends
+                    self.transport.write(raw_response(408, "Request Timeout", f"the request headers did not arrive within {header_timeout_s:g} s"))
+                self.transport.close()
+
+        def _open_connections(self) -> int:
+            return sum(not c.transport.is_closing() for c in self.connections)  # closed ones leave the set a loop turn later
+
+        def _shed_idle(self) -> bool:
+            idle = [c for c in self.connections
+                    if c is not self and isinstance(c, GuardedH11Protocol) and c.is_idle() and not c.transport.is_closing()]
+            if not idle:
+                return False
+            oldest = min(idle, key=lambda c: c.opened_at)
+            oldest.transport.close()
+            return True
+
+    return GuardedH11Protocol
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -119,5 +236,3 @@ class JsonLogFormatter(logging.Formatter):
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
-
-

@@ -50,6 +50,9 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 
 def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
+    """Decode a KServe v2 infer body. Every value is checked before it becomes an array: types are
+    exact (no bool for an integer, no float silently cast to an int), integers fit their datatype,
+    floats are finite, and the tensor names its place in the request (``inputs[1] (attention_mask)``)."""
     if header_length is not None:
         try:
             json_size = int(header_length)
@@ -59,15 +62,14 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             raise ProtocolError(f"{HEADER_LENGTH}={json_size} is out of range; allowed: 1..{len(body)} (the body size)")
     else:
         json_size = len(body)
-    try:
-        payload = json.loads(body[:json_size])
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ProtocolError(f"malformed JSON in the request: {error}") from error
+    payload = load_json(body[:json_size])
     if not isinstance(payload, dict):
         raise ProtocolError("the request must be a JSON object with an 'inputs' list")
     raw_inputs = payload.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError("field 'inputs' must be a non-empty list")
+    if payload.get("id") is not None and not isinstance(payload["id"], str):
+        raise ProtocolError(f"field 'id' must be a string, not {type(payload['id']).__name__}")
     binary = memoryview(body)[json_size:]
     offset = 0
     inputs: dict[str, np.ndarray] = {}
@@ -76,36 +78,39 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ProtocolError(f"{where} must be an object with a string 'name'")
         name = spec["name"]
+        where = f"{where} ({name})"
+        if name in inputs:
+            raise ProtocolError(f"{where}: input {name!r} is given twice")
         datatype = spec.get("datatype")
         if datatype not in DATATYPES:
-            raise ProtocolError(f"{where} ({name}): datatype {datatype!r} is unsupported; allowed: {', '.join(DATATYPES)}")
+            raise ProtocolError(f"{where}: datatype {datatype!r} is unsupported; allowed: {', '.join(DATATYPES)}")
         shape = spec.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ProtocolError(f"{where} ({name}): shape {shape!r} must be a list of integers >= 0")
+        # type() is int: JSON true/false are Python bools, which isinstance(..., int) accepts
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**31 for d in shape) or len(shape) > 8:
+            raise ProtocolError(f"{where}: shape {shape!r} is invalid; allowed: a list of at most 8 integers in 0..2**31-1")
         dtype = np.dtype(DATATYPES[datatype])
         count = math.prod(shape)
-        size = (spec.get("parameters") or {}).get("binary_data_size")
+        size = _parameters(spec, where).get("binary_data_size")
         if size is not None:
-            if size != count * dtype.itemsize:
-                raise ProtocolError(f"{where} ({name}): binary_data_size {size} != {count} elements x {dtype.itemsize} bytes")
+            if type(size) is not int or size != count * dtype.itemsize:
+                raise ProtocolError(f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes = {count * dtype.itemsize}")
             if offset + size > len(binary):
-                raise ProtocolError(f"{where} ({name}): binary data is shorter than its binary_data_size {size}")
+                raise ProtocolError(f"{where}: binary data is shorter than its binary_data_size {size}")
             array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
             offset += size
         else:
             if "data" not in spec:
-                raise ProtocolError(f"{where} ({name}): has neither 'data' nor parameters.binary_data_size")
-            try:
-                array = np.asarray(spec["data"], dtype=dtype)
-            except (TypeError, ValueError) as error:
-                raise ProtocolError(f"{where} ({name}): data does not convert to {datatype}: {error}") from error
+                raise ProtocolError(f"{where}: has neither 'data' nor parameters.binary_data_size")
+            array = _json_tensor(spec["data"], datatype, dtype, where)
             if array.size != count:
-                raise ProtocolError(f"{where} ({name}): {array.size} data elements but shape {shape} needs {count}")
+                raise ProtocolError(f"{where}: {array.size} data elements but shape {shape} needs {count}")
             array = array.reshape(shape)
+        if dtype.kind == "f" and not np.isfinite(array).all():
+            raise ProtocolError(f"{where}: data holds NaN or Infinity; allowed: finite numbers")
         inputs[name] = array
     if offset != len(binary):
         raise ProtocolError(f"{len(binary) - offset} trailing bytes after the binary inputs")
-    parameters = payload.get("parameters") or {}
+    parameters = _parameters(payload, "the request")
     outputs = None
     if payload.get("outputs") is not None:
         if not isinstance(payload["outputs"], list):
@@ -114,15 +119,90 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         for i, out in enumerate(payload["outputs"]):
             if not isinstance(out, dict) or not isinstance(out.get("name"), str):
                 raise ProtocolError(f"outputs[{i}] must be an object with a string 'name'")
-            outputs.append((out["name"], bool((out.get("parameters") or {}).get("binary_data", False))))
-    return InferRequest(payload.get("id"), inputs, outputs, bool(parameters.get("binary_data_output", False)))
+            outputs.append((out["name"], _flag(_parameters(out, f"outputs[{i}]"), "binary_data", f"outputs[{i}]")))
+    return InferRequest(payload.get("id"), inputs, outputs, _flag(parameters, "binary_data_output", "the request"))
+
+
+def load_json(text: bytes | str) -> Any:
+    """json.loads with the failures a client can cause turned into one readable ProtocolError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ProtocolError(f"the body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    except UnicodeDecodeError as error:
+        raise ProtocolError(f"the body is not valid UTF-8 JSON: {error.reason} at byte {error.start}") from None
+    except RecursionError:  # the C decoder recurses once per nesting level
+        raise ProtocolError("the body's JSON is nested too deeply; allowed: a few levels (tensors are flat or nested by shape)") from None
+
+
+def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
+    parameters = holder.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise ProtocolError(f"{where}: 'parameters' must be an object, not {type(parameters).__name__}")
+    return parameters
+
+
+def _flag(parameters: dict[str, Any], key: str, where: str) -> bool:
+    value = parameters.get(key, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{where}: parameters.{key}={value!r} is invalid; allowed: true or false")
+    return value
+
+
+def _json_tensor(data: Any, datatype: str, dtype: np.dtype, where: str) -> np.ndarray:
+    """JSON ``data`` (flat, or nested as the shape) -> an array of ``dtype``, refusing any value
+    whose JSON type does not match the datatype or whose value does not fit it."""
+    flat = _flatten(data, where)
+    kinds = set(map(type, flat))
+    allowed = {"b": {bool}, "i": {int}, "f": {int, float}}[dtype.kind]
+    if not kinds <= allowed:
+        names = {bool: "true/false", int: "integers", float: "numbers"}
+        wrong = sorted(k.__name__ for k in kinds - allowed)
+        raise ProtocolError(f"{where}: {datatype} data holds {', '.join(wrong)} values; allowed: {' or '.join(names[k] for k in allowed)}")
+    if dtype.kind == "i":
+        info = np.iinfo(dtype)
+        if flat and (min(flat) < info.min or max(flat) > info.max):
+            bad = min(flat) if min(flat) < info.min else max(flat)
+            shown = bad if abs(bad) < 10**30 else f"an integer of {len(str(abs(bad)))} digits"
+            raise ProtocolError(f"{where}: {datatype} data holds {shown}; allowed: {info.min}..{info.max}")
+        return np.array(flat, dtype=dtype)
+    if dtype.kind == "f":
+        try:
+            wide = np.array(flat, dtype=np.float64)
+        except OverflowError:  # an integer beyond float64's range
+            raise ProtocolError(f"{where}: {datatype} data holds an integer beyond the float range") from None
+        if not np.isfinite(wide).all():
+            raise ProtocolError(f"{where}: data holds NaN or Infinity; allowed: finite numbers")
+        limit = float(np.finfo(dtype).max)
+        if wide.size and np.abs(wide).max() > limit:
+            raise ProtocolError(f"{where}: {datatype} data holds {np.abs(wide).max():g}; allowed: magnitudes up to {limit:g}")
+        return wide.astype(dtype)
+    return np.array(flat, dtype=dtype)
+
+
+def _flatten(data: Any, where: str) -> list[Any]:
+    if not isinstance(data, list):
+        raise ProtocolError(f"{where}: 'data' must be a list, not {type(data).__name__}")
+    flat: list[Any] = []
+    stack = [(data, 0)]
+    while stack:  # iterative: the depth is the client's choice
+        items, depth = stack.pop()
+        if depth > 8:
+            raise ProtocolError(f"{where}: 'data' is nested {depth} levels deep; allowed: at most 8 (the shape's rank)")
+        if any(isinstance(x, list) for x in items):
+            stack.extend((x, depth + 1) if isinstance(x, list) else ([x], depth + 1) for x in reversed(items))
+        else:
+            flat.extend(items)
+    return flat
 
 
 def encode_infer_response(
     model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray]
 ) -> tuple[bytes, dict[str, str]]:
     """The response body and headers; binary outputs follow the JSON header."""
-    wanted = request.outputs if request.outputs is not None else [(n, request.binary_outputs) for n in outputs]
+    wanted = requested_outputs(request, outputs)
     entries, blobs = [], []
     for name, binary in wanted:
         array = np.ascontiguousarray(outputs[name])
@@ -141,6 +221,21 @@ def encode_infer_response(
     if not blobs:
         return head, {"Content-Type": "application/json"}
     return head + b"".join(blobs), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
+
+
+def requested_outputs(request: InferRequest, outputs: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
+    """(name, binary) of each output to return: those asked for, or all in the request's default form."""
+    return request.outputs if request.outputs is not None else [(n, request.binary_outputs) for n in outputs]
+
+
+def json_bytes(payload: dict[str, Any]) -> bytes:
+    """Compact JSON with NumPy arrays as nested lists (a JSON worker runs this for large payloads)."""
+    return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in payload.items()}, separators=(",", ":")).encode()
+
+
+def parse_body(body: bytes, encoding: str | None, header_length: str | None, limit: int) -> InferRequest:
+    """decompress, then parse_infer_request: the whole decoding of one infer body, as one picklable call."""
+    return parse_infer_request(decompress(body, encoding, limit), header_length)
 
 
 def _kserve_datatype(dtype: np.dtype) -> str:

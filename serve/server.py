@@ -9,42 +9,55 @@
 
 Graph requests go through one DynamicBatcher per graph; generation goes through the step-level
 continuous-batching scheduler. Queues are bounded (503 with Retry-After when full), every request
-has a timeout (504), bodies are capped (413), and nothing from a request is ever executed.
+has a timeout (504), bodies are capped (413), samples and tokens per request are capped (413),
+large requests run in ``max_batch`` chunks, JSON is decoded and encoded off the event loop, slow
+and idle connections are timed out (see http_guard), and nothing from a request is ever executed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import errno
 import logging
+import multiprocessing
 import signal
+import socket
 import tempfile
-from collections.abc import Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ldlm
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.backends import BackendGraphs, open_graphs, ort_providers
-from ldlm.serve.batcher import DynamicBatcher
-from ldlm.serve.kserve import HEADER_LENGTH, decompress, encode_infer_response, parse_infer_request, tensor_metadata
-from ldlm.serve.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter
+from ldlm.serve.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers
+from ldlm.serve.batcher import DynamicBatcher, release_freed_memory
+from ldlm.serve.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
+from ldlm.serve.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
+                               tensor_metadata)
 from ldlm.serve.metrics import Metrics
 from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
 
 log = logging.getLogger("ldlm.serve")
 MODEL_VERSION = "1"
+# JSON larger than this is decoded and encoded in a worker process: in a thread, one json.loads or
+# json.dumps call holds the GIL for its whole run (seconds for an 8 MB body on a busy machine),
+# and the event loop, health probes included, waits that long.
+JSON_WORKER_BYTES = 1 << 18
+JSON_WORKER_ELEMENTS = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "ort"
-    max_batch: int = 16  # samples per graph execution
+    max_batch: int = 16  # samples per graph execution; larger requests run in chunks of this size
     max_delay_ms: float = 0.0  # how long a batch waits for company; 0: whatever queued while the last ran
     max_queue: int = 256  # requests waiting per graph before 503
     request_timeout_s: float = 60.0
@@ -60,6 +73,12 @@ class ServerSettings:
     max_n: int = 64  # samples per /v1/generate request
     max_steps: int = 1000
     max_texts: int = 64
+    max_request_samples: int = 64  # batch size of one /v2 infer request (413 above)
+    max_request_tokens: int = 8192  # batch x seq of one /v2 infer request (413 above)
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this, else the connection closes
+    body_timeout_s: float = 30.0  # its body within this, else 408
+    keep_alive_s: float = 5.0  # an idle keep-alive connection closes after this
+    max_connections: int = 1024  # above this the oldest idle connection is closed; all busy: 503
     api_key: str | None = None
     threads: int | None = None
     device: str = "cpu"  # torch backends (eager, compiled)
@@ -69,25 +88,17 @@ class ServerSettings:
     def __post_init__(self) -> None:
         checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
                   "max_body_bytes": (self.max_body_bytes, 1024, 1 << 31), "max_n": (self.max_n, 1, 1 << 16),
-                  "max_steps": (self.max_steps, 1, 1 << 20), "max_texts": (self.max_texts, 1, 1 << 16)}
+                  "max_steps": (self.max_steps, 1, 1 << 20), "max_texts": (self.max_texts, 1, 1 << 16),
+                  "max_request_samples": (self.max_request_samples, 1, 1 << 20), "max_request_tokens": (self.max_request_tokens, 1, 1 << 30),
+                  "max_connections": (self.max_connections, 1, 1 << 20)}
         for name, (value, low, high) in checks.items():
             if not low <= value <= high:
                 raise ValueError(f"{name}={value} is out of range; allowed: {low}..{high}")
-        if self.request_timeout_s <= 0 or self.max_delay_ms < 0:
-            raise ValueError("request_timeout_s must be > 0 and max_delay_ms >= 0")
-
-
-class GenerateBody(BaseModel):
-    n: int = Field(1, ge=1, description="samples to generate")
-    length: int = Field(64, ge=1, description="tokens per sample")
-    steps: int = Field(50, ge=1, description="denoising steps")
-    seed: int = Field(0, ge=0, lt=2**63, description="noise seed")
-    sampler: Literal["sde", "ddim"] = Field("sde", description="sde: Euler-Maruyama; ddim: deterministic")
-    t_min: float | None = Field(None, gt=0, lt=1, description="last time of the grid")
-
-
-class TextsBody(BaseModel):
-    texts: list[str] = Field(..., min_length=1, description="input texts")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: > 0")
+        if self.max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms={self.max_delay_ms} is out of range; allowed: >= 0")
 
 
 class LDLMService:
@@ -102,7 +113,7 @@ class LDLMService:
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")  # a checkpoint: export it first
             source = str(export_graphs(source, Path(self._scratch.name) / "onnx").out)
         graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
-                                                settings.threads, settings.device)
+                                                settings.threads, settings.device, memory_arena=False)
         self.graphs, self.config = graphs, config
         self.metrics = Metrics()
         self.batchers = {
@@ -115,7 +126,21 @@ class LDLMService:
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=buckets)
         self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
+        self.json_workers = self._json_pool()
         self.ready = True
+
+    @staticmethod
+    def _json_pool() -> ProcessPoolExecutor:
+        # spawn, not fork: a forked copy of ONNX Runtime's and torch's thread pools can deadlock
+        return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+
+    def submit_json(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run a JSON codec call in a worker process; a pool broken by a dead worker is replaced."""
+        try:
+            return self.json_workers.submit(fn, *args)
+        except BrokenProcessPool:
+            self.json_workers = self._json_pool()
+            return self.json_workers.submit(fn, *args)
 
     def close(self) -> None:
         """Finish everything queued, then stop the workers (graceful shutdown)."""
@@ -123,20 +148,43 @@ class LDLMService:
         self.scheduler.close()
         for batcher in self.batchers.values():
             batcher.close()
+        self.json_workers.shutdown(wait=True, cancel_futures=True)
         if self._scratch is not None:
             self._scratch.cleanup()
 
 
 async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float) -> Any:
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        return await asyncio.wait_for(asyncio.wrap_future(future) if isinstance(future, Future) else future, timeout_s)
     except asyncio.TimeoutError:
         future.cancel()
         raise HTTPError(504, f"request timed out after {timeout_s:g} s") from None
 
 
+async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    """Run ``fn`` on the default thread pool: nothing that scales with a request runs on the event loop."""
+    return await wait(asyncio.get_running_loop().run_in_executor(None, fn, *args), timeout_s)
+
+
+async def run_json(service: LDLMService, heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """A JSON codec call: in a worker process when ``heavy`` (no GIL shared with the loop), else in a thread."""
+    if heavy:
+        try:
+            return await wait(service.submit_json(fn, *args), service.settings.request_timeout_s)
+        except BrokenProcessPool:
+            raise HTTPError(503, "a JSON worker process died during this request; retry", {"Retry-After": "1"}) from None
+    return await run_blocking(fn, *args, timeout_s=service.settings.request_timeout_s)
+
+
+async def json_response(service: LDLMService, payload: dict[str, Any]) -> Response:
+    elements = sum(v.size for v in payload.values() if isinstance(v, np.ndarray))
+    content = await run_json(service, elements > JSON_WORKER_ELEMENTS, json_bytes, payload)
+    return Response(content, media_type="application/json")
+
+
 def create_app(service: LDLMService) -> FastAPI:
     settings = service.settings
+    models = request_models(settings.max_n, settings.max_steps, settings.max_texts, service.config.max_seq_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -144,19 +192,28 @@ def create_app(service: LDLMService) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, service.close)  # drain, then stop
         log.info("shutdown complete")
 
-    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan,
-                  description="LDLM inference: KServe v2 for the encoder, denoiser and decoder graphs, and a text API.")
+    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
+                  description="LDLM inference: KServe v2 for the encoder, denoiser and decoder graphs, and a text API. "
+                  f"Limits of this server: {settings.max_body_bytes} body bytes; {settings.max_request_samples} samples and "
+                  f"{settings.max_request_tokens} tokens (batch x seq) per /v2 infer request; n, length, steps and texts "
+                  "as in the request schemas.")
     app.state.service = service
     app.add_middleware(GuardMiddleware, service=service)  # type: ignore[arg-type]
 
     @app.exception_handler(HTTPError)
-    async def http_error(request: Request, error: HTTPError) -> JSONResponse:
-        return JSONResponse({"error": error.message}, error.status, headers=error.headers)
+    async def http_error(request: Request, error: HTTPError) -> Response:
+        return Response(error_body(error.message), error.status, headers=error.headers, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
+        message = f"no route {request.method} {request.url.path}; see /docs" if error.status_code == 404 else str(error.detail)
+        return Response(error_body(message), error.status_code, headers=error.headers, media_type="application/json")
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        problems = [f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in error.errors()]
-        return JSONResponse({"error": "; ".join(problems), "detail": json.loads(json.dumps(error.errors(), default=str))}, 422)
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        errors = list(error.errors())
+        status = 400 if any(e["type"] == "json_invalid" for e in errors) else 422
+        return Response(error_body(validation_message(errors, models.limits)), status, media_type="application/json")
 
     def model_or_404(name: str) -> str:
         if name not in service.graphs:
@@ -191,42 +248,61 @@ def create_app(service: LDLMService) -> FastAPI:
     @app.post("/v2/models/{model}/infer")
     @app.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str = MODEL_VERSION) -> Response:
-        model_or_404(model)
-        body = decompress(await request.body(), request.headers.get("content-encoding"), settings.max_body_bytes)
-        parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
-        if model == "encoder" and "input_ids" in parsed.inputs:
-            check_ids(parsed.inputs["input_ids"], service.config.gpt2_vocab_size)
-        unknown = [n for n, _ in parsed.outputs or [] if n not in service.graphs[model].output_names]
+        """KServe v2 inference: JSON or binary tensors in and out (tritonclient's default)."""
+        graph = service.graphs[model_or_404(model)]
+        body, encoding, header_length = await request.body(), request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH)
+        json_size = int(header_length) if header_length is not None and header_length.isdigit() else len(body)
+        parsed = await run_json(service, json_size > JSON_WORKER_BYTES or bool(encoding), parse_body, body, encoding, header_length,
+                                settings.max_body_bytes)
+        await run_blocking(check_infer_inputs, model, graph, parsed.inputs, settings, service.config.gpt2_vocab_size,
+                           timeout_s=settings.request_timeout_s)
+        unknown = [n for n, _ in parsed.outputs or [] if n not in graph.output_names]
         if unknown:
-            raise HTTPError(400, f"unknown outputs {unknown}; {model} has {service.graphs[model].output_names}")
+            raise HTTPError(400, f"unknown outputs {unknown}; {model} has {graph.output_names}")
         outputs = await wait(service.batchers[model].submit(parsed.inputs), settings.request_timeout_s)
-        content, headers = encode_infer_response(model, MODEL_VERSION, parsed, outputs)
+        json_elements = sum(outputs[name].size for name, binary in requested_outputs(parsed, outputs) if not binary)
+        content, headers = await run_json(service, json_elements > JSON_WORKER_ELEMENTS, encode_infer_response, model, MODEL_VERSION,
+                                          parsed, outputs)
         return Response(content, headers=headers)
 
-    @app.post("/v1/generate")
-    async def generate(body: GenerateBody) -> dict[str, Any]:
+    async def generate(body: Any) -> Response:
         """Sample texts. Random-init checkpoints give gibberish."""
-        if body.n > settings.max_n:
-            raise HTTPError(422, f"n: {body.n} is out of range; allowed: 1..{settings.max_n}")
-        if body.steps > settings.max_steps:
-            raise HTTPError(422, f"steps: {body.steps} is out of range; allowed: 1..{settings.max_steps}")
         future = service.scheduler.submit(GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min))
         result = await wait(future, settings.request_timeout_s)
-        return {"texts": result.texts, "token_ids": result.token_ids.tolist()}
+        return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
-    @app.post("/v1/reconstruct")
-    async def reconstruct(body: TextsBody) -> dict[str, Any]:
+    async def reconstruct(body: Any) -> Response:
         """Texts -> latents -> texts."""
-        check_texts(body.texts, settings.max_texts)
-        result = await run_blocking(service.batched_pipeline.reconstruct, body.texts, settings.request_timeout_s)
-        return {"texts": result.texts, "token_ids": result.token_ids.tolist()}
+        texts = list(body.texts)
 
-    @app.post("/v1/encode")
-    async def encode(body: TextsBody) -> dict[str, Any]:
+        def run() -> dict[str, Any]:
+            check_texts(texts, service.batched_pipeline)
+            result = service.batched_pipeline.reconstruct(texts)
+            release_freed_memory()  # the batches' intermediates are gone; give their pages back
+            return {"texts": result.texts, "token_ids": result.ids()}  # each text's own ids, no padded positions
+
+        return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
+
+    async def encode(body: Any) -> Response:
         """Texts -> standardized latents (B, L, D) and their attention mask."""
-        check_texts(body.texts, settings.max_texts)
-        result = await run_blocking(service.batched_pipeline.encode, body.texts, settings.request_timeout_s)
-        return {"shape": list(result.latents.shape), "latents": result.latents.tolist(), "attention_mask": result.attention_mask.long().tolist()}
+        texts = list(body.texts)
+
+        def run() -> dict[str, Any]:
+            check_texts(texts, service.batched_pipeline)
+            result = service.batched_pipeline.encode(texts)
+            release_freed_memory()
+            return {"shape": list(result.latents.shape), "latents": result.latents.numpy(), "attention_mask": result.attention_mask.long().numpy()}
+
+        return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
+
+    # The body models carry this server's limits, so they are made per app and set here.
+    routes: tuple[tuple[str, Callable[..., Any], type[BaseModel], type[BaseModel]], ...] = (
+        ("/v1/generate", generate, models.generate, TextsResponse),
+        ("/v1/reconstruct", reconstruct, models.texts, TextsResponse),
+        ("/v1/encode", encode, models.texts, EncodeResponse))
+    for path, handler, body_model, response_model in routes:
+        handler.__annotations__ = {"body": body_model, "return": Response}
+        app.post(path, response_model=response_model, summary=handler.__doc__)(handler)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -238,39 +314,101 @@ def create_app(service: LDLMService) -> FastAPI:
     return app
 
 
-def check_ids(ids: np.ndarray, vocab: int) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.ndarray], settings: ServerSettings, vocab: int) -> None:
+    """What the service needs beyond the graph's contract: exact datatypes (no BOOL for INT64),
+    masks of 0 and 1, ids in the vocabulary, and the per-request memory caps."""
+    for spec in graph.inputs:
+        name, array = spec["name"], inputs.get(spec["name"])
+        if array is None:
+            continue  # the batcher names missing inputs
+        want = np.dtype(NUMPY_DTYPES[spec["dtype"]])
+        if array.dtype != want:
+            raise HTTPError(400, f"{model}: input {name} has datatype {_kserve_name(array.dtype)}; allowed: {_kserve_name(want)}")
+        if array.ndim >= 1 and array.shape[0] > settings.max_request_samples:
+            raise HTTPError(413, f"{model}: input {name} has {array.shape[0]} samples; allowed: 1..{settings.max_request_samples} "
+                                 "per request (--max-request-samples)")
+        if "seq" in spec["shape"] and array.ndim == len(spec["shape"]):
+            tokens = array.shape[0] * array.shape[spec["shape"].index("seq")]
+            if tokens > settings.max_request_tokens:
+                raise HTTPError(413, f"{model}: input {name} has {tokens} tokens (batch x seq); allowed: up to "
+                                     f"{settings.max_request_tokens} per request (--max-request-tokens)")
+        if name == "attention_mask" and array.size:
+            outside = (array != 0) & (array != 1)
+            if outside.any():
+                raise HTTPError(400, f"{model}: attention_mask holds {int(array[outside].flat[0])}; allowed: 0 or 1")
+    ids = inputs.get("input_ids")
+    if model == "encoder" and ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
         bad = int(ids.max() if ids.max() >= vocab else ids.min())
         raise HTTPError(400, f"input_ids contains {bad}; allowed: [0, {vocab}) (gpt2_vocab_size)")
 
 
-def check_texts(texts: list[str], limit: int) -> None:
-    if len(texts) > limit:
-        raise HTTPError(422, f"texts: {len(texts)} items is out of range; allowed: 1..{limit}")
+def _kserve_name(dtype: np.dtype) -> str:
+    return next((name for name, np_type in DATATYPES.items() if np.dtype(np_type) == dtype), str(dtype))
 
 
-async def run_blocking(fn: Any, arg: Any, timeout_s: float) -> Any:
-    return await wait(asyncio.get_running_loop().run_in_executor(None, fn, arg), timeout_s)
+def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:
+    """Each text as the request names it (``texts[3]``): valid Unicode, and at most max_seq_len tokens."""
+    limit = pipeline.config.max_seq_len
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise HTTPError(400, f"texts[{i}] is not valid Unicode ({error.reason} at character {error.start}); "
+                                 "allowed: UTF-8 text") from None
+    for i, ids in enumerate(pipeline.tokenizer.encode(texts)):
+        if len(ids) > limit:
+            raise HTTPError(400, f"texts[{i}] is {len(ids)} tokens long; allowed: 1..{limit} tokens (the model's max_seq_len)")
+
+
+class PortInUseError(RuntimeError):
+    """The port is taken; the message names it and how to choose another."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before anything is loaded or printed, so a busy port fails at once and cleanly."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"port {port} on {host} is already in use (another `ldlm serve`?); choose another with "
+                                 f"--port, e.g. --port {port + 1 if port < 65535 else 8000}, or stop the process that holds it") from None
+        raise RuntimeError(f"cannot bind {host}:{port}: {error.strerror}; choose another --host or --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def server_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
+    """uvicorn with our connection layer: header deadline, idle-first shedding, keep-alive and body timeouts."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                          http=guarded_protocol(settings.header_timeout_s, settings.max_connections),
+                          timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
+                          timeout_graceful_shutdown=int(settings.request_timeout_s) + 5, backlog=2048)
 
 
 def serve(source: str, settings: ServerSettings, log_level: str = "info") -> None:
-    """Load, bind (127.0.0.1 by default), serve until SIGINT/SIGTERM, then drain and exit."""
+    """Bind (127.0.0.1 by default), load, serve until SIGINT/SIGTERM, then drain and exit."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLogFormatter())
     log.handlers[:] = [handler]
     log.setLevel(log_level.upper())
     log.propagate = False
-    service = LDLMService(source, settings)
-    app = create_app(service)
-    url = f"http://{settings.host}:{settings.port}"
-    auth = f" -H 'Authorization: Bearer {settings.api_key}'" if settings.api_key else ""
-    print(f"ldlm serving {source} ({settings.backend}; {', '.join(f'{g}: {b.provider}' for g, b in service.graphs.items())}) on {url}", flush=True)
-    print(f"try: curl -s {url}/v1/generate -H 'Content-Type: application/json'{auth} "
-          f"-d '{{\"n\": 2, \"length\": 32, \"steps\": 20, \"seed\": 0, \"sampler\": \"ddim\"}}'", flush=True)
-    print(f"docs: {url}/docs   metrics: {url}/metrics", flush=True)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5, limit_concurrency=4 * settings.max_queue)
-    GracefulServer(config).run()
+    sock = bind_socket(settings.host, settings.port)
+    try:
+        service = LDLMService(source, settings)
+        app = create_app(service)
+        port = sock.getsockname()[1]
+        url = f"http://{settings.host}:{port}"
+        auth = " -H \"Authorization: Bearer $LDLM_API_KEY\"" if settings.api_key else ""  # the key itself is never printed
+        print(f"ldlm serving {source} ({settings.backend}; {', '.join(f'{g}: {b.provider}' for g, b in service.graphs.items())}) on {url}", flush=True)
+        print(f"try: curl -s {url}/v1/generate -H 'Content-Type: application/json'{auth} "
+              f"-d '{{\"n\": 2, \"length\": 32, \"steps\": 20, \"seed\": 0, \"sampler\": \"ddim\"}}'", flush=True)
+        print(f"docs: {url}/docs   metrics: {url}/metrics", flush=True)
+        GracefulServer(server_config(app, settings)).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 class GracefulServer(uvicorn.Server):

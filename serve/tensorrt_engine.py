@@ -86,7 +86,10 @@ class TensorRTEngine:
         self.device = torch.device(device)
         self.logger = recording_logger(self.flavor)
         self.runtime = trt.Runtime(self.logger)
-        self.engine = self.runtime.deserialize_cuda_engine(self.plan.read_bytes())
+        try:
+            self.engine = self.runtime.deserialize_cuda_engine(self.plan.read_bytes())
+        except Exception as error:  # e.g. no CUDA driver: TensorRT raises instead of returning None
+            raise PlanMismatchError(f"TensorRT could not load {self.plan}: {str(error).splitlines()[0][:300]}") from error
         if self.engine is None:
             errors = "; ".join(m for _, m in self.logger.messages)
             raise PlanMismatchError(f"TensorRT could not deserialize {self.plan}: {errors}")

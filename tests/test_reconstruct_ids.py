@@ -37,8 +37,6 @@ def test_cli_reconstruct_json_has_no_padded_ids(tiny_checkpoint: Path, pipeline:
     assert len(token_ids[0]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="serve/server.py's /v1/reconstruct still returns result.token_ids.tolist(); "
-                   "it must return result.ids() (a one-line change left to the server's owner). Remove this mark then.")
 def test_http_reconstruct_has_no_padded_ids(export_dir: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
     httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")

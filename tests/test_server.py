@@ -48,7 +48,7 @@ def _needs_the_serving_stack(request: pytest.FixtureRequest) -> None:
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.scheduler import QueueFullError  # noqa: E402
-from ldlm.serve.server import LDLMService, ServerSettings, create_app  # noqa: E402
+from ldlm.serve.server import LDLMService, ServerSettings, create_app, server_config  # noqa: E402
 
 
 def free_port() -> int:
@@ -61,8 +61,7 @@ class RunningServer:
     def __init__(self, service: LDLMService) -> None:
         self.service = service
         self.url = f"http://127.0.0.1:{service.settings.port}"
-        config = uvicorn.Config(create_app(service), host="127.0.0.1", port=service.settings.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(server_config(create_app(service), service.settings))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -173,10 +172,10 @@ def infer_body(**overrides):
 
 
 BAD_REQUESTS = [
-    ("malformed JSON", "POST", "/v2/models/encoder/infer", {"content": b"{not json"}, 400, "malformed JSON"),
+    ("malformed JSON", "POST", "/v2/models/encoder/infer", {"content": b"{not json"}, 400, "the body is not valid JSON: Expecting property name"),
     ("wrong dtype", "POST", "/v2/models/encoder/infer",
      {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]},
-                                 {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}])}, 400, "input_ids has dtype float32"),
+                                 {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}])}, 400, "input input_ids has datatype FP32; allowed: INT64"),
     ("wrong shape", "POST", "/v2/models/encoder/infer",
      {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 3, 1], "datatype": "INT64", "data": [1, 2, 3]},
                                  {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}])}, 400, "input_ids has shape (1, 3, 1)"),
@@ -201,7 +200,7 @@ BAD_REQUESTS = [
     ("oversized body", "POST", "/v2/models/encoder/infer", {"content": b"x" * (2 << 20)}, 413, "exceeds the limit"),
     ("huge n", "POST", "/v1/generate", {"json": {"n": 100000, "length": 8, "steps": 2}}, 422, "n: 100000 is out of range; allowed: 1..8"),
     ("negative steps", "POST", "/v1/generate", {"json": {"n": 1, "length": 8, "steps": -3}}, 422, "steps"),
-    ("length above max", "POST", "/v1/generate", {"json": {"n": 1, "length": 4096, "steps": 2}}, 400, "length=4096 is out of range"),
+    ("length above max", "POST", "/v1/generate", {"json": {"n": 1, "length": 4096, "steps": 2}}, 422, "length: 4096 is out of range; allowed: 1..128"),
     ("unknown sampler", "POST", "/v1/generate", {"json": {"sampler": "euler"}}, 422, "sampler"),
     ("wrong type", "POST", "/v1/generate", {"json": {"n": "many"}}, 422, "n:"),
     ("empty text", "POST", "/v1/reconstruct", {"json": {"texts": ["ok", ""]}}, 400, "texts[1]='' is empty"),
@@ -268,7 +267,7 @@ def test_default_bind_is_loopback() -> None:
 def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port), "--threads", "1"],
+    process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port), "--threads", "1", "--timeout-s", "600"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -286,7 +285,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None
 
         def slow_request() -> None:
             body = {"n": 8, "length": 128, "steps": 1000, "seed": 1, "sampler": "ddim"}  # seconds of work
-            result["response"] = httpx.post(f"{url}/v1/generate", json=body, timeout=120)
+            result["response"] = httpx.post(f"{url}/v1/generate", json=body, timeout=600)
             result["answered_at"] = time.monotonic()
 
         thread = threading.Thread(target=slow_request)
@@ -295,7 +294,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None
         assert "response" not in result, "the request finished before the signal; make it slower"
         signalled_at = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        thread.join(120)
+        thread.join(600)
         assert result["response"].status_code == 200 and result["answered_at"] > signalled_at
         assert len(result["response"].json()["texts"]) == 8
         assert process.wait(60) == 0

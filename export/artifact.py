@@ -1,0 +1,87 @@
+"""Artifact trust: an export directory is used only after its manifest checks out.
+
+One function, ``check_artifacts``, called wherever an export directory is opened (``open_graphs``
+for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
+- a file path that is absolute, or that leaves the directory (``../``, or a symlink out of it);
+- a file whose sha256 or size differs from the manifest (edited weights, a swapped graph);
+- an ONNX file whose external-data locations are not files of its own manifest entry;
+- a config.json whose hash differs from the manifest's ``config_sha256``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ldlm.checkpoint import CONFIG_FILE
+from ldlm.config import LDLMConfig
+
+MANIFEST_FILE = "manifest.json"  # the name ldlm.export.onnx_export writes
+
+
+class ArtifactError(ValueError):
+    """An artifact that does not match its manifest; the message names the file and the fix."""
+
+
+def resolve_inside(directory: Path, name: object) -> Path:
+    """``directory / name``, refusing any name that is not a relative path staying inside ``directory``."""
+    if not isinstance(name, str) or not name:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: file entry {name!r} is invalid; allowed: a relative path inside {directory}")
+    if PurePosixPath(name).is_absolute() or Path(name).is_absolute() or Path(name).drive:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: file {name!r} is an absolute path; allowed: a relative path inside {directory}")
+    root = directory.resolve()
+    path = (directory / name).resolve()  # follows symlinks, so a link out of the directory is caught too
+    if not path.is_relative_to(root):
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: file {name!r} leaves the directory (resolves to {path}); "
+                            f"allowed: a relative path inside {directory}")
+    return path
+
+
+def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists: inside ``directory``, present, and with its recorded sha256 and size."""
+    from ldlm.export.onnx_export import sha256_file  # onnx_export imports torch; keep this module light
+
+    directory = Path(directory)
+    graphs = manifest.get("graphs")
+    if not isinstance(graphs, dict) or not graphs:
+        raise ArtifactError(f"{directory / MANIFEST_FILE} lists no graphs; re-export with `ldlm export`")
+    for graph, entry in graphs.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("files"), dict):
+            raise ArtifactError(f"{directory / MANIFEST_FILE}: graph {graph!r} has no 'files' with sha256 sums; re-export with `ldlm export`")
+        resolve_inside(directory, entry.get("file"))
+        if entry.get("file") not in entry["files"]:
+            raise ArtifactError(f"{directory / MANIFEST_FILE}: graph {graph!r} file {entry.get('file')!r} has no sha256 entry")
+        for name, record in entry["files"].items():
+            path = resolve_inside(directory, name)
+            if not path.is_file():
+                raise ArtifactError(f"{path} is listed in {directory / MANIFEST_FILE} but missing; re-export with `ldlm export`")
+            if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+                raise ArtifactError(f"{directory / MANIFEST_FILE}: {name!r} has no sha256; re-export with `ldlm export`")
+            size = path.stat().st_size
+            if record.get("bytes") is not None and size != record["bytes"]:
+                raise ArtifactError(f"{path} is {size} bytes; its manifest says {record['bytes']} (edited or truncated); re-export it")
+            if sha256_file(path) != record["sha256"]:
+                raise ArtifactError(f"{path} does not match the sha256 in {directory / MANIFEST_FILE} (edited or replaced); re-export it")
+        check_external_data(directory, entry["file"], set(entry["files"]))
+    config_path = directory / CONFIG_FILE
+    if config_path.is_file() and "config_sha256" in manifest:
+        if LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
+            raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
+
+
+def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> None:
+    """The ONNX file's weights may live in other files; each must be one the manifest hashes."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(directory / onnx_file), load_external_data=False).graph
+    except Exception as error:  # protobuf's DecodeError and friends
+        raise ArtifactError(f"{directory / onnx_file} is not a readable ONNX file ({type(error).__name__}); re-export it") from error
+    for tensor in graph.initializer:
+        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        if location is not None:
+            resolve_inside(directory, location)
+            if location not in listed:
+                raise ArtifactError(f"{directory / onnx_file} reads tensor {tensor.name!r} from {location!r}, "
+                                    f"which {directory / MANIFEST_FILE} does not list; re-export it")

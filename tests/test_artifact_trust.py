@@ -1,0 +1,168 @@
+"""Issue 12 items 6 and 7: configs bounded at load, and export directories trusted only after their
+manifest checks out (paths inside, sha256 of every file) in every consumer: verify-onnx, serve,
+parity, build-engine's reader; load errors named; leftovers of a killed export removed."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ldlm.checkpoint import atomic_directory
+from ldlm.config import FLOAT_RANGES, INT_RANGES, LDLMConfig, preset
+from ldlm.export.artifact import ArtifactError
+
+pytest.importorskip("onnxruntime", reason="the export is opened with ONNX Runtime (pip install -e .[cpu])")
+
+from ldlm.export.onnx_export import verify_export  # noqa: E402
+from ldlm.serve.backends import BackendError, open_graphs  # noqa: E402
+
+
+# --- 6. config bounds ---------------------------------------------------------------------------
+
+def test_a_billion_layers_is_refused_at_load(tmp_path: Path) -> None:
+    data = preset("tiny").to_dict() | {"denoiser_layers": 1_000_000_000}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"denoiser_layers=1000000000 is invalid; allowed: an integer in 2\.\.256"):
+        LDLMConfig.load(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("field", sorted(INT_RANGES))
+def test_every_integer_field_has_a_range(field: str) -> None:
+    low, high = INT_RANGES[field]
+    for bad in (high + 1, low - 1, True if low > 1 else 1.5):
+        with pytest.raises(ValueError, match=f"config field {field}="):
+            dataclasses.replace(preset("tiny"), **{field: bad})
+
+
+@pytest.mark.parametrize("field", sorted(FLOAT_RANGES))
+def test_every_float_field_has_a_range(field: str) -> None:
+    low, high = FLOAT_RANGES[field]
+    for bad in (high * 10, low, -1.0, float("nan"), float("inf"), "1e-5"):
+        with pytest.raises(ValueError, match=f"config field {field}="):
+            dataclasses.replace(preset("tiny"), **{field: bad})
+
+
+def test_other_fields_reject_wrong_types() -> None:
+    for field, bad in (("per_stream_kv", "yes"), ("eos_token_id", 1.0), ("t_min", float("nan")), ("feature_layer", None)):
+        with pytest.raises(ValueError, match=f"config field {field}="):
+            dataclasses.replace(preset("tiny"), **{field: bad})
+    assert dataclasses.replace(preset("base"), denoiser_layers=256).denoiser_layers == 256  # the top of the range is allowed
+
+
+# --- 7. artifacts ---------------------------------------------------------------------------------
+
+@pytest.fixture()
+def export_copy(export_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "onnx"
+    shutil.copytree(export_dir, out)
+    return out
+
+
+def edit_manifest(directory: Path, edit) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    edit(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def rehash(directory: Path, name: str) -> None:
+    """Make the manifest agree with an edited file: what an attacker who controls both can do."""
+    data = (directory / name).read_bytes()
+    graph = name.split(".")[0]
+    edit_manifest(directory, lambda m: m["graphs"][graph]["files"].update({name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}))
+
+
+@pytest.mark.parametrize("path", ["../../../../etc/passwd", "/etc/passwd", "sub/../../outside.onnx"])
+def test_manifest_paths_must_stay_inside(export_copy: Path, path: str) -> None:
+    edit_manifest(export_copy, lambda m: m["graphs"]["encoder"]["files"].update({path: {"sha256": "0" * 64}}))
+    for consumer in (lambda: open_graphs("ort", export_copy), lambda: verify_export(export_copy)):
+        with pytest.raises(ArtifactError, match="absolute path|leaves the directory"):
+            consumer()
+    edit_manifest(export_copy, lambda m: m["graphs"]["encoder"].update({"file": path}))
+    with pytest.raises(ArtifactError, match="absolute path|leaves the directory"):
+        open_graphs("ort", export_copy)
+
+
+def test_symlink_out_of_the_directory_is_refused(export_copy: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.onnx.data"
+    shutil.move(export_copy / "encoder.onnx.data", outside)
+    (export_copy / "encoder.onnx.data").symlink_to(outside)
+    with pytest.raises(ArtifactError, match="leaves the directory"):
+        open_graphs("ort", export_copy)
+
+
+def test_edited_weight_bytes_are_refused_by_every_consumer(export_copy: Path, tiny_checkpoint: Path) -> None:
+    data = bytearray((export_copy / "encoder.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one weight
+    (export_copy / "encoder.onnx.data").write_bytes(bytes(data))
+    message = r"encoder\.onnx\.data does not match the sha256"
+    with pytest.raises(ArtifactError, match=message):
+        verify_export(export_copy)
+    with pytest.raises(ArtifactError, match=message):
+        open_graphs("ort", export_copy)
+    from ldlm.serve.parity import run_parity
+    from ldlm.serve.server import LDLMService, ServerSettings
+
+    with pytest.raises(ArtifactError, match=message):
+        LDLMService(str(export_copy), ServerSettings())
+    with pytest.raises(ArtifactError, match=message):
+        run_parity(tiny_checkpoint, "ort", source=export_copy)
+    result = subprocess.run([sys.executable, "-m", "ldlm.cli", "verify-onnx", str(export_copy)], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "does not match the sha256" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_edited_config_is_refused(export_copy: Path) -> None:
+    config = json.loads((export_copy / "config.json").read_text()) | {"t_min": 0.2}
+    (export_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match="config.json does not match the config_sha256"):
+        open_graphs("ort", export_copy)
+
+
+def test_external_data_outside_the_manifest_is_refused(export_copy: Path) -> None:
+    import onnx
+
+    model = onnx.load(str(export_copy / "encoder.onnx"), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.external_data)
+    next(e for e in tensor.external_data if e.key == "location").value = "../../../../etc/passwd"
+    onnx.save(model, str(export_copy / "encoder.onnx"))
+    rehash(export_copy, "encoder.onnx")
+    with pytest.raises(ArtifactError, match="leaves the directory"):
+        open_graphs("ort", export_copy)
+
+
+def test_onnx_runtime_load_errors_name_the_file(export_copy: Path) -> None:
+    import onnx
+
+    model = onnx.load(str(export_copy / "encoder.onnx"), load_external_data=False)
+    model.graph.node[len(model.graph.node) // 2].op_type = "NoSuchOperator"
+    onnx.save(model, str(export_copy / "encoder.onnx"))
+    rehash(export_copy, "encoder.onnx")
+    with pytest.raises(BackendError, match=r"ONNX Runtime cannot load .*encoder\.onnx: "):
+        open_graphs("ort", export_copy)
+
+
+def test_leftovers_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
+    out = tmp_path / "onnx"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    killed = tmp_path / f".onnx.{dead.pid}.k1ll3d.tmp"  # a writer that is gone
+    killed.mkdir()
+    (killed / "encoder.onnx").write_bytes(b"half")
+    running = tmp_path / f".onnx.{os.getpid()}.l1ve.tmp"  # a writer still at work (this process)
+    running.mkdir()
+    old_style = tmp_path / ".onnx.abcd1234.tmp"  # from before PIDs were in the name
+    old_style.mkdir()
+    other = tmp_path / ".other.1.x.tmp"  # another target's: not ours to touch
+    other.mkdir()
+    with atomic_directory(out) as tmp:
+        (tmp / "done").write_text("ok")
+    assert not killed.exists() and not old_style.exists()
+    assert running.exists() and other.exists() and (out / "done").read_text() == "ok"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".onnx.%d.l1ve.tmp" % os.getpid(), ".other.1.x.tmp", "onnx"])
