@@ -20,7 +20,7 @@ import torch
 from ldlm.checkpoint import init_model
 from ldlm.cli import main
 from ldlm.export.graphs import graph_io
-from ldlm.export.onnx_export import MANIFEST_FILE, graph_layer_norm_specs, read_manifest, sha256_file
+from ldlm.export.onnx_export import graph_layer_norm_specs, read_manifest
 from ldlm.export.verify import check_layer_norms, node_name_scopes, pair_layer_norm_nodes, verify_onnx
 from ldlm.layers import RMSNorm
 from ldlm.serve.eps_probe import (
@@ -34,6 +34,7 @@ from ldlm.serve.eps_probe import (
 )
 from ldlm.serve.layernorm_cases import layer_norm_cases
 from ldlm.serve.parity import run_parity
+from tests.artifacts import reseal_manifest
 
 ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is the backend under test (pip install -e .[cpu])")
 from ldlm.serve.eps_probe_ort import OrtNodeRunner  # noqa: E402  (needs onnxruntime)
@@ -55,10 +56,7 @@ def edited_export(export_dir: Path, out: Path, graph: str, edit: Callable[[onnx.
     edit(model.graph)
     (out / f"{graph}.onnx.data").unlink()
     onnx.save(model, str(path), save_as_external_data=True, location=f"{graph}.onnx.data")
-    manifest = read_manifest(out)
-    for name in manifest["graphs"][graph]["files"]:
-        manifest["graphs"][graph]["files"][name] = {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    reseal_manifest(out, graph)
     return out
 
 
