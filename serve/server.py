@@ -35,7 +35,7 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -48,6 +48,10 @@ from ldlm.serve.kserve import (DATATYPES, HEADER_LENGTH, InferRequest, decompres
                                tensor_metadata)
 from ldlm.serve.metrics import Metrics
 from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.openai_api import OPENAI_PATHS, openai_limits
+from ldlm.serve.openai_api import create_router as create_openai_router
+from ldlm.serve.playground import create_router as create_playground_router
+from ldlm.serve.streaming import SSE_HEADERS, GenerationStream, generate_sse
 from ldlm.serve.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
 
 log = logging.getLogger("ldlm.serve")
@@ -154,7 +158,7 @@ def create_app(service: LDLMService) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, service.close)  # drain, then stop
         log.info("shutdown complete")
 
-    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
+    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan, responses=ERROR_RESPONSES, docs_url=None, redoc_url=None,
                   description="LDLM inference: KServe v2 for the encoder, denoiser and decoder graphs, and a text API. "
                   f"Limits of this server: {settings.max_body_bytes} body bytes; {settings.max_request_samples} samples and "
                   f"{settings.max_request_tokens} tokens (batch x seq) per /v2 infer request; n, length, steps and texts "
@@ -164,18 +168,22 @@ def create_app(service: LDLMService) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, error: HTTPError) -> Response:
-        return Response(error_body(error.message), error.status, headers=error.headers, media_type="application/json")
+        return Response(error_body(error.message, error.status, request.url.path), error.status, headers=error.headers,
+                        media_type="application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
         message = f"no route {request.method} {request.url.path}; see /docs" if error.status_code == 404 else str(error.detail)
-        return Response(error_body(message), error.status_code, headers=error.headers, media_type="application/json")
+        return Response(error_body(message, error.status_code, request.url.path), error.status_code, headers=error.headers,
+                        media_type="application/json")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> Response:
         errors = list(error.errors())
-        status = 400 if any(e["type"] == "json_invalid" for e in errors) else 422
-        return Response(error_body(validation_message(errors, models.limits)), status, media_type="application/json")
+        openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
+        status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
+        message = validation_message(errors, openai_limits(settings, service.config.max_seq_len) if openai else models.limits)
+        return Response(error_body(message, status, request.url.path), status, media_type="application/json")
 
     def model_or_404(name: str) -> str:
         if name not in service.graphs:
@@ -229,8 +237,13 @@ def create_app(service: LDLMService) -> FastAPI:
         return Response(content, headers=headers)
 
     async def generate(body: Any) -> Response:
-        """Sample texts. Random-init checkpoints give gibberish."""
-        future = service.scheduler.submit(GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min))
+        """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
+        spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
+        if body.stream:
+            stream = GenerationStream(service.scheduler, service.batched_pipeline, spec, body.preview_every)
+            return StreamingResponse(generate_sse(stream, settings.request_timeout_s), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        future = service.scheduler.submit(spec)
         result = await wait(future, settings.request_timeout_s)
         return await run_blocking(lambda: json_response({"texts": result.texts, "token_ids": result.token_ids.tolist()}),
                                   timeout_s=settings.request_timeout_s)
@@ -266,6 +279,9 @@ def create_app(service: LDLMService) -> FastAPI:
     for path, handler, body_model, response_model in routes:
         handler.__annotations__ = {"body": body_model, "return": Response}
         app.post(path, response_model=response_model, summary=handler.__doc__)(handler)
+
+    app.include_router(create_openai_router(service))
+    app.include_router(create_playground_router())
 
     @app.get("/metrics")
     async def metrics() -> Response:
