@@ -1,7 +1,8 @@
 """The playground page at ``/`` and the ``/docs`` Swagger UI, every asset served from this process.
 
 No CDN: the page is one static HTML file with inline script and style (serve/static/), and Swagger
-UI's JavaScript and CSS come from the ``swagger-ui-bundle`` package, so both work offline.
+UI's JavaScript and CSS (Swagger UI 5, which reads the OpenAPI 3.1 that FastAPI writes) come from the
+``fastapi-offline`` package, so both work offline.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css")
 
 def swagger_dir() -> Path | None:
     try:
-        import swagger_ui_bundle
+        import fastapi_offline
     except ImportError:
         return None
-    return Path(swagger_ui_bundle.swagger_ui_path)
+    return Path(fastapi_offline.__file__).parent / "static"
 
 
 def create_router() -> APIRouter:
@@ -37,7 +38,7 @@ def create_router() -> APIRouter:
     @router.get("/docs")
     async def docs() -> HTMLResponse:
         if swagger is None:
-            raise HTTPError(404, "Swagger UI's assets are not installed (pip install swagger-ui-bundle); "
+            raise HTTPError(404, "Swagger UI's assets are not installed (pip install fastapi-offline); "
                                  "the schema is at /openapi.json")
         return get_swagger_ui_html(openapi_url="/openapi.json", title="ldlm API", swagger_favicon_url="data:,",
                                    swagger_js_url="/static/swagger/swagger-ui-bundle.js",

@@ -5,6 +5,7 @@ DevTools protocol on a pipe: no browser download, no driver package), against th
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import select
@@ -36,12 +37,13 @@ class Browser:
         self.profile = tempfile.TemporaryDirectory(prefix="ldlm-chromium-")
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
+        to_browser_r, from_browser_w = (self._above_4(fd) for fd in (to_browser_r, from_browser_w))
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-extensions", "--window-size=1000,800",
                  f"--user-data-dir={self.profile.name}", "--remote-debugging-pipe", "about:blank"]
         # the browser expects its pipe ends at fds 3 (commands in) and 4 (answers out): the shell moves them there
         move = f'exec "$0" "$@" 3<&{to_browser_r} 4>&{from_browser_w} {to_browser_r}<&- {from_browser_w}>&-'
-        self.process = subprocess.Popen(["sh", "-c", move, CHROMIUM, *flags], pass_fds=(to_browser_r, from_browser_w),
+        self.process = subprocess.Popen(["bash", "-c", move, CHROMIUM, *flags], pass_fds=(to_browser_r, from_browser_w),
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_browser_r)
         os.close(from_browser_w)
@@ -52,6 +54,13 @@ class Browser:
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         for domain in ("Page", "Runtime", "Network"):
             self.call(f"{domain}.enable", session=True)
+
+    @staticmethod
+    def _above_4(fd: int) -> int:
+        """The fd moved to 10 or above, so that placing the pipe ends at 3 and 4 cannot close one of them."""
+        moved = fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
+        os.close(fd)
+        return moved
 
     def call(self, method: str, session: bool = False, timeout_s: float = 30, **params: Any) -> dict[str, Any]:
         self._next_id += 1
