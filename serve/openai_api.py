@@ -127,7 +127,7 @@ def create_router(service: LDLMService) -> APIRouter:
 
     def submit(prepared: list[tuple[list[int], GenerateRequest]], prefixes: list[torch.Tensor | None]) -> list[GenerationStream]:
         try:
-            return [GenerationStream(service.scheduler, pipeline, spec, 0, prefix) for (_, spec), prefix in zip(prepared, prefixes)]
+            return [GenerationStream(service.scheduler, None, spec, 0, prefix) for (_, spec), prefix in zip(prepared, prefixes)]
         except QueueFullError as error:
             raise HTTPError(503, str(error), {"Retry-After": "1"}) from None
 

@@ -48,10 +48,9 @@ from ldlm.serve.kserve import (DATATYPES, HEADER_LENGTH, InferRequest, decompres
                                tensor_metadata)
 from ldlm.serve.metrics import Metrics
 from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.serve.openai_api import OPENAI_PATHS, openai_limits
-from ldlm.serve.openai_api import create_router as create_openai_router
+from ldlm.serve.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
 from ldlm.serve.playground import create_router as create_playground_router
-from ldlm.serve.streaming import SSE_HEADERS, GenerationStream, generate_sse
+from ldlm.serve.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
 from ldlm.serve.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
 
 log = logging.getLogger("ldlm.serve")
@@ -79,6 +78,7 @@ class ServerSettings:
     max_connections: int = 1024  # above this the oldest idle connection is closed; all busy: 503
     api_key: str | None = None
     threads: int | None = None
+    preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take
 
     def __post_init__(self) -> None:
         checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
@@ -92,6 +92,8 @@ class ServerSettings:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: > 0")
+        if not 0 < self.preview_budget <= 1:
+            raise ValueError(f"preview_budget={self.preview_budget} is out of range; allowed: (0, 1]")
         if self.max_delay_ms < 0:
             raise ValueError(f"max_delay_ms={self.max_delay_ms} is out of range; allowed: >= 0")
 
@@ -119,12 +121,14 @@ class LDLMService:
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, buckets=buckets)
         self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
+        self.previews = PreviewDecoder(generation, settings.preview_budget)  # its own thread, never the scheduler's
         self.ready = True
 
     def close(self) -> None:
         """Finish everything queued, then stop the workers (graceful shutdown)."""
         self.ready = False
         self.scheduler.close()
+        self.previews.close()
         for batcher in self.batchers.values():
             batcher.close()
         if self._scratch is not None:
@@ -168,14 +172,12 @@ def create_app(service: LDLMService) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, error: HTTPError) -> Response:
-        return Response(error_body(error.message, error.status, request.url.path), error.status, headers=error.headers,
-                        media_type="application/json")
+        return Response(error_body(error.message, error.status, request.url.path), error.status, error.headers, "application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
         message = f"no route {request.method} {request.url.path}; see /docs" if error.status_code == 404 else str(error.detail)
-        return Response(error_body(message, error.status_code, request.url.path), error.status_code, headers=error.headers,
-                        media_type="application/json")
+        return Response(error_body(message, error.status_code, request.url.path), error.status_code, error.headers, "application/json")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> Response:
@@ -240,9 +242,8 @@ def create_app(service: LDLMService) -> FastAPI:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
         spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
         if body.stream:
-            stream = GenerationStream(service.scheduler, service.batched_pipeline, spec, body.preview_every)
-            return StreamingResponse(generate_sse(stream, settings.request_timeout_s), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            stream = GenerationStream(service.scheduler, service.previews, spec, body.preview_every)
+            return StreamingResponse(generate_sse(stream, settings.request_timeout_s), headers=SSE_HEADERS, media_type="text/event-stream")
         future = service.scheduler.submit(spec)
         result = await wait(future, settings.request_timeout_s)
         return await run_blocking(lambda: json_response({"texts": result.texts, "token_ids": result.token_ids.tolist()}),
