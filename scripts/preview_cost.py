@@ -33,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import LOOPBACK, free_port, start_server  # noqa: E402  (one server starter for every script)
 
 
-def run_load(url: str, clients: int, requests: int, body: dict) -> float:
-    """samples x steps per second for clients x requests requests of ``body``."""
+def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, int]:
+    """samples x steps per second for clients x requests requests of ``body``; preview events received."""
     errors: list[str] = []
+    previews = [0] * clients
 
     def client(index: int) -> None:
         with httpx.Client(base_url=url, timeout=300) as http:
@@ -45,6 +46,7 @@ def run_load(url: str, clients: int, requests: int, body: dict) -> float:
                     with http.stream("POST", "/v1/generate", json=payload) as response:
                         kinds = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
                     ok = response.status_code == 200 and kinds[-1:] == ["result"]
+                    previews[index] += kinds.count("preview")
                 else:
                     response = http.post("/v1/generate", json=payload)
                     ok = response.status_code == 200
@@ -60,7 +62,7 @@ def run_load(url: str, clients: int, requests: int, body: dict) -> float:
     elapsed = time.perf_counter() - started
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[:5]}")
-    return clients * requests * body["n"] * body["steps"] / elapsed
+    return clients * requests * body["n"] * body["steps"] / elapsed, sum(previews)
 
 
 def first_preview_seconds(url: str, body: dict, repeats: int) -> dict:
@@ -113,10 +115,13 @@ def main() -> None:
             run_load(url, args.clients, 1, plain)  # warm up both paths
             run_load(url, args.clients, 1, streamed)
             rates: dict[str, list[float]] = {"plain": [], "previews": []}
+            received = 0
             for r in range(args.rounds):
                 order = ("plain", "previews") if r % 2 == 0 else ("previews", "plain")
                 for mode in order:
-                    rates[mode].append(run_load(url, args.clients, args.requests, plain if mode == "plain" else streamed))
+                    rate, events = run_load(url, args.clients, args.requests, plain if mode == "plain" else streamed)
+                    rates[mode].append(rate)
+                    received += events
                 print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {v[-1]:.0f}" for m, v in rates.items()), flush=True)
             medians = {m: statistics.median(v) for m, v in rates.items()}
             report = {
@@ -125,6 +130,9 @@ def main() -> None:
                 "sample_steps_per_s": {m: [round(x, 1) for x in v] for m, v in rates.items()},
                 "median_sample_steps_per_s": {m: round(v, 1) for m, v in medians.items()},
                 "throughput_cost": round(1 - medians["previews"] / medians["plain"], 4),
+                # previews are skipped, never queued, when decoding them would exceed the budget
+                "preview_events_per_request": round(received / (args.rounds * args.clients * args.requests), 2),
+                "preview_events_per_request_nominal": (args.steps - 1) // args.every,
                 "first_preview_batch1": {f"preview_every_{k}": first_preview_seconds(url, {**streamed, "preview_every": k}, 10)
                                          for k in sorted({1, args.every})},
             }

@@ -14,6 +14,7 @@ request's future, and the scheduler drops the request's samples at its next step
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -82,7 +83,8 @@ class PreviewDecoder:
             for ((stream, index), (step, _)), text in zip(batch.items(), texts):
                 by_stream.setdefault(stream, []).append({"index": index, "step": step, "text": text})
             for stream, previews in by_stream.items():
-                stream.deliver(sorted(previews, key=lambda p: p["index"]))
+                with contextlib.suppress(RuntimeError):  # its event loop is gone (shutdown): nobody to tell
+                    stream.deliver(sorted(previews, key=lambda p: p["index"]))
             self.decoded += len(texts)
             busy = time.perf_counter() - started
             with self._cond:  # rest: decoding takes at most `budget` of the time
