@@ -116,7 +116,9 @@ class Browser:
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=1000)
+    # previews may take half the time here: the tiny model's whole run lasts a fraction of a second,
+    # and at the default 5% budget few previews would fit in it
+    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=1000, preview_budget=0.5)
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()
@@ -133,7 +135,7 @@ def test_playground_shows_the_text_sharpening(server: RunningServer, browser: Br
     browser.open(server.url + "/")
     assert browser.evaluate("document.title") == "ldlm playground"
     browser.evaluate("""(() => { const set = (id, v) => document.getElementById(id).value = v;
-                        set('length', 24); set('steps', 60); set('seed', 3); set('every', 3);
+                        set('length', 24); set('steps', 300); set('seed', 3); set('every', 4);
                         document.getElementById('go').click(); })()""")
     seen: list[str] = []  # the preview area's text each time it changed, as the page shows it
     deadline = time.time() + 60
@@ -146,11 +148,11 @@ def test_playground_shows_the_text_sharpening(server: RunningServer, browser: Br
         time.sleep(0.01)
     final = browser.evaluate("document.getElementById('preview').textContent")
     assert len(seen) >= 3, f"the preview area changed {len(seen) - 1} times: {seen}"  # changed at least twice before the end
-    assert browser.evaluate("document.getElementById('status').textContent").startswith("Done: 60 steps")
+    assert browser.evaluate("document.getElementById('status').textContent").startswith("Done: 300 steps")
     assert browser.evaluate("document.getElementById('preview').classList.contains('final')")
     import httpx
 
-    expected = httpx.post(f"{server.url}/v1/generate", json={"n": 1, "length": 24, "steps": 60, "seed": 3}, timeout=60).json()
+    expected = httpx.post(f"{server.url}/v1/generate", json={"n": 1, "length": 24, "steps": 300, "seed": 3}, timeout=60).json()
     assert final == expected["texts"][0]  # the page ends on the server's own answer for these inputs
     assert all(u.startswith(server.url) or u.startswith("data:") for u in browser.requested_urls()), browser.requested_urls()
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
