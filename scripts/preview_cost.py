@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--every", type=int, default=5, help="steps between previews (default 5)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=0.05, help="the server's --preview-budget (default 0.05)")
     parser.add_argument("--out", default="runs/preview_cost.json")
     args = parser.parse_args()
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
@@ -107,7 +108,7 @@ def main() -> None:
             checkpoint = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), Path(work) / "tiny")
             source = str(export_graphs(checkpoint, Path(work) / "onnx").out)
             port = free_port()
-            process = start_server(source, port)
+            process = start_server(source, port, ["--preview-budget", str(args.budget)])
             url = f"http://127.0.0.1:{port}"
         try:
             plain = {"n": 1, "length": args.length, "steps": args.steps, "sampler": "sde"}
@@ -126,7 +127,7 @@ def main() -> None:
             medians = {m: statistics.median(v) for m, v in rates.items()}
             report = {
                 "url": url, "clients": args.clients, "requests_per_client": args.requests, "length": args.length,
-                "steps": args.steps, "preview_every": args.every, "rounds": args.rounds,
+                "steps": args.steps, "preview_every": args.every, "rounds": args.rounds, "preview_budget": args.budget,
                 "sample_steps_per_s": {m: [round(x, 1) for x in v] for m, v in rates.items()},
                 "median_sample_steps_per_s": {m: round(v, 1) for m, v in medians.items()},
                 "throughput_cost": round(1 - medians["previews"] / medians["plain"], 4),
