@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.sampler import NoiseStream, TangentSchedule, run_sampler, sample_seeds, time_grid
+from ldlm.sampler import NoiseStream, TangentSchedule, forward_noise, run_sampler, sample_seeds, time_grid
 from ldlm.tokenizer import TextTokenizer
 
 
@@ -148,6 +148,16 @@ class LDLMPipeline:
         lengths = mask.sum(dim=1).tolist()
         texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, lengths)]
         return TextResult(token_ids=token_ids, texts=texts, lengths=lengths)
+
+    def inpaint_prefix(self, x_t: Tensor, t: Tensor | float, prefix: Tensor, noise: Tensor) -> Tensor:
+        """Prefix inpainting, the training-free conditioning of diffusion models: the first P
+        positions of one sample's x_t (L, D) are reset to the prompt's latents ``prefix`` (P, D),
+        forward-noised to time t with ``noise`` (P, D); the rest is left to the sampler. How well
+        the continuation follows the prompt depends on the trained model."""
+        p = prefix.shape[0]
+        t = torch.as_tensor(t, dtype=prefix.dtype, device=prefix.device).reshape(1)  # a device scalar stays on the device
+        noised = forward_noise(self.schedule, prefix[None], t, noise[None])[0]
+        return torch.cat([noised.to(x_t.dtype), x_t[p:]])
 
     def reconstruct(self, texts: Sequence[str]) -> TextResult:
         """Texts -> latents -> texts: the autoencoder's round trip."""

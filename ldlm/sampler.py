@@ -58,6 +58,11 @@ def time_grid(steps: int, t_min: float) -> Tensor:
     return torch.linspace(1.0, t_min, steps + 1, dtype=torch.float64)
 
 
+def forward_noise(schedule: TangentSchedule, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+    """The forward process at per-sample times t (B,): x_t = alpha_t x0 + sigma_t eps."""
+    return _bcast(schedule.alpha(t)) * x0 + _bcast(schedule.sigma(t)) * noise
+
+
 def predicted_noise(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor) -> Tensor:
     """eps_hat = (x_t - alpha_t x0_hat) / sigma_t."""
     return (x_t - _bcast(schedule.alpha(t)) * x0_hat) / _bcast(schedule.sigma(t))

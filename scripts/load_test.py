@@ -49,8 +49,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(source: str, port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", source, "--port", str(port), "--log-level", "warning"],
+def start_server(source: str, port: int, flags: list[str] | None = None) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", source, "--port", str(port), "--log-level", "warning", *(flags or [])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120

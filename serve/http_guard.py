@@ -70,7 +70,8 @@ class GuardMiddleware:
             if self.expected_auth is not None and not scope["path"].startswith(self.OPEN_PATHS):
                 given = headers.get("authorization", "").encode("latin-1")
                 if not hmac.compare_digest(given, self.expected_auth):  # no timing hint about the key
-                    return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+                    return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"},
+                                        scope["path"])
             body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
             replayed = False
 
@@ -83,14 +84,15 @@ class GuardMiddleware:
 
             await self.app(scope, replay, send_wrapper)
         except HTTPError as error:
-            await _reply(send_wrapper, error.status, error.message, error.headers)
+            await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"])
         except QueueFullError as error:
-            await _reply(send_wrapper, 503, str(error), {"Retry-After": "1"})
+            await _reply(send_wrapper, 503, str(error), {"Retry-After": "1"}, scope["path"])
         except (ProtocolError, BackendError, ValueError) as error:
-            await _reply(send_wrapper, 400, str(error))
+            await _reply(send_wrapper, 400, str(error), path=scope["path"])
         except Exception as error:  # the process survives; the client learns nothing internal
             log.exception("unhandled error", extra={"request_id": request_id})
-            await _reply(send_wrapper, 500, f"internal error ({type(error).__name__}); request id {request_id}")
+            await _reply(send_wrapper, 500, f"internal error ({type(error).__name__}); request id {request_id}",
+                         path=scope["path"])
         finally:
             elapsed = time.perf_counter() - started
             code = status["code"]
@@ -134,12 +136,17 @@ def _model_of(path: str) -> str | None:
     return None
 
 
-def error_body(message: str) -> bytes:
+def error_body(message: str, status: int = 400, path: str = "") -> bytes:
+    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that)."""
+    if path.startswith(("/v1/completions", "/v1/models")):
+        from ldlm.serve.openai_api import openai_error
+
+        return json.dumps(openai_error(status, message)).encode()
     return json.dumps({"error": message}).encode()
 
 
-async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-    body = error_body(message)
+async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "") -> None:
+    body = error_body(message, status, path)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     try:

@@ -11,6 +11,12 @@ submitted request gets exactly one answer: its result, or the exception that sto
 
 State lives on the pipeline's device: grids, noise streams, x and self-conditioning, so a step
 makes no host round trip; only finished samples' latents go to the decoder.
+
+Per request, optionally: a prompt's latents to condition on by prefix inpainting (see
+``LDLMPipeline.inpaint_prefix``), and a preview hook called every k steps with each sample's
+current x0_hat. The hook runs on the worker thread, so it must only hand the tensor on (decoding
+belongs elsewhere, or every other request would wait for it). Cancelling a request's future frees
+its slots at the next step; that is how a client that went away stops its generation.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid, to_device
 
 Policy = Literal["continuous", "static"]
+PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x0_hat (L, D)); must not block
 
 
 class QueueFullError(RuntimeError):
@@ -55,6 +62,9 @@ class _Request:
     remaining: int
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
+    prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
+    on_preview: PreviewHook | None = None
+    preview_every: int = 0
 
 
 @dataclass
@@ -67,6 +77,7 @@ class _Sample:
     x_mean: Tensor
     x0_hat: Tensor
     step: int = 0
+    prefix_noise: NoiseStream | None = None  # the forward noise of the inpainted prefix
 
 
 class GenerationScheduler:
@@ -99,8 +110,12 @@ class GenerationScheduler:
 
     # --- public API --------------------------------------------------------------------------
 
-    def submit(self, spec: GenerateRequest) -> Future[TextResult]:
-        """Queue a request; bad input raises here, at once, with the pipeline's messages."""
+    def submit(self, spec: GenerateRequest, prefix: Tensor | None = None, on_preview: PreviewHook | None = None,
+               preview_every: int = 0) -> Future[TextResult]:
+        """Queue a request; bad input raises here, at once, with the pipeline's messages.
+
+        ``prefix`` (P, D), P < length: condition every sample on these latents at its first P
+        positions. ``on_preview``: called every ``preview_every`` steps (not after the last)."""
         cfg = self.pipeline.config
         if not isinstance(spec.n, int) or spec.n < 1:
             raise ValueError(f"n={spec.n!r} is out of range; allowed: an integer >= 1")
@@ -108,12 +123,19 @@ class GenerationScheduler:
         if spec.sampler not in SAMPLERS:
             raise ValueError(f"sampler={spec.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
         grid = to_device(time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min).float(), self.pipeline.device)
-        request = _Request(spec, Future(), [None] * spec.n, spec.n)
+        if prefix is not None and not (prefix.ndim == 2 and prefix.shape[0] < spec.length and prefix.shape[1] == cfg.d_model):
+            raise ValueError(f"prefix has shape {tuple(prefix.shape)}; allowed: (P, {cfg.d_model}) with P < length={spec.length}")
+        if preview_every < 0:
+            raise ValueError(f"preview_every={preview_every} is out of range; allowed: >= 0 (0: no previews)")
+        request = _Request(spec, Future(), [None] * spec.n, spec.n,
+                           prefix=None if prefix is None else prefix.to(self.pipeline.device), on_preview=on_preview,
+                           preview_every=preview_every if on_preview is not None else 0)
         samples = []
         for i, seed in enumerate(sample_seeds(spec.seed, spec.n)):
             stream = NoiseStream(seed, (spec.length, cfg.d_model), self.pipeline.noise_device)
             prior = stream.draw().to(self.pipeline.device)
-            samples.append(_Sample(request, i, grid, stream, prior, prior, torch.zeros_like(prior)))
+            prefix_noise = None if prefix is None else NoiseStream(seed ^ 1, tuple(prefix.shape), self.pipeline.noise_device)
+            samples.append(_Sample(request, i, grid, stream, prior, prior, torch.zeros_like(prior), prefix_noise=prefix_noise))
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the scheduler is shut down")
@@ -183,6 +205,10 @@ class GenerationScheduler:
         pipe = self.pipeline
         lengths = [s.x.shape[0] for s in batch]
         padded = pipe.bucket_length(max(lengths))
+        for sample in batch:
+            if sample.request.prefix is not None:  # t stays a device tensor: no host round trip
+                sample.x = pipe.inpaint_prefix(sample.x, sample.grid[sample.step], sample.request.prefix,
+                                               sample.prefix_noise.draw().to(pipe.device))  # type: ignore[union-attr]
 
         def stack(tensors: list[Tensor]) -> Tensor:
             return torch.stack([F.pad(t, (0, 0, 0, padded - t.shape[0])) for t in tensors]).to(pipe.device)
@@ -214,6 +240,11 @@ class GenerationScheduler:
             sample.step += 1
             if sample.step == len(sample.grid) - 1:
                 finished.append(sample)
+            elif sample.request.preview_every and sample.step % sample.request.preview_every == 0:
+                try:
+                    sample.request.on_preview(sample.index, sample.step, sample.x0_hat)  # type: ignore[misc]
+                except Exception:  # a broken hook ends its own request, never the batch
+                    sample.request.future.cancel()
         return finished
 
     def _finish(self, finished: list[_Sample]) -> None:
@@ -223,7 +254,10 @@ class GenerationScheduler:
         complete: list[_Request] = []
         for sample in finished:
             request = sample.request
-            request.latents[sample.index] = sample.x_mean if final == "mean" else sample.x0_hat
+            latent = sample.x_mean if final == "mean" else sample.x0_hat
+            if request.prefix is not None:  # the prompt's positions end exactly at the prompt
+                latent = torch.cat([request.prefix.to(latent.dtype), latent[request.prefix.shape[0]:]])
+            request.latents[sample.index] = latent
             request.remaining -= 1
             if request.remaining == 0 and not request.future.done():
                 complete.append(request)

@@ -54,13 +54,17 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int)
         seed=(int, Field(0, ge=0, lt=2**63, description="noise seed")),
         sampler=(Literal["sde", "ddim"], Field("sde", description="sde: Euler-Maruyama; ddim: deterministic")),
         t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid")),
+        stream=(bool, Field(False, description="answer with Server-Sent Events: `preview` events (each sample's current "
+                                               "x0_hat decoded) every `preview_every` steps, then one `result` event")),
+        preview_every=(int, Field(5, ge=1, le=max_steps, description="steps between previews when streaming")),
     )
     texts = create_model(
         "TextsBody",
         texts=(list[str], Field(..., min_length=1, max_length=max_texts,
                                 description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
     )
-    limits = {"n": (1, max_n), "length": (1, max_seq_len), "steps": (1, max_steps), "seed": (0, 2**63 - 1), "texts": (1, max_texts)}
+    limits = {"n": (1, max_n), "length": (1, max_seq_len), "steps": (1, max_steps), "seed": (0, 2**63 - 1), "texts": (1, max_texts),
+              "preview_every": (1, max_steps)}
     return RequestModels(generate, texts, limits)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,6 +49,9 @@ from ldlm.serve.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, 
                                tensor_metadata)
 from ldlm.serve.metrics import Metrics
 from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
+from ldlm.serve.playground import create_router as create_playground_router
+from ldlm.serve.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
 from ldlm.serve.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
 
 log = logging.getLogger("ldlm.serve")
@@ -84,6 +87,7 @@ class ServerSettings:
     device: str = "cpu"  # torch backends (eager, compiled)
     precision: str = "fp32"
     provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
+    preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take
 
     def __post_init__(self) -> None:
         checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
@@ -97,6 +101,8 @@ class ServerSettings:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: > 0")
+        if not 0 < self.preview_budget <= 1:
+            raise ValueError(f"preview_budget={self.preview_budget} is out of range; allowed: (0, 1]")
         if self.max_delay_ms < 0:
             raise ValueError(f"max_delay_ms={self.max_delay_ms} is out of range; allowed: >= 0")
 
@@ -127,6 +133,7 @@ class LDLMService:
         self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
         self.json_workers = self._json_pool()
+        self.previews = PreviewDecoder(generation, settings.preview_budget)  # its own thread, never the scheduler's
         self.ready = True
 
     @staticmethod
@@ -146,6 +153,7 @@ class LDLMService:
         """Finish everything queued, then stop the workers (graceful shutdown)."""
         self.ready = False
         self.scheduler.close()
+        self.previews.close()
         for batcher in self.batchers.values():
             batcher.close()
         self.json_workers.shutdown(wait=True, cancel_futures=True)
@@ -192,7 +200,7 @@ def create_app(service: LDLMService) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, service.close)  # drain, then stop
         log.info("shutdown complete")
 
-    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
+    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan, responses=ERROR_RESPONSES, docs_url=None, redoc_url=None,
                   description="LDLM inference: KServe v2 for the encoder, denoiser and decoder graphs, and a text API. "
                   f"Limits of this server: {settings.max_body_bytes} body bytes; {settings.max_request_samples} samples and "
                   f"{settings.max_request_tokens} tokens (batch x seq) per /v2 infer request; n, length, steps and texts "
@@ -202,18 +210,20 @@ def create_app(service: LDLMService) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, error: HTTPError) -> Response:
-        return Response(error_body(error.message), error.status, headers=error.headers, media_type="application/json")
+        return Response(error_body(error.message, error.status, request.url.path), error.status, error.headers, "application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
         message = f"no route {request.method} {request.url.path}; see /docs" if error.status_code == 404 else str(error.detail)
-        return Response(error_body(message), error.status_code, headers=error.headers, media_type="application/json")
+        return Response(error_body(message, error.status_code, request.url.path), error.status_code, error.headers, "application/json")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> Response:
         errors = list(error.errors())
-        status = 400 if any(e["type"] == "json_invalid" for e in errors) else 422
-        return Response(error_body(validation_message(errors, models.limits)), status, media_type="application/json")
+        openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
+        status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
+        message = validation_message(errors, openai_limits(settings, service.config.max_seq_len) if openai else models.limits)
+        return Response(error_body(message, status, request.url.path), status, media_type="application/json")
 
     def model_or_404(name: str) -> str:
         if name not in service.graphs:
@@ -266,8 +276,12 @@ def create_app(service: LDLMService) -> FastAPI:
         return Response(content, headers=headers)
 
     async def generate(body: Any) -> Response:
-        """Sample texts. Random-init checkpoints give gibberish."""
-        future = service.scheduler.submit(GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min))
+        """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
+        spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
+        if body.stream:
+            stream = GenerationStream(service.scheduler, service.previews, spec, body.preview_every)
+            return StreamingResponse(generate_sse(stream, settings.request_timeout_s), headers=SSE_HEADERS, media_type="text/event-stream")
+        future = service.scheduler.submit(spec)
         result = await wait(future, settings.request_timeout_s)
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
@@ -303,6 +317,9 @@ def create_app(service: LDLMService) -> FastAPI:
     for path, handler, body_model, response_model in routes:
         handler.__annotations__ = {"body": body_model, "return": Response}
         app.post(path, response_model=response_model, summary=handler.__doc__)(handler)
+
+    app.include_router(create_openai_router(service))
+    app.include_router(create_playground_router())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,188 @@
+"""OpenAI-compatible routes, so the official ``openai`` client works unchanged.
+
+  GET  /v1/models         the one served model
+  POST /v1/completions    model, prompt, max_tokens, n, seed, stream (+ LDLM's steps, sampler, t_min
+                          as extra body fields: ``client.completions.create(..., extra_body={"steps": 20})``)
+
+A diffusion model writes all positions at once. An empty prompt samples unconditionally; a
+non-empty prompt conditions by prefix inpainting: its P tokens are encoded, and at every step
+their positions are reset to those latents forward-noised to the step's time
+(``LDLMPipeline.inpaint_prefix``). The completion is the text decoded after the prompt, at most
+``max_tokens`` tokens, cut at the first end-of-text token (``finish_reason: "stop"``; else
+``"length"``). How well a completion follows its prompt depends on the trained model: a
+random-init checkpoint gives gibberish. With ``stream: true`` every choice comes as one OpenAI
+chunk once its text is final (diffusion has no left-to-right deltas), then ``data: [DONE]``.
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from fastapi import APIRouter
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field, create_model
+
+from ldlm.pipeline import TextResult
+from ldlm.serve.http_guard import HTTPError
+from ldlm.serve.scheduler import GenerateRequest, QueueFullError
+from ldlm.serve.streaming import SSE_HEADERS, GenerationStream, sse
+
+if TYPE_CHECKING:
+    from ldlm.serve.server import LDLMService
+
+OPENAI_PATHS = ("/v1/completions", "/v1/models")
+MODEL_ID = "ldlm"
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+def completion_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int) -> type[BaseModel]:
+    return create_model(
+        "CompletionBody",
+        model=(str, Field(..., description=f"the served model's id: {MODEL_ID!r} (see GET /v1/models)")),
+        prompt=(str | list[str], Field("", description="text to continue; '' generates unconditionally; "
+                                                       f"a list of 1..{max_texts} prompts gives n choices each")),
+        max_tokens=(int, Field(16, ge=1, le=max_seq_len, description="completion tokens; prompt tokens + max_tokens "
+                                                                     f"must fit the model's max_seq_len ({max_seq_len})")),
+        n=(int, Field(1, ge=1, le=max_n, description=f"choices per prompt (1..{max_n} in all)")),
+        seed=(int | None, Field(None, ge=0, lt=2**63, description="noise seed; with sampler ddim the same seed gives the same text")),
+        stream=(bool, Field(False, description="OpenAI server-sent chunks, ending with data: [DONE]")),
+        stream_options=(StreamOptions | None, Field(None, description="include_usage: a last chunk with usage")),
+        steps=(int, Field(50, ge=1, le=max_steps, description=f"LDLM: denoising steps (1..{max_steps})")),
+        sampler=(Literal["sde", "ddim"], Field("sde", description="LDLM: sde (Euler-Maruyama) or ddim (deterministic)")),
+        t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid")),
+    )
+
+
+def openai_limits(settings: Any, max_seq_len: int) -> dict[str, tuple[int, int]]:
+    """The ranges that validation messages name, field by field."""
+    return {"max_tokens": (1, max_seq_len), "n": (1, settings.max_n), "steps": (1, settings.max_steps), "seed": (0, 2**63 - 1)}
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error",
+            504: "timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def create_router(service: LDLMService) -> APIRouter:
+    from ldlm.serve.server import json_response, run_blocking, wait  # the server's helpers, one of each
+
+    settings, config = service.settings, service.config
+    pipeline = service.batched_pipeline
+    body_model = completion_body(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len)
+    router = APIRouter()
+    created = int(time.time())
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """The served model, as OpenAI lists models."""
+        return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": created, "owned_by": "ldlm",
+                                            "max_model_len": config.max_seq_len}]}
+
+    def prepare(body: Any) -> list[tuple[list[int], GenerateRequest]]:
+        """Per prompt: its token ids and the scheduler request (off the loop: tokenizing is work)."""
+        if body.model != MODEL_ID:
+            raise HTTPError(404, f"model {body.model!r} does not exist; available: {MODEL_ID}")
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        if not 1 <= len(prompts) <= settings.max_texts:
+            raise HTTPError(400, f"prompt has {len(prompts)} items; allowed: 1..{settings.max_texts}")
+        if len(prompts) * body.n > settings.max_n:
+            raise HTTPError(400, f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} choices; "
+                                 f"allowed: up to {settings.max_n} per request")
+        ids = [[] if p == "" else pipeline.tokenizer.encode([p])[0] for p in prompts]
+        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
+        prepared = []
+        for i, row in enumerate(ids):
+            if len(row) + body.max_tokens > config.max_seq_len:
+                name = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
+                raise HTTPError(400, f"{name} has {len(row)} tokens and max_tokens is {body.max_tokens}: {len(row) + body.max_tokens} "
+                                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)")
+            prepared.append((row, GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63,
+                                                  body.sampler, body.t_min)))
+        return prepared
+
+    def prefix_latents(rows: list[list[int]]) -> list[torch.Tensor | None]:
+        return [None if not row else pipeline.encode([row]).latents[0].cpu() for row in rows]
+
+    def choices(row: list[int], result: TextResult, first_index: int) -> tuple[list[dict[str, Any]], int]:
+        """The text after the prompt, cut at end-of-text; and the completion tokens counted."""
+        out, used = [], 0
+        eos = config.eos_token_id
+        for j, ids in enumerate(result.token_ids[:, len(row):].tolist()):
+            stop = eos in ids
+            ids = ids[: ids.index(eos)] if stop else ids
+            used += len(ids)
+            out.append({"text": pipeline.tokenizer.decode(ids), "index": first_index + j, "logprobs": None,
+                        "finish_reason": "stop" if stop else "length"})
+        return out, used
+
+    def submit(prepared: list[tuple[list[int], GenerateRequest]], prefixes: list[torch.Tensor | None]) -> list[GenerationStream]:
+        try:
+            return [GenerationStream(service.scheduler, None, spec, 0, prefix) for (_, spec), prefix in zip(prepared, prefixes)]
+        except QueueFullError as error:
+            raise HTTPError(503, str(error), {"Retry-After": "1"}) from None
+
+    async def start(body: Any) -> tuple[list[tuple[list[int], GenerateRequest]], list[GenerationStream]]:
+        try:
+            prepared = await run_blocking(prepare, body, timeout_s=settings.request_timeout_s)
+            prefixes = await run_blocking(prefix_latents, [row for row, _ in prepared], timeout_s=settings.request_timeout_s)
+        except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
+            raise HTTPError(400, str(error)) from None
+        return prepared, submit(prepared, prefixes)
+
+    async def completions(body: Any) -> Response:
+        """OpenAI completions by a diffusion model; see the module docs for how prompts condition."""
+        prepared, streams = await start(body)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
+        prompt_tokens = sum(len(row) for row, _ in prepared) * body.n
+        if body.stream:
+            return StreamingResponse(stream_chunks(head, prepared, streams, prompt_tokens, body), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        try:
+            results = await wait(asyncio.gather(*(asyncio.wrap_future(s.future) for s in streams)), settings.request_timeout_s)
+        finally:
+            for stream in streams:
+                stream.future.cancel()  # no-op when finished; frees the slots when the client left or time ran out
+        every, used = [], 0
+        for i, ((row, _), result) in enumerate(zip(prepared, results)):
+            got, n_used = choices(row, result, i * body.n)
+            every += got
+            used += n_used
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
+        return json_response({**head, "choices": every, "usage": usage})
+
+    async def stream_chunks(head: dict[str, Any], prepared: list[tuple[list[int], GenerateRequest]], streams: list[GenerationStream],
+                            prompt_tokens: int, body: Any) -> AsyncIterator[bytes]:
+        used = 0
+        try:
+            pending = {asyncio.ensure_future(wait(asyncio.wrap_future(s.future), settings.request_timeout_s)): i
+                       for i, s in enumerate(streams)}
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    got, n_used = choices(prepared[i][0], task.result(), i * body.n)
+                    used += n_used
+                    yield sse({**head, "choices": got})
+            if body.stream_options is not None and body.stream_options.include_usage:
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
+                yield sse({**head, "choices": [], "usage": usage})
+            yield sse("[DONE]")
+        except HTTPError as error:  # the status line is sent: report in-band, in OpenAI's shape
+            yield sse(openai_error(error.status, error.message))
+        finally:
+            for stream in streams:
+                stream.future.cancel()
+
+    completions.__annotations__ = {"body": body_model, "return": Response}
+    router.post("/v1/completions", summary="OpenAI-compatible completions")(completions)
+    return router

@@ -1,0 +1,195 @@
+"""The OpenAI-compatible routes and the denoising-preview stream, against the real server on
+127.0.0.1, through the official ``openai`` client and httpx. References are independent: the
+eager pipeline, and a hand-written inpainting loop over the sampler's math."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
+httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
+openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
+pytest.importorskip("uvicorn")
+
+from ldlm.pipeline import LDLMPipeline  # noqa: E402
+from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa: E402
+from ldlm.serve.server import LDLMService, ServerSettings  # noqa: E402
+from tests.test_server import RunningServer, free_port  # noqa: E402
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def server(export_dir: Path):
+    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=2000)
+    running = RunningServer(LDLMService(str(export_dir), settings))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def complete(client, **kwargs):
+    extra = {"steps": kwargs.pop("steps", STEPS), "sampler": kwargs.pop("sampler", "ddim")}
+    return client.completions.create(model="ldlm", extra_body=extra, **kwargs)
+
+
+def expected_choice(ids: list[int], eos: int, decode) -> tuple[str, str, int]:
+    stop = eos in ids
+    ids = ids[: ids.index(eos)] if stop else ids
+    return decode(ids), "stop" if stop else "length", len(ids)
+
+
+def test_models(client) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["ldlm"] and models[0].object == "model"
+
+
+def test_unconditional_completions_match_eager(client, pipeline: LDLMPipeline) -> None:
+    result = complete(client, prompt="", max_tokens=10, n=3, seed=5)
+    expected = pipeline.generate(3, 10, STEPS, 5, "ddim")  # the same sampler run, eager, in one batch
+    eos = pipeline.config.eos_token_id
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    used = 0
+    for choice, ids in zip(result.choices, expected.token_ids.tolist()):
+        text, reason, n = expected_choice(ids, eos, pipeline.tokenizer.decode)
+        assert (choice.text, choice.finish_reason) == (text, reason)
+        used += n
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (0, used, used)
+    assert result.object == "text_completion" and result.model == "ldlm" and result.id.startswith("cmpl-")
+
+
+def test_seed_reproducible_with_ddim(client) -> None:
+    first = [c.text for c in complete(client, prompt="", max_tokens=12, n=2, seed=11).choices]
+    again = [c.text for c in complete(client, prompt="", max_tokens=12, n=2, seed=11).choices]
+    other = [c.text for c in complete(client, prompt="", max_tokens=12, n=2, seed=12).choices]
+    assert first == again and first != other
+
+
+def inpainted_reference(pipeline: LDLMPipeline, prompt: str, max_tokens: int, seed: int, steps: int) -> list[int]:
+    """Prefix inpainting written out: at every step the prompt's positions are set to its latents
+    forward-noised to that step's time, x_t = alpha_t z + sigma_t eps; then one DDIM step."""
+    model, schedule = pipeline.graphs, pipeline.schedule
+    prompt_ids = pipeline.tokenizer.encode([prompt])[0]
+    p, length, d = len(prompt_ids), len(prompt_ids) + max_tokens, pipeline.config.d_model
+    with torch.no_grad():
+        z = model.encode_latents(torch.tensor([prompt_ids]), torch.ones(1, p, dtype=torch.bool))[0]
+        sample_seed = sample_seeds(seed, 1)[0]
+        x = NoiseStream(sample_seed, (length, d)).draw()
+        prefix_noise = NoiseStream(sample_seed ^ 1, (p, d))
+        x0 = torch.zeros_like(x)
+        grid = time_grid(steps, pipeline.config.t_min)
+        mask = torch.ones(1, length, dtype=torch.bool)
+        for i in range(steps):
+            t, t_next = grid[i].float(), grid[i + 1].float()
+            x[:p] = schedule.alpha(t) * z + schedule.sigma(t) * prefix_noise.draw()
+            x0 = model.denoise(x[None], t[None], x0[None], mask)[0]
+            x = ddim_step(schedule, x[None], x0[None], t[None], t_next[None])[0]
+        x[:p] = z
+        return model.decode_tokens(x[None], mask)[0].tolist()
+
+
+def test_prompt_conditions_by_inpainting(client, pipeline: LDLMPipeline) -> None:
+    prompt = "The weather today is"
+    result = complete(client, prompt=prompt, max_tokens=9, seed=3, steps=6)
+    ids = inpainted_reference(pipeline, prompt, 9, 3, 6)
+    p = len(pipeline.tokenizer.encode([prompt])[0])
+    text, reason, n = expected_choice(ids[p:], pipeline.config.eos_token_id, pipeline.tokenizer.decode)
+    assert (result.choices[0].text, result.choices[0].finish_reason) == (text, reason)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (p, n)
+
+
+def test_streaming_chunks_match_plain(client) -> None:
+    plain = complete(client, prompt="", max_tokens=8, n=2, seed=21)
+    chunks = list(complete(client, prompt="", max_tokens=8, n=2, seed=21, stream=True, stream_options={"include_usage": True}))
+    texts = {c.index: c.text for chunk in chunks for c in chunk.choices}
+    assert texts == {c.index: c.text for c in plain.choices}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_errors_in_openai_shape(client, server: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError) as error:  # 120 prompt tokens + 20 > 128
+        complete(client, prompt="word " * 120, max_tokens=20)
+    assert "allowed: up to 128 (the model's max_seq_len)" in error.value.message
+    with pytest.raises(openai.NotFoundError, match="available: ldlm"):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="n: 0 is out of range; allowed: 1..8"):
+        complete(client, prompt="", n=0)
+    raw = httpx.post(f"{server.url}/v1/completions", json={"model": "ldlm", "max_tokens": 500})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens: 500 is out of range; allowed: 1..128" == raw.json()["error"]["message"]
+
+
+# --- /v1/generate with stream: true: previews, then the result ----------------------------------
+
+
+def read_events(response) -> list[tuple[str, dict]]:
+    """SSE parsed by hand from the raw lines: event name and JSON data per blank-line block."""
+    events, kind, data = [], "message", ""
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            data += line[6:]
+        elif line == "" and data:
+            events.append((kind, json.loads(data)))
+            kind, data = "message", ""
+    return events
+
+
+def x0_hat_reference(pipeline: LDLMPipeline, length: int, seed: int, steps: int, after: int) -> list[str]:
+    """The x0_hat of a DDIM run after ``after`` denoiser calls, decoded: what a preview shows."""
+    model, grid = pipeline.graphs, time_grid(steps, pipeline.config.t_min)
+    with torch.no_grad():
+        x = torch.stack([NoiseStream(s, (length, pipeline.config.d_model)).draw() for s in sample_seeds(seed, 2)])
+        x0 = torch.zeros_like(x)
+        mask = torch.ones(2, length, dtype=torch.bool)
+        for i in range(after):
+            t, t_next = grid[i].float().expand(2), grid[i + 1].float().expand(2)
+            x0 = model.denoise(x, t, x0, mask)
+            x = ddim_step(pipeline.schedule, x, x0, t, t_next)
+    return pipeline.decode(x0).texts
+
+
+def test_generate_stream_previews_then_result(server: RunningServer, pipeline: LDLMPipeline) -> None:
+    body = {"n": 2, "length": 12, "steps": 9, "seed": 4, "sampler": "ddim", "stream": True, "preview_every": 4}
+    with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = read_events(response)
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "result" and set(kinds[:-1]) == {"preview"}
+    shown = {(s["index"], s["step"]): s["text"] for k, e in events if k == "preview" for s in e["samples"]}
+    # every 4 steps, not after the last (step 9); a preview the client has not been sent yet when a newer
+    # one of its sample arrives is replaced by it (a slow reader never backs up the scheduler)
+    assert shown and set(shown) <= {(0, 4), (0, 8), (1, 4), (1, 8)}
+    reference = {step: x0_hat_reference(pipeline, 12, 4, 9, step) for step in (4, 8)}
+    assert all(text == reference[step][i] for (i, step), text in shown.items())
+    plain = httpx.post(f"{server.url}/v1/generate", json={**body, "stream": False}, timeout=60).json()
+    assert events[-1][1] == plain
+    assert plain["token_ids"] == pipeline.generate(2, 12, 9, 4, "ddim").token_ids.tolist()
+
+
+def test_disconnect_mid_stream_frees_the_slot(server: RunningServer) -> None:
+    scheduler = server.service.scheduler
+    body = {"n": 1, "length": 16, "steps": 2000, "seed": 0, "sampler": "ddim", "stream": True, "preview_every": 1}
+    before = scheduler.samples_stepped
+    with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # one preview seen: now walk away
+    deadline = time.time() + 10
+    while scheduler._active and time.time() < deadline:
+        time.sleep(0.02)
+    assert not scheduler._active, "the abandoned request still holds its slot"
+    stepped = scheduler.samples_stepped - before
+    time.sleep(0.3)
+    assert scheduler.samples_stepped - before == stepped < 2000  # it stopped, long before its 2000 steps
