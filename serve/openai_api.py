@@ -158,7 +158,7 @@ def create_router(service: LDLMService) -> APIRouter:
             every += got
             used += n_used
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
-        return json_response({**head, "choices": every, "usage": usage})
+        return await json_response(service, {**head, "choices": every, "usage": usage})
 
     async def stream_chunks(head: dict[str, Any], prepared: list[tuple[list[int], GenerateRequest]], streams: list[GenerationStream],
                             prompt_tokens: int, body: Any) -> AsyncIterator[bytes]:
