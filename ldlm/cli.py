@@ -153,6 +153,20 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue, request_timeout_s=args.timeout_s, max_body_bytes=args.max_body_mb << 20,
         api_key=args.api_key or os.environ.get("LDLM_API_KEY") or None, threads=args.threads,
     )
+    if args.ray:
+        try:
+            from ldlm.serve.ray_app import RayOptions, parse_autoscale, run_on_ray
+        except ImportError as error:
+            raise RuntimeError(f"--ray needs Ray Serve: pip install 'ldlm[ray]' ({error})") from None
+        low, high = parse_autoscale(args.autoscale) if args.autoscale else (None, None)
+        options = RayOptions(replicas=args.replicas or max(low or 1, 1), min_replicas=low, max_replicas=high,
+                             num_cpus=1.0 if args.replica_cpus is None else args.replica_cpus, num_gpus=args.replica_gpus or 0.0)
+        run_on_ray(args.source, settings, options, args.ray_address)
+        return
+    ray_only = {"--ray-address": args.ray_address, "--replicas": args.replicas, "--autoscale": args.autoscale,
+                "--replica-cpus": args.replica_cpus, "--replica-gpus": args.replica_gpus}
+    if any(value is not None for value in ray_only.values()):
+        raise ValueError(f"{', '.join(f for f, v in ray_only.items() if v is not None)} only apply with --ray")
     serve(args.source, settings, args.log_level)
 
 
@@ -356,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set LDLM_API_KEY); off by default")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ray = p.add_argument_group("Ray Serve (pip install 'ldlm[ray]'; see docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas behind Ray's proxy on --host/--port; each replica is "
+                     "one full service (graphs, batching) with the options above")
+    ray.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` made here); default: start a local one")
+    ray.add_argument("--replicas", type=_positive_int, help="replicas (default: 1; with --autoscale, the initial count)")
+    ray.add_argument("--autoscale", metavar="MIN:MAX", help="let Ray scale the replicas between MIN and MAX with the load")
+    ray.add_argument("--replica-cpus", type=float, help="CPUs reserved per replica, fractions allowed (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, help="GPUs per replica, fractions allowed: 0.5 puts two on a GPU (default: 0)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

@@ -118,6 +118,14 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_app(source, ServerSettings(**settings_args), RayOptions(**options_args))
 
 
+def parse_autoscale(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` (``ldlm serve --ray --autoscale 1:4``) -> (1, 4)."""
+    low, _, high = text.partition(":")
+    if not (low.strip().isdigit() and high.strip().isdigit()):
+        raise ValueError(f"autoscale {text!r} is not MIN:MAX replicas (e.g. 1:4)")
+    return int(low), int(high)
+
+
 def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 

@@ -99,12 +99,14 @@ class Clients:
     def __init__(self, url: str) -> None:
         self.url = url
         self.retries: Counter[str] = Counter()
+        self.events: list[str] = []  # what each retry saw, for the report
         self.answered = 0
         self._lock = threading.Lock()
 
-    def _retry(self, cause: str, wait_s: float = 0.05) -> None:
+    def _retry(self, cause: str, detail: str, wait_s: float = 0.05) -> None:
         with self._lock:
             self.retries[cause] += 1
+            self.events.append(f"{cause}: {detail[:200]}")
         time.sleep(wait_s)
 
     def _done(self) -> None:
@@ -115,13 +117,13 @@ class Clients:
         for _ in range(50):
             try:
                 response = http.post("/v1/generate", json={**GENERATE, "seed": seed})
-            except httpx.TransportError:
-                self._retry("connection")
+            except httpx.TransportError as error:
+                self._retry("connection", f"/v1/generate {type(error).__name__}: {error}")
                 continue
             if response.status_code == 503:
-                self._retry("503", min(float(response.headers.get("retry-after", 1)), 1.0))
+                self._retry("503", f"/v1/generate {response.text}", min(float(response.headers.get("retry-after", 1)), 1.0))
             elif from_ray_proxy(response.status_code, response.text):
-                self._retry("proxy_500")
+                self._retry("proxy_500", f"/v1/generate {response.text}")
             else:
                 assert response.status_code == 200, response.text
                 self._done()
@@ -135,14 +137,14 @@ class Clients:
                 latents = client.infer("encoder", inputs).as_numpy("latents")
             except InferenceServerException as error:
                 if error.status() == "503":
-                    self._retry("503", 0.5)
+                    self._retry("503", f"encoder {error.message()}", 0.5)
                     continue
                 if from_ray_proxy(int(error.status() or 0), error.debug_details() or ""):
-                    self._retry("proxy_500")
+                    self._retry("proxy_500", f"encoder {error.debug_details()}")
                     continue
                 raise
-            except OSError:  # tritonclient's transport (geventhttpclient) raises socket errors as they are
-                self._retry("connection")
+            except OSError as error:  # tritonclient's transport (geventhttpclient) raises socket errors as they are
+                self._retry("connection", f"encoder {type(error).__name__}: {error}")
                 continue
             self._done()
             return latents
@@ -270,6 +272,7 @@ def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: L
     # The kill landed on requests in flight: without the retries those requests would be lost.
     assert sum(clients.retries.values()) >= 1, f"the killed replica had nothing in flight; retries: {dict(clients.retries)}"
     print(f"\nreplica killed after {killed['answered_before']}/{total} answers; retries: {dict(clients.retries)}")
+    print("\n".join(clients.events))
 
     def recovered() -> bool:  # the controller notices the death (health checks), then starts a new replica
         names = replica_names()
