@@ -39,7 +39,7 @@ from ldlm.serve.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builde
 from ldlm.serve.server import ServerSettings  # noqa: E402
 
 REPLICAS, REPLICA_CPUS = 2, 0.5
-GENERATE = {"n": 1, "length": 16, "steps": 30, "sampler": "ddim"}
+GENERATE = {"n": 1, "length": 16, "steps": 50, "sampler": "ddim"}
 SEEDS = (0, 1, 2, 3)
 
 
@@ -80,6 +80,18 @@ def replica_names() -> list[str]:
 
 def replica_states() -> dict[str, int]:
     return dict(serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states)
+
+
+def busy_replica(names: list[str], deadline: float) -> tuple[str, int]:
+    """A replica with requests in flight, and how many (Ray's own count, as its routers probe it),
+    so that the kill lands on accepted requests: Ray retries those that no replica accepted yet."""
+    while time.monotonic() < deadline:
+        for name in names:
+            ongoing = ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote(), timeout=10)
+            if ongoing >= 2:
+                return name, ongoing
+        time.sleep(0.01)
+    raise AssertionError("no replica had 2 requests in flight")
 
 
 def from_ray_proxy(status: int, body: str) -> bool:
@@ -224,7 +236,7 @@ def test_answers_equal_the_single_process_references(cluster: str, tiny_model: L
 
 def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: LDLM, expected: dict[int, list[list[int]]]) -> None:
     clients = Clients(cluster)
-    per_client, kill_after = 30, 20
+    per_client, kill_after = 25, 20
     reference = {seed: eager_latents(tiny_model, encoder_ids(seed)) for seed in range(3)}
     failures: list[str] = []
     killed: dict[str, Any] = {}
@@ -259,7 +271,7 @@ def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: L
     deadline = time.monotonic() + 60
     while clients.answered < kill_after and time.monotonic() < deadline:
         time.sleep(0.01)
-    victim = before[0]
+    victim, in_flight = busy_replica(before, deadline + 30)
     killed["answered_before"] = clients.answered
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     for thread in threads:
@@ -271,7 +283,8 @@ def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: L
     assert killed["answered_before"] < total, "the kill came after the load"
     # The kill landed on requests in flight: without the retries those requests would be lost.
     assert sum(clients.retries.values()) >= 1, f"the killed replica had nothing in flight; retries: {dict(clients.retries)}"
-    print(f"\nreplica killed after {killed['answered_before']}/{total} answers; retries: {dict(clients.retries)}")
+    print(f"\nreplica killed with {in_flight} requests in flight after {killed['answered_before']}/{total} answers; "
+          f"retries: {dict(clients.retries)}")
     print("\n".join(clients.events))
 
     def recovered() -> bool:  # the controller notices the death (health checks), then starts a new replica
