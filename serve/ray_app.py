@@ -148,10 +148,15 @@ def _typed(cls: type, values: dict[str, Any]) -> dict[str, Any]:
 
 def run_on_ray(source: str, settings: ServerSettings, options: RayOptions, address: str | None = None) -> None:
     """``ldlm serve --ray``: join (``address``, e.g. "auto") or start a Ray cluster, deploy, print
-    where it listens, serve until SIGINT/SIGTERM, then shut Serve down (replicas drain) and leave."""
+    where it listens, serve until SIGINT/SIGTERM, then take the application down (replicas drain;
+    Serve and Ray too if this call started them)."""
     import ray
 
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process, so ours
+    # must come later, and before the deploy, so that a signal during start-up still ends cleanly.
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(build_app(source, settings, options), name=APP_NAME, route_prefix="/")
@@ -160,13 +165,14 @@ def run_on_ray(source: str, settings: ServerSettings, options: RayOptions, addre
         print(f"ldlm serving {source} on Ray Serve ({settings.backend}; {scale}, {options.num_cpus:g} CPU and "
               f"{options.num_gpus:g} GPU each) on {url}", flush=True)
         print(f"docs: {url}/docs   replicas: `serve status` (with RAY_ADDRESS set) or the Ray dashboard", flush=True)
-        stop = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            stop.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        serve.shutdown()
+        while not stop.wait(0.5):
+            pass
+        print("stopping: replicas finish what they hold", flush=True)
+        if address is None:
+            serve.shutdown()  # our own cluster: all of Serve goes
+        else:
+            serve.delete(APP_NAME)  # a shared cluster: only our application
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         ray.shutdown()

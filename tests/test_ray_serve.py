@@ -35,7 +35,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.serve.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builder, build_app  # noqa: E402
+from ldlm.serve.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builder, build_app, parse_autoscale  # noqa: E402
 from ldlm.serve.server import ServerSettings  # noqa: E402
 
 REPLICAS, REPLICA_CPUS = 2, 0.5
@@ -316,6 +316,14 @@ def test_app_builder_arguments() -> None:
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 8.0}
     assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5} and "num_replicas" not in options
     assert RayOptions(replicas=3).deployment_options()["num_replicas"] == 3
+
+
+def test_cli_ray_options_need_ray(export_dir: Path) -> None:
+    from ldlm.cli import main
+
+    assert main(["serve", str(export_dir), "--replicas", "2"]) == 2  # never silently ignored
+    with pytest.raises(ValueError, match="autoscale '1-4' is not MIN:MAX"):
+        parse_autoscale("1-4")
 
 
 def test_cluster_shuts_down_cleanly(cluster: str) -> None:
