@@ -108,8 +108,7 @@ class Clients:
     """Retrying clients: on 503 (after Retry-After, capped at 1 s), on the proxy's 500 for a dead
     replica and on connection errors; any other answer is final. Counts retries by cause."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self) -> None:
         self.retries: Counter[str] = Counter()
         self.events: list[str] = []  # what each retry saw, for the report
         self.answered = 0
@@ -235,7 +234,7 @@ def test_answers_equal_the_single_process_references(cluster: str, tiny_model: L
 
 
 def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: LDLM, expected: dict[int, list[list[int]]]) -> None:
-    clients = Clients(cluster)
+    clients = Clients()
     per_client, kill_after = 25, 20
     reference = {seed: eager_latents(tiny_model, encoder_ids(seed)) for seed in range(3)}
     failures: list[str] = []
