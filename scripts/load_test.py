@@ -168,6 +168,38 @@ def measure_overhead(url: str, source: str, requests: int) -> dict:
             "graph": "encoder", "batch": 1, "length": 16}
 
 
+def cpu_seconds_by_process() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process ("load generator") and every process
+    below it, grouped by name (Ray sets "ray::ServeReplica:...", "ray::ProxyActor", ...), so a run
+    shows where the CPU went: a speed-up needs the replicas, not the proxy, to be the bottleneck."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        table[int(entry.name)] = (int(fields[1]), argv0, (int(fields[11]) + int(fields[12])) / tick)
+    me = os.getpid()
+    below, todo = set(), [me]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, _, _) in table.items():
+            if ppid == parent and pid not in below:
+                below.add(pid)
+                todo.append(pid)
+    groups: dict[str, float] = {"load generator": table[me][2] if me in table else 0.0}
+    for pid in below:
+        _, argv0, cpu = table[pid]
+        name = argv0.split()[0] if argv0.strip() else "?"
+        name = "ray::" + name[5:].split(":")[0] if name.startswith("ray::") else Path(name).name
+        groups[name] = groups.get(name, 0.0) + cpu
+    return groups
+
+
 def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dict:
     """Throughput of the Ray Serve app per replica count, on a local Ray cluster started here."""
     import ray
@@ -195,8 +227,12 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
                     time.sleep(0.5)
                 d = httpx.get(f"{url}/v2/models/decoder", timeout=30).json()["inputs"][0]["shape"][-1]
                 run_clients(url, args.clients, min(5.0, args.seconds), d, args.mix, args.gen_length, args.gen_steps)  # warm-up
+                cpu_before = cpu_seconds_by_process()
                 result = run_clients(url, args.clients, args.seconds, d, args.mix, args.gen_length, args.gen_steps)
-                runs[n].append({"round": round_, "loadavg_1m": os.getloadavg()[0], **result})
+                cpu_after = cpu_seconds_by_process()
+                spent = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
+                per_request = {k: round(1000 * v / max(result["answered"], 1), 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0.05}
+                runs[n].append({"round": round_, "loadavg_1m": round(os.getloadavg()[0], 2), **result, "cpu_ms_per_request": per_request})
                 print(f"round {round_}: {n} replica(s): {result['throughput_rps']} req/s", flush=True)
     finally:
         serve.shutdown()
@@ -212,6 +248,11 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "median_throughput_rps": {str(n): round(m, 2) for n, m in medians.items()},
         "speedup": round(medians[max(counts)] / medians[min(counts)], 3) if medians[min(counts)] else None,
+        # CPU per answered request, median over rounds: "replicas" against everything else (proxy,
+        # controller, raylet, this load generator). Less affected by other load than throughput.
+        "cpu_ms_per_request": {str(n): {"replicas": statistics.median(r["cpu_ms_per_request"].get("ray::ServeReplica", 0.0) for r in runs[n]),
+                                        "total": statistics.median(round(sum(r["cpu_ms_per_request"].values()), 3) for r in runs[n])}
+                               for n in counts},
         "runs": {str(n): r for n, r in runs.items()},
         "load": {"errors": sum(r["errors"] for rs in runs.values() for r in rs), "lost": sum(r["lost"] for rs in runs.values() for r in rs)},
     }
