@@ -238,6 +238,12 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
         serve.shutdown()
         ray.shutdown()
     medians = {n: statistics.median(r["throughput_rps"] for r in runs[n]) for n in counts}
+    cpu = {n: {"replicas": statistics.median(r["cpu_ms_per_request"].get("ray::ServeReplica", 0.0) for r in runs[n]),
+               "total": statistics.median(round(sum(r["cpu_ms_per_request"].values()), 3) for r in runs[n])} for n in counts}
+    cores = os.cpu_count() or 1
+    # What the CPU cost per request allows on this machine if nothing else ran: n replicas of one
+    # intra-op thread use at most about n cores, and all processes together at most `cores`.
+    bound = {n: min(n * 1000 / c["replicas"], cores * 1000 / c["total"]) if c["replicas"] else 0.0 for n, c in cpu.items()}
     return {
         "mode": "ray_scaling",
         "url": url,
@@ -248,11 +254,12 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "median_throughput_rps": {str(n): round(m, 2) for n, m in medians.items()},
         "speedup": round(medians[max(counts)] / medians[min(counts)], 3) if medians[min(counts)] else None,
-        # CPU per answered request, median over rounds: "replicas" against everything else (proxy,
+        # CPU per answered request, median over rounds: the replicas against everything (proxy,
         # controller, raylet, this load generator). Less affected by other load than throughput.
-        "cpu_ms_per_request": {str(n): {"replicas": statistics.median(r["cpu_ms_per_request"].get("ray::ServeReplica", 0.0) for r in runs[n]),
-                                        "total": statistics.median(round(sum(r["cpu_ms_per_request"].values()), 3) for r in runs[n])}
-                               for n in counts},
+        "cpu_ms_per_request": {str(n): c for n, c in cpu.items()},
+        "cpu_bound_estimate": {"throughput_rps": {str(n): round(b, 2) for n, b in bound.items()},
+                               "speedup": round(bound[max(counts)] / bound[min(counts)], 3) if bound[min(counts)] else None,
+                               "assumes": f"only this test on the {cores} cores; a replica with 1 intra-op thread uses about one core"},
         "runs": {str(n): r for n, r in runs.items()},
         "load": {"errors": sum(r["errors"] for rs in runs.values() for r in rs), "lost": sum(r["lost"] for rs in runs.values() for r in rs)},
     }

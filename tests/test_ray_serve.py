@@ -167,6 +167,7 @@ def cluster(export_dir: Path):
     """A fresh local Ray cluster (2 logical CPUs, as CI has) serving 2 replicas of 0.5 CPU each."""
     if ray.is_initialized():
         pytest.skip("a Ray cluster is already connected in this process; this test starts its own")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # CI has no network to report to
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 << 20)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
