@@ -91,7 +91,9 @@ def build_app(source: str, settings: ServerSettings, options: RayOptions = RayOp
     their own ``LDLMService(source, settings)``. ``source`` must be readable on every node."""
 
     def build_asgi_app() -> Any:  # runs inside each replica, after Ray placed it (and its GPU)
-        return create_app(LDLMService(source, settings))
+        app = create_app(LDLMService(source, settings))
+        app.add_middleware(OneRequestIdHeader)
+        return app
 
     @serve.ingress(build_asgi_app)
     class LDLMReplica:
@@ -99,6 +101,23 @@ def build_app(source: str, settings: ServerSettings, options: RayOptions = RayOp
 
     deployment = serve.deployment(LDLMReplica, name=DEPLOYMENT_NAME, **options.deployment_options())
     return deployment.bind()
+
+
+class OneRequestIdHeader:
+    """Ray's proxy puts its request id into the request's X-Request-ID (keeping the client's) and
+    adds the header to the response; the replica's app adds the same id too. Drop the replica's
+    copy so clients see the header once, as from ``ldlm serve``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async def send_once(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+            await send(message)
+
+        await self.app(scope, receive, send_once if scope["type"] == "http" else send)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

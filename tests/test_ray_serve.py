@@ -223,9 +223,10 @@ def test_answers_equal_the_single_process_references(cluster: str, tiny_model: L
         client.close()
     with httpx.Client(base_url=cluster, timeout=60) as http:
         for seed in SEEDS:
-            response = http.post("/v1/generate", json={**GENERATE, "seed": seed})
+            response = http.post("/v1/generate", json={**GENERATE, "seed": seed}, headers={"X-Request-ID": f"r{seed}"})
             assert response.status_code == 200, response.text
             assert response.json()["token_ids"] == expected[seed]
+            assert response.headers.get_list("x-request-id") == [f"r{seed}"]  # once, as from `ldlm serve`
         texts = ["Hello there.", "A longer sentence about latent diffusion."]
         assert http.post("/v1/reconstruct", json={"texts": texts}).json()["texts"] == pipeline.reconstruct(texts).texts
         bad = http.post("/v1/generate", json={"n": 100, "length": 8, "steps": 2})  # the replica's own error shape
