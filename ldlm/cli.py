@@ -192,6 +192,20 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
         preview_budget=args.preview_budget,
     )
+    if args.ray:
+        try:
+            from ldlm.serve.ray_app import RayOptions, parse_autoscale, run_on_ray
+        except ImportError as error:
+            raise RuntimeError(f"--ray needs Ray Serve: pip install 'ldlm[ray]' ({error})") from None
+        low, high = parse_autoscale(args.autoscale) if args.autoscale else (None, None)
+        options = RayOptions(replicas=args.replicas or max(low or 1, 1), min_replicas=low, max_replicas=high,
+                             num_cpus=1.0 if args.replica_cpus is None else args.replica_cpus, num_gpus=args.replica_gpus or 0.0)
+        run_on_ray(args.source, settings, options, args.ray_address)
+        return
+    ray_only = {"--ray-address": args.ray_address, "--replicas": args.replicas, "--autoscale": args.autoscale,
+                "--replica-cpus": args.replica_cpus, "--replica-gpus": args.replica_gpus}
+    if any(value is not None for value in ray_only.values()):
+        raise ValueError(f"{', '.join(f for f, v in ray_only.items() if v is not None)} only apply with --ray")
     serve(args.source, settings, args.log_level)
 
 
@@ -461,6 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="level of the JSON request log on stderr; info logs one line per request (default: info)")
+    ray = p.add_argument_group("Ray Serve (pip install 'ldlm[ray]'; see docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas behind Ray's proxy on --host/--port; each replica is "
+                     "one full service (graphs, batching) with the options above")
+    ray.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` made here); default: start a local one")
+    ray.add_argument("--replicas", type=_positive_int, help="replicas (default: 1; with --autoscale, the initial count)")
+    ray.add_argument("--autoscale", metavar="MIN:MAX", help="let Ray scale the replicas between MIN and MAX with the load")
+    ray.add_argument("--replica-cpus", type=float, help="CPUs reserved per replica, fractions allowed (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, help="GPUs per replica, fractions allowed: 0.5 puts two on a GPU (default: 0)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

@@ -7,6 +7,14 @@ Traffic goes to loopback only. Without --url the script starts its own server on
 Writes JSON: throughput, p50/p99 latency, errors and lost requests (sent but never answered).
 
     python scripts/load_test.py --clients 16 --seconds 60 --out runs/load_test.json
+
+With --ray-replicas (needs `pip install -e .[ray]`) the script starts a local Ray cluster instead,
+serves the Ray Serve application (ldlm.serve.ray_app) with each replica count in turn, alternating
+them for --repeats rounds so that drifting load on the machine hits every count alike, and reports
+the median throughput per count and the speed-up of the largest count over the smallest:
+
+    python scripts/load_test.py --ray-replicas 1,2 --threads 1 --mix generate --clients 8 \
+        --seconds 20 --repeats 3 --overhead-requests 0 --out runs/ray_scaling.json
 """
 
 from __future__ import annotations
@@ -66,7 +74,13 @@ def start_server(source: str, port: int, flags: list[str] | None = None) -> subp
     raise RuntimeError("ldlm serve did not become ready in 120 s")
 
 
-def run_clients(url: str, clients: int, seconds: float, d: int) -> dict:
+def generate_body(seed: int, length: int, steps: int) -> dict:
+    return {"n": 1, "length": length, "steps": steps, "seed": seed, "sampler": "ddim"}
+
+
+def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixed", gen_length: int = 16, gen_steps: int = 10) -> dict:
+    """``mix``: "mixed" (70% encoder, 20% decoder, 10% /v1/generate) or "generate" (only
+    /v1/generate, where the replicas' compute dominates over HTTP handling)."""
     stop_at = time.perf_counter() + seconds
     lock = threading.Lock()
     stats = {"sent": 0, "answered": 0, "errors": 0, "lost": 0, "by_status": {}}
@@ -77,13 +91,13 @@ def run_clients(url: str, clients: int, seconds: float, d: int) -> dict:
         with httpx.Client(base_url=url, timeout=30) as http:
             i = 0
             while time.perf_counter() < stop_at:
-                kind = rng.random()
+                kind = 1.0 if mix == "generate" else rng.random()
                 if kind < 0.7:
                     request = ("/v2/models/encoder/infer", encoder_body(int(rng.integers(8, 33)), index * 100000 + i))
                 elif kind < 0.9:
                     request = ("/v2/models/decoder/infer", decoder_body(int(rng.integers(8, 33)), d, i))
                 else:
-                    request = ("/v1/generate", {"n": 1, "length": 16, "steps": 10, "seed": i, "sampler": "ddim"})
+                    request = ("/v1/generate", generate_body(i, gen_length, gen_steps))
                 i += 1
                 with lock:
                     stats["sent"] += 1
@@ -111,6 +125,7 @@ def run_clients(url: str, clients: int, seconds: float, d: int) -> dict:
     wall = time.perf_counter() - started
     return {
         **stats,
+        "mix": mix,
         "clients": clients,
         "seconds": round(wall, 2),
         "throughput_rps": round(stats["answered"] / wall, 2),
@@ -153,6 +168,103 @@ def measure_overhead(url: str, source: str, requests: int) -> dict:
             "graph": "encoder", "batch": 1, "length": 16}
 
 
+def cpu_seconds_by_process() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process ("load generator") and every process
+    below it, grouped by name (Ray sets "ray::ServeReplica:...", "ray::ProxyActor", ...), so a run
+    shows where the CPU went: a speed-up needs the replicas, not the proxy, to be the bottleneck."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        table[int(entry.name)] = (int(fields[1]), argv0, (int(fields[11]) + int(fields[12])) / tick)
+    me = os.getpid()
+    below, todo = set(), [me]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, _, _) in table.items():
+            if ppid == parent and pid not in below:
+                below.add(pid)
+                todo.append(pid)
+    groups: dict[str, float] = {"load generator": table[me][2] if me in table else 0.0}
+    for pid in below:
+        _, argv0, cpu = table[pid]
+        name = argv0.split()[0] if argv0.strip() else "?"
+        name = "ray::" + name[5:].split(":")[0] if name.startswith("ray::") else Path(name).name
+        groups[name] = groups.get(name, 0.0) + cpu
+    return groups
+
+
+def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dict:
+    """Throughput of the Ray Serve app per replica count, on a local Ray cluster started here."""
+    import ray
+    from ray import serve
+
+    from ldlm.serve.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, build_app
+    from ldlm.serve.server import ServerSettings
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    settings = ServerSettings(threads=args.threads)
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    load_before = os.getloadavg()
+    try:
+        for round_ in range(args.repeats):
+            for n in counts:
+                serve.delete(APP_NAME)  # a clean start: every count gets fresh replicas and all the CPUs it reserves
+                serve.run(build_app(source, settings, RayOptions(replicas=n, num_cpus=args.replica_cpus)), name=APP_NAME, route_prefix="/")
+                deadline = time.time() + 180
+                while serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states != {"RUNNING": n}:
+                    if time.time() > deadline:
+                        raise RuntimeError(f"{n} replicas did not become RUNNING in 180 s")
+                    time.sleep(0.5)
+                d = httpx.get(f"{url}/v2/models/decoder", timeout=30).json()["inputs"][0]["shape"][-1]
+                run_clients(url, args.clients, min(5.0, args.seconds), d, args.mix, args.gen_length, args.gen_steps)  # warm-up
+                cpu_before = cpu_seconds_by_process()
+                result = run_clients(url, args.clients, args.seconds, d, args.mix, args.gen_length, args.gen_steps)
+                cpu_after = cpu_seconds_by_process()
+                spent = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
+                per_request = {k: round(1000 * v / max(result["answered"], 1), 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0.05}
+                runs[n].append({"round": round_, "loadavg_1m": round(os.getloadavg()[0], 2), **result, "cpu_ms_per_request": per_request})
+                print(f"round {round_}: {n} replica(s): {result['throughput_rps']} req/s", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    medians = {n: statistics.median(r["throughput_rps"] for r in runs[n]) for n in counts}
+    cpu = {n: {"replicas": statistics.median(r["cpu_ms_per_request"].get("ray::ServeReplica", 0.0) for r in runs[n]),
+               "total": statistics.median(round(sum(r["cpu_ms_per_request"].values()), 3) for r in runs[n])} for n in counts}
+    cores = os.cpu_count() or 1
+    # What the CPU cost per request allows on this machine if nothing else ran: n replicas of one
+    # intra-op thread use at most about n cores, and all processes together at most `cores`.
+    bound = {n: min(n * 1000 / c["replicas"], cores * 1000 / c["total"]) if c["replicas"] else 0.0 for n, c in cpu.items()}
+    return {
+        "mode": "ray_scaling",
+        "url": url,
+        "threads_per_replica": args.threads,
+        "cpus_per_replica": args.replica_cpus,
+        "machine_cpus": os.cpu_count(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "median_throughput_rps": {str(n): round(m, 2) for n, m in medians.items()},
+        "speedup": round(medians[max(counts)] / medians[min(counts)], 3) if medians[min(counts)] else None,
+        # CPU per answered request, median over rounds: the replicas against everything (proxy,
+        # controller, raylet, this load generator). Less affected by other load than throughput.
+        "cpu_ms_per_request": {str(n): c for n, c in cpu.items()},
+        "cpu_bound_estimate": {"throughput_rps": {str(n): round(b, 2) for n, b in bound.items()},
+                               "speedup": round(bound[max(counts)] / bound[min(counts)], 3) if bound[min(counts)] else None,
+                               "assumes": f"only this test on the {cores} cores; a replica with 1 intra-op thread uses about one core"},
+        "runs": {str(n): r for n, r in runs.items()},
+        "load": {"errors": sum(r["errors"] for rs in runs.values() for r in rs), "lost": sum(r["lost"] for rs in runs.values() for r in rs)},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running server on loopback (default: start one)")
@@ -160,10 +272,28 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--overhead-requests", type=int, default=300, help="0 skips the overhead measurement")
+    parser.add_argument("--mix", choices=["mixed", "generate"], default="mixed",
+                        help="mixed: 70%% encoder, 20%% decoder, 10%% generate; generate: only /v1/generate (default: mixed)")
+    parser.add_argument("--gen-length", type=int, default=16, help="tokens per /v1/generate request (default: 16)")
+    parser.add_argument("--gen-steps", type=int, default=10, help="steps per /v1/generate request (default: 10)")
+    parser.add_argument("--ray-replicas", help="compare Ray Serve replica counts on a local Ray cluster, e.g. 1,2")
+    parser.add_argument("--threads", type=int, default=1, help="with --ray-replicas: intra-op threads per replica (default: 1)")
+    parser.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray-replicas: CPUs reserved per replica (default: 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="with --ray-replicas: rounds over the counts (default: 3)")
     parser.add_argument("--out", default="runs/load_test.json")
     args = parser.parse_args()
     if not 1 <= args.clients <= 256 or not 0 < args.seconds <= 600:
         parser.error("--clients must be in 1..256 and --seconds in (0, 600]")
+    if not 1 <= args.gen_length <= 4096 or not 1 <= args.gen_steps <= 1000 or not 1 <= args.repeats <= 100 or not 1 <= args.threads <= 256:
+        parser.error("--gen-length must be in 1..4096, --gen-steps in 1..1000, --repeats in 1..100 and --threads in 1..256")
+    counts = []
+    if args.ray_replicas:
+        try:
+            counts = sorted({int(n) for n in args.ray_replicas.split(",")})
+        except ValueError:
+            parser.error(f"--ray-replicas {args.ray_replicas!r} is not a comma-separated list of replica counts, e.g. 1,2")
+        if not counts or counts[0] < 1 or counts[-1] > 64 or args.url:
+            parser.error("--ray-replicas takes counts in 1..64 and starts its own cluster (no --url)")
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error(f"--url {args.url} is not on loopback; load tests send traffic to 127.0.0.1 only")
 
@@ -177,6 +307,12 @@ def main() -> None:
 
             checkpoint = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), Path(work) / "tiny")
             source = str(export_graphs(checkpoint, Path(work) / "onnx").out)
+        if counts:
+            report = ray_scaling(source, counts, args)
+            write_report(report, args.out)
+            if report["load"]["errors"] or report["load"]["lost"]:
+                sys.exit(1)
+            return
         process = None
         url = args.url
         if url is None:
@@ -185,7 +321,7 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
         try:
             d = httpx.get(f"{url}/v2/models/decoder", timeout=10).json()["inputs"][0]["shape"][-1]
-            report = {"url": url, "load": run_clients(url, args.clients, args.seconds, d)}
+            report = {"url": url, "load": run_clients(url, args.clients, args.seconds, d, args.mix, args.gen_length, args.gen_steps)}
             if args.overhead_requests:
                 report["overhead"] = measure_overhead(url, source, args.overhead_requests)
         finally:
@@ -194,12 +330,18 @@ def main() -> None:
                 report_exit = process.wait(60)
         if process is not None:
             report["server_exit_code"] = report_exit
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
     if report["load"]["errors"] or report["load"]["lost"]:
         sys.exit(1)
+
+
+def write_report(report: dict, path: str) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")  # no half-written report if interrupted
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(out)
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Set up (CPU torch, the package and its test extras) and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh cpu,rtx,test
+bash scripts/bootstrap.sh cpu,rtx,test,ray
 # The playground's browser test drives Debian's chromium. Install it when missing; where apt cannot
 # (no root, no network) the test skips and says so.
 if ! command -v chromium >/dev/null 2>&1; then
