@@ -4,7 +4,7 @@ After parsing, every LayerNormalization must be one INormalizationLayer whose ep
 module's eps (as float32) and whose axes bit mask covers the normalized axes; the count must equal
 the ONNX count. Layers are matched to modules in network order, which is the ONNX node order.
 
-The eps probes (serve/eps_probe.py) also read each layer's epsilon, axes, scale and bias back from
+The eps probes (serve/checks/eps_probe.py) also read each layer's epsilon, axes, scale and bias back from
 a parsed network, and build one engine per layer holding that layer alone.
 """
 

@@ -178,7 +178,7 @@ def write_triton_repo(
             (tmp / name / "config.pbtxt").write_text(text)
         generate = tmp / GENERATE_MODEL / "1"
         generate.mkdir(parents=True)
-        spec = importlib.util.find_spec("ldlm.serve.triton_generate")  # located, not imported (it needs Triton)
+        spec = importlib.util.find_spec("ldlm.serve.deploy.triton_generate")  # located, not imported (it needs Triton)
         assert spec is not None and spec.origin is not None
         shutil.copy(spec.origin, generate / "model.py")
         config.save(generate / CONFIG_FILE)

@@ -109,8 +109,8 @@ def _cmd_build_engine(args: argparse.Namespace) -> None:
 
 
 def _cmd_parity(args: argparse.Namespace) -> None:
-    from ldlm.serve.parity import run_parity
-    from ldlm.serve.parity_report import write_parity_report
+    from ldlm.serve.checks.parity import run_parity
+    from ldlm.serve.checks.parity_report import write_parity_report
 
     source = {"trt": args.engine_dir, "ort": args.onnx_dir}.get(args.backend)  # torch backends run the checkpoint
     report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed,
@@ -134,7 +134,7 @@ def _cmd_parity(args: argparse.Namespace) -> None:
 
 
 def _cmd_probe_eps(args: argparse.Namespace) -> None:
-    from ldlm.serve.eps_probe import probe_layer_norm_eps, write_eps_report
+    from ldlm.serve.checks.eps_probe import probe_layer_norm_eps, write_eps_report
 
     if args.onnx_dir is None and args.engine_dir is None:
         raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
@@ -162,7 +162,7 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
 def _cmd_bench(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ldlm.serve.bench import bench_summary, plot_bench, run_bench
+    from ldlm.serve.checks.bench import bench_summary, plot_bench, run_bench
 
     report = run_bench(
         args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, args.batches,
@@ -181,7 +181,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     import os
 
-    from ldlm.serve.server import ServerSettings, serve
+    from ldlm.serve.api.server import ServerSettings, serve
 
     settings = ServerSettings(
         host=args.host, port=args.port, backend=args.backend, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
@@ -194,7 +194,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     )
     if args.ray:
         try:
-            from ldlm.serve.ray_app import RayOptions, parse_autoscale, run_on_ray
+            from ldlm.serve.deploy.ray_app import RayOptions, parse_autoscale, run_on_ray
         except ImportError as error:
             raise RuntimeError(f"--ray needs Ray Serve: pip install 'ldlm[ray]' ({error})") from None
         low, high = parse_autoscale(args.autoscale) if args.autoscale else (None, None)

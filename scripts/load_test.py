@@ -9,7 +9,7 @@ Writes JSON: throughput, p50/p99 latency, errors and lost requests (sent but nev
     python scripts/load_test.py --clients 16 --seconds 60 --out runs/load_test.json
 
 With --ray-replicas (needs `pip install -e .[ray]`) the script starts a local Ray cluster instead,
-serves the Ray Serve application (ldlm.serve.ray_app) with each replica count in turn, alternating
+serves the Ray Serve application (ldlm.serve.deploy.ray_app) with each replica count in turn, alternating
 them for --repeats rounds so that drifting load on the machine hits every count alike, and reports
 the median throughput per count and the speed-up of the largest count over the smallest:
 
@@ -139,7 +139,7 @@ def measure_overhead(url: str, source: str, requests: int) -> dict:
     them) and through the raw runner in this process, alternating call by call."""
     import tritonclient.http as triton
 
-    from ldlm.serve.backends import open_graphs
+    from ldlm.serve.runtime.backends import open_graphs
 
     graphs, _, _ = open_graphs("ort", source)
     body = encoder_body(16, 0)
@@ -205,8 +205,8 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
     import ray
     from ray import serve
 
-    from ldlm.serve.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, build_app
-    from ldlm.serve.server import ServerSettings
+    from ldlm.serve.deploy.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, build_app
+    from ldlm.serve.api.server import ServerSettings
 
     ray.init(include_dashboard=False, log_to_driver=False)
     port = free_port()

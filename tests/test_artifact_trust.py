@@ -22,7 +22,7 @@ from ldlm.export.artifact import ArtifactError
 pytest.importorskip("onnxruntime", reason="the export is opened with ONNX Runtime (pip install -e .[cpu])")
 
 from ldlm.export.onnx_export import verify_export  # noqa: E402
-from ldlm.serve.backends import BackendError, open_graphs  # noqa: E402
+from ldlm.serve.runtime.backends import BackendError, open_graphs  # noqa: E402
 
 
 # --- 6. config bounds ---------------------------------------------------------------------------
@@ -107,8 +107,8 @@ def test_edited_weight_bytes_are_refused_by_every_consumer(export_copy: Path, ti
         verify_export(export_copy)
     with pytest.raises(ArtifactError, match=message):
         open_graphs("ort", export_copy)
-    from ldlm.serve.parity import run_parity
-    from ldlm.serve.server import LDLMService, ServerSettings
+    from ldlm.serve.checks.parity import run_parity
+    from ldlm.serve.api.server import LDLMService, ServerSettings
 
     with pytest.raises(ArtifactError, match=message):
         LDLMService(str(export_copy), ServerSettings())

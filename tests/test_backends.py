@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ldlm.serve.backends import BackendError, EagerBackend, open_graphs
+from ldlm.serve.runtime.backends import BackendError, EagerBackend, open_graphs
 
 pytest.importorskip("onnxruntime", reason="ONNX Runtime is one of the backends compared (pip install -e .[cpu])")
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import ldlm.serve.bench as bench
+import ldlm.serve.checks.bench as bench
 from ldlm.config import preset
-from ldlm.serve.bench import bench_graphs, bench_summary, mixed_workload, percentile
+from ldlm.serve.checks.bench import bench_graphs, bench_summary, mixed_workload, percentile
 
 
 class Clock:

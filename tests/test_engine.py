@@ -23,7 +23,7 @@ from ldlm.export.precision import lower_precision
 from ldlm.export.profiles import EngineProfile, ShapeRange
 from ldlm.export.trt_flavor import FlavorError, GpuInfo, load_flavor, recording_logger
 from ldlm.export.verify import LayerNormSpec
-from ldlm.serve.tensorrt_engine import PlanMismatchError, TensorRTEngine, check_plan_manifest, read_plan_manifest
+from ldlm.serve.runtime.tensorrt_engine import PlanMismatchError, TensorRTEngine, check_plan_manifest, read_plan_manifest
 from tests.artifacts import reseal_manifest
 
 trt_rtx = pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no engine was built")

@@ -23,7 +23,7 @@ from ldlm.export.graphs import graph_io
 from ldlm.export.onnx_export import graph_layer_norm_specs, read_manifest
 from ldlm.export.verify import check_layer_norms, node_name_scopes, pair_layer_norm_nodes, verify_onnx
 from ldlm.layers import RMSNorm
-from ldlm.serve.eps_probe import (
+from ldlm.serve.checks.eps_probe import (
     EpsProbeReport,
     LayerNormProbe,
     analyse_outputs,
@@ -32,12 +32,12 @@ from ldlm.serve.eps_probe import (
     probe_rows,
     run_cases,
 )
-from ldlm.serve.layernorm_cases import layer_norm_cases
-from ldlm.serve.parity import run_parity
+from ldlm.serve.checks.layernorm_cases import layer_norm_cases
+from ldlm.serve.checks.parity import run_parity
 from tests.artifacts import reseal_manifest
 
 ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is the backend under test (pip install -e .[cpu])")
-from ldlm.serve.eps_probe_ort import OrtNodeRunner  # noqa: E402  (needs onnxruntime)
+from ldlm.serve.checks.eps_probe_ort import OrtNodeRunner  # noqa: E402  (needs onnxruntime)
 
 ENCODER_LN = "model.feature_model.h.1.ln_2"
 ENCODER_MLP_LN = "model.latent_encoder.blocks.0.mlp.norm"

@@ -17,7 +17,7 @@ from ldlm.export.trt_flavor import load_flavor
 from ldlm.export.verify import LAYER_NORM_OP, pair_layer_norm_nodes
 from ldlm.export.graphs import graph_io
 from ldlm.export.onnx_export import graph_layer_norm_specs
-from ldlm.serve.eps_probe import probe_layer_norm_eps
+from ldlm.serve.checks.eps_probe import probe_layer_norm_eps
 from tests.test_eps_probe import ENCODER_LN, edited_export, set_eps
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no one-layer engine was built")
@@ -86,7 +86,7 @@ def test_engine_probes_build_every_layer_and_say_what_did_not_run(tiny_checkpoin
 
 def test_a_changed_eps_is_read_back_and_fails_naming_layer_and_module(tiny_checkpoint: Path, export_dir: Path, engines: Path,
                                                                       tiny_model, tmp_path: Path) -> None:
-    from ldlm.serve.eps_probe_trt import probe_layer
+    from ldlm.serve.checks.eps_probe_trt import probe_layer
 
     broken = edited_export(export_dir, tmp_path / "broken", "encoder", set_eps(ENCODER_LN, 1e-6))
     flavor = load_flavor("tensorrt_rtx")

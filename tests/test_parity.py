@@ -14,9 +14,9 @@ import pytest
 from ldlm.cli import main
 from ldlm.export.onnx_export import read_manifest
 from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
-from ldlm.serve.compare import Comparison, compare_outputs
-from ldlm.serve.parity import run_parity
-from ldlm.serve.parity_report import write_parity_report
+from ldlm.serve.checks.compare import Comparison, compare_outputs
+from ldlm.serve.checks.parity import run_parity
+from ldlm.serve.checks.parity_report import write_parity_report
 from tests.artifacts import reseal_manifest
 
 needs_ort = pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None,

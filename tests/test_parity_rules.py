@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ldlm.serve.compare import compare_outputs
-from ldlm.serve.parity import ParityReport, first_divergence
+from ldlm.serve.checks.compare import compare_outputs
+from ldlm.serve.checks.parity import ParityReport, first_divergence
 
 REF = np.array([[1.0, 2.0, 3.0]])
 

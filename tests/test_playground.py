@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 pytest.importorskip("uvicorn")
 
-from ldlm.serve.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
 from tests.test_server import RunningServer, free_port  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

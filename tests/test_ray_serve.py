@@ -35,8 +35,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.serve.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builder, build_app, parse_autoscale  # noqa: E402
-from ldlm.serve.server import ServerSettings  # noqa: E402
+from ldlm.serve.deploy.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builder, build_app, parse_autoscale  # noqa: E402
+from ldlm.serve.api.server import ServerSettings  # noqa: E402
 
 REPLICAS, REPLICA_CPUS = 2, 0.5
 GENERATE = {"n": 1, "length": 16, "steps": 50, "sampler": "ddim"}
@@ -302,7 +302,7 @@ def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: L
 
 
 def test_app_builder_arguments() -> None:
-    """``serve run ldlm.serve.ray_app:app_builder key=value ...`` hands strings; bad keys are named."""
+    """``serve run ldlm.serve.deploy.ray_app:app_builder key=value ...`` hands strings; bad keys are named."""
     with pytest.raises(ValueError, match="needs source="):
         app_builder({"replicas": "2"})
     with pytest.raises(ValueError, match="unknown argument.*replica_count.*allowed: source"):

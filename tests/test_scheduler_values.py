@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
 # Three one-sample requests of one length (one bucket): A takes 4 steps, B and C one step each.
 A = GenerateRequest(n=1, length=6, steps=4, seed=11, sampler="ddim")

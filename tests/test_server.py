@@ -47,8 +47,8 @@ def _needs_the_serving_stack(request: pytest.FixtureRequest) -> None:
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.serve.scheduler import QueueFullError  # noqa: E402
-from ldlm.serve.server import LDLMService, ServerSettings, create_app, server_config  # noqa: E402
+from ldlm.serve.runtime.scheduler import QueueFullError  # noqa: E402
+from ldlm.serve.api.server import LDLMService, ServerSettings, create_app, server_config  # noqa: E402
 
 
 def free_port() -> int:

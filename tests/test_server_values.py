@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 uvicorn = pytest.importorskip("uvicorn")
 
 from ldlm.model import LDLM  # noqa: E402
-from ldlm.serve.server import LDLMService, ServerSettings, create_app  # noqa: E402
+from ldlm.serve.api.server import LDLMService, ServerSettings, create_app  # noqa: E402
 from ldlm.tokenizer import TextTokenizer  # noqa: E402
 
 KEY = {"Authorization": "Bearer k3y"}

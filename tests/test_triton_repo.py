@@ -98,7 +98,7 @@ class StandInPbUtils(types.ModuleType):
 
     def __init__(self, repo: Path) -> None:
         super().__init__("triton_python_backend_utils")
-        from ldlm.serve.backends import OrtBackend
+        from ldlm.serve.runtime.backends import OrtBackend
 
         config = json.loads((repo / "ldlm_generate" / "1" / "config.json").read_text())
         self.models = {name: OrtBackend(repo / name / "1" / "model.onnx" / "model.onnx", name, config["max_seq_len"])

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ldlm.serve.backends import GraphBackend
-from ldlm.serve.scheduler import QueueFullError, resolve_future
+from ldlm.serve.runtime.backends import GraphBackend
+from ldlm.serve.runtime.scheduler import QueueFullError, resolve_future
 
 BatchObserver = Callable[[int, float, float], None]
 TRIM_AFTER_BYTES = 1 << 22  # a batch whose inputs exceed this is followed by giving freed memory back

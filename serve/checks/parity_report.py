@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.serve.parity import ParityReport
+from ldlm.serve.checks.parity import ParityReport
 
 
 def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> list[Path]:
@@ -103,7 +103,7 @@ def layer_norm_label(name: str) -> str:
 
 
 def _plot_graphs(report: ParityReport, plt: Any) -> Any:
-    from ldlm.serve.compare import HISTOGRAM_EDGES
+    from ldlm.serve.checks.compare import HISTOGRAM_EDGES
 
     graphs = graphs_in_pipeline_order(report)
     fig, axes = plt.subplots(1, len(graphs), figsize=(5 * len(graphs), 4.6), squeeze=False)

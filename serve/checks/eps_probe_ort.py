@@ -20,7 +20,7 @@ from ldlm.export.graphs import graph_io
 from ldlm.export.onnx_export import graph_layer_norm_specs, read_manifest
 from ldlm.export.verify import LAYER_NORM_OP, ONNX_DEFAULT_EPS, pair_layer_norm_nodes
 from ldlm.model import LDLM
-from ldlm.serve.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
+from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
 
 
 def one_node_model(attributes: list[onnx.AttributeProto], x_shape: tuple[int, ...], scale: np.ndarray,

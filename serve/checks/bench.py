@@ -18,8 +18,8 @@ import numpy as np
 
 from ldlm.config import LDLMConfig
 from ldlm.pipeline import LDLMPipeline, check_length
-from ldlm.serve.backends import GraphBackend
-from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.backends import GraphBackend
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -193,7 +193,7 @@ def run_bench(
 
     from ldlm.checkpoint import load_config
     from ldlm.export.onnx_export import export_graphs
-    from ldlm.serve.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
+    from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
 
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     torch.set_num_threads(threads)

@@ -29,12 +29,12 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, create_model
 
 from ldlm.pipeline import TextResult
-from ldlm.serve.http_guard import HTTPError
-from ldlm.serve.scheduler import GenerateRequest, QueueFullError
-from ldlm.serve.streaming import SSE_HEADERS, GenerationStream, sse
+from ldlm.serve.api.http_guard import HTTPError
+from ldlm.serve.runtime.scheduler import GenerateRequest, QueueFullError
+from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, sse
 
 if TYPE_CHECKING:
-    from ldlm.serve.server import LDLMService
+    from ldlm.serve.api.server import LDLMService
 
 OPENAI_PATHS = ("/v1/completions", "/v1/models")
 MODEL_ID = "ldlm"
@@ -74,7 +74,7 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict[st
 
 
 def create_router(service: LDLMService) -> APIRouter:
-    from ldlm.serve.server import json_response, run_blocking, wait  # the server's helpers, one of each
+    from ldlm.serve.api.server import json_response, run_blocking, wait  # the server's helpers, one of each
 
     settings, config = service.settings, service.config
     pipeline = service.batched_pipeline

@@ -1,7 +1,7 @@
 """The 8 LayerNorm cases of ``shared/design/layernorm-cases.md`` as fixed probes for any backend.
 
 Each case is one LayerNorm call: an input, the normalized axes, scale, bias and eps. A backend runs
-it as one node or layer (``serve/eps_probe.py`` supplies the runner); the reference is plain NumPy
+it as one node or layer (``serve/checks/eps_probe.py`` supplies the runner); the reference is plain NumPy
 in float64, written here and independent of torch and of every backend. Cases that are about the
 module rather than the op reduce to the op the backend must compute:
   5 (train vs eval): the module in either mode computes the same op, so one call covers both;
@@ -111,7 +111,7 @@ def case_atol(case: LayerNormCase, dtype: str) -> float:
     largest reference term, plus the input's own rounding to float32 amplified by 1/sigma."""
     if dtype == "float64":
         return 1e-12
-    from ldlm.serve.eps_probe import float32_budget
+    from ldlm.serve.checks.eps_probe import float32_budget
 
     n = int(np.prod(case.x.shape[-case.normalized_ndim:]))
     axes = tuple(range(case.x.ndim - case.normalized_ndim, case.x.ndim))

@@ -42,7 +42,7 @@ from torch import nn
 
 from ldlm.model import LDLM
 
-from ldlm.serve.layernorm_cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, layer_norm_cases
+from ldlm.serve.checks.layernorm_cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, layer_norm_cases
 
 SWEEP_VARIANCES: tuple[float, ...] = tuple(float(v) for v in np.logspace(-7, -4, 13))
 SWEEP_DRAWS = 3
@@ -288,11 +288,11 @@ def probe_artifact(
                              f"{'`ldlm export`' if name == 'onnx_dir' else '`ldlm build-engine`'}")
     start = time.perf_counter()
     if engine_dir is not None:
-        from ldlm.serve.eps_probe_trt import probe_engines
+        from ldlm.serve.checks.eps_probe_trt import probe_engines
 
         report = probe_engines(model, Path(engine_dir), None if onnx_dir is None else Path(onnx_dir), seed, flavor, progress)
     else:
-        from ldlm.serve.eps_probe_ort import probe_onnx_export
+        from ldlm.serve.checks.eps_probe_ort import probe_onnx_export
 
         report = probe_onnx_export(model, Path(onnx_dir), seed, providers, progress)  # type: ignore[arg-type]
     report.seconds = round(time.perf_counter() - start, 3)

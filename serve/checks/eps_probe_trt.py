@@ -30,7 +30,7 @@ from ldlm.export.onnx_export import graph_layer_norm_specs, sha256_file
 from ldlm.export.trt_flavor import Flavor, gpu_info, load_flavor
 from ldlm.export.verify import LAYER_NORM_OP, pair_layer_norm_nodes
 from ldlm.model import LDLM
-from ldlm.serve.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
+from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
 
 NO_GPU = ("no CUDA GPU: the one-layer TensorRT engines were built and their INormalizationLayer eps read back, "
           "but not executed (deserialize_cuda_engine, execute_async_v3), so no implied eps and no output check "
@@ -53,7 +53,7 @@ def locate_plan_onnx(engine_dir: Path, manifest: dict[str, Any], onnx_dir: Path 
 
 def probe_engines(model: LDLM, engine_dir: Path, onnx_dir: Path | None, seed: int, flavor_name: str | None,
                   progress: bool = False) -> EpsProbeReport:
-    from ldlm.serve.tensorrt_engine import read_plan_manifest
+    from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
 
     graphs = [g for g in GRAPH_NAMES if (engine_dir / f"{g}.plan").is_file()]
     if not graphs:

@@ -7,7 +7,7 @@ app is built by a builder function that Ray calls inside the replica at start-up
 loaded there and never pickled; the app's lifespan drains the replica's queues when Ray stops it.
 
     ldlm serve runs/onnx --ray --replicas 2 --threads 1          # local Ray, or --ray-address auto
-    serve run ldlm.serve.ray_app:app_builder source=runs/onnx replicas=2 threads=1
+    serve run ldlm.serve.deploy.ray_app:app_builder source=runs/onnx replicas=2 threads=1
 
 ``serve run`` (and a ``serveConfigV2`` on KubeRay) passes ``key=value`` arguments to
 ``app_builder``: ``source``, any ``ServerSettings`` field (backend, threads, max_batch, ...) and any
@@ -26,7 +26,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from ldlm.serve.server import LDLMService, ServerSettings, create_app
+from ldlm.serve.api.server import LDLMService, ServerSettings, create_app
 
 DEPLOYMENT_NAME = "ldlm"
 APP_NAME = "ldlm"
@@ -121,7 +121,7 @@ class OneRequestIdHeader:
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Entry point for ``serve run ldlm.serve.ray_app:app_builder source=DIR key=value ...`` and for
+    """Entry point for ``serve run ldlm.serve.deploy.ray_app:app_builder source=DIR key=value ...`` and for
     a Serve config file's ``import_path``. Values may arrive as strings; each is converted to the
     type of the field it names."""
     args = dict(args)

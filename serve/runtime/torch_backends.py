@@ -30,7 +30,7 @@ from ldlm.device import DeviceError
 from ldlm.device import resolve_device as core_resolve_device
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
-from ldlm.serve.backends import BackendError, EagerBackend
+from ldlm.serve.runtime.backends import BackendError, EagerBackend
 
 TORCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

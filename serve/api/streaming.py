@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

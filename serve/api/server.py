@@ -42,17 +42,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ldlm
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers
-from ldlm.serve.batcher import DynamicBatcher, release_freed_memory
-from ldlm.serve.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
-from ldlm.serve.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
+from ldlm.serve.runtime.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers
+from ldlm.serve.runtime.batcher import DynamicBatcher, release_freed_memory
+from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
+from ldlm.serve.api.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
                                tensor_metadata)
-from ldlm.serve.metrics import Metrics
-from ldlm.serve.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.serve.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
-from ldlm.serve.playground import create_router as create_playground_router
-from ldlm.serve.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
-from ldlm.serve.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
+from ldlm.serve.api.metrics import Metrics
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
+from ldlm.serve.api.playground import create_router as create_playground_router
+from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
+from ldlm.serve.api.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
 
 log = logging.getLogger("ldlm.serve")
 MODEL_VERSION = "1"

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ldlm.serve.backends import BackendError
-from ldlm.serve.kserve import ProtocolError
-from ldlm.serve.scheduler import QueueFullError
+from ldlm.serve.runtime.backends import BackendError
+from ldlm.serve.api.kserve import ProtocolError
+from ldlm.serve.runtime.scheduler import QueueFullError
 
 if TYPE_CHECKING:
-    from ldlm.serve.server import LDLMService
+    from ldlm.serve.api.server import LDLMService
 
 log = logging.getLogger("ldlm.serve")
 
@@ -139,7 +139,7 @@ def _model_of(path: str) -> str | None:
 def error_body(message: str, status: int = 400, path: str = "") -> bytes:
     """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that)."""
     if path.startswith(("/v1/completions", "/v1/models")):
-        from ldlm.serve.openai_api import openai_error
+        from ldlm.serve.api.openai_api import openai_error
 
         return json.dumps(openai_error(status, message)).encode()
     return json.dumps({"error": message}).encode()

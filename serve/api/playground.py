@@ -1,6 +1,6 @@
 """The playground page at ``/`` and the ``/docs`` Swagger UI, every asset served from this process.
 
-No CDN: the page is one static HTML file with inline script and style (serve/static/), and Swagger
+No CDN: the page is one static HTML file with inline script and style (serve/api/static/), and Swagger
 UI's JavaScript and CSS (Swagger UI 5, which reads the OpenAPI 3.1 that FastAPI writes) come from the
 ``fastapi-offline`` package, so both work offline.
 """
@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
-from ldlm.serve.http_guard import HTTPError
+from ldlm.serve.api.http_guard import HTTPError
 
 STATIC = Path(__file__).parent / "static"
 SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css")

@@ -8,7 +8,7 @@ Three levels, all against eager as the reference:
   3. end to end: the same seed and noise through eager and engine generation with the
      deterministic sampler, as token agreement.
 Given an artifact (an export or engine directory), the structural verifier runs first; and every
-LayerNorm is also probed alone on inputs where eps decides (serve/eps_probe.py), on the backend
+LayerNorm is also probed alone on inputs where eps decides (serve/checks/eps_probe.py), on the backend
 under test: a wrong epsilon is invisible at ordinary activations.
 ``bisect`` names the first LayerNorm (in execution order) whose output diverges.
 """
@@ -32,9 +32,9 @@ from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs, read_
 from ldlm.export.verify import LayerNormSpec, VerifyResult, pair_layer_norm_nodes, verify_onnx
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
-from ldlm.serve.compare import Comparison, compare_outputs, tolerance
-from ldlm.serve.eps_probe import EpsProbeReport, probe_artifact
+from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
+from ldlm.serve.checks.compare import Comparison, compare_outputs, tolerance
+from ldlm.serve.checks.eps_probe import EpsProbeReport, probe_artifact
 
 TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8}
 REAL_TEXT = [
@@ -216,8 +216,8 @@ def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResul
             path: Path | None = source / read_manifest(source)["graphs"][name]["file"]
             problem = None
         else:
-            from ldlm.serve.eps_probe_trt import locate_plan_onnx
-            from ldlm.serve.tensorrt_engine import read_plan_manifest
+            from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
+            from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
 
             path, problem = locate_plan_onnx(source, read_plan_manifest(source / f"{name}.plan"), None)
         if path is None:

@@ -205,7 +205,7 @@ class TensorRTBackend(GraphBackend):
     backend = "trt"
 
     def __init__(self, plan: Path, graph: str, max_seq_len: int, cuda_graphs: bool = False) -> None:
-        from ldlm.serve.tensorrt_engine import TensorRTEngine
+        from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
 
         self.engine = TensorRTEngine(plan, cuda_graphs=cuda_graphs)
         manifest = self.engine.manifest
@@ -250,7 +250,7 @@ def open_graphs(
         raise BackendError(f"backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
     path = Path(path)
     if backend in TORCH_BACKENDS:
-        from ldlm.serve.torch_backends import CompiledBackend, check_precision, prepare_model, resolve_device
+        from ldlm.serve.runtime.torch_backends import CompiledBackend, check_precision, prepare_model, resolve_device
 
         check_precision(precision, backend)
         target = resolve_device(device)  # before loading: a missing device fails fast
