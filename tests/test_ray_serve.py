@@ -162,12 +162,17 @@ class Clients:
         raise AssertionError("encoder infer not answered after 50 tries")
 
 
+OTHERS_BEFORE_RAY: set[int] = set()
+
+
 @pytest.fixture(scope="module")
 def cluster(export_dir: Path):
     """A fresh local Ray cluster (2 logical CPUs, as CI has) serving 2 replicas of 0.5 CPU each."""
     if ray.is_initialized():
         pytest.skip("a Ray cluster is already connected in this process; this test starts its own")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # CI has no network to report to
+    # Processes other tests left below this one (multiprocessing's resource tracker, say) are not Ray's.
+    OTHERS_BEFORE_RAY.update(descendants(os.getpid()))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 << 20)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -328,7 +333,7 @@ def test_cli_ray_options_need_ray(export_dir: Path) -> None:
 
 
 def test_cluster_shuts_down_cleanly(cluster: str) -> None:
-    ray_processes = descendants(os.getpid())
+    ray_processes = descendants(os.getpid()) - OTHERS_BEFORE_RAY
     assert len(ray_processes) >= 2 + REPLICAS, "expected Ray's GCS, raylet and the replicas below this process"
     serve.shutdown()
     ray.shutdown()
