@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn")
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
-from tests.test_server import RunningServer, free_port  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
 
 STEPS = 4
 

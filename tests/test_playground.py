@@ -22,7 +22,7 @@ pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime
 pytest.importorskip("uvicorn")
 
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
-from tests.test_server import RunningServer, free_port  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/test.sh installs it: apt-get install -y "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -37,16 +36,11 @@ from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.deploy.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builder, build_app, parse_autoscale  # noqa: E402
 from ldlm.serve.api.server import ServerSettings  # noqa: E402
+from tests.servers import free_port  # noqa: E402
 
 REPLICAS, REPLICA_CPUS = 2, 0.5
 GENERATE = {"n": 1, "length": 16, "steps": 50, "sampler": "ddim"}
 SEEDS = (0, 1, 2, 3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(root: int) -> set[int]:

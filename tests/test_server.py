@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-import uvicorn  # noqa: E402
 
 
 def optional(module: str):  # type: ignore[no-untyped-def]
@@ -48,30 +46,8 @@ def _needs_the_serving_stack(request: pytest.FixtureRequest) -> None:
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.runtime.scheduler import QueueFullError  # noqa: E402
-from ldlm.serve.api.server import LDLMService, ServerSettings, create_app, server_config  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    def __init__(self, service: LDLMService) -> None:
-        self.service = service
-        self.url = f"http://127.0.0.1:{service.settings.port}"
-        self.server = uvicorn.Server(server_config(create_app(service), service.settings))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -21,33 +20,11 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 uvicorn = pytest.importorskip("uvicorn")
 
 from ldlm.model import LDLM  # noqa: E402
-from ldlm.serve.api.server import LDLMService, ServerSettings, create_app  # noqa: E402
+from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
 from ldlm.tokenizer import TextTokenizer  # noqa: E402
 
 KEY = {"Authorization": "Bearer k3y"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    def __init__(self, service: LDLMService) -> None:
-        self.service = service
-        self.url = f"http://127.0.0.1:{service.settings.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=service.settings.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
