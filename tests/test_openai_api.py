@@ -26,7 +26,8 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=2000)
+    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=2000,
+                              preview_budget=1.0)  # no throttling: these tests check what the previews say, not their pace
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()
