@@ -98,7 +98,7 @@ def bench_generation(pipelines: Mapping[str, LDLMPipeline], n: int, length: int,
             times[name].append(time.perf_counter() - start)
     for name, values in times.items():
         p50 = statistics.median(values)
-        results[name] = {"p50_s": round(p50, 4), "tokens_per_s": round(n * length / p50, 2), "n": n, "length": length, "steps": steps}
+        results[name] = {"p50_s": round(p50, 6), "tokens_per_s": round(n * length / p50, 2), "n": n, "length": length, "steps": steps}
     return results
 
 
@@ -156,8 +156,8 @@ def run_workload(pipeline: LDLMPipeline, workload: list[Arrival], policy: str, m
         "makespan_s": round(makespan, 3),
         "tokens_per_s": round(tokens / makespan, 2),
         "requests_per_s": round(len(workload) / makespan, 3),
-        "latency_p50_s": round(percentile(latencies, 50), 4),
-        "latency_p99_s": round(percentile(latencies, 99), 4),
+        "latency_p50_s": round(percentile(latencies, 50), 6),
+        "latency_p99_s": round(percentile(latencies, 99), 6),
         "denoiser_calls": scheduler.denoiser_calls,
         "mean_batch": round(scheduler.samples_stepped / max(1, scheduler.denoiser_calls), 2),
     }
