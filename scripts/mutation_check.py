@@ -199,9 +199,9 @@ def scratch_venv(root: Path, work: Path, repo: Path) -> Path:
                           check=True, capture_output=True, text=True).stdout.strip()
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)  # pip and setuptools come from .venv
-        purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 check=True, capture_output=True, text=True).stdout.strip()
-        (Path(purelib) / "ldlm_dependencies.pth").write_text(deps + "\n")
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    (Path(purelib) / "ldlm_dependencies.pth").write_text(deps + "\n")  # every run: a reused venv follows this checkout's .venv
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index", "-e", str(repo)],
                    check=True, capture_output=True)
     probe = "import ldlm, ldlm.serve.runtime.scheduler as s, ldlm.export.verify as v; print(ldlm.__file__); print(s.__file__); print(v.__file__)"
