@@ -148,7 +148,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/test_parity_rules.py",), "a decoder whose argmax disagrees passes parity"),
     Mutation("parity-ignores-eps-probes", "serve/checks/parity.py",
              " and (self.eps_probes is None or self.eps_probes.passed)", "",
-             ("tests/test_eps_probe.py",), "a LayerNorm whose eps is off passes parity"),
+             ("tests/test_parity_rules.py", "tests/test_eps_probe.py"), "a LayerNorm whose eps is off passes parity"),
     Mutation("artifact-sha256-unchecked", "export/artifact.py",
              'if sha256_file(path) != record["sha256"]:', "if False:",
              ("tests/test_artifact_trust.py",), "edited weights of the same size are served"),

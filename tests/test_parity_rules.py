@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ldlm.export.verify import VerifyResult
 from ldlm.serve.checks.compare import compare_outputs
+from ldlm.serve.checks.eps_probe import EpsProbeReport
 from ldlm.serve.checks.parity import ParityReport, first_divergence
 
 REF = np.array([[1.0, 2.0, 3.0]])
@@ -31,7 +33,8 @@ def test_all_parts_agreeing_passes() -> None:
     assert good.to_dict()["passed"] is True
 
 
-@pytest.mark.parametrize("case", ["graph", "layer_norm", "end_to_end", "end_to_end_missing", "decoder_tokens", "nothing"])
+@pytest.mark.parametrize("case", ["graph", "layer_norm", "end_to_end", "end_to_end_missing", "decoder_tokens", "nothing",
+                                  "structure", "eps_probes"])
 def test_each_failing_part_fails_the_report(case: str) -> None:
     bad = {
         "graph": dict(graphs=[comparison("encoder/random/latents", 0.0), comparison("decoder/random/logits", 1e-2)]),
@@ -40,6 +43,11 @@ def test_each_failing_part_fails_the_report(case: str) -> None:
         "end_to_end_missing": dict(token_agreement=None),
         "decoder_tokens": dict(decoder_token_agreement={"random": 1.0, "padded": 0.75}),
         "nothing": dict(graphs=[], layer_norms=[]),
+        # the artifact's structure and its eps probes count on their own: an engine whose builder changed
+        # an eps passes every whole-graph comparison (eps barely moves ordinary activations)
+        "structure": dict(verification=[VerifyResult("encoder", "encoder.onnx", 2, 2, ["epsilon 1e-06 != module eps 1e-05"])]),
+        "eps_probes": dict(verification=[VerifyResult("encoder", "encoder.onnx", 2, 2, [])],
+                           eps_probes=EpsProbeReport("trt", "tensorrt", "engines", problems=["encoder.ln_a: implied eps 1e-06"])),
     }[case]
     failed = report(**bad)
     assert not failed.passed, case
