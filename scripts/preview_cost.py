@@ -16,7 +16,6 @@ Without --url the script serves a fresh tiny random-init checkpoint on a free 12
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -30,7 +29,7 @@ from urllib.parse import urlparse
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import LOOPBACK, free_port, start_server  # noqa: E402  (one server starter for every script)
+from load_test import LOOPBACK, free_port, start_server, write_report  # noqa: E402  (one server starter for every script)
 
 
 def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, int]:
@@ -141,12 +140,7 @@ def main() -> None:
             if process is not None:
                 process.send_signal(signal.SIGTERM)
                 process.wait(60)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(out.suffix + ".partial")
-    partial.write_text(json.dumps(report, indent=2) + "\n")
-    partial.replace(out)
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
