@@ -162,21 +162,24 @@ def x0_hat_reference(pipeline: LDLMPipeline, length: int, seed: int, steps: int,
 
 
 def test_generate_stream_previews_then_result(server: RunningServer, pipeline: LDLMPipeline) -> None:
-    body = {"n": 2, "length": 12, "steps": 9, "seed": 4, "sampler": "ddim", "stream": True, "preview_every": 4}
+    # 41 steps: a preview decode (latent and token decoder, ~6 ms on the tiny model on CPU) runs beside
+    # the denoiser steps, so a short run can end before its first preview is decoded; previews are
+    # best effort and never hold the result back. 40 steps after the first preview leave it ample time.
+    body = {"n": 2, "length": 12, "steps": 41, "seed": 4, "sampler": "ddim", "stream": True, "preview_every": 4}
     with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = read_events(response)
     kinds = [k for k, _ in events]
     assert kinds[-1] == "result" and set(kinds[:-1]) == {"preview"}
     shown = {(s["index"], s["step"]): s["text"] for k, e in events if k == "preview" for s in e["samples"]}
-    # every 4 steps, not after the last (step 9); a preview the client has not been sent yet when a newer
+    # every 4 steps, not after the last (step 41); a preview the client has not been sent yet when a newer
     # one of its sample arrives is replaced by it (a slow reader never backs up the scheduler)
-    assert shown and set(shown) <= {(0, 4), (0, 8), (1, 4), (1, 8)}
-    reference = {step: x0_hat_reference(pipeline, 12, 4, 9, step) for step in (4, 8)}
+    assert shown and set(shown) <= {(i, step) for i in (0, 1) for step in range(4, 41, 4)}
+    reference = {step: x0_hat_reference(pipeline, 12, 4, 41, step) for step in {step for _, step in shown}}
     assert all(text == reference[step][i] for (i, step), text in shown.items())
     plain = httpx.post(f"{server.url}/v1/generate", json={**body, "stream": False}, timeout=60).json()
     assert events[-1][1] == plain
-    assert plain["token_ids"] == pipeline.generate(2, 12, 9, 4, "ddim").token_ids.tolist()
+    assert plain["token_ids"] == pipeline.generate(2, 12, 41, 4, "ddim").token_ids.tolist()
 
 
 def test_disconnect_mid_stream_frees_the_slot(server: RunningServer) -> None:
