@@ -275,14 +275,17 @@ def open_graphs(
         manifest = read_manifest(path)
         check_artifacts(path, manifest)
         files = {g: path / manifest["graphs"][g]["file"] for g in GRAPH_NAMES}
-        if precision == "fp16":  # the same cast pass the engines use, into a scratch directory
-            from ldlm.export.precision import lower_precision
+        if precision != "fp16":
+            return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}, config, tokenizer
+        from ldlm.export.precision import lower_precision
 
-            work = Path(tempfile.mkdtemp(prefix="ldlm-fp16-"))
-            for g, source in list(files.items()):
-                files[g] = work / f"{g}.fp16.onnx"
-                lower_precision(source, files[g], "fp16")
-        return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}, config, tokenizer
+        # The same cast pass the engines use, into a scratch directory that goes once the sessions hold
+        # the graphs (ONNX Runtime reads a model and its external data whole when a session is made).
+        with tempfile.TemporaryDirectory(prefix="ldlm-fp16-") as work:
+            lowered = {g: Path(work) / f"{g}.fp16.onnx" for g in files}
+            for g, source in files.items():
+                lower_precision(source, lowered[g], "fp16")
+            return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()}, config, tokenizer
     plans = {g: path / f"{g}.plan" for g in GRAPH_NAMES}
     graphs: dict[str, GraphBackend] = {g: TensorRTBackend(p, g, config.max_seq_len) for g, p in plans.items()}
     built = {g.engine.manifest["precision"] for g in graphs.values() if isinstance(g, TensorRTBackend)}
