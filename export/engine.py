@@ -26,7 +26,7 @@ from ldlm.export.artifact import check_artifacts
 from ldlm.export.onnx_export import read_manifest, sha256_file
 from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
-from ldlm.export.trt_flavor import Flavor, gpu_info, load_flavor, recording_logger
+from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, layernorm_overflow_warnings, load_flavor
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
 from ldlm.tokenizer import TOKENIZER_FILE
 
@@ -122,7 +122,48 @@ def build_plan(
     progress: bool = False,
 ) -> dict[str, Any]:
     trt = flavor.trt
-    logger = recording_logger(flavor)
+    logger = flavor_logger(flavor)
+    with logger.capture() as messages:  # this build's messages (the shared logger keeps only the last few)
+        serialized, seconds, strongly_typed = _build(flavor, logger, onnx_path, specs, entry, profiles, options, progress)
+    if serialized is None:
+        errors = "; ".join(m for s, m in messages if s in ("ERROR", "INTERNAL_ERROR"))
+        raise EngineBuildError(f"TensorRT could not build {onnx_path}: {errors or 'see the log above'}")
+    overflow = layernorm_overflow_warnings(messages)
+    if overflow:
+        raise EngineBuildError(f"{onnx_path}: TensorRT warned of LayerNorm FP16 overflow (a LayerNorm arrived decomposed): {overflow[0]}")
+    plan_path.write_bytes(bytes(serialized))
+    gpu = gpu_info()
+    return {
+        "ldlm_version": ldlm.__version__,
+        "plan": plan_path.name,
+        "plan_sha256": sha256_file(plan_path),
+        "flavor": flavor.name,
+        "trt_version": flavor.version,
+        "precision": options.precision,
+        "profiles": [p.to_dict() for p in profiles],
+        "onnx": {"file": onnx_path.name, "sha256": sha256_file(onnx_path)},
+        "build_flags": {
+            "strongly_typed": strongly_typed,
+            "tf32": options.tf32,
+            "optimization_level": options.optimization_level,
+            "workspace_mb": options.workspace_mb,
+            "timing_cache": None if flavor.is_rtx else options.timing_cache,
+        },
+        "build_host": {"gpu": gpu.name, "compute_capability": gpu.compute_capability, "description": gpu.description},
+        "build_seconds": round(seconds, 3),
+        "layer_norms": len(specs),
+        "inputs": entry["inputs"],
+        "outputs": entry["outputs"],
+        "warnings": [m for s, m in messages if s == "WARNING"][:20],
+    }
+
+
+def _build(
+    flavor: Flavor, logger: Any, onnx_path: Path, specs: Sequence[LayerNormSpec], entry: dict[str, Any],
+    profiles: Sequence[EngineProfile], options: BuildOptions, progress: bool,
+) -> tuple[Any, float, bool]:
+    """Parse, check the LayerNorms, configure, build: (serialized plan or None, seconds, strongly typed)."""
+    trt = flavor.trt
     builder = trt.Builder(logger)
     network = builder.create_network(_network_flags(trt))
     parser = trt.OnnxParser(network, logger)
@@ -147,7 +188,7 @@ def build_plan(
     if options.workspace_mb is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mb << 20)
     timing_cache = _attach_timing_cache(flavor, config, options.timing_cache)
-    monitor = _progress_monitor(trt, f"{onnx_path.stem}") if progress and hasattr(trt, "IProgressMonitor") else None
+    monitor = BuildProgress(trt, onnx_path.stem) if progress and hasattr(trt, "IProgressMonitor") else None
     if monitor is not None:
         config.progress_monitor = monitor
     start = time.perf_counter()
@@ -155,39 +196,9 @@ def build_plan(
     seconds = time.perf_counter() - start
     if monitor is not None:
         monitor.close()
-    if serialized is None:
-        errors = "; ".join(m for s, m in logger.messages if s in ("ERROR", "INTERNAL_ERROR"))
-        raise EngineBuildError(f"TensorRT could not build {onnx_path}: {errors or 'see the log above'}")
-    overflow = logger.layernorm_overflow_warnings()
-    if overflow:
-        raise EngineBuildError(f"{onnx_path}: TensorRT warned of LayerNorm FP16 overflow (a LayerNorm arrived decomposed): {overflow[0]}")
-    plan_path.write_bytes(bytes(serialized))
-    if timing_cache is not None:
+    if serialized is not None and timing_cache is not None:
         _save_timing_cache(config, Path(timing_cache))
-    gpu = gpu_info()
-    return {
-        "ldlm_version": ldlm.__version__,
-        "plan": plan_path.name,
-        "plan_sha256": sha256_file(plan_path),
-        "flavor": flavor.name,
-        "trt_version": flavor.version,
-        "precision": options.precision,
-        "profiles": [p.to_dict() for p in profiles],
-        "onnx": {"file": onnx_path.name, "sha256": sha256_file(onnx_path)},
-        "build_flags": {
-            "strongly_typed": is_strongly_typed(trt, network),
-            "tf32": options.tf32,
-            "optimization_level": options.optimization_level,
-            "workspace_mb": options.workspace_mb,
-            "timing_cache": timing_cache,
-        },
-        "build_host": {"gpu": gpu.name, "compute_capability": gpu.compute_capability, "description": gpu.description},
-        "build_seconds": round(seconds, 3),
-        "layer_norms": len(specs),
-        "inputs": entry["inputs"],
-        "outputs": entry["outputs"],
-        "warnings": [m for s, m in logger.messages if s == "WARNING"][:20],
-    }
+    return serialized, seconds, is_strongly_typed(trt, network)
 
 
 def _network_flags(trt: Any) -> int:
@@ -218,31 +229,45 @@ def _save_timing_cache(config: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _progress_monitor(trt: Any, label: str) -> Any:
-    """A tqdm bar over TensorRT's top-level build phases (IProgressMonitor)."""
+def BuildProgress(trt: Any, label: str) -> Any:  # noqa: N802 (a class per flavour, built on its IProgressMonitor)
+    """A tqdm bar over TensorRT's top-level build phases (IProgressMonitor).
+
+    TensorRT calls ``phase_start(phase_name, parent_phase, num_steps)``; a phase without a parent is
+    a top-level phase and gets the bar, nested phases show as its postfix. ``phases`` keeps the
+    (name, parent, steps) of every phase started, for the log and the tests.
+    """
 
     class Monitor(trt.IProgressMonitor):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
             trt.IProgressMonitor.__init__(self)
             self.bar: tqdm | None = None
+            self.top: str | None = None
+            self.phases: list[tuple[str, str | None, int]] = []
 
-        def phase_start(self, parent: str | None, name: str, steps: int) -> None:
-            if parent is None:
-                self.bar = tqdm(total=steps, desc=f"  {label}", unit="phase", leave=False)
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            self.phases.append((phase_name, parent_phase, int(num_steps)))
+            if parent_phase is None:
+                if self.bar is not None:
+                    self.bar.close()
+                self.top = phase_name
+                self.bar = tqdm(total=int(num_steps), desc=f"  {label}: {phase_name[:40]}", unit="step", leave=False)
             elif self.bar is not None:
-                self.bar.set_postfix_str(name[:40])
+                self.bar.set_postfix_str(phase_name[:40])
 
-        def step_complete(self, phase: str, step: int) -> bool:
-            if self.bar is not None and phase == "Building engine":
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            if self.bar is not None and phase_name == self.top:
                 self.bar.update(1)
             return True  # False would cancel the build
 
-        def phase_finish(self, name: str) -> None:
-            pass
+        def phase_finish(self, phase_name: str) -> None:
+            if phase_name == self.top and self.bar is not None:
+                self.bar.close()
+                self.bar = None
 
         def close(self) -> None:
             if self.bar is not None:
                 self.bar.close()
+                self.bar = None
 
     return Monitor()
 

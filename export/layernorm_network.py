@@ -73,10 +73,10 @@ class NormalizationLayerInfo:
 def parse_onnx_network(flavor: Any, onnx_path: str | Path) -> tuple[Any, Any, Any]:
     """(builder, network, parser) of ``onnx_path``, parsed from the path so external data is found."""
     from ldlm.export.engine import EngineBuildError, _network_flags
-    from ldlm.export.trt_flavor import recording_logger
+    from ldlm.export.trt_flavor import flavor_logger
 
     trt = flavor.trt
-    logger = recording_logger(flavor)
+    logger = flavor_logger(flavor)
     builder = trt.Builder(logger)
     network = builder.create_network(_network_flags(trt))
     parser = trt.OnnxParser(network, logger)
@@ -127,13 +127,13 @@ def build_normalization_plan(
     """Build a float32 engine holding one INormalizationLayer: x -> normalize(x, scale, bias) -> y.
 
     Scale and bias are constants shaped to broadcast over the non-normalized axes. Builds ahead of
-    time without a GPU with TensorRT-RTX; running the plan needs one (``run_normalization_plan``).
+    time without a GPU with TensorRT-RTX; running the plan needs one (``serve.checks.eps_probe_trt.run_normalization_plan``).
     """
     from ldlm.export.engine import EngineBuildError, _network_flags
-    from ldlm.export.trt_flavor import recording_logger
+    from ldlm.export.trt_flavor import flavor_logger
 
     trt = flavor.trt
-    logger = recording_logger(flavor)
+    logger = flavor_logger(flavor)
     builder = trt.Builder(logger)
     network = builder.create_network(_network_flags(trt))
     x = network.add_input("x", trt.float32, tuple(input_shape))
@@ -148,35 +148,9 @@ def build_normalization_plan(
     layer.get_output(0).name = "y"
     network.mark_output(layer.get_output(0))
     read_back = normalization_layers(trt, network)[0]
-    serialized = builder.build_serialized_network(network, builder.create_builder_config())
+    with logger.capture() as messages:
+        serialized = builder.build_serialized_network(network, builder.create_builder_config())
     if serialized is None:
-        errors = "; ".join(m for s, m in logger.messages if s in ("ERROR", "INTERNAL_ERROR"))
+        errors = "; ".join(m for s, m in messages if s in ("ERROR", "INTERNAL_ERROR"))
         raise EngineBuildError(f"TensorRT could not build a one-layer normalization engine: {errors or 'no details'}")
     return NormalizationPlan(bytes(serialized), float(read_back.epsilon), int(read_back.axes), tuple(input_shape))
-
-
-def run_normalization_plan(flavor: Any, plan: NormalizationPlan, x: np.ndarray) -> np.ndarray:
-    """Run a one-layer plan on the GPU (torch CUDA tensors): x (float32, plan.input_shape) -> y."""
-    import torch
-
-    from ldlm.export.trt_flavor import recording_logger
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("running a TensorRT plan needs a CUDA GPU; torch.cuda.is_available() is False")
-    trt = flavor.trt
-    logger = recording_logger(flavor)
-    runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(plan.plan)
-    if engine is None:
-        raise RuntimeError(f"TensorRT could not deserialize the one-layer plan: {'; '.join(m for _, m in logger.messages)}")
-    context = engine.create_execution_context()
-    x_gpu = torch.from_numpy(np.ascontiguousarray(x, np.float32)).cuda()
-    y_gpu = torch.empty_like(x_gpu)
-    context.set_input_shape("x", tuple(x_gpu.shape))
-    context.set_tensor_address("x", x_gpu.data_ptr())
-    context.set_tensor_address("y", y_gpu.data_ptr())
-    stream = torch.cuda.current_stream()
-    if not context.execute_async_v3(stream.cuda_stream):
-        raise RuntimeError("execute_async_v3 failed for the one-layer normalization plan")
-    stream.synchronize()
-    return y_gpu.cpu().numpy()

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import importlib
 import re
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -51,24 +55,61 @@ def load_flavor(name: str | None = None) -> Flavor:
 
 # TensorRT prints this when a LayerNorm arrived decomposed and runs in FP16; it is a build failure.
 LAYERNORM_OVERFLOW = re.compile(r"layer\s*norm.*fp16.*overflow", re.IGNORECASE)
+LOG_HISTORY = 256  # messages a long-running process keeps; older ones are dropped
+CAPTURE_LIMIT = 1000  # messages one capture() keeps (a build's warnings, a deserialize's errors)
+
+_loggers: dict[str, Any] = {}
+_loggers_lock = threading.Lock()
 
 
-def recording_logger(flavor: Flavor, min_severity: str = "WARNING") -> Any:
-    """A TensorRT ILogger that keeps every message at or above ``min_severity`` in ``.messages``."""
-    trt = flavor.trt
+def layernorm_overflow_warnings(messages: Iterable[tuple[str, str]]) -> list[str]:
+    return [m for _, m in messages if LAYERNORM_OVERFLOW.search(m)]
 
+
+def flavor_logger(flavor: Flavor) -> Any:
+    """This process's one TensorRT ILogger for ``flavor``, shared by every builder and runtime.
+
+    TensorRT registers the first logger it is given and warns "logger ... differs from one already
+    registered" for each later one, so a logger per engine or per build is wrong. Messages at or
+    above WARNING are kept in ``.messages``, the last ``LOG_HISTORY`` of them, so a server that runs
+    for weeks does not grow; ``with logger.capture() as messages:`` collects one step's messages
+    (a build's errors) from every thread while the block runs.
+    """
+    with _loggers_lock:
+        if flavor.name not in _loggers:
+            _loggers[flavor.name] = _make_logger(flavor.trt)
+        return _loggers[flavor.name]
+
+
+def _make_logger(trt: ModuleType) -> Any:
     class RecordingLogger(trt.ILogger):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
-            self.messages: list[tuple[str, str]] = []
-            self.threshold = getattr(trt.ILogger.Severity, min_severity)
+            self.messages: deque[tuple[str, str]] = deque(maxlen=LOG_HISTORY)
+            self.threshold = trt.ILogger.Severity.WARNING
+            self._captures: list[list[tuple[str, str]]] = []
+            self._lock = threading.Lock()  # TensorRT may log from its own threads
 
         def log(self, severity: Any, msg: str) -> None:
-            if int(severity) <= int(self.threshold):  # lower value = more severe
-                self.messages.append((str(severity).rsplit(".", 1)[-1], msg))
+            if int(severity) > int(self.threshold):  # lower value = more severe
+                return
+            entry = (str(severity).rsplit(".", 1)[-1], msg)
+            with self._lock:
+                self.messages.append(entry)
+                for capture in self._captures:
+                    if len(capture) < CAPTURE_LIMIT:
+                        capture.append(entry)
 
-        def layernorm_overflow_warnings(self) -> list[str]:
-            return [m for _, m in self.messages if LAYERNORM_OVERFLOW.search(m)]
+        @contextmanager
+        def capture(self) -> Iterator[list[tuple[str, str]]]:
+            messages: list[tuple[str, str]] = []
+            with self._lock:
+                self._captures.append(messages)
+            try:
+                yield messages
+            finally:
+                with self._lock:
+                    self._captures.remove(messages)
 
     return RecordingLogger()
 

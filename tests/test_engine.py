@@ -21,7 +21,7 @@ from ldlm.export.layernorm_network import axes_mask, check_network_layer_norms
 from ldlm.export.onnx_export import read_manifest
 from ldlm.export.precision import lower_precision
 from ldlm.export.profiles import EngineProfile, ShapeRange
-from ldlm.export.trt_flavor import FlavorError, GpuInfo, load_flavor, recording_logger
+from ldlm.export.trt_flavor import FlavorError, GpuInfo, flavor_logger, load_flavor
 from ldlm.export.verify import LayerNormSpec
 from ldlm.serve.runtime.tensorrt_engine import PlanMismatchError, TensorRTEngine, check_plan_manifest, read_plan_manifest
 from tests.artifacts import reseal_manifest
@@ -93,7 +93,7 @@ def test_fp16_variant_stays_close_to_fp32_in_onnx_runtime(export_dir: Path, tmp_
 
 
 def parse(flavor, path: Path):
-    logger = recording_logger(flavor)
+    logger = flavor_logger(flavor)
     builder = flavor.trt.Builder(logger)
     network = builder.create_network(0)
     parser = flavor.trt.OnnxParser(network, logger)
@@ -202,18 +202,50 @@ def test_running_a_plan_without_a_gpu_says_so(engines) -> None:
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA GPU: TensorRTEngine's deserialize_cuda_engine, set_input_shape, set_tensor_address, "
-    "execute_async_v3, per-stream contexts, CUDA graph replay and the RTX runtime cache were not exercised",
+    "execute_async_v3 on its own stream, CUDA graphs (torch capture for TensorRT, cuda_graph_strategy for RTX), "
+    "batches split beyond the profile, two threads on one engine, raw stream handles and the per-plan RTX "
+    "runtime cache were not exercised",
 )
-def test_engine_matches_eager_on_gpu(engines, tiny_model) -> None:
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_engine_runs_on_gpu(engines, tiny_model, cuda_graphs: bool) -> None:
+    import threading
+
     precision, out = engines
-    engine = TensorRTEngine(out / "denoiser.plan", cuda_graphs=True)
-    x = torch.randn(2, 16, 64)
-    t = torch.tensor([0.3, 0.7])
-    got = engine.run({"x_t": x, "t": t, "x0_prev": x, "attention_mask": torch.ones(2, 16, dtype=torch.int64)})["x0_hat"].float().cpu()
-    with torch.no_grad():
-        expected = tiny_model.denoise(x, t, x)
+    engine = TensorRTEngine(out / "denoiser.plan", cuda_graphs=cuda_graphs)
     tolerance = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}[precision]
-    assert (got - expected).abs().max().item() <= tolerance * max(1.0, expected.abs().max().item())
+
+    def check(batch: int, seq: int, seed: int, stream=None) -> None:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, seq, 64, generator=g)
+        t = torch.rand(batch, generator=g)
+        feed = {"x_t": x, "t": t, "x0_prev": x, "attention_mask": torch.ones(batch, seq, dtype=torch.int64)}
+        got = engine.run(feed, stream)["x0_hat"].float().cpu()
+        with torch.no_grad():
+            expected = tiny_model.denoise(x, t, x)
+        assert (got - expected).abs().max().item() <= tolerance * max(1.0, expected.abs().max().item()), (batch, seq)
+
+    check(2, 16, 0)
+    check(2, 16, 1)  # a replay, when graphs are on
+    check(11, 16, 2)  # beyond the profile's batch 4: chunks 4, 4, 3
+    side = torch.cuda.Stream()
+    check(3, 8, 3, stream=side.cuda_stream)  # a raw cudaStream_t
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(10):
+                check(1 + (seed + i) % 4, 8 + 8 * (i % 2), seed * 100 + i)
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
     assert json.loads((out / "denoiser.plan.json").read_text())["precision"] == precision
+    engine.close()
     if engine.flavor.is_rtx:
-        assert engine.save_runtime_cache().stat().st_size > 0
+        assert (out / "denoiser.runtime.cache").stat().st_size > 0
+        assert not (out / "runtime.cache").exists()

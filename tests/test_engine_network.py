@@ -1,9 +1,11 @@
 """The network-level LayerNorm check, seen through TensorRT-RTX's real parser: every rule it
 enforces (count, epsilon, axes, num_groups) is broken once on a parsed network and must be named;
-the build refuses a LayerNorm overflow warning; the manifest reads strong typing off the network."""
+the build refuses a LayerNorm overflow warning; the manifest reads strong typing off the network;
+one logger per flavour serves every builder and runtime; the build's progress bar appears."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ldlm.export.engine import BuildOptions, EngineBuildError, build_plan, is_strongly_typed
 from ldlm.export.layernorm_network import check_network_layer_norms, normalization_layers
 from ldlm.export.profiles import EngineProfile, ShapeRange
-from ldlm.export.trt_flavor import load_flavor, recording_logger
+from ldlm.export.trt_flavor import flavor_logger, load_flavor
 from ldlm.export.verify import LayerNormSpec, digest
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no network was parsed")
@@ -28,7 +30,7 @@ def flavor():
 
 
 def parsed(flavor, path: Path):
-    logger = recording_logger(flavor)
+    logger = flavor_logger(flavor)
     builder = flavor.trt.Builder(logger)
     network = builder.create_network(0)
     parser = flavor.trt.OnnxParser(network, logger)
@@ -94,19 +96,21 @@ def test_each_network_rule_is_enforced(flavor, tmp_path: Path) -> None:
 
 def test_layer_norm_overflow_warning_fails_the_build(flavor, tmp_path: Path, monkeypatch) -> None:
     """TensorRT prints this warning when a LayerNorm arrived decomposed in FP16. The real builder runs;
-    only the warning is injected into its log, as TensorRT would write it."""
-    import ldlm.export.engine as engine
+    only the warning is injected into the build's log, as TensorRT would write it."""
+    logger = flavor_logger(flavor)
+    real_capture = logger.capture
 
-    def warned_logger(flavor_):
-        logger = recording_logger(flavor_)
-        logger.log(flavor_.trt.ILogger.Severity.WARNING,
-                   "Detected layernorm nodes in FP16. Running layernorm after self-attention in FP16 may cause overflow.")
-        return logger
+    @contextlib.contextmanager
+    def capture_with_warning():
+        with real_capture() as messages:
+            logger.log(flavor.trt.ILogger.Severity.WARNING,
+                       "Detected layernorm nodes in FP16. Running layernorm after self-attention in FP16 may cause overflow.")
+            yield messages
 
     specs, entry = layer_norm_chain(tmp_path / "chain.onnx", count=2)
     manifest = build_plan(flavor, tmp_path / "chain.onnx", tmp_path / "clean.plan", entry, specs, SMALL, BuildOptions())
     assert manifest["layer_norms"] == 2 and (tmp_path / "clean.plan").stat().st_size > 0  # without the warning: built
-    monkeypatch.setattr(engine, "recording_logger", warned_logger)
+    monkeypatch.setattr(logger, "capture", capture_with_warning)
     with pytest.raises(EngineBuildError, match="LayerNorm FP16 overflow"):
         build_plan(flavor, tmp_path / "chain.onnx", tmp_path / "chain.plan", entry, specs, SMALL, BuildOptions())
     assert not (tmp_path / "chain.plan").exists()
@@ -122,3 +126,58 @@ def test_strongly_typed_is_read_from_the_network(flavor, tmp_path: Path) -> None
     assert is_strongly_typed(trt, weak) is False
     no_flag = types.SimpleNamespace(NetworkDefinitionCreationFlag=types.SimpleNamespace())  # a TensorRT without the flag
     assert is_strongly_typed(no_flag, weak) is False
+
+
+def test_one_logger_per_flavor_serves_every_builder_and_runtime(flavor, tmp_path: Path, monkeypatch) -> None:
+    """TensorRT keeps the first logger it is given and warns for each different one; the history
+    a long-running server keeps is capped; a capture sees only its own block's messages."""
+    from ldlm.export import trt_flavor
+    from ldlm.export.layernorm_network import build_normalization_plan, parse_onnx_network
+
+    trt = flavor.trt
+    given: list[object] = []
+    real_builder = trt.Builder
+
+    def recording_builder(logger):
+        given.append(logger)
+        return real_builder(logger)
+
+    monkeypatch.setattr(trt, "Builder", recording_builder)
+    specs, entry = layer_norm_chain(tmp_path / "chain.onnx", count=1)
+    build_plan(flavor, tmp_path / "chain.onnx", tmp_path / "chain.plan", entry, specs, SMALL, BuildOptions())
+    parse_onnx_network(flavor, tmp_path / "chain.onnx")
+    build_normalization_plan(flavor, (2, 8), 2, 1e-5, np.ones(8, np.float32), None)
+    assert len(given) == 3 and all(logger is flavor_logger(flavor) for logger in given)
+    assert flavor_logger(load_flavor(flavor.name)) is flavor_logger(flavor)
+
+    logger = flavor_logger(flavor)
+    with logger.capture() as mine:
+        for i in range(trt_flavor.LOG_HISTORY + 50):
+            logger.log(trt.ILogger.Severity.WARNING, f"message {i}")
+    logger.log(trt.ILogger.Severity.ERROR, "after the block")
+    logger.log(trt.ILogger.Severity.INFO, "below the threshold")
+    assert len(logger.messages) == trt_flavor.LOG_HISTORY and logger.messages[-1] == ("ERROR", "after the block")
+    assert len(mine) == trt_flavor.LOG_HISTORY + 50 and mine[0] == ("WARNING", "message 0")
+
+
+def test_build_progress_bar_follows_tensorrt_phases(flavor, tmp_path: Path, monkeypatch, capsys) -> None:
+    """TensorRT calls phase_start(phase_name, parent_phase, num_steps): top-level phases (no parent)
+    get the bar, so it appears on stderr during a real build."""
+    import ldlm.export.engine as engine
+
+    monitors = []
+    real = engine.BuildProgress
+
+    def recorded(trt, label):
+        monitors.append(real(trt, label))
+        return monitors[-1]
+
+    monkeypatch.setattr(engine, "BuildProgress", recorded)
+    specs, entry = layer_norm_chain(tmp_path / "chain.onnx", count=1)
+    build_plan(flavor, tmp_path / "chain.onnx", tmp_path / "chain.plan", entry, specs, SMALL, BuildOptions(), progress=True)
+    (monitor,) = monitors
+    top = [name for name, parent, steps in monitor.phases if parent is None]
+    assert top and all(steps > 0 for _, _, steps in monitor.phases)
+    nested = [(name, parent) for name, parent, _ in monitor.phases if parent is not None]
+    assert all(parent in {n for n, _, _ in monitor.phases} for _, parent in nested)
+    assert f"chain: {top[0][:40]}" in capsys.readouterr().err

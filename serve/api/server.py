@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ldlm
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.runtime.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers
+from ldlm.serve.runtime.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher, release_freed_memory
 from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
 from ldlm.serve.api.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
@@ -120,17 +120,20 @@ class LDLMService:
             source = str(export_graphs(source, Path(self._scratch.name) / "onnx").out)
         graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
                                                 settings.threads, settings.device, memory_arena=False)
+        # Engines built with narrower profiles narrow what the service accepts (lengths) and how
+        # many samples one execution takes; a larger request still runs, in chunks.
+        config, self.max_batch = serving_limits(graphs, config, settings.max_batch)
         self.graphs, self.config = graphs, config
         self.metrics = Metrics()
         self.batchers = {
-            name: DynamicBatcher(graph, settings.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name))
+            name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name))
             for name, graph in graphs.items()
         }
         buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= config.max_seq_len) + (config.max_seq_len,)
         self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
         device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=buckets)
-        self.scheduler = GenerationScheduler(generation, settings.max_batch, "continuous", settings.max_queue * 16,
+        self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
         self.json_workers = self._json_pool()
         self.previews = PreviewDecoder(generation, settings.preview_budget)  # its own thread, never the scheduler's
@@ -156,6 +159,8 @@ class LDLMService:
         self.previews.close()
         for batcher in self.batchers.values():
             batcher.close()
+        for graph in self.graphs.values():
+            graph.close()  # TensorRT-RTX: its runtime cache is kept for the next start
         self.json_workers.shutdown(wait=True, cancel_futures=True)
         if self._scratch is not None:
             self._scratch.cleanup()

@@ -228,6 +228,9 @@ def run_bench(
             batching["throughput_ratio"] = round(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], 3)
             batching["p99_ratio"] = round(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], 3)
             report["batching"] = batching
+        for graphs in graphs_by_backend.values():
+            for graph in graphs.values():
+                graph.close()
     return report
 
 

@@ -23,11 +23,11 @@ from ldlm.export.layernorm_network import (
     axes_mask,
     build_normalization_plan,
     parse_onnx_network,
+    NormalizationPlan,
     read_normalization_layers,
-    run_normalization_plan,
 )
 from ldlm.export.onnx_export import graph_layer_norm_specs, sha256_file
-from ldlm.export.trt_flavor import Flavor, gpu_info, load_flavor
+from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, load_flavor
 from ldlm.export.verify import LAYER_NORM_OP, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
@@ -35,6 +35,33 @@ from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_
 NO_GPU = ("no CUDA GPU: the one-layer TensorRT engines were built and their INormalizationLayer eps read back, "
           "but not executed (deserialize_cuda_engine, execute_async_v3), so no implied eps and no output check "
           "for the LayerNorms, and the fixed cases did not run on TensorRT")
+
+
+def run_normalization_plan(flavor: Flavor, plan: NormalizationPlan, x: np.ndarray) -> np.ndarray:
+    """Run a one-layer plan on the GPU: x (float32, plan.input_shape) -> y, with the runtime's
+    checked binding, on a stream of its own."""
+    import torch
+
+    from ldlm.serve.runtime.tensorrt_engine import bind
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("running a TensorRT plan needs a CUDA GPU; torch.cuda.is_available() is False")
+    logger = flavor_logger(flavor)
+    runtime = flavor.trt.Runtime(logger)
+    with logger.capture() as messages:
+        engine = runtime.deserialize_cuda_engine(plan.plan)
+    if engine is None:
+        raise RuntimeError(f"TensorRT could not deserialize the one-layer plan: {'; '.join(m for _, m in messages) or 'no details'}")
+    context = engine.create_execution_context()
+    device = torch.device("cuda")
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        x_gpu = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device)
+        y_gpu = bind(context, {"x": x_gpu}, ["y"], {"y": torch.float32}, device)["y"]
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("execute_async_v3 failed for the one-layer normalization plan")
+    stream.synchronize()
+    return y_gpu.cpu().numpy()
 
 
 def locate_plan_onnx(engine_dir: Path, manifest: dict[str, Any], onnx_dir: Path | None) -> tuple[Path | None, str | None]:

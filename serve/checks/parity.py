@@ -290,6 +290,8 @@ def run_parity(
         candidate_pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device_of, config=config, noise_device="cpu")
         candidate = candidate_pipe.generate(4, length, steps, seed, "ddim").token_ids
         report.token_agreement = float((reference == candidate).float().mean())
+        for graph in graphs.values():
+            graph.close()  # TensorRT-RTX keeps the kernels it compiled (runtime cache) for the next run
         bar.update()
         bar.set_postfix_str("eps probes")
         report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,

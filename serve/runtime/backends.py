@@ -13,6 +13,7 @@ The torch device/precision helpers and the ``compiled`` backend live in ``torch_
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import tempfile
 from abc import ABC, abstractmethod
@@ -53,6 +54,7 @@ class BackendError(ValueError):
 class GraphBackend(ABC):
     backend: str
     provider: str
+    batch_limit: int | None = None  # the largest batch one execution takes (TensorRT profiles); None: any
 
     def __init__(self, graph: str, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], max_seq_len: int) -> None:
         self.graph = graph
@@ -103,6 +105,9 @@ class GraphBackend(ABC):
 
     @abstractmethod
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None:
+        """Release what the backend holds past its last call (TensorRT: save the runtime cache)."""
 
 
 class EagerBackend(GraphBackend):
@@ -202,6 +207,9 @@ class OrtBackend(GraphBackend):
 
 
 class TensorRTBackend(GraphBackend):
+    """A plan on the GPU. Batches larger than the engine's profiles run as several executions
+    (``batch_limit`` is the largest one execution takes); sequences are capped by the profiles."""
+
     backend = "trt"
 
     def __init__(self, plan: Path, graph: str, max_seq_len: int, cuda_graphs: bool = False) -> None:
@@ -209,13 +217,17 @@ class TensorRTBackend(GraphBackend):
 
         self.engine = TensorRTEngine(plan, cuda_graphs=cuda_graphs)
         manifest = self.engine.manifest
-        super().__init__(graph, manifest["inputs"], manifest["outputs"], max_seq_len)
+        super().__init__(graph, manifest["inputs"], manifest["outputs"], min(max_seq_len, self.engine.max_seq or max_seq_len))
+        self.batch_limit = self.engine.max_batch
         self.provider = f"{manifest['flavor']} {manifest['trt_version']} ({manifest['precision']})"
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = self.engine.run({n: torch.from_numpy(a) for n, a in inputs.items()})
-        torch.cuda.synchronize()
+        # .cpu() waits for the caller's stream, which waits for the engine's
         return {n: outputs[n].float().cpu().numpy() if outputs[n].is_floating_point() else outputs[n].cpu().numpy() for n in self.output_names}
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def _import(module: str, backend: str, extra: str) -> Any:
@@ -292,6 +304,16 @@ def open_graphs(
     if built != {precision}:
         raise BackendError(f"engines in {path} are {sorted(built)}; asked for precision={precision!r}; rebuild with --precision {precision}")
     return graphs, config, tokenizer
+
+
+def serving_limits(graphs: Mapping[str, GraphBackend], config: LDLMConfig, max_batch: int) -> tuple[LDLMConfig, int]:
+    """What a service built on ``graphs`` may accept: ``config`` with ``max_seq_len`` capped at the
+    shortest sequence every graph takes (TensorRT profiles may stop short of the model's), and
+    samples per execution capped at the smallest batch one execution of any graph takes."""
+    seq = min(g.max_seq_len for g in graphs.values())
+    capped = config if seq >= config.max_seq_len else dataclasses.replace(config, max_seq_len=seq)
+    limits = [g.batch_limit for g in graphs.values() if g.batch_limit is not None]
+    return capped, min([max_batch, *limits])
 
 
 class GraphRunner(Protocol):
