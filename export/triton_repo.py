@@ -71,7 +71,9 @@ def model_config(name: str, kind: str, io: dict[str, Any], max_batch: int, queue
                  cc_filenames: dict[str, str] | None = None) -> str:
     """config.pbtxt text for one graph. Triton's dims leave out the batch axis."""
     profiles = io["profiles"]
-    preferred = sorted({p["batch"][1] for p in profiles}) or [min(8, max_batch)]
+    if profiles:  # Triton refuses a plan whose profiles stop short of max_batch_size
+        max_batch = min(max_batch, max(p["batch"][2] for p in profiles))
+    preferred = sorted({p["batch"][1] for p in profiles if p["batch"][1] <= max_batch}) or [min(8, max_batch)]
     lines = [f'name: "{name}"', f'platform: "{"tensorrt_plan" if kind == "plan" else "onnxruntime_onnx"}"', f"max_batch_size: {max_batch}"]
     for section, specs in (("input", io["inputs"]), ("output", io["outputs"])):
         entries = []
