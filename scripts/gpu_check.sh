@@ -41,8 +41,11 @@ if [ "${GPU_CHECK_FORCE_INSTALL:-0}" = 1 ] || ! "$py" -P -c "$imports" 2>/dev/nu
     echo "installed ldlm from this tree" >>"$setup"
   else
     echo "installing this tree failed; trying the ldlm wheel of .whl/" >>"$setup"
-    "$py" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$site" .whl/ldlm-*.whl >>"$setup" 2>&1 \
-      && echo "installed ldlm from $(ls .whl/ldlm-*.whl)" >>"$setup"
+    if "$py" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$site" .whl/ldlm-*.whl >>"$setup" 2>&1; then
+      echo "installed ldlm from $(ls .whl/ldlm-*.whl)" >>"$setup"
+    else
+      echo "installing the ldlm wheel failed too" >>"$setup"
+    fi
   fi
   rm -rf build ./*.egg-info
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
