@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+import ldlm
 from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import LDLMConfig, preset
 from ldlm.export.graphs import GRAPH_NAMES
@@ -327,7 +328,7 @@ def main() -> None:
     run = Run(out, args.budget_s, args.tiny, selected)
     run.report.update(date=datetime.date.today().isoformat(), config=config_name, device=str(device), tiny=args.tiny, sizes=sizes)
     env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-                           "cpu_threads": torch.get_num_threads()}
+                           "cpu_threads": torch.get_num_threads(), "ldlm_from": ldlm.__file__}
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), capability=".".join(map(str, torch.cuda.get_device_capability(device))))
     for module in ("onnxruntime", "tensorrt", "fastapi", "uvicorn", "httpx"):

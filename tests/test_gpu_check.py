@@ -1,18 +1,24 @@
 """scripts/gpu_check.py's targets table, and a quick run of its setup and report writing.
 
 The measurements themselves run on the GPU (docs/gpu-run.md); here the verdicts are checked on a
-hand-written report, and the script runs with the tiny config and two stages that are cheap on CPU.
+hand-written report, and the script runs with the tiny config and two stages that are cheap on CPU,
+directly and through its shell wrapper scripts/gpu_check.sh, whose offline install (the GPU
+machine's path) runs into a temporary site folder.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from gpu_targets import target_rows, targets_markdown  # noqa: E402
 
@@ -70,3 +76,108 @@ def test_unknown_stage_is_refused(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--stages", "warp"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "names unknown stages; allowed: parity" in done.stderr
+
+
+# --- scripts/gpu_check.sh -------------------------------------------------------------------------
+
+# gpu_check.py's stages in their order, as docs/gpu-run.md lists them.
+STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "probe_eps")
+WRAPPER_STAGES = "device_loop,probe_eps"
+
+
+def wrapper_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """PYTHON is this interpreter; a `python3` first on PATH that fails, so the wrapper must use $PYTHON.
+    pip sees no configuration, and an index on a closed port: the install must work offline."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python3").write_text("#!/bin/sh\necho 'the python3 on PATH was run, not $PYTHON' >&2\nexit 97\n")
+    (fake_bin / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "GPU_CHECK_")) and k not in ("PYTHONPATH", "OUT")}
+    env.update(PATH=f"{fake_bin}{os.pathsep}{env.get('PATH', '')}", PYTHON=sys.executable,
+               PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple/", PIP_RETRIES="0", PIP_TIMEOUT="2",
+               GPU_CHECK_SITE=str(tmp_path / "site"), **extra)
+    return env
+
+
+def run_wrapper(tree: Path, out: Path, env: dict[str, str]) -> tuple[str, dict]:
+    """Runs the wrapper's CPU dry run; checks what it wrote; returns setup.log and the report."""
+    done = subprocess.run(["bash", str(tree / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu",
+                           "--stages", WRAPPER_STAGES, "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    setup = (out / "setup.log").read_text() if (out / "setup.log").exists() else "(no setup.log)"
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-3000:]}\nsetup.log:\n{setup[-3000:]}"
+    assert f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}" in done.stdout
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert data["config"] == "tiny" and data["device"] == "cpu"
+    selected = WRAPPER_STAGES.split(",")
+    stages = data["stages"]
+    assert set(stages) == set(STAGES) | {"ort_gpu"}
+    assert [n for n in STAGES if stages[n] != {"skipped": "not selected (--stages)"}] == selected
+    assert stages["device_loop"]["skipped"].startswith("not on CUDA") and "error" not in stages["probe_eps"]
+    summary = (out / "gpu_check.md").read_text()
+    assert "## device_loop" in summary and "## probe_eps" in summary
+    assert "| bf16 against fp32, deterministic sampler | token agreement >= 99% | - | not measured | stage parity skipped: not selected (--stages) |" in summary
+    return setup, data
+
+
+def ldlm_from(setup: str) -> str:
+    lines = [line for line in setup.splitlines() if line.startswith("ldlm from ")]
+    assert len(lines) == 1, setup
+    return lines[0].removeprefix("ldlm from ")
+
+
+def copy_tree(dest: Path) -> Path:
+    """What pip builds ldlm from (pyproject's package folders) and scripts/, so the install's build/
+    and egg-info land in a scratch copy, not in this checkout."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    dest.mkdir()
+    for name in ["pyproject.toml", "README.md", *(p.name for p in REPO.glob("LICEN[CS]E*"))]:
+        shutil.copy2(REPO / name, dest / name)
+    for folder in {*pyproject["tool"]["setuptools"]["package-dir"].values(), "scripts"}:
+        shutil.copytree(REPO / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def test_wrapper_dry_run_uses_the_given_python_and_installs_nothing(tmp_path: Path) -> None:
+    env = wrapper_env(tmp_path)
+    setup, data = run_wrapper(REPO, tmp_path / "out", env)
+    # The ldlm this interpreter imports by itself (no cwd on sys.path): the wrapper installs nothing.
+    expected = subprocess.run([sys.executable, "-P", "-c", "import ldlm; print(ldlm.__file__)"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert ldlm_from(setup) == expected == data["environment"]["ldlm_from"]
+    assert "installing into" not in setup and not (tmp_path / "site").exists()
+    assert data["environment"]["python"] == "%d.%d.%d" % sys.version_info[:3]
+
+
+def test_wrapper_forced_install_puts_the_tree_into_the_site_offline(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path / "tree")
+    # A build/ left by an earlier install: its modules must not reach the site.
+    (tree / "build" / "lib" / "ldlm").mkdir(parents=True)
+    (tree / "build" / "lib" / "ldlm" / "stale_module.py").write_text("STALE = True\n")
+    site = tmp_path / "site"
+    setup, data = run_wrapper(tree, tmp_path / "out", wrapper_env(tmp_path, GPU_CHECK_FORCE_INSTALL="1"))
+    assert f"installing into {site}" in setup and "installed ldlm from this tree" in setup
+    # Both the setup check and gpu_check.py itself import the installed copy, not a source folder.
+    assert ldlm_from(setup) == str(site / "ldlm" / "__init__.py") == data["environment"]["ldlm_from"]
+    assert (site / "ldlm" / "serve" / "runtime" / "torch_backends.py").is_file()
+    assert (site / "ldlm" / "export" / "graphs.py").is_file()
+    assert not (site / "ldlm" / "stale_module.py").exists()
+    assert not (tree / "build").exists() and not list(tree.glob("*.egg-info"))
+
+
+def test_wrapper_falls_back_to_the_carried_ldlm_wheel(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path / "tree")
+    env = wrapper_env(tmp_path, GPU_CHECK_FORCE_INSTALL="1")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tree / ".whl"), str(tree)], env=env, cwd=tree, check=True, capture_output=True, timeout=120)
+    shutil.rmtree(tree / "build", ignore_errors=True)
+    # The tree cannot be built (as on a Python without the build backend): the wheel must be used.
+    pyproject = tree / "pyproject.toml"
+    text = pyproject.read_text()
+    assert 'build-backend = "setuptools.build_meta"' in text
+    pyproject.write_text(text.replace('build-backend = "setuptools.build_meta"', 'build-backend = "no_such_backend"'))
+    site = tmp_path / "site"
+    setup, data = run_wrapper(tree, tmp_path / "out", env)
+    wheel = next((tree / ".whl").glob("ldlm-*.whl"))
+    assert "installing this tree failed; trying the ldlm wheel of .whl/" in setup
+    assert f"installed ldlm from .whl/{wheel.name}" in setup
+    assert ldlm_from(setup) == str(site / "ldlm" / "__init__.py") == data["environment"]["ldlm_from"]
