@@ -32,14 +32,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback import free_port, serve_command, wait_ready  # noqa: E402
+
 TEXT = ("Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
         "then trains a diffusion model over those latents, and finally decodes samples back into tokens. ") * 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:
@@ -65,21 +62,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen([python, "-m", "ldlm.cli", "serve", str(source), "--port", str(self.port), "--threads", str(threads),
-                                         "--log-level", "warning"], cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while True:
-            if self.process.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"server exited: {self.log.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/v2/health/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.2)
+        self.process = subprocess.Popen(serve_command(source, self.port, ["--threads", str(threads)], python), cwd=cwd, env=env,
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(self.process, self.url)
+        except RuntimeError as error:
+            self.log.seek(0)
+            raise RuntimeError(f"{error}: {self.log.read().decode(errors='replace')[-2000:]}") from None
 
     @property
     def rss_mb(self) -> float:

@@ -44,24 +44,26 @@ from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, p
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_service import http_stage, probe_eps_stage  # noqa: E402
+from gpu_service import http_stage, previews_stage, probe_eps_stage  # noqa: E402
 from gpu_targets import summary_markdown  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(parity_n=4, parity_len=64, parity_steps=20, lat_batches=(1, 8, 64), lat_len=128, lat_runs=20,
                  long_len=1024, long_steps=50, long_runs=5, tps_len=128, tps_steps=50, tps_batches=(64, 128, 256), tps_runs=2,
                  wl_max_batch=16, wl_seconds=3.0, wl_lengths=(16, 32, 64, 128), http_clients=16, http_seconds=10.0,
-                 overhead_requests=200, server_ready_s=240),
+                 overhead_requests=200, server_ready_s=240,
+                 preview_clients=16, preview_requests=2, preview_rounds=2, preview_len=128, preview_steps=50),
     "tiny": dict(parity_n=2, parity_len=16, parity_steps=5, lat_batches=(1, 8), lat_len=32, lat_runs=3,
                  long_len=128, long_steps=10, long_runs=2, tps_len=32, tps_steps=5, tps_batches=(4, 8), tps_runs=1,
                  wl_max_batch=4, wl_seconds=2.0, wl_lengths=(16, 32), http_clients=4, http_seconds=3.0,
-                 overhead_requests=30, server_ready_s=120),
+                 overhead_requests=30, server_ready_s=120,
+                 preview_clients=2, preview_requests=1, preview_rounds=1, preview_len=16, preview_steps=10),
 }
 # name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline.
 TORCH_CANDIDATES = {"eager": ("eager", "fp32"), "eager-bf16": ("eager", "bf16"), "eager-fp16": ("eager", "fp16"),
                     "compiled-bf16": ("compiled", "bf16")}
 LATENCY_BACKENDS = ("eager", "eager-bf16", "compiled-bf16")
-STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "probe_eps")
+STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "previews", "probe_eps")
 
 
 class Run:
@@ -360,6 +362,7 @@ def main() -> None:
         run.stage("throughput", lambda: throughput_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
         run.stage("batching", lambda: batching_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
         run.stage("http", lambda: http_stage(checkpoint, serving["compiled-bf16"]["encoder"], device, sizes, out), 60)
+        run.stage("previews", lambda: previews_stage(checkpoint, device, sizes, out), 60)
         run.stage("probe_eps", lambda: probe_eps_stage(work), 30)
     run.write()
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {run.report['elapsed_s']} s", flush=True)

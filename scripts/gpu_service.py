@@ -1,12 +1,12 @@
 """The service stages of scripts/gpu_check.py: ``ldlm serve`` on loopback (overhead over the raw
-runner, a short bounded load) and ``ldlm probe-eps`` where NVIDIA TensorRT is importable."""
+runner, a short bounded load; the cost of streamed previews) and ``ldlm probe-eps`` where NVIDIA
+TensorRT is importable."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,15 +22,8 @@ from ldlm.config import preset
 from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.tokenizer import TextTokenizer
 
-# Subprocesses run with -P: from the repository root, `-m` would otherwise import the source folder
-# ldlm/ (which has no ldlm.serve; that lives in serve/) instead of the installed package.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback import free_port, serve_command, wait_ready  # noqa: E402
 
 def kserve_encoder_body(length: int, seed: int) -> bytes:
     ids = np.random.default_rng(seed).integers(0, 50257, length).tolist()
@@ -49,25 +42,13 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
 
     port = free_port()
     log = (out / "server.log").open("w")
-    command = [sys.executable, "-P", "-m", "ldlm.cli", "serve", str(checkpoint), "--backend", "compiled", "--device", str(device),
-               "--precision", "bf16", "--port", str(port), "--max-batch", "16", "--log-level", "warning"]
+    command = serve_command(checkpoint, port, ["--backend", "compiled", "--device", str(device), "--precision", "bf16", "--max-batch", "16"])
     started = time.perf_counter()
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     result: dict[str, Any] = {"command": " ".join(command[1:])}
     try:
-        deadline = time.time() + sizes["server_ready_s"]
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"ldlm serve exited with {server.returncode}; see server.log")
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"ldlm serve was not ready after {sizes['server_ready_s']} s")
-            time.sleep(0.25)
+        wait_ready(server, url, sizes["server_ready_s"], out / "server.log")
         result["ready_after_s"] = round(time.perf_counter() - started, 1)
         body = kserve_encoder_body(16, 0)
         feed = {i["name"]: np.asarray(i["data"], dtype=np.int64).reshape(i["shape"]) for i in json.loads(body)["inputs"]}
@@ -102,6 +83,50 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
             server.kill()
             result["server_exit_code"] = "killed after 60 s"
         log.close()
+    return result
+
+
+def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Issue 13 on the GPU: what streamed previews every 5 steps cost. ``ldlm serve`` (compiled bf16)
+    runs with ``--preview-budget 1``, so no preview is skipped to save time; the same concurrent
+    load of /v1/generate requests runs with and without ``stream: true``, side by side in
+    alternating order; then the time to the first preview event at batch 1."""
+    import preview_cost
+
+    port = free_port()
+    log_path = out / "server-previews.log"
+    flags = ["--backend", "compiled", "--device", str(device), "--precision", "bf16", "--max-batch", "16", "--preview-budget", "1"]
+    url = f"http://127.0.0.1:{port}"
+    every, clients, requests = 5, sizes["preview_clients"], sizes["preview_requests"]
+    plain = {"n": 1, "length": sizes["preview_len"], "steps": sizes["preview_steps"], "sampler": "sde"}
+    streamed = {**plain, "stream": True, "preview_every": every}
+    result: dict[str, Any] = {"preview_every": every, "clients": clients, "requests_per_client": requests, **plain,
+                              "server": " ".join(serve_command(checkpoint, port, flags)[1:])}
+    with log_path.open("w") as log:
+        server = subprocess.Popen(serve_command(checkpoint, port, flags), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(server, url, sizes["server_ready_s"], log_path)
+            preview_cost.run_load(url, clients, 1, plain)  # warm up both paths (captures the buckets)
+            preview_cost.run_load(url, clients, 1, streamed)
+            rates: dict[str, list[float]] = {"plain": [], "previews": []}
+            received = 0
+            for r in range(sizes["preview_rounds"]):
+                for mode in ("plain", "previews") if r % 2 == 0 else ("previews", "plain"):
+                    rate, events = preview_cost.run_load(url, clients, requests, plain if mode == "plain" else streamed)
+                    rates[mode].append(round(rate, 1))
+                    received += events
+            medians = {m: statistics.median(v) for m, v in rates.items()}
+            result.update(sample_steps_per_s=rates, throughput_cost=round(1 - medians["previews"] / medians["plain"], 4),
+                          preview_events_per_request=round(received / (sizes["preview_rounds"] * clients * requests), 2),
+                          preview_events_per_request_nominal=(plain["steps"] - 1) // every,
+                          first_preview_batch1=preview_cost.first_preview_seconds(url, streamed, 5))
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                result["server_exit_code"] = server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                result["server_exit_code"] = "killed after 60 s"
     return result
 
 

@@ -1,4 +1,4 @@
-"""Issue 10's targets, read off a gpu_check report: one row per target with the measured figure
+"""Issue 10's targets (and issue 13's preview cost), read off a gpu_check report: one row per target with the measured figure
 and a verdict (met, missed, or not measured and why), and the Markdown summary of a report.
 Used by scripts/gpu_check.py."""
 
@@ -60,6 +60,13 @@ def _bf16_agreement(r: dict[str, Any]) -> tuple[float, str]:
     return worst, cosines
 
 
+def _preview_cost(r: dict[str, Any]) -> tuple[float, str]:
+    s = _stage(r, "previews")
+    return s["throughput_cost"], (f"issue 13: {s['preview_events_per_request']} of {s['preview_events_per_request_nominal']} previews per request, "
+                                  f"{s['clients']} clients, length {s['length']}, {s['steps']} steps; first preview at batch 1 "
+                                  f"{s['first_preview_batch1']['median_ms']} ms")
+
+
 TARGETS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[Any, str]], Callable[[Any], bool], Callable[[Any], str]]] = [
     ("1024-token sample, 50 steps, batch 1, noise to token ids", "<= 100 ms", _long_sample, lambda v: v <= 100, lambda v: f"{v:.1f} ms"),
     ("generated tokens/s at large batch", ">= 20,000", _tokens_per_s, lambda v: v >= 20000, lambda v: f"{v:,.0f}"),
@@ -68,6 +75,7 @@ TARGETS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[Any, str]], Calla
      lambda v: v[0] >= 1.3 and v[1] <= 1.0, lambda v: f"x{v[0]:.2f}, p99 x{v[1]:.2f}"),
     ("service overhead over the raw runner, p50", "<= 2 ms", _overhead, lambda v: v <= 2, lambda v: f"{v:.3f} ms"),
     ("bf16 against fp32, deterministic sampler", "token agreement >= 99%", _bf16_agreement, lambda v: v >= 0.99, lambda v: f"{100 * v:.2f}%"),
+    ("streamed previews every 5 steps, never skipped: throughput cost", "<= 10%", _preview_cost, lambda v: v <= 0.10, lambda v: f"{100 * v:.1f}%"),
 ]
 
 
@@ -114,7 +122,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
     latency = stages.get("latency", {}).get("graphs", {})
     if latency:
         backends = sorted({b for cell in latency.values() for b in cell})
-        lines += [f"## Latency per graph, p50 ms (speed-up against eager fp32)", "", "| graph | " + " | ".join(backends) + " |",
+        lines += ["## Latency per graph, p50 ms (speed-up against eager fp32)", "", "| graph | " + " | ".join(backends) + " |",
                   "|---|" + "---|" * len(backends)]
         for key, cell in latency.items():
             lines.append(f"| {key} | " + " | ".join(

@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +34,9 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback import LOOPBACK, free_port, start_server  # noqa: E402
+
 
 
 def encoder_body(length: int, seed: int) -> dict:
@@ -49,29 +49,6 @@ def decoder_body(length: int, d: int, seed: int) -> dict:
     x = np.random.default_rng(seed).standard_normal(length * d).round(4).tolist()
     return {"inputs": [{"name": "latents", "shape": [1, length, d], "datatype": "FP32", "data": x},
                        {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length}]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(source: str, port: int, flags: list[str] | None = None) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", source, "--port", str(port), "--log-level", "warning", *(flags or [])],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"ldlm serve exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("ldlm serve did not become ready in 120 s")
 
 
 def generate_body(seed: int, length: int, steps: int) -> dict:

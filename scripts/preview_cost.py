@@ -29,7 +29,8 @@ from urllib.parse import urlparse
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import LOOPBACK, free_port, start_server, write_report  # noqa: E402  (one server starter for every script)
+from load_test import write_report  # noqa: E402
+from loopback import LOOPBACK, free_port, start_server  # noqa: E402
 
 
 def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, int]:

@@ -32,6 +32,8 @@ def report(**overrides: object) -> dict:
         "http": {"overhead": {"overhead_p50_ms": 1.5, "http_p50_ms": 3.0, "runner_p50_ms": 1.5, "graph": "encoder"}},
         "parity": {"eager-bf16": {"token_agreement": 0.995, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.9991}}},
                    "compiled-bf16": {"token_agreement": 0.99, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.999}}}},
+        "previews": {"throughput_cost": 0.1001, "preview_events_per_request": 9.0, "preview_events_per_request_nominal": 9,
+                     "clients": 16, "length": 128, "steps": 50, "first_preview_batch1": {"median_ms": 12.5}},
     }
     stages.update(overrides)  # type: ignore[arg-type]
     return {"stages": stages}
@@ -42,18 +44,21 @@ def verdicts(r: dict) -> list[str]:
 
 
 def test_each_target_is_judged_at_its_boundary() -> None:
-    # 80 ms met; 19,999 tokens/s missed; x3.0 met; p99 x1.05 is worse, so missed; 1.5 ms met; 99% met.
-    assert verdicts(report()) == ["met", "MISSED", "met", "MISSED", "met", "met"]
+    # 80 ms met; 19,999 tokens/s missed; x3.0 met; p99 x1.05 is worse, so missed; 1.5 ms met; 99% met;
+    # previews cost 10.01%, missed.
+    assert verdicts(report()) == ["met", "MISSED", "met", "MISSED", "met", "met", "MISSED"]
+    assert verdicts(report(previews={**report()["stages"]["previews"], "throughput_cost": 0.1}))[-1] == "met"
     rows = target_rows(report())
     assert rows[1]["measured"] == "19,999" and rows[3]["measured"] == "x1.40, p99 x1.05"
     assert "denoiser/x0_hat 0.99900" in rows[5]["note"]
+    assert rows[6]["measured"] == "10.0%" and "9.0 of 9 previews per request" in rows[6]["note"]
 
 
 def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
-    r = report(http={"error": "RuntimeError: ldlm serve exited with 1"}, throughput={"skipped": "time budget"})
+    r = report(http={"error": "RuntimeError: ldlm serve exited with 1"}, throughput={"skipped": "time budget"}, previews={"skipped": "time budget"})
     del r["stages"]["long_sample"]
     rows = target_rows(r)
-    assert [row["verdict"] for row in rows] == ["not measured", "not measured", "met", "MISSED", "not measured", "met"]
+    assert [row["verdict"] for row in rows] == ["not measured", "not measured", "met", "MISSED", "not measured", "met", "not measured"]
     assert "stage long_sample did not run" in rows[0]["note"]
     assert "time budget" in rows[1]["note"] and "ldlm serve exited with 1" in rows[4]["note"]
     assert targets_markdown(rows).count("\n") == len(rows) + 1
@@ -61,11 +66,15 @@ def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
 
 def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--device", "cpu", "--out", str(tmp_path),
-                           "--stages", "device_loop,probe_eps"], capture_output=True, text=True, timeout=600)
+                           "--stages", "device_loop,previews,probe_eps"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["config"] == "tiny" and data["device"] == "cpu"
     assert data["stages"]["device_loop"]["skipped"].startswith("not on CUDA")
+    previews = data["stages"]["previews"]  # a real server on loopback, streamed and plain requests
+    assert previews["server_exit_code"] == 0 and "--preview-budget 1" in previews["server"], previews
+    assert previews["preview_events_per_request"] >= 1 and previews["first_preview_batch1"]["runs"] == 5
+    assert (tmp_path / "server-previews.log").is_file()
     assert data["stages"]["parity"] == {"skipped": "not selected (--stages)"}
     summary = (tmp_path / "gpu_check.md").read_text()
     assert "| 1024-token sample, 50 steps, batch 1, noise to token ids | <= 100 ms | - | not measured |" in summary
@@ -81,7 +90,7 @@ def test_unknown_stage_is_refused(tmp_path: Path) -> None:
 # --- scripts/gpu_check.sh -------------------------------------------------------------------------
 
 # gpu_check.py's stages in their order, as docs/gpu-run.md lists them.
-STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "probe_eps")
+STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "previews", "probe_eps")
 WRAPPER_STAGES = "device_loop,probe_eps"
 
 
