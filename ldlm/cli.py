@@ -190,7 +190,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         device=args.device, precision=args.precision, provider=args.provider,
         max_request_samples=args.max_request_samples, max_request_tokens=args.max_request_tokens,
         header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
-        preview_budget=args.preview_budget,
+        preview_budget=args.preview_budget, trt_cuda_graphs=args.trt_cuda_graphs,
     )
     if args.ray:
         try:
@@ -460,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="dynamic batching window; 0 batches whatever queued during the last run (default: 0)")
     p.add_argument("--preview-budget", type=float, default=0.05, help="share of wall time that decoding streamed denoising "
                    "previews may take; previews are skipped, never queued, beyond it (default: 0.05)")
+    p.add_argument("--trt-cuda-graphs", action="store_true", help="trt: replay CUDA graphs (TensorRT-RTX captures its own; "
+                   "NVIDIA TensorRT: one capture per profile and shape). The compiled backend uses CUDA graphs on cuda anyway")
     p.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests per graph before 503 (default: 256)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout, then 504 (default: 60)")
     p.add_argument("--max-body-mb", type=_positive_int, default=8, help="request body cap, then 413 (default: 8 MiB)")

@@ -58,6 +58,8 @@ def test_missing_backend_and_unsupported_precision(tiny_checkpoint: Path, export
         open_graphs("onnx", export_dir)
     with pytest.raises(BackendError, match="has no config.json"):
         open_graphs("ort", tiny_checkpoint.parent)
+    with pytest.raises(BackendError, match="cuda_graphs applies to backend 'trt' only, not 'ort'"):
+        open_graphs("ort", export_dir, cuda_graphs=True)
 
 
 def test_ort_fp16_runs_the_cast_pass_variant(export_dir: Path, tiny_model) -> None:

@@ -88,6 +88,7 @@ class ServerSettings:
     precision: str = "fp32"
     provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
     preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take
+    trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
 
     def __post_init__(self) -> None:
         checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
@@ -119,7 +120,7 @@ class LDLMService:
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")  # a checkpoint: export it first
             source = str(export_graphs(source, Path(self._scratch.name) / "onnx").out)
         graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
-                                                settings.threads, settings.device, memory_arena=False)
+                                                settings.threads, settings.device, memory_arena=False, cuda_graphs=settings.trt_cuda_graphs)
         # Engines built with narrower profiles narrow what the service accepts (lengths) and how
         # many samples one execution takes; a larger request still runs, in chunks.
         config, self.max_batch = serving_limits(graphs, config, settings.max_batch)

@@ -253,13 +253,18 @@ def open_graphs(
     device: str = "cpu",
     with_logits: bool = False,
     memory_arena: bool = True,
+    cuda_graphs: bool = False,
 ) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
     """Open every graph of ``path`` on ``backend``: a checkpoint (eager, compiled: on ``device``),
-    an ``ldlm export`` directory (ort: on ``providers``), or an ``ldlm build-engine`` directory (trt).
+    an ``ldlm export`` directory (ort: on ``providers``), or an ``ldlm build-engine`` directory (trt;
+    ``cuda_graphs`` replays CUDA graphs: TensorRT-RTX's own capture, or torch's for NVIDIA TensorRT).
     Every file an export manifest names is checked first (inside the directory, sha256 as written),
     so serve, parity and bench never run an edited artifact."""
     if backend not in BACKENDS:
         raise BackendError(f"backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
+    if cuda_graphs and backend != "trt":
+        raise BackendError(f"cuda_graphs applies to backend 'trt' only, not {backend!r}; "
+                           "the compiled backend captures CUDA graphs by itself on a CUDA device")
     path = Path(path)
     if backend in TORCH_BACKENDS:
         from ldlm.serve.runtime.torch_backends import CompiledBackend, check_precision, prepare_model, resolve_device
@@ -299,7 +304,7 @@ def open_graphs(
                 lower_precision(source, lowered[g], "fp16")
             return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()}, config, tokenizer
     plans = {g: path / f"{g}.plan" for g in GRAPH_NAMES}
-    graphs: dict[str, GraphBackend] = {g: TensorRTBackend(p, g, config.max_seq_len) for g, p in plans.items()}
+    graphs: dict[str, GraphBackend] = {g: TensorRTBackend(p, g, config.max_seq_len, cuda_graphs) for g, p in plans.items()}
     built = {g.engine.manifest["precision"] for g in graphs.values() if isinstance(g, TensorRTBackend)}
     if built != {precision}:
         raise BackendError(f"engines in {path} are {sorted(built)}; asked for precision={precision!r}; rebuild with --precision {precision}")
