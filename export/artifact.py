@@ -5,7 +5,8 @@ for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
 - a file path that is absolute, or that leaves the directory (``../``, or a symlink out of it);
 - a file whose sha256 or size differs from the manifest (edited weights, a swapped graph);
 - an ONNX file whose external-data locations are not files of its own manifest entry;
-- a config.json whose hash differs from the manifest's ``config_sha256``.
+- a config.json whose hash differs from the manifest's ``config_sha256``;
+- a tokenizer.json without its sha256 on record, or that differs from it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
+from ldlm.tokenizer import TOKENIZER_FILE
 
 MANIFEST_FILE = "manifest.json"  # the name ldlm.export.onnx_export writes
 
@@ -40,8 +42,6 @@ def resolve_inside(directory: Path, name: object) -> Path:
 
 def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
     """Every file the manifest lists: inside ``directory``, present, and with its recorded sha256 and size."""
-    from ldlm.export.onnx_export import sha256_file  # onnx_export imports torch; keep this module light
-
     directory = Path(directory)
     graphs = manifest.get("graphs")
     if not isinstance(graphs, dict) or not graphs:
@@ -53,21 +53,43 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any])
         if entry.get("file") not in entry["files"]:
             raise ArtifactError(f"{directory / MANIFEST_FILE}: graph {graph!r} file {entry.get('file')!r} has no sha256 entry")
         for name, record in entry["files"].items():
-            path = resolve_inside(directory, name)
-            if not path.is_file():
-                raise ArtifactError(f"{path} is listed in {directory / MANIFEST_FILE} but missing; re-export with `ldlm export`")
-            if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
-                raise ArtifactError(f"{directory / MANIFEST_FILE}: {name!r} has no sha256; re-export with `ldlm export`")
-            size = path.stat().st_size
-            if record.get("bytes") is not None and size != record["bytes"]:
-                raise ArtifactError(f"{path} is {size} bytes; its manifest says {record['bytes']} (edited or truncated); re-export it")
-            if sha256_file(path) != record["sha256"]:
-                raise ArtifactError(f"{path} does not match the sha256 in {directory / MANIFEST_FILE} (edited or replaced); re-export it")
+            check_file(directory, name, record)
         check_external_data(directory, entry["file"], set(entry["files"]))
+    check_tokenizer(directory, manifest.get("tokenizer"))
     config_path = directory / CONFIG_FILE
     if config_path.is_file() and "config_sha256" in manifest:
         if LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
             raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
+
+
+def check_file(directory: Path, name: object, record: object, manifest: str = MANIFEST_FILE) -> None:
+    """One listed file: inside ``directory``, present, with the recorded size and sha256."""
+    from ldlm.export.onnx_export import sha256_file  # onnx_export imports torch; keep this module light
+
+    path = resolve_inside(directory, name)
+    if not path.is_file():
+        raise ArtifactError(f"{path} is listed in {directory / manifest} but missing; re-export with `ldlm export`")
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        raise ArtifactError(f"{directory / manifest}: {name!r} has no sha256; re-export with `ldlm export`")
+    size = path.stat().st_size
+    if record.get("bytes") is not None and size != record["bytes"]:
+        raise ArtifactError(f"{path} is {size} bytes; its manifest says {record['bytes']} (edited or truncated); re-export it")
+    if sha256_file(path) != record["sha256"]:
+        raise ArtifactError(f"{path} does not match the sha256 in {directory / manifest} (edited or replaced); re-export it")
+
+
+def check_tokenizer(directory: Path, record: object, manifest: str = MANIFEST_FILE) -> None:
+    """The tokenizer a server of ``directory`` would load: trusted only with its sha256 on record.
+    A directory without one uses GPT-2's built-in tokenizer, so no record is needed then."""
+    path = directory / TOKENIZER_FILE
+    if record is None:
+        if path.is_file():
+            raise ArtifactError(f"{path} has no sha256 in {directory / manifest}, so it is not trusted "
+                                "(an export from before tokenizers were hashed, or a file added since); re-export with `ldlm export`")
+        return
+    if not isinstance(record, dict) or record.get("file") != TOKENIZER_FILE:
+        raise ArtifactError(f"{directory / manifest}: tokenizer entry {record!r} is invalid; allowed: {{'file': '{TOKENIZER_FILE}', 'sha256': ...}}")
+    check_file(directory, TOKENIZER_FILE, record, manifest)
 
 
 def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> None:

@@ -106,6 +106,7 @@ def build_engines(
             plan_manifest = build_plan(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
             plan_manifest["graph"] = name
             plan_manifest["source_onnx"] = {"file": str(source), "sha256": entry["files"][entry["file"]]["sha256"]}
+            plan_manifest["tokenizer"] = manifest.get("tokenizer")  # the copy beside the plans is checked against it
             (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(plan_manifest, indent=2) + "\n")
             result.plans[name] = plan_manifest
     return result

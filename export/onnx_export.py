@@ -35,6 +35,7 @@ from ldlm.config import LDLMConfig
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
 from ldlm.model import LDLM
+from ldlm.tokenizer import TOKENIZER_FILE
 
 SUPPORTED_OPSETS: tuple[int, ...] = (18, 20)  # 17 comes out as 18 from dynamo; 23 has Attention, unknown to TensorRT 10
 DEFAULT_OPSET = 18
@@ -154,7 +155,7 @@ def export_graphs(
                     entries[name] = _manifest_entry(path, io, specs)
                     bar.update()
             verify_all(results)  # raises before the rename: a failed export leaves nothing behind
-            manifest = _manifest(config, opset, entries)
+            manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE)
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     except PermissionError as error:
         raise ValueError(f"cannot write to {out}: {error}") from error
@@ -199,7 +200,7 @@ def _manifest_entry(path: Path, io: GraphIO, specs: list[LayerNormSpec]) -> dict
     }
 
 
-def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any]) -> dict[str, Any]:
+def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer: Path) -> dict[str, Any]:
     return {
         "ldlm_version": ldlm.__version__,
         "torch_version": torch.__version__,
@@ -207,8 +208,14 @@ def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any]) -> dict[s
         "exporter": "torch.onnx.export(dynamo=True)",
         "opset": opset,
         "config_sha256": config.config_hash(),
+        "tokenizer": tokenizer_record(tokenizer),
         "graphs": entries,
     }
+
+
+def tokenizer_record(path: Path) -> dict[str, Any]:
+    """The manifest entry of a tokenizer.json: servers load it only if it still matches."""
+    return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:

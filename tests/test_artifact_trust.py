@@ -98,6 +98,28 @@ def test_symlink_out_of_the_directory_is_refused(export_copy: Path, tmp_path: Pa
         open_graphs("ort", export_copy)
 
 
+def test_the_tokenizer_is_trusted_only_with_its_sha256(export_copy: Path) -> None:
+    """A server decodes every text with tokenizer.json: an edited one would change every answer."""
+    record = json.loads((export_copy / "manifest.json").read_text())["tokenizer"]
+    assert record == {"file": "tokenizer.json", "sha256": hashlib.sha256((export_copy / "tokenizer.json").read_bytes()).hexdigest(),
+                      "bytes": (export_copy / "tokenizer.json").stat().st_size}
+    open_graphs("ort", export_copy)  # as exported: trusted
+    text = (export_copy / "tokenizer.json").read_text()
+    (export_copy / "tokenizer.json").write_text(text.replace('"the"', '"thE"', 1))
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json (is \d+ bytes|does not match the sha256)"):
+        open_graphs("ort", export_copy)
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json (is \d+ bytes|does not match the sha256)"):
+        verify_export(export_copy)
+    edit_manifest(export_copy, lambda m: m.pop("tokenizer"))  # an export from before tokenizers were hashed
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json has no sha256 in .*manifest\.json, so it is not trusted"):
+        open_graphs("ort", export_copy)
+    (export_copy / "tokenizer.json").unlink()
+    open_graphs("ort", export_copy)  # no tokenizer file, no record: GPT-2's built-in tokenizer, nothing to trust
+    edit_manifest(export_copy, lambda m: m.update(tokenizer=record))
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json is listed in .* but missing"):
+        open_graphs("ort", export_copy)
+
+
 def test_edited_weight_bytes_are_refused_by_every_consumer(export_copy: Path, tiny_checkpoint: Path) -> None:
     data = bytearray((export_copy / "encoder.onnx.data").read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit of one weight

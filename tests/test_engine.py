@@ -7,6 +7,7 @@ Running a plan needs a GPU; those tests skip and say so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -190,6 +191,22 @@ def test_plan_from_another_version_or_gpu_is_refused(engines) -> None:
     with pytest.raises(PlanMismatchError, match="has no manifest"):
         (out / "lonely.plan").write_bytes(b"x")
         read_plan_manifest(out / "lonely.plan")
+
+
+def test_engine_directory_tokenizer_is_checked_against_the_plans(engines, tmp_path: Path) -> None:
+    """The plans carry the export's tokenizer record; an edited copy beside them is refused before
+    any engine is loaded (so this runs without a GPU too)."""
+    from ldlm.export.artifact import ArtifactError
+    from ldlm.serve.runtime.backends import open_graphs
+
+    precision, out = engines
+    record = read_plan_manifest(out / "encoder.plan")["tokenizer"]
+    assert record["sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    copy = tmp_path / "plans"
+    shutil.copytree(out, copy)
+    (copy / "tokenizer.json").write_text((copy / "tokenizer.json").read_text().replace('"the"', '"thE"', 1))
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json (is \d+ bytes|does not match the sha256) .*encoder\.plan\.json"):
+        open_graphs("trt", copy, precision)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine runs instead (test below)")

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import check_artifacts
+from ldlm.export.artifact import check_artifacts, check_tokenizer
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import describe_io, read_manifest
 from ldlm.model import LDLM
@@ -283,14 +283,19 @@ def open_graphs(
     if not (path / "config.json").is_file():
         raise BackendError(f"{path} has no config.json; backend {backend!r} needs a directory written by "
                            f"{'`ldlm export`' if backend == 'ort' else '`ldlm build-engine`'}")
-    config = LDLMConfig.load(path / "config.json")
-    has_tokenizer = (path / "tokenizer.json").is_file()
-    tokenizer = TextTokenizer.from_directory(path) if has_tokenizer else TextTokenizer.gpt2()
+    # Every file is checked against its record before any is read, the tokenizer included.
     if backend == "ort":
         if precision not in ORT_PRECISIONS:
             raise BackendError(f"backend 'ort' cannot run precision={precision!r}; allowed: {', '.join(ORT_PRECISIONS)}")
         manifest = read_manifest(path)
         check_artifacts(path, manifest)
+    else:  # an engine directory has no export manifest: its plans carry the tokenizer's record
+        from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
+
+        check_tokenizer(path, read_plan_manifest(path / f"{GRAPH_NAMES[0]}.plan").get("tokenizer"), f"{GRAPH_NAMES[0]}.plan.json")
+    config = LDLMConfig.load(path / "config.json")
+    tokenizer = TextTokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else TextTokenizer.gpt2()
+    if backend == "ort":
         files = {g: path / manifest["graphs"][g]["file"] for g in GRAPH_NAMES}
         if precision != "fp16":
             return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}, config, tokenizer
