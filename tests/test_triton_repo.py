@@ -63,7 +63,9 @@ def test_repository_from_engines_with_cc_plans(export_dir: Path, tmp_path: Path)
     _, graphs = inspect_source(engines)
     config = validate_config((repo / "encoder" / "config.pbtxt").read_text(), graphs["encoder"], "encoder")
     assert config.platform == "tensorrt_plan" and list(config.dynamic_batching.preferred_batch_size) == [1, 16]
-    assert config.max_batch_size == 32  # the profiles' largest batch, under the default 64
+    wide = write_triton_repo(engines, tmp_path / "wide", max_batch=64)
+    config = validate_config((wide / "encoder" / "config.pbtxt").read_text(), graphs["encoder"], "encoder")
+    assert config.max_batch_size == 32  # capped at the profiles' largest batch: Triton refuses a plan that cannot take 64
     narrow = write_triton_repo(engines, tmp_path / "narrow", max_batch=8)
     config = validate_config((narrow / "encoder" / "config.pbtxt").read_text(), graphs["encoder"], "encoder")
     assert config.max_batch_size == 8 and list(config.dynamic_batching.preferred_batch_size) == [1]

@@ -1,0 +1,7 @@
+"""``python -m ldlm.cli``."""
+
+import sys
+
+from ldlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,142 @@
+"""Commands that write artifacts: the ONNX export and its verifier, TensorRT engines, a Triton repository."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ldlm.cli.options import positive_int
+
+
+def _cmd_export(args: argparse.Namespace) -> None:
+    from ldlm.export.onnx_export import export_graphs
+
+    graphs = tuple(args.graphs.split(","))
+    result = export_graphs(
+        args.checkpoint, args.out, opset=args.opset, graphs=graphs, with_logits=args.with_logits,
+        overwrite=args.force, progress=not args.quiet,
+    )
+    for verification in result.verification:
+        print(verification.summary())
+    print(f"wrote {result.out} (opset {args.opset}; graphs {', '.join(graphs)}; manifest {result.out / 'manifest.json'})")
+
+
+def _cmd_verify_onnx(args: argparse.Namespace) -> None:
+    from ldlm.export.onnx_export import verify_export
+
+    results = verify_export(args.path, args.checkpoint)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        for result in results:
+            print(result.summary())
+    if not all(r.passed for r in results):
+        raise SystemExit(1)
+
+
+def _cmd_build_engine(args: argparse.Namespace) -> None:
+    from ldlm.export.engine import BuildOptions, build_engines, plan_summary
+    from ldlm.export.profiles import EngineProfile
+
+    options = BuildOptions(
+        precision=args.precision,
+        profiles=tuple(EngineProfile.parse(p) for p in args.profile or ()),
+        tf32=args.tf32,
+        optimization_level=args.optimization_level,
+        workspace_mb=args.workspace_mb,
+        timing_cache=args.timing_cache,
+    )
+    graphs = tuple(args.graphs.split(",")) if args.graphs else None
+    result = build_engines(args.onnx_dir, args.out, options, graphs, args.flavor, args.force, progress=not args.quiet)
+    for manifest in result.plans.values():
+        print(plan_summary(manifest))
+    print(f"wrote {result.out}")
+
+
+def _cmd_triton_repo(args: argparse.Namespace) -> None:
+    from ldlm.export.triton_repo import list_models, write_triton_repo
+
+    cc_plans = {}
+    for item in args.cc_plan or ():
+        cc, sep, directory = item.partition("=")
+        if not sep or not cc or not directory:
+            raise ValueError(f"--cc-plan {item!r} is malformed; allowed: CC=ENGINE_DIR, e.g. 8.6=engines-a10")
+        cc_plans[cc] = directory
+    out = write_triton_repo(args.source, args.out, args.max_batch, args.queue_delay_us, not args.cpu, cc_plans or None,
+                            args.max_n, args.force)
+    print(f"wrote {out}: models {', '.join(list_models(out))}; every config.pbtxt validated against tritonclient's schema")
+    print(f"run: docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
+          "nvcr.io/nvidia/tritonserver:<xx.yy>-py3 tritonserver --model-repository=/models   (see docs/scale-out.md)")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export the inference graphs to ONNX and verify them",
+        description="Export encoder (input_ids, attention_mask -> latents), denoiser (x_t, t, x0_prev -> x0_hat) "
+        "and decoder (latents -> token_ids [, logits]) to ONNX with the dynamo exporter, dynamic batch and "
+        "sequence axes and external weight data; then verify that every nn.LayerNorm became exactly one "
+        "LayerNormalization node with the module's eps, axis, scale and bias. OUT gets a manifest.json; "
+        "on any failure nothing is left in OUT.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("out", help="output directory to create")
+    p.add_argument("--opset", type=int, default=18, help="ONNX opset: 18 (default) or 20 (single Gelu node)")
+    p.add_argument("--graphs", default="encoder,denoiser,decoder", help="comma-separated subset (default: all three)")
+    p.add_argument("--with-logits", action="store_true", help="the decoder also outputs logits (B, L, V), for parity checks")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "verify-onnx",
+        help="check the LayerNormalization nodes of an export",
+        description="Verify an export directory (or one .onnx file in it) against the LayerNorm specs in its "
+        "manifest.json, or against a checkpoint's modules with --checkpoint. Exit code 1 on failure.",
+    )
+    p.add_argument("path", help="export directory or .onnx file")
+    p.add_argument("--checkpoint", help="compare against this checkpoint's modules instead of the manifest")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=_cmd_verify_onnx)
+
+    p = sub.add_parser(
+        "build-engine",
+        help="compile an export to TensorRT plans",
+        description="Build one TensorRT plan per graph of an `ldlm export` directory, with NVIDIA TensorRT or "
+        "TensorRT-RTX (which also builds without a GPU). fp16/bf16 first write a strongly typed ONNX "
+        "variant that keeps LayerNorm, RMSNorm reductions, softmax and logits in FP32. After parsing, every "
+        "LayerNormalization must be one INormalizationLayer with the module's eps and axes, or the build "
+        "fails. Each plan gets a .plan.json manifest; loading a plan elsewhere checks it.",
+    )
+    p.add_argument("onnx_dir", help="directory written by `ldlm export`")
+    p.add_argument("out", help="output directory to create")
+    p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="default: the first installed of tensorrt, tensorrt_rtx")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32", help="default: fp32 (TF32 off)")
+    p.add_argument("--profile", action="append", metavar="batch=MIN:OPT:MAX,seq=MIN:OPT:MAX",
+                   help="an optimization profile; repeat for batch buckets (default: batch=1:8:32,seq=1:128:max_seq_len)")
+    p.add_argument("--graphs", help="comma-separated subset of the export's graphs (default: all)")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls (off by default, for parity)")
+    p.add_argument("--optimization-level", type=int, default=3, help="builder optimization level 0..5 (default: 3)")
+    p.add_argument("--workspace-mb", type=int, help="workspace memory limit in MiB (default: TensorRT's)")
+    p.add_argument("--timing-cache", help="timing cache file to read and update (NVIDIA TensorRT; a no-op in TensorRT-RTX)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_build_engine)
+
+    p = sub.add_parser(
+        "triton-repo",
+        help="write a Triton Inference Server model repository",
+        description="Write a Triton model repository from an `ldlm build-engine` directory (tensorrt_plan models) or an "
+        "`ldlm export` directory (onnxruntime_onnx models): encoder, denoiser and decoder with dynamic batching, "
+        "instance groups and warm-up, plus the Python-backend model ldlm_generate that runs the sampling loop "
+        "through BLS calls. Every config.pbtxt is validated against tritonclient's model_config schema.",
+    )
+    p.add_argument("source", help="`ldlm build-engine` or `ldlm export` directory")
+    p.add_argument("out", help="repository directory to create")
+    p.add_argument("--max-batch", type=positive_int, default=32, help="max_batch_size (default: 32)")
+    p.add_argument("--queue-delay-us", type=int, default=100, help="dynamic batching max_queue_delay_microseconds (default: 100)")
+    p.add_argument("--cpu", action="store_true", help="instance groups on CPU (default: GPU)")
+    p.add_argument("--cc-plan", action="append", metavar="CC=ENGINE_DIR", help="extra plans per compute capability (cc_model_filenames)")
+    p.add_argument("--max-n", type=positive_int, default=64, help="largest N ldlm_generate accepts (default: 64)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_cmd_triton_repo)

@@ -1,0 +1,155 @@
+"""Commands that measure: parity against eager PyTorch, the LayerNorm eps probes, benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ldlm.cli.options import device_options, positive_int, positive_int_list
+
+
+def _cmd_parity(args: argparse.Namespace) -> None:
+    from ldlm.serve.checks.parity import run_parity
+    from ldlm.serve.checks.parity_report import write_parity_report
+
+    source = {"trt": args.engine_dir, "ort": args.onnx_dir}.get(args.backend)  # torch backends run the checkpoint
+    report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed,
+                        steps=args.steps, progress=not args.quiet, device=args.device, provider=args.provider)
+    files = write_parity_report(report, args.out)
+    for comparison in [*report.graphs, *report.layer_norms]:
+        if args.verbose or not comparison.passed:
+            print(comparison.summary())
+    for verification in report.verification:
+        if args.verbose or not verification.passed:
+            print(verification.summary())
+    if report.eps_probes is not None:
+        for probe in report.eps_probes.layer_norms:
+            if args.verbose or probe.problems:
+                print(probe.summary())
+        print(report.eps_probes.summary())
+    print(report.summary())
+    print(f"reports: {', '.join(str(f) for f in files)}")
+    if not report.passed:
+        raise SystemExit(1)
+
+
+def _cmd_probe_eps(args: argparse.Namespace) -> None:
+    from ldlm.serve.checks.eps_probe import probe_layer_norm_eps, write_eps_report
+
+    if args.onnx_dir is None and args.engine_dir is None:
+        raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
+    report = probe_layer_norm_eps(args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor,
+                                  progress=not args.quiet)
+    if args.out:
+        print(f"wrote {', '.join(str(f) for f in write_eps_report(report, args.out))}")
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.table())
+        for probe in report.layer_norms:
+            if probe.problems:
+                print(probe.summary())
+        for case in report.cases:
+            for problem in case.problems:
+                print(f"FAILED case {case.case} ({case.dtype}): {problem}")
+        for line in [*report.problems, *(f"not exercised: {n}" for n in report.not_exercised)]:
+            print(line)
+        print(report.summary())
+    if report.status != "PASSED":
+        raise SystemExit(1 if report.status == "FAILED" else 3)
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from ldlm.serve.checks.bench import bench_summary, plot_bench, run_bench
+
+    report = run_bench(
+        args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, args.batches,
+        args.length, args.runs, args.threads, args.gen_n, args.gen_steps, args.workload_requests, args.workload_rate,
+        args.workload_backend, args.max_batch, progress=not args.quiet, workload_lengths=args.workload_lengths,
+        device=args.device, precision=args.precision, provider=args.provider,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_bench(report, str(out / "bench.png"))
+    print("\n".join(bench_summary(report)))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "parity",
+        help="check an engine against eager PyTorch",
+        description="Compare ONNX Runtime or TensorRT against eager PyTorch on the checkpoint: every graph output "
+        "on random, padded and stress inputs (max/mean/p99 abs and rel error, cosine per sample, NaN/Inf, "
+        "elementwise pass/fail at the precision's atol and rtol); every LayerNorm output (ONNX Runtime); and "
+        "end-to-end generation with the deterministic sampler as token agreement; every LayerNorm run alone where eps "
+        "decides (as `ldlm probe-eps`). Given --onnx-dir or --engine-dir, the structural verifier runs first. "
+        "Writes parity.json, parity.md and PNG plots. Exit code 1 on failure.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")
+    p.add_argument("--backend", choices=["ort", "trt", "eager", "compiled"], default="ort",
+                   help="ort, trt, or torch on --device: eager, compiled (shape buckets + CUDA graphs) (default: ort)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="sets atol/rtol, and the dtype of the torch backends (default: fp32)")
+    p.add_argument("--onnx-dir", help="ort: an `ldlm export` directory (default: export the checkpoint to a temporary one)")
+    p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")
+    device_options(p, precision=False)
+    p.add_argument("--out", default="parity-report", help="report directory (default: parity-report)")
+    p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the generation noise")
+    p.add_argument("--steps", type=positive_int, default=10, help="sampler steps of the end-to-end check (default: 10)")
+    p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_parity)
+
+    p = sub.add_parser(
+        "probe-eps",
+        help="run every LayerNorm alone where eps decides, and report its implied eps",
+        description="Run each LayerNormalization node of an export (ONNX Runtime: a one-node ONNX with the node's "
+        "attributes, scale and bias) or each INormalizationLayer of an engine set (TensorRT: a one-layer engine) on "
+        "rows where eps decides the output (variance 1e-7..1e-4, constant rows, mean 1e4 with a small variance), "
+        "against torch's layer_norm with the checkpoint module's eps; solve the implied eps from the outputs; also "
+        "run the 8 fixed cases of the LayerNorm design page. Exit code 0 passed, 1 failed, 3 not run (TensorRT "
+        "without a GPU: the one-layer engines are built and their eps read back, not executed).",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (the modules' eps, weight and bias)")
+    p.add_argument("--onnx-dir", help="an `ldlm export` directory (ONNX Runtime); with --engine-dir: where the ONNX the plans were built from is")
+    p.add_argument("--engine-dir", help="an `ldlm build-engine` directory (TensorRT; runs on a GPU)")
+    p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="TensorRT flavour (default: the plans' own)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the probe rows (default: 0)")
+    p.add_argument("--out", help="also write eps_probes.json and eps_probes.md into this directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_probe_eps)
+
+    p = sub.add_parser(
+        "bench",
+        help="latency and throughput: eager, ONNX Runtime and TensorRT side by side",
+        description="Benchmark every graph on every backend at each batch size (p50/p99 latency, throughput), "
+        "end-to-end generation tokens/s, and continuous against static batching under a mixed-arrival workload "
+        "(requests of different lengths and step counts arriving over time). Backends alternate run by run. "
+        "Writes OUT/bench.json and OUT/bench.png.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, ort, trt (default: eager,ort)")
+    p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
+    p.add_argument("--engine-dir", help="engines to use for trt")
+    p.add_argument("--batches", type=positive_int_list, default=[1, 8], help="comma-separated batch sizes (default: 1,8)")
+    p.add_argument("--length", type=positive_int, default=128, help="sequence length, at most the config's max_seq_len (default: 128)")
+    p.add_argument("--runs", type=positive_int, default=10, help="timed runs per cell (default: 10)")
+    p.add_argument("--threads", type=positive_int, default=2, help="threads for torch and ONNX Runtime (default: 2)")
+    p.add_argument("--gen-n", type=positive_int, default=4, help="samples per generation run (default: 4)")
+    p.add_argument("--gen-steps", type=positive_int, default=10, help="steps per generation run (default: 10)")
+    p.add_argument("--workload-requests", type=int, default=60, help="requests in the mixed-arrival workload; 0 skips it (default: 60)")
+    p.add_argument("--workload-rate", type=float, default=20.0, help="mean arrivals per second (default: 20)")
+    p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")
+    p.add_argument("--workload-lengths", type=positive_int_list, default=[16, 32, 64, 128],
+                   help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="scheduler batch size (default: 8)")
+    device_options(p)
+    p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_bench)

@@ -1,0 +1,113 @@
+"""Commands on a checkpoint: make one, sample from it, run texts through its autoencoder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ldlm.cli.options import positive_int
+
+
+def _cmd_init(args: argparse.Namespace) -> None:
+    from tqdm.auto import tqdm
+
+    from ldlm.checkpoint import init_model, refuse_existing, save_checkpoint
+    from ldlm.config import preset
+    from ldlm.tokenizer import TextTokenizer
+
+    refuse_existing(args.out, args.force)  # before the model is built, which takes a while at base size
+    config = preset(args.preset)
+    with tqdm(total=3, desc="init", unit="stage", disable=args.quiet) as bar:
+        bar.set_postfix_str("building the model")
+        model = init_model(config, args.seed, args.gpt2_dir, norm_init=args.norm_init)
+        bar.update()
+        bar.set_postfix_str("loading the tokenizer")
+        tokenizer = TextTokenizer.from_directory(args.tokenizer_dir) if args.tokenizer_dir else TextTokenizer.gpt2()
+        bar.update()
+        bar.set_postfix_str("writing the checkpoint")
+        save_checkpoint(model, tokenizer, args.out, overwrite=args.force)
+        bar.update()
+    weights = "GPT-2 from " + str(args.gpt2_dir) if args.gpt2_dir else "random GPT-2"
+    print(f"wrote {args.out} (preset {args.preset}, seed {args.seed}, {weights}, norm init {args.norm_init})")
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from ldlm.pipeline import LDLMPipeline
+
+    pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
+    start = time.perf_counter()
+    result = pipeline.generate(
+        args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, progress=not args.quiet
+    )
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "seconds": elapsed}))
+        return
+    for i, text in enumerate(result.texts):
+        print(f"[{i}] {text!r}")
+    print(f"generated {args.n} x {args.length} tokens in {elapsed:.2f} s", file=sys.stderr)
+
+
+def _cmd_reconstruct(args: argparse.Namespace) -> None:
+    from ldlm.pipeline import LDLMPipeline
+
+    pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
+    result = pipeline.reconstruct(args.texts)
+    if args.json:
+        print(json.dumps({"texts": result.texts, "token_ids": result.ids()}))
+        return
+    for source, text in zip(args.texts, result.texts):
+        print(f"{source!r} -> {text!r}")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "init",
+        help="write a seeded random-init checkpoint",
+        description="Write a checkpoint directory (config.json, model.safetensors, tokenizer.json) with "
+        "seeded random weights. GPT-2 weights come from --gpt2-dir when given; nothing is downloaded. "
+        "Random weights generate gibberish: this is for testing the tool chain, not for text quality.",
+    )
+    p.add_argument("out", help="checkpoint directory to create")
+    p.add_argument("--preset", choices=["tiny", "base"], default="tiny", help="model size (default: tiny)")
+    p.add_argument("--seed", type=int, default=0, help="initialization seed (default: 0)")
+    p.add_argument("--gpt2-dir", help="local Hugging Face GPT-2 directory (config.json + model.safetensors)")
+    p.add_argument("--norm-init", choices=["default", "random"], default="default",
+                   help="random: every LayerNorm/RMSNorm scale and bias and the feature/latent mean and std get "
+                   "their own seeded values, like a trained checkpoint, so parity sees a norm paired with the wrong "
+                   "parameters (GPT-2 weights from --gpt2-dir are kept); default: scale 1, bias 0, identity statistics")
+    p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_init)
+
+    p = sub.add_parser(
+        "generate",
+        help="sample texts from a checkpoint",
+        description="Sample N sequences by denoising latents from noise, then decode them to text.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--n", type=positive_int, default=4, help="number of samples (default: 4)")
+    p.add_argument("--length", type=positive_int, default=64, help="tokens per sample, at most the config's max_seq_len (default: 64)")
+    p.add_argument("--steps", type=positive_int, default=None, help="denoising steps (default: the config's default_steps, 50)")
+    p.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
+    p.add_argument("--sampler", choices=["sde", "ddim"], default="sde",
+                   help="sde: Euler-Maruyama (stochastic); ddim: deterministic given the seed (default: sde)")
+    p.add_argument("--t-min", type=float, default=None, help="last time of the grid (default: the config's t_min, 0.05)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser(
+        "reconstruct",
+        help="encode texts to latents and decode them back",
+        description="Run texts through the autoencoder (GPT-2 features -> latents -> tokens) and print the result.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("texts", nargs="+", help="texts to reconstruct")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+    p.set_defaults(func=_cmd_reconstruct)
