@@ -154,6 +154,8 @@ def test_stand_in_engine_runs_a_batch_beyond_its_profile_in_chunks() -> None:
     engine = StandInEngine([((1, 4), (1, 16))])
     run = executor(engine)
     assert (run.max_batch, run.max_seq) == (4, 16)
+    batch_only = PlanExecutor(engine, STAND_IN_TRT, "stand-in.plan", {n: {"batch": 0} for n in AXES}, torch.device("cpu"))
+    assert (batch_only.max_batch, batch_only.max_seq) == (4, None)  # no sequence axis: no sequence limit
     inputs = feed(10, 5)
     out = run.execute(inputs, stream=0)["y"]
     assert engine.executed == [4, 4, 2]

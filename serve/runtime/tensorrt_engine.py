@@ -176,8 +176,9 @@ class PlanExecutor:
     @property
     def max_seq(self) -> int | None:
         """The longest sequence any profile takes; None for a graph without a sequence axis."""
-        seq = [min(r[n][1][axis] for n, axis in self.seq_axes.items()) for r in self.ranges]
-        return max(seq) if self.seq_axes else None
+        if not self.seq_axes:
+            return None
+        return max(min(r[n][1][axis] for n, axis in self.seq_axes.items()) for r in self.ranges)
 
     def _batch_range(self, ranges: dict[str, tuple[Any, Any]]) -> tuple[int, int]:
         """The batch sizes a profile takes: the tightest (min, max) over the inputs with a batch axis."""
@@ -272,7 +273,8 @@ class PlanExecutor:
             raise RuntimeError(f"execute_async_v3 failed for {self.name} during the CUDA graph warm-up")
         torch.cuda.current_stream(self.device).synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(self.device)):
+        # thread_local: the server's other threads (other engines, the sampler) keep running CUDA work meanwhile.
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(self.device), capture_error_mode="thread_local"):
             if not context.execute_async_v3(stream):
                 raise RuntimeError(f"execute_async_v3 failed for {self.name} during CUDA graph capture")
         return _GraphCapture(graph, static, outputs)
