@@ -22,7 +22,9 @@ from typing import Any
 
 from ldlm.checkpoint import CONFIG_FILE, atomic_directory
 from ldlm.config import LDLMConfig
+from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_tokenizer
 from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.export.onnx_export import sha256_file
 from ldlm.tokenizer import TOKENIZER_FILE
 
 TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
@@ -101,7 +103,24 @@ def triton_dims(spec: dict[str, Any]) -> list[int]:
     return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]] or [1]
 
 
-def generate_config(max_n: int) -> str:
+def check_source(source: Path, kind: str, cc_dirs: Sequence[Path] = ()) -> None:
+    """An export must match its manifest (every file, the tokenizer included); each plan must match
+    the sha256 in its .plan.json, and the tokenizer beside them the record the plans carry."""
+    if kind == "onnx":
+        check_artifacts(source, json.loads((source / MANIFEST_FILE).read_text()))
+        return
+    for directory in (source, *cc_dirs):
+        for graph in GRAPH_NAMES:
+            plan, manifest = directory / f"{graph}.plan", directory / f"{graph}.plan.json"
+            if not plan.is_file() or not manifest.is_file():
+                raise RepositoryError(f"{directory} has no {plan.name} with its {manifest.name}; build it with `ldlm build-engine`")
+            if sha256_file(plan) != json.loads(manifest.read_text()).get("plan_sha256"):
+                raise RepositoryError(f"{plan} does not match the sha256 in {manifest.name} (edited or replaced); rebuild it")
+    record = json.loads((source / f"{GRAPH_NAMES[0]}.plan.json").read_text()).get("tokenizer")
+    check_tokenizer(source, record, f"{GRAPH_NAMES[0]}.plan.json")
+
+
+def generate_config(max_n: int, tokenizer_sha256: str | None = None) -> str:
     scalars = [("N", "TYPE_INT64"), ("LENGTH", "TYPE_INT64"), ("STEPS", "TYPE_INT64"), ("SEED", "TYPE_INT64"), ("SAMPLER", "TYPE_STRING"), ("T_MIN", "TYPE_FP32")]
     inputs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN") else ""} }}' for n, t in scalars)
     return (
@@ -110,6 +129,8 @@ def generate_config(max_n: int) -> str:
         'output [\n  { name: "TEXTS" data_type: TYPE_STRING dims: [ -1 ] },\n  { name: "TOKEN_IDS" data_type: TYPE_INT64 dims: [ -1, -1 ] }\n]\n'
         "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
         f'parameters {{ key: "max_n" value: {{ string_value: "{max_n}" }} }}\n'
+        # the model checks the tokenizer beside it against this before it decodes anything
+        + (f'parameters {{ key: "tokenizer_sha256" value: {{ string_value: "{tokenizer_sha256}" }} }}\n' if tokenizer_sha256 else "")
     )
 
 
@@ -155,6 +176,7 @@ def write_triton_repo(
         raise RepositoryError("cc_model_filenames need engine directories; the source is an ONNX export")
     if not 1 <= max_batch <= 1 << 16:
         raise RepositoryError(f"max_batch={max_batch} is out of range; allowed: 1..65536")
+    check_source(source, kind, [Path(d) for d in (cc_plans or {}).values()])  # copy only files that match their records
     config = LDLMConfig.load(source / CONFIG_FILE)
     load_model_config_schema()  # fail before writing anything
     with atomic_directory(out, overwrite) as tmp:
@@ -184,9 +206,11 @@ def write_triton_repo(
         assert spec is not None and spec.origin is not None
         shutil.copy(spec.origin, generate / "model.py")
         config.save(generate / CONFIG_FILE)
+        tokenizer_sha256 = None
         if (source / TOKENIZER_FILE).is_file():
             shutil.copy(source / TOKENIZER_FILE, generate / TOKENIZER_FILE)
-        text = generate_config(max_n)
+            tokenizer_sha256 = sha256_file(generate / TOKENIZER_FILE)
+        text = generate_config(max_n, tokenizer_sha256)
         validate_config(text, None, f"{GENERATE_MODEL}/config.pbtxt")
         (tmp / GENERATE_MODEL / "config.pbtxt").write_text(text)
     return Path(out)

@@ -3,6 +3,7 @@ BLS loop run against an in-process stand-in for Triton's Python backend."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from ldlm.export.artifact import ArtifactError
 from ldlm.export.triton_repo import RepositoryError, inspect_source, validate_config, write_triton_repo
 from ldlm.pipeline import LDLMPipeline
 
@@ -72,6 +74,16 @@ def test_repository_from_engines_with_cc_plans(export_dir: Path, tmp_path: Path)
     config = validate_config((repo / "encoder" / "config.pbtxt").read_text(), graphs["encoder"], "encoder")
     assert dict(config.cc_model_filenames) == {"8.9": "model_8.9.plan"}
     assert (repo / "encoder" / "1" / "model.plan").is_file() and (repo / "encoder" / "1" / "model_8.9.plan").is_file()
+    edited = tmp_path / "edited"
+    shutil.copytree(engines, edited)
+    data = bytearray((edited / "decoder.plan").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (edited / "decoder.plan").write_bytes(bytes(data))
+    with pytest.raises(RepositoryError, match=r"decoder\.plan does not match the sha256 in decoder\.plan\.json"):
+        write_triton_repo(engines, tmp_path / "r-cc", cc_plans={"8.9": edited})  # an extra plan is checked too
+    with pytest.raises(RepositoryError, match=r"decoder\.plan does not match the sha256"):
+        write_triton_repo(edited, tmp_path / "r-edited")
+    assert not (tmp_path / "r-cc").exists() and not (tmp_path / "r-edited").exists()
 
 
 def test_bad_sources_and_existing_output(export_dir: Path, tmp_path: Path) -> None:
@@ -86,7 +98,23 @@ def test_bad_sources_and_existing_output(export_dir: Path, tmp_path: Path) -> No
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError, match="--force"):
         write_triton_repo(export_dir, tmp_path / "taken")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mixed", "taken"]
+    edited = tmp_path / "edited"
+    shutil.copytree(export_dir, edited)
+    (edited / "tokenizer.json").write_text((edited / "tokenizer.json").read_text().replace('"the"', '"thE"', 1))
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json (is \d+ bytes|does not match the sha256)"):
+        write_triton_repo(edited, tmp_path / "r3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "empty", "mixed", "taken"]
+
+
+def test_generate_model_refuses_a_tokenizer_edited_in_the_repository(repo: Path, tmp_path: Path, monkeypatch) -> None:
+    assert read_config(repo, "ldlm_generate").parameters["tokenizer_sha256"].string_value == hashlib.sha256(
+        (repo / "ldlm_generate" / "1" / "tokenizer.json").read_bytes()).hexdigest()
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    tokenizer = copy / "ldlm_generate" / "1" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace('"the"', '"thE"', 1))
+    with pytest.raises(RuntimeError, match="config.pbtxt's tokenizer_sha256 is [0-9a-f]{64}; rewrite the repository"):
+        load_generate_model(copy, monkeypatch)
 
 
 def read_config(repo: Path, model: str):

@@ -12,6 +12,7 @@ optional T_MIN (FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENG
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,18 @@ from ldlm.tokenizer import TextTokenizer
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        self.config = LDLMConfig.load(version_dir / "config.json")
-        tokenizer_dir = version_dir if (version_dir / "tokenizer.json").is_file() else None
-        self.tokenizer = TextTokenizer.from_directory(tokenizer_dir) if tokenizer_dir else TextTokenizer.gpt2()
-        self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
         self.limits = json.loads(args["model_config"]).get("parameters", {})
+        self.config = LDLMConfig.load(version_dir / "config.json")
+        tokenizer = version_dir / "tokenizer.json"
+        if tokenizer.is_file():
+            # `ldlm triton-repo` wrote its sha256 into config.pbtxt: an edited tokenizer would change every text
+            expected = self.limits.get("tokenizer_sha256", {}).get("string_value")
+            found = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+            if found != expected:
+                raise RuntimeError(f"{tokenizer} has sha256 {found}, but config.pbtxt's tokenizer_sha256 is {expected}; "
+                                   "rewrite the repository with `ldlm triton-repo`")
+        self.tokenizer = TextTokenizer.from_directory(version_dir) if tokenizer.is_file() else TextTokenizer.gpt2()
+        self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
