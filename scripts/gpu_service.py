@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import free_port, serve_command, wait_ready  # noqa: E402
+from loopback import free_port, serve_command, stop_server, wait_ready  # noqa: E402
 
 def kserve_encoder_body(length: int, seed: int) -> bytes:
     ids = np.random.default_rng(seed).integers(0, 50257, length).tolist()
@@ -76,12 +75,7 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
         d = httpx.get(f"{url}/v2/models/decoder", timeout=10).json()["inputs"][0]["shape"][-1]
         result["load"] = load_test.run_clients(url, sizes["http_clients"], sizes["http_seconds"], d)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            result["server_exit_code"] = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            result["server_exit_code"] = "killed after 60 s"
+        result["server_exit_code"] = stop_server(server)
         log.close()
     return result
 
@@ -121,12 +115,7 @@ def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any]
                           preview_events_per_request_nominal=(plain["steps"] - 1) // every,
                           first_preview_batch1=preview_cost.first_preview_seconds(url, streamed, 5))
         finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                result["server_exit_code"] = server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                result["server_exit_code"] = "killed after 60 s"
+            result["server_exit_code"] = stop_server(server)
     return result
 
 

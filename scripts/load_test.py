@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import LOOPBACK, free_port, start_server  # noqa: E402
+from loopback import LOOPBACK, free_port, start_server, stop_server  # noqa: E402
 
 
 
@@ -303,8 +302,7 @@ def main() -> None:
                 report["overhead"] = measure_overhead(url, source, args.overhead_requests)
         finally:
             if process is not None:
-                process.send_signal(signal.SIGTERM)
-                report_exit = process.wait(60)
+                report_exit = stop_server(process)
         if process is not None:
             report["server_exit_code"] = report_exit
     write_report(report, args.out)

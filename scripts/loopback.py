@@ -4,6 +4,7 @@ server's own output, when the server dies first. Scripts send traffic to loopbac
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -54,3 +55,17 @@ def start_server(source: str | Path, port: int, flags: list[str] | None = None, 
     process = subprocess.Popen(serve_command(source, port, flags), stdout=output, stderr=subprocess.STDOUT, **popen)
     wait_ready(process, f"http://127.0.0.1:{port}", timeout_s, log_path)
     return process
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> int | str:
+    """SIGTERM (the server drains in-flight requests, then exits), killed after ``timeout_s``:
+    its exit code, or a note that it had to be killed."""
+    if process.poll() is not None:
+        return process.returncode
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return f"killed after {timeout_s:g} s"

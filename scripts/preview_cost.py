@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import write_report  # noqa: E402
-from loopback import LOOPBACK, free_port, start_server  # noqa: E402
+from loopback import LOOPBACK, free_port, start_server, stop_server  # noqa: E402
 
 
 def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, int]:
@@ -139,8 +138,7 @@ def main() -> None:
             }
         finally:
             if process is not None:
-                process.send_signal(signal.SIGTERM)
-                process.wait(60)
+                stop_server(process)
     write_report(report, args.out)
 
 
