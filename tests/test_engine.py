@@ -266,3 +266,24 @@ def test_engine_runs_on_gpu(engines, tiny_model, cuda_graphs: bool) -> None:
     if engine.flavor.is_rtx:
         assert (out / "denoiser.runtime.cache").stat().st_size > 0
         assert not (out / "runtime.cache").exists()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU: the TensorRT backend's device tensors (run_tensors) and the sampler on the GPU around "
+    "TensorRT engines were not exercised",
+)
+def test_trt_pipeline_samples_on_the_gpu(engines, pipeline) -> None:
+    from ldlm.pipeline import LDLMPipeline
+    from ldlm.serve.checks.parity import TOKEN_AGREEMENT_REQUIRED
+    from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+
+    precision, out = engines
+    graphs, config, tokenizer = open_graphs("trt", out, precision)
+    assert graphs["denoiser"].device.type == "cuda"
+    on_gpu = LDLMPipeline(BackendGraphs(graphs), tokenizer, graphs["denoiser"].device, config=config, noise_device="cpu")
+    got = on_gpu.generate(3, 16, 6, 5, "ddim").token_ids.cpu()
+    expected = pipeline.generate(3, 16, 6, 5, "ddim").token_ids
+    assert (got == expected).float().mean().item() >= TOKEN_AGREEMENT_REQUIRED[precision]
+    for graph in graphs.values():
+        graph.close()

@@ -6,8 +6,8 @@ backend-specific ``_run`` does the work. ``provider`` says what really ran (ONNX
 falls back to CPU when a GPU provider cannot start, so it is read back from the session).
 
 ``BackendGraphs`` puts three GraphBackends behind the ``InferenceGraphs`` methods, so the one
-``LDLMPipeline`` (and the batching scheduler) runs on any backend. Torch backends also take and
-give device tensors (``run_tensors``), so a GPU pipeline makes no host copy per denoiser call.
+``LDLMPipeline`` (and the batching scheduler) runs on any backend. Torch and TensorRT backends also
+take and give device tensors (``run_tensors``), so a GPU pipeline makes no host copy per denoiser call.
 The torch device/precision helpers and the ``compiled`` backend live in ``torch_backends``.
 """
 
@@ -85,6 +85,18 @@ class GraphBackend(ABC):
         self._check_sizes(sizes)
         return arrays
 
+    def check_tensors(self, inputs: Mapping[str, Tensor]) -> None:
+        """``check_inputs`` for torch tensors on any device: shapes and dtypes only, no copy to the host."""
+        sizes: dict[str, int] = {}
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing or len(inputs) != len(self.input_names):
+            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
+        for spec in self.inputs:
+            value = inputs[spec["name"]]
+            kind = "f" if value.is_floating_point() else "b" if value.dtype == torch.bool else "i"
+            self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
+        self._check_sizes(sizes)
+
     def _check_one(self, spec: dict[str, Any], kind: str, dtype: str, shape: tuple[int, ...], sizes: dict[str, int]) -> None:
         """One input's dtype kind and shape against its spec; symbolic sizes collected in ``sizes``."""
         name, want_kind = spec["name"], np.dtype(NUMPY_DTYPES[spec["dtype"]]).kind
@@ -136,18 +148,8 @@ class EagerBackend(GraphBackend):
     def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Tensors in (any device; checked on their shapes alone, no copy to the host), tensors
         out on this backend's device."""
-        sizes: dict[str, int] = {}
-        missing = [n for n in self.input_names if n not in inputs]
-        if missing or len(inputs) != len(self.input_names):
-            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
-        tensors = {}
-        for spec in self.inputs:
-            value = inputs[spec["name"]]
-            kind = "f" if value.is_floating_point() else "b" if value.dtype == torch.bool else "i"
-            self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
-            tensors[spec["name"]] = value.to(self.device, self.input_dtype(spec), non_blocking=True)
-        self._check_sizes(sizes)
-        return self._forward(tensors)
+        self.check_tensors(inputs)
+        return self._forward({s["name"]: inputs[s["name"]].to(self.device, self.input_dtype(s), non_blocking=True) for s in self.inputs})
 
     def input_dtype(self, spec: dict[str, Any]) -> torch.dtype:
         """int64 stays; per-position activations take the compute dtype; the per-sample time t
@@ -219,7 +221,14 @@ class TensorRTBackend(GraphBackend):
         manifest = self.engine.manifest
         super().__init__(graph, manifest["inputs"], manifest["outputs"], min(max_seq_len, self.engine.max_seq or max_seq_len))
         self.batch_limit = self.engine.max_batch
+        self.device = self.engine.device  # the pipeline samples here: no host copy per denoiser call
         self.provider = f"{manifest['flavor']} {manifest['trt_version']} ({manifest['precision']})"
+
+    def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Tensors in (any device; checked on their shapes alone), tensors out on the GPU, float outputs as FP32."""
+        self.check_tensors(inputs)
+        outputs = self.engine.run(dict(inputs))
+        return {n: outputs[n].float() if outputs[n].is_floating_point() else outputs[n] for n in self.output_names}
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = self.engine.run({n: torch.from_numpy(a) for n, a in inputs.items()})
