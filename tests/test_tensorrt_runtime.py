@@ -23,16 +23,8 @@ import torch
 
 from ldlm.config import LDLMConfig
 from ldlm.serve.runtime.backends import serving_limits
-from ldlm.serve.runtime.tensorrt_engine import (
-    TORCH_DTYPES,
-    PlanExecutor,
-    PlanMismatchError,
-    RuntimeCacheFile,
-    batch_chunks,
-    runtime_cache_path,
-    torch_dtype,
-    write_atomically,
-)
+from ldlm.serve.runtime.tensorrt_engine import RuntimeCacheFile, runtime_cache_path, write_atomically
+from ldlm.serve.runtime.tensorrt_executor import TORCH_DTYPES, PlanExecutor, PlanMismatchError, batch_chunks, torch_dtype
 
 STAND_IN_TRT = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"))
 AXES = {"x": {"batch": 0, "seq": 1}, "mask": {"batch": 0, "seq": 1}, "y": {"batch": 0, "seq": 1}}

@@ -42,7 +42,7 @@ def run_normalization_plan(flavor: Flavor, plan: NormalizationPlan, x: np.ndarra
     checked binding, on a stream of its own."""
     import torch
 
-    from ldlm.serve.runtime.tensorrt_engine import bind
+    from ldlm.serve.runtime.tensorrt_executor import bind
 
     if not torch.cuda.is_available():
         raise RuntimeError("running a TensorRT plan needs a CUDA GPU; torch.cuda.is_available() is False")
