@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from ldlm.export.engine import BuildOptions, EngineBuildError, build_engines, build_plan
-from ldlm.export.layernorm_network import axes_mask, check_network_layer_norms
+from ldlm.export.layernorm_network import axes_mask, check_network_layer_norms, parse_onnx_network
 from ldlm.export.onnx_export import read_manifest
 from ldlm.export.precision import lower_precision
 from ldlm.export.profiles import EngineProfile, ShapeRange
-from ldlm.export.trt_flavor import FlavorError, GpuInfo, flavor_logger, load_flavor
+from ldlm.export.trt_flavor import FlavorError, GpuInfo, load_flavor
 from ldlm.export.verify import LayerNormSpec
 from ldlm.serve.runtime.tensorrt_engine import PlanMismatchError, TensorRTEngine, check_plan_manifest, read_plan_manifest
 from tests.artifacts import reseal_manifest
@@ -93,15 +93,6 @@ def test_fp16_variant_stays_close_to_fp32_in_onnx_runtime(export_dir: Path, tmp_
     assert (ids16 == ids32).mean() >= 0.99
 
 
-def parse(flavor, path: Path):
-    logger = flavor_logger(flavor)
-    builder = flavor.trt.Builder(logger)
-    network = builder.create_network(0)
-    parser = flavor.trt.OnnxParser(network, logger)
-    assert parser.parse_from_file(str(path))
-    return builder, network, parser
-
-
 def with_eps(src_dir: Path, graph: str, eps: float, dst: Path) -> Path:
     model = onnx.load(str(src_dir / f"{graph}.onnx"))
     node = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
@@ -115,11 +106,11 @@ def with_eps(src_dir: Path, graph: str, eps: float, dst: Path) -> Path:
 def test_network_check_passes_and_rejects_a_modified_eps(export_dir: Path, tmp_path: Path) -> None:
     flavor = load_flavor("tensorrt_rtx")
     specs = specs_of(export_dir, "encoder")
-    _, network, _ = parse(flavor, export_dir / "encoder.onnx")
+    _, network, _ = parse_onnx_network(flavor, export_dir / "encoder.onnx")
     assert check_network_layer_norms(flavor.trt, network, specs) == []
 
     modified = with_eps(export_dir, "encoder", 1e-3, tmp_path / "encoder.onnx")
-    _, network, _ = parse(flavor, modified)
+    _, network, _ = parse_onnx_network(flavor, modified)
     problems = check_network_layer_norms(flavor.trt, network, specs)
     assert len(problems) == 1 and "epsilon 0.001 != module eps 1e-05" in problems[0], problems
     entry = read_manifest(export_dir)["graphs"]["encoder"]

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ldlm.export.engine import BuildOptions, EngineBuildError, build_plan, is_strongly_typed
-from ldlm.export.layernorm_network import check_network_layer_norms, normalization_layers
+from ldlm.export.layernorm_network import check_network_layer_norms, normalization_layers, parse_onnx_network
 from ldlm.export.profiles import EngineProfile, ShapeRange
 from ldlm.export.trt_flavor import flavor_logger, load_flavor
 from ldlm.export.verify import LayerNormSpec, digest
@@ -27,15 +27,6 @@ SMALL = (EngineProfile(ShapeRange(1, 1, 2), ShapeRange(1, 8, 16)),)
 @pytest.fixture(scope="module")
 def flavor():
     return load_flavor("tensorrt_rtx")
-
-
-def parsed(flavor, path: Path):
-    logger = flavor_logger(flavor)
-    builder = flavor.trt.Builder(logger)
-    network = builder.create_network(0)
-    parser = flavor.trt.OnnxParser(network, logger)
-    assert parser.parse_from_file(str(path))
-    return builder, network, parser  # the builder and parser own the network: keep them alive
 
 
 def layer_norm_chain(path: Path, count: int = 4) -> tuple[list[LayerNormSpec], dict]:
@@ -62,7 +53,7 @@ def layer_norm_chain(path: Path, count: int = 4) -> tuple[list[LayerNormSpec], d
 def test_each_network_rule_is_enforced(flavor, tmp_path: Path) -> None:
     trt = flavor.trt
     specs, _ = layer_norm_chain(tmp_path / "chain.onnx")
-    keep = parsed(flavor, tmp_path / "chain.onnx")
+    keep = parse_onnx_network(flavor, tmp_path / "chain.onnx")  # the builder and parser own the network: keep them alive
     network = keep[1]
     layers = normalization_layers(trt, network)
     assert len(layers) == len(specs) == 4
@@ -119,7 +110,7 @@ def test_layer_norm_overflow_warning_fails_the_build(flavor, tmp_path: Path, mon
 def test_strongly_typed_is_read_from_the_network(flavor, tmp_path: Path) -> None:
     trt = flavor.trt
     layer_norm_chain(tmp_path / "chain.onnx", count=1)
-    keep = parsed(flavor, tmp_path / "chain.onnx")
+    keep = parse_onnx_network(flavor, tmp_path / "chain.onnx")  # the builder and parser own the network: keep them alive
     network = keep[1]
     assert is_strongly_typed(trt, network) is True  # TensorRT-RTX: every network is strongly typed
     weak = types.SimpleNamespace(get_flag=lambda flag: False)  # what a weakly typed TensorRT network answers
@@ -132,7 +123,7 @@ def test_one_logger_per_flavor_serves_every_builder_and_runtime(flavor, tmp_path
     """TensorRT keeps the first logger it is given and warns for each different one; the history
     a long-running server keeps is capped; a capture sees only its own block's messages."""
     from ldlm.export import trt_flavor
-    from ldlm.export.layernorm_network import build_normalization_plan, parse_onnx_network
+    from ldlm.export.layernorm_network import build_normalization_plan
 
     trt = flavor.trt
     given: list[object] = []
