@@ -1,20 +1,20 @@
-"""The real server on 127.0.0.1, in a thread of the test process, for the HTTP tests."""
+"""The real server on 127.0.0.1 for the HTTP tests: in a thread of the test process (``RunningServer``),
+or in its own process (``wait_ready`` for a ``python -m ldlm.cli serve`` child)."""
 
 from __future__ import annotations
 
-import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
 from ldlm.serve.api.server import LDLMService, create_app, server_config
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# One port picker and one readiness wait (for a server in its own process) for the scripts and the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from loopback import free_port, wait_ready  # noqa: E402, F401
 
 
 class RunningServer:

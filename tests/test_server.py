@@ -47,7 +47,7 @@ from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.runtime.scheduler import QueueFullError  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port  # noqa: E402
+from tests.servers import RunningServer, free_port, wait_ready  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -247,16 +247,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read() if process.stdout else ""
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_ready(process, url, 60)
         result: dict = {}
 
         def slow_request() -> None:

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api import server as server_module  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port  # noqa: E402
+from tests.servers import RunningServer, free_port, wait_ready  # noqa: E402
 from tests.test_server import infer_body  # noqa: E402
 
 LIMITS = dict(max_batch=4, max_delay_ms=0.0, request_timeout_s=60, max_body_bytes=1 << 20, max_n=8, max_steps=100, max_texts=8,
@@ -400,16 +400,7 @@ def test_key_never_printed_and_openapi_typed(export_dir: Path) -> None:
     process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port), "--threads", "1"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read() if process.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_ready(process, f"http://127.0.0.1:{port}", 120)
         headers = {"Authorization": f"Bearer {key}"}
         schema = httpx.get(f"http://127.0.0.1:{port}/openapi.json", headers=headers).json()
         assert httpx.post(f"http://127.0.0.1:{port}/v1/encode", json={"texts": ["x"]}, headers=headers).status_code == 200
