@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -68,12 +69,14 @@ def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> It
 
 
 def _remove_leftovers(out: Path) -> None:
-    """Remove ``.NAME.PID.*.tmp`` folders of writers to ``out`` that were killed (their PID is gone)."""
-    for leftover in out.parent.glob(f".{out.name}.*.tmp"):
-        pid = leftover.name[len(out.name) + 2 :].split(".")[0]
-        if not leftover.is_dir() or (pid.isdigit() and _alive(int(pid))):
-            continue  # a writer still running (or not ours to judge)
-        shutil.rmtree(leftover, ignore_errors=True)
+    """Remove ``.NAME.PID.XXXXXXXX.tmp`` folders of writers to ``out`` that were killed (their PID is
+    gone). The name must match exactly: ``.ckpt.v2.<pid>.<rand>.tmp`` belongs to a writer of ``ckpt.v2``."""
+    # mkdtemp's random part has no dots; names from before the PID was added have no PID part.
+    pattern = re.compile(re.escape(f".{out.name}.") + r"(?:(\d+)\.)?[A-Za-z0-9_]+\.tmp")
+    for leftover in out.parent.iterdir():
+        match = pattern.fullmatch(leftover.name)
+        if match and leftover.is_dir() and (match.group(1) is None or not _alive(int(match.group(1)))):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,22 @@ def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
             (tmp / "config.json").write_text("{}")
             raise RuntimeError("disk full")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_leftovers_of_other_targets_and_live_writers_are_kept(tmp_path: Path) -> None:
+    """``.ckpt.v2.<pid>.<rand>.tmp`` is a writer of ``ckpt.v2``, not of ``ckpt``: writing ``ckpt`` must
+    leave it alone even though ``v2`` is no PID; names with glob characters are matched literally."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    others = [tmp_path / f".ckpt.v2.{dead.pid}.abcd1234.tmp", tmp_path / f".ckpt.v2.{os.getpid()}.abcd1234.tmp",
+              tmp_path / f".ckpt.12.{dead.pid}.abcd1234.tmp"]
+    for folder in others:
+        folder.mkdir()
+    bracketed = tmp_path / "ck[pt]"
+    mine = tmp_path / f".ck[pt].{dead.pid}.abcd1234.tmp"  # a killed writer of `ck[pt]`
+    mine.mkdir()
+    with atomic_directory(tmp_path / "ckpt") as tmp:
+        (tmp / "done").write_text("ok")
+    with atomic_directory(bracketed) as tmp:
+        (tmp / "done").write_text("ok")
+    assert all(folder.is_dir() for folder in others) and not mine.exists()
