@@ -108,8 +108,8 @@ def _make_logger(trt: ModuleType) -> Any:
             try:
                 yield messages
             finally:
-                with self._lock:
-                    self._captures.remove(messages)
+                with self._lock:  # by identity: two captures still empty are equal lists
+                    self._captures = [c for c in self._captures if c is not messages]
 
     return RecordingLogger()
 

@@ -150,6 +150,12 @@ def test_one_logger_per_flavor_serves_every_builder_and_runtime(flavor, tmp_path
     assert len(logger.messages) == trt_flavor.LOG_HISTORY and logger.messages[-1] == ("ERROR", "after the block")
     assert len(mine) == trt_flavor.LOG_HISTORY + 50 and mine[0] == ("WARNING", "message 0")
 
+    with logger.capture() as outer:  # nested (or concurrent) captures: each keeps its own messages
+        with logger.capture() as inner:
+            pass  # both still empty, so equal lists: the inner's exit must not end the outer
+        logger.log(trt.ILogger.Severity.WARNING, "after the inner capture")
+    assert outer == [("WARNING", "after the inner capture")] and inner == []
+
 
 def test_build_progress_bar_follows_tensorrt_phases(flavor, tmp_path: Path, monkeypatch, capsys) -> None:
     """TensorRT calls phase_start(phase_name, parent_phase, num_steps): top-level phases (no parent)
