@@ -20,9 +20,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import ldlm
-from ldlm.checkpoint import CONFIG_FILE, atomic_directory
-from ldlm.export.layernorm_network import check_network_layer_norms
+from ldlm.checkpoint import CONFIG_FILE, atomic_directory, write_atomically
 from ldlm.export.artifact import check_artifacts
+from ldlm.export.layernorm_network import check_network_layer_norms
 from ldlm.export.onnx_export import read_manifest, sha256_file
 from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
@@ -122,7 +122,6 @@ def build_plan(
     options: BuildOptions,
     progress: bool = False,
 ) -> dict[str, Any]:
-    trt = flavor.trt
     logger = flavor_logger(flavor)
     with logger.capture() as messages:  # this build's messages (the shared logger keeps only the last few)
         serialized, seconds, strongly_typed = _build(flavor, logger, onnx_path, specs, entry, profiles, options, progress)
@@ -198,7 +197,7 @@ def _build(
     if monitor is not None:
         monitor.close()
     if serialized is not None and timing_cache is not None:
-        _save_timing_cache(config, Path(timing_cache))
+        write_atomically(timing_cache, bytes(config.get_timing_cache().serialize()))
     return serialized, seconds, is_strongly_typed(trt, network)
 
 
@@ -222,12 +221,6 @@ def _attach_timing_cache(flavor: Flavor, config: Any, path: str | None) -> str |
     data = Path(path).read_bytes() if Path(path).is_file() else b""
     config.set_timing_cache(config.create_timing_cache(data), ignore_mismatch=False)
     return str(path)
-
-
-def _save_timing_cache(config: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(bytes(config.get_timing_cache().serialize()))
-    os.replace(tmp, path)
 
 
 def BuildProgress(trt: Any, label: str) -> Any:  # noqa: N802 (a class per flavour, built on its IProgressMonitor)

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +67,20 @@ def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> It
             tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_atomically(path: str | os.PathLike[str], data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` through a temporary name unique to this process and thread, then
+    rename: a reader never sees a torn file, and concurrent writers (several servers saving one
+    runtime cache, two builds sharing a timing cache) never write into each other's temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def _remove_leftovers(out: Path) -> None:

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from ldlm.checkpoint import write_atomically
 from ldlm.config import LDLMConfig
 from ldlm.serve.runtime.backends import serving_limits
-from ldlm.serve.runtime.tensorrt_engine import RuntimeCacheFile, runtime_cache_path, write_atomically
+from ldlm.serve.runtime.tensorrt_engine import RuntimeCacheFile, runtime_cache_path
 from ldlm.serve.runtime.tensorrt_executor import TORCH_DTYPES, PlanExecutor, PlanMismatchError, batch_chunks, torch_dtype
 
 STAND_IN_TRT = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"))

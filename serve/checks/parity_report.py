@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ldlm.checkpoint import write_atomically
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.serve.checks.parity import ParityReport
 
@@ -17,16 +18,10 @@ def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> li
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "parity.json", out / "parity.md"]
-    _write_atomic(files[0], json.dumps(report.to_dict(), indent=2) + "\n")
-    _write_atomic(files[1], markdown(report))
+    write_atomically(files[0], json.dumps(report.to_dict(), indent=2) + "\n")
+    write_atomically(files[1], markdown(report))
     files += plot(report, out)
     return files
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def markdown(report: ParityReport) -> str:

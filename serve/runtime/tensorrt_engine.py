@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ldlm.checkpoint import write_atomically
 from ldlm.export.engine import MANIFEST_SUFFIX, PLAN_SUFFIX
 from ldlm.export.onnx_export import sha256_file
 from ldlm.export.trt_flavor import Flavor, GpuInfo, flavor_logger, gpu_info, load_flavor
@@ -74,17 +73,6 @@ def runtime_cache_path(plan: Path) -> Path:
     """One cache per plan (``denoiser.plan`` -> ``denoiser.runtime.cache``): kernels compiled for one
     plan are no use to another, and one shared file would keep only the last plan saved."""
     return plan.with_name(plan.name.removesuffix(PLAN_SUFFIX) + RUNTIME_CACHE_SUFFIX)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary name unique to this process and thread, then rename: concurrent
-    writers (several server processes on one plan) never leave a torn file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 class RuntimeCacheFile:
