@@ -124,11 +124,12 @@ class GpuInfo:
         return f"{self.name} (compute capability {self.compute_capability})" if self.name else "AOT, no GPU"
 
 
-def gpu_info() -> GpuInfo:
-    """The GPU this process would run on, through torch's CUDA runtime; no GPU gives (None, None)."""
+def gpu_info(device: Any = None) -> GpuInfo:
+    """The GPU this process would run on (``device``, else torch's current one), through torch's
+    CUDA runtime; no GPU gives (None, None)."""
     import torch
 
     if not torch.cuda.is_available():
         return GpuInfo(None, None)
-    major, minor = torch.cuda.get_device_capability()
-    return GpuInfo(torch.cuda.get_device_name(), f"{major}.{minor}")
+    major, minor = torch.cuda.get_device_capability(device)
+    return GpuInfo(torch.cuda.get_device_name(device), f"{major}.{minor}")

@@ -13,6 +13,7 @@ TensorRT calls themselves (profiles, chunks, checked binding, the lock, CUDA gra
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -23,7 +24,6 @@ from torch import Tensor
 
 from ldlm.checkpoint import write_atomically
 from ldlm.export.engine import MANIFEST_SUFFIX, PLAN_SUFFIX
-from ldlm.export.onnx_export import sha256_file
 from ldlm.export.trt_flavor import Flavor, GpuInfo, flavor_logger, gpu_info, load_flavor
 from ldlm.serve.runtime.tensorrt_executor import PlanExecutor, PlanMismatchError
 
@@ -115,19 +115,20 @@ class TensorRTEngine:
         self.plan = Path(plan)
         self.manifest = read_plan_manifest(self.plan)
         self.flavor = load_flavor(flavor or self.manifest.get("flavor"))
-        gpu = gpu_info()
+        self.device = torch.device(device)
+        gpu = gpu_info(self.device)
         if gpu.name is None:
             raise RuntimeError(f"running {self.plan} needs a CUDA GPU; torch.cuda.is_available() is False")
         check_plan_manifest(self.manifest, self.flavor, gpu)
-        if sha256_file(self.plan) != self.manifest["plan_sha256"]:
+        data = self.plan.read_bytes()  # read once: the bytes checked are the bytes loaded
+        if hashlib.sha256(data).hexdigest() != self.manifest["plan_sha256"]:
             raise PlanMismatchError(f"{self.plan} does not match the sha256 in its manifest (corrupt or replaced); rebuild it")
         trt = self.flavor.trt
-        self.device = torch.device(device)
         self.logger = flavor_logger(self.flavor)
         self.runtime = trt.Runtime(self.logger)
-        with self.logger.capture() as messages:
+        with self.logger.capture() as messages, torch.cuda.device(self.device):
             try:
-                self.engine = self.runtime.deserialize_cuda_engine(self.plan.read_bytes())
+                self.engine = self.runtime.deserialize_cuda_engine(data)
             except Exception as error:  # e.g. no CUDA driver: TensorRT raises instead of returning None
                 raise PlanMismatchError(f"TensorRT could not load {self.plan}: {str(error).splitlines()[0][:300]}") from error
         if self.engine is None:
@@ -151,8 +152,7 @@ class TensorRTEngine:
         config = self.engine.create_runtime_config()
         if cuda_graphs:
             config.cuda_graph_strategy = self.flavor.trt.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE
-        self.runtime_cache.attach(config)
-        self._runtime_config = config  # contexts refer to it
+        self.runtime_cache.attach(config)  # the cache file and the executor's contexts keep the config alive
         return config
 
     @property
@@ -169,14 +169,12 @@ class TensorRTEngine:
         the outputs before its next kernel."""
         caller = as_stream(stream, self.device)
         self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             tensors = {}
             for name in self.input_names:
-                if name not in inputs:
-                    raise ValueError(f"missing inputs {[n for n in self.input_names if n not in inputs]}; {self.plan.name} takes {self.input_names}")
-                tensor = torch.as_tensor(inputs[name]).to(self.device, self.dtypes[name], non_blocking=True).contiguous()
-                tensor.record_stream(self.stream)  # a caller's tensor is in use here until this stream is done
-                tensors[name] = tensor
+                if name in inputs:  # a missing one is named by the executor
+                    tensors[name] = torch.as_tensor(inputs[name]).to(self.device, self.dtypes[name], non_blocking=True).contiguous()
+                    tensors[name].record_stream(self.stream)  # a caller's tensor is in use here until this stream is done
             outputs = self.executor.execute(tensors, self.stream.cuda_stream)
         caller.wait_stream(self.stream)
         for tensor in outputs.values():
