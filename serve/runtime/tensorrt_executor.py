@@ -117,16 +117,20 @@ class PlanExecutor:
             {n: tuple(engine.get_tensor_profile_shape(n, i)[::2]) for n in self.input_names}  # name -> (min, max)
             for i in range(engine.num_optimization_profiles)
         ]
+        self.batch_ranges = [self._batch_range(r) for r in self.ranges] if self.batch_axes else []
+        # Outputs a chunked batch could not be put back together along (none in LDLM's graphs).
+        self.unbatched_outputs = [n for n in self.output_names if n not in self.batch_axes]
         self.capture_graphs = capture_graphs
         self.context_args = context_args
         self._lock = threading.Lock()
         self._contexts: dict[int, Any] = {}
         self._captures: dict[tuple[Any, ...], _GraphCapture] = {}
+        self._bound: dict[int, tuple[Any, ...] | None] = {}  # profile -> the capture its context is bound to
 
     @property
     def max_batch(self) -> int:
         """The largest batch one execution takes (larger ones run as several)."""
-        return max(self._batch_range(r)[1] for r in self.ranges)
+        return max(high for _, high in self.batch_ranges)
 
     @property
     def max_seq(self) -> int | None:
@@ -158,17 +162,16 @@ class PlanExecutor:
             raise ValueError(f"missing inputs {missing}; {self.name} takes {self.input_names}")
         batched = [n for n in self.input_names if n in self.batch_axes]
         batch = inputs[batched[0]].shape[self.batch_axes[batched[0]]] if batched else 1
-        chunks = batch_chunks(batch, [self._batch_range(r) for r in self.ranges]) if batched else [batch]
+        chunks = batch_chunks(batch, self.batch_ranges) if batched else [batch]
         if len(chunks) == 1:
             return self._execute_one(inputs, stream)
+        if self.unbatched_outputs:
+            raise ValueError(f"{self.name}: outputs {self.unbatched_outputs} have no batch axis, so batch {batch} cannot run in chunks {chunks}")
         parts, start = [], 0
         for size in chunks:
             part = {n: t.narrow(self.batch_axes[n], start, size) if n in self.batch_axes else t for n, t in inputs.items()}
             parts.append(self._execute_one({n: t.contiguous() for n, t in part.items()}, stream))
             start += size
-        unbatched = [n for n in self.output_names if n not in self.batch_axes]
-        if unbatched:
-            raise ValueError(f"{self.name}: outputs {unbatched} have no batch axis, so batch {batch} cannot run in chunks {chunks}")
         return {n: torch.cat([p[n] for p in parts], self.batch_axes[n]) for n in self.output_names}
 
     def _execute_one(self, inputs: dict[str, Tensor], stream: int) -> dict[str, Tensor]:
@@ -178,10 +181,14 @@ class PlanExecutor:
             context = self._context(profile, stream)
             if self.capture_graphs:
                 return self._replay(context, profile, inputs, shapes, stream)
-            outputs = bind(context, {n: inputs[n] for n in self.input_names}, self.output_names, self.dtypes, self.device)
-            if not context.execute_async_v3(stream):
-                raise RuntimeError(f"execute_async_v3 failed for {self.name} (shapes {shapes})")
-            return outputs
+            return self._execute_plain(context, profile, inputs, shapes, stream)
+
+    def _execute_plain(self, context: Any, profile: int, inputs: dict[str, Tensor], shapes: dict[str, Any], stream: int) -> dict[str, Tensor]:
+        outputs = bind(context, {n: inputs[n] for n in self.input_names}, self.output_names, self.dtypes, self.device)
+        self._bound[profile] = None
+        if not context.execute_async_v3(stream):
+            raise RuntimeError(f"execute_async_v3 failed for {self.name} (shapes {shapes})")
+        return outputs
 
     def _context(self, profile: int, stream: int) -> Any:
         if profile not in self._contexts:
@@ -202,15 +209,13 @@ class PlanExecutor:
             capture = self._capture(context, inputs, stream)
             if capture is None:  # not capturable: run plainly from now on
                 self.capture_graphs = False
-                outputs = bind(context, {n: inputs[n] for n in self.input_names}, self.output_names, self.dtypes, self.device)
-                if not context.execute_async_v3(stream):
-                    raise RuntimeError(f"execute_async_v3 failed for {self.name} (shapes {shapes})")
-                return outputs
+                return self._execute_plain(context, profile, inputs, shapes, stream)
             self._captures[key] = capture
-        else:
-            # Another capture of this context may have bound other shapes since: the context's own
-            # state (shapes, addresses) is put back to the graph's before it replays.
+        elif self._bound.get(profile) != key:
+            # Another capture (or a plain run) bound other shapes on this context since: its own
+            # state is put back to the graph's, so what TensorRT reports matches what replays.
             bind_static(context, capture)
+        self._bound[profile] = key
         for name in self.input_names:
             capture.inputs[name].copy_(inputs[name], non_blocking=True)
         capture.graph.replay()  # on torch's current stream: ``stream``
