@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 import ldlm
 from ldlm.checkpoint import CONFIG_FILE, atomic_directory, write_atomically
 from ldlm.export.artifact import check_artifacts
-from ldlm.export.layernorm_network import check_network_layer_norms
+from ldlm.export.layernorm_network import check_network_layer_norms, parse_onnx_network
 from ldlm.export.onnx_export import read_manifest, sha256_file
 from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
@@ -124,7 +124,7 @@ def build_plan(
 ) -> dict[str, Any]:
     logger = flavor_logger(flavor)
     with logger.capture() as messages:  # this build's messages (the shared logger keeps only the last few)
-        serialized, seconds, strongly_typed = _build(flavor, logger, onnx_path, specs, entry, profiles, options, progress)
+        serialized, seconds, strongly_typed = _build(flavor, onnx_path, specs, entry, profiles, options, progress)
     if serialized is None:
         errors = "; ".join(m for s, m in messages if s in ("ERROR", "INTERNAL_ERROR"))
         raise EngineBuildError(f"TensorRT could not build {onnx_path}: {errors or 'see the log above'}")
@@ -159,19 +159,14 @@ def build_plan(
 
 
 def _build(
-    flavor: Flavor, logger: Any, onnx_path: Path, specs: Sequence[LayerNormSpec], entry: dict[str, Any],
+    flavor: Flavor, onnx_path: Path, specs: Sequence[LayerNormSpec], entry: dict[str, Any],
     profiles: Sequence[EngineProfile], options: BuildOptions, progress: bool,
 ) -> tuple[Any, float, bool]:
     """Parse, check the LayerNorms, configure, build: (serialized plan or None, seconds, strongly typed)."""
     trt = flavor.trt
-    builder = trt.Builder(logger)
-    network = builder.create_network(_network_flags(trt))
-    parser = trt.OnnxParser(network, logger)
     if not onnx_path.is_file():
         raise EngineBuildError(f"{onnx_path} does not exist")
-    if not parser.parse_from_file(str(onnx_path)):  # from the path, so external data is found
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors or 'no details'}")
+    builder, network, _parser = parse_onnx_network(flavor, onnx_path)  # the parser owns weights the network uses
     layer_norm_problems = check_network_layer_norms(trt, network, specs)
     if layer_norm_problems:
         raise EngineBuildError(f"{onnx_path}: LayerNorm check after parsing failed:\n  - " + "\n  - ".join(layer_norm_problems))
