@@ -11,7 +11,9 @@ for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -20,6 +22,8 @@ from ldlm.config import LDLMConfig
 from ldlm.tokenizer import TOKENIZER_FILE
 
 MANIFEST_FILE = "manifest.json"  # the name ldlm.export.onnx_export writes
+PLAN_SUFFIX = ".plan"  # ldlm.export.engine writes <graph>.plan and, beside it, <graph>.plan.json
+MANIFEST_SUFFIX = ".plan.json"
 
 
 class ArtifactError(ValueError):
@@ -90,6 +94,30 @@ def check_tokenizer(directory: Path, record: object, manifest: str = MANIFEST_FI
     if not isinstance(record, dict) or record.get("file") != TOKENIZER_FILE:
         raise ArtifactError(f"{directory / manifest}: tokenizer entry {record!r} is invalid; allowed: {{'file': '{TOKENIZER_FILE}', 'sha256': ...}}")
     check_file(directory, TOKENIZER_FILE, record, manifest)
+
+
+def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], plans: bool = True) -> dict[str, dict[str, Any]]:
+    """An ``ldlm build-engine`` directory has no export manifest: each plan's ``.plan.json`` is its
+    record. Checks each plan's sha256 (unless ``plans`` is False, for a caller that hashes the bytes
+    it loads), and the tokenizer and config.json against the records the plans carry. Returns the
+    plan manifests by graph."""
+    directory = Path(directory)
+    manifests = {}
+    for graph in graphs:
+        plan, record = directory / f"{graph}{PLAN_SUFFIX}", directory / f"{graph}{MANIFEST_SUFFIX}"
+        if not plan.is_file() or not record.is_file():
+            raise ArtifactError(f"{directory} has no {plan.name} with its {record.name}; build it with `ldlm build-engine`")
+        manifests[graph] = json.loads(record.read_text())
+        if plans:
+            check_file(directory, plan.name, {"sha256": manifests[graph].get("plan_sha256")}, record.name)
+    first = f"{graphs[0]}{MANIFEST_SUFFIX}"
+    check_tokenizer(directory, manifests[graphs[0]].get("tokenizer"), first)
+    config = directory / CONFIG_FILE
+    expected = manifests[graphs[0]].get("config_sha256")
+    if expected is None or not config.is_file() or LDLMConfig.load(config).config_hash() != expected:
+        raise ArtifactError(f"{config} does not match the config_sha256 in {directory / first} (missing, edited, or plans built "
+                            "before configs were recorded); rebuild with `ldlm build-engine`")
+    return manifests
 
 
 def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> None:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 import ldlm
 from ldlm.checkpoint import CONFIG_FILE, atomic_directory, write_atomically
-from ldlm.export.artifact import check_artifacts
+from ldlm.export.artifact import MANIFEST_SUFFIX, PLAN_SUFFIX, check_artifacts
 from ldlm.export.layernorm_network import check_network_layer_norms, parse_onnx_network
 from ldlm.export.onnx_export import read_manifest, sha256_file
 from ldlm.export.precision import PRECISIONS, lower_precision
@@ -30,8 +30,6 @@ from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, layernorm_ov
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
 from ldlm.tokenizer import TOKENIZER_FILE
 
-PLAN_SUFFIX = ".plan"
-MANIFEST_SUFFIX = ".plan.json"
 
 
 class EngineBuildError(RuntimeError):
@@ -106,7 +104,9 @@ def build_engines(
             plan_manifest = build_plan(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
             plan_manifest["graph"] = name
             plan_manifest["source_onnx"] = {"file": str(source), "sha256": entry["files"][entry["file"]]["sha256"]}
-            plan_manifest["tokenizer"] = manifest.get("tokenizer")  # the copy beside the plans is checked against it
+            # the copies beside the plans are checked against these (artifact.check_engine_dir)
+            plan_manifest["tokenizer"] = manifest.get("tokenizer")
+            plan_manifest["config_sha256"] = manifest["config_sha256"]
             (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(plan_manifest, indent=2) + "\n")
             result.plans[name] = plan_manifest
     return result

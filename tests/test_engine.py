@@ -184,11 +184,12 @@ def test_plan_from_another_version_or_gpu_is_refused(engines) -> None:
         read_plan_manifest(out / "lonely.plan")
 
 
-def test_engine_directory_tokenizer_is_checked_against_the_plans(engines, tmp_path: Path) -> None:
-    """The plans carry the export's tokenizer record; an edited copy beside them is refused before
-    any engine is loaded (so this runs without a GPU too)."""
+def test_engine_directory_files_are_checked_against_the_plans(engines, tmp_path: Path) -> None:
+    """The plans carry the export's tokenizer and config records; an edited copy beside them (or a
+    precision the plans were not built in) is refused before any engine is loaded (so this runs
+    without a GPU too)."""
     from ldlm.export.artifact import ArtifactError
-    from ldlm.serve.runtime.backends import open_graphs
+    from ldlm.serve.runtime.backends import BackendError, open_graphs
 
     precision, out = engines
     record = read_plan_manifest(out / "encoder.plan")["tokenizer"]
@@ -198,6 +199,14 @@ def test_engine_directory_tokenizer_is_checked_against_the_plans(engines, tmp_pa
     (copy / "tokenizer.json").write_text((copy / "tokenizer.json").read_text().replace('"the"', '"thE"', 1))
     with pytest.raises(ArtifactError, match=r"tokenizer\.json (is \d+ bytes|does not match the sha256) .*encoder\.plan\.json"):
         open_graphs("trt", copy, precision)
+    shutil.copy(out / "tokenizer.json", copy / "tokenizer.json")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "t_min": config["t_min"] * 2}))  # a sampler setting edited
+    with pytest.raises(ArtifactError, match=r"config\.json does not match the config_sha256 in .*encoder\.plan\.json"):
+        open_graphs("trt", copy, precision)
+    other = "fp32" if precision != "fp32" else "bf16"
+    with pytest.raises(BackendError, match=f"engines in .* are \\['{precision}'\\]; asked for precision='{other}'"):
+        open_graphs("trt", out, other)  # refused from the plan manifests, before any engine is loaded
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine runs instead (test below)")

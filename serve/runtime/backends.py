@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import check_artifacts, check_tokenizer
+from ldlm.export.artifact import PLAN_SUFFIX, check_artifacts, check_engine_dir
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import describe_io, read_manifest
 from ldlm.model import LDLM
@@ -298,10 +298,11 @@ def open_graphs(
             raise BackendError(f"backend 'ort' cannot run precision={precision!r}; allowed: {', '.join(ORT_PRECISIONS)}")
         manifest = read_manifest(path)
         check_artifacts(path, manifest)
-    else:  # an engine directory has no export manifest: its plans carry the tokenizer's record
-        from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
-
-        check_tokenizer(path, read_plan_manifest(path / f"{GRAPH_NAMES[0]}.plan").get("tokenizer"), f"{GRAPH_NAMES[0]}.plan.json")
+    else:  # the plans themselves are hashed as TensorRTEngine reads them
+        built = {m.get("precision") for m in check_engine_dir(path, GRAPH_NAMES, plans=False).values()}
+        if built != {precision}:
+            raise BackendError(f"engines in {path} are {sorted(map(str, built))}; asked for precision={precision!r}; "
+                               f"rebuild with --precision {precision}")
     config = LDLMConfig.load(path / "config.json")
     tokenizer = TextTokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else TextTokenizer.gpt2()
     if backend == "ort":
@@ -317,11 +318,7 @@ def open_graphs(
             for g, source in files.items():
                 lower_precision(source, lowered[g], "fp16")
             return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()}, config, tokenizer
-    plans = {g: path / f"{g}.plan" for g in GRAPH_NAMES}
-    graphs: dict[str, GraphBackend] = {g: TensorRTBackend(p, g, config.max_seq_len, cuda_graphs) for g, p in plans.items()}
-    built = {g.engine.manifest["precision"] for g in graphs.values() if isinstance(g, TensorRTBackend)}
-    if built != {precision}:
-        raise BackendError(f"engines in {path} are {sorted(built)}; asked for precision={precision!r}; rebuild with --precision {precision}")
+    graphs: dict[str, GraphBackend] = {g: TensorRTBackend(path / f"{g}{PLAN_SUFFIX}", g, config.max_seq_len, cuda_graphs) for g in GRAPH_NAMES}
     return graphs, config, tokenizer
 
 

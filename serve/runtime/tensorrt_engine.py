@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ldlm.checkpoint import write_atomically
-from ldlm.export.engine import MANIFEST_SUFFIX, PLAN_SUFFIX
+from ldlm.export.artifact import MANIFEST_SUFFIX, PLAN_SUFFIX
 from ldlm.export.trt_flavor import Flavor, GpuInfo, flavor_logger, gpu_info, load_flavor
 from ldlm.serve.runtime.tensorrt_executor import PlanExecutor, PlanMismatchError
 
