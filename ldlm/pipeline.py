@@ -26,6 +26,12 @@ from ldlm.sampler import NoiseStream, TangentSchedule, forward_noise, run_sample
 from ldlm.tokenizer import TextTokenizer
 
 
+def bucket_for(size: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= size (buckets sorted); size itself when it is above every bucket."""
+    i = bisect.bisect_left(buckets, size)
+    return buckets[i] if i < len(buckets) else size
+
+
 def check_length(length: int, max_seq_len: int, name: str = "length") -> None:
     if not isinstance(length, int) or not 1 <= length <= max_seq_len:
         raise ValueError(f"{name}={length!r} is out of range; allowed: 1..{max_seq_len} (config max_seq_len)")
@@ -89,8 +95,7 @@ class LDLMPipeline:
 
     def bucket_length(self, length: int) -> int:
         """The padded length for a batch whose longest sequence has ``length`` positions."""
-        i = bisect.bisect_left(self.buckets, length)
-        return self.buckets[i] if i < len(self.buckets) else length
+        return bucket_for(length, self.buckets)
 
     # --- input checks -------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ torch.compile is not used: no measurement has shown it helps here yet.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from ldlm.device import DeviceError
 from ldlm.device import resolve_device as core_resolve_device
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
+from ldlm.pipeline import bucket_for
 from ldlm.serve.runtime.backends import BackendError, EagerBackend
 
 TORCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -81,12 +81,6 @@ def _cast_output(dtype: torch.dtype) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         return output.to(dtype)
     return hook
-
-
-def bucket_for(size: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= size (buckets sorted); size itself when it is above every bucket."""
-    i = bisect.bisect_left(buckets, size)
-    return buckets[i] if i < len(buckets) else size
 
 
 def length_buckets(max_seq_len: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> tuple[int, ...]:
