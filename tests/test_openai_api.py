@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
-pytest.importorskip("uvicorn")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa: E402

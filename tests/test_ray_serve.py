@@ -342,10 +342,8 @@ def test_app_builder_values_take_the_types_fields_declare() -> None:
         _typed(RayOptions, {"min_replicas": "two"})
 
 
-def test_cli_ray_options_need_ray(export_dir: Path) -> None:
-    from ldlm.cli import main
-
-    assert main(["serve", str(export_dir), "--replicas", "2"]) == 2  # never silently ignored
+def test_parse_autoscale() -> None:
+    assert parse_autoscale("1:4") == (1, 4)
     with pytest.raises(ValueError, match="autoscale '1-4' is not MIN:MAX"):
         parse_autoscale("1-4")
 
