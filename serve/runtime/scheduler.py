@@ -21,6 +21,7 @@ its slots at the next step; that is how a client that went away stops its genera
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from torch import Tensor
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid, to_device
 
+log = logging.getLogger("ldlm.serve")
 Policy = Literal["continuous", "static"]
 PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x0_hat (L, D)); must not block
 
@@ -243,8 +245,9 @@ class GenerationScheduler:
             elif sample.request.preview_every and sample.step % sample.request.preview_every == 0:
                 try:
                     sample.request.on_preview(sample.index, sample.step, sample.x0_hat)  # type: ignore[misc]
-                except Exception:  # a broken hook ends its own request, never the batch
-                    sample.request.future.cancel()
+                except Exception as error:  # a broken hook ends its own request, with its error, never the batch
+                    log.exception("preview hook failed; its request ends with the error")
+                    resolve_future(sample.request.future, error=error)
         return finished
 
     def _finish(self, finished: list[_Sample]) -> None:
