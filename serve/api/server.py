@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ldlm
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers, serving_limits
-from ldlm.serve.runtime.batcher import DynamicBatcher, release_freed_memory
+from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
 from ldlm.serve.api.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
                                tensor_metadata)
@@ -298,7 +298,6 @@ def create_app(service: LDLMService) -> FastAPI:
         def run() -> dict[str, Any]:
             check_texts(texts, service.batched_pipeline)
             result = service.batched_pipeline.reconstruct(texts)
-            release_freed_memory()  # the batches' intermediates are gone; give their pages back
             return {"texts": result.texts, "token_ids": result.ids()}  # each text's own ids, no padded positions
 
         return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
@@ -310,7 +309,6 @@ def create_app(service: LDLMService) -> FastAPI:
         def run() -> dict[str, Any]:
             check_texts(texts, service.batched_pipeline)
             result = service.batched_pipeline.encode(texts)
-            release_freed_memory()
             return {"shape": list(result.latents.shape), "latents": result.latents.numpy(), "attention_mask": result.attention_mask.long().numpy()}
 
         return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
