@@ -190,9 +190,20 @@ async def run_json(service: LDLMService, heavy: bool, fn: Callable[..., Any], *a
     return await run_blocking(fn, *args, timeout_s=service.settings.request_timeout_s)
 
 
+def json_elements(payload: dict[str, Any]) -> int:
+    """How many values a payload holds: arrays' sizes, and lists (``result.ids()``) to two levels deep,
+    counted without walking every element (this runs on the event loop)."""
+    count = 0
+    for value in payload.values():
+        if isinstance(value, np.ndarray):
+            count += value.size
+        elif isinstance(value, list):
+            count += len(value) + sum(len(row) for row in value if isinstance(row, (list, np.ndarray)))
+    return count
+
+
 async def json_response(service: LDLMService, payload: dict[str, Any]) -> Response:
-    elements = sum(v.size for v in payload.values() if isinstance(v, np.ndarray))
-    content = await run_json(service, elements > JSON_WORKER_ELEMENTS, json_bytes, payload)
+    content = await run_json(service, json_elements(payload) > JSON_WORKER_ELEMENTS, json_bytes, payload)
     return Response(content, media_type="application/json")
 
 
