@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import multiprocessing
 import signal
@@ -295,10 +296,13 @@ def create_app(service: LDLMService) -> FastAPI:
     async def generate(body: Any) -> Response:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
         spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
+        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop.
         if body.stream:
-            stream = GenerationStream(service.scheduler, service.previews, spec, body.preview_every)
+            start = functools.partial(GenerationStream, service.scheduler, service.previews, spec, body.preview_every,
+                                      loop=asyncio.get_running_loop())
+            stream = await run_blocking(start, timeout_s=settings.request_timeout_s)
             return StreamingResponse(generate_sse(stream, settings.request_timeout_s), headers=SSE_HEADERS, media_type="text/event-stream")
-        future = service.scheduler.submit(spec)
+        future = await run_blocking(service.scheduler.submit, spec, timeout_s=settings.request_timeout_s)
         result = await wait(future, settings.request_timeout_s)
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 

@@ -103,8 +103,10 @@ class GenerationStream:
     """One request in the scheduler, as an async iterator of previews and then its result."""
 
     def __init__(self, scheduler: GenerationScheduler, previews: PreviewDecoder | None, spec: GenerateRequest,
-                 preview_every: int = 0, prefix: Tensor | None = None) -> None:
-        self.loop = asyncio.get_running_loop()
+                 preview_every: int = 0, prefix: Tensor | None = None, *, loop: asyncio.AbstractEventLoop) -> None:
+        """Submits at once. ``loop`` is the event loop that reads the events: construct this off that
+        loop (submitting draws every sample's prior noise, work that scales with n x length)."""
+        self.loop = loop
         self.previews = previews
         self.spec = spec
         self._decoded: list[dict[str, Any]] = []
