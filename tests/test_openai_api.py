@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.runtime.backends import BackendError  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
@@ -171,6 +173,24 @@ def test_a_full_queue_cancels_the_prompts_already_queued(server: RunningServer, 
         assert len(futures) == 1 and futures[0].cancelled()
     finally:
         blocker.cancel()
+
+
+def test_a_failed_generation_ends_the_stream_with_an_error_chunk_then_done(server: RunningServer, monkeypatch) -> None:
+    """An error set on the request's future (after the 200 went out) is reported in-band, as generate_sse does."""
+    for error, status_type in ((BackendError("decoder: engine lost"), "invalid_request_error"),
+                               (RuntimeError("engine lost"), "server_error")):
+        def failing_submit(*args, error=error, **kwargs):
+            future = Future()
+            future.set_exception(error)
+            return future
+
+        monkeypatch.setattr(server.service.scheduler, "submit", failing_submit)
+        body = {"model": "ldlm", "prompt": "", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and len(data) == 2, data
+        assert json.loads(data[0]) == {"error": {"message": str(error), "type": status_type, "param": None, "code": None}}
 
 
 # --- /v1/generate with stream: true: previews, then the result ----------------------------------

@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field, create_model
 
 from ldlm.pipeline import TextResult
 from ldlm.serve.api.http_guard import HTTPError
-from ldlm.serve.runtime.scheduler import GenerateRequest
+from ldlm.serve.runtime.scheduler import GenerateRequest, QueueFullError
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
 
 if TYPE_CHECKING:
@@ -72,6 +72,21 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict[st
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error",
             504: "timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# What a generation can end with once a stream has started (as streaming.generate_sse reports).
+STREAM_ERRORS = (HTTPError, TimeoutError, ValueError, RuntimeError)
+
+
+def stream_error_status(error: Exception) -> int:
+    """The status an error would have had before the stream started (GuardMiddleware's mapping)."""
+    if isinstance(error, HTTPError):
+        return error.status
+    if isinstance(error, QueueFullError):
+        return 503
+    if isinstance(error, TimeoutError):
+        return 504
+    return 400 if isinstance(error, ValueError) else 500  # BackendError is a ValueError
 
 
 def create_router(service: LDLMService) -> APIRouter:
@@ -172,8 +187,8 @@ def create_router(service: LDLMService) -> APIRouter:
     async def stream_chunks(head: dict[str, Any], prepared: list[tuple[list[int], GenerateRequest]], futures: list[Future[TextResult]],
                             prompt_tokens: int, body: Any) -> AsyncIterator[bytes]:
         used = 0
+        pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), settings.request_timeout_s)): i for i, f in enumerate(futures)}
         try:
-            pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), settings.request_timeout_s)): i for i, f in enumerate(futures)}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -184,12 +199,14 @@ def create_router(service: LDLMService) -> APIRouter:
             if body.stream_options is not None and body.stream_options.include_usage:
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
                 yield sse({**head, "choices": [], "usage": usage})
-            yield sse("[DONE]")
-        except HTTPError as error:  # the status line is sent: report in-band, in OpenAI's shape
-            yield sse(openai_error(error.status, error.message))
+        except STREAM_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape
+            yield sse(openai_error(stream_error_status(error), getattr(error, "message", str(error))))
         finally:
             for future in futures:
                 future.cancel()
+            for task in pending:
+                task.cancel()
+        yield sse("[DONE]")
 
     completions.__annotations__ = {"body": body_model, "return": Response}
     router.post("/v1/completions", summary="OpenAI-compatible completions")(completions)
