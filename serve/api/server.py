@@ -46,7 +46,7 @@ from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
-from ldlm.serve.api.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
+from ldlm.serve.api.kserve import (HEADER_LENGTH, encode_infer_response, json_bytes, kserve_datatype, parse_body, requested_outputs,
                                tensor_metadata)
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
@@ -359,7 +359,7 @@ def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.nda
             continue  # the batcher names missing inputs
         want = np.dtype(NUMPY_DTYPES[spec["dtype"]])
         if array.dtype != want:
-            raise HTTPError(400, f"{model}: input {name} has datatype {_kserve_name(array.dtype)}; allowed: {_kserve_name(want)}")
+            raise HTTPError(400, f"{model}: input {name} has datatype {kserve_datatype(array.dtype)}; allowed: {kserve_datatype(want)}")
         if array.ndim >= 1 and array.shape[0] > settings.max_request_samples:
             raise HTTPError(413, f"{model}: input {name} has {array.shape[0]} samples; allowed: 1..{settings.max_request_samples} "
                                  "per request (--max-request-samples)")
@@ -376,10 +376,6 @@ def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.nda
     if model == "encoder" and ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
         bad = int(ids.max() if ids.max() >= vocab else ids.min())
         raise HTTPError(400, f"input_ids contains {bad}; allowed: [0, {vocab}) (gpt2_vocab_size)")
-
-
-def _kserve_name(dtype: np.dtype) -> str:
-    return next((name for name, np_type in DATATYPES.items() if np.dtype(np_type) == dtype), str(dtype))
 
 
 def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:

@@ -266,19 +266,23 @@ class GenerationScheduler:
                 complete.append(request)
         if not complete:
             return
-        latents = [z for r in complete for z in r.latents]  # type: ignore[misc]
-        longest = max(z.shape[0] for z in latents)
-        mask = torch.zeros(len(latents), longest, dtype=torch.bool)
-        for i, z in enumerate(latents):
-            mask[i, : z.shape[0]] = True
-        batch = torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents])
-        decoded = self.pipeline.decode(batch, mask)
+        decoded = decode_ragged(self.pipeline, [z for r in complete for z in r.latents])  # type: ignore[misc]
         start = 0
         for request in complete:
             n, length = request.spec.n, request.spec.length
             rows = slice(start, start + n)
             resolve_future(request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows]))
             start += n
+
+
+def decode_ragged(pipeline: LDLMPipeline, latents: list[Tensor]) -> TextResult:
+    """Latents of different lengths, each (L_i, D), in one decoder call: right-padded to the longest,
+    the padding masked; each row's ``lengths`` entry is its own L_i."""
+    longest = max(z.shape[0] for z in latents)
+    mask = torch.zeros(len(latents), longest, dtype=torch.bool)
+    for i, z in enumerate(latents):
+        mask[i, : z.shape[0]] = True
+    return pipeline.decode(torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents]), mask)
 
 
 def resolve_future(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
