@@ -50,6 +50,7 @@ from ldlm.serve.api.kserve import (HEADER_LENGTH, encode_infer_response, json_by
                                tensor_metadata)
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.torch_backends import length_buckets
 from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
 from ldlm.serve.api.playground import create_router as create_playground_router
 from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
@@ -131,10 +132,9 @@ class LDLMService:
             name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name))
             for name, graph in graphs.items()
         }
-        buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= config.max_seq_len) + (config.max_seq_len,)
         self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
         device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
-        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=buckets)
+        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
         self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
         self.json_workers = self._json_pool()
@@ -211,6 +211,7 @@ async def json_response(service: LDLMService, payload: dict[str, Any]) -> Respon
 def create_app(service: LDLMService) -> FastAPI:
     settings = service.settings
     models = request_models(settings.max_n, settings.max_steps, settings.max_texts, service.config.max_seq_len)
+    completion_limits = openai_limits(settings, service.config.max_seq_len)  # what OpenAI-route validation messages name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -240,7 +241,7 @@ def create_app(service: LDLMService) -> FastAPI:
         errors = list(error.errors())
         openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
         status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
-        message = validation_message(errors, openai_limits(settings, service.config.max_seq_len) if openai else models.limits)
+        message = validation_message(errors, completion_limits if openai else models.limits)
         return Response(error_body(message, status, request.url.path), status, media_type="application/json")
 
     def model_or_404(name: str) -> str:

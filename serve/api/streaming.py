@@ -45,7 +45,6 @@ class PreviewDecoder:
         self._pending: dict[tuple[GenerationStream, int], tuple[int, Tensor]] = {}
         self._cond = threading.Condition()
         self._stopping = False
-        self.decoded = 0
         self._thread = threading.Thread(target=self._loop, name="ldlm-previews", daemon=True)
         self._thread.start()
 
@@ -84,7 +83,6 @@ class PreviewDecoder:
             for stream, previews in by_stream.items():
                 with contextlib.suppress(RuntimeError):  # its event loop is gone (shutdown): nobody to tell
                     stream.deliver(sorted(previews, key=lambda p: p["index"]))
-            self.decoded += len(texts)
             busy = time.perf_counter() - started
             with self._cond:  # rest: decoding takes at most `budget` of the time
                 self._cond.wait_for(lambda: self._stopping, timeout=busy * (1 - self.budget) / self.budget)
