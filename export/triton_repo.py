@@ -120,15 +120,19 @@ def check_source(source: Path, kind: str, cc_dirs: Sequence[Path] = ()) -> None:
     check_tokenizer(source, record, f"{GRAPH_NAMES[0]}.plan.json")
 
 
-def generate_config(max_n: int, tokenizer_sha256: str | None = None) -> str:
+def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: int = 1000, bls_max_batch: int | None = None) -> str:
+    """ldlm_generate's config.pbtxt. Its parameters carry the limits the model enforces (max_n,
+    max_steps: the server's defaults) and ``bls_max_batch``, the largest batch its denoiser and
+    decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples."""
     scalars = [("N", "TYPE_INT64"), ("LENGTH", "TYPE_INT64"), ("STEPS", "TYPE_INT64"), ("SEED", "TYPE_INT64"), ("SAMPLER", "TYPE_STRING"), ("T_MIN", "TYPE_FP32")]
     inputs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN") else ""} }}' for n, t in scalars)
+    limits = {"max_n": max_n, "max_steps": max_steps, **({"bls_max_batch": bls_max_batch} if bls_max_batch is not None else {})}
     return (
         f'name: "{GENERATE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n'
         f"input [\n{inputs}\n]\n"
         'output [\n  { name: "TEXTS" data_type: TYPE_STRING dims: [ -1 ] },\n  { name: "TOKEN_IDS" data_type: TYPE_INT64 dims: [ -1, -1 ] }\n]\n'
         "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-        f'parameters {{ key: "max_n" value: {{ string_value: "{max_n}" }} }}\n'
+        + "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n' for key, value in limits.items())
         # the model checks the tokenizer beside it against this before it decodes anything
         + (f'parameters {{ key: "tokenizer_sha256" value: {{ string_value: "{tokenizer_sha256}" }} }}\n' if tokenizer_sha256 else "")
     )
@@ -167,18 +171,25 @@ def write_triton_repo(
     cc_plans: dict[str, str | os.PathLike[str]] | None = None,
     max_n: int = 64,
     overwrite: bool = False,
+    max_steps: int = 1000,
 ) -> Path:
     """Write and validate the repository; ``cc_plans`` maps a compute capability ("8.6") to an
-    engine directory built on such a GPU (used as cc_model_filenames)."""
+    engine directory built on such a GPU (used as cc_model_filenames). ``max_n`` and ``max_steps``
+    bound ldlm_generate's N and STEPS (as ``ldlm serve`` bounds n and steps)."""
     source = Path(source)
     kind, graphs = inspect_source(source)
     if cc_plans and kind != "plan":
         raise RepositoryError("cc_model_filenames need engine directories; the source is an ONNX export")
     if not 1 <= max_batch <= 1 << 16:
         raise RepositoryError(f"max_batch={max_batch} is out of range; allowed: 1..65536")
+    if not 1 <= max_n <= 1 << 16:
+        raise RepositoryError(f"max_n={max_n} is out of range; allowed: 1..65536")
+    if not 1 <= max_steps <= 1 << 20:
+        raise RepositoryError(f"max_steps={max_steps} is out of range; allowed: 1..1048576")
     check_source(source, kind, [Path(d) for d in (cc_plans or {}).values()])  # copy only files that match their records
     config = LDLMConfig.load(source / CONFIG_FILE)
     load_model_config_schema()  # fail before writing anything
+    batch_sizes: dict[str, int] = {}  # each graph's max_batch_size as written (a plan's profiles may lower it)
     with atomic_directory(out, overwrite) as tmp:
         for name, io in graphs.items():
             version = tmp / name / "1"
@@ -198,7 +209,7 @@ def write_triton_repo(
                 for file in io["files"]:
                     shutil.copy(file, onnx_dir / ("model.onnx" if file.suffix == ".onnx" else file.name))
             text = model_config(name, kind, io, max_batch, queue_delay_us, gpu, cc_files)
-            validate_config(text, io, f"{name}/config.pbtxt")
+            batch_sizes[name] = validate_config(text, io, f"{name}/config.pbtxt").max_batch_size
             (tmp / name / "config.pbtxt").write_text(text)
         generate = tmp / GENERATE_MODEL / "1"
         generate.mkdir(parents=True)
@@ -210,7 +221,7 @@ def write_triton_repo(
         if (source / TOKENIZER_FILE).is_file():
             shutil.copy(source / TOKENIZER_FILE, generate / TOKENIZER_FILE)
             tokenizer_sha256 = sha256_file(generate / TOKENIZER_FILE)
-        text = generate_config(max_n, tokenizer_sha256)
+        text = generate_config(max_n, tokenizer_sha256, max_steps, min(batch_sizes["denoiser"], batch_sizes["decoder"]))
         validate_config(text, None, f"{GENERATE_MODEL}/config.pbtxt")
         (tmp / GENERATE_MODEL / "config.pbtxt").write_text(text)
     return Path(out)

@@ -103,3 +103,26 @@ def test_n_requests_in_n_answers_out_across_batches(tiny_model: LDLM) -> None:
     assert sum(sizes) == sum(f["latents"].shape[0] for f in inputs) and max(sizes) <= 4
     for feed, got in zip(inputs, results):
         np.testing.assert_array_equal(got["token_ids"], backend.run(feed)["token_ids"])
+
+
+def test_freed_memory_is_given_back_after_large_batches_only(tiny_model: LDLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    import platform
+
+    from ldlm.serve.runtime import batcher as batcher_module
+
+    if platform.libc_ver()[0] == "glibc":
+        assert batcher_module._malloc_trim is not None, "glibc has malloc_trim; release_freed_memory would do nothing"
+    trims: list[int] = []
+    monkeypatch.setattr(batcher_module, "release_freed_memory", lambda: trims.append(1))
+    small, large = feeds("decoder", [4, 12], tiny_model.config.d_model)
+    # between the two requests' input bytes: only the larger one is followed by a trim
+    monkeypatch.setattr(batcher_module, "TRIM_AFTER_BYTES", (sum(a.nbytes for a in small.values()) + sum(a.nbytes for a in large.values())) // 2)
+    backend = EagerBackend(tiny_model, "decoder")
+    batcher = DynamicBatcher(backend, max_batch=1, max_delay_ms=0)
+    try:
+        batcher.submit(small).result(timeout=60)
+        assert trims == []
+        batcher.submit(large).result(timeout=60)
+    finally:
+        batcher.close(timeout_s=30)
+    assert trims == [1]

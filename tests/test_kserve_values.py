@@ -85,3 +85,12 @@ def test_response_binary_and_json_outputs_decode_back() -> None:
     # nothing requested: every output, in JSON unless binary_data_output
     content, headers = encode_infer_response("decoder", "1", InferRequest(None, {}, None, False), {"z": z})
     assert headers == {"Content-Type": "application/json"} and json.loads(content)["outputs"][0]["data"] == [3, 1]
+
+
+def test_kserve_datatype_names_each_numpy_dtype() -> None:
+    from ldlm.serve.api.kserve import kserve_datatype
+
+    assert [kserve_datatype(np.dtype(t)) for t in ("float32", "float16", "float64", "int64", "int32", "bool")] == \
+        ["FP32", "FP16", "FP64", "INT64", "INT32", "BOOL"]
+    with pytest.raises(ProtocolError, match="dtype uint8 has no KServe datatype; allowed: float32, float16"):
+        kserve_datatype(np.dtype("uint8"))

@@ -5,7 +5,9 @@ eager pipeline, and a hand-written inpainting loop over the sampler's math."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,12 @@ import torch
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
-pytest.importorskip("uvicorn")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.runtime.backends import BackendError  # noqa: E402
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 STEPS = 4
@@ -128,6 +131,66 @@ def test_errors_in_openai_shape(client, server: RunningServer) -> None:
     raw = httpx.post(f"{server.url}/v1/completions", json={"model": "ldlm", "max_tokens": 500})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens: 500 is out of range; allowed: 1..128" == raw.json()["error"]["message"]
+
+
+def test_submits_run_off_the_event_loop(client, server: RunningServer, monkeypatch) -> None:
+    """Submitting draws every sample's prior noise: that work must not hold the event loop."""
+    scheduler = server.service.scheduler
+    threads = []
+
+    def recording_submit(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return GenerationScheduler.submit(scheduler, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "submit", recording_submit)
+    body = {"n": 1, "length": 6, "steps": 2, "seed": 1, "sampler": "ddim"}
+    assert httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).status_code == 200
+    assert httpx.post(f"{server.url}/v1/generate", json={**body, "stream": True}, timeout=60).status_code == 200
+    complete(client, prompt=["", "a"], max_tokens=4, n=1, seed=3)
+    assert len(threads) == 4 and server.thread not in threads  # server.thread runs the event loop
+
+
+def test_a_full_queue_cancels_the_prompts_already_queued(server: RunningServer, monkeypatch) -> None:
+    """Prompt 2 of 2 finds the queue full: 503, and prompt 1's queued samples are cancelled, not run for nobody."""
+    scheduler = server.service.scheduler
+    blocker = scheduler.submit(GenerateRequest(n=8, length=8, steps=100_000, seed=0, sampler="ddim"))  # fills max_batch=8
+    futures = []
+
+    def recording_submit(*args, **kwargs):
+        futures.append(GenerationScheduler.submit(scheduler, *args, **kwargs))
+        return futures[-1]
+
+    try:
+        deadline = time.time() + 10
+        while scheduler.queued_samples and time.time() < deadline:  # the blocker's samples are all active
+            time.sleep(0.01)
+        monkeypatch.setattr(scheduler, "max_queue", 4)
+        monkeypatch.setattr(scheduler, "submit", recording_submit)
+        body = {"model": "ldlm", "prompt": ["", ""], "max_tokens": 4, "n": 4, "steps": 2}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "server_error" and "queue is full" in response.json()["error"]["message"]
+        assert len(futures) == 1 and futures[0].cancelled()
+    finally:
+        blocker.cancel()
+
+
+def test_a_failed_generation_ends_the_stream_with_an_error_chunk_then_done(server: RunningServer, monkeypatch) -> None:
+    """An error set on the request's future (after the 200 went out) is reported in-band, as generate_sse does."""
+    for error, status_type in ((BackendError("decoder: engine lost"), "invalid_request_error"),
+                               (RuntimeError("engine lost"), "server_error")):
+        def failing_submit(*args, error=error, **kwargs):
+            future = Future()
+            future.set_exception(error)
+            return future
+
+        monkeypatch.setattr(server.service.scheduler, "submit", failing_submit)
+        body = {"model": "ldlm", "prompt": "", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and len(data) == 2, data
+        assert json.loads(data[0]) == {"error": {"message": str(error), "type": status_type, "param": None, "code": None}}
 
 
 # --- /v1/generate with stream: true: previews, then the result ----------------------------------

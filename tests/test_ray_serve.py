@@ -326,10 +326,24 @@ def test_app_builder_arguments() -> None:
     assert RayOptions(replicas=3).deployment_options()["num_replicas"] == 3
 
 
-def test_cli_ray_options_need_ray(export_dir: Path) -> None:
-    from ldlm.cli import main
+def test_app_builder_values_take_the_types_fields_declare() -> None:
+    """Strings become the declared type: bools from true/false/1/0 (``bool("false")`` is True), ``int | None`` as int."""
+    from ldlm.serve.deploy.ray_app import _typed
 
-    assert main(["serve", str(export_dir), "--replicas", "2"]) == 2  # never silently ignored
+    assert _typed(ServerSettings, {"trt_cuda_graphs": "false"}) == {"trt_cuda_graphs": False}
+    assert _typed(ServerSettings, {"trt_cuda_graphs": "0"}) == {"trt_cuda_graphs": False}
+    assert _typed(ServerSettings, {"trt_cuda_graphs": "True"}) == {"trt_cuda_graphs": True}
+    assert _typed(ServerSettings, {"trt_cuda_graphs": "1"}) == {"trt_cuda_graphs": True}
+    assert _typed(ServerSettings, {"threads": "3", "max_delay_ms": "2.5", "api_key": "123"}) == {"threads": 3, "max_delay_ms": 2.5, "api_key": "123"}
+    assert _typed(RayOptions, {"min_replicas": "1", "max_replicas": "4", "num_gpus": "0.5"}) == {"min_replicas": 1, "max_replicas": 4, "num_gpus": 0.5}
+    with pytest.raises(ValueError, match="trt_cuda_graphs='yes' is not a valid bool; allowed: true, false, 1, 0"):
+        _typed(ServerSettings, {"trt_cuda_graphs": "yes"})
+    with pytest.raises(ValueError, match="min_replicas='two' is not a valid int"):
+        _typed(RayOptions, {"min_replicas": "two"})
+
+
+def test_parse_autoscale() -> None:
+    assert parse_autoscale("1:4") == (1, 4)
     with pytest.raises(ValueError, match="autoscale '1-4' is not MIN:MAX"):
         parse_autoscale("1-4")
 

@@ -66,3 +66,21 @@ def test_a_failing_denoiser_answers_every_request(pipeline: LDLMPipeline) -> Non
                 future.result(timeout=30)
     finally:
         scheduler.close(timeout_s=10)
+
+
+def test_a_failing_preview_hook_ends_its_request_with_its_error(pipeline: LDLMPipeline, caplog: pytest.LogCaptureFixture) -> None:
+    def broken_hook(index: int, step: int, x0_hat: torch.Tensor) -> None:
+        raise ValueError("preview sink broke")
+
+    scheduler = GenerationScheduler(pipeline, max_batch=4, start=False)
+    try:
+        failing = scheduler.submit(GenerateRequest(n=1, length=6, steps=4, seed=5), on_preview=broken_hook, preview_every=1)
+        healthy = scheduler.submit(REQUESTS[0])  # shares the batch and is unaffected
+        scheduler.start()
+        with pytest.raises(ValueError, match="preview sink broke"):  # the real error, not CancelledError
+            failing.result(timeout=60)
+        expected = pipeline.generate(REQUESTS[0].n, REQUESTS[0].length, REQUESTS[0].steps, REQUESTS[0].seed, REQUESTS[0].sampler)
+        assert torch.equal(healthy.result(timeout=60).token_ids, expected.token_ids)
+    finally:
+        scheduler.close()
+    assert "preview hook failed" in caplog.text

@@ -100,3 +100,17 @@ def test_a_cancelled_request_frees_its_slot_at_the_next_step(pipeline: LDLMPipel
     assert scheduler.samples_stepped == 6 + 1 + 1
     assert torch.equal(first.token_ids, pipeline.generate(1, 6, 6, 31, "ddim").token_ids)
     assert torch.equal(third.token_ids, pipeline.generate(1, 6, 1, 33, "ddim").token_ids)
+
+
+def test_decode_ragged_equals_each_latent_decoded_alone(pipeline: LDLMPipeline) -> None:
+    """The one pad-and-mask decode that finished requests and previews share: every row as its own run."""
+    from ldlm.serve.runtime.scheduler import decode_ragged
+
+    gen = torch.Generator().manual_seed(3)
+    latents = [torch.randn(n, pipeline.config.d_model, generator=gen) for n in (3, 11, 7)]
+    together = decode_ragged(pipeline, latents)
+    for i, z in enumerate(latents):
+        alone = pipeline.decode(z[None])
+        assert together.lengths[i] == z.shape[0]
+        assert torch.equal(together.token_ids[i, : z.shape[0]], alone.token_ids[0]), i
+        assert together.texts[i] == alone.texts[0]

@@ -107,6 +107,7 @@ def test_bad_sources_and_existing_output(export_dir: Path, tmp_path: Path) -> No
 
 
 def test_generate_model_refuses_a_tokenizer_edited_in_the_repository(repo: Path, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("onnxruntime", reason="the stand-in BLS loads the repository's ONNX models")
     assert read_config(repo, "ldlm_generate").parameters["tokenizer_sha256"].string_value == hashlib.sha256(
         (repo / "ldlm_generate" / "1" / "tokenizer.json").read_bytes()).hexdigest()
     copy = tmp_path / "repo"
@@ -245,3 +246,22 @@ def test_generate_loop_gives_the_runners_tokens(repo: Path, pipeline: LDLMPipeli
     third_tokens = pb.get_output_tensor_by_name(third, "TOKEN_IDS").as_numpy()
     assert torch.equal(torch.from_numpy(third_tokens), pipeline.generate(1, 7, 3, 9, sampler, t_min=0.1).token_ids)
     assert pb.bls_calls == (4 + 1) + (3 + 1)  # one denoiser call per step, one decoder call per request
+
+
+def test_generate_runs_n_above_max_batch_in_chunks_and_bounds_steps(export_dir: Path, tmp_path: Path, pipeline: LDLMPipeline,
+                                                                      monkeypatch) -> None:
+    """N above the denoiser's max_batch_size runs in BLS calls of at most that many samples (Triton
+    refuses larger ones; the stand-in too), with the runner's tokens; STEPS is bounded by max_steps."""
+    pytest.importorskip("onnxruntime", reason="the stand-in BLS runs the repository's ONNX models")
+    repo = write_triton_repo(export_dir, tmp_path / "repo", gpu=False, max_batch=2, max_n=8, max_steps=5)
+    parameters = read_config(repo, "ldlm_generate").parameters
+    assert {k: parameters[k].string_value for k in ("max_n", "max_steps", "bls_max_batch")} == {"max_n": "8", "max_steps": "5", "bls_max_batch": "2"}
+    model, pb = load_generate_model(repo, monkeypatch)
+    five, too_many_steps = model.execute([request(pb, N=5, LENGTH=9, STEPS=3, SEED=2, SAMPLER="sde"), request(pb, N=1, LENGTH=9, STEPS=6)])
+    assert not five.has_error(), five.error().message()
+    tokens = pb.get_output_tensor_by_name(five, "TOKEN_IDS").as_numpy()
+    np.testing.assert_array_equal(tokens, pipeline.generate(5, 9, 3, 2, "sde").token_ids.numpy())
+    assert pb.bls_calls == 3 * (3 + 1)  # chunks of 2, 2 and 1 samples: per step, and for the decoder
+    assert too_many_steps.has_error() and "STEPS=6 is out of range; allowed: 1..5" in too_many_steps.error().message()
+    with pytest.raises(RepositoryError, match="max_steps=0 is out of range; allowed: 1..1048576"):
+        write_triton_repo(export_dir, tmp_path / "r-steps", gpu=False, max_steps=0)

@@ -138,8 +138,9 @@ def _model_of(path: str) -> str | None:
 
 def error_body(message: str, status: int = 400, path: str = "") -> bytes:
     """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that)."""
-    if path.startswith(("/v1/completions", "/v1/models")):
-        from ldlm.serve.api.openai_api import openai_error
+    from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_error  # here: openai_api imports this module
+
+    if path.startswith(OPENAI_PATHS):
 
         return json.dumps(openai_error(status, message)).encode()
     return json.dumps({"error": message}).encode()

@@ -206,7 +206,7 @@ def encode_infer_response(
     entries, blobs = [], []
     for name, binary in wanted:
         array = np.ascontiguousarray(outputs[name])
-        entry: dict[str, Any] = {"name": name, "datatype": _kserve_datatype(array.dtype), "shape": list(array.shape)}
+        entry: dict[str, Any] = {"name": name, "datatype": kserve_datatype(array.dtype), "shape": list(array.shape)}
         if binary:
             data = array.tobytes()
             entry["parameters"] = {"binary_data_size": len(data)}
@@ -238,11 +238,12 @@ def parse_body(body: bytes, encoding: str | None, header_length: str | None, lim
     return parse_infer_request(decompress(body, encoding, limit), header_length)
 
 
-def _kserve_datatype(dtype: np.dtype) -> str:
+def kserve_datatype(dtype: np.dtype) -> str:
+    """The KServe v2 datatype name of a NumPy dtype ("INT64" for int64)."""
     for name, np_type in DATATYPES.items():
         if np.dtype(np_type) == dtype:
             return name
-    raise ProtocolError(f"output dtype {dtype} has no KServe datatype")
+    raise ProtocolError(f"dtype {dtype} has no KServe datatype; allowed: {', '.join(np.dtype(t).name for t in DATATYPES.values())}")
 
 
 def tensor_metadata(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:

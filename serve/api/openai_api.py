@@ -21,6 +21,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -31,7 +32,7 @@ from pydantic import BaseModel, Field, create_model
 from ldlm.pipeline import TextResult
 from ldlm.serve.api.http_guard import HTTPError
 from ldlm.serve.runtime.scheduler import GenerateRequest, QueueFullError
-from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, sse
+from ldlm.serve.api.streaming import SSE_HEADERS, sse
 
 if TYPE_CHECKING:
     from ldlm.serve.api.server import LDLMService
@@ -71,6 +72,21 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict[st
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error",
             504: "timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# What a generation can end with once a stream has started (as streaming.generate_sse reports).
+STREAM_ERRORS = (HTTPError, TimeoutError, ValueError, RuntimeError)
+
+
+def stream_error_status(error: Exception) -> int:
+    """The status an error would have had before the stream started (GuardMiddleware's mapping)."""
+    if isinstance(error, HTTPError):
+        return error.status
+    if isinstance(error, QueueFullError):
+        return 503
+    if isinstance(error, TimeoutError):
+        return 504
+    return 400 if isinstance(error, ValueError) else 500  # BackendError is a ValueError
 
 
 def create_router(service: LDLMService) -> APIRouter:
@@ -125,33 +141,41 @@ def create_router(service: LDLMService) -> APIRouter:
                         "finish_reason": "stop" if stop else "length"})
         return out, used
 
-    def submit(prepared: list[tuple[list[int], GenerateRequest]], prefixes: list[torch.Tensor | None]) -> list[GenerationStream]:
+    def submit(prepared: list[tuple[list[int], GenerateRequest]], prefixes: list[torch.Tensor | None]) -> list[Future[TextResult]]:
+        """Queue every prompt's request, all or none (off the loop: each draws its samples' prior noise).
+        When one fails (a full queue: 503 by GuardMiddleware), those already queued are cancelled,
+        or they would run for nobody."""
+        futures: list[Future[TextResult]] = []
         try:
-            return [GenerationStream(service.scheduler, None, spec, 0, prefix) for (_, spec), prefix in zip(prepared, prefixes)]
-        except QueueFullError as error:
-            raise HTTPError(503, str(error), {"Retry-After": "1"}) from None
+            for (_, spec), prefix in zip(prepared, prefixes):
+                futures.append(service.scheduler.submit(spec, prefix))
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return futures
 
-    async def start(body: Any) -> tuple[list[tuple[list[int], GenerateRequest]], list[GenerationStream]]:
+    async def start(body: Any) -> tuple[list[tuple[list[int], GenerateRequest]], list[Future[TextResult]]]:
         try:
             prepared = await run_blocking(prepare, body, timeout_s=settings.request_timeout_s)
             prefixes = await run_blocking(prefix_latents, [row for row, _ in prepared], timeout_s=settings.request_timeout_s)
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
-        return prepared, submit(prepared, prefixes)
+        return prepared, await run_blocking(submit, prepared, prefixes, timeout_s=settings.request_timeout_s)
 
     async def completions(body: Any) -> Response:
         """OpenAI completions by a diffusion model; see the module docs for how prompts condition."""
-        prepared, streams = await start(body)
+        prepared, futures = await start(body)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
         prompt_tokens = sum(len(row) for row, _ in prepared) * body.n
         if body.stream:
-            return StreamingResponse(stream_chunks(head, prepared, streams, prompt_tokens, body), media_type="text/event-stream",
+            return StreamingResponse(stream_chunks(head, prepared, futures, prompt_tokens, body), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         try:
-            results = await wait(asyncio.gather(*(asyncio.wrap_future(s.future) for s in streams)), settings.request_timeout_s)
+            results = await wait(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), settings.request_timeout_s)
         finally:
-            for stream in streams:
-                stream.future.cancel()  # no-op when finished; frees the slots when the client left or time ran out
+            for future in futures:
+                future.cancel()  # no-op when finished; frees the slots when the client left or time ran out
         every, used = [], 0
         for i, ((row, _), result) in enumerate(zip(prepared, results)):
             got, n_used = choices(row, result, i * body.n)
@@ -160,12 +184,11 @@ def create_router(service: LDLMService) -> APIRouter:
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
         return await json_response(service, {**head, "choices": every, "usage": usage})
 
-    async def stream_chunks(head: dict[str, Any], prepared: list[tuple[list[int], GenerateRequest]], streams: list[GenerationStream],
+    async def stream_chunks(head: dict[str, Any], prepared: list[tuple[list[int], GenerateRequest]], futures: list[Future[TextResult]],
                             prompt_tokens: int, body: Any) -> AsyncIterator[bytes]:
         used = 0
+        pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), settings.request_timeout_s)): i for i, f in enumerate(futures)}
         try:
-            pending = {asyncio.ensure_future(wait(asyncio.wrap_future(s.future), settings.request_timeout_s)): i
-                       for i, s in enumerate(streams)}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -176,12 +199,14 @@ def create_router(service: LDLMService) -> APIRouter:
             if body.stream_options is not None and body.stream_options.include_usage:
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
                 yield sse({**head, "choices": [], "usage": usage})
-            yield sse("[DONE]")
-        except HTTPError as error:  # the status line is sent: report in-band, in OpenAI's shape
-            yield sse(openai_error(error.status, error.message))
+        except STREAM_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape
+            yield sse(openai_error(stream_error_status(error), getattr(error, "message", str(error))))
         finally:
-            for stream in streams:
-                stream.future.cancel()
+            for future in futures:
+                future.cancel()
+            for task in pending:
+                task.cancel()
+        yield sse("[DONE]")
 
     completions.__annotations__ = {"body": body_model, "return": Response}
     router.post("/v1/completions", summary="OpenAI-compatible completions")(completions)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import multiprocessing
 import signal
@@ -43,12 +44,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ldlm
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.backends import NUMPY_DTYPES, BackendGraphs, GraphBackend, open_graphs, ort_providers, serving_limits
-from ldlm.serve.runtime.batcher import DynamicBatcher, release_freed_memory
+from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
-from ldlm.serve.api.kserve import (DATATYPES, HEADER_LENGTH, encode_infer_response, json_bytes, parse_body, requested_outputs,
+from ldlm.serve.api.kserve import (HEADER_LENGTH, encode_infer_response, json_bytes, kserve_datatype, parse_body, requested_outputs,
                                tensor_metadata)
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.torch_backends import length_buckets
 from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
 from ldlm.serve.api.playground import create_router as create_playground_router
 from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
@@ -130,10 +132,9 @@ class LDLMService:
             name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name))
             for name, graph in graphs.items()
         }
-        buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= config.max_seq_len) + (config.max_seq_len,)
         self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
         device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
-        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=buckets)
+        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
         self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
         self.json_workers = self._json_pool()
@@ -190,15 +191,27 @@ async def run_json(service: LDLMService, heavy: bool, fn: Callable[..., Any], *a
     return await run_blocking(fn, *args, timeout_s=service.settings.request_timeout_s)
 
 
+def json_elements(payload: dict[str, Any]) -> int:
+    """How many values a payload holds: arrays' sizes, and lists (``result.ids()``) to two levels deep,
+    counted without walking every element (this runs on the event loop)."""
+    count = 0
+    for value in payload.values():
+        if isinstance(value, np.ndarray):
+            count += value.size
+        elif isinstance(value, list):
+            count += len(value) + sum(len(row) for row in value if isinstance(row, (list, np.ndarray)))
+    return count
+
+
 async def json_response(service: LDLMService, payload: dict[str, Any]) -> Response:
-    elements = sum(v.size for v in payload.values() if isinstance(v, np.ndarray))
-    content = await run_json(service, elements > JSON_WORKER_ELEMENTS, json_bytes, payload)
+    content = await run_json(service, json_elements(payload) > JSON_WORKER_ELEMENTS, json_bytes, payload)
     return Response(content, media_type="application/json")
 
 
 def create_app(service: LDLMService) -> FastAPI:
     settings = service.settings
     models = request_models(settings.max_n, settings.max_steps, settings.max_texts, service.config.max_seq_len)
+    completion_limits = openai_limits(settings, service.config.max_seq_len)  # what OpenAI-route validation messages name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -228,7 +241,7 @@ def create_app(service: LDLMService) -> FastAPI:
         errors = list(error.errors())
         openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
         status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
-        message = validation_message(errors, openai_limits(settings, service.config.max_seq_len) if openai else models.limits)
+        message = validation_message(errors, completion_limits if openai else models.limits)
         return Response(error_body(message, status, request.url.path), status, media_type="application/json")
 
     def model_or_404(name: str) -> str:
@@ -284,10 +297,13 @@ def create_app(service: LDLMService) -> FastAPI:
     async def generate(body: Any) -> Response:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
         spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
+        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop.
         if body.stream:
-            stream = GenerationStream(service.scheduler, service.previews, spec, body.preview_every)
+            start = functools.partial(GenerationStream, service.scheduler, service.previews, spec, body.preview_every,
+                                      loop=asyncio.get_running_loop())
+            stream = await run_blocking(start, timeout_s=settings.request_timeout_s)
             return StreamingResponse(generate_sse(stream, settings.request_timeout_s), headers=SSE_HEADERS, media_type="text/event-stream")
-        future = service.scheduler.submit(spec)
+        future = await run_blocking(service.scheduler.submit, spec, timeout_s=settings.request_timeout_s)
         result = await wait(future, settings.request_timeout_s)
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
@@ -298,7 +314,6 @@ def create_app(service: LDLMService) -> FastAPI:
         def run() -> dict[str, Any]:
             check_texts(texts, service.batched_pipeline)
             result = service.batched_pipeline.reconstruct(texts)
-            release_freed_memory()  # the batches' intermediates are gone; give their pages back
             return {"texts": result.texts, "token_ids": result.ids()}  # each text's own ids, no padded positions
 
         return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
@@ -310,7 +325,6 @@ def create_app(service: LDLMService) -> FastAPI:
         def run() -> dict[str, Any]:
             check_texts(texts, service.batched_pipeline)
             result = service.batched_pipeline.encode(texts)
-            release_freed_memory()
             return {"shape": list(result.latents.shape), "latents": result.latents.numpy(), "attention_mask": result.attention_mask.long().numpy()}
 
         return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
@@ -346,7 +360,7 @@ def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.nda
             continue  # the batcher names missing inputs
         want = np.dtype(NUMPY_DTYPES[spec["dtype"]])
         if array.dtype != want:
-            raise HTTPError(400, f"{model}: input {name} has datatype {_kserve_name(array.dtype)}; allowed: {_kserve_name(want)}")
+            raise HTTPError(400, f"{model}: input {name} has datatype {kserve_datatype(array.dtype)}; allowed: {kserve_datatype(want)}")
         if array.ndim >= 1 and array.shape[0] > settings.max_request_samples:
             raise HTTPError(413, f"{model}: input {name} has {array.shape[0]} samples; allowed: 1..{settings.max_request_samples} "
                                  "per request (--max-request-samples)")
@@ -363,10 +377,6 @@ def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.nda
     if model == "encoder" and ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
         bad = int(ids.max() if ids.max() >= vocab else ids.min())
         raise HTTPError(400, f"input_ids contains {bad}; allowed: [0, {vocab}) (gpt2_vocab_size)")
-
-
-def _kserve_name(dtype: np.dtype) -> str:
-    return next((name for name, np_type in DATATYPES.items() if np.dtype(np_type) == dtype), str(dtype))
 
 
 def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:

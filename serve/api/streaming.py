@@ -21,11 +21,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler, decode_ragged
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -46,7 +45,6 @@ class PreviewDecoder:
         self._pending: dict[tuple[GenerationStream, int], tuple[int, Tensor]] = {}
         self._cond = threading.Condition()
         self._stopping = False
-        self.decoded = 0
         self._thread = threading.Thread(target=self._loop, name="ldlm-previews", daemon=True)
         self._thread.start()
 
@@ -76,7 +74,7 @@ class PreviewDecoder:
                 batch, self._pending = self._pending, {}
             started = time.perf_counter()
             try:
-                texts = self._decode([x0 for _, x0 in batch.values()])
+                texts = decode_ragged(self.pipeline, [x0 for _, x0 in batch.values()]).texts
             except Exception:  # a preview is a nicety: never let it end a stream or this thread
                 continue
             by_stream: dict[GenerationStream, list[dict[str, Any]]] = {}
@@ -85,26 +83,18 @@ class PreviewDecoder:
             for stream, previews in by_stream.items():
                 with contextlib.suppress(RuntimeError):  # its event loop is gone (shutdown): nobody to tell
                     stream.deliver(sorted(previews, key=lambda p: p["index"]))
-            self.decoded += len(texts)
             busy = time.perf_counter() - started
             with self._cond:  # rest: decoding takes at most `budget` of the time
                 self._cond.wait_for(lambda: self._stopping, timeout=busy * (1 - self.budget) / self.budget)
-
-    def _decode(self, latents: list[Tensor]) -> list[str]:
-        longest = max(z.shape[0] for z in latents)
-        mask = torch.zeros(len(latents), longest, dtype=torch.bool)
-        for i, z in enumerate(latents):
-            mask[i, : z.shape[0]] = True
-        padded = torch.stack([torch.nn.functional.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents])
-        return self.pipeline.decode(padded, mask).texts
-
 
 class GenerationStream:
     """One request in the scheduler, as an async iterator of previews and then its result."""
 
     def __init__(self, scheduler: GenerationScheduler, previews: PreviewDecoder | None, spec: GenerateRequest,
-                 preview_every: int = 0, prefix: Tensor | None = None) -> None:
-        self.loop = asyncio.get_running_loop()
+                 preview_every: int = 0, prefix: Tensor | None = None, *, loop: asyncio.AbstractEventLoop) -> None:
+        """Submits at once. ``loop`` is the event loop that reads the events: construct this off that
+        loop (submitting draws every sample's prior noise, work that scales with n x length)."""
+        self.loop = loop
         self.previews = previews
         self.spec = spec
         self._decoded: list[dict[str, Any]] = []
@@ -158,6 +148,6 @@ async def generate_sse(stream: GenerationStream, timeout_s: float) -> AsyncItera
             if kind == "preview":
                 yield sse({"steps": stream.spec.steps, "samples": payload}, "preview")
             else:
-                yield sse({"texts": payload.texts, "token_ids": payload.token_ids.tolist()}, "result")
+                yield sse({"texts": payload.texts, "token_ids": payload.ids()}, "result")
     except (TimeoutError, ValueError, RuntimeError) as error:  # the status line is sent: report in-band
         yield sse({"error": str(error)}, "error")

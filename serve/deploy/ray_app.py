@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from ldlm.serve.api.server import LDLMService, ServerSettings, create_app
 
 DEPLOYMENT_NAME = "ldlm"
 APP_NAME = "ldlm"
+BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 
 
 @dataclass(frozen=True)
@@ -150,19 +152,30 @@ def _field_names(cls: type) -> set[str]:
 
 
 def _typed(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """Convert ``key=value`` strings to the field's type, judged from its default (int, float, str)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    """Convert ``key=value`` strings to the type each field declares (int, float, bool, str; ``X | None``
+    as X). Bools take true/false/1/0: ``bool("false")`` would be True."""
+    hints = typing.get_type_hints(cls)
     typed: dict[str, Any] = {}
     for name, value in values.items():
-        default = defaults[name]
-        kind = type(default) if default is not None else (int if name in ("min_replicas", "max_replicas", "threads") else str)
+        kinds = [k for k in typing.get_args(hints[name]) if k is not type(None)] or [hints[name]]
+        kind = kinds[0]
         if isinstance(value, str) and kind is not str:
-            try:
-                value = kind(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
-        typed[name] = value
+            typed[name] = _parse(name, value, kind)
+        else:
+            typed[name] = value
     return typed
+
+
+def _parse(name: str, value: str, kind: type) -> Any:
+    if kind is bool:
+        word = value.strip().lower()
+        if word not in BOOL_WORDS:
+            raise ValueError(f"{name}={value!r} is not a valid bool; allowed: {', '.join(BOOL_WORDS)}")
+        return BOOL_WORDS[word]
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
 
 
 def run_on_ray(source: str, settings: ServerSettings, options: RayOptions, address: str | None = None) -> None:

@@ -28,18 +28,25 @@ import numpy as np
 from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.serve.runtime.scheduler import QueueFullError, resolve_future
 
-BatchObserver = Callable[[int, float, float], None]
+BatchObserver = Callable[[int, float, float], None]  # (batch size, queue seconds of the oldest, compute seconds)
 TRIM_AFTER_BYTES = 1 << 22  # a batch whose inputs exceed this is followed by giving freed memory back
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if ctypes.util.find_library("c") else None
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim; None where the C library has none (musl, macOS) or cannot be found."""
+    libc = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 def release_freed_memory() -> None:
     """Hand freed heap back to the OS (glibc keeps it per thread arena: after a large batch, the
-    process would otherwise stay at its peak). A no-op where malloc_trim does not exist."""
-    trim = getattr(_libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)  # (batch size, queue seconds of the oldest, compute seconds)
+    process would otherwise stay at its peak). The batcher calls this after each large batch, its
+    one caller; a no-op where malloc_trim does not exist."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 @dataclass

@@ -21,6 +21,7 @@ its slots at the next step; that is how a client that went away stops its genera
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from torch import Tensor
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid, to_device
 
+log = logging.getLogger("ldlm.serve")
 Policy = Literal["continuous", "static"]
 PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x0_hat (L, D)); must not block
 
@@ -243,8 +245,9 @@ class GenerationScheduler:
             elif sample.request.preview_every and sample.step % sample.request.preview_every == 0:
                 try:
                     sample.request.on_preview(sample.index, sample.step, sample.x0_hat)  # type: ignore[misc]
-                except Exception:  # a broken hook ends its own request, never the batch
-                    sample.request.future.cancel()
+                except Exception as error:  # a broken hook ends its own request, with its error, never the batch
+                    log.exception("preview hook failed; its request ends with the error")
+                    resolve_future(sample.request.future, error=error)
         return finished
 
     def _finish(self, finished: list[_Sample]) -> None:
@@ -263,19 +266,23 @@ class GenerationScheduler:
                 complete.append(request)
         if not complete:
             return
-        latents = [z for r in complete for z in r.latents]  # type: ignore[misc]
-        longest = max(z.shape[0] for z in latents)
-        mask = torch.zeros(len(latents), longest, dtype=torch.bool)
-        for i, z in enumerate(latents):
-            mask[i, : z.shape[0]] = True
-        batch = torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents])
-        decoded = self.pipeline.decode(batch, mask)
+        decoded = decode_ragged(self.pipeline, [z for r in complete for z in r.latents])  # type: ignore[misc]
         start = 0
         for request in complete:
             n, length = request.spec.n, request.spec.length
             rows = slice(start, start + n)
             resolve_future(request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows]))
             start += n
+
+
+def decode_ragged(pipeline: LDLMPipeline, latents: list[Tensor]) -> TextResult:
+    """Latents of different lengths, each (L_i, D), in one decoder call: right-padded to the longest,
+    the padding masked; each row's ``lengths`` entry is its own L_i."""
+    longest = max(z.shape[0] for z in latents)
+    mask = torch.zeros(len(latents), longest, dtype=torch.bool)
+    for i, z in enumerate(latents):
+        mask[i, : z.shape[0]] = True
+    return pipeline.decode(torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents]), mask)
 
 
 def resolve_future(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
