@@ -22,7 +22,7 @@ from typing import Any
 
 from ldlm.checkpoint import CONFIG_FILE, atomic_directory
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_tokenizer
+from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.export.onnx_export import sha256_file
 from ldlm.tokenizer import TOKENIZER_FILE
@@ -104,20 +104,13 @@ def triton_dims(spec: dict[str, Any]) -> list[int]:
 
 
 def check_source(source: Path, kind: str, cc_dirs: Sequence[Path] = ()) -> None:
-    """An export must match its manifest (every file, the tokenizer included); each plan must match
-    the sha256 in its .plan.json, and the tokenizer beside them the record the plans carry."""
+    """An export must match its manifest (every file, the tokenizer included); an engine directory
+    (and each extra --cc-plan one) its plans' records (artifact.check_engine_dir)."""
     if kind == "onnx":
         check_artifacts(source, json.loads((source / MANIFEST_FILE).read_text()))
         return
     for directory in (source, *cc_dirs):
-        for graph in GRAPH_NAMES:
-            plan, manifest = directory / f"{graph}.plan", directory / f"{graph}.plan.json"
-            if not plan.is_file() or not manifest.is_file():
-                raise RepositoryError(f"{directory} has no {plan.name} with its {manifest.name}; build it with `ldlm build-engine`")
-            if sha256_file(plan) != json.loads(manifest.read_text()).get("plan_sha256"):
-                raise RepositoryError(f"{plan} does not match the sha256 in {manifest.name} (edited or replaced); rebuild it")
-    record = json.loads((source / f"{GRAPH_NAMES[0]}.plan.json").read_text()).get("tokenizer")
-    check_tokenizer(source, record, f"{GRAPH_NAMES[0]}.plan.json")
+        check_engine_dir(directory, GRAPH_NAMES)
 
 
 def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: int = 1000, bls_max_batch: int | None = None) -> str:
