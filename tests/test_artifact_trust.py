@@ -18,6 +18,7 @@ import pytest
 from ldlm.checkpoint import atomic_directory
 from ldlm.config import FLOAT_RANGES, INT_RANGES, LDLMConfig, preset
 from ldlm.export.artifact import ArtifactError
+from tests.artifacts import reseal_manifest
 
 pytest.importorskip("onnxruntime", reason="the export is opened with ONNX Runtime (pip install -e .[cpu])")
 
@@ -70,13 +71,6 @@ def edit_manifest(directory: Path, edit) -> None:
     manifest = json.loads((directory / "manifest.json").read_text())
     edit(manifest)
     (directory / "manifest.json").write_text(json.dumps(manifest))
-
-
-def rehash(directory: Path, name: str) -> None:
-    """Make the manifest agree with an edited file: what an attacker who controls both can do."""
-    data = (directory / name).read_bytes()
-    graph = name.split(".")[0]
-    edit_manifest(directory, lambda m: m["graphs"][graph]["files"].update({name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}))
 
 
 @pytest.mark.parametrize("path", ["../../../../etc/passwd", "/etc/passwd", "sub/../../outside.onnx"])
@@ -154,7 +148,7 @@ def test_external_data_outside_the_manifest_is_refused(export_copy: Path) -> Non
     tensor = next(t for t in model.graph.initializer if t.external_data)
     next(e for e in tensor.external_data if e.key == "location").value = "../../../../etc/passwd"
     onnx.save(model, str(export_copy / "encoder.onnx"))
-    rehash(export_copy, "encoder.onnx")
+    reseal_manifest(export_copy, "encoder")
     with pytest.raises(ArtifactError, match="leaves the directory"):
         open_graphs("ort", export_copy)
 
@@ -165,7 +159,7 @@ def test_onnx_runtime_load_errors_name_the_file(export_copy: Path) -> None:
     model = onnx.load(str(export_copy / "encoder.onnx"), load_external_data=False)
     model.graph.node[len(model.graph.node) // 2].op_type = "NoSuchOperator"
     onnx.save(model, str(export_copy / "encoder.onnx"))
-    rehash(export_copy, "encoder.onnx")
+    reseal_manifest(export_copy, "encoder")
     with pytest.raises(BackendError, match=r"ONNX Runtime cannot load .*encoder\.onnx: "):
         open_graphs("ort", export_copy)
 
