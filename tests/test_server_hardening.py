@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api import server as server_module  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port, wait_ready  # noqa: E402
-from tests.test_server import infer_body  # noqa: E402
+from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402
 
 LIMITS = dict(max_batch=4, max_delay_ms=0.0, request_timeout_s=60, max_body_bytes=1 << 20, max_n=8, max_steps=100, max_texts=8,
               max_request_samples=16, max_request_tokens=512, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=5.0,
