@@ -150,7 +150,9 @@ def test_large_json_is_coded_in_a_worker_process(hardened: RunningServer, tiny_m
 def test_a_killed_json_worker_is_replaced(hardened: RunningServer, monkeypatch) -> None:
     monkeypatch.setattr(server_module, "JSON_WORKER_BYTES", 0)
     assert post(hardened, "/v2/models/encoder/infer", json=infer_body()).status_code == 200  # the workers are up
-    for pid in list(hardened.service.json_workers._processes):  # no public API lists a pool's processes
+    pids = list(hardened.service.json_workers._processes)  # no public API lists a pool's processes
+    assert pids, "the JSON worker pool has no processes, so there is nothing to kill and nothing would be replaced"
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     first = post(hardened, "/v2/models/encoder/infer", json=infer_body())
