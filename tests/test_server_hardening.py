@@ -217,6 +217,20 @@ def test_idle_connections_are_shed_so_clients_are_served(export_dir: Path) -> No
         hardened.stop()
 
 
+def wait_for_busy_connections(server: RunningServer, count: int, timeout_s: float = 10.0) -> None:
+    """Until ``count`` of the server's connections have a request in flight (headers parsed, no response yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:  # the set belongs to the server's event loop thread: copy it, and look again if it changed meanwhile
+            busy = sum(not c.is_idle() for c in list(server.server.server_state.connections))
+        except RuntimeError:
+            busy = -1
+        if busy == count:
+            return
+        assert time.monotonic() < deadline, f"{busy} busy connections after {timeout_s} s; expected {count}"
+        time.sleep(0.01)
+
+
 def test_all_busy_connections_give_503_with_retry_after_and_json(export_dir: Path) -> None:
     settings = ServerSettings(port=free_port(), **{**LIMITS, "body_timeout_s": 30.0, "max_connections": 4})
     running = RunningServer(LDLMService(str(export_dir), settings))
@@ -226,7 +240,7 @@ def test_all_busy_connections_give_503_with_retry_after_and_json(export_dir: Pat
             s = connect(running)
             s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
             busy.append(s)
-        time.sleep(0.3)
+        wait_for_busy_connections(running, 4)  # the 5th must meet 4 requests in flight, not 4 sockets not yet read
         answer = read_until_closed(connect(running))
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower()
