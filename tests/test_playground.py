@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
-pytest.importorskip("uvicorn")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
