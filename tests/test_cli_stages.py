@@ -5,14 +5,12 @@ parity. Tiny settings throughout (one graph, tiny profiles)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-import onnx
 import pytest
 
 from ldlm.cli import main
-from tests.artifacts import reseal_manifest
+from tests.artifacts import ENCODER_LN, edited_export, set_eps
 
 
 def run(argv: list[str]) -> int:
@@ -39,15 +37,8 @@ def test_verify_onnx_exit_codes(export_dir: Path, tmp_path: Path, capsys) -> Non
     results = json.loads(capsys.readouterr().out)
     assert [r["graph"] for r in results] == ["encoder", "denoiser", "decoder"] and all(r["passed"] for r in results)
 
-    broken = tmp_path / "broken"
-    shutil.copytree(export_dir, broken)
-    model = onnx.load(str(broken / "encoder.onnx"))
-    node = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
-    for attr in node.attribute:
-        if attr.name == "epsilon":
-            attr.f = 1e-3
-    onnx.save(model, str(broken / "encoder.onnx"), save_as_external_data=True, location="encoder.onnx.data")
-    reseal_manifest(broken, "encoder")  # past the sha256 check: the structural check must catch it
+    # Resealed, so past the sha256 check: the structural check must catch it.
+    broken = edited_export(export_dir, tmp_path / "broken", "encoder", set_eps(ENCODER_LN, 1e-3))
     assert run(["verify-onnx", str(broken)]) == 1
     out = capsys.readouterr().out
     assert "FAILED encoder" in out and "epsilon 0.001 != module eps 1e-05" in out

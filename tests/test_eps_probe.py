@@ -8,7 +8,6 @@ them and a passing parity.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,43 +33,17 @@ from ldlm.serve.checks.eps_probe import (
 )
 from ldlm.serve.checks.layernorm_cases import layer_norm_cases
 from ldlm.serve.checks.parity import run_parity
-from tests.artifacts import reseal_manifest
+from tests.artifacts import ENCODER_LN, edited_export, node_of, set_eps
 
 ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is the backend under test (pip install -e .[cpu])")
 from ldlm.serve.checks.eps_probe_ort import OrtNodeRunner  # noqa: E402  (needs onnxruntime)
 
-ENCODER_LN = "model.feature_model.h.1.ln_2"
 ENCODER_MLP_LN = "model.latent_encoder.blocks.0.mlp.norm"
 DECODER_LN = "model.token_decoder.norm"
 DECODER_MLP_LN = "model.latent_decoder.blocks.1.mlp.norm"
 
 
 # --- helpers: consistent but wrong exports --------------------------------------------------------
-
-
-def edited_export(export_dir: Path, out: Path, graph: str, edit: Callable[[onnx.GraphProto], None]) -> Path:
-    """A copy of ``export_dir`` with ``edit`` applied to one graph and the manifest's hashes rewritten."""
-    shutil.copytree(export_dir, out)
-    path = out / f"{graph}.onnx"
-    model = onnx.load(str(path))
-    edit(model.graph)
-    (out / f"{graph}.onnx.data").unlink()
-    onnx.save(model, str(path), save_as_external_data=True, location=f"{graph}.onnx.data")
-    reseal_manifest(out, graph)
-    return out
-
-
-def node_of(graph: onnx.GraphProto, module: str) -> onnx.NodeProto:
-    return next(n for n in graph.node if n.op_type == "LayerNormalization" and module in node_name_scopes(n))
-
-
-def set_eps(module: str, eps: float) -> Callable[[onnx.GraphProto], None]:
-    def edit(graph: onnx.GraphProto) -> None:
-        node = node_of(graph, module)
-        kept = [a for a in node.attribute if a.name != "epsilon"]
-        del node.attribute[:]
-        node.attribute.extend([*kept, onnx.helper.make_attribute("epsilon", eps)])
-    return edit
 
 
 def swap_parameters(first: str, second: str) -> Callable[[onnx.GraphProto], None]:

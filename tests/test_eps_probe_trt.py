@@ -18,7 +18,7 @@ from ldlm.export.verify import LAYER_NORM_OP, pair_layer_norm_nodes
 from ldlm.export.graphs import graph_io
 from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.serve.checks.eps_probe import probe_layer_norm_eps
-from tests.test_eps_probe import ENCODER_LN, edited_export, set_eps
+from tests.artifacts import ENCODER_LN, edited_export, set_eps
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no one-layer engine was built")
 SMALL = (EngineProfile(ShapeRange(1, 2, 4), ShapeRange(1, 16, 64)),)

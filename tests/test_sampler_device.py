@@ -1,13 +1,17 @@
-"""The sampler on the device: bitwise today's tokens on CPU, and the device path against the host path.
+"""The sampler on the device: today's tokens on CPU, and the device path against the host path.
 
 tests/data/sampler_golden_cpu.json was written by the code before the device path existed (commit
 5f890ca, torch 2.13.0 CPU): the tiny preset, init seed 0, for the seeds, samplers and shapes named
-in its keys; it holds the token ids and the sha256 of the sampled latents' float32 bytes.
+in its keys; it holds the token ids and the sampled float32 latents. tests/data/make_sampler_golden.py
+rewrites the latents from that commit's code (its docstring says how) and checks the token ids.
+
+Token ids must match exactly; latents within LATENT_TOL, because float32 sums differ in the last
+bits with the CPU's vector ISA (AVX-512 against AVX2: up to ~2e-6 here), which a hash of the bytes
+would turn into a failure on a CI machine without AVX-512.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from ldlm.tokenizer import TextTokenizer
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "sampler_golden_cpu.json").read_text())
 CASES = [k for k in GOLDEN if k != "scheduler"]
+LATENT_TOL = 1e-4  # abs and rel; any change to the seeds, noise order or maths moves latents by O(1)
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +45,14 @@ def parse(case: str) -> tuple[int, str, int, int, int]:
     return int(seed), sampler, int(n), int(length), int(steps)
 
 
-def sha256(latents: torch.Tensor) -> str:
-    return hashlib.sha256(latents.contiguous().cpu().numpy().tobytes()).hexdigest()
-
-
 @pytest.mark.parametrize("case", CASES)
-def test_cpu_tokens_and_latents_are_bitwise_todays(golden_model: LDLM, case: str) -> None:
+def test_cpu_tokens_are_todays_and_latents_match_to_float32_rounding(golden_model: LDLM, case: str) -> None:
     seed, sampler, n, length, steps = parse(case)
     pipe = LDLMPipeline(golden_model, TextTokenizer.gpt2())
     latents = pipe.sample_latents(n, length, steps, seed, sampler)
-    assert sha256(latents) == GOLDEN[case]["latents_sha256"]
+    expected = torch.tensor(GOLDEN[case]["latents"], dtype=torch.float32)
+    assert latents.dtype == torch.float32 and latents.shape == (n, length, golden_model.config.d_model)
+    torch.testing.assert_close(latents.cpu(), expected, atol=LATENT_TOL, rtol=LATENT_TOL)
     assert pipe.decode(latents).token_ids.tolist() == GOLDEN[case]["tokens"]
 
 

@@ -47,7 +47,7 @@ from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.runtime.scheduler import QueueFullError  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port, wait_ready  # noqa: E402
+from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +138,6 @@ def test_text_api(server: RunningServer, pipeline: LDLMPipeline) -> None:
         encoded = http.post("/v1/encode", json={"texts": texts}).json()
         assert encoded["shape"][0] == 2 and encoded["shape"][2] == 64
         assert http.get("/openapi.json").json()["paths"].keys() >= {"/v1/generate", "/v1/reconstruct", "/v1/encode"}
-
-
-def infer_body(**overrides):
-    body = {"inputs": [{"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]},
-                       {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}]}
-    body.update(overrides)
-    return body
 
 
 BAD_REQUESTS = [

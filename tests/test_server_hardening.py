@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api import server as server_module  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port, wait_ready  # noqa: E402
-from tests.test_server import infer_body  # noqa: E402
+from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402
 
 LIMITS = dict(max_batch=4, max_delay_ms=0.0, request_timeout_s=60, max_body_bytes=1 << 20, max_n=8, max_steps=100, max_texts=8,
               max_request_samples=16, max_request_tokens=512, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=5.0,
@@ -151,7 +150,9 @@ def test_large_json_is_coded_in_a_worker_process(hardened: RunningServer, tiny_m
 def test_a_killed_json_worker_is_replaced(hardened: RunningServer, monkeypatch) -> None:
     monkeypatch.setattr(server_module, "JSON_WORKER_BYTES", 0)
     assert post(hardened, "/v2/models/encoder/infer", json=infer_body()).status_code == 200  # the workers are up
-    for pid in list(hardened.service.json_workers._processes):  # no public API lists a pool's processes
+    pids = list(hardened.service.json_workers._processes)  # no public API lists a pool's processes
+    assert pids, "the JSON worker pool has no processes, so there is nothing to kill and nothing would be replaced"
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     first = post(hardened, "/v2/models/encoder/infer", json=infer_body())
@@ -216,6 +217,20 @@ def test_idle_connections_are_shed_so_clients_are_served(export_dir: Path) -> No
         hardened.stop()
 
 
+def wait_for_busy_connections(server: RunningServer, count: int, timeout_s: float = 10.0) -> None:
+    """Until ``count`` of the server's connections have a request in flight (headers parsed, no response yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:  # the set belongs to the server's event loop thread: copy it, and look again if it changed meanwhile
+            busy = sum(not c.is_idle() for c in list(server.server.server_state.connections))
+        except RuntimeError:
+            busy = -1
+        if busy == count:
+            return
+        assert time.monotonic() < deadline, f"{busy} busy connections after {timeout_s} s; expected {count}"
+        time.sleep(0.01)
+
+
 def test_all_busy_connections_give_503_with_retry_after_and_json(export_dir: Path) -> None:
     settings = ServerSettings(port=free_port(), **{**LIMITS, "body_timeout_s": 30.0, "max_connections": 4})
     running = RunningServer(LDLMService(str(export_dir), settings))
@@ -225,7 +240,7 @@ def test_all_busy_connections_give_503_with_retry_after_and_json(export_dir: Pat
             s = connect(running)
             s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
             busy.append(s)
-        time.sleep(0.3)
+        wait_for_busy_connections(running, 4)  # the 5th must meet 4 requests in flight, not 4 sockets not yet read
         answer = read_until_closed(connect(running))
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower()

@@ -17,7 +17,6 @@ import torch
 
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
-uvicorn = pytest.importorskip("uvicorn")
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
