@@ -25,7 +25,7 @@ from ldlm.export.profiles import EngineProfile, ShapeRange
 from ldlm.export.trt_flavor import FlavorError, GpuInfo, load_flavor
 from ldlm.export.verify import LayerNormSpec
 from ldlm.serve.runtime.tensorrt_engine import PlanMismatchError, TensorRTEngine, check_plan_manifest, read_plan_manifest
-from tests.artifacts import reseal_manifest
+from tests.artifacts import ENCODER_LN, edited_export, reseal_manifest, set_eps
 
 trt_rtx = pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no engine was built")
 SMALL = (EngineProfile(ShapeRange(1, 2, 4), ShapeRange(1, 16, 64)),)
@@ -93,23 +93,13 @@ def test_fp16_variant_stays_close_to_fp32_in_onnx_runtime(export_dir: Path, tmp_
     assert (ids16 == ids32).mean() >= 0.99
 
 
-def with_eps(src_dir: Path, graph: str, eps: float, dst: Path) -> Path:
-    model = onnx.load(str(src_dir / f"{graph}.onnx"))
-    node = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
-    for attr in node.attribute:
-        if attr.name == "epsilon":
-            attr.f = eps
-    onnx.save(model, str(dst))
-    return dst
-
-
 def test_network_check_passes_and_rejects_a_modified_eps(export_dir: Path, tmp_path: Path) -> None:
     flavor = load_flavor("tensorrt_rtx")
     specs = specs_of(export_dir, "encoder")
     _, network, _ = parse_onnx_network(flavor, export_dir / "encoder.onnx")
     assert check_network_layer_norms(flavor.trt, network, specs) == []
 
-    modified = with_eps(export_dir, "encoder", 1e-3, tmp_path / "encoder.onnx")
+    modified = edited_export(export_dir, tmp_path / "edited", "encoder", set_eps(ENCODER_LN, 1e-3)) / "encoder.onnx"
     _, network, _ = parse_onnx_network(flavor, modified)
     problems = check_network_layer_norms(flavor.trt, network, specs)
     assert len(problems) == 1 and "epsilon 0.001 != module eps 1e-05" in problems[0], problems
