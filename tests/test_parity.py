@@ -102,3 +102,19 @@ def test_parity_bad_input(tiny_checkpoint: Path, export_dir: Path) -> None:
         run_parity(tiny_checkpoint, "ort", "bf16", source=export_dir)
     with pytest.raises(ValueError, match="needs its engine directory"):
         run_parity(tiny_checkpoint, "trt")
+
+
+def test_eager_parity_runs_the_checkpoint_without_an_artifact(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """The torch backends have no artifact: no structural verifier, no eps probes, and the check runs (it used
+    to look for a TensorRT plan in the checkpoint directory and fail)."""
+    report = run_parity(tiny_checkpoint, "eager", steps=3)
+    assert report.passed, report.summary()
+    assert report.token_agreement == 1.0 and report.verification == [] and report.eps_probes is None
+    assert {c.name.split("/")[0] for c in report.graphs} == {"encoder", "denoiser", "decoder"}
+    assert all(c.max_abs == 0 for c in report.graphs)  # the same modules in the same precision on the same device
+    assert "eager has no artifact: no structural verifier and no eps probes ran" in report.notes
+
+    assert main(["parity", str(tiny_checkpoint), "--backend", "eager", "--steps", "3", "--quiet", "--out", str(tmp_path / "r")]) == 0
+    assert "PASSED parity eager (fp32) vs eager" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "r" / "parity.json").read_text())
+    assert saved["passed"] is True and saved["eps_probes"] is None and saved["verification"] == []

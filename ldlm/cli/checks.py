@@ -85,8 +85,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         description="Compare ONNX Runtime or TensorRT against eager PyTorch on the checkpoint: every graph output "
         "on random, padded and stress inputs (max/mean/p99 abs and rel error, cosine per sample, NaN/Inf, "
         "elementwise pass/fail at the precision's atol and rtol); every LayerNorm output (ONNX Runtime); and "
-        "end-to-end generation with the deterministic sampler as token agreement; every LayerNorm run alone where eps "
-        "decides (as `ldlm probe-eps`). Given --onnx-dir or --engine-dir, the structural verifier runs first. "
+        "end-to-end generation with the deterministic sampler as token agreement; for ort and trt, every LayerNorm run "
+        "alone where eps decides (as `ldlm probe-eps`). Given --onnx-dir or --engine-dir, the structural verifier runs first. "
         "Writes parity.json, parity.md and PNG plots. Exit code 1 on failure.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")

@@ -9,7 +9,8 @@ Three levels, all against eager as the reference:
      deterministic sampler, as token agreement.
 Given an artifact (an export or engine directory), the structural verifier runs first; and every
 LayerNorm is also probed alone on inputs where eps decides (serve/checks/eps_probe.py), on the backend
-under test: a wrong epsilon is invisible at ordinary activations.
+under test: a wrong epsilon is invisible at ordinary activations. The torch backends (eager, compiled)
+run the checkpoint's own modules: with no artifact, neither the verifier nor the probes apply.
 ``bisect`` names the first LayerNorm (in execution order) whose output diverges.
 """
 
@@ -244,13 +245,13 @@ def run_parity(
     in ``precision``) against CPU fp32 eager on the checkpoint."""
     atol, rtol = tolerance(precision)
     torch_backend = backend in TORCH_BACKENDS
+    given = source is not None and not torch_backend  # an artifact made beforehand: the structural verifier checks it
     if torch_backend:
-        source = checkpoint
+        source = checkpoint  # the checkpoint's own modules: no artifact, so no verifier and no eps probes
     if source is None and backend != "ort":
         raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
     model, tokenizer = load_checkpoint(checkpoint)
-    given = source is not None
-    bar = tqdm(total=len(GRAPH_NAMES) + 2 + given, desc="parity", unit="stage", disable=not progress)
+    bar = tqdm(total=len(GRAPH_NAMES) + 1 + (not torch_backend) + given, desc="parity", unit="stage", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:
         work = Path(tmp)
         if source is None:
@@ -293,12 +294,15 @@ def run_parity(
         for graph in graphs.values():
             graph.close()  # TensorRT-RTX keeps the kernels it compiled (runtime cache) for the next run
         bar.update()
-        bar.set_postfix_str("eps probes")
-        report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,
-                                           engine_dir=source if backend == "trt" else None, seed=seed)
-        if backend == "ort" and precision != "fp32":
-            report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
-        bar.update()
+        if torch_backend:
+            report.notes.append(f"{backend} has no artifact: no structural verifier and no eps probes ran")
+        else:
+            bar.set_postfix_str("eps probes")
+            report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,
+                                               engine_dir=source if backend == "trt" else None, seed=seed)
+            if backend == "ort" and precision != "fp32":
+                report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
+            bar.update()
     if bisect and not report.passed:
         report.first_divergence = first_divergence(report)
     return report
