@@ -118,3 +118,20 @@ def test_eager_parity_runs_the_checkpoint_without_an_artifact(tiny_checkpoint: P
     assert "PASSED parity eager (fp32) vs eager" in capsys.readouterr().out
     saved = json.loads((tmp_path / "r" / "parity.json").read_text())
     assert saved["passed"] is True and saved["eps_probes"] is None and saved["verification"] == []
+
+
+@needs_ort
+def test_eps_probes_run_on_the_provider_asked_for(tiny_checkpoint: Path, export_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--provider reaches the eps probes, not only the graphs. Here the only provider besides CPU is Azure's
+    (it places no node, so ONNX Runtime runs them on CPU), put under a provider name for this test."""
+    import onnxruntime
+
+    from ldlm.serve.runtime import backends
+
+    if "AzureExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has no second provider to ask for (AzureExecutionProvider)")
+    monkeypatch.setitem(backends.ORT_PROVIDERS, "azure", ("AzureExecutionProvider", "CPUExecutionProvider"))
+    report = run_parity(tiny_checkpoint, "ort", source=export_dir, steps=2, provider="azure")
+    assert set(report.providers.values()) == {"AzureExecutionProvider"}
+    assert report.eps_probes is not None and report.eps_probes.runtime.endswith(" AzureExecutionProvider"), report.eps_probes.runtime
+    assert report.eps_probes.passed

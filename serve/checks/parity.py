@@ -299,7 +299,8 @@ def run_parity(
         else:
             bar.set_postfix_str("eps probes")
             report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,
-                                               engine_dir=source if backend == "trt" else None, seed=seed)
+                                               engine_dir=source if backend == "trt" else None, seed=seed,
+                                               providers=ort_providers(provider))  # where the graphs ran
             if backend == "ort" and precision != "fp32":
                 report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
             bar.update()
