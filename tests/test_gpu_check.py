@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -85,6 +86,42 @@ def test_unknown_stage_is_refused(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--stages", "warp"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "names unknown stages; allowed: parity" in done.stderr
+
+
+def test_first_preview_is_timed_on_preview_events_only() -> None:
+    """scripts/preview_cost.first_preview_seconds against a real HTTP server on loopback that streams
+    server-sent events: seed 0 gets its result after 0.4 s and no preview, seed 1 a preview at once
+    and its result 0.4 s later. Only seed 1 is timed, at its preview, well before 0.4 s."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import preview_cost
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seed = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["seed"]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            if seed == 1:
+                self.wfile.write(b'event: preview\ndata: {"step": 5}\n\n')
+                self.wfile.flush()
+            time.sleep(0.4)
+            self.wfile.write(b'event: result\ndata: {"texts": ["x"]}\n\n')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = preview_cost.first_preview_seconds(f"http://127.0.0.1:{server.server_port}", {"stream": True}, 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result["median_ms"] == result["min_ms"] and result["median_ms"] < 300, result
+    assert result["runs"] == 2 and result["runs_without_preview"] == 1, result
 
 
 # --- scripts/gpu_check.sh -------------------------------------------------------------------------
