@@ -36,7 +36,7 @@ from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.backends import BackendGraphs, EagerBackend, GraphBackend
-from ldlm.serve.checks.bench import bench_graphs, graph_feed, mixed_workload, run_workload
+from ldlm.serve.checks.bench import WORKLOAD_STEPS, bench_graphs, graph_feed, mixed_workload, run_workload, workload_lengths_used
 from ldlm.serve.checks.compare import tolerance
 from ldlm.serve.checks.parity import ParityReport, compare_graph, input_sets
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
@@ -273,7 +273,7 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
                    sizes: dict[str, Any]) -> dict[str, Any]:
     """Continuous against static batching on the bench's mixed-arrival workload, at an arrival rate
     set to 1.5x the measured saturated capacity (so both policies are busy)."""
-    lengths = tuple(n for n in sizes["wl_lengths"] if n <= config.max_seq_len)
+    lengths = tuple(workload_lengths_used(config, sizes["wl_lengths"]))
     max_batch = sizes["wl_max_batch"]
     pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=lengths)
     warm_batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch]
@@ -291,7 +291,7 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
     makespan = time.perf_counter() - start
     scheduler.close()
     step_s = makespan / 20  # 2 x max_batch samples x 10 steps / max_batch per step
-    mean_steps = 22.5  # mixed_workload draws steps uniformly from 5..40
+    mean_steps = sum(WORKLOAD_STEPS) / 2  # mixed_workload draws its steps uniformly from that range
     capacity_rps = max_batch / (mean_steps * step_s)
     rate = 1.5 * capacity_rps
     requests = int(min(2000, max(20, rate * sizes["wl_seconds"])))
