@@ -39,8 +39,9 @@ def graph_feed(config: LDLMConfig, graph: str, batch: int, length: int, seed: in
 
 
 def timed_call(backend: GraphBackend, feed: dict[str, np.ndarray]) -> Callable[[], Any]:
-    """One graph call as a benchmark times it: torch backends take device tensors (put there
-    once) and are waited for; the others take NumPy, as they are served."""
+    """One graph call as a benchmark times it: backends that take device tensors (``run_tensors``:
+    eager, compiled and TensorRT) get them put there once and are waited for; ONNX Runtime takes
+    NumPy, as it is served."""
     if not hasattr(backend, "run_tensors"):
         return lambda: backend.run(feed)
     import torch
