@@ -36,8 +36,6 @@ def _cmd_parity(args: argparse.Namespace) -> None:
 def _cmd_probe_eps(args: argparse.Namespace) -> None:
     from ldlm.serve.checks.eps_probe import probe_layer_norm_eps, write_eps_report
 
-    if args.onnx_dir is None and args.engine_dir is None:
-        raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
     report = probe_layer_norm_eps(args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor,
                                   progress=not args.quiet)
     if args.out:
