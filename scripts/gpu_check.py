@@ -32,6 +32,7 @@ import torch
 import ldlm
 from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import LDLMConfig, preset
+from ldlm.device import DeviceError, resolve_device
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
@@ -320,9 +321,10 @@ def main() -> None:
         parser.error(f"--stages {args.stages!r} names unknown stages; allowed: {', '.join(STAGES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu_check: --device cuda but torch sees no CUDA device")
+    try:
+        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except DeviceError as error:
+        parser.error(f"--device: {error}")
     config_name = "tiny" if args.tiny else "base"
     sizes = SIZES[config_name]
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: parity and the eager baseline

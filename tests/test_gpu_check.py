@@ -124,6 +124,13 @@ def test_first_preview_is_timed_on_preview_events_only() -> None:
     assert result["runs"] == 2 and result["runs_without_preview"] == 1, result
 
 
+def test_absent_device_is_refused_by_name(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--device", "cuda:99"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--device: device='cuda:99' is not available" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
 # --- scripts/gpu_check.sh -------------------------------------------------------------------------
 
 # gpu_check.py's stages in their order, as docs/gpu-run.md lists them.
