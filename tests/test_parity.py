@@ -135,3 +135,19 @@ def test_eps_probes_run_on_the_provider_asked_for(tiny_checkpoint: Path, export_
     assert set(report.providers.values()) == {"AzureExecutionProvider"}
     assert report.eps_probes is not None and report.eps_probes.runtime.endswith(" AzureExecutionProvider"), report.eps_probes.runtime
     assert report.eps_probes.passed
+
+
+def test_compare_with_eager_scores_tokens_against_the_reference_given(tiny_model, tokenizer) -> None:
+    """The shared levels 1 and 3 (run_parity and scripts/gpu_check.py): eager against itself agrees on
+    every token; against a reference with 4 of its 16 tokens changed, on exactly 12 of 16."""
+    from ldlm.export.graphs import GRAPH_NAMES
+    from ldlm.serve.checks.parity import compare_with_eager, eager_tokens
+    from ldlm.serve.runtime.backends import EagerBackend
+
+    graphs = {g: EagerBackend(tiny_model, g, with_logits=g == "decoder") for g in GRAPH_NAMES}
+    report = compare_with_eager(tiny_model, tokenizer, graphs, "eager", "fp32", steps=2, n=2, length=8)
+    assert report.passed and report.token_agreement == 1.0 and all(c.max_abs == 0 for c in report.graphs)
+    reference = eager_tokens(tiny_model, tokenizer, 2, 8, 2, 0).clone()
+    reference[0, :4] = (reference[0, :4] + 1) % tiny_model.config.vocab_size
+    changed = compare_with_eager(tiny_model, tokenizer, graphs, "eager", "fp32", steps=2, n=2, length=8, reference_tokens=reference)
+    assert changed.token_agreement == 12 / 16 and not changed.passed
