@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test import latent_width  # noqa: E402
 from loopback import free_port, serve_command, wait_ready  # noqa: E402
 
 TEXT = ("Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
@@ -126,14 +127,15 @@ def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
     """Peak RSS over warm while one graph runs a batch of 1 and of 16 at ``seq`` tokens; the
     difference over 15 samples is what each further sample costs."""
     rng = np.random.default_rng(0)
+    d = latent_width(server.url)
     feeds = {
         "encoder": lambda b: {"input_ids": rng.integers(0, 50000, (b, seq)), "attention_mask": np.ones((b, seq), np.int64)},
-        "denoiser": lambda b: {"x_t": rng.standard_normal((b, seq, 64), np.float32), "t": np.full(b, 0.5, np.float32),
-                               "x0_prev": np.zeros((b, seq, 64), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
-        "decoder": lambda b: {"latents": rng.standard_normal((b, seq, 64), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
+        "denoiser": lambda b: {"x_t": rng.standard_normal((b, seq, d), np.float32), "t": np.full(b, 0.5, np.float32),
+                               "x0_prev": np.zeros((b, seq, d), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
+        "decoder": lambda b: {"latents": rng.standard_normal((b, seq, d), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
     }
     names = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
-    report: dict[str, Any] = {"seq": seq}
+    report: dict[str, Any] = {"seq": seq, "d_model": d}
     with httpx.Client(base_url=server.url, timeout=600) as http:
         for graph, feed in feeds.items():
             peaks = {}
