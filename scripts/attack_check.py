@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import latent_width  # noqa: E402
-from loopback import free_port, serve_command, wait_ready  # noqa: E402
+from loopback import free_port, serve_command, stop_server, wait_ready  # noqa: E402
 
 TEXT = ("Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
         "then trains a diffusion model over those latents, and finally decodes samples back into tokens. ") * 3
@@ -75,10 +75,9 @@ class Server:
     def rss_mb(self) -> float:
         return rss_mb(self.process.pid)
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+    def stop(self) -> int | str:
+        """SIGTERM, as an operator stops it (killed if it does not exit in time): its exit code."""
+        return stop_server(self.process)
 
 
 def encoder_json(batch: int, seq: int) -> dict[str, Any]:
@@ -311,7 +310,7 @@ def main() -> None:
             except Exception as error:  # record it; the other attacks still run
                 report[name] = {"error": f"{type(error).__name__}: {error}", "server_exit": server.process.poll()}
     finally:
-        server.stop()
+        report["server_exit"] = server.stop()
         scratch.cleanup()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
