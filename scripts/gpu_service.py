@@ -123,7 +123,8 @@ def probe_eps_stage(work: Path) -> dict[str, Any]:
     help_text = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", "--help"], capture_output=True, text=True).stdout
     if "probe-eps" not in help_text:
         return {"skipped": "this ldlm has no probe-eps command"}
-    ckpt = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), work / "tiny-ckpt")
+    # Every norm with its own scale and bias, as trained: a scale or bias mixed up between nodes shows.
+    ckpt = save_checkpoint(init_model(preset("tiny"), 0, norm_init="random"), TextTokenizer.gpt2(), work / "tiny-ckpt")
     steps = [["export", str(ckpt), str(work / "tiny-onnx"), "--quiet"],
              ["build-engine", str(work / "tiny-onnx"), str(work / "tiny-engines"), "--flavor", "tensorrt", "--quiet"],
              ["probe-eps", str(ckpt), "--engine-dir", str(work / "tiny-engines")]]
