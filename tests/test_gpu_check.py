@@ -67,7 +67,7 @@ def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
 
 def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--device", "cpu", "--out", str(tmp_path),
-                           "--stages", "device_loop,previews,probe_eps"], capture_output=True, text=True, timeout=600)
+                           "--stages", "device_loop,http,previews,probe_eps"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["config"] == "tiny" and data["device"] == "cpu"
@@ -76,6 +76,9 @@ def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     assert previews["server_exit_code"] == 0 and "--preview-budget 1" in previews["server"], previews
     assert previews["preview_events_per_request"] >= 1 and previews["first_preview_batch1"]["runs"] == 5
     assert (tmp_path / "server-previews.log").is_file()
+    http = data["stages"]["http"]  # the same server, under load, against the in-process runner
+    assert http["server_exit_code"] == 0 and http["overhead"]["requests"] == 30 and http["load"]["answered"] > 0, http
+    assert (tmp_path / "server.log").is_file()
     assert data["stages"]["parity"] == {"skipped": "not selected (--stages)"}
     summary = (tmp_path / "gpu_check.md").read_text()
     assert "| 1024-token sample, 50 steps, batch 1, noise to token ids | <= 100 ms | - | not measured |" in summary
