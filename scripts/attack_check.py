@@ -33,7 +33,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import free_port, serve_command, wait_ready  # noqa: E402
+from load_test import latent_width  # noqa: E402
+from loopback import free_port, serve_command, stop_server, wait_ready  # noqa: E402
 
 TEXT = ("Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
         "then trains a diffusion model over those latents, and finally decodes samples back into tokens. ") * 3
@@ -74,10 +75,9 @@ class Server:
     def rss_mb(self) -> float:
         return rss_mb(self.process.pid)
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+    def stop(self) -> int | str:
+        """SIGTERM, as an operator stops it (killed if it does not exit in time): its exit code."""
+        return stop_server(self.process)
 
 
 def encoder_json(batch: int, seq: int) -> dict[str, Any]:
@@ -126,14 +126,15 @@ def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
     """Peak RSS over warm while one graph runs a batch of 1 and of 16 at ``seq`` tokens; the
     difference over 15 samples is what each further sample costs."""
     rng = np.random.default_rng(0)
+    d = latent_width(server.url)
     feeds = {
         "encoder": lambda b: {"input_ids": rng.integers(0, 50000, (b, seq)), "attention_mask": np.ones((b, seq), np.int64)},
-        "denoiser": lambda b: {"x_t": rng.standard_normal((b, seq, 64), np.float32), "t": np.full(b, 0.5, np.float32),
-                               "x0_prev": np.zeros((b, seq, 64), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
-        "decoder": lambda b: {"latents": rng.standard_normal((b, seq, 64), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
+        "denoiser": lambda b: {"x_t": rng.standard_normal((b, seq, d), np.float32), "t": np.full(b, 0.5, np.float32),
+                               "x0_prev": np.zeros((b, seq, d), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
+        "decoder": lambda b: {"latents": rng.standard_normal((b, seq, d), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
     }
     names = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
-    report: dict[str, Any] = {"seq": seq}
+    report: dict[str, Any] = {"seq": seq, "d_model": d}
     with httpx.Client(base_url=server.url, timeout=600) as http:
         for graph, feed in feeds.items():
             peaks = {}
@@ -309,7 +310,7 @@ def main() -> None:
             except Exception as error:  # record it; the other attacks still run
                 report[name] = {"error": f"{type(error).__name__}: {error}", "server_exit": server.process.poll()}
     finally:
-        server.stop()
+        report["server_exit"] = server.stop()
         scratch.cleanup()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

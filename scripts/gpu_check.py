@@ -32,13 +32,13 @@ import torch
 import ldlm
 from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import LDLMConfig, preset
+from ldlm.device import DeviceError, resolve_device
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.backends import BackendGraphs, EagerBackend, GraphBackend
-from ldlm.serve.checks.bench import bench_graphs, graph_feed, mixed_workload, run_workload
-from ldlm.serve.checks.compare import tolerance
-from ldlm.serve.checks.parity import ParityReport, compare_graph, input_sets
+from ldlm.serve.checks.bench import WORKLOAD_STEPS, bench_generation, bench_graphs, graph_feed, mixed_workload, run_workload, workload_lengths_used
+from ldlm.serve.checks.parity import compare_with_eager, eager_tokens
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, prepare_model
 from ldlm.tokenizer import TextTokenizer
@@ -163,19 +163,12 @@ def ort_gpu_candidates(checkpoint: Path, work: Path) -> tuple[dict[str, dict[str
 def parity_stage(model: LDLM, tokenizer: TextTokenizer, candidates: dict[str, dict[str, GraphBackend]], sizes: dict[str, Any]) -> dict[str, Any]:
     """Every candidate against CPU fp32 eager: per graph output max abs error and cosine; end to
     end, token agreement with the deterministic sampler on the reference's CPU noise."""
-    reference = {g: EagerBackend(model, g, with_logits=True) for g in GRAPH_NAMES}
     n, length, steps = sizes["parity_n"], min(sizes["parity_len"], model.config.max_seq_len), sizes["parity_steps"]
-    ref_tokens = LDLMPipeline(model, tokenizer).generate(n, length, steps, 0, "ddim").token_ids
+    ref_tokens = eager_tokens(model, tokenizer, n, length, steps, 0)
     result: dict[str, Any] = {"reference": "eager fp32 on CPU", "generation": {"n": n, "length": length, "steps": steps, "sampler": "ddim"}}
     for name, graphs in candidates.items():
         precision = "bf16" if "bf16" in name else "fp16" if "fp16" in name else "fp32"
-        atol, rtol = tolerance(precision)
-        report = ParityReport(name, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol)
-        for g in GRAPH_NAMES:
-            compare_graph(g, reference[g], graphs[g], input_sets(model, g, 0), atol, rtol, report)
-        device = getattr(graphs["denoiser"], "device", torch.device("cpu"))
-        pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=model.config, noise_device="cpu")
-        tokens = pipe.generate(n, length, steps, 0, "ddim").token_ids
+        report = compare_with_eager(model, tokenizer, graphs, name, precision, 0, steps, n, length, reference_tokens=ref_tokens)
         per_output: dict[str, dict[str, float]] = {}
         for c in report.graphs:  # worst over the input sets, per graph output
             graph, set_name, output = c.name.split("/")
@@ -184,10 +177,9 @@ def parity_stage(model: LDLM, tokenizer: TextTokenizer, candidates: dict[str, di
             entry["max_abs"] = max(entry["max_abs"], c.max_abs)
             entry["cosine_min"] = min(entry["cosine_min"], c.cosine_min)
             entry["elementwise_passed"] = bool(entry["elementwise_passed"] and c.passed)
-        result[name] = {"providers": report.providers, "atol": atol, "rtol": rtol, "outputs": per_output,
+        result[name] = {"providers": report.providers, "atol": report.atol, "rtol": report.rtol, "outputs": per_output,
                         "comparisons": [{k: v for k, v in c.to_dict().items() if k != "abs_error_histogram"} for c in report.graphs],
-                        "decoder_token_agreement": report.decoder_token_agreement,
-                        "token_agreement": float((tokens == ref_tokens).float().mean())}
+                        "decoder_token_agreement": report.decoder_token_agreement, "token_agreement": report.token_agreement}
     return result
 
 
@@ -256,14 +248,8 @@ def throughput_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, 
     pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
     result: dict[str, Any] = {"backend": graphs["denoiser"].provider, "length": length, "steps": steps, "sampler": "ddim", "by_batch": {}}
     for n in sizes["tps_batches"]:
-        pipe.generate(n, length, 2, 0, "ddim")  # warm-up and capture
-        times = []
-        for run in range(sizes["tps_runs"]):
-            start = time.perf_counter()
-            pipe.generate(n, length, steps, run, "ddim")
-            times.append(time.perf_counter() - start)
-        p50 = statistics.median(times)
-        result["by_batch"][str(n)] = {"p50_s": round(p50, 4), "tokens_per_s": round(n * length / p50, 1)}
+        entry = bench_generation({"candidate": pipe}, n, length, steps, sizes["tps_runs"])["candidate"]
+        result["by_batch"][str(n)] = {"p50_s": entry["p50_s"], "tokens_per_s": entry["tokens_per_s"]}
     best = max(result["by_batch"].items(), key=lambda kv: kv[1]["tokens_per_s"])
     result["best"] = {"batch": int(best[0]), **best[1]}
     return result
@@ -273,7 +259,7 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
                    sizes: dict[str, Any]) -> dict[str, Any]:
     """Continuous against static batching on the bench's mixed-arrival workload, at an arrival rate
     set to 1.5x the measured saturated capacity (so both policies are busy)."""
-    lengths = tuple(n for n in sizes["wl_lengths"] if n <= config.max_seq_len)
+    lengths = tuple(workload_lengths_used(config, sizes["wl_lengths"]))
     max_batch = sizes["wl_max_batch"]
     pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=lengths)
     warm_batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch]
@@ -291,7 +277,7 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
     makespan = time.perf_counter() - start
     scheduler.close()
     step_s = makespan / 20  # 2 x max_batch samples x 10 steps / max_batch per step
-    mean_steps = 22.5  # mixed_workload draws steps uniformly from 5..40
+    mean_steps = sum(WORKLOAD_STEPS) / 2  # mixed_workload draws its steps uniformly from that range
     capacity_rps = max_batch / (mean_steps * step_s)
     rate = 1.5 * capacity_rps
     requests = int(min(2000, max(20, rate * sizes["wl_seconds"])))
@@ -320,9 +306,10 @@ def main() -> None:
         parser.error(f"--stages {args.stages!r} names unknown stages; allowed: {', '.join(STAGES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu_check: --device cuda but torch sees no CUDA device")
+    try:
+        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except DeviceError as error:
+        parser.error(f"--device: {error}")
     config_name = "tiny" if args.tiny else "base"
     sizes = SIZES[config_name]
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: parity and the eager baseline

@@ -22,13 +22,13 @@ from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import free_port, serve_command, stop_server, wait_ready  # noqa: E402
+from loopback import free_port, serve_command, start_server, stop_server  # noqa: E402
 
 def kserve_encoder_body(length: int, seed: int) -> bytes:
-    ids = np.random.default_rng(seed).integers(0, 50257, length).tolist()
-    return json.dumps({"inputs": [{"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
-                                  {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length}],
-                       "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}).encode()
+    """load_test's encoder request (batch 1), asking for the latents as binary data."""
+    import load_test
+
+    return json.dumps({**load_test.encoder_body(length, seed), "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}).encode()
 
 
 def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -40,43 +40,41 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
     import load_test
 
     port = free_port()
-    log = (out / "server.log").open("w")
-    command = serve_command(checkpoint, port, ["--backend", "compiled", "--device", str(device), "--precision", "bf16", "--max-batch", "16"])
-    started = time.perf_counter()
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    flags = ["--backend", "compiled", "--device", str(device), "--precision", "bf16", "--max-batch", "16"]
     url = f"http://127.0.0.1:{port}"
-    result: dict[str, Any] = {"command": " ".join(command[1:])}
-    try:
-        wait_ready(server, url, sizes["server_ready_s"], out / "server.log")
+    result: dict[str, Any] = {"command": " ".join(serve_command(checkpoint, port, flags)[1:])}
+    log_path = out / "server.log"
+    with log_path.open("w") as log:
+        started = time.perf_counter()
+        server = start_server(checkpoint, port, flags, log=log, log_path=log_path, timeout_s=sizes["server_ready_s"])
         result["ready_after_s"] = round(time.perf_counter() - started, 1)
-        body = kserve_encoder_body(16, 0)
-        feed = {i["name"]: np.asarray(i["data"], dtype=np.int64).reshape(i["shape"]) for i in json.loads(body)["inputs"]}
-        http_ms, raw_ms = [], []
-        with httpx.Client(base_url=url, timeout=30) as client:
-            for _ in range(20):  # warm-up both (the server captures its batch-1 bucket here)
-                response = client.post("/v2/models/encoder/infer", content=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
-                raw_encoder.run(feed)
-            for _ in range(sizes["overhead_requests"]):
-                start = time.perf_counter()
-                response = client.post("/v2/models/encoder/infer", content=body)
-                http_ms.append(1000 * (time.perf_counter() - start))
-                if response.status_code != 200:
-                    raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
-                start = time.perf_counter()
-                raw_encoder.run(feed)  # NumPy in and out, as the server's batcher runs it
-                raw_ms.append(1000 * (time.perf_counter() - start))
-        result["overhead"] = {"graph": "encoder", "batch": 1, "length": 16, "requests": len(http_ms),
-                              "client": "httpx, JSON inputs, binary output", "http_p50_ms": round(statistics.median(http_ms), 3),
-                              "http_p99_ms": round(float(np.percentile(http_ms, 99)), 3),
-                              "runner_p50_ms": round(statistics.median(raw_ms), 3),
-                              "overhead_p50_ms": round(statistics.median(http_ms) - statistics.median(raw_ms), 3)}
-        d = httpx.get(f"{url}/v2/models/decoder", timeout=10).json()["inputs"][0]["shape"][-1]
-        result["load"] = load_test.run_clients(url, sizes["http_clients"], sizes["http_seconds"], d)
-    finally:
-        result["server_exit_code"] = stop_server(server)
-        log.close()
+        try:
+            body = kserve_encoder_body(16, 0)
+            feed = {i["name"]: np.asarray(i["data"], dtype=np.int64).reshape(i["shape"]) for i in json.loads(body)["inputs"]}
+            http_ms, raw_ms = [], []
+            with httpx.Client(base_url=url, timeout=30) as client:
+                for _ in range(20):  # warm-up both (the server captures its batch-1 bucket here)
+                    response = client.post("/v2/models/encoder/infer", content=body)
+                    if response.status_code != 200:
+                        raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
+                    raw_encoder.run(feed)
+                for _ in range(sizes["overhead_requests"]):
+                    start = time.perf_counter()
+                    response = client.post("/v2/models/encoder/infer", content=body)
+                    http_ms.append(1000 * (time.perf_counter() - start))
+                    if response.status_code != 200:
+                        raise RuntimeError(f"encoder infer answered {response.status_code}: {response.text[:300]}")
+                    start = time.perf_counter()
+                    raw_encoder.run(feed)  # NumPy in and out, as the server's batcher runs it
+                    raw_ms.append(1000 * (time.perf_counter() - start))
+            result["overhead"] = {"graph": "encoder", "batch": 1, "length": 16, "requests": len(http_ms),
+                                  "client": "httpx, JSON inputs, binary output", "http_p50_ms": round(statistics.median(http_ms), 3),
+                                  "http_p99_ms": round(float(np.percentile(http_ms, 99)), 3),
+                                  "runner_p50_ms": round(statistics.median(raw_ms), 3),
+                                  "overhead_p50_ms": round(statistics.median(http_ms) - statistics.median(raw_ms), 3)}
+            result["load"] = load_test.run_clients(url, sizes["http_clients"], sizes["http_seconds"], load_test.latent_width(url))
+        finally:
+            result["server_exit_code"] = stop_server(server)
     return result
 
 
@@ -97,9 +95,8 @@ def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any]
     result: dict[str, Any] = {"preview_every": every, "clients": clients, "requests_per_client": requests, **plain,
                               "server": " ".join(serve_command(checkpoint, port, flags)[1:])}
     with log_path.open("w") as log:
-        server = subprocess.Popen(serve_command(checkpoint, port, flags), stdout=log, stderr=subprocess.STDOUT)
+        server = start_server(checkpoint, port, flags, log=log, log_path=log_path, timeout_s=sizes["server_ready_s"])
         try:
-            wait_ready(server, url, sizes["server_ready_s"], log_path)
             preview_cost.run_load(url, clients, 1, plain)  # warm up both paths (captures the buckets)
             preview_cost.run_load(url, clients, 1, streamed)
             rates: dict[str, list[float]] = {"plain": [], "previews": []}
@@ -126,7 +123,8 @@ def probe_eps_stage(work: Path) -> dict[str, Any]:
     help_text = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", "--help"], capture_output=True, text=True).stdout
     if "probe-eps" not in help_text:
         return {"skipped": "this ldlm has no probe-eps command"}
-    ckpt = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), work / "tiny-ckpt")
+    # Every norm with its own scale and bias, as trained: a scale or bias mixed up between nodes shows.
+    ckpt = save_checkpoint(init_model(preset("tiny"), 0, norm_init="random"), TextTokenizer.gpt2(), work / "tiny-ckpt")
     steps = [["export", str(ckpt), str(work / "tiny-onnx"), "--quiet"],
              ["build-engine", str(work / "tiny-onnx"), str(work / "tiny-engines"), "--flavor", "tensorrt", "--quiet"],
              ["probe-eps", str(ckpt), "--engine-dir", str(work / "tiny-engines")]]

@@ -50,6 +50,11 @@ def decoder_body(length: int, d: int, seed: int) -> dict:
                        {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length}]}
 
 
+def latent_width(url: str, timeout_s: float = 10.0) -> int:
+    """The served model's d_model: the last axis of the decoder's latents input, from its KServe metadata."""
+    return int(httpx.get(f"{url}/v2/models/decoder", timeout=timeout_s).json()["inputs"][0]["shape"][-1])
+
+
 def generate_body(seed: int, length: int, steps: int) -> dict:
     return {"n": 1, "length": length, "steps": steps, "seed": seed, "sampler": "ddim"}
 
@@ -201,7 +206,7 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
                     if time.time() > deadline:
                         raise RuntimeError(f"{n} replicas did not become RUNNING in 180 s")
                     time.sleep(0.5)
-                d = httpx.get(f"{url}/v2/models/decoder", timeout=30).json()["inputs"][0]["shape"][-1]
+                d = latent_width(url, 30)
                 run_clients(url, args.clients, min(5.0, args.seconds), d, args.mix, args.gen_length, args.gen_steps)  # warm-up
                 cpu_before = cpu_seconds_by_process()
                 result = run_clients(url, args.clients, args.seconds, d, args.mix, args.gen_length, args.gen_steps)
@@ -296,7 +301,7 @@ def main() -> None:
             process = start_server(source, port)
             url = f"http://127.0.0.1:{port}"
         try:
-            d = httpx.get(f"{url}/v2/models/decoder", timeout=10).json()["inputs"][0]["shape"][-1]
+            d = latent_width(url)
             report = {"url": url, "load": run_clients(url, args.clients, args.seconds, d, args.mix, args.gen_length, args.gen_steps)}
             if args.overhead_requests:
                 report["overhead"] = measure_overhead(url, source, args.overhead_requests)

@@ -17,7 +17,7 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     out = tmp_path / "bench"
     code = main(["bench", str(tiny_checkpoint), "--onnx-dir", str(export_dir), "--runs", "2", "--batches", "1,2", "--length", "16",
                  "--gen-n", "1", "--gen-steps", "2", "--workload-requests", "6", "--workload-rate", "200", "--max-batch", "4",
-                 "--quiet", "--out", str(out)])
+                 "--workload-lengths", "16,4096", "--quiet", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     assert set(report["graphs"]) == {f"{g}/b{b}/L16" for g in ("encoder", "denoiser", "decoder") for b in (1, 2)}
@@ -27,6 +27,7 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     assert report["generation"]["ort"]["tokens_per_s"] > 0
     for policy in ("static", "continuous"):
         assert report["batching"][policy]["requests"] == 6 and report["batching"][policy]["errors"] == 0
+    assert report["batching"]["lengths"] == [16]  # the lengths used: 4096 is above the tiny config's max_seq_len (128)
     # The derived figures follow from the measured ones (the arithmetic itself: tests/test_bench_values.py).
     for key, entry in report["graphs"].items():
         batch = int(key.split("/")[1][1:])

@@ -13,7 +13,7 @@ import pytest
 
 import ldlm.serve.checks.bench as bench
 from ldlm.config import preset
-from ldlm.serve.checks.bench import bench_graphs, bench_summary, mixed_workload, percentile
+from ldlm.serve.checks.bench import WORKLOAD_STEPS, bench_graphs, bench_summary, mixed_workload, percentile, workload_lengths_used
 
 
 class Clock:
@@ -96,3 +96,14 @@ def test_mixed_workload_is_seeded_and_within_bounds() -> None:
     assert {x.request.length for x in a} <= {16, 32, 64, 128}
     assert all(5 <= x.request.steps <= 40 and x.request.seed == i for i, x in enumerate(a))
     assert {x.request.length for x in mixed_workload(config, 20, 10.0, lengths=(16, 4096))} == {16}
+
+
+def test_workload_step_range_and_lengths_used_are_what_mixed_workload_draws() -> None:
+    config = preset("tiny")  # max_seq_len 128
+    workload = mixed_workload(config, 2000, 10.0, seed=1)
+    steps = [x.request.steps for x in workload]
+    assert WORKLOAD_STEPS == (5, 40) and (min(steps), max(steps)) == WORKLOAD_STEPS  # 2000 draws hit both ends
+    assert abs(np.mean(steps) - 22.5) < 5 * np.std(steps) / np.sqrt(len(steps))  # uniform on 5..40: mean 22.5
+    assert workload_lengths_used(config, (16, 4096, 64)) == [16, 64]
+    assert workload_lengths_used(config, (4096,)) == [128]
+    assert {x.request.length for x in mixed_workload(config, 50, 10.0, lengths=(4096,))} == {128}

@@ -83,3 +83,16 @@ def test_verify_onnx_on_a_plain_file_says_so(tmp_path: Path, monkeypatch: pytest
     Path("loose.onnx").write_bytes(b"")
     assert main(["verify-onnx", "loose.onnx"]) == 2
     assert f"loose.onnx is not inside an export: {tmp_path.resolve()} has no manifest.json" in capsys.readouterr().err
+
+
+def test_probe_eps_checks_the_artifact_before_loading_the_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No checkpoint exists here: the artifact's error comes first, from the API as from the CLI."""
+    from ldlm.serve.checks.eps_probe import probe_layer_norm_eps
+
+    missing = tmp_path / "no-checkpoint"
+    with pytest.raises(ValueError, match=r"an artifact is needed; allowed: --onnx-dir DIR \(ONNX Runtime\) or --engine-dir DIR \(TensorRT\)"):
+        probe_layer_norm_eps(missing)
+    with pytest.raises(ValueError, match=r"onnx_dir='.*no-export' is not a directory; allowed: a directory written by `ldlm export`"):
+        probe_layer_norm_eps(missing, onnx_dir=tmp_path / "no-export")
+    assert main(["probe-eps", str(missing)]) == 2
+    assert "an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)" in capsys.readouterr().err

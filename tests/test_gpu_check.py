@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
 
 def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--device", "cpu", "--out", str(tmp_path),
-                           "--stages", "device_loop,previews,probe_eps"], capture_output=True, text=True, timeout=600)
+                           "--stages", "device_loop,http,previews,probe_eps"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["config"] == "tiny" and data["device"] == "cpu"
@@ -75,6 +76,9 @@ def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     assert previews["server_exit_code"] == 0 and "--preview-budget 1" in previews["server"], previews
     assert previews["preview_events_per_request"] >= 1 and previews["first_preview_batch1"]["runs"] == 5
     assert (tmp_path / "server-previews.log").is_file()
+    http = data["stages"]["http"]  # the same server, under load, against the in-process runner
+    assert http["server_exit_code"] == 0 and http["overhead"]["requests"] == 30 and http["load"]["answered"] > 0, http
+    assert (tmp_path / "server.log").is_file()
     assert data["stages"]["parity"] == {"skipped": "not selected (--stages)"}
     summary = (tmp_path / "gpu_check.md").read_text()
     assert "| 1024-token sample, 50 steps, batch 1, noise to token ids | <= 100 ms | - | not measured |" in summary
@@ -85,6 +89,49 @@ def test_unknown_stage_is_refused(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--stages", "warp"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "names unknown stages; allowed: parity" in done.stderr
+
+
+def test_first_preview_is_timed_on_preview_events_only() -> None:
+    """scripts/preview_cost.first_preview_seconds against a real HTTP server on loopback that streams
+    server-sent events: seed 0 gets its result after 0.4 s and no preview, seed 1 a preview at once
+    and its result 0.4 s later. Only seed 1 is timed, at its preview, well before 0.4 s."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import preview_cost
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seed = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["seed"]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            if seed == 1:
+                self.wfile.write(b'event: preview\ndata: {"step": 5}\n\n')
+                self.wfile.flush()
+            time.sleep(0.4)
+            self.wfile.write(b'event: result\ndata: {"texts": ["x"]}\n\n')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = preview_cost.first_preview_seconds(f"http://127.0.0.1:{server.server_port}", {"stream": True}, 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result["median_ms"] == result["min_ms"] and result["median_ms"] < 300, result
+    assert result["runs"] == 2 and result["runs_without_preview"] == 1, result
+
+
+def test_absent_device_is_refused_by_name(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--device", "cuda:99"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--device: device='cuda:99' is not available" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "gpu_check.json").exists()
 
 
 # --- scripts/gpu_check.sh -------------------------------------------------------------------------

@@ -102,3 +102,52 @@ def test_parity_bad_input(tiny_checkpoint: Path, export_dir: Path) -> None:
         run_parity(tiny_checkpoint, "ort", "bf16", source=export_dir)
     with pytest.raises(ValueError, match="needs its engine directory"):
         run_parity(tiny_checkpoint, "trt")
+
+
+def test_eager_parity_runs_the_checkpoint_without_an_artifact(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """The torch backends have no artifact: no structural verifier, no eps probes, and the check runs (it used
+    to look for a TensorRT plan in the checkpoint directory and fail)."""
+    report = run_parity(tiny_checkpoint, "eager", steps=3)
+    assert report.passed, report.summary()
+    assert report.token_agreement == 1.0 and report.verification == [] and report.eps_probes is None
+    assert {c.name.split("/")[0] for c in report.graphs} == {"encoder", "denoiser", "decoder"}
+    assert all(c.max_abs == 0 for c in report.graphs)  # the same modules in the same precision on the same device
+    assert "eager has no artifact: no structural verifier and no eps probes ran" in report.notes
+
+    assert main(["parity", str(tiny_checkpoint), "--backend", "eager", "--steps", "3", "--quiet", "--out", str(tmp_path / "r")]) == 0
+    assert "PASSED parity eager (fp32) vs eager" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "r" / "parity.json").read_text())
+    assert saved["passed"] is True and saved["eps_probes"] is None and saved["verification"] == []
+
+
+@needs_ort
+def test_eps_probes_run_on_the_provider_asked_for(tiny_checkpoint: Path, export_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--provider reaches the eps probes, not only the graphs. Here the only provider besides CPU is Azure's
+    (it places no node, so ONNX Runtime runs them on CPU), put under a provider name for this test."""
+    import onnxruntime
+
+    from ldlm.serve.runtime import backends
+
+    if "AzureExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has no second provider to ask for (AzureExecutionProvider)")
+    monkeypatch.setitem(backends.ORT_PROVIDERS, "azure", ("AzureExecutionProvider", "CPUExecutionProvider"))
+    report = run_parity(tiny_checkpoint, "ort", source=export_dir, steps=2, provider="azure")
+    assert set(report.providers.values()) == {"AzureExecutionProvider"}
+    assert report.eps_probes is not None and report.eps_probes.runtime.endswith(" AzureExecutionProvider"), report.eps_probes.runtime
+    assert report.eps_probes.passed
+
+
+def test_compare_with_eager_scores_tokens_against_the_reference_given(tiny_model, tokenizer) -> None:
+    """The shared levels 1 and 3 (run_parity and scripts/gpu_check.py): eager against itself agrees on
+    every token; against a reference with 4 of its 16 tokens changed, on exactly 12 of 16."""
+    from ldlm.export.graphs import GRAPH_NAMES
+    from ldlm.serve.checks.parity import compare_with_eager, eager_tokens
+    from ldlm.serve.runtime.backends import EagerBackend
+
+    graphs = {g: EagerBackend(tiny_model, g, with_logits=g == "decoder") for g in GRAPH_NAMES}
+    report = compare_with_eager(tiny_model, tokenizer, graphs, "eager", "fp32", steps=2, n=2, length=8)
+    assert report.passed and report.token_agreement == 1.0 and all(c.max_abs == 0 for c in report.graphs)
+    reference = eager_tokens(tiny_model, tokenizer, 2, 8, 2, 0).clone()
+    reference[0, :4] = (reference[0, :4] + 1) % tiny_model.config.vocab_size
+    changed = compare_with_eager(tiny_model, tokenizer, graphs, "eager", "fp32", steps=2, n=2, length=8, reference_tokens=reference)
+    assert changed.token_agreement == 12 / 16 and not changed.passed

@@ -34,7 +34,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ldlm {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -36,8 +36,6 @@ def _cmd_parity(args: argparse.Namespace) -> None:
 def _cmd_probe_eps(args: argparse.Namespace) -> None:
     from ldlm.serve.checks.eps_probe import probe_layer_norm_eps, write_eps_report
 
-    if args.onnx_dir is None and args.engine_dir is None:
-        raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
     report = probe_layer_norm_eps(args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor,
                                   progress=not args.quiet)
     if args.out:
@@ -85,8 +83,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         description="Compare ONNX Runtime or TensorRT against eager PyTorch on the checkpoint: every graph output "
         "on random, padded and stress inputs (max/mean/p99 abs and rel error, cosine per sample, NaN/Inf, "
         "elementwise pass/fail at the precision's atol and rtol); every LayerNorm output (ONNX Runtime); and "
-        "end-to-end generation with the deterministic sampler as token agreement; every LayerNorm run alone where eps "
-        "decides (as `ldlm probe-eps`). Given --onnx-dir or --engine-dir, the structural verifier runs first. "
+        "end-to-end generation with the deterministic sampler as token agreement; for ort and trt, every LayerNorm run "
+        "alone where eps decides (as `ldlm probe-eps`). Given --onnx-dir or --engine-dir, the structural verifier runs first. "
         "Writes parity.json, parity.md and PNG plots. Exit code 1 on failure.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")

@@ -39,8 +39,9 @@ def graph_feed(config: LDLMConfig, graph: str, batch: int, length: int, seed: in
 
 
 def timed_call(backend: GraphBackend, feed: dict[str, np.ndarray]) -> Callable[[], Any]:
-    """One graph call as a benchmark times it: torch backends take device tensors (put there
-    once) and are waited for; the others take NumPy, as they are served."""
+    """One graph call as a benchmark times it: backends that take device tensors (``run_tensors``:
+    eager, compiled and TensorRT) get them put there once and are waited for; ONNX Runtime takes
+    NumPy, as it is served."""
     if not hasattr(backend, "run_tensors"):
         return lambda: backend.run(feed)
     import torch
@@ -108,14 +109,25 @@ class Arrival:
     request: GenerateRequest
 
 
+WORKLOAD_STEPS = (5, 40)  # a mixed workload's requests take from 5 to 40 steps (both included), uniformly
+
+
+def workload_lengths_used(config: LDLMConfig, lengths: Sequence[int]) -> list[int]:
+    """The request lengths a mixed workload draws from: those within the config's max_seq_len
+    (max_seq_len alone when none is)."""
+    return [n for n in lengths if n <= config.max_seq_len] or [config.max_seq_len]
+
+
 def mixed_workload(config: LDLMConfig, requests: int, rate_per_s: float, seed: int = 0,
                    lengths: Sequence[int] = (16, 32, 64, 128)) -> list[Arrival]:
-    """Poisson arrivals of requests with mixed lengths and 5..40 steps (a seeded, fixed list)."""
+    """Poisson arrivals of requests with mixed lengths (``workload_lengths_used``) and WORKLOAD_STEPS
+    steps (a seeded, fixed list)."""
     gen = np.random.default_rng(seed)
-    lengths = [n for n in lengths if n <= config.max_seq_len] or [config.max_seq_len]
+    lengths = workload_lengths_used(config, lengths)
     at = np.cumsum(gen.exponential(1 / rate_per_s, requests))
+    low, high = WORKLOAD_STEPS
     return [
-        Arrival(float(t), GenerateRequest(n=1, length=int(gen.choice(lengths)), steps=int(gen.integers(5, 41)),
+        Arrival(float(t), GenerateRequest(n=1, length=int(gen.choice(lengths)), steps=int(gen.integers(low, high + 1)),
                                           seed=i, sampler="ddim"))
         for i, t in enumerate(at)
     ]
@@ -222,7 +234,7 @@ def run_bench(
             chosen = workload_backend if workload_backend in pipelines else backends[-1]
             workload = mixed_workload(config, workload_requests, workload_rate, lengths=workload_lengths)
             batching: dict[str, Any] = {"backend": chosen, "max_batch": max_batch, "rate_per_s": workload_rate,
-                                        "requests": workload_requests, "lengths": list(workload_lengths)}
+                                        "requests": workload_requests, "lengths": workload_lengths_used(config, workload_lengths)}
             for policy in ("static", "continuous"):
                 batching[policy] = run_workload(pipelines[chosen], workload, policy, max_batch)
             batching["throughput_ratio"] = round(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], 3)

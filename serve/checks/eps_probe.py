@@ -266,8 +266,19 @@ def probe_layer_norm_eps(
     it is not where the plan manifests say) against the checkpoint's modules."""
     from ldlm.checkpoint import load_checkpoint
 
+    check_artifact(onnx_dir, engine_dir)  # before the checkpoint is loaded
     model, _ = load_checkpoint(checkpoint)
     return probe_artifact(model, onnx_dir, engine_dir, seed, providers, flavor, progress)
+
+
+def check_artifact(onnx_dir: str | os.PathLike[str] | None, engine_dir: str | os.PathLike[str] | None) -> None:
+    """A ValueError unless an artifact is given and each directory given exists."""
+    if onnx_dir is None and engine_dir is None:
+        raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
+    for name, path in (("onnx_dir", onnx_dir), ("engine_dir", engine_dir)):
+        if path is not None and not Path(path).is_dir():
+            raise ValueError(f"{name}={str(path)!r} is not a directory; allowed: a directory written by "
+                             f"{'`ldlm export`' if name == 'onnx_dir' else '`ldlm build-engine`'}")
 
 
 def probe_artifact(
@@ -280,12 +291,7 @@ def probe_artifact(
     progress: bool = False,
 ) -> EpsProbeReport:
     """``probe_layer_norm_eps`` on a loaded model (the reference modules)."""
-    if onnx_dir is None and engine_dir is None:
-        raise ValueError("probe_layer_norm_eps needs an artifact: onnx_dir (ONNX Runtime) or engine_dir (TensorRT)")
-    for name, path in (("onnx_dir", onnx_dir), ("engine_dir", engine_dir)):
-        if path is not None and not Path(path).is_dir():
-            raise ValueError(f"{name}={str(path)!r} is not a directory; allowed: a directory written by "
-                             f"{'`ldlm export`' if name == 'onnx_dir' else '`ldlm build-engine`'}")
+    check_artifact(onnx_dir, engine_dir)
     start = time.perf_counter()
     if engine_dir is not None:
         from ldlm.serve.checks.eps_probe_trt import probe_engines

@@ -9,14 +9,15 @@ Three levels, all against eager as the reference:
      deterministic sampler, as token agreement.
 Given an artifact (an export or engine directory), the structural verifier runs first; and every
 LayerNorm is also probed alone on inputs where eps decides (serve/checks/eps_probe.py), on the backend
-under test: a wrong epsilon is invisible at ordinary activations.
+under test: a wrong epsilon is invisible at ordinary activations. The torch backends (eager, compiled)
+run the checkpoint's own modules: with no artifact, neither the verifier nor the probes apply.
 ``bisect`` names the first LayerNorm (in execution order) whose output diverges.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs, read_
 from ldlm.export.verify import LayerNormSpec, VerifyResult, pair_layer_norm_nodes, verify_onnx
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
+from ldlm.tokenizer import TextTokenizer
 from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
 from ldlm.serve.checks.compare import Comparison, compare_outputs, tolerance
 from ldlm.serve.checks.eps_probe import EpsProbeReport, probe_artifact
@@ -112,8 +114,6 @@ def input_sets(model: LDLM, graph: str, seed: int) -> dict[str, dict[str, np.nda
     padded[2, length // 3 :] = 0
     if graph == "encoder":
         ids = gen.integers(0, cfg.gpt2_vocab_size, (b, length))
-        from ldlm.tokenizer import TextTokenizer
-
         real = TextTokenizer.gpt2().encode(REAL_TEXT)
         n = min(max(len(r) for r in real), cfg.max_seq_len)
         real_ids = np.full((len(real), n), cfg.eos_token_id, dtype=np.int64)
@@ -227,6 +227,52 @@ def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResul
     return results
 
 
+def eager_tokens(model: LDLM, tokenizer: TextTokenizer, n: int, length: int, steps: int, seed: int) -> torch.Tensor:
+    """The reference samples: CPU fp32 eager, the deterministic sampler (ddim)."""
+    return LDLMPipeline(model, tokenizer).generate(n, length, steps, seed, "ddim").token_ids
+
+
+def compare_with_eager(
+    model: LDLM,
+    tokenizer: TextTokenizer,
+    graphs: Mapping[str, GraphBackend],
+    backend: str,
+    precision: str,
+    seed: int = 0,
+    steps: int = 10,
+    n: int = 4,
+    length: int = 32,
+    reference_tokens: torch.Tensor | None = None,
+    after_graph: Callable[[ParityReport, str, EagerBackend, dict[str, dict[str, np.ndarray]]], None] | None = None,
+) -> ParityReport:
+    """Levels 1 and 3 against CPU fp32 eager on ``model``: every output of ``graphs`` on the input sets
+    of ``seed``, then the token agreement of ``n`` samples of ``length`` tokens (capped by the config)
+    after ``steps`` deterministic steps, sampled on the graphs' device from the reference's CPU noise.
+    ``after_graph(report, name, eager, sets)`` runs after each graph (run_parity compares its
+    LayerNorms there, into ``report``); ``reference_tokens`` (from ``eager_tokens``) spares generating the reference again when
+    several candidates are checked."""
+    atol, rtol = tolerance(precision)
+    report = ParityReport(backend, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol,
+                          token_agreement_required=TOKEN_AGREEMENT_REQUIRED[precision])
+    eager = {g: EagerBackend(model, g, with_logits="logits" in graphs[g].output_names) for g in GRAPH_NAMES}
+    if "logits" not in graphs["decoder"].output_names:
+        report.notes.append("the decoder has no logits output: only its token ids were compared")
+    for name in GRAPH_NAMES:
+        sets = input_sets(model, name, seed)
+        compare_graph(name, eager[name], graphs[name], sets, atol, rtol, report)
+        if after_graph is not None:
+            after_graph(report, name, eager[name], sets)
+    length = min(length, model.config.max_seq_len)
+    if reference_tokens is None:
+        reference_tokens = eager_tokens(model, tokenizer, n, length, steps, seed)
+    # Sampled on the backend's device with the reference's CPU noise: only the graphs differ.
+    device = getattr(graphs["denoiser"], "device", "cpu")
+    pipe = LDLMPipeline(BackendGraphs(dict(graphs)), tokenizer, device, config=model.config, noise_device="cpu")
+    candidate = pipe.generate(n, length, steps, seed, "ddim").token_ids
+    report.token_agreement = float((reference_tokens == candidate).float().mean())
+    return report
+
+
 def run_parity(
     checkpoint: str | Path,
     backend: str = "ort",
@@ -244,13 +290,13 @@ def run_parity(
     in ``precision``) against CPU fp32 eager on the checkpoint."""
     atol, rtol = tolerance(precision)
     torch_backend = backend in TORCH_BACKENDS
+    given = source is not None and not torch_backend  # an artifact made beforehand: the structural verifier checks it
     if torch_backend:
-        source = checkpoint
+        source = checkpoint  # the checkpoint's own modules: no artifact, so no verifier and no eps probes
     if source is None and backend != "ort":
         raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
     model, tokenizer = load_checkpoint(checkpoint)
-    given = source is not None
-    bar = tqdm(total=len(GRAPH_NAMES) + 2 + given, desc="parity", unit="stage", disable=not progress)
+    bar = tqdm(total=len(GRAPH_NAMES) + 1 + (not torch_backend) + given, desc="parity", unit="stage", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:
         work = Path(tmp)
         if source is None:
@@ -260,45 +306,39 @@ def run_parity(
         graphs, config, _ = open_graphs(backend, source, precision, ort_providers(provider), device=device, with_logits=True)
         if config.config_hash() != model.config.config_hash():
             raise ValueError(f"{source} was made from another config than checkpoint {checkpoint}")
-        report = ParityReport(backend, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol,
-                              token_agreement_required=TOKEN_AGREEMENT_REQUIRED[precision])
+        verification = []
         if given:
             bar.set_postfix_str("structural verifier")
-            report.verification = verify_artifact(model, backend, source)
+            verification = verify_artifact(model, backend, source)
             bar.update()
-        eager = {g: EagerBackend(model, g, with_logits="logits" in graphs[g].output_names) for g in GRAPH_NAMES}
-        if "logits" not in graphs["decoder"].output_names:
-            report.notes.append("the decoder has no logits output: only its token ids were compared")
         manifest = read_manifest(source) if backend == "ort" else None
-        for name in GRAPH_NAMES:
-            bar.set_postfix_str(name)
-            sets = input_sets(model, name, seed)
-            compare_graph(name, eager[name], graphs[name], sets, atol, rtol, report)
+
+        def layer_norms(report: ParityReport, name: str, eager: EagerBackend, sets: dict[str, dict[str, np.ndarray]]) -> None:
             if manifest is not None and precision == "fp32":
                 specs = [LayerNormSpec.from_dict(d) for d in manifest["graphs"][name]["layer_norms"]]
-                compare_layer_norms(name, model, eager[name], source / manifest["graphs"][name]["file"], specs, sets, atol, rtol, work, report)
+                compare_layer_norms(name, model, eager, source / manifest["graphs"][name]["file"], specs, sets, atol, rtol, work, report)
             bar.update()
+
+        bar.set_postfix_str("graphs, then end-to-end generation")
+        report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms)
+        report.verification = verification
         if manifest is None or precision != "fp32":
             report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 graphs only")
         if torch_backend:
             report.notes.append(f"{backend} ran the checkpoint on {device} in {precision}; the reference is eager fp32 on CPU")
-        bar.set_postfix_str("end-to-end generation")
-        length = min(32, config.max_seq_len)
-        reference = LDLMPipeline(model, tokenizer).generate(4, length, steps, seed, "ddim").token_ids
-        # Sampled on the backend's device with the reference's CPU noise: only the graphs differ.
-        device_of = getattr(graphs["denoiser"], "device", "cpu")
-        candidate_pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device_of, config=config, noise_device="cpu")
-        candidate = candidate_pipe.generate(4, length, steps, seed, "ddim").token_ids
-        report.token_agreement = float((reference == candidate).float().mean())
         for graph in graphs.values():
             graph.close()  # TensorRT-RTX keeps the kernels it compiled (runtime cache) for the next run
         bar.update()
-        bar.set_postfix_str("eps probes")
-        report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,
-                                           engine_dir=source if backend == "trt" else None, seed=seed)
-        if backend == "ort" and precision != "fp32":
-            report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
-        bar.update()
+        if torch_backend:
+            report.notes.append(f"{backend} has no artifact: no structural verifier and no eps probes ran")
+        else:
+            bar.set_postfix_str("eps probes")
+            report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,
+                                               engine_dir=source if backend == "trt" else None, seed=seed,
+                                               providers=ort_providers(provider))  # where the graphs ran
+            if backend == "ort" and precision != "fp32":
+                report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
+            bar.update()
     if bisect and not report.passed:
         report.first_divergence = first_divergence(report)
     return report
