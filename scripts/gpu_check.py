@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import ldlm
-from ldlm.checkpoint import init_model, save_checkpoint
+from ldlm.checkpoint import init_model, save_checkpoint, write_atomically
 from ldlm.config import LDLMConfig, preset
 from ldlm.device import DeviceError, resolve_device
 from ldlm.export.graphs import GRAPH_NAMES
@@ -100,9 +100,7 @@ class Run:
         self.report["elapsed_s"] = round(time.perf_counter() - self.started, 1)
         for name, text in (("gpu_check.json", json.dumps(self.report, indent=2, default=str) + "\n"),
                            ("gpu_check.md", summary_markdown(self.report))):
-            tmp = self.out / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.out / name)  # never a half-written file
+            write_atomically(self.out / name, text)  # never a half-written file
 
 
 def sync(device: torch.device) -> None:

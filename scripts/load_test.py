@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from ldlm.checkpoint import write_atomically
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopback import LOOPBACK, free_port, start_server, stop_server  # noqa: E402
 
@@ -318,9 +320,7 @@ def main() -> None:
 def write_report(report: dict, path: str) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")  # no half-written report if interrupted
-    partial.write_text(json.dumps(report, indent=2) + "\n")
-    partial.replace(out)
+    write_atomically(out, json.dumps(report, indent=2) + "\n")  # no half-written report if interrupted
     print(json.dumps(report, indent=2))
 
 

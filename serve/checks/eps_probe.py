@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ldlm.checkpoint import write_atomically
 from ldlm.model import LDLM
 
 from ldlm.serve.checks.layernorm_cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, layer_norm_cases
@@ -315,9 +316,5 @@ def write_eps_report(report: EpsProbeReport, out: str | os.PathLike[str]) -> lis
     lines += [f"- problem: {p}" for p in report.problems] + [f"- not exercised: {n}" for n in report.not_exercised]
     files = []
     for name, text in (("eps_probes.json", json.dumps(report.to_dict(), indent=2) + "\n"), ("eps_probes.md", "\n".join(lines) + "\n")):
-        path = out / name
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        files.append(path)
+        files.append(write_atomically(out / name, text))
     return files
