@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 DecodeFinal = Literal["mean", "x0"]
+# The samplers every generating path offers (ldlm/sampler.py implements them); listed here, with no
+# torch import, so the config, the CLI and the HTTP schemas all take the names from one place.
+SAMPLERS: tuple[str, ...] = ("sde", "ddim")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class LDLMConfig:
     beta_clip_t: float = 0.95  # beta(t) is evaluated at min(t, this): beta -> inf as t -> 1
     t_min: float = 0.05
     default_steps: int = 50
+    default_sampler: str = "sde"  # what a request that names no sampler gets (CLI, HTTP, Triton)
     decode_final: DecodeFinal = "mean"
 
     def __post_init__(self) -> None:
@@ -164,6 +168,7 @@ def _validate(c: LDLMConfig) -> None:
     require(0.0 < c.t_min < 1.0, "t_min", c.t_min, "(0, 1)")
     require(0.0 < c.beta_clip_t < 1.0, "beta_clip_t", c.beta_clip_t, "(0, 1)")
     require(c.decode_final in ("mean", "x0"), "decode_final", c.decode_final, "'mean' or 'x0'")
+    require(c.default_sampler in SAMPLERS, "default_sampler", c.default_sampler, ", ".join(SAMPLERS))
 
 
 PRESETS: dict[str, LDLMConfig] = {

@@ -21,15 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-SamplerName = Literal["sde", "ddim"]
-SAMPLERS: tuple[str, ...] = ("sde", "ddim")
+from ldlm.config import SAMPLERS  # noqa: F401  (re-exported: the names live with the config)
 
 
 @dataclass(frozen=True)
