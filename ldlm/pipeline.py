@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.sampler import NoiseStream, TangentSchedule, forward_noise, run_sampler, sample_seeds, time_grid
+from ldlm.sampler import NoiseStream, TangentSchedule, forward_noise, sample_seeds
+from ldlm.solvers import get_solver, run_sampler
 from ldlm.tokenizer import TextTokenizer
 
 
@@ -176,14 +177,15 @@ class LDLMPipeline:
         length: int,
         steps: int | None = None,
         seed: int = 0,
-        sampler: str = "sde",
+        sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
     ) -> TextResult:
         """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
 
-        ``sampler="ddim"`` is deterministic given the seed (the prior is still seeded); ``"sde"``
-        draws fresh noise every step, also from the seed.
+        ``sampler`` is one of ``ldlm.solvers.SOLVERS`` (default: the config's ``default_sampler``).
+        Every solver but ``"sde"`` is deterministic given the seed (the prior is still seeded);
+        ``"sde"`` draws fresh noise every step, also from the seed.
         """
         latents = self.sample_latents(n, length, steps, seed, sampler, t_min, progress)
         return self.decode(latents)
@@ -194,7 +196,7 @@ class LDLMPipeline:
         length: int,
         steps: int | None = None,
         seed: int = 0,
-        sampler: str = "sde",
+        sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
     ) -> Tensor:
@@ -204,7 +206,8 @@ class LDLMPipeline:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r} is out of range; allowed: an integer >= 1")
         self.check_length(length)
-        grid = time_grid(steps, cfg.t_min if t_min is None else t_min)
+        solver = get_solver(cfg.default_sampler if sampler is None else sampler)
+        grid = solver.time_grid(steps, cfg.t_min if t_min is None else t_min, self.schedule)
         streams = [NoiseStream(s, (length, cfg.d_model), self.noise_device) for s in sample_seeds(seed, n)]
         padded = self.bucket_length(length)
         mask = torch.zeros(n, padded, dtype=torch.bool, device=self.device)
@@ -218,5 +221,5 @@ class LDLMPipeline:
             return self.graphs.denoise(x_t, t, x0_prev, mask)
 
         with torch.inference_mode():
-            latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final, progress)
+            latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, solver.name, cfg.decode_final, progress)
         return latents[:, :length]
