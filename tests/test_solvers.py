@@ -189,3 +189,45 @@ def test_mixed_solvers_share_denoiser_calls_and_match_single_runs(pipeline: LDLM
     for request, result in zip(requests, results):
         alone = pipeline.generate(request.n, request.length, request.steps, request.seed, request.sampler)
         assert torch.equal(result.token_ids, alone.token_ids), request
+
+
+def inpainted_by_hand(pipeline: LDLMPipeline, z: torch.Tensor, length: int, seed: int, steps: int, sampler: str) -> torch.Tensor:
+    """Prefix inpainting under a multistep solver, written out: at every step the prompt's positions are
+    reset to its latents z forward-noised to that step's time, then one step of the solver, which keeps
+    its own past and self-conditioning input."""
+    from ldlm.sampler import NoiseStream, sample_seeds
+
+    model, schedule, solver = pipeline.graphs, pipeline.schedule, get_solver(sampler)
+    p, d = z.shape[0], pipeline.config.d_model
+    sample_seed = sample_seeds(seed, 1)[0]
+    x = NoiseStream(sample_seed, (length, d)).draw()[None]
+    prefix_noise = NoiseStream(sample_seed ^ 1, (p, d))
+    x0_prev = torch.zeros_like(x)
+    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    grid = solver.time_grid(steps, pipeline.config.t_min, schedule).float()
+    mask = torch.ones(1, length, dtype=torch.bool)
+    with torch.no_grad():
+        for i in range(steps):
+            t, t_next = grid[i].reshape(1), grid[i + 1].reshape(1)
+            x[0, :p] = schedule.alpha(t) * z + schedule.sigma(t) * prefix_noise.draw()
+            x0_hat = model.denoise(x, t, x0_prev, mask)
+            result = solver.step(schedule, x, x0_hat, t, t_next, past)
+            x, x0_prev = result.x, result.x0_prev
+            past = [(x0_hat, schedule.log_snr(t)), *past][: solver.history]
+        x[0, :p] = z
+        return model.decode_tokens(x, mask)[0]
+
+
+@pytest.mark.parametrize("sampler", ["dpm2m", "dpm3m-psc"])
+def test_prefix_inpainting_under_a_multistep_solver(pipeline: LDLMPipeline, sampler: str) -> None:
+    z = pipeline.encode(["The weather today is"]).latents[0]
+    length, steps = z.shape[0] + 7, 9
+    scheduler = GenerationScheduler(pipeline, max_batch=4)
+    try:
+        other = scheduler.submit(GenerateRequest(n=2, length=length, steps=5, seed=8, sampler="ddim"))  # shares the calls
+        result = scheduler.submit(GenerateRequest(n=1, length=length, steps=steps, seed=5, sampler=sampler), prefix=z).result(60)
+        other.result(60)
+    finally:
+        scheduler.close(timeout_s=30)
+    expected = inpainted_by_hand(pipeline, z, length, 5, steps, sampler)
+    assert torch.equal(result.token_ids[0], expected)
