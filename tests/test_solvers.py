@@ -231,3 +231,11 @@ def test_prefix_inpainting_under_a_multistep_solver(pipeline: LDLMPipeline, samp
         scheduler.close(timeout_s=30)
     expected = inpainted_by_hand(pipeline, z, length, 5, steps, sampler)
     assert torch.equal(result.token_ids[0], expected)
+
+
+def test_config_default_sampler_is_checked() -> None:
+    from ldlm.config import LDLMConfig
+
+    with pytest.raises(ValueError, match="default_sampler='euler' is invalid; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc"):
+        LDLMConfig(default_sampler="euler")
+    assert LDLMConfig().default_sampler in SOLVERS
