@@ -33,6 +33,10 @@ def bucket_for(size: int, buckets: Sequence[int]) -> int:
     return buckets[i] if i < len(buckets) else size
 
 
+def _preview(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def check_length(length: int, max_seq_len: int, name: str = "length") -> None:
     if not isinstance(length, int) or not 1 <= length <= max_seq_len:
         raise ValueError(f"{name}={length!r} is out of range; allowed: 1..{max_seq_len} (config max_seq_len)")
@@ -120,6 +124,9 @@ class LDLMPipeline:
     @torch.inference_mode()
     def encode(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EncodeResult:
         """Texts or token-id lists -> standardized latents, right-padded to the longest input."""
+        if isinstance(inputs, str):  # a bare string is a sequence of one-character texts: never what was meant
+            raise TypeError(f"inputs is the string {_preview(inputs)}; allowed: a list of texts or token-id lists, "
+                            f"e.g. [{_preview(inputs)}]")
         if len(inputs) == 0:
             raise ValueError("no inputs given; allowed: at least one text or id list")
         ids = self.tokenizer.encode(inputs) if isinstance(inputs[0], str) else [list(map(int, r)) for r in inputs]  # type: ignore[arg-type]
@@ -166,7 +173,7 @@ class LDLMPipeline:
         return torch.cat([noised.to(x_t.dtype), x_t[p:]])
 
     def reconstruct(self, texts: Sequence[str]) -> TextResult:
-        """Texts -> latents -> texts: the autoencoder's round trip."""
+        """Texts -> latents -> texts: the autoencoder's round trip. ``texts`` is a list, even of one text."""
         encoded = self.encode(texts)
         return self.decode(encoded.latents, encoded.attention_mask)
 
