@@ -3,6 +3,7 @@ never change a sequence's result (encode, decode, reconstruct)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ldlm.model import LDLM
