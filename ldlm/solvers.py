@@ -86,6 +86,9 @@ class Solver:
                 raise ValueError(f"the {self.name} solver draws noise every step; pass noise=")
             x_next, x_mean = sde_step(schedule, x, x0_hat, t, t_next, noise)
             return StepResult(x_next, x_mean, x0_hat)
+        if not self.history:  # ddim: no log-SNR needed
+            x_next = ddim_step(schedule, x, x0_hat, t, t_next)
+            return StepResult(x_next, x_next, x0_hat)
         lam, lam_next = schedule.log_snr(t), schedule.log_snr(t_next)
         target = multistep_x0(x0_hat, lam, lam_next, past[: self.order - 1])
         x_next = ddim_step(schedule, x, target, t, t_next)
