@@ -107,3 +107,14 @@ def test_workload_step_range_and_lengths_used_are_what_mixed_workload_draws() ->
     assert workload_lengths_used(config, (16, 4096, 64)) == [16, 64]
     assert workload_lengths_used(config, (4096,)) == [128]
     assert {x.request.length for x in mixed_workload(config, 50, 10.0, lengths=(4096,))} == {128}
+
+
+def test_busy_machine_warning_names_the_load_and_a_thread_count() -> None:
+    from ldlm.serve.checks.bench import busy_machine_warning
+
+    assert busy_machine_warning(2, load_average=0.1, cpus=2) is None  # quiet: the bench's own 2 threads fit
+    assert busy_machine_warning(1, load_average=1.2, cpus=2) is None
+    warning = busy_machine_warning(2, load_average=2.0, cpus=2)
+    assert warning is not None and "load average 2.0 on 2 CPUs" in warning and "--threads 1" in warning
+    assert busy_machine_warning(4, load_average=3.0, cpus=8) is None
+    assert "--threads 5" in busy_machine_warning(8, load_average=3.0, cpus=8)  # type: ignore[operator]

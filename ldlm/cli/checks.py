@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ldlm.cli.options import device_options, positive_int, positive_int_list
 from ldlm.config import SAMPLERS
@@ -62,8 +63,11 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
 def _cmd_bench(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ldlm.serve.checks.bench import bench_summary, parse_solver_specs, plot_bench, run_bench
+    from ldlm.serve.checks.bench import bench_summary, busy_machine_warning, parse_solver_specs, plot_bench, run_bench
 
+    warning = busy_machine_warning(args.threads)
+    if warning:
+        print(f"ldlm bench: warning: {warning}", file=sys.stderr)
     report = run_bench(
         args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, args.batches,
         args.length, args.runs, args.threads, args.gen_n, args.gen_steps, args.workload_requests, args.workload_rate,

@@ -7,6 +7,7 @@ median (p50) or p99 over ``runs`` runs. Results go to JSON, with PNG charts.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -86,6 +87,18 @@ def bench_graphs(
                         entry[name]["speedup_vs_eager"] = round(entry["eager"]["p50_ms"] / entry[name]["p50_ms"], 3)
             results[f"{graph}/b{batch}/L{length}"] = entry
     return results
+
+
+def busy_machine_warning(threads: int, load_average: float | None = None, cpus: int | None = None) -> str | None:
+    """A warning when other work already keeps the CPUs busy: then ``threads`` threads per backend
+    oversubscribe the machine and timings, and their ratios, are noise (eager slows far more than ONNX
+    Runtime). None on a quiet machine."""
+    load = os.getloadavg()[0] if load_average is None else load_average
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    if load + threads <= cpus + 0.5:
+        return None
+    return (f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} threads; "
+            f"timings will be noisy and oversubscribed (try --threads {max(1, cpus - round(load))} or a quiet machine)")
 
 
 def bench_generation(pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int,
@@ -273,7 +286,8 @@ def run_bench(
             pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, getattr(graphs["denoiser"], "device", "cpu"),
                                            config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
         report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__,
-                                  "config_sha256": config.config_hash()}
+                                  "config_sha256": config.config_hash(), "load_average_1m": round(os.getloadavg()[0], 2),
+                                  "cpus": os.cpu_count()}
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
         report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler)
         chosen = workload_backend if workload_backend in pipelines else backends[-1]
@@ -354,7 +368,10 @@ def bench_figure(report: dict[str, Any], plt: Any) -> Any:
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], keys, rotation=30, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("p50 latency (ms)")
-    ax.legend(title="backend")
+    # headroom above the tallest bar for the legend, which would otherwise cover it (log axis: x 6)
+    tallest = max((v.get("p50_ms", 0) for entry in graphs.values() for v in entry.values()), default=1.0)
+    ax.set_ylim(top=max(tallest, 1e-3) * 6)
+    ax.legend(title="backend", loc="upper left", ncols=max(1, len(backends)), fontsize=8)
     ax.set_title("graph latency per call (graph/batch/length)\nlog scale: bars do not start at 0", fontsize=10)
     if policies:
         colors = {"static": "tab:gray", "continuous": "tab:green"}
