@@ -54,7 +54,12 @@ STUB_PYTHONS = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")  # the wheel's pyt
 
 
 class TritonEnvError(RuntimeError):
-    """The local Triton cannot be set up or started here (no network, platform, Python version)."""
+    """The local Triton cannot be set up or started."""
+
+
+class TritonUnavailable(TritonEnvError):
+    """The wheel cannot be installed here: no network for the first set-up, a platform other than
+    manylinux_2_35 x86_64, or a Python without a stub. (Anything else is a TritonEnvError: a bug.)"""
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ class TritonEnv:
 def python_tag() -> str:
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     if version not in STUB_PYTHONS:
-        raise TritonEnvError(f"Python {version} has no Triton Python backend stub in {PYTRITON}; allowed: {', '.join(STUB_PYTHONS)}")
+        raise TritonUnavailable(f"Python {version} has no Triton Python backend stub in {PYTRITON}; allowed: {', '.join(STUB_PYTHONS)}")
     return version
 
 
@@ -166,9 +171,9 @@ def _pip(args: list[str], timeout_s: float) -> None:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as error:
-        raise TritonEnvError(f"`{' '.join(command)}` took over {timeout_s:g} s (the first set-up downloads ~60 MB)") from error
+        raise TritonUnavailable(f"`{' '.join(command)}` took over {timeout_s:g} s (the first set-up downloads ~60 MB)") from error
     if done.returncode != 0:
-        raise TritonEnvError(f"`{' '.join(command)}` failed with exit code {done.returncode} (the first set-up needs "
+        raise TritonUnavailable(f"`{' '.join(command)}` failed with exit code {done.returncode} (the first set-up needs "
                              f"network and a manylinux_2_35 x86_64 host): {done.stderr.strip()[-1500:]}")
 
 
