@@ -31,8 +31,9 @@ CACHE = Path(__file__).resolve().parents[1] / ".cache" / "triton-env"
 GRAPHS = ("encoder", "denoiser", "decoder")
 MODELS = ("decoder", "denoiser", "encoder", "ldlm_generate")
 MAX_BATCH, MAX_N, MAX_STEPS = 4, 8, 20  # small limits, so N above the BLS batch and the bounds are cheap to reach
-# 20 ms: long enough that 8 requests released together meet in the queue, short for ldlm_generate's BLS steps
-QUEUE_DELAY_US = 20_000
+# Long enough that 8 requests released together meet in the queue even on a loaded machine, short enough
+# for ldlm_generate's BLS calls (a call below the preferred batch size waits this long)
+QUEUE_DELAY_US = 100_000
 ONNX_TO_KSERVE = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.INT64: "INT64"}
 ATOL = 1e-5  # Triton's output against ONNX Runtime's (the reference), elementwise; rtol 0; integers exact
 
@@ -110,14 +111,20 @@ def assert_matches(got: np.ndarray, want: np.ndarray, what: str) -> None:
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=what)
 
 
-def http_infer(client, model: str, inputs: dict[str, np.ndarray], outputs: list[str], binary: bool = True) -> dict[str, np.ndarray]:
+def http_request(inputs: dict[str, np.ndarray], outputs: list[str], binary: bool = True) -> tuple[list, list]:
+    """tritonclient's (inputs, requested outputs) for named arrays, as JSON or binary tensors."""
     tensors = []
     for name, value in inputs.items():
         datatype = "BYTES" if value.dtype == np.object_ else {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}[value.dtype]
         tensor = triton_http.InferInput(name, list(value.shape), datatype)
         tensor.set_data_from_numpy(value, binary_data=binary)
         tensors.append(tensor)
-    result = client.infer(model, tensors, outputs=[triton_http.InferRequestedOutput(n, binary_data=binary) for n in outputs])
+    return tensors, [triton_http.InferRequestedOutput(n, binary_data=binary) for n in outputs]
+
+
+def http_infer(client, model: str, inputs: dict[str, np.ndarray], outputs: list[str], binary: bool = True) -> dict[str, np.ndarray]:
+    tensors, requested = http_request(inputs, outputs, binary)
+    result = client.infer(model, tensors, outputs=requested)
     return {name: result.as_numpy(name) for name in outputs}
 
 
@@ -214,12 +221,14 @@ def test_dynamic_batching_merges_concurrent_requests(server: TritonServer, expor
     before = http.get_inference_statistics("denoiser")["model_stats"][0]
     answers: list[np.ndarray | BaseException | None] = [None] * len(requests)
     clients = [triton_http.InferenceServerClient(server.http_url) for _ in requests]
+    bodies = [http_request(r, ["x0_hat"]) for r in requests]  # built before the release, so the sends bunch up
     barrier = threading.Barrier(len(requests))
 
     def send(i: int) -> None:
         try:
+            clients[i].is_server_live()  # connected before the release too
             barrier.wait(30)
-            answers[i] = http_infer(clients[i], "denoiser", requests[i], ["x0_hat"])["x0_hat"]
+            answers[i] = clients[i].infer("denoiser", bodies[i][0], outputs=bodies[i][1]).as_numpy("x0_hat")
         except BaseException as error:  # noqa: BLE001 (reported below, per request)
             answers[i] = error
 
