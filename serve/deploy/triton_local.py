@@ -116,15 +116,27 @@ def prepare_env(cache: str | os.PathLike[str] = DEFAULT_CACHE, timeout_s: float 
     root = cache / f"cp{version.replace('.', '')}"
     # one stub venv per environment (a venv's site-packages differ), named after its prefix
     env = TritonEnv(root, root / f"stub-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}")
-    if (root / READY).is_file() and (env.stub_env / READY).is_file():
-        return env
-    cache.mkdir(parents=True, exist_ok=True)
-    with _locked(cache / ".lock"):
-        if not (root / READY).is_file():  # another process may have made it while we waited
-            _make_shared(root, version, timeout_s)
-        if not (env.stub_env / READY).is_file():
-            _make_stub_env(env, timeout_s)
+    if not ((root / READY).is_file() and (env.stub_env / READY).is_file()):
+        cache.mkdir(parents=True, exist_ok=True)
+        with _locked(cache / ".lock"):
+            if not (root / READY).is_file():  # another process may have made it while we waited
+                _make_shared(root, version, timeout_s)
+            if not (env.stub_env / READY).is_file():
+                _make_stub_env(env, timeout_s)
+    check_libraries(env)
     return env
+
+
+def check_libraries(env: TritonEnv) -> None:
+    """The server and the stub find every shared library (the stub links the system's libpython3.X.so,
+    which a Python built without a shared library, or a host without the libpython package, lacks)."""
+    for binary in (env.server_binary, env.backends / "python" / "triton_python_backend_stub"):
+        done = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, env=env.environ())
+        missing = [line.split("=>")[0].strip() for line in done.stdout.splitlines() if "not found" in line]
+        if done.returncode != 0 or missing:
+            raise TritonUnavailable(f"{binary.name} cannot load {', '.join(missing) or done.stderr.strip()}; "
+                                    f"the wheel's own are in {env.libs}, the system must provide the rest "
+                                    f"(the stub's libpython: Debian/Ubuntu apt-get install libpython{python_tag()})")
 
 
 READY = "READY.json"  # written last: a folder without it is unfinished
