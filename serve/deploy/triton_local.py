@@ -256,6 +256,14 @@ def server_command(env: TritonEnv, repo: Path, http_port: int, grpc_port: int, m
     ]
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (a test run killed
+    with SIGKILL never leaves a server behind; Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def start_server(repo: str | os.PathLike[str], env: TritonEnv, log: IO[Any] | Path | None = None, http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, timeout_s: float = 300.0,
                  extra: list[str] | None = None) -> TritonServer:
@@ -272,7 +280,8 @@ def start_server(repo: str | os.PathLike[str], env: TritonEnv, log: IO[Any] | Pa
     # cwd: the log's folder, never a checkout (its ldlm/ would shadow the installed package)
     cwd = log_path.parent if log_path else Path(tempfile.gettempdir())
     process = subprocess.Popen(server_command(env, Path(repo).absolute(), *ports, extra), env=env.environ(), cwd=cwd,
-                               stdout=handle if handle is not None else subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                               stdout=handle if handle is not None else subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                               preexec_fn=_terminate_with_parent)
     if isinstance(log, Path) and handle is not None:
         handle.close()  # the child holds its own copy
     server = TritonServer(process, *ports, log_path)
@@ -306,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "prepare":
         print(f"{env.root} (stub environment {env.stub_env})")
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so `finally` stops the server on SIGTERM too
     server = start_server(args.repo, env, sys.stdout, args.http_port, args.grpc_port, args.metrics_port)
     print(f"tritonserver (pid {server.pid}) ready: http://{server.http_url}, grpc {server.grpc_url}", flush=True)
     try:
