@@ -66,6 +66,9 @@ def _cmd_triton_repo(args: argparse.Namespace) -> None:
                             args.max_n, args.force, graph_backend=args.graph_backend)
     print(f"wrote {out}: models {', '.join(list_models(out))}; every config.pbtxt validated against tritonclient's schema")
     if args.graph_backend == "python":
+        if not args.cpu:
+            print("note: instance groups are KIND_GPU, so model.py asks ONNX Runtime for CUDA and refuses to load without it; "
+                  "--cpu writes KIND_CPU")
         print(f"run on this machine: python -P -m ldlm.serve.deploy.triton_local serve {out}   (see docs/scale-out.md)")
         return
     print(f"run: docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
