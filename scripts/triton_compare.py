@@ -15,7 +15,9 @@ encoded once ahead), three workloads:
 
 Each workload runs on both servers twice, in the order A B B A, so drifting load on the machine
 hits both alike; the report has each run and their mean. Before the load, one request of each kind
-goes to both, and the answers are compared (denoiser max abs difference, generated texts).
+goes to both, and the answers are compared (denoiser max abs difference, generated texts). Each run
+also records, per model, samples per execution and compute time from the servers' own counters
+(Triton's statistics extension, ldlm serve's /metrics): where the difference comes from.
 
     flock /tmp/ldlm-cpu.lock python scripts/triton_compare.py --out docs/measurements/triton-vs-ldlm-serve-2026-12-01.json
 """
@@ -101,6 +103,37 @@ def agreement(urls: dict[str, str], d: int, args: argparse.Namespace) -> dict:
     return {"denoiser_b8_max_abs_diff": float(np.abs(x_ours - x_theirs).max()), "generate_same_texts": texts_ours == texts_theirs}
 
 
+def counters(server: str, url: str) -> dict[str, dict[str, float]]:
+    """Per model: samples inferred, executions (batches run) and compute seconds, from Triton's
+    statistics extension or ldlm serve's /metrics (the same three counters, named after Triton's).
+    ldlm serve's generation scheduler counts its denoiser steps under "generate"."""
+    if server == "triton":
+        stats = httpx.get(f"{url}/v2/models/stats", timeout=10).json()["model_stats"]
+        return {m["name"]: {"inferences": float(m["inference_count"]), "executions": float(m["execution_count"]),
+                            "compute_s": float(m["inference_stats"]["compute_infer"]["ns"]) / 1e9} for m in stats}
+    found: dict[str, dict[str, float]] = {}
+    names = {"ldlm_inference_count_total": "inferences", "ldlm_execution_count_total": "executions", "ldlm_compute_duration_seconds_sum": "compute_s"}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        metric, _, rest = line.partition("{")
+        if metric in names and 'model="' in rest:
+            model = rest.split('model="', 1)[1].split('"', 1)[0]
+            found.setdefault(model, {})[names[metric]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def batching(before: dict, after: dict, seconds: float) -> dict[str, dict[str, float]]:
+    """What each model did during one run: samples per execution and the share of the run it computed."""
+    report = {}
+    for model, end in after.items():
+        start = before.get(model, {})
+        delta = {k: v - start.get(k, 0.0) for k, v in end.items()}
+        if delta.get("executions"):
+            report[model] = {"executions": int(delta["executions"]), "samples_per_execution": round(delta["inferences"] / delta["executions"], 2),
+                             "compute_ms_per_execution": round(1000 * delta["compute_s"] / delta["executions"], 2),
+                             "compute_busy_share": round(delta["compute_s"] / seconds, 3)}
+    return report
+
+
 def host() -> dict:
     flags = set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -156,7 +189,9 @@ def main() -> None:
                 for server in ("ldlm serve", "triton", "triton", "ldlm serve"):
                     request_for = per_server[server]
                     run_clients(urls[server], args.clients, 2.0, d, request_for=request_for)  # warm-up
+                    before = counters(server, urls[server])
                     result = run_clients(urls[server], args.clients, args.seconds, d, request_for=request_for)
+                    result["batching"] = batching(before, counters(server, urls[server]), result["seconds"])
                     results[name][server].append(result)
                     print(f"{name:12s} {server:10s} {result['throughput_rps']:8.2f} req/s  p50 {result['latency_p50_ms']} ms  "
                           f"p99 {result['latency_p99_ms']} ms  errors {result['errors']}", flush=True)
