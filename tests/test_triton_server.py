@@ -25,8 +25,9 @@ import tritonclient.grpc as triton_grpc  # noqa: E402
 import tritonclient.http as triton_http  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from ldlm.serve.deploy.triton_local import TritonServer, TritonUnavailable, prepare_env, start_server  # noqa: E402
+from ldlm.serve.deploy.triton_local import TritonEnv, TritonServer, TritonUnavailable, prepare_env, start_server  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("triton_env")  # first: where Triton cannot be installed, skip before exporting anything
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "triton-env"
 GRAPHS = ("encoder", "denoiser", "decoder")
 MODELS = ("decoder", "denoiser", "encoder", "ldlm_generate")
@@ -38,13 +39,18 @@ ONNX_TO_KSERVE = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.INT64: "INT64
 ATOL = 1e-5  # Triton's output against ONNX Runtime's (the reference), elementwise; rtol 0; integers exact
 
 
-@pytest.fixture(scope="module")
-def server(export_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="session")  # session, like export_dir, so pytest sets it up (or skips) before the export
+def triton_env() -> TritonEnv:
     try:
-        env = prepare_env(CACHE)
+        return prepare_env(CACHE)
     except TritonUnavailable as error:
         pytest.skip(f"nvidia-pytriton's tritonserver could not be installed here, so no real Triton ran (readiness, "
                     f"metadata, graph parity, generation, limits, batching, stop were not checked): {error}")
+
+
+@pytest.fixture(scope="module")
+def server(triton_env: TritonEnv, export_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    env = triton_env
     work = tmp_path_factory.mktemp("triton-server")
     repo = write_triton_repo(export_dir, work / "repo", max_batch=MAX_BATCH, queue_delay_us=QUEUE_DELAY_US, gpu=False,
                              max_n=MAX_N, max_steps=MAX_STEPS, graph_backend="python")
