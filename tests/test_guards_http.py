@@ -188,3 +188,47 @@ def test_tritonclient_binary_tensor_with_non_finite_values_is_refused(server: Ru
         assert "inputs[2] (x0_prev): data holds NaN or Infinity" in error.value.message()
     finally:
         client.close()
+
+
+# --- the completion request's limits at their edges ------------------------------------------------------
+
+
+def post_completion(server: RunningServer, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", json={"model": "ldlm", "steps": 1, "sampler": "ddim", **body}, timeout=60)
+
+
+def openai_message(response: httpx.Response) -> str:
+    assert response.status_code == 400, response.text
+    return response.json()["error"]["message"]
+
+
+def test_prompt_list_and_choices_at_their_limits(server: RunningServer) -> None:
+    """max_texts=4 prompts and max_n=8 choices in all (prompts x n)."""
+    ok = post_completion(server, prompt=["", "", "", ""], n=2, max_tokens=1)
+    assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == list(range(8))
+    assert openai_message(post_completion(server, prompt=[""] * 5, max_tokens=1)) == "prompt has 5 items; allowed: 1..4"
+    assert openai_message(post_completion(server, prompt=[], max_tokens=1)) == "prompt has 0 items; allowed: 1..4"
+    assert openai_message(post_completion(server, prompt=["", "", ""], n=3, max_tokens=1)) == \
+        "3 prompts x n=3 is 9 choices; allowed: up to 8 per request"
+
+
+def test_prompt_plus_max_tokens_fills_max_seq_len_exactly(server: RunningServer) -> None:
+    """" x" is one token: 120 of them + max_tokens 8 = 128 = max_seq_len, allowed; 9 is one too many."""
+    prompt = " x" * 120
+    ok = post_completion(server, prompt=prompt, max_tokens=8)
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 120
+    assert openai_message(post_completion(server, prompt=prompt, max_tokens=9)) == \
+        "prompt has 120 tokens and max_tokens is 9: 129 tokens in all; allowed: up to 128 (the model's max_seq_len)"
+    assert openai_message(post_completion(server, prompt=["", prompt], max_tokens=9)).startswith("prompt[1] has 120 tokens")
+    assert openai_message(post_completion(server, prompt="   ", max_tokens=1)) == \
+        "texts[0]='   ' is empty; allowed: text with at least one non-space character"
+
+
+def test_each_prompt_of_a_list_gets_the_next_seed(client, pipeline) -> None:
+    """Prompt i samples with seed + i (mod 2**63): two empty prompts are two independent runs, each the
+    eager pipeline's run at its seed, and the seed after 2**63 - 1 is 0."""
+    for seed in (9, 2**63 - 1):
+        result = complete(client, prompt=["", ""], max_tokens=6, seed=seed)
+        for choice, own in zip(result.choices, (seed, (seed + 1) % 2**63)):
+            expected = pipeline.generate(1, 6, 2, own, "ddim")
+            assert choice.text == expected.texts[0], (seed, choice.index)
