@@ -190,6 +190,11 @@ def test_ray_options_at_their_edges() -> None:
         RayOptions(num_gpus=-0.5)
     assert RayOptions(num_cpus=0, num_gpus=0.25).deployment_options() == {
         "max_ongoing_requests": 64, "max_queued_requests": 1024, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.25}, "num_replicas": 1}
+    assert RayOptions(replicas=3, min_replicas=1, max_replicas=5, target_ongoing_requests=2.5).deployment_options() == {
+        "max_ongoing_requests": 64, "max_queued_requests": 1024, "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 5, "initial_replicas": 3, "target_ongoing_requests": 2.5}}
+    assert ray_app._typed(RayOptions, {"replicas": "2", "num_gpus": "0"}) == {"replicas": 2, "num_gpus": 0.0}
+    assert [ray_app._parse("flag", word, bool) for word in ("true", "FALSE", " 1 ", "0")] == [True, False, True, False]
     assert ray_app.parse_autoscale(" 2 : 8 ") == (2, 8)
     with pytest.raises(ValueError, match=re.escape("autoscale '2:' is not MIN:MAX replicas")):
         ray_app.parse_autoscale("2:")
