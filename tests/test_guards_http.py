@@ -232,3 +232,10 @@ def test_each_prompt_of_a_list_gets_the_next_seed(client, pipeline) -> None:
         for choice, own in zip(result.choices, (seed, (seed + 1) % 2**63)):
             expected = pipeline.generate(1, 6, 2, own, "ddim")
             assert choice.text == expected.texts[0], (seed, choice.index)
+
+
+def test_unknown_outputs_are_named(server: RunningServer) -> None:
+    body, headers = kserve_body(denoiser_arrays(0.0), binary=False)
+    request = {**json.loads(body), "outputs": [{"name": "x0_hat"}, {"name": "latents"}]}
+    response = httpx.post(f"{server.url}/v2/models/denoiser/infer", json=request, timeout=60)
+    assert response.status_code == 400 and response.json() == {"error": "unknown outputs ['latents']; denoiser has ['x0_hat']"}
