@@ -186,3 +186,22 @@ def test_triton_repository_inputs(export_dir: Path, tmp_path: Path) -> None:
                                  "[('tensorrt_rtx', '1.2', 'fp16'), ('tensorrt_rtx', '1.2', 'fp32')]"):
         write_triton_repo(mixed, out)
     assert not out.exists()
+
+
+def test_triton_config_validation_names_what_differs(monkeypatch) -> None:
+    pytest.importorskip("tritonclient.grpc", reason="config.pbtxt is validated with tritonclient's schema (pip install -e .[test])")
+    from ldlm.export.triton_repo import RepositoryError, validate_config
+
+    io = {"inputs": [{"name": "x", "dtype": "FLOAT", "shape": ["batch", 4]}], "outputs": [{"name": "y", "dtype": "INT64", "shape": ["batch"]}]}
+    good = ('name: "m"\nmax_batch_size: 8\ninput [{ name: "x" data_type: TYPE_FP32 dims: [4] }]\n'
+            'output [{ name: "y" data_type: TYPE_INT64 dims: [1] reshape: { shape: [] } }]\n')
+    assert validate_config(good, io, "m/config.pbtxt").max_batch_size == 8
+    with raises(RepositoryError, "m/config.pbtxt: input names ['z'] != graph's ['x']"):
+        validate_config(good.replace('name: "x"', 'name: "z"'), io, "m/config.pbtxt")
+    with raises(RepositoryError, "m/config.pbtxt: input x is 12/[4], the graph has FLOAT/[4]"):
+        validate_config(good.replace("TYPE_FP32", "TYPE_FP64"), io, "m/config.pbtxt")  # TYPE_FP64 is 12
+    with raises(RepositoryError, "m/config.pbtxt: config.pbtxt does not parse as ModelConfig"):
+        validate_config("name: 3 3", io, "m/config.pbtxt")
+    monkeypatch.setitem(__import__("sys").modules, "tritonclient.grpc", None)  # as without tritonclient[grpc]
+    with raises(RepositoryError, "validating config.pbtxt needs tritonclient's model_config schema: pip install 'tritonclient[grpc]'"):
+        validate_config(good, io, "m/config.pbtxt")

@@ -51,7 +51,9 @@ def client(server: RunningServer):
 
 class ForcedDecoder:
     """The generation graphs with ``decode_tokens`` overwritten: row i of every decoded batch starts
-    with ``rows[i % len(rows)]`` (the rest of the row is what the real decoder made)."""
+    with ``rows[i % len(rows)]`` (the rest of the row is what the real decoder made). A request's
+    samples are decoded together, in order, maybe after another request's: with len(rows) = n the
+    rows follow the sample index."""
 
     def __init__(self, graphs, rows: list[list[int]]) -> None:
         self.graphs, self.rows = graphs, rows
@@ -116,12 +118,13 @@ def test_streamed_choices_are_cut_the_same_way(client, force) -> None:
 
 
 def test_each_prompt_of_a_list_is_cut_on_its_own_row(client, force) -> None:
-    """Two prompts x n=2: choices 0..3 in order, each row cut at its own end-of-text."""
-    force(HELLO + [EOS] * 4, [WORLD] * 2 + [EOS] * 4, [EOS] * 6, [WORLD] * 6)
+    """Two prompts x n=2: choices 0..3 in order, each row cut at its own end-of-text. (Each prompt is
+    its own request, decoded alone or with the other one: the forced rows follow the sample index.)"""
+    force(HELLO + [EOS] * 4, [WORLD] * 6)
     result = complete(client, prompt=["", ""], max_tokens=6, n=2, seed=5)
     assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [
-        (0, " Hello there", "stop"), (1, " world world", "stop"), (2, "", "stop"), (3, " world" * 6, "length")]
-    assert result.usage.completion_tokens == 2 + 2 + 0 + 6
+        (0, " Hello there", "stop"), (1, " world" * 6, "length"), (2, " Hello there", "stop"), (3, " world" * 6, "length")]
+    assert result.usage.completion_tokens == 2 + 6 + 2 + 6
 
 
 # --- NaN and Infinity in KServe tensors ---------------------------------------------------------------

@@ -392,3 +392,19 @@ def test_parity_refuses_an_export_of_another_config(tiny_checkpoint: Path, expor
     other = save_checkpoint(init_model(dataclasses.replace(preset("tiny"), t_min=0.1), seed=0), TextTokenizer.gpt2(), tmp_path / "other")
     with raises(ValueError, f"{export_dir} was made from another config than checkpoint {other}"):
         run_parity(other, "ort", source=export_dir)
+
+
+def test_an_engine_output_without_a_batch_axis_is_not_chunked() -> None:
+    """A batch beyond every profile runs in chunks only if every output can be put back together
+    along a batch axis; the stand-in engine of tests/test_tensorrt_runtime.py with y unbatched."""
+    from ldlm.serve.runtime.tensorrt_executor import PlanExecutor
+    from tests.test_tensorrt_runtime import AXES, STAND_IN_TRT, StandInEngine, feed
+
+    axes = {**AXES, "y": {"seq": 1}}
+    executor = PlanExecutor(StandInEngine([((1, 4), (1, 16))]), STAND_IN_TRT, "stand-in.plan", axes, torch.device("cpu"))
+    assert executor.unbatched_outputs == ["y"]
+    assert executor.execute(feed(4, 5), 0)["y"].shape == (4, 5, 3)  # one execution: nothing to put back together
+    with raises(ValueError, "stand-in.plan: outputs ['y'] have no batch axis, so batch 6 cannot run in chunks [4, 2]"):
+        executor.execute(feed(6, 5), 0)
+    with raises(ValueError, "missing inputs ['mask']; stand-in.plan takes ['x', 'mask']"):
+        executor.execute({"x": torch.zeros(1, 2, 3)}, 0)
