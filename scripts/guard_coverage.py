@@ -41,7 +41,27 @@ ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 # Raises that the suite cannot execute on a CPU machine, or that guard an invariant no input can
 # break. Key: "path::function::text" where text is a substring of the raise's source; value: the
 # reason. Checked by ``classify``: a key that matches no raise is reported as stale.
-NOT_HERE: dict[str, str] = {}
+GPU = "needs a CUDA GPU: TensorRT runs plans only on a GPU (scripts/gpu_check.py exercises the engine path there)"
+TRT_BUILD = "a TensorRT build that fails: the message carries TensorRT's own errors; every ONNX we export builds"
+NOT_HERE: dict[str, str] = {
+    "ldlm/device.py::resolve_device::cuda:0..cuda:": "needs a CUDA GPU: cuda:N at or above the device count (on CPU the check before it answers)",
+    "serve/runtime/backends.py::OrtBackend.__init__::could not start": "needs onnxruntime-gpu whose CUDA/TensorRT provider fails to start; "
+        "the CPU build lists no such provider, so the check before it refuses first (tested)",
+    "serve/runtime/tensorrt_engine.py::TensorRTEngine.__init__::could not load": GPU,
+    "serve/runtime/tensorrt_engine.py::TensorRTEngine.__init__::could not deserialize": GPU,
+    "serve/runtime/tensorrt_executor.py::PlanExecutor._execute_plain::execute_async_v3 failed": GPU,
+    "serve/runtime/tensorrt_executor.py::PlanExecutor._context::could not create an execution context": GPU + " (out of GPU memory)",
+    "serve/runtime/tensorrt_executor.py::PlanExecutor._context::could not select optimization profile": GPU,
+    "serve/runtime/tensorrt_executor.py::PlanExecutor._capture::during the CUDA graph warm-up": GPU + " (CUDA graph capture)",
+    "serve/runtime/tensorrt_executor.py::PlanExecutor._capture::during CUDA graph capture": GPU + " (CUDA graph capture)",
+    "serve/checks/eps_probe_trt.py::run_normalization_plan::could not deserialize": GPU,
+    "serve/checks/eps_probe_trt.py::run_normalization_plan::execute_async_v3 failed": GPU,
+    "export/engine.py::build_plan::could not build": TRT_BUILD,
+    "export/layernorm_network.py::build_normalization_plan::could not build": TRT_BUILD,
+    "export/onnx_export.py::export_graph::returned no program": "torch.onnx.export returning None: a torch failure, not an input",
+    "export/onnx_export.py::export_graphs::cannot write to": "a PermissionError: the suite runs as root, who may write anywhere "
+        "(a read-only mount answers EROFS or EPERM depending on the machine); the NotADirectoryError branch beside it is tested",
+}
 
 
 @dataclass

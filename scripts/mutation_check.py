@@ -423,8 +423,11 @@ def scratch_venv(root: Path, work: Path, repo: Path) -> Path:
     """A venv that sees this checkout's dependencies and imports ldlm from the scratch copy."""
     venv = work / "venv"
     python = venv / "bin" / "python"
-    deps = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    # Every site-packages the checkout's python sees, in its order: its own, and those it reaches
+    # through .pth lines (a worktree's venv that borrows another checkout's dependencies), which a
+    # .pth line in the scratch venv would not follow by itself.
+    probe = "import sys; print('\\n'.join(p for p in sys.path if p.endswith('site-packages')))"
+    deps = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c", probe], check=True, capture_output=True, text=True).stdout.strip()
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)  # pip and setuptools come from .venv
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -97,3 +97,16 @@ def test_a_wrong_eps_is_named_with_the_implied_value() -> None:
     with np.errstate(invalid="ignore"):
         nan = probe_of(lambda x, g, b, eps: two_pass_float32(x, g, b, 0.0))  # constant rows: 0/0
     assert any("NaN/Inf output(s) in the constant rows" in p for p in nan.problems), nan.problems
+
+
+def test_a_layer_norm_node_whose_scale_is_computed_cannot_be_probed_alone(tiny_model) -> None:
+    from onnx import helper
+
+    from ldlm.serve.checks.eps_probe_ort import probe_node
+
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], name="ln", axis=-1, epsilon=1e-5)
+    module = "model.feature_model.h.0.ln_1"
+    for tensors in ({}, {"scale": np.ones(64, np.float32)}):  # scale (or the bias) is an activation, not an initializer
+        probe = probe_node(None, "encoder", node, module, tiny_model, tensors, 17, 8, 0)  # type: ignore[arg-type]
+        assert probe.problems == [f"node 'ln' (module {module}): scale or bias is not an initializer or constant; cannot run it alone"]
+        assert not probe.passed and probe.module_eps == 1e-5

@@ -157,6 +157,23 @@ def test_one_bad_request_gets_its_error_and_the_others_their_answers(generate_mo
     assert texts.tolist() == [b" The The"] * 2 and ids.dtype == np.int64 and ids.shape == (2, 2)
 
 
+def test_an_edited_tokenizer_in_the_repository_is_refused(generate_model, tmp_path: Path) -> None:
+    import hashlib
+
+    make, _ = generate_model
+    tokenizer = tmp_path / "1" / "tokenizer.json"
+    from ldlm.tokenizer import TextTokenizer
+
+    TextTokenizer.gpt2().save(tokenizer.parent)
+    found = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    assert make(tokenizer_sha256=found).tokenizer.encode([" The"]) == [[383]]  # the recorded file loads
+    with pytest.raises(RuntimeError, match=re.escape(f"{tokenizer} has sha256 {found}, but config.pbtxt's tokenizer_sha256 is {'1' * 64}; "
+                                                     "rewrite the repository with `ldlm triton-repo`")):
+        make(tokenizer_sha256="1" * 64)
+    with pytest.raises(RuntimeError, match=re.escape("but config.pbtxt's tokenizer_sha256 is None")):
+        make()  # a tokenizer.json that config.pbtxt has no record of
+
+
 def test_a_failed_bls_call_names_the_model(generate_model, monkeypatch) -> None:
     make, pb = generate_model
     model = make()

@@ -205,3 +205,31 @@ def test_triton_config_validation_names_what_differs(monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "tritonclient.grpc", None)  # as without tritonclient[grpc]
     with raises(RepositoryError, "validating config.pbtxt needs tritonclient's model_config schema: pip install 'tritonclient[grpc]'"):
         validate_config(good, io, "m/config.pbtxt")
+
+
+def test_tensorrt_logger_keeps_bounded_histories() -> None:
+    """A capture keeps at most CAPTURE_LIMIT messages, the logger its last LOG_HISTORY; messages below
+    WARNING are dropped (lower severity value = more severe). A stand-in for TensorRT's ILogger."""
+    import types
+
+    from ldlm.export.trt_flavor import CAPTURE_LIMIT, LOG_HISTORY, _make_logger
+
+    class Level(int):
+        def __str__(self) -> str:
+            return {1: "Severity.ERROR", 2: "Severity.WARNING", 3: "Severity.INFO"}[int(self)]
+
+    class ILogger:
+        Severity = types.SimpleNamespace(ERROR=Level(1), WARNING=Level(2), INFO=Level(3))
+
+        def __init__(self) -> None:
+            pass
+
+    logger = _make_logger(types.SimpleNamespace(ILogger=ILogger))
+    with logger.capture() as messages:
+        for i in range(CAPTURE_LIMIT + 5):
+            logger.log(ILogger.Severity.WARNING, f"w{i}")
+        logger.log(ILogger.Severity.INFO, "chatter")
+    assert len(messages) == CAPTURE_LIMIT and messages[0] == ("WARNING", "w0") and messages[-1] == ("WARNING", f"w{CAPTURE_LIMIT - 1}")
+    assert len(logger.messages) == LOG_HISTORY and logger.messages[-1] == ("WARNING", f"w{CAPTURE_LIMIT + 4}")
+    logger.log(ILogger.Severity.ERROR, "after")
+    assert len(messages) == CAPTURE_LIMIT and logger.messages[-1] == ("ERROR", "after")  # the capture has ended

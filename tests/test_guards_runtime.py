@@ -408,3 +408,23 @@ def test_an_engine_output_without_a_batch_axis_is_not_chunked() -> None:
         executor.execute(feed(6, 5), 0)
     with raises(ValueError, "missing inputs ['mask']; stand-in.plan takes ['x', 'mask']"):
         executor.execute({"x": torch.zeros(1, 2, 3)}, 0)
+
+
+def test_a_plan_whose_bytes_differ_from_its_manifest_is_refused_before_tensorrt_reads_it(tmp_path: Path, monkeypatch) -> None:
+    """The sha256 check runs after the GPU checks; with those stood in for, it runs here and must
+    refuse the plan before TensorRT deserializes a byte of it."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is the .[rtx] extra")
+    from ldlm.export.trt_flavor import GpuInfo
+    from ldlm.serve.runtime import tensorrt_engine
+    from ldlm.serve.runtime.tensorrt_executor import PlanMismatchError
+
+    plan = tmp_path / "encoder.plan"
+    plan.write_bytes(b"edited plan bytes")
+    (tmp_path / "encoder.plan.json").write_text(json.dumps({"flavor": "tensorrt_rtx", "plan_sha256": "0" * 64}))
+    if not torch.cuda.is_available():
+        with raises(RuntimeError, f"running {plan} needs a CUDA GPU; torch.cuda.is_available() is False"):
+            tensorrt_engine.TensorRTEngine(plan)
+    monkeypatch.setattr(tensorrt_engine, "gpu_info", lambda device=None: GpuInfo("stand-in GPU", "9.0"))
+    monkeypatch.setattr(tensorrt_engine, "check_plan_manifest", lambda manifest, flavor, gpu: None)
+    with raises(PlanMismatchError, f"{plan} does not match the sha256 in its manifest (corrupt or replaced); rebuild it"):
+        tensorrt_engine.TensorRTEngine(plan)
