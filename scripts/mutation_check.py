@@ -279,9 +279,9 @@ MUTATIONS: tuple[Mutation, ...] = (
              "bias = attention_bias(mask, h.dtype)  # bidirectional", "bias = attention_bias(mask, h.dtype, causal_len=h.shape[1])  # bidirectional",
              ("tests/test_layers_values.py",), "the token decoder only looks left"),
     # --- config and checkpoint ------------------------------------------------------------------------
-    Mutation("config-int-range-open-low", "ldlm/config.py",
-             "type(value) is int and low <= value <= high", "type(value) is int and low < value <= high",
-             ("tests/test_guards_config.py",), "n_heads=1, a one-block encoder or default_steps=1 refused"),
+    Mutation("config-int-range-top-refused", "ldlm/config.py",
+             "type(value) is int and low <= value <= high", "type(value) is int and low <= value < high",
+             ("tests/test_guards_config.py",), "the documented top of every integer range (256 denoiser layers, ...) refused"),
     Mutation("config-eps-zero-allowed", "ldlm/config.py",
              "math.isfinite(value) and low < value <= high", "math.isfinite(value) and low <= value <= high",
              ("tests/test_guards_config.py",), "a config with eps 0 loads: a zero row normalizes to NaN"),
