@@ -20,10 +20,6 @@ import torch
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
-tritonclient_http = pytest.importorskip("tritonclient.http", reason="the Triton client under test (pip install -e .[test])")
-
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
 from ldlm.serve.api.kserve import HEADER_LENGTH  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
@@ -178,6 +174,9 @@ def test_the_same_body_with_finite_values_is_answered(server: RunningServer) -> 
 
 @pytest.mark.parametrize("bad", list(BAD), ids=list(BAD))
 def test_tritonclient_binary_tensor_with_non_finite_values_is_refused(server: RunningServer, bad: str) -> None:
+    tritonclient_http = pytest.importorskip("tritonclient.http", reason="the Triton client under test (pip install -e .[test])")
+    from tritonclient.utils import InferenceServerException
+
     client = tritonclient_http.InferenceServerClient(server.url.removeprefix("http://"))
     try:
         inputs = []
