@@ -19,7 +19,8 @@ they are reported apart. Whatever remains unexecuted is a gap to close with a te
     .venv/bin/python scripts/guard_coverage.py --run -- tests/test_kserve_values.py  # part of the suite
 
 Writes ``--out`` (JSON) and the same path with ``.md`` (the summary). Not part of CI: it runs the
-whole suite under coverage's tracer (589 s on the project's 2-core machine, 2026-12-01).
+whole suite under coverage's tracer (589 s on the project's 2-core machine, 2026-12-01), and needs
+coverage.py >= 7.10 (``pip install coverage``), which CI does not install.
 """
 
 from __future__ import annotations
