@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ldlm.serve.api.server import LDLMService
 
 log = logging.getLogger("ldlm.serve")
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer": logs and metrics only
 
 
 class HTTPError(Exception):
@@ -64,6 +65,8 @@ class GuardMiddleware:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                status["complete"] = True
             await send(message)
 
         try:
@@ -73,16 +76,7 @@ class GuardMiddleware:
                     return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"},
                                         scope["path"])
             body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
-            replayed = False
-
-            async def replay() -> dict[str, Any]:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()  # then only http.disconnect remains
-
-            await self.app(scope, replay, send_wrapper)
+            await self._run_until_disconnect(scope, body, receive, send_wrapper, status)
         except HTTPError as error:
             await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"])
         except QueueFullError as error:
@@ -96,7 +90,13 @@ class GuardMiddleware:
         finally:
             elapsed = time.perf_counter() - started
             code = status["code"]
+            if status.get("disconnected"):
+                code = status["code"] = CLIENT_CLOSED
+                if model is not None:
+                    self.service.metrics.request_cancelled.labels(model, "disconnect").inc()
             if model is not None:
+                if code == 504:
+                    self.service.metrics.request_cancelled.labels(model, "timeout").inc()
                 if code < 400:
                     self.service.metrics.request_success.labels(model).inc()
                 else:
@@ -104,6 +104,45 @@ class GuardMiddleware:
                 self.service.metrics.request_seconds.labels(model).observe(elapsed)
             log.info("request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
                                        "status": code, "ms": round(1000 * elapsed, 3)})
+
+
+    async def _run_until_disconnect(self, scope: dict[str, Any], body: bytes, receive: Any, send: Any, status: dict[str, Any]) -> None:
+        """Run the app with ``body`` replayed; if the client disconnects before the answer is complete,
+        cancel the app's task. Starlette does not do this for plain (non-streamed) responses: a handler
+        would wait for its generation to the end, holding scheduler slots and batcher rows for nobody.
+        Cancelling the task cancels the future it awaits (``server.wait``), and a cancelled future leaves
+        the scheduler's batch at its next step and the dynamic batcher's queue before it runs."""
+        replayed = False
+        disconnected = asyncio.Event()
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await disconnected.wait()  # the body is all read: only http.disconnect remains
+            return {"type": "http.disconnect"}
+
+        async def watch() -> None:
+            # uvicorn answers receive() with http.disconnect once the peer is gone (or the response is
+            # complete, which is not a reason to cancel anything)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+            if not status.get("complete") and not app.done():
+                status["disconnected"] = True
+                app.cancel()
+
+        app = asyncio.ensure_future(self.app(scope, replay, send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await app
+        except asyncio.CancelledError:
+            if not status.get("disconnected"):
+                raise  # the server itself is being cancelled (shutdown): not ours to swallow
+        finally:
+            watcher.cancel()
+            app.cancel()  # when the middleware's own task is cancelled, the app's goes with it
 
 
 async def read_body(receive: Any, content_length: str | None, limit: int, timeout_s: float) -> bytes:

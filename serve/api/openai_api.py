@@ -90,7 +90,7 @@ def stream_error_status(error: Exception) -> int:
 
 
 def create_router(service: LDLMService) -> APIRouter:
-    from ldlm.serve.api.server import json_response, run_blocking, wait  # the server's helpers, one of each
+    from ldlm.serve.api.server import json_response, run_blocking, run_submit, wait  # the server's helpers, one of each
 
     settings, config = service.settings, service.config
     pipeline = service.batched_pipeline
@@ -148,7 +148,7 @@ def create_router(service: LDLMService) -> APIRouter:
         futures: list[Future[TextResult]] = []
         try:
             for (_, spec), prefix in zip(prepared, prefixes):
-                futures.append(service.scheduler.submit(spec, prefix))
+                futures.append(service.submit_generation(spec, prefix))
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -161,7 +161,9 @@ def create_router(service: LDLMService) -> APIRouter:
             prefixes = await run_blocking(prefix_latents, [row for row, _ in prepared], timeout_s=settings.request_timeout_s)
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
-        return prepared, await run_blocking(submit, prepared, prefixes, timeout_s=settings.request_timeout_s)
+        futures = await run_submit(submit, prepared, prefixes, cancel=lambda queued: [f.cancel() for f in queued],
+                                   timeout_s=settings.request_timeout_s)
+        return prepared, futures
 
     async def completions(body: Any) -> Response:
         """OpenAI completions by a diffusion model; see the module docs for how prompts condition."""

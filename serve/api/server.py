@@ -25,6 +25,7 @@ import multiprocessing
 import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -129,7 +130,8 @@ class LDLMService:
         self.graphs, self.config = graphs, config
         self.metrics = Metrics()
         self.batchers = {
-            name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name))
+            name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name),
+                                 self.metrics.cancelled_samples.labels(name).inc)
             for name, graph in graphs.items()
         }
         self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
@@ -138,8 +140,25 @@ class LDLMService:
         self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
                                              observer=self.metrics.observer("generate"))
         self.json_workers = self._json_pool()
-        self.previews = PreviewDecoder(generation, settings.preview_budget)  # its own thread, never the scheduler's
+        self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
+        self._in_flight_lock = threading.Lock()
+        # its own thread, never the scheduler's; its time budget applies while other generations are in flight
+        self.previews = PreviewDecoder(generation, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
         self.ready = True
+
+    def submit_generation(self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0) -> Future[Any]:
+        """``scheduler.submit``, counted while in flight: a streamed request's previews are free of the
+        preview budget only while it is the one generation in flight."""
+        future = self.scheduler.submit(spec, prefix, on_preview, preview_every)
+        with self._in_flight_lock:
+            self._in_flight += 1
+        future.add_done_callback(self._generation_done)
+        return future
+
+    def _generation_done(self, future: Future[Any]) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+        self.previews.nudge()  # a preview rest taken because of this request can end
 
     @staticmethod
     def _json_pool() -> ProcessPoolExecutor:
@@ -179,6 +198,19 @@ async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float) -> A
 async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
     """Run ``fn`` on the default thread pool: nothing that scales with a request runs on the event loop."""
     return await wait(asyncio.get_running_loop().run_in_executor(None, fn, *args), timeout_s)
+
+
+async def run_submit(fn: Callable[..., Any], *args: Any, cancel: Callable[[Any], None], timeout_s: float) -> Any:
+    """``run_blocking`` for a call that queues work and returns a handle to it (a future, a stream):
+    when this request is cancelled (its client left, its time ran out) while the call still runs in
+    its thread, ``cancel`` is applied to the handle as soon as the call returns, or the work it queued
+    would run for nobody."""
+    call = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await wait(asyncio.shield(call), timeout_s)
+    except BaseException:
+        call.add_done_callback(lambda done: None if done.cancelled() or done.exception() is not None else cancel(done.result()))
+        raise
 
 
 async def run_json(service: LDLMService, heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
@@ -299,12 +331,12 @@ def create_app(service: LDLMService) -> FastAPI:
         spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
         # Submitting draws every sample's prior noise (n x length x d_model): off the event loop.
         if body.stream:
-            start = functools.partial(GenerationStream, service.scheduler, service.previews, spec, body.preview_every,
+            start = functools.partial(GenerationStream, service.submit_generation, service.previews, spec, body.preview_every,
                                       loop=asyncio.get_running_loop())
-            stream = await run_blocking(start, timeout_s=settings.request_timeout_s)
+            stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=settings.request_timeout_s)
             return StreamingResponse(generate_sse(stream, settings.request_timeout_s), headers=SSE_HEADERS, media_type="text/event-stream")
-        future = await run_blocking(service.scheduler.submit, spec, timeout_s=settings.request_timeout_s)
-        result = await wait(future, settings.request_timeout_s)
+        future = await run_submit(service.submit_generation, spec, cancel=Future.cancel, timeout_s=settings.request_timeout_s)
+        result = await wait(future, settings.request_timeout_s)  # cancelled here (disconnect, timeout): freed at the next step
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
     async def reconstruct(body: Any) -> Response:
