@@ -38,9 +38,11 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection befo
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    """An answer with ``status`` and one message; ``param`` names the request field at fault (OpenAI's error shape carries it)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
+        self.status, self.message, self.headers, self.param = status, message, headers or {}, param
 
 
 class GuardMiddleware:
@@ -78,7 +80,7 @@ class GuardMiddleware:
             body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
             await self._run_until_disconnect(scope, body, receive, send_wrapper, status)
         except HTTPError as error:
-            await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"])
+            await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"], error.param)
         except QueueFullError as error:
             await _reply(send_wrapper, 503, str(error), {"Retry-After": "1"}, scope["path"])
         except (ProtocolError, BackendError, ValueError) as error:
@@ -175,18 +177,18 @@ def _model_of(path: str) -> str | None:
     return None
 
 
-def error_body(message: str, status: int = 400, path: str = "") -> bytes:
-    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that)."""
+def error_body(message: str, status: int = 400, path: str = "", param: str | None = None) -> bytes:
+    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that), with ``param``."""
     from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_error  # here: openai_api imports this module
 
     if path.startswith(OPENAI_PATHS):
-
-        return json.dumps(openai_error(status, message)).encode()
+        return json.dumps(openai_error(status, message, param)).encode()
     return json.dumps({"error": message}).encode()
 
 
-async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "") -> None:
-    body = error_body(message, status, path)
+async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "",
+                 param: str | None = None) -> None:
+    body = error_body(message, status, path, param)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     try:

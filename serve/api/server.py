@@ -49,13 +49,14 @@ from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
 from ldlm.serve.api.kserve import (HEADER_LENGTH, encode_infer_response, json_bytes, kserve_datatype, parse_body, requested_outputs,
                                tensor_metadata)
+from ldlm.serve.api.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.serve.runtime.torch_backends import length_buckets
 from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
 from ldlm.serve.api.playground import create_router as create_playground_router
 from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
-from ldlm.serve.api.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
+from ldlm.serve.api.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, field_name, request_models, validation_message
 
 log = logging.getLogger("ldlm.serve")
 MODEL_VERSION = "1"
@@ -76,9 +77,9 @@ class ServerSettings:
     max_queue: int = 256  # requests waiting per graph before 503
     request_timeout_s: float = 60.0
     max_body_bytes: int = 8 << 20
-    max_n: int = 64  # samples per /v1/generate request
-    max_steps: int = 1000
-    max_texts: int = 64
+    max_n: int = MAX_N  # samples per /v1/generate request (ldlm generate's cap too)
+    max_steps: int = MAX_STEPS  # ldlm generate's cap too
+    max_texts: int = MAX_TEXTS
     max_request_samples: int = 64  # batch size of one /v2 infer request (413 above)
     max_request_tokens: int = 8192  # batch x seq of one /v2 infer request (413 above)
     header_timeout_s: float = 10.0  # a request's headers must arrive within this, else the connection closes
@@ -242,7 +243,10 @@ async def json_response(service: LDLMService, payload: dict[str, Any]) -> Respon
 
 def create_app(service: LDLMService) -> FastAPI:
     settings = service.settings
-    models = request_models(settings.max_n, settings.max_steps, settings.max_texts, service.config.max_seq_len)
+    config = service.config
+    models = request_models(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len, config.default_steps,
+                            config.default_sampler)
+    body_models: dict[str, type[BaseModel]] = {}  # route -> its body model, for the names of its fields in messages
     completion_limits = openai_limits(settings, service.config.max_seq_len)  # what OpenAI-route validation messages name
 
     @asynccontextmanager
@@ -261,7 +265,8 @@ def create_app(service: LDLMService) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, error: HTTPError) -> Response:
-        return Response(error_body(error.message, error.status, request.url.path), error.status, error.headers, "application/json")
+        return Response(error_body(error.message, error.status, request.url.path, error.param), error.status, error.headers,
+                        "application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
@@ -273,8 +278,11 @@ def create_app(service: LDLMService) -> FastAPI:
         errors = list(error.errors())
         openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
         status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
-        message = validation_message(errors, completion_limits if openai else models.limits)
-        return Response(error_body(message, status, request.url.path), status, media_type="application/json")
+        body_model = body_models.get(request.url.path)
+        fields = list(body_model.model_fields) if body_model is not None else []
+        message = validation_message(errors, completion_limits if openai else models.limits, fields)
+        param = field_name(errors[0]["loc"]) if errors and errors[0]["type"] != "json_invalid" else None
+        return Response(error_body(message, status, request.url.path, param), status, media_type="application/json")
 
     def model_or_404(name: str) -> str:
         if name not in service.graphs:
@@ -369,8 +377,11 @@ def create_app(service: LDLMService) -> FastAPI:
     for path, handler, body_model, response_model in routes:
         handler.__annotations__ = {"body": body_model, "return": Response}
         app.post(path, response_model=response_model, summary=handler.__doc__)(handler)
+        body_models[path] = body_model
 
-    app.include_router(create_openai_router(service))
+    openai_router = create_openai_router(service)
+    app.include_router(openai_router)
+    body_models["/v1/completions"] = openai_router.body_model  # type: ignore[attr-defined]
     app.include_router(create_playground_router())
 
     @app.get("/metrics")
