@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.sampler import NoiseStream, TangentSchedule, forward_noise, run_sampler, sample_seeds, time_grid
+from ldlm.sampler import NoiseStream, TangentSchedule, forward_noise, sample_seeds
+from ldlm.solvers import get_solver, run_sampler
 from ldlm.tokenizer import TextTokenizer
 
 
@@ -30,6 +31,10 @@ def bucket_for(size: int, buckets: Sequence[int]) -> int:
     """The smallest bucket >= size (buckets sorted); size itself when it is above every bucket."""
     i = bisect.bisect_left(buckets, size)
     return buckets[i] if i < len(buckets) else size
+
+
+def _preview(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def check_length(length: int, max_seq_len: int, name: str = "length") -> None:
@@ -119,6 +124,9 @@ class LDLMPipeline:
     @torch.inference_mode()
     def encode(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EncodeResult:
         """Texts or token-id lists -> standardized latents, right-padded to the longest input."""
+        if isinstance(inputs, str):  # a bare string is a sequence of one-character texts: never what was meant
+            raise TypeError(f"inputs is the string {_preview(inputs)}; allowed: a list of texts or token-id lists, "
+                            f"e.g. [{_preview(inputs)}]")
         if len(inputs) == 0:
             raise ValueError("no inputs given; allowed: at least one text or id list")
         ids = self.tokenizer.encode(inputs) if isinstance(inputs[0], str) else [list(map(int, r)) for r in inputs]  # type: ignore[arg-type]
@@ -165,7 +173,7 @@ class LDLMPipeline:
         return torch.cat([noised.to(x_t.dtype), x_t[p:]])
 
     def reconstruct(self, texts: Sequence[str]) -> TextResult:
-        """Texts -> latents -> texts: the autoencoder's round trip."""
+        """Texts -> latents -> texts: the autoencoder's round trip. ``texts`` is a list, even of one text."""
         encoded = self.encode(texts)
         return self.decode(encoded.latents, encoded.attention_mask)
 
@@ -176,14 +184,15 @@ class LDLMPipeline:
         length: int,
         steps: int | None = None,
         seed: int = 0,
-        sampler: str = "sde",
+        sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
     ) -> TextResult:
         """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
 
-        ``sampler="ddim"`` is deterministic given the seed (the prior is still seeded); ``"sde"``
-        draws fresh noise every step, also from the seed.
+        ``sampler`` is one of ``ldlm.solvers.SOLVERS`` (default: the config's ``default_sampler``).
+        Every solver but ``"sde"`` is deterministic given the seed (the prior is still seeded);
+        ``"sde"`` draws fresh noise every step, also from the seed.
         """
         latents = self.sample_latents(n, length, steps, seed, sampler, t_min, progress)
         return self.decode(latents)
@@ -194,7 +203,7 @@ class LDLMPipeline:
         length: int,
         steps: int | None = None,
         seed: int = 0,
-        sampler: str = "sde",
+        sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
     ) -> Tensor:
@@ -204,7 +213,8 @@ class LDLMPipeline:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r} is out of range; allowed: an integer >= 1")
         self.check_length(length)
-        grid = time_grid(steps, cfg.t_min if t_min is None else t_min)
+        solver = get_solver(cfg.default_sampler if sampler is None else sampler)
+        grid = solver.time_grid(steps, cfg.t_min if t_min is None else t_min, self.schedule)
         streams = [NoiseStream(s, (length, cfg.d_model), self.noise_device) for s in sample_seeds(seed, n)]
         padded = self.bucket_length(length)
         mask = torch.zeros(n, padded, dtype=torch.bool, device=self.device)
@@ -218,5 +228,5 @@ class LDLMPipeline:
             return self.graphs.denoise(x_t, t, x0_prev, mask)
 
         with torch.inference_mode():
-            latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final, progress)
+            latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, solver.name, cfg.decode_final, progress)
         return latents[:, :length]

@@ -1,4 +1,6 @@
-"""Sampler math: the tangent schedule and two reverse-time solvers. Pure functions, no per-run state.
+"""Sampler math: the tangent schedule, its time grids and the two first-order steps. Pure functions.
+
+The solvers that use them (first order and multistep), and the sampling loop, are in ldlm/solvers.py.
 
 Forward process (variance preserving):   x_t = alpha_t x0 + sigma_t eps,  alpha_t^2 + sigma_t^2 = 1
 Tangent schedule (d = 3):                 alpha_t = (1 + d^2 tan^2(pi t / 2))^(-1/2)
@@ -19,13 +21,11 @@ tensor. On CPU the numbers are bitwise those of the host loop (tests/test_sample
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ldlm.config import SAMPLERS  # noqa: F401  (re-exported: the names live with the config)
 
@@ -42,18 +42,57 @@ class TangentSchedule:
     def sigma(self, t: Tensor) -> Tensor:
         return torch.sqrt(1 - self.alpha(t) ** 2)
 
+    def log_snr(self, t: Tensor) -> Tensor:
+        """lambda_t = log(alpha_t / sigma_t) = -log(d tan(pi t / 2)); -inf at t = 1 (alpha = 0), exactly.
+
+        Computed in float64 (the multistep coefficients take differences of lambda)."""
+        t = t.double()
+        lam = -torch.log(self.d * torch.tan(math.pi * t / 2))
+        return torch.where(t >= 1, torch.full_like(lam, -math.inf), lam)
+
+    def time_of_log_snr(self, lam: Tensor) -> Tensor:
+        """The inverse of ``log_snr``: t = (2 / pi) atan(exp(-lambda) / d)."""
+        return 2 / math.pi * torch.atan(torch.exp(-lam.double()) / self.d)
+
     def beta(self, t: Tensor) -> Tensor:
         u = torch.tan(math.pi * t.clamp(max=self.beta_clip_t) / 2)
         return math.pi * self.d**2 * u * (1 + u**2) / (1 + self.d**2 * u**2)
 
 
-def time_grid(steps: int, t_min: float) -> Tensor:
-    """steps + 1 times from 1 down to t_min (float64 so the grid is exact across devices)."""
-    if not isinstance(steps, int) or steps < 1:
+GRIDS: tuple[str, ...] = ("uniform", "power", "logsnr")
+POWER_GRID_EXPONENT = 1.5  # the "power" grid's rho: measured best of 0.7, 1, 1.5, 2 (docs/measurements/solvers-*.json)
+LOGSNR_GRID_T_MAX = 0.999  # the "logsnr" grid's first point after t = 1: lambda(1) = -inf cannot be spaced uniformly
+
+
+def time_grid(steps: int, t_min: float, kind: str = "uniform", schedule: TangentSchedule | None = None) -> Tensor:
+    """steps + 1 times from 1 down to t_min (float64 so the grid is exact across devices).
+
+    - ``uniform``: uniform in t (the authors' grid);
+    - ``power``: t = t_min + (1 - t_min) (1 - u)^rho for u uniform in [0, 1], rho = 1.5: steps shrink
+      toward t_min, where x0_hat changes fastest;
+    - ``logsnr``: 1, then uniform in lambda = log(alpha / sigma) from t = 0.999 to t_min (DPM-Solver's
+      grid, clipped at the top because lambda(1) = -inf); needs ``schedule``.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} is invalid; allowed: an integer >= 1")
     if not 0.0 < t_min < 1.0:
         raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
-    return torch.linspace(1.0, t_min, steps + 1, dtype=torch.float64)
+    if kind == "uniform":
+        return torch.linspace(1.0, t_min, steps + 1, dtype=torch.float64)
+    if kind == "power":
+        u = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
+        grid = t_min + (1 - t_min) * (1 - u) ** POWER_GRID_EXPONENT
+        grid[-1] = t_min  # exact end, whatever the rounding
+        return grid
+    if kind == "logsnr":
+        if schedule is None:
+            raise ValueError("the logsnr grid needs the schedule; pass schedule=")
+        top = max(LOGSNR_GRID_T_MAX, t_min)
+        ends = schedule.log_snr(torch.tensor([top, t_min], dtype=torch.float64))
+        interior = schedule.time_of_log_snr(torch.linspace(float(ends[0]), float(ends[1]), steps, dtype=torch.float64))
+        interior[-1] = t_min
+        return torch.cat([torch.ones(1, dtype=torch.float64), interior])
+    raise ValueError(f"grid={kind!r} is unknown; allowed: {', '.join(GRIDS)}")
 
 
 def forward_noise(schedule: TangentSchedule, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
@@ -127,40 +166,3 @@ def sample_seeds(seed: int, n: int) -> list[int]:
         raise ValueError(f"seed={seed!r} is invalid; allowed: an integer in [0, 2**63)")
     states = np.random.SeedSequence(seed).generate_state(n, dtype=np.uint64)
     return [int(s) >> 1 for s in states]
-
-
-DenoiseFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x_t, t, x0_prev) -> x0_hat
-
-
-def run_sampler(
-    denoise: DenoiseFn,
-    prior: Tensor,
-    draw_noise: Callable[[], Tensor],
-    grid: Tensor,
-    schedule: TangentSchedule,
-    sampler: str = "sde",
-    decode_final: str = "mean",
-    progress: bool = False,
-) -> Tensor:
-    """Integrate from the prior x_1 (B, N, D) along ``grid`` and return the latent to decode.
-
-    1. x0_prev = 0 (self-conditioning starts empty)
-    2. for each (t, t_next) in the grid: x0_hat = denoise(x_t, t, x0_prev), then one solver step,
-       then x0_prev = x0_hat
-    3. return the last mean x (``decode_final="mean"``) or the last x0_hat (``"x0"``)
-    """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler={sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
-    b = prior.shape[0]
-    x = x_mean = prior
-    x0_hat = torch.zeros_like(prior)
-    times = to_device(grid.to(prior.dtype), prior.device)  # once: indexing it later needs no copy
-    for i in tqdm(range(len(grid) - 1), desc="denoising", unit="step", disable=not progress):
-        t = times[i].expand(b)
-        t_next = times[i + 1].expand(b)
-        x0_hat = denoise(x, t, x0_hat)
-        if sampler == "sde":
-            x, x_mean = sde_step(schedule, x, x0_hat, t, t_next, draw_noise())
-        else:
-            x = x_mean = ddim_step(schedule, x, x0_hat, t, t_next)
-    return x_mean if decode_final == "mean" else x0_hat

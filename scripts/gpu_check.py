@@ -31,7 +31,7 @@ import torch
 
 import ldlm
 from ldlm.checkpoint import init_model, save_checkpoint, write_atomically
-from ldlm.config import LDLMConfig, preset
+from ldlm.config import SAMPLERS, LDLMConfig, preset
 from ldlm.device import DeviceError, resolve_device
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model import LDLM
@@ -227,16 +227,23 @@ def long_sample_stage(backends: dict[str, dict[str, GraphBackend]], tokenizer: T
                               "measures": "sample_latents + decode to token ids (host copy included), p50 of runs"}
     for name in ("compiled-bf16", "eager-bf16", "eager"):
         pipe = LDLMPipeline(BackendGraphs(backends[name]), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
-        for sampler in ("ddim", "sde") if name == "compiled-bf16" else ("ddim",):
+        # every solver at the target's step count on the fastest backend, and the server's default
+        # solver at the server's default step count (the row a request that names neither gets)
+        rows = [(sampler, steps) for sampler in SAMPLERS] if name == "compiled-bf16" else [("ddim", steps)]
+        if name == "compiled-bf16":
+            rows.append((config.default_sampler, config.default_steps))
+        for sampler, count in rows:
             def once() -> float:
                 start = time.perf_counter()
-                latents = pipe.sample_latents(1, length, steps, 0, sampler)
+                latents = pipe.sample_latents(1, length, count, 0, sampler)
                 ids = pipe.graphs.decode_tokens(latents, torch.ones(1, length, dtype=torch.bool, device=device)).cpu()
                 assert ids.shape == (1, length)
                 return 1000 * (time.perf_counter() - start)
             once()  # warm-up and capture
             times = [once() for _ in range(sizes["long_runs"] if name != "eager" else 2)]
-            result[f"{name}/{sampler}"] = {"p50_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2), "runs": len(times)}
+            key = f"{name}/{sampler}" if count == steps else f"{name}/{sampler}@{count} (server default)"
+            result[key] = {"p50_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2), "runs": len(times),
+                           "steps": count}
     return result
 
 

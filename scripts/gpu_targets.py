@@ -24,7 +24,9 @@ def _stage(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _long_sample(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "long_sample")
-    return s["compiled-bf16/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, compiled bf16; sde {s['compiled-bf16/sde']['p50_ms']} ms"
+    others = "; ".join(f"{key.split('/', 1)[1]} {entry['p50_ms']} ms" for key, entry in s.items()
+                       if key.startswith("compiled-bf16/") and key != "compiled-bf16/ddim")
+    return s["compiled-bf16/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, compiled bf16; {others}"
 
 
 def _tokens_per_s(r: dict[str, Any]) -> tuple[float, str]:

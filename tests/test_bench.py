@@ -17,7 +17,8 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     out = tmp_path / "bench"
     code = main(["bench", str(tiny_checkpoint), "--onnx-dir", str(export_dir), "--runs", "2", "--batches", "1,2", "--length", "16",
                  "--gen-n", "1", "--gen-steps", "2", "--workload-requests", "6", "--workload-rate", "200", "--max-batch", "4",
-                 "--workload-lengths", "16,4096", "--quiet", "--out", str(out)])
+                 "--workload-lengths", "16,4096", "--solvers", "ddim@30,ddim@3,dpm3m-psc@3", "--solver-reference-steps", "30",
+                 "--quiet", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     assert set(report["graphs"]) == {f"{g}/b{b}/L16" for g in ("encoder", "denoiser", "decoder") for b in (1, 2)}
@@ -38,5 +39,13 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     batching = report["batching"]
     assert batching["throughput_ratio"] == pytest.approx(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], rel=1e-2)
     assert batching["p99_ratio"] == pytest.approx(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], rel=1e-2)
+    assert batching["continuous_mixed_solvers"]["errors"] == 0 and batching["continuous_mixed_solvers"]["requests"] == 6
+    solvers = report["solvers"]["entries"]
+    assert report["solvers"]["reference"] == "ddim@30"
+    assert solvers["ddim@30"]["token_agreement"] == 1.0 and solvers["ddim@30"]["latent_rel_error"] == 0.0  # the reference itself
+    assert 0 < solvers["ddim@3"]["latent_rel_error"] and solvers["dpm3m-psc@3"]["latent_rel_error"] < solvers["ddim@3"]["latent_rel_error"]
+    for entry in solvers.values():
+        assert entry["ms_per_sample"] == pytest.approx(1000 * entry["p50_s"] / report["solvers"]["n"], rel=1e-2)
     assert (out / "bench.png").stat().st_size > 1000
-    assert "mixed arrivals: continuous" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mixed arrivals: continuous" in printed and "dpm3m-psc@3" in printed

@@ -77,7 +77,7 @@ def test_percentile_and_summary_lines() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([5.0], 99) == 5.0
     report = {"graphs": {"encoder/b1/L8": {"eager": {"p50_ms": 4.0}, "ort": {"p50_ms": 1.0, "speedup_vs_eager": 4.0}}},
-              "generation": {"ort": {"tokens_per_s": 12.5, "n": 1, "length": 8, "steps": 2}},
+              "generation": {"ort": {"tokens_per_s": 12.5, "n": 1, "length": 8, "steps": 2, "sampler": "ddim"}},
               "batching": {"continuous": {"tokens_per_s": 30, "latency_p99_s": 1.0}, "static": {"tokens_per_s": 10, "latency_p99_s": 2.0},
                            "throughput_ratio": 3.0}}
     lines = bench_summary(report)
@@ -107,3 +107,14 @@ def test_workload_step_range_and_lengths_used_are_what_mixed_workload_draws() ->
     assert workload_lengths_used(config, (16, 4096, 64)) == [16, 64]
     assert workload_lengths_used(config, (4096,)) == [128]
     assert {x.request.length for x in mixed_workload(config, 50, 10.0, lengths=(4096,))} == {128}
+
+
+def test_busy_machine_warning_names_the_load_and_a_thread_count() -> None:
+    from ldlm.serve.checks.bench import busy_machine_warning
+
+    assert busy_machine_warning(2, load_average=0.1, cpus=2) is None  # quiet: the bench's own 2 threads fit
+    assert busy_machine_warning(1, load_average=1.2, cpus=2) is None
+    warning = busy_machine_warning(2, load_average=2.0, cpus=2)
+    assert warning is not None and "load average 2.0 on 2 CPUs" in warning and "--threads 1" in warning
+    assert busy_machine_warning(4, load_average=3.0, cpus=8) is None
+    assert "--threads 5" in busy_machine_warning(8, load_average=3.0, cpus=8)  # type: ignore[operator]

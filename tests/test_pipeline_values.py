@@ -3,6 +3,7 @@ never change a sequence's result (encode, decode, reconstruct)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ldlm.model import LDLM
@@ -101,3 +102,11 @@ def test_bucket_boundaries(pipeline: LDLMPipeline) -> None:
     bucketed = LDLMPipeline(pipeline.graphs, pipeline.tokenizer, config=pipeline.config, buckets=(8, 16))
     assert [bucketed.bucket_length(n) for n in (1, 8, 9, 16, 17, 128)] == [8, 8, 16, 16, 17, 128]
     assert pipeline.bucket_length(5) == 5  # no buckets: no padding
+
+
+def test_a_bare_string_is_refused_not_split_into_characters(pipeline) -> None:
+    """reconstruct("hello") once returned five texts, one per character; a list of one text is what works."""
+    for call in (pipeline.reconstruct, pipeline.encode):
+        with pytest.raises(TypeError, match=r"inputs is the string 'hello'; allowed: a list of texts or token-id lists, e.g. \['hello'\]"):
+            call("hello")
+    assert len(pipeline.reconstruct(["hello"]).texts) == 1

@@ -11,10 +11,10 @@ from ldlm.sampler import (
     NoiseStream,
     TangentSchedule,
     ddim_step,
-    run_sampler,
     sample_seeds,
     time_grid,
 )
+from ldlm.solvers import run_sampler
 
 SCHEDULE = TangentSchedule(d=3.0, beta_clip_t=0.95)
 F64 = torch.float64

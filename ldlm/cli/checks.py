@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ldlm.cli.options import device_options, positive_int, positive_int_list
+from ldlm.config import SAMPLERS
 
 
 def _cmd_parity(args: argparse.Namespace) -> None:
@@ -14,7 +16,8 @@ def _cmd_parity(args: argparse.Namespace) -> None:
 
     source = {"trt": args.engine_dir, "ort": args.onnx_dir}.get(args.backend)  # torch backends run the checkpoint
     report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed,
-                        steps=args.steps, progress=not args.quiet, device=args.device, provider=args.provider)
+                        steps=args.steps, progress=not args.quiet, device=args.device, provider=args.provider,
+                        sampler=args.sampler)
     files = write_parity_report(report, args.out)
     for comparison in [*report.graphs, *report.layer_norms]:
         if args.verbose or not comparison.passed:
@@ -60,13 +63,17 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
 def _cmd_bench(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ldlm.serve.checks.bench import bench_summary, plot_bench, run_bench
+    from ldlm.serve.checks.bench import bench_summary, busy_machine_warning, parse_solver_specs, plot_bench, run_bench
 
+    warning = busy_machine_warning(args.threads)
+    if warning:
+        print(f"ldlm bench: warning: {warning}", file=sys.stderr)
     report = run_bench(
         args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, args.batches,
         args.length, args.runs, args.threads, args.gen_n, args.gen_steps, args.workload_requests, args.workload_rate,
         args.workload_backend, args.max_batch, progress=not args.quiet, workload_lengths=args.workload_lengths,
-        device=args.device, precision=args.precision, provider=args.provider,
+        device=args.device, precision=args.precision, provider=args.provider, gen_sampler=args.gen_sampler,
+        solver_specs=parse_solver_specs(args.solvers), solver_reference_steps=args.solver_reference_steps,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,6 +106,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the generation noise")
     p.add_argument("--steps", type=positive_int, default=10, help="sampler steps of the end-to-end check (default: 10)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="ddim",
+                   help="solver of the end-to-end check; both sides draw the same CPU noise (default: ddim)")
     p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_parity)
@@ -141,6 +150,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, default=2, help="threads for torch and ONNX Runtime (default: 2)")
     p.add_argument("--gen-n", type=positive_int, default=4, help="samples per generation run (default: 4)")
     p.add_argument("--gen-steps", type=positive_int, default=10, help="steps per generation run (default: 10)")
+    p.add_argument("--gen-sampler", choices=SAMPLERS, default="ddim", help="solver of the generation runs (default: ddim)")
+    p.add_argument("--solvers", default="ddim@50,dpm3m-psc@20,dpm3m-psc@15",
+                   help="NAME@STEPS list: latency per sample beside token agreement and latent error against a long "
+                        "DDIM run, side by side on the workload backend; '' skips (default: ddim@50,dpm3m-psc@20,dpm3m-psc@15)")
+    p.add_argument("--solver-reference-steps", type=positive_int, default=500,
+                   help="DDIM steps of the solvers' reference (default: 500)")
     p.add_argument("--workload-requests", type=int, default=60, help="requests in the mixed-arrival workload; 0 skips it (default: 60)")
     p.add_argument("--workload-rate", type=float, default=20.0, help="mean arrivals per second (default: 20)")
     p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")

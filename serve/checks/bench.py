@@ -7,6 +7,7 @@ median (p50) or p99 over ``runs`` runs. Results go to JSON, with PNG charts.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -20,6 +21,7 @@ from ldlm.config import LDLMConfig
 from ldlm.pipeline import LDLMPipeline, check_length
 from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.solvers import get_solver
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -87,20 +89,74 @@ def bench_graphs(
     return results
 
 
-def bench_generation(pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int) -> dict[str, Any]:
+def busy_machine_warning(threads: int, load_average: float | None = None, cpus: int | None = None) -> str | None:
+    """A warning when other work already keeps the CPUs busy: then ``threads`` threads per backend
+    oversubscribe the machine and timings, and their ratios, are noise (eager slows far more than ONNX
+    Runtime). None on a quiet machine."""
+    load = os.getloadavg()[0] if load_average is None else load_average
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    if load + threads <= cpus + 0.5:
+        return None
+    return (f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} threads; "
+            f"timings will be noisy and oversubscribed (try --threads {max(1, cpus - round(load))} or a quiet machine)")
+
+
+def bench_generation(pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int,
+                     sampler: str = "ddim") -> dict[str, Any]:
     results = {}
     times: dict[str, list[float]] = {name: [] for name in pipelines}
     for pipe in pipelines.values():
-        pipe.generate(n, length, 2, 0, "ddim")  # warm-up
+        pipe.generate(n, length, 2, 0, sampler)  # warm-up
     for run in range(runs):
         for name, pipe in pipelines.items():
             start = time.perf_counter()
-            pipe.generate(n, length, steps, run, "ddim")
+            pipe.generate(n, length, steps, run, sampler)
             times[name].append(time.perf_counter() - start)
     for name, values in times.items():
         p50 = statistics.median(values)
-        results[name] = {"p50_s": round(p50, 6), "tokens_per_s": round(n * length / p50, 2), "n": n, "length": length, "steps": steps}
+        results[name] = {"p50_s": round(p50, 6), "tokens_per_s": round(n * length / p50, 2), "n": n, "length": length,
+                         "steps": steps, "sampler": sampler}
     return results
+
+
+def parse_solver_specs(text: str) -> list[tuple[str, int]]:
+    """'ddim@50,dpm3m-psc@20' -> [('ddim', 50), ('dpm3m-psc', 20)], each name checked."""
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, steps = item.partition("@")
+        get_solver(name)
+        if not steps.isdigit() or int(steps) < 1:
+            raise ValueError(f"solver spec {item!r} is invalid; allowed: NAME@STEPS with STEPS an integer >= 1")
+        specs.append((name, int(steps)))
+    return specs
+
+
+def bench_solvers(pipeline: LDLMPipeline, specs: Sequence[tuple[str, int]], n: int, length: int, runs: int,
+                  reference_steps: int) -> dict[str, Any]:
+    """Latency per sample beside agreement, solver by solver, in one run: each ``(sampler, steps)`` is
+    timed (p50 of ``runs``, specs alternating) and compared with DDIM at ``reference_steps`` from the same
+    seeds (token agreement and the final latent's relative L2 error). The cheapest spec that agrees as
+    well as the most expensive one is what a server should default to."""
+    reference = pipeline.sample_latents(n, length, reference_steps, 0, "ddim")
+    reference_tokens = pipeline.decode(reference).token_ids
+    entries: dict[str, dict[str, Any]] = {}
+    for sampler, steps in specs:  # quality, and the warm-up of the timing
+        latents = pipeline.sample_latents(n, length, steps, 0, sampler)
+        entries[f"{sampler}@{steps}"] = {
+            "sampler": sampler, "steps": steps,
+            "token_agreement": round(float((pipeline.decode(latents).token_ids == reference_tokens).float().mean()), 4),
+            "latent_rel_error": round(float((latents - reference).norm() / reference.norm()), 5),
+        }
+    times: dict[str, list[float]] = {key: [] for key in entries}
+    for run in range(runs):
+        for sampler, steps in specs:
+            start = time.perf_counter()
+            pipeline.generate(n, length, steps, run, sampler)
+            times[f"{sampler}@{steps}"].append(time.perf_counter() - start)
+    for key, values in times.items():
+        p50 = statistics.median(values)
+        entries[key].update(p50_s=round(p50, 6), ms_per_sample=round(1000 * p50 / n, 3))
+    return {"reference": f"ddim@{reference_steps}", "n": n, "length": length, "runs": runs, "entries": entries}
 
 
 @dataclass(frozen=True)
@@ -119,16 +175,16 @@ def workload_lengths_used(config: LDLMConfig, lengths: Sequence[int]) -> list[in
 
 
 def mixed_workload(config: LDLMConfig, requests: int, rate_per_s: float, seed: int = 0,
-                   lengths: Sequence[int] = (16, 32, 64, 128)) -> list[Arrival]:
+                   lengths: Sequence[int] = (16, 32, 64, 128), samplers: Sequence[str] = ("ddim",)) -> list[Arrival]:
     """Poisson arrivals of requests with mixed lengths (``workload_lengths_used``) and WORKLOAD_STEPS
-    steps (a seeded, fixed list)."""
+    steps (a seeded, fixed list); request i uses ``samplers[i % len(samplers)]``."""
     gen = np.random.default_rng(seed)
     lengths = workload_lengths_used(config, lengths)
     at = np.cumsum(gen.exponential(1 / rate_per_s, requests))
     low, high = WORKLOAD_STEPS
     return [
         Arrival(float(t), GenerateRequest(n=1, length=int(gen.choice(lengths)), steps=int(gen.integers(low, high + 1)),
-                                          seed=i, sampler="ddim"))
+                                          seed=i, sampler=samplers[i % len(samplers)]))
         for i, t in enumerate(at)
     ]
 
@@ -195,6 +251,9 @@ def run_bench(
     device: str = "cpu",
     precision: str = "fp32",
     provider: str = "cpu",
+    gen_sampler: str = "ddim",
+    solver_specs: Sequence[tuple[str, int]] = (),
+    solver_reference_steps: int = 500,
 ) -> dict[str, Any]:
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
     The torch backends (eager, compiled) run on ``device`` in ``precision``; ort on ``provider``."""
@@ -227,16 +286,27 @@ def run_bench(
             pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, getattr(graphs["denoiser"], "device", "cpu"),
                                            config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
         report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__,
-                                  "config_sha256": config.config_hash()}
+                                  "config_sha256": config.config_hash(), "load_average_1m": round(os.getloadavg()[0], 2),
+                                  "cpus": os.cpu_count()}
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
-        report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3))
+        report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler)
+        chosen = workload_backend if workload_backend in pipelines else backends[-1]
+        if solver_specs:
+            report["solvers"] = bench_solvers(pipelines[chosen], solver_specs, gen_n, min(length, 64), max(3, runs // 3),
+                                              solver_reference_steps)
+            report["solvers"]["backend"] = chosen
         if workload_requests > 0:
-            chosen = workload_backend if workload_backend in pipelines else backends[-1]
             workload = mixed_workload(config, workload_requests, workload_rate, lengths=workload_lengths)
             batching: dict[str, Any] = {"backend": chosen, "max_batch": max_batch, "rate_per_s": workload_rate,
                                         "requests": workload_requests, "lengths": workload_lengths_used(config, workload_lengths)}
             for policy in ("static", "continuous"):
                 batching[policy] = run_workload(pipelines[chosen], workload, policy, max_batch)
+            # The same arrivals, each request with another solver (cycling): one batch holds several solvers.
+            mixed = mixed_workload(config, workload_requests, workload_rate, lengths=workload_lengths,
+                                   samplers=("ddim", "dpm3m-psc", "dpm2m", "sde"))
+            batching["continuous_mixed_solvers"] = run_workload(pipelines[chosen], mixed, "continuous", max_batch)
+            batching["mixed_solvers_throughput_ratio"] = round(
+                batching["continuous_mixed_solvers"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"], 3)
             batching["throughput_ratio"] = round(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], 3)
             batching["p99_ratio"] = round(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], 3)
             report["batching"] = batching
@@ -252,11 +322,21 @@ def bench_summary(report: dict[str, Any]) -> list[str]:
         cells = ", ".join(f"{b} p50 {v['p50_ms']:.2f} ms" + (f" (x{v['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in v else "") for b, v in entry.items())
         lines.append(f"{key:22s} {cells}")
     for name, entry in report["generation"].items():
-        lines.append(f"generate {name}: {entry['tokens_per_s']:.1f} tokens/s ({entry['n']} x {entry['length']}, {entry['steps']} steps)")
+        lines.append(f"generate {name}: {entry['tokens_per_s']:.1f} tokens/s ({entry['n']} x {entry['length']}, "
+                     f"{entry['steps']} steps of {entry['sampler']})")
+    if "solvers" in report:
+        solvers = report["solvers"]
+        lines.append(f"solvers on {solvers['backend']} against {solvers['reference']} ({solvers['n']} x {solvers['length']}):")
+        for key, entry in solvers["entries"].items():
+            lines.append(f"  {key:16s} {entry['ms_per_sample']:9.2f} ms/sample  tokens {100 * entry['token_agreement']:5.1f}%  "
+                         f"latent error {entry['latent_rel_error']:.4f}")
     if "batching" in report:
         b = report["batching"]
         lines.append(f"mixed arrivals: continuous {b['continuous']['tokens_per_s']} vs static {b['static']['tokens_per_s']} tokens/s "
                      f"(x{b['throughput_ratio']}), p99 {b['continuous']['latency_p99_s']} vs {b['static']['latency_p99_s']} s")
+        if "mixed_solvers_throughput_ratio" in b:
+            lines.append(f"mixed solvers in one batch: {b['continuous_mixed_solvers']['tokens_per_s']} tokens/s "
+                         f"(x{b['mixed_solvers_throughput_ratio']} of one solver)")
     return lines
 
 
@@ -288,7 +368,10 @@ def bench_figure(report: dict[str, Any], plt: Any) -> Any:
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], keys, rotation=30, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("p50 latency (ms)")
-    ax.legend(title="backend")
+    # headroom above the tallest bar for the legend, which would otherwise cover it (log axis: x 6)
+    tallest = max((v.get("p50_ms", 0) for entry in graphs.values() for v in entry.values()), default=1.0)
+    ax.set_ylim(top=max(tallest, 1e-3) * 6)
+    ax.legend(title="backend", loc="upper left", ncols=max(1, len(backends)), fontsize=8)
     ax.set_title("graph latency per call (graph/batch/length)\nlog scale: bars do not start at 0", fontsize=10)
     if policies:
         colors = {"static": "tab:gray", "continuous": "tab:green"}

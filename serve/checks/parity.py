@@ -227,9 +227,10 @@ def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResul
     return results
 
 
-def eager_tokens(model: LDLM, tokenizer: TextTokenizer, n: int, length: int, steps: int, seed: int) -> torch.Tensor:
-    """The reference samples: CPU fp32 eager, the deterministic sampler (ddim)."""
-    return LDLMPipeline(model, tokenizer).generate(n, length, steps, seed, "ddim").token_ids
+def eager_tokens(model: LDLM, tokenizer: TextTokenizer, n: int, length: int, steps: int, seed: int,
+                 sampler: str = "ddim") -> torch.Tensor:
+    """The reference samples: CPU fp32 eager, with ``sampler`` (its noise drawn on the CPU)."""
+    return LDLMPipeline(model, tokenizer).generate(n, length, steps, seed, sampler).token_ids
 
 
 def compare_with_eager(
@@ -244,10 +245,11 @@ def compare_with_eager(
     length: int = 32,
     reference_tokens: torch.Tensor | None = None,
     after_graph: Callable[[ParityReport, str, EagerBackend, dict[str, dict[str, np.ndarray]]], None] | None = None,
+    sampler: str = "ddim",
 ) -> ParityReport:
     """Levels 1 and 3 against CPU fp32 eager on ``model``: every output of ``graphs`` on the input sets
     of ``seed``, then the token agreement of ``n`` samples of ``length`` tokens (capped by the config)
-    after ``steps`` deterministic steps, sampled on the graphs' device from the reference's CPU noise.
+    after ``steps`` steps of ``sampler``, sampled on the graphs' device from the reference's CPU noise.
     ``after_graph(report, name, eager, sets)`` runs after each graph (run_parity compares its
     LayerNorms there, into ``report``); ``reference_tokens`` (from ``eager_tokens``) spares generating the reference again when
     several candidates are checked."""
@@ -264,11 +266,12 @@ def compare_with_eager(
             after_graph(report, name, eager[name], sets)
     length = min(length, model.config.max_seq_len)
     if reference_tokens is None:
-        reference_tokens = eager_tokens(model, tokenizer, n, length, steps, seed)
+        reference_tokens = eager_tokens(model, tokenizer, n, length, steps, seed, sampler)
     # Sampled on the backend's device with the reference's CPU noise: only the graphs differ.
     device = getattr(graphs["denoiser"], "device", "cpu")
     pipe = LDLMPipeline(BackendGraphs(dict(graphs)), tokenizer, device, config=model.config, noise_device="cpu")
-    candidate = pipe.generate(n, length, steps, seed, "ddim").token_ids
+    candidate = pipe.generate(n, length, steps, seed, sampler).token_ids
+    report.notes.append(f"end-to-end generation: {n} x {length} tokens, {steps} steps of the {sampler} sampler")
     report.token_agreement = float((reference_tokens == candidate).float().mean())
     return report
 
@@ -284,6 +287,7 @@ def run_parity(
     progress: bool = False,
     device: str = "cpu",
     provider: str = "cpu",
+    sampler: str = "ddim",
 ) -> ParityReport:
     """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
     checkpoint itself when ``source`` is None; eager and compiled run the checkpoint on ``device``
@@ -320,7 +324,8 @@ def run_parity(
             bar.update()
 
         bar.set_postfix_str("graphs, then end-to-end generation")
-        report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms)
+        report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms,
+                                    sampler=sampler)
         report.verification = verification
         if manifest is None or precision != "fp32":
             report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 graphs only")

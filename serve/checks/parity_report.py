@@ -33,7 +33,7 @@ def markdown(report: ParityReport) -> str:
         f"Reference: eager PyTorch. An element fails when its error exceeds atol {report.atol:g} and rtol {report.rtol:g}.",
         f"Providers that ran: {', '.join(f'{g}: {p}' for g, p in report.providers.items())}.",
         "",
-        f"End to end (deterministic sampler, same seed and noise): token agreement {100 * (report.token_agreement or 0):.2f}% "
+        f"End to end (same solver, seed and noise on both sides): token agreement {100 * (report.token_agreement or 0):.2f}% "
         f"(required {100 * report.token_agreement_required:.0f}%).",
         "",
     ]
@@ -44,13 +44,16 @@ def markdown(report: ParityReport) -> str:
             continue
         lines += [f"## {title}", "", "| output | result | max abs | p99 abs | max rel | cosine min | failed | min atol to pass | NaN/Inf |",
                   "|---|---|---|---|---|---|---|---|---|"]
+        footnote = ("An element passes when its abs error is within atol or its rel error within rtol, so a passing row "
+                    "can show a large max rel: it comes from reference values near 0 (rel = abs / |reference|), where atol "
+                    "decides.")
         for c in rows:
             lines.append(
                 f"| `{c.name}` | {'pass' if c.passed else '**FAIL**'} | {c.max_abs:.3g} | {c.p99_abs:.3g} | {c.max_rel:.3g} | "
                 f"{c.cosine_min:.6f} | {c.failed_elements}/{c.elements} | {c.min_atol_to_pass:.3g} | "
                 f"{c.nonfinite_reference}/{c.nonfinite_candidate} |"
             )
-        lines.append("")
+        lines += ["", footnote, ""]
     if report.first_divergence:
         lines += [f"First divergence (bisect): {report.first_divergence}", ""]
     if report.verification:

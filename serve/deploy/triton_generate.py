@@ -2,11 +2,11 @@
 ``decoder`` models of the same repository through BLS.
 
 ``ldlm triton-repo`` copies this file to ``ldlm_generate/1/model.py``. The sampler is not copied:
-the loop is ``ldlm.sampler.run_sampler`` with the same per-sample noise streams as our runner,
+the loop is ``ldlm.solvers.run_sampler`` with the same per-sample noise streams as our runner,
 so a seed gives the runner's tokens. The ``ldlm`` package must be importable in Triton's Python
 environment (see docs/scale-out.md).
 
-Inputs (one request each): N (1..max_n), LENGTH, STEPS (1..max_steps), SEED (INT64 [1]), SAMPLER (BYTES [1], "sde"|"ddim"),
+Inputs (one request each): N (1..max_n), LENGTH, STEPS (1..max_steps), SEED (INT64 [1]), SAMPLER (BYTES [1], a name of ldlm.solvers.SOLVERS; default: the config's default_sampler),
 optional T_MIN (FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
 """
 
@@ -22,7 +22,8 @@ import torch
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
 
 from ldlm.config import LDLMConfig
-from ldlm.sampler import SAMPLERS, NoiseStream, TangentSchedule, run_sampler, sample_seeds, time_grid
+from ldlm.sampler import NoiseStream, TangentSchedule, sample_seeds
+from ldlm.solvers import SOLVERS, get_solver, run_sampler
 from ldlm.tokenizer import TextTokenizer
 
 
@@ -72,16 +73,16 @@ class TritonPythonModel:
 
         cfg = self.config
         n, length, steps, seed = int(scalar("N")), int(scalar("LENGTH")), int(scalar("STEPS")), int(scalar("SEED", 0))
-        sampler, t_min = scalar("SAMPLER", "sde"), float(scalar("T_MIN", cfg.t_min))
+        sampler, t_min = scalar("SAMPLER", cfg.default_sampler), float(scalar("T_MIN", cfg.t_min))
         if not 1 <= n <= self.max_n:
             raise ValueError(f"N={n} is out of range; allowed: 1..{self.max_n}")
         if not 1 <= length <= cfg.max_seq_len:
             raise ValueError(f"LENGTH={length} is out of range; allowed: 1..{cfg.max_seq_len}")
         if not 1 <= steps <= self.max_steps:
             raise ValueError(f"STEPS={steps} is out of range; allowed: 1..{self.max_steps}")
-        if sampler not in SAMPLERS:
-            raise ValueError(f"SAMPLER={sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
-        grid = time_grid(steps, t_min)
+        if sampler not in SOLVERS:
+            raise ValueError(f"SAMPLER={sampler!r} is unknown; allowed: {', '.join(SOLVERS)}")
+        grid = get_solver(sampler).time_grid(steps, t_min, self.schedule)
         streams = [NoiseStream(s, (length, cfg.d_model)) for s in sample_seeds(seed, n)]
         mask = np.ones((n, length), dtype=np.int64)
         chunk = self.bls_max_batch or n

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.sampler import SAMPLERS, NoiseStream, ddim_step, sample_seeds, sde_step, time_grid, to_device
+from ldlm.sampler import NoiseStream, sample_seeds, to_device
+from ldlm.solvers import Solver, get_solver, push_past
 
 log = logging.getLogger("ldlm.serve")
 Policy = Literal["continuous", "static"]
@@ -52,7 +53,7 @@ class GenerateRequest:
     length: int
     steps: int
     seed: int = 0
-    sampler: str = "sde"
+    sampler: str | None = None  # None: the config's default_sampler
     t_min: float | None = None
 
 
@@ -73,11 +74,14 @@ class _Request:
 class _Sample:
     request: _Request
     index: int
+    solver: Solver
     grid: Tensor  # (steps + 1,) float32 on the pipeline's device
     stream: NoiseStream
     x: Tensor  # (L, D)
     x_mean: Tensor
-    x0_hat: Tensor
+    x0_hat: Tensor  # the denoiser's last output (previews, decode_final="x0")
+    x0_prev: Tensor  # the self-conditioning input of the next denoiser call
+    past: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # the solver's (x0_hat (L, D), lambda ()), newest first
     step: int = 0
     prefix_noise: NoiseStream | None = None  # the forward noise of the inpainted prefix
 
@@ -101,6 +105,7 @@ class GenerationScheduler:
         self._stopping = False
         self.observer = observer  # (batch size, 0, compute seconds) per denoiser call, for metrics
         self.denoiser_calls = 0
+        self._missing = torch.tensor(float("nan"), dtype=torch.float64, device=pipeline.device)  # a past step not taken
         self.samples_stepped = 0
         self._thread = threading.Thread(target=self._loop, name="ldlm-generation", daemon=True)
         if start:
@@ -122,9 +127,9 @@ class GenerationScheduler:
         if not isinstance(spec.n, int) or spec.n < 1:
             raise ValueError(f"n={spec.n!r} is out of range; allowed: an integer >= 1")
         self.pipeline.check_length(spec.length)
-        if spec.sampler not in SAMPLERS:
-            raise ValueError(f"sampler={spec.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
-        grid = to_device(time_grid(spec.steps, cfg.t_min if spec.t_min is None else spec.t_min).float(), self.pipeline.device)
+        solver = get_solver(cfg.default_sampler if spec.sampler is None else spec.sampler)
+        t_min = cfg.t_min if spec.t_min is None else spec.t_min
+        grid = to_device(solver.time_grid(spec.steps, t_min, self.pipeline.schedule).float(), self.pipeline.device)
         if prefix is not None and not (prefix.ndim == 2 and prefix.shape[0] < spec.length and prefix.shape[1] == cfg.d_model):
             raise ValueError(f"prefix has shape {tuple(prefix.shape)}; allowed: (P, {cfg.d_model}) with P < length={spec.length}")
         if preview_every < 0:
@@ -137,7 +142,8 @@ class GenerationScheduler:
             stream = NoiseStream(seed, (spec.length, cfg.d_model), self.pipeline.noise_device)
             prior = stream.draw().to(self.pipeline.device)
             prefix_noise = None if prefix is None else NoiseStream(seed ^ 1, tuple(prefix.shape), self.pipeline.noise_device)
-            samples.append(_Sample(request, i, grid, stream, prior, prior, torch.zeros_like(prior), prefix_noise=prefix_noise))
+            zeros = torch.zeros_like(prior)
+            samples.append(_Sample(request, i, solver, grid, stream, prior, prior, zeros, zeros, prefix_noise=prefix_noise))
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the scheduler is shut down")
@@ -222,23 +228,20 @@ class GenerationScheduler:
         t_next = torch.stack([s.grid[s.step + 1] for s in batch])
         x = stack([s.x for s in batch])
         started = time.perf_counter()
-        x0_hat = pipe.graphs.denoise(x, t, stack([s.x0_hat for s in batch]), mask)
+        x0_hat = pipe.graphs.denoise(x, t, stack([s.x0_prev for s in batch]), mask)
         if self.observer is not None:
             self.observer(len(batch), 0.0, time.perf_counter() - started)
         self.denoiser_calls += 1
         self.samples_stepped += len(batch)
-        stochastic = [s.request.spec.sampler == "sde" for s in batch]
-        x_next = x_mean = x_ddim = None
-        if any(stochastic):  # only the solvers some sample uses
-            noise = stack([s.stream.draw() if sde else torch.zeros_like(s.x) for s, sde in zip(batch, stochastic)])
-            x_next, x_mean = sde_step(pipe.schedule, x, x0_hat, t, t_next, noise)
-        if not all(stochastic):
-            x_ddim = ddim_step(pipe.schedule, x, x0_hat, t, t_next)
+        # One solver step per solver in the batch, each over its own rows and their own pasts.
+        by_solver: dict[str, list[int]] = {}
+        for i, sample in enumerate(batch):
+            by_solver.setdefault(sample.solver.name, []).append(i)
+        for rows in by_solver.values():
+            index = slice(None) if len(by_solver) == 1 else to_device(torch.tensor(rows), pipe.device)
+            self._solver_step([batch[i] for i in rows], index, x, x0_hat, t, t_next, stack)
         finished = []
-        for i, (sample, sde, n) in enumerate(zip(batch, stochastic, lengths)):
-            sample.x = (x_next if sde else x_ddim)[i, :n]  # type: ignore[index]
-            sample.x_mean = (x_mean if sde else x_ddim)[i, :n]  # type: ignore[index]
-            sample.x0_hat = x0_hat[i, :n]
+        for sample in batch:
             sample.step += 1
             if sample.step == len(sample.grid) - 1:
                 finished.append(sample)
@@ -249,6 +252,25 @@ class GenerationScheduler:
                     log.exception("preview hook failed; its request ends with the error")
                     resolve_future(sample.request.future, error=error)
         return finished
+
+    def _solver_step(self, group: list[_Sample], rows: Tensor | slice, x: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor,
+                     stack: Callable[[list[Tensor]], Tensor]) -> None:
+        """The solver step of the samples in ``group`` (one solver; their rows of the batch)."""
+        solver, schedule = group[0].solver, self.pipeline.schedule
+        x_g, x0_g, t_g, t_next_g = x[rows], x0_hat[rows], t[rows], t_next[rows]
+        past = []
+        for k in range(solver.history):  # a sample with fewer past steps gets a missing (NaN) lambda there
+            past.append((stack([s.past[k][0] if k < len(s.past) else torch.zeros_like(s.x) for s in group]),
+                         torch.stack([s.past[k][1] if k < len(s.past) else self._missing for s in group])))
+        noise = stack([s.stream.draw() for s in group]) if solver.stochastic else None
+        result = solver.step(schedule, x_g, x0_g, t_g, t_next_g, past, noise)
+        lam = schedule.log_snr(t_g) if solver.history else None
+        for i, sample in enumerate(group):
+            n = sample.x.shape[0]
+            sample.x, sample.x_mean = result.x[i, :n], result.x_mean[i, :n]
+            sample.x0_hat, sample.x0_prev = x0_g[i, :n], result.x0_prev[i, :n]
+            if lam is not None:
+                sample.past = push_past(sample.past, sample.x0_hat, lam[i], solver.history)
 
     def _finish(self, finished: list[_Sample]) -> None:
         """Record finished samples; decode every request they complete in one decoder call."""
