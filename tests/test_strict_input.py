@@ -13,6 +13,7 @@ pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
 
+from ldlm.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.schemas import request_models  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
@@ -44,7 +45,8 @@ def client(server: RunningServer):
     ("/v1/generate", {"t_min": 5}, "t_min: 5 is out of range; allowed: a number in (0, 1), both ends excluded"),
     ("/v1/generate", {"t_min": 0}, "t_min: 0 is out of range; allowed: a number in (0, 1), both ends excluded"),
     ("/v1/generate", {"stream": 1}, "stream: 1 is not a boolean; allowed: true or false"),
-    ("/v1/generate", {"sampler": "euler"}, "sampler: \"euler\" is unknown; allowed: 'sde' or 'ddim'"),
+    ("/v1/generate", {"sampler": "euler"}, "sampler: \"euler\" is unknown; allowed: "  # every name in ldlm.config.SAMPLERS
+     + ", ".join(repr(name) for name in SAMPLERS[:-1]) + f" or {SAMPLERS[-1]!r}"),
     ("/v1/generate", {"temprature": 0.5}, f"unknown field 'temprature'; allowed: {GENERATE_FIELDS}"),
     ("/v1/generate", {"n": 1, "lenght": 8, "step": 2}, f"unknown fields 'lenght', 'step'; allowed: {GENERATE_FIELDS}"),
     ("/v1/reconstruct", {"texts": [""]}, "texts[0]: \"\" is empty; allowed: a non-empty text"),  # was a 400, [] a 422
