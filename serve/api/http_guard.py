@@ -46,7 +46,16 @@ class HTTPError(Exception):
 
 
 class GuardMiddleware:
-    OPEN_PATHS = ("/v2/health/",)
+    # Open without the key: the health probes, and what a browser needs to show the playground and
+    # /docs (the page, Swagger UI's assets, the schema /docs renders). Every route that runs the
+    # model or tells about it (/v1, /v2 infer and metadata, /metrics) needs the key; the playground
+    # sends the one typed into it.
+    OPEN_PATHS = frozenset({"/", "/docs", "/openapi.json"})
+    OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")
+
+    @classmethod
+    def is_open(cls, path: str) -> bool:
+        return path in cls.OPEN_PATHS or path.startswith(cls.OPEN_PREFIXES)
 
     def __init__(self, app: Any, service: "LDLMService") -> None:
         self.app, self.service = app, service
@@ -72,7 +81,7 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            if self.expected_auth is not None and not scope["path"].startswith(self.OPEN_PATHS):
+            if self.expected_auth is not None and not self.is_open(scope["path"]):
                 given = headers.get("authorization", "").encode("latin-1")
                 if not hmac.compare_digest(given, self.expected_auth):  # no timing hint about the key
                     return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"},
