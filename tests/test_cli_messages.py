@@ -213,3 +213,56 @@ def test_ctrl_c_during_a_real_export(tiny_checkpoint: Path, tmp_path: Path) -> N
     lines = [line for line in rest.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
     assert lines == ["ldlm export: interrupted"], rest[-3000:]
     assert not out.exists()
+
+
+def serve_process(source: Path, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-P", "-m", "ldlm.cli", "serve", str(source), "--port", str(port), "--log-level", "warning"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True)
+
+
+def first_line(stream, timeout_s: float) -> str:
+    """The first line of a child's pipe, or '' when none comes within ``timeout_s`` (the child keeps running)."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline() if ready else ""
+
+
+def test_serve_says_what_it_prepares_and_ctrl_c_stops_it_in_one_line(tiny_checkpoint: Path) -> None:
+    """A checkpoint served by ONNX Runtime is exported first (tens of seconds): the person waiting is told
+    so while it happens (nothing listens yet), and Ctrl-C then ends it with one line and 130."""
+    import httpx
+
+    from tests.servers import free_port
+
+    port = free_port()
+    process = serve_process(tiny_checkpoint, port)
+    try:
+        first = first_line(process.stderr, 60)
+        assert first.startswith(f"ldlm serve: exporting the checkpoint {tiny_checkpoint} to ONNX first"), first
+        with pytest.raises(httpx.TransportError):  # told while preparing: not serving yet
+            httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=2)
+        process.send_signal(signal.SIGINT)
+        _, rest = process.communicate(timeout=120)
+        assert process.returncode == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+    lines = [line for line in rest.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+    assert lines == ["ldlm serve: interrupted"], rest[-3000:]
+
+
+def test_serve_reports_loading_then_ready(export_dir: Path) -> None:
+    from tests.servers import free_port, wait_ready
+
+    port = free_port()
+    process = serve_process(export_dir, port)
+    try:
+        wait_ready(process, f"http://127.0.0.1:{port}", 120)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert err.splitlines()[:2] == [f"ldlm serve: loading the graphs of {export_dir} (ort)", "ldlm serve: ready"], err
+    assert out.startswith(f"ldlm serving {export_dir} (ort;")

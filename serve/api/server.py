@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import signal
 import socket
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -115,14 +116,19 @@ class ServerSettings:
 class LDLMService:
     """Everything a server process holds: the graphs, their batchers, the scheduler, the metrics."""
 
-    def __init__(self, source: str, settings: ServerSettings) -> None:
+    def __init__(self, source: str, settings: ServerSettings, progress: Callable[[str], None] | None = None) -> None:
+        """``progress``: told (one line each) what preparing the service is doing, for a person waiting on ``ldlm serve``."""
         self.settings = settings
         self._scratch = None
+        say = progress or (lambda line: None)
         if settings.backend == "ort" and (Path(source) / "model.safetensors").is_file():
             from ldlm.export.onnx_export import export_graphs
 
+            say(f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
+                "directory to skip this at every start)")
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")  # a checkpoint: export it first
-            source = str(export_graphs(source, Path(self._scratch.name) / "onnx").out)
+            source = str(export_graphs(source, Path(self._scratch.name) / "onnx", progress=progress is not None).out)
+        say(f"loading the graphs of {source} ({settings.backend})")
         graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
                                                 settings.threads, settings.device, memory_arena=False, cuda_graphs=settings.trt_cuda_graphs)
         # Engines built with narrower profiles narrow what the service accepts (lengths) and how
@@ -146,6 +152,7 @@ class LDLMService:
         # its own thread, never the scheduler's; its time budget applies while other generations are in flight
         self.previews = PreviewDecoder(generation, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
         self.ready = True
+        say("ready")
 
     def submit_generation(self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0) -> Future[Any]:
         """``scheduler.submit``, counted while in flight: a streamed request's previews are free of the
@@ -473,7 +480,7 @@ def serve(source: str, settings: ServerSettings, log_level: str = "info") -> Non
     log.propagate = False
     sock = bind_socket(settings.host, settings.port)
     try:
-        service = LDLMService(source, settings)
+        service = LDLMService(source, settings, progress=lambda line: print(f"ldlm serve: {line}", file=sys.stderr, flush=True))
         app = create_app(service)
         port = sock.getsockname()[1]
         url = f"http://{settings.host}:{port}"
