@@ -27,7 +27,7 @@ SHORT = {"n": 1, "length": 8, "steps": 2, "seed": 1, "sampler": "ddim"}
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=16, request_timeout_s=120, max_n=64, max_steps=1000)
+    settings = ServerSettings(port=free_port(), max_batch=16, request_timeout_s=600, max_n=64, max_steps=1000)  # the long ones fit
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()

@@ -19,7 +19,7 @@ from ldlm.serve.api.schemas import request_models  # noqa: E402
 from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
-GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, stream, preview_every"
+GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, stream, preview_every, timeout_s"
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: 
     ({"suffix": " end"}, "suffix", None),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop has 5 items; allowed: 1..4 non-empty texts"),
     ({"extra_body": {"temprature": 1}}, "temprature", "unknown field 'temprature'; allowed: model, prompt, max_tokens, n, seed, "
-                                                      "stream, stream_options, stop, echo, user, steps, sampler, t_min, temperature, "
+                                                      "stream, stream_options, stop, echo, user, steps, sampler, t_min, timeout_s, temperature, "
                                                       "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix"),
     ({"n": True}, "n", "n: true is a boolean; allowed: an integer in 1..4"),
     ({"extra_body": {"seed": 1e30}}, "seed", "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),

@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ldlm.serve.runtime.backends import BackendError
 from ldlm.serve.api.kserve import ProtocolError
+from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.scheduler import QueueFullError
 
 if TYPE_CHECKING:
@@ -92,6 +94,12 @@ class GuardMiddleware:
             await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"], error.param)
         except QueueFullError as error:
             await _reply(send_wrapper, 503, str(error), {"Retry-After": "1"}, scope["path"])
+        except DeadlineUnreachableError as error:  # the work ahead would make it late: when to come back
+            self.service.metrics.request_refused.labels(model or "", "deadline").inc()
+            await _reply(send_wrapper, 503, str(error), {"Retry-After": str(math.ceil(error.retry_after_s))}, scope["path"])
+        except RequestTooLargeError as error:  # late even alone
+            self.service.metrics.request_refused.labels(model or "", "too_large").inc()
+            await _reply(send_wrapper, 413, str(error), path=scope["path"])
         except (ProtocolError, BackendError, ValueError) as error:
             await _reply(send_wrapper, 400, str(error), path=scope["path"])
         except Exception as error:  # the process survives; the client learns nothing internal

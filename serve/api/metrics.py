@@ -33,7 +33,11 @@ class Metrics:
         self.previews_skipped = Counter("ldlm_previews_skipped", "Streamed previews skipped for the preview budget (a newer one replaced "
                                         "them while other work was in flight)", registry=r)
         self.preview_seconds = Counter("ldlm_preview_decode_seconds", "Time spent decoding previews", registry=r)
-        self.cancelled_samples = Counter("ldlm_cancelled_samples", "Samples dropped unfinished because their request was cancelled",
+        self.request_refused = Counter("ldlm_request_refused", "Generations refused up front: estimated past their deadline behind the "
+                                       "work queued ahead (deadline: 503) or even alone (too_large: 413)", ["model", "reason"], registry=r)
+        self.sample_step_rate = Gauge("ldlm_generate_sample_steps_per_second", "Measured generation throughput at a full batch, "
+                                      "per length bucket (the scheduler's cost model)", ["bucket"], registry=r)
+        self.cancelled_samples = Counter("ldlm_cancelled_samples", "Samples dropped unfinished because their request was cancelled (or failed)",
                                          ["model"], registry=r)
 
     def observe_previews(self, decoded: int, skipped: int, seconds: float) -> None:

@@ -38,9 +38,10 @@ from ldlm.config import SAMPLERS
 
 from ldlm.pipeline import TextResult
 from ldlm.serve.api.http_guard import HTTPError
+from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.scheduler import GenerateRequest, QueueFullError
 from ldlm.serve.api.limits import MAX_SEED
-from ldlm.serve.api.schemas import STRICT_BODY, Range, strict_int
+from ldlm.serve.api.schemas import STRICT_BODY, Range, strict_int, timeout_field
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
 
 
 def completion_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = 50,
-                    default_sampler: str = "sde") -> type[BaseModel]:
+                    default_sampler: str = "sde", max_timeout_s: float = 60.0) -> type[BaseModel]:
     unsupported = {name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}")) for name, (allowed, why)
                    in UNSUPPORTED.items()}
     return create_model(
@@ -96,6 +97,7 @@ def completion_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int
         sampler=(Literal[SAMPLERS], Field(default_sampler, description="LDLM: sde (Euler-Maruyama) or ddim (deterministic); "  # type: ignore[valid-type]
                                                                        "default: the model config's")),
         t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
+        timeout_s=(float | None, timeout_field(max_timeout_s)),
         **unsupported,
     )
 
@@ -125,7 +127,8 @@ def check_supported(body: Any) -> None:
 def openai_limits(settings: Any, max_seq_len: int) -> dict[str, Range]:
     """The ranges that validation messages name, field by field."""
     return {"max_tokens": Range(1, max_seq_len), "n": Range(1, settings.max_n), "steps": Range(1, settings.max_steps),
-            "seed": Range(0, MAX_SEED), "t_min": Range(0, 1, exclusive=True)}
+            "seed": Range(0, MAX_SEED), "t_min": Range(0, 1, exclusive=True),
+            "timeout_s": Range(0, settings.request_timeout_s, unit=" seconds", low_open=True)}
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -142,20 +145,22 @@ def stream_error_status(error: Exception) -> int:
     """The status an error would have had before the stream started (GuardMiddleware's mapping)."""
     if isinstance(error, HTTPError):
         return error.status
-    if isinstance(error, QueueFullError):
+    if isinstance(error, (QueueFullError, DeadlineUnreachableError)):
         return 503
+    if isinstance(error, RequestTooLargeError):
+        return 413
     if isinstance(error, TimeoutError):
         return 504
     return 400 if isinstance(error, ValueError) else 500  # BackendError is a ValueError
 
 
 def create_router(service: LDLMService) -> APIRouter:
-    from ldlm.serve.api.server import json_response, run_blocking, run_submit, wait  # the server's helpers, one of each
+    from ldlm.serve.api.server import Deadline, json_response, run_blocking, run_submit, wait  # the server's helpers, one of each
 
     settings, config = service.settings, service.config
     pipeline = service.batched_pipeline
     body_model = completion_body(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len, config.default_steps,
-                                 config.default_sampler)
+                                 config.default_sampler, settings.request_timeout_s)
     router = APIRouter()
     created = int(time.time())
 
@@ -213,40 +218,42 @@ def create_router(service: LDLMService) -> APIRouter:
                         "finish_reason": "stop" if stop else "length"})
         return out, used
 
-    def submit(prepared: list[tuple[list[int], GenerateRequest]], prefixes: list[torch.Tensor | None]) -> list[Future[TextResult]]:
+    def submit(prepared: list[tuple[list[int], GenerateRequest]], prefixes: list[torch.Tensor | None],
+               deadline: Deadline) -> list[Future[TextResult]]:
         """Queue every prompt's request, all or none (off the loop: each draws its samples' prior noise).
         When one fails (a full queue: 503 by GuardMiddleware), those already queued are cancelled,
         or they would run for nobody."""
         futures: list[Future[TextResult]] = []
         try:
             for (_, spec), prefix in zip(prepared, prefixes):
-                futures.append(service.submit_generation(spec, prefix))
+                futures.append(service.submit_generation(spec, prefix, deadline_s=deadline.left()))
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
         return futures
 
-    async def start(body: Any) -> tuple[list[tuple[list[int], GenerateRequest]], list[Future[TextResult]]]:
+    async def start(body: Any, deadline: Deadline) -> tuple[list[tuple[list[int], GenerateRequest]], list[Future[TextResult]]]:
         try:
-            prepared = await run_blocking(prepare, body, timeout_s=settings.request_timeout_s)
-            prefixes = await run_blocking(prefix_latents, [row for row, _ in prepared], timeout_s=settings.request_timeout_s)
+            prepared = await run_blocking(prepare, body, timeout_s=deadline.left())
+            prefixes = await run_blocking(prefix_latents, [row for row, _ in prepared], timeout_s=deadline.left())
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
-        futures = await run_submit(submit, prepared, prefixes, cancel=lambda queued: [f.cancel() for f in queued],
-                                   timeout_s=settings.request_timeout_s)
+        futures = await run_submit(submit, prepared, prefixes, deadline, cancel=lambda queued: [f.cancel() for f in queued],
+                                   timeout_s=deadline.left())
         return prepared, futures
 
     async def completions(body: Any) -> Response:
         """OpenAI completions by a diffusion model; see the module docs for how prompts condition."""
-        prepared, futures = await start(body)
+        deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
+        prepared, futures = await start(body, deadline)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
         prompt_tokens = sum(len(row) for row, _ in prepared) * body.n
         if body.stream:
-            return StreamingResponse(stream_chunks(head, prepared, futures, prompt_tokens, body), media_type="text/event-stream",
+            return StreamingResponse(stream_chunks(head, prepared, futures, prompt_tokens, body, deadline), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         try:
-            results = await wait(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), settings.request_timeout_s)
+            results = await wait(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), deadline.left(), deadline.limit_s)
         finally:
             for future in futures:
                 future.cancel()  # no-op when finished; frees the slots when the client left or time ran out
@@ -259,9 +266,9 @@ def create_router(service: LDLMService) -> APIRouter:
         return await json_response(service, {**head, "choices": every, "usage": usage})
 
     async def stream_chunks(head: dict[str, Any], prepared: list[tuple[list[int], GenerateRequest]], futures: list[Future[TextResult]],
-                            prompt_tokens: int, body: Any) -> AsyncIterator[bytes]:
+                            prompt_tokens: int, body: Any, deadline: Deadline) -> AsyncIterator[bytes]:
         used = 0
-        pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), settings.request_timeout_s)): i for i, f in enumerate(futures)}
+        pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), deadline.left(), deadline.limit_s)): i for i, f in enumerate(futures)}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

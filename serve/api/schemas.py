@@ -53,10 +53,13 @@ class Range:
     high: float
     exclusive: bool = False  # floats such as t_min: low < x < high
     unit: str = ""  # " items" for lists
+    low_open: bool = False  # floats such as timeout_s: low < x <= high
 
     def __str__(self) -> str:
         if self.exclusive:
             return f"a number in ({self.low:g}, {self.high:g}), both ends excluded"
+        if self.low_open:
+            return f"a number in ({self.low:g}, {self.high:g}]{self.unit}"
         return f"{self.low}..{self.high}{self.unit}"
 
 
@@ -76,8 +79,15 @@ def strict_int(default: Any, low: int, high: int, description: str) -> Any:
     return Field(default, ge=low, le=high, strict=True, description=description)
 
 
+def timeout_field(max_timeout_s: float) -> Any:
+    """A request's own deadline, shorter than the server's: refused up front if it cannot be met (the estimate is named)."""
+    return Field(None, gt=0, le=max_timeout_s, description=f"seconds this request may take, at most the server's {max_timeout_s:g} s "
+                 "(its default): a request estimated to take longer is refused at once (413 or 503 with Retry-After), and one "
+                 "that runs past it is cancelled (504)")
+
+
 def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = 50,
-                   default_sampler: str = "sde") -> RequestModels:
+                   default_sampler: str = "sde", max_timeout_s: float = 60.0) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
     if not 1 <= default_steps <= max_steps:
         raise ValueError(f"the model config's default_steps={default_steps} is out of range; allowed: 1..{max_steps} (max_steps)")
@@ -94,6 +104,7 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
         stream=(bool, Field(False, strict=True, description="answer with Server-Sent Events: `preview` events (each sample's current "
                                                             "x0_hat decoded) every `preview_every` steps, then one `result` event")),
         preview_every=(int, strict_int(5, 1, max_steps, "steps between previews when streaming")),
+        timeout_s=(float | None, timeout_field(max_timeout_s)),
     )
     texts = create_model(
         "TextsBody",
@@ -102,7 +113,8 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
                Field(..., min_length=1, max_length=max_texts, description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
     )
     limits = {"n": Range(1, max_n), "length": Range(1, max_seq_len), "steps": Range(1, max_steps), "seed": Range(0, MAX_SEED),
-              "texts": Range(1, max_texts, unit=" items"), "preview_every": Range(1, max_steps), "t_min": Range(0, 1, exclusive=True)}
+              "texts": Range(1, max_texts, unit=" items"), "preview_every": Range(1, max_steps), "t_min": Range(0, 1, exclusive=True),
+              "timeout_s": Range(0, max_timeout_s, unit=" seconds", low_open=True)}
     return RequestModels(generate, texts, limits)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -27,6 +28,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -145,7 +147,8 @@ class LDLMService:
         device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
         self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
-                                             observer=self.metrics.observer("generate"))
+                                             observer=self.metrics.observer("generate"),
+                                             on_drop=self.metrics.cancelled_samples.labels("generate").inc)
         self.json_workers = self._json_pool()
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
         self._in_flight_lock = threading.Lock()
@@ -154,10 +157,11 @@ class LDLMService:
         self.ready = True
         say("ready")
 
-    def submit_generation(self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0) -> Future[Any]:
-        """``scheduler.submit``, counted while in flight: a streamed request's previews are free of the
-        preview budget only while it is the one generation in flight."""
-        future = self.scheduler.submit(spec, prefix, on_preview, preview_every)
+    def submit_generation(self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0,
+                          deadline_s: float | None = None) -> Future[Any]:
+        """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight: a
+        streamed request's previews are free of the preview budget only while it is the one generation in flight."""
+        future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s)
         with self._in_flight_lock:
             self._in_flight += 1
         future.add_done_callback(self._generation_done)
@@ -195,12 +199,25 @@ class LDLMService:
             self._scratch.cleanup()
 
 
-async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float) -> Any:
+@dataclass(frozen=True)
+class Deadline:
+    """A request's time limit, counted from its handler's start: the server's timeout, or the request's own shorter ``timeout_s``."""
+
+    limit_s: float
+    start: float = dataclasses.field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return max(0.001, self.limit_s - (time.monotonic() - self.start))
+
+
+async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float, limit_s: float | None = None) -> Any:
+    """The future's result, or 504 after ``timeout_s`` (the message names ``limit_s``, the whole limit, when given);
+    either way the future is cancelled when left, which frees whatever it holds."""
     try:
         return await asyncio.wait_for(asyncio.wrap_future(future) if isinstance(future, Future) else future, timeout_s)
     except asyncio.TimeoutError:
         future.cancel()
-        raise HTTPError(504, f"request timed out after {timeout_s:g} s") from None
+        raise HTTPError(504, f"request timed out after {limit_s if limit_s is not None else timeout_s:g} s") from None
 
 
 async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
@@ -252,7 +269,7 @@ def create_app(service: LDLMService) -> FastAPI:
     settings = service.settings
     config = service.config
     models = request_models(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len, config.default_steps,
-                            config.default_sampler)
+                            config.default_sampler, settings.request_timeout_s)
     body_models: dict[str, type[BaseModel]] = {}  # route -> its body model, for the names of its fields in messages
     completion_limits = openai_limits(settings, service.config.max_seq_len)  # what OpenAI-route validation messages name
 
@@ -343,15 +360,17 @@ def create_app(service: LDLMService) -> FastAPI:
 
     async def generate(body: Any) -> Response:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
+        deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
         spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
-        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop.
+        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
+        # scheduler refuses at once what it estimates cannot finish in the time left.
+        submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
         if body.stream:
-            start = functools.partial(GenerationStream, service.submit_generation, service.previews, spec, body.preview_every,
-                                      loop=asyncio.get_running_loop())
-            stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=settings.request_timeout_s)
-            return StreamingResponse(generate_sse(stream, settings.request_timeout_s), headers=SSE_HEADERS, media_type="text/event-stream")
-        future = await run_submit(service.submit_generation, spec, cancel=Future.cancel, timeout_s=settings.request_timeout_s)
-        result = await wait(future, settings.request_timeout_s)  # cancelled here (disconnect, timeout): freed at the next step
+            start = functools.partial(GenerationStream, submit, service.previews, spec, body.preview_every, loop=asyncio.get_running_loop())
+            stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
+            return StreamingResponse(generate_sse(stream, deadline.left()), headers=SSE_HEADERS, media_type="text/event-stream")
+        future = await run_submit(submit, spec, cancel=Future.cancel, timeout_s=deadline.left())
+        result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
     async def reconstruct(body: Any) -> Response:
@@ -395,6 +414,8 @@ def create_app(service: LDLMService) -> FastAPI:
     async def metrics() -> Response:
         for name, batcher in service.batchers.items():
             service.metrics.queue_depth.labels(name).set(batcher.queued)
+        for bucket, rate in service.scheduler.cost.rates().items():
+            service.metrics.sample_step_rate.labels(str(bucket)).set(rate)
         service.metrics.queue_depth.labels("generate").set(service.scheduler.queued_samples)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
