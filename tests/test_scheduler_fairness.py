@@ -111,3 +111,50 @@ def test_requests_that_cannot_meet_their_deadline_are_refused_naming_the_estimat
         scheduler.start()
         scheduler.close(timeout_s=30)
     assert scheduler.dropped_samples == 4
+
+
+class FixedCost(CostModel):
+    """A cost model that keeps the step times it is given (the real steps' times are not learned)."""
+
+    def __init__(self, max_batch: int, overhead_s: float, per_sample_s: float, bucket: int) -> None:
+        super().__init__(max_batch)
+        for k in range(1, max_batch + 1):
+            super().observe(bucket, k, overhead_s + per_sample_s * k)
+
+    def observe(self, bucket: int, samples: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind, overhead_s, per_sample_s, with_short", [
+    # a step's cost grows with its batch (a CPU): 1 sample 11 ms, 2 samples 21 ms <= 2 x 11, 3 samples 31 ms > 22
+    ("cpu", 0.001, 0.010, [42, 41]),
+    # batching nearly free (a GPU below its limit): 4 samples 10.4 ms <= 2 x 10.1 ms, the batch fills
+    ("gpu", 0.010, 0.0001, [42, 41, 41, 41]),
+])
+def test_a_short_request_gets_little_company_where_batching_costs(pipeline: LDLMPipeline, kind: str, overhead_s: float,
+                                                                  per_sample_s: float, with_short: list[int]) -> None:
+    """max_batch=4: L (4 samples x 3 steps) runs; S (1 x 2) arrives during L's first step. While S runs,
+    lower-ranked samples join only while S's step stays within 2x its step alone (LEAD_SLOWDOWN)."""
+    long = GenerateRequest(n=4, length=6, steps=3, seed=41, sampler="ddim")
+    short = GenerateRequest(n=1, length=6, steps=2, seed=42, sampler="ddim")
+    batches: list[list[int]] = []
+    futures = []
+
+    def observe(batch: int, queued: float, compute: float) -> None:
+        batches.append(sorted((s.request.spec.seed for s in scheduler._active), reverse=True))
+        if len(batches) == 1:
+            futures.append(scheduler.submit(short))
+
+    scheduler = GenerationScheduler(pipeline, max_batch=4, start=False, observer=observe)
+    scheduler.cost = FixedCost(4, overhead_s, per_sample_s, pipeline.bucket_length(6))
+    try:
+        futures.append(scheduler.submit(long))
+        scheduler.start()
+        results = [futures[0].result(timeout=60), futures[1].result(timeout=60)]
+    finally:
+        scheduler.close(timeout_s=30)
+    assert batches[:3] == [[41] * 4, with_short, with_short], kind
+    assert sum(len(b) for b in batches) == 4 * 3 + 2 and all(b == [41] * len(b) for b in batches[3:])
+    for request, result in zip((long, short), results):
+        alone = pipeline.generate(request.n, request.length, request.steps, request.seed, request.sampler)
+        assert torch.equal(result.token_ids, alone.token_ids), (kind, request)

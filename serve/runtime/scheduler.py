@@ -59,6 +59,12 @@ Policy = Literal["continuous", "static"]
 PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x0_hat (L, D)); must not block
 
 
+# A step of the request with the least work left is at most this much slower than the step it would
+# take alone: where a step's cost grows with its batch (a CPU, a saturated GPU) a short request then
+# runs with little company, and where batching is nearly free (a GPU below its limit) the batch fills.
+LEAD_SLOWDOWN = 2.0
+
+
 class QueueFullError(RuntimeError):
     """The scheduler's queue is at capacity; retry later."""
 
@@ -249,13 +255,13 @@ class GenerationScheduler:
 
     def _admit(self) -> None:
         """Fill the batch for the next step: first come first served (static, once the batch is empty),
-        else the samples of the requests with the least remaining work, taking slots from the most."""
+        else the samples of the requests with the least remaining work, taking slots from the most,
+        with no more company than keeps the first request's step within ``LEAD_SLOWDOWN`` of its step alone."""
         if not self._waiting or (self.policy == "static" and self._active):
             return
         now = time.perf_counter()
-        if self.policy == "static" or len(self._active) + self._queued <= self.max_batch:
-            order = sorted(self._waiting.values(), key=lambda entry: entry[0].order)  # room for everyone: no choice to make
-            for request, waiting in order:
+        if self.policy == "static":
+            for request, waiting in sorted(self._waiting.values(), key=lambda entry: entry[0].order):
                 while waiting and len(self._active) < self.max_batch:
                     self._take(request, waiting, now)
             return
@@ -265,17 +271,34 @@ class GenerationScheduler:
         running: dict[int, list[_Sample]] = {}
         for sample in self._active:
             running.setdefault(id(sample.request), []).append(sample)
+        lead = ranked[0]
+        lead_samples = len(running.get(id(lead), ())) + len(self._waiting.get(id(lead), (None, ()))[1])
+        alone = self.cost.step_s(lead.bucket, min(lead_samples, self.max_batch))
+        limit = math.inf if alone is None else LEAD_SLOWDOWN * alone
         chosen: list[_Sample] = []
+        per_bucket: dict[int, int] = {}
         for request in ranked:
-            for sample in running.get(id(request), []):  # its running samples keep their slots first
-                if len(chosen) < self.max_batch:
-                    chosen.append(sample)
-                else:
-                    self._put_back(sample, now)
+            candidates = [(sample, False) for sample in running.get(id(request), [])]  # its running samples first
             entry = self._waiting.get(id(request))
-            while entry is not None and entry[1] and len(chosen) < self.max_batch:
-                chosen.append(self._take(request, entry[1], now, activate=False))
+            candidates += [(sample, True) for sample in (entry[1] if entry is not None else ())]
+            for sample, waiting in candidates:
+                fits = len(chosen) < self.max_batch and (request is lead or self._batch_s(per_bucket, request.bucket) <= limit)
+                if fits:
+                    per_bucket[request.bucket] = per_bucket.get(request.bucket, 0) + 1
+                    chosen.append(self._take(request, entry[1], now, activate=False) if waiting else sample)  # type: ignore[index]
+                elif not waiting:
+                    self._put_back(sample, now)
+                else:
+                    break  # its waiting samples stay queued
         self._active = chosen
+
+    def _batch_s(self, per_bucket: dict[int, int], adding: int) -> float:
+        """A step's estimated seconds with one more sample in bucket ``adding`` (one denoiser call per bucket)."""
+        total = 0.0
+        for bucket in {*per_bucket, adding}:
+            step = self.cost.step_s(bucket, per_bucket.get(bucket, 0) + (bucket == adding))
+            total += step if step is not None else 0.0
+        return total
 
     def _take(self, request: _Request, waiting: deque[_Sample], now: float, activate: bool = True) -> _Sample:
         """The next waiting sample of ``request`` leaves the queue (into the batch when ``activate``)."""
