@@ -15,7 +15,7 @@ work, over the phase's wall time. Targets (issue 22): p99 beside <= 3 x p99 alon
 beside within 10% of long only.
 
     python scripts/fairness.py --out docs/measurements/fairness-2026-12-01.json
-    python scripts/fairness.py --python /work/main/.venv/bin/python --cwd /work/main --out before.json
+    python scripts/fairness.py --baseline-python /work/main/.venv/bin/python --baseline-cwd /work/main --out fairness.json
 """
 
 from __future__ import annotations
@@ -67,32 +67,40 @@ def short_latencies(url: str, count: int, body: dict[str, Any]) -> dict[str, Any
 
 
 class LongStream:
-    """``clients`` threads, each sending long requests back to back until stopped."""
+    """``clients`` threads, each sending long requests back to back until closed; closing disconnects
+    them, so a server that cancels abandoned work frees the batch at once (one that does not runs on)."""
 
     def __init__(self, url: str, clients: int, body: dict[str, Any]) -> None:
         self.url, self.body = url, body
         self.stop = threading.Event()
         self.done: list[float] = []
         self.errors: list[str] = []
+        self.clients = [httpx.Client(timeout=600) for _ in range(clients)]
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
         for thread in self.threads:
             thread.start()
 
     def _client(self, index: int) -> None:
-        with httpx.Client(timeout=600) as http:
-            i = 0
-            while not self.stop.is_set():
-                response = http.post(f"{self.url}/v1/generate", json={**self.body, "seed": 1000 * index + i})
-                i += 1
-                if response.status_code == 200:
-                    self.done.append(time.perf_counter())
-                else:
-                    self.errors.append(f"{response.status_code}: {response.text[:200]}")
+        i = 0
+        while not self.stop.is_set():
+            try:
+                response = self.clients[index].post(f"{self.url}/v1/generate", json={**self.body, "seed": 1000 * index + i})
+            except (httpx.HTTPError, RuntimeError):  # closed by close(): the stream ends
+                if self.stop.is_set():
+                    return
+                raise
+            i += 1
+            if response.status_code == 200:
+                self.done.append(time.perf_counter())
+            else:
+                self.errors.append(f"{response.status_code}: {response.text[:200]}")
 
     def close(self) -> None:
         self.stop.set()
+        for client in self.clients:
+            client.close()
         for thread in self.threads:
-            thread.join(900)
+            thread.join(60)
 
 
 def wait_until_busy(url: str, samples: int, timeout_s: float = 120) -> None:
@@ -104,57 +112,65 @@ def wait_until_busy(url: str, samples: int, timeout_s: float = 120) -> None:
         time.sleep(0.2)
 
 
+class Server:
+    """A fresh ``ldlm serve`` of ``source`` from the checkout ``cwd`` with ``python``: each phase gets its own,
+    so nothing one phase left running (a server that does not cancel abandoned work) reaches the next."""
+
+    def __init__(self, python: str, cwd: str, source: Path, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()
+        flags = ["--threads", str(args.threads), "--max-batch", str(args.max_batch), "--timeout-s", "600"]
+        self.process = subprocess.Popen(serve_command(source, self.port, flags, python), cwd=cwd, stdout=self.log,
+                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_ready(self.process, self.url)
+
+    def stop(self) -> int | str:
+        code = stop_server(self.process, 120)
+        if code != 0:
+            self.log.seek(0)
+            print(self.log.read().decode(errors="replace")[-1500:], file=sys.stderr)
+        return code
+
+
 def measure(python: str, cwd: str, source: Path, args: argparse.Namespace) -> dict[str, Any]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()
-    flags = ["--threads", str(args.threads), "--max-batch", str(args.max_batch), "--timeout-s", "600"]
-    process = subprocess.Popen(serve_command(source, port, flags, python), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     short = {"n": 1, "length": args.length, "steps": args.short_steps, "sampler": "ddim"}
     long = {"n": args.long_n, "length": args.length, "steps": args.long_steps, "sampler": "ddim"}
-    result: dict[str, Any] = {"server_python": python, "server_cwd": cwd}
-    try:
-        wait_ready(process, url)
-        short_latencies(url, 5, short)  # warm-up (and the cost model's first measurements)
-        result["alone"] = short_latencies(url, args.short_requests, short)
-
-        phases = {}
-        for phase in ("long_only", "beside"):
-            stream = LongStream(url, args.long_clients, long)
+    result: dict[str, Any] = {"server_python": python, "server_cwd": cwd, "server_exit": {}}
+    for phase in ("alone", "long_only", "beside"):
+        server = Server(python, cwd, source, args)
+        try:
+            short_latencies(server.url, 5, short)  # warm-up (and the cost model's first measurements)
+            if phase == "alone":
+                result["alone"] = short_latencies(server.url, args.short_requests, short)
+                continue
+            stream = LongStream(server.url, args.long_clients, long)
             try:
-                wait_until_busy(url, args.max_batch * 20)
-                before, started = samples_stepped(url), time.perf_counter()
-                shorts = None
-                if phase == "beside":
-                    shorts = short_latencies(url, args.short_requests, short)
+                wait_until_busy(server.url, args.max_batch * 20)
+                before, started = samples_stepped(server.url), time.perf_counter()
+                shorts = short_latencies(server.url, args.short_requests, short) if phase == "beside" else None
                 left = args.seconds - (time.perf_counter() - started)
                 if left > 0:
                     time.sleep(left)
                 elapsed = time.perf_counter() - started
-                stepped = samples_stepped(url) - before - (args.short_requests * args.short_steps if shorts else 0)
-                phases[phase] = {"seconds": round(elapsed, 2), "long_sample_steps_per_s": round(stepped / elapsed, 1),
+                stepped = samples_stepped(server.url) - before - (args.short_requests * args.short_steps if shorts else 0)
+                result[phase] = {"seconds": round(elapsed, 2), "long_sample_steps_per_s": round(stepped / elapsed, 1),
                                  "long_requests_finished": sum(started <= t for t in stream.done)}
                 if shorts:
-                    phases[phase]["short"] = shorts
+                    result[phase]["short"] = shorts
             finally:
                 stream.close()
-            phases[phase]["long_errors"] = stream.errors[:5]
-        result.update(phases)
-        beside = phases["beside"]["short"]
-        result["targets"] = {
-            "short_p99_beside_over_alone": round(beside["p99_ms"] / result["alone"]["p99_ms"], 2),
-            "short_p99_target": "<= 3",
-            "long_throughput_beside_over_long_only": round(phases["beside"]["long_sample_steps_per_s"]
-                                                           / phases["long_only"]["long_sample_steps_per_s"], 3),
-            "long_throughput_target": ">= 0.9",
-        }
-    finally:
-        result["server_exit"] = stop_server(process)
-        log.seek(0)
-        tail = log.read().decode(errors="replace")[-1500:]
-        if process.returncode not in (0, None):
-            result["server_log_tail"] = tail
+            result[phase]["long_errors"] = stream.errors[:5]
+        finally:
+            result["server_exit"][phase] = server.stop()
+    beside = result["beside"]["short"]
+    result["targets"] = {
+        "short_p99_beside_over_alone": round(beside["p99_ms"] / result["alone"]["p99_ms"], 2),
+        "short_p99_target": "<= 3",
+        "long_throughput_beside_over_long_only": round(result["beside"]["long_sample_steps_per_s"]
+                                                       / result["long_only"]["long_sample_steps_per_s"], 3),
+        "long_throughput_target": ">= 0.9 (and beside: within 10% of the baseline's beside)",
+    }
     return result
 
 
@@ -184,6 +200,11 @@ def main() -> None:
         report["after"] = measure(args.python, args.cwd, source, args)
         if args.baseline_python:
             report["before"] = measure(args.baseline_python, args.baseline_cwd or args.cwd, source, args)
+            report["after_over_before"] = {
+                "short_p99_beside": round(report["after"]["beside"]["short"]["p99_ms"] / report["before"]["beside"]["short"]["p99_ms"], 3),
+                "long_sample_steps_per_s_beside": round(report["after"]["beside"]["long_sample_steps_per_s"]
+                                                        / report["before"]["beside"]["long_sample_steps_per_s"], 3),
+            }
     finally:
         scratch.cleanup()
     write_report(report, str(args.out))
