@@ -51,7 +51,7 @@ def client(server: RunningServer):
     ("/v1/generate", {"n": 1, "lenght": 8, "step": 2}, f"unknown fields 'lenght', 'step'; allowed: {GENERATE_FIELDS}"),
     ("/v1/reconstruct", {"texts": [""]}, "texts[0]: \"\" is empty; allowed: a non-empty text"),  # was a 400, [] a 422
     ("/v1/encode", {"texts": ["ok", ""]}, "texts[1]: \"\" is empty; allowed: a non-empty text"),
-    ("/v1/encode", {"texts": []}, "texts: 0 items is out of range; allowed: 1..2 items"),
+    ("/v1/encode", {"texts": []}, "texts: 0 items is out of range; allowed: 1..2"),
     ("/v1/encode", {"texts": [7]}, "texts[0]: 7 is not a text; allowed: a JSON string"),
     ("/v1/encode", {"texts": ["a"], "normalize": True}, "unknown field 'normalize'; allowed: texts"),
 ])

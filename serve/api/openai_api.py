@@ -128,7 +128,7 @@ def openai_limits(settings: Any, max_seq_len: int) -> dict[str, Range]:
     """The ranges that validation messages name, field by field."""
     return {"max_tokens": Range(1, max_seq_len), "n": Range(1, settings.max_n), "steps": Range(1, settings.max_steps),
             "seed": Range(0, MAX_SEED), "t_min": Range(0, 1, exclusive=True),
-            "timeout_s": Range(0, settings.request_timeout_s, unit=" seconds", low_open=True)}
+            "timeout_s": Range(0, settings.request_timeout_s, low_open=True)}
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
 
 from ldlm.config import SAMPLERS
 from ldlm.serve.api.limits import MAX_SEED
@@ -52,15 +53,15 @@ class Range:
     low: float
     high: float
     exclusive: bool = False  # floats such as t_min: low < x < high
-    unit: str = ""  # " items" for lists
+    unit: str = ""  # " items" for lists: how the value given is counted
     low_open: bool = False  # floats such as timeout_s: low < x <= high
 
     def __str__(self) -> str:
         if self.exclusive:
             return f"a number in ({self.low:g}, {self.high:g}), both ends excluded"
         if self.low_open:
-            return f"a number in ({self.low:g}, {self.high:g}]{self.unit}"
-        return f"{self.low}..{self.high}{self.unit}"
+            return f"a number in ({self.low:g}, {self.high:g}]"
+        return f"{self.low}..{self.high}"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,15 @@ def timeout_field(max_timeout_s: float) -> Any:
                  "that runs past it is cancelled (504)")
 
 
+def non_empty(text: str) -> str:
+    """An empty text is a 422 like every other bad field. (A length constraint on the str would do this too,
+    but pydantic then converts the text and refuses a lone surrogate with a parser message, where
+    ``server.check_texts`` names it.)"""
+    if text == "":
+        raise PydanticCustomError("string_too_short", "empty text")
+    return text
+
+
 def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = 50,
                    default_sampler: str = "sde", max_timeout_s: float = 60.0) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
@@ -109,12 +119,12 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
     texts = create_model(
         "TextsBody",
         __config__=STRICT_BODY,
-        texts=(list[Annotated[str, Field(min_length=1, strict=True)]],
+        texts=(list[Annotated[str, AfterValidator(non_empty)]],
                Field(..., min_length=1, max_length=max_texts, description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
     )
     limits = {"n": Range(1, max_n), "length": Range(1, max_seq_len), "steps": Range(1, max_steps), "seed": Range(0, MAX_SEED),
               "texts": Range(1, max_texts, unit=" items"), "preview_every": Range(1, max_steps), "t_min": Range(0, 1, exclusive=True),
-              "timeout_s": Range(0, max_timeout_s, unit=" seconds", low_open=True)}
+              "timeout_s": Range(0, max_timeout_s, low_open=True)}
     return RequestModels(generate, texts, limits)
 
 

@@ -23,9 +23,11 @@ least remaining work (shortest remaining work first, priced in seconds by the me
 ``CostModel``), so a short request that arrives while long ones fill the batch joins at the next
 step, taking a slot from the request with the most work left. That sample is not set back: its
 state (x, self-conditioning, solver history, noise stream) stays with it and it resumes where it
-stopped, with the same tokens. Nothing starves: a request that has waited longer than its own
-time alone (``grace``) gains priority with every further second it waits, until it outranks any
-newcomer. ``policy="static"`` keeps first come, first served.
+stopped, with the same tokens. The first request in that order gets no more company than keeps its
+step within ``LEAD_SLOWDOWN`` of its step alone (where a step's cost grows with its batch, as on a
+CPU, a short request runs nearly alone for its few steps). Nothing starves: a request that has
+waited longer than its own time alone gains priority with every further second it waits, until it
+outranks any newcomer. ``policy="static"`` keeps first come, first served.
 
 Admission (with ``deadline_s``): the estimated time of a request, its own time plus the work of
 every request that would run before it, must fit its deadline, or ``submit`` refuses it at once
