@@ -1,11 +1,12 @@
-"""Send issue 12's attacks to a real `ldlm serve` on 127.0.0.1 and write what happened as JSON.
+"""Send issue 12's and issue 22's attacks to a real `ldlm serve` on 127.0.0.1 and write what happened as JSON.
 
 Measures, for the server code of any checkout (run it with that checkout's interpreter):
 1. memory: RSS warm (each route run once, small), after one huge /v2 request ([520000, 1] input_ids),
    and after 100 mixed requests (64 texts of ~128 tokens reconstructed, 16 encoded, an [8, 64] infer, a generation);
 2. event loop: the worst /v2/health/live latency while a maximum-size JSON request is processed;
 3. slow clients: a well-behaved client's latency while 1,100 idle connections are open; how long
-   200 slow-header clients stay connected; how long shutdown takes with a client stalled mid-body.
+   200 slow-header clients stay connected; how long shutdown takes with a client stalled mid-body;
+4. abandoned work (issue 22): a small generation's time right after a client gave up on a big one.
 
     python scripts/attack_check.py --source ONNX_DIR --out after.json
     python scripts/attack_check.py --source ONNX_DIR --python /other/.venv/bin/python --cwd /other/checkout --out before.json
@@ -33,7 +34,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import latent_width  # noqa: E402
+from load_test import latent_width, write_report  # noqa: E402
 from loopback import free_port, serve_command, stop_server, wait_ready  # noqa: E402
 
 TEXT = ("Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
@@ -257,6 +258,25 @@ def slow_headers(server: Server, count: int, cap_s: float) -> dict[str, Any]:
             "max_open_s": round(max(durations), 1) if durations else None}
 
 
+def abandoned_generation(server: Server) -> dict[str, Any]:
+    """Issue 22: a client gives up on a big plain generation after 1 s (curl -m 1); how long the next small
+    request takes, and whether the server counted the cancelled work."""
+    big = {"n": 64, "length": 128, "steps": 1000, "seed": 0, "sampler": "ddim"}
+    started = time.perf_counter()
+    try:
+        status: int | str = httpx.post(f"{server.url}/v1/generate", json=big, timeout=1).status_code
+    except httpx.TimeoutException:
+        status = "client gave up after 1 s"
+    abandoned_s = time.perf_counter() - started
+    started = time.perf_counter()
+    small = httpx.post(f"{server.url}/v1/generate", json={"n": 1, "length": 8, "steps": 2}, timeout=120)
+    small_s = time.perf_counter() - started
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    cancelled = [line for line in metrics.splitlines() if line.startswith(("ldlm_request_cancelled_total", "ldlm_cancelled_samples_total"))]
+    return {"big": big, "big_status": status, "big_seconds": round(abandoned_s, 2), "small_status": small.status_code,
+            "small_seconds_after": round(small_s, 3), "cancel_metrics": cancelled}
+
+
 def shutdown_with_stalled_client(server: Server, cap_s: float) -> dict[str, Any]:
     s = socket.create_connection(("127.0.0.1", server.port))
     s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"texts\": [")
@@ -279,7 +299,7 @@ def main() -> None:
     parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[1]), help="checkout the server runs from")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--idle", type=int, default=1100, help="idle connections to open (default: 1100)")
-    parser.add_argument("--sections", default="memory,health_during_large,idle,slow_headers,shutdown",
+    parser.add_argument("--sections", default="memory,health_during_large,abandoned,idle,slow_headers,shutdown",
                         help="what to measure, in order (also: memory_per_sample)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -295,6 +315,7 @@ def main() -> None:
             health_during(server, "encoder JSON input_ids [64, 128] (largest accepted)", "/v2/models/encoder/infer", {"json": encoder_json(64, 128)}),
             health_during(server, "/v1/encode 64 texts of ~128 tokens", "/v1/encode", {"json": {"texts": [TEXT] * 64}}),
         ],
+        "abandoned": lambda: abandoned_generation(server),
         "idle": lambda: idle_connections(server, args.idle),
         "slow_headers": lambda: slow_headers(server, 200, cap_s=40),
         "shutdown": lambda: shutdown_with_stalled_client(server, cap_s=90),
@@ -312,8 +333,7 @@ def main() -> None:
     finally:
         report["server_exit"] = server.stop()
         scratch.cleanup()
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_report(report, str(args.out))  # atomically: no half-written report if interrupted
 
 
 if __name__ == "__main__":

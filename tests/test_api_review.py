@@ -13,7 +13,9 @@ from ldlm.cli import main
 def test_cli_ray_options_need_ray(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--replicas without --ray is refused by name (never silently ignored), before anything loads."""
     assert main(["serve", str(tmp_path), "--replicas", "2"]) == 2
-    assert "--replicas only apply with --ray" in capsys.readouterr().err
+    assert "ldlm serve: error: --replicas only applies with --ray; add --ray, or leave it out" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--replicas", "2", "--autoscale", "1:3"]) == 2
+    assert "ldlm serve: error: --replicas, --autoscale only apply with --ray; add --ray, or leave them out" in capsys.readouterr().err
 
 
 def test_cli_ray_without_ray_installed_says_what_to_install(tmp_path: Path, capsys: pytest.CaptureFixture[str],

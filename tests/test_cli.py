@@ -34,7 +34,7 @@ def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["init", str(ckpt), "--quiet"]) == 2
     assert "--force" in capsys.readouterr().err
     assert main(["generate", str(ckpt), "--length", "999", "--quiet"]) == 2
-    assert "length=999 is out of range; allowed: 1..128" in capsys.readouterr().err
+    assert "--length 999 is out of range; allowed: 1..128" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "missing"), "--quiet"]) == 2
     assert "missing" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -3,6 +3,10 @@ command stops before doing any work. Expected messages are written out by hand h
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,7 +69,9 @@ def test_init_on_an_existing_directory_refuses_before_building(tmp_path: Path, m
     built: list[object] = []
     monkeypatch.setattr(ldlm.checkpoint, "init_model", lambda *args: built.append(args))
     assert main(["init", str(out), "--quiet"]) == 2
-    assert f"ldlm init: error: {out} already exists; pass overwrite=True (CLI: --force) to replace it" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"ldlm init: error: {out} already exists; pass --force to replace it, or choose another output directory" in err
+    assert "overwrite=True" not in err  # the Python API's words, not the CLI's
     assert built == [], "the model was built before the existing directory was refused"
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
@@ -96,3 +102,167 @@ def test_probe_eps_checks_the_artifact_before_loading_the_checkpoint(tmp_path: P
         probe_layer_norm_eps(missing, onnx_dir=tmp_path / "no-export")
     assert main(["probe-eps", str(missing)]) == 2
     assert "an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, allowed", [
+    ("--steps", "1000000000", "1..1000 denoising steps (as ldlm serve's max_steps)"),  # was 12 GB of time grid
+    ("--steps", "1001", "1..1000 denoising steps (as ldlm serve's max_steps)"),
+    ("--n", "1000000000", "1..64 samples per run (as ldlm serve's max_n)"),  # was 4.2 GB of noise
+    ("--n", "65", "1..64 samples per run (as ldlm serve's max_n)"),
+    ("--seed", "-1", "0..9223372036854775807"),
+    ("--seed", "9223372036854775808", "0..9223372036854775807"),
+    ("--t-min", "5", "a number in (0, 1), both ends excluded"),
+    ("--t-min", "nan", "a number in (0, 1), both ends excluded"),
+])
+def test_generate_has_the_servers_caps(option: str, value: str, allowed: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(["generate", "CKPT", option, value], capsys)
+    assert f"argument {option}: {value} is out of range; allowed: {allowed}" in err
+
+
+def test_the_caps_are_the_servers_numbers() -> None:
+    """One source: the server's defaults and the CLI's limits are the same constants."""
+    from ldlm.cli import build_parser
+    from ldlm.serve.api.server import ServerSettings
+
+    settings = ServerSettings()
+    assert (settings.max_n, settings.max_steps) == (64, 1000)
+    parser = build_parser()
+    assert parser.parse_args(["generate", "CKPT", "--n", "64", "--steps", "1000"]).n == 64
+    for option, above in (("--n", settings.max_n + 1), ("--steps", settings.max_steps + 1)):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", "CKPT", option, str(above)])
+
+
+def test_init_and_generate_take_the_same_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(["init", "OUT", "--seed", "-5"], capsys)
+    assert "argument --seed: -5 is out of range; allowed: 0..9223372036854775807" in err
+    from ldlm.cli import build_parser
+
+    assert build_parser().parse_args(["init", "OUT", "--seed", "9223372036854775807"]).seed == 2**63 - 1
+
+
+def test_generate_length_above_the_checkpoints_limit_in_cli_words(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(tiny_checkpoint), "--length", "129", "--quiet"]) == 2
+    assert "ldlm generate: error: --length 129 is out of range; allowed: 1..128 (the checkpoint's max_seq_len)" in capsys.readouterr().err
+
+
+def test_generate_defaults_come_from_the_checkpoint_config(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from ldlm.pipeline import LDLMPipeline
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(LDLMPipeline, "generate", lambda self, *args, **kwargs: calls.append(args) or (_ for _ in ()).throw(ValueError("stop")))
+    assert main(["generate", str(tiny_checkpoint), "--quiet"]) == 2
+    n, length, steps, seed, sampler, t_min = calls[0]
+    assert (steps, sampler) == (50, "sde")  # the tiny preset's default_steps and default_sampler
+
+
+def test_an_os_error_names_the_users_path_not_a_temporary_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "read-only" / "ckpt"
+    out.parent.mkdir()
+    out.parent.chmod(0o500)
+    try:
+        if os.access(out.parent, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root): the permission error cannot happen here")
+        assert main(["init", str(out), "--quiet"]) == 2
+    finally:
+        out.parent.chmod(0o700)
+    err = capsys.readouterr().err
+    assert err == f"ldlm init: error: {out}: Permission denied\n", err
+
+
+def test_an_os_error_under_proc_names_the_users_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's case: /proc takes no new files, for root too."""
+    assert main(["init", "/proc/nope", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ldlm init: error: /proc/nope: ") and ".tmp" not in err and err.count("\n") == 1, err
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from ldlm.cli import model
+
+    def interrupted(args) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "_cmd_generate", interrupted)  # the parser is built per call, with this
+    try:
+        code = main(["generate", "CKPT"])
+    except KeyboardInterrupt:  # escaping, it would also end this pytest run
+        pytest.fail("the KeyboardInterrupt escaped main() (a traceback for the user)")
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "ldlm generate: interrupted"
+
+
+def test_ctrl_c_during_a_real_export(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """SIGINT to ``ldlm export`` once its progress bar is up: one line, exit code 130, nothing left in OUT."""
+    out = tmp_path / "onnx"
+    process = subprocess.Popen([sys.executable, "-P", "-m", "ldlm.cli", "export", str(tiny_checkpoint), str(out)],
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        seen = b""
+        while b"%|" not in seen:  # tqdm's bar: the export is under way
+            chunk = process.stderr.read1(4096)  # type: ignore[union-attr]
+            assert chunk, f"export ended before its progress bar: {seen.decode(errors='replace')}"
+            seen += chunk
+        process.send_signal(signal.SIGINT)
+        rest = process.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
+        assert process.wait(120) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+    lines = [line for line in rest.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+    assert lines == ["ldlm export: interrupted"], rest[-3000:]
+    assert not out.exists()
+
+
+def serve_process(source: Path, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-P", "-m", "ldlm.cli", "serve", str(source), "--port", str(port), "--log-level", "warning"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True)
+
+
+def first_line(stream, timeout_s: float) -> str:
+    """The first line of a child's pipe, or '' when none comes within ``timeout_s`` (the child keeps running)."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline() if ready else ""
+
+
+def test_serve_says_what_it_prepares_and_ctrl_c_stops_it_in_one_line(tiny_checkpoint: Path) -> None:
+    """A checkpoint served by ONNX Runtime is exported first (tens of seconds): the person waiting is told
+    so while it happens (nothing listens yet), and Ctrl-C then ends it with one line and 130."""
+    import httpx
+
+    from tests.servers import free_port
+
+    port = free_port()
+    process = serve_process(tiny_checkpoint, port)
+    try:
+        first = first_line(process.stderr, 60)
+        assert first.startswith(f"ldlm serve: exporting the checkpoint {tiny_checkpoint} to ONNX first"), first
+        with pytest.raises(httpx.TransportError):  # told while preparing: not serving yet
+            httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=2)
+        process.send_signal(signal.SIGINT)
+        _, rest = process.communicate(timeout=120)
+        assert process.returncode == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+    lines = [line for line in rest.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+    assert lines == ["ldlm serve: interrupted"], rest[-3000:]
+
+
+def test_serve_reports_loading_then_ready(export_dir: Path) -> None:
+    from tests.servers import free_port, wait_ready
+
+    port = free_port()
+    process = serve_process(export_dir, port)
+    try:
+        wait_ready(process, f"http://127.0.0.1:{port}", 120)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert err.splitlines()[:2] == [f"ldlm serve: loading the graphs of {export_dir} (ort)", "ldlm serve: ready"], err
+    assert out.startswith(f"ldlm serving {export_dir} (ort;")

@@ -171,3 +171,55 @@ def test_docs_render_from_local_assets(server: RunningServer, browser: Browser) 
     urls = browser.requested_urls()
     assert any(u.endswith("/static/swagger/swagger-ui-bundle.js") for u in urls)
     assert all(u.startswith(server.url) or u.startswith("data:") for u in urls), urls  # no CDN
+
+
+KEY = "pl4yground-k3y"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(export_dir: Path):
+    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=1000, api_key=KEY)
+    running = RunningServer(LDLMService(str(export_dir), settings))
+    yield running
+    running.stop()
+
+
+def run_page(browser: Browser, key: str) -> str:
+    """Fill the form (length 12, 20 steps, seed 5, the API key field), generate, and wait for the end: the final state."""
+    browser.evaluate(f"""(() => {{ const set = (id, v) => document.getElementById(id).value = v;
+                        set('length', 12); set('steps', 20); set('seed', 5); set('every', 5); set('key', {json.dumps(key)});
+                        document.getElementById('go').click(); }})()""")
+    browser.wait_for("['done', 'error'].includes(document.body.dataset.state)", 60)
+    return browser.evaluate("document.body.dataset.state")
+
+
+def test_with_a_key_the_page_opens_and_sends_the_key_it_is_given(keyed_server: RunningServer, browser: Browser,
+                                                                 pipeline: LDLMPipeline) -> None:
+    browser.open(keyed_server.url + "/")  # no key: the page itself is open
+    assert browser.evaluate("document.title") == "ldlm playground"
+    assert run_page(browser, "") == "error"  # no key typed: the API refuses, and the page says why
+    assert "missing or wrong bearer token" in browser.evaluate("document.getElementById('status').textContent")
+    assert run_page(browser, "wrong") == "error"
+    assert run_page(browser, KEY) == "done"
+    assert browser.evaluate("document.getElementById('preview').textContent") == pipeline.generate(1, 12, 20, seed=5, sampler="sde").texts[0]
+
+
+def test_with_a_key_docs_render(keyed_server: RunningServer, browser: Browser) -> None:
+    browser.open(keyed_server.url + "/docs")
+    browser.wait_for("document.querySelectorAll('.opblock').length > 0")
+    assert browser.evaluate("[...document.querySelectorAll('.opblock-summary-path')].some(e => e.textContent.includes('/v1/generate'))")
+
+
+def test_with_a_key_every_api_route_still_needs_it(keyed_server: RunningServer) -> None:
+    import httpx
+
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as http:
+        for path in ("/", "/docs", "/openapi.json", "/static/swagger/swagger-ui.css", "/v2/health/live", "/v2/health/ready"):
+            assert http.get(path).status_code == 200, path
+        closed = [("GET", "/v2"), ("GET", "/v2/models/encoder"), ("GET", "/v2/models/encoder/ready"), ("GET", "/metrics"),
+                  ("GET", "/v1/models"), ("POST", "/v2/models/encoder/infer"), ("POST", "/v1/generate"), ("POST", "/v1/reconstruct"),
+                  ("POST", "/v1/encode"), ("POST", "/v1/completions"), ("GET", "/docs/"), ("GET", "/openapi.json/x"), ("GET", "//v1/models")]
+        for method, path in closed:
+            response = http.request(method, path, json={})
+            assert response.status_code == 401, (path, response.status_code)
+        assert http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200

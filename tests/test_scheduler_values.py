@@ -12,15 +12,15 @@ import torch
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
-# Three one-sample requests of one length (one bucket): A takes 4 steps, B and C one step each.
+# Three one-sample requests of one length (one bucket): A takes 4 steps, B one, C two.
 A = GenerateRequest(n=1, length=6, steps=4, seed=11, sampler="ddim")
 B = GenerateRequest(n=1, length=6, steps=1, seed=12, sampler="ddim")
-C = GenerateRequest(n=1, length=6, steps=1, seed=13, sampler="sde")
+C = GenerateRequest(n=1, length=6, steps=2, seed=13, sampler="sde")
 
 # max_batch=2, all three queued before the first step:
-#   continuous: [A,B] (B done) -> [A,C] (C done) -> [A] -> [A]      batch sizes 2, 2, 1, 1
-#   static:     [A,B] (B done) -> [A] -> [A] -> [A] (batch done) -> [C]   batch sizes 2, 1, 1, 1, 1
-EXPECTED_BATCHES = {"continuous": [2, 2, 1, 1], "static": [2, 1, 1, 1, 1]}
+#   continuous (least work left first): [B,C] (B done) -> [C,A] (C done, A joins at once) -> [A] -> [A] -> [A]
+#   static (first come first served):   [A,B] (B done) -> [A] -> [A] -> [A] (batch done) -> [C] -> [C]
+EXPECTED_BATCHES = {"continuous": [2, 2, 1, 1, 1], "static": [2, 1, 1, 1, 1, 1]}
 
 
 def run_schedule(pipeline: LDLMPipeline, policy: str, requests: list[GenerateRequest], max_batch: int):
@@ -41,7 +41,7 @@ def test_batch_schedule_matches_the_hand_count(pipeline: LDLMPipeline, policy: s
     results, sizes, scheduler = run_schedule(pipeline, policy, [A, B, C], max_batch=2)
     assert sizes == EXPECTED_BATCHES[policy]
     assert scheduler.denoiser_calls == len(EXPECTED_BATCHES[policy])
-    assert scheduler.samples_stepped == 4 + 1 + 1
+    assert scheduler.samples_stepped == 4 + 1 + 2
     for request, result in zip([A, B, C], results):  # whatever the schedule, a single run's tokens
         alone = pipeline.generate(request.n, request.length, request.steps, request.seed, request.sampler)
         assert torch.equal(result.token_ids, alone.token_ids), request
@@ -76,28 +76,31 @@ def test_scheduler_latents_equal_the_samplers_own_loop(pipeline: LDLMPipeline) -
 
 
 def test_a_cancelled_request_frees_its_slot_at_the_next_step(pipeline: LDLMPipeline) -> None:
-    """max_batch=2; A and B run 6 steps, C one. B is cancelled during the first denoiser call:
-      [A,B] (B cancelled) -> [A] (B dropped; admission came first) -> [A,C] -> [A] -> [A] -> [A]."""
+    """max_batch=2; A and B run 6 steps. During the first denoiser call B is cancelled and C (one step) arrives:
+      [A,B] (B cancelled, C queued) -> [A,C] (B dropped before admission: C takes its slot at once) -> [A] x 4."""
     a = GenerateRequest(n=1, length=6, steps=6, seed=31, sampler="ddim")
     b = GenerateRequest(n=1, length=6, steps=6, seed=32, sampler="ddim")
     c = GenerateRequest(n=1, length=6, steps=1, seed=33, sampler="ddim")
     sizes: list[int] = []
     futures = []
+    dropped: list[int] = []
 
     def observe(batch: int, queued: float, compute: float) -> None:
         sizes.append(batch)
         if len(sizes) == 1:
             assert futures[1].cancel()  # the caller gives up (a client timeout, a disconnect)
+            futures.append(scheduler.submit(c))
 
-    scheduler = GenerationScheduler(pipeline, max_batch=2, start=False, observer=observe)
+    scheduler = GenerationScheduler(pipeline, max_batch=2, start=False, observer=observe, on_drop=dropped.append)
     try:
-        futures.extend(scheduler.submit(r) for r in (a, b, c))
+        futures.extend(scheduler.submit(r) for r in (a, b))
         scheduler.start()
         first, third = futures[0].result(timeout=60), futures[2].result(timeout=60)
     finally:
         scheduler.close(timeout_s=30)
-    assert sizes == [2, 1, 2, 1, 1, 1]
-    assert scheduler.samples_stepped == 6 + 1 + 1
+    assert sizes == [2, 2, 1, 1, 1, 1]
+    assert scheduler.samples_stepped == 6 + 1 + 1  # B ran its one step, no more
+    assert dropped == [1] and scheduler.dropped_samples == 1
     assert torch.equal(first.token_ids, pipeline.generate(1, 6, 6, 31, "ddim").token_ids)
     assert torch.equal(third.token_ids, pipeline.generate(1, 6, 1, 33, "ddim").token_ids)
 

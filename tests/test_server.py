@@ -172,7 +172,7 @@ BAD_REQUESTS = [
     ("length above max", "POST", "/v1/generate", {"json": {"n": 1, "length": 4096, "steps": 2}}, 422, "length: 4096 is out of range; allowed: 1..128"),
     ("unknown sampler", "POST", "/v1/generate", {"json": {"sampler": "euler"}}, 422, "sampler"),
     ("wrong type", "POST", "/v1/generate", {"json": {"n": "many"}}, 422, "n:"),
-    ("empty text", "POST", "/v1/reconstruct", {"json": {"texts": ["ok", ""]}}, 400, "texts[1]='' is empty"),
+    ("empty text", "POST", "/v1/reconstruct", {"json": {"texts": ["ok", ""]}}, 422, 'texts[1]: "" is empty; allowed: a non-empty text'),
     ("no texts", "POST", "/v1/encode", {"json": {"texts": []}}, 422, "texts"),
     ("texts missing", "POST", "/v1/encode", {"json": {}}, 422, "texts"),
 ]

@@ -193,7 +193,7 @@ def test_a_request_past_its_timeout_gets_504_and_is_cancelled(impatient_server: 
     """The scheduler is replaced by one that never answers, so the 0.5 s timeout is what ends the request."""
     pending: list[Future] = []
 
-    def never(spec):
+    def never(spec, *rest):
         future: Future = Future()
         pending.append(future)
         return future

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ldlm import __version__
 from ldlm.cli import artifacts, checks, model, serving
@@ -26,11 +28,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Arguments that name the user's files: an OS error is reported with the path the user typed, not
+# the temporary sibling a command was writing through (ldlm.checkpoint.atomic_directory).
+PATH_ARGUMENTS = ("out", "checkpoint", "source", "path", "onnx_dir", "engine_dir", "gpt2_dir", "tokenizer_dir", "timing_cache")
+INTERRUPTED = 130  # 128 + SIGINT, as shells report a command ended by Ctrl-C
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        refuse_existing_out(args)
         args.func(args)
-    except (ValueError, RuntimeError, FileExistsError, FileNotFoundError) as error:
+    except KeyboardInterrupt:
+        # one line, however deep the interrupted stage was (an export, a build, a running server);
+        # the stages write through temporary names, so an interrupted one leaves no partial output
+        print(f"\nldlm {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except (FileExistsError, FileNotFoundError) as error:
+        print(f"ldlm {args.command}: error: {os_error_message(error, args) if error.errno else error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # permissions, a full disk, a read-only or special file system
+        print(f"ldlm {args.command}: error: {os_error_message(error, args)}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as error:
         print(f"ldlm {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def refuse_existing_out(args: argparse.Namespace) -> None:
+    """A command that writes OUT and has --force refuses an existing OUT before any work, in CLI words."""
+    out = getattr(args, "out", None)
+    if out is not None and hasattr(args, "force") and not args.force and Path(out).exists():
+        raise FileExistsError(f"{out} already exists; pass --force to replace it, or choose another output directory")
+
+
+def os_error_message(error: OSError, args: argparse.Namespace) -> str:
+    """``PATH: reason``, naming the argument the user gave when the failing file is it, inside it, or a
+    temporary sibling of it (``.NAME.<pid>.tmp``)."""
+    reason = error.strerror or str(error)
+    if error.filename is None:
+        return reason
+    failing = Path(os.fsdecode(error.filename))
+    for name in PATH_ARGUMENTS:
+        given = getattr(args, name, None)
+        if not isinstance(given, str):
+            continue
+        mine = Path(given)
+        if failing == mine or mine in failing.parents or (failing.parent == mine.parent and failing.name.startswith(f".{mine.name}.")):
+            return f"{given}: {reason}"
+    return f"{failing}: {reason}"

@@ -7,7 +7,9 @@ import json
 import sys
 import time
 
-from ldlm.cli.options import positive_int
+from ldlm.cli.options import capped_positive_int, open_unit_float, positive_int, seed_int
+from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.serve.api.limits import MAX_N, MAX_SEED, MAX_STEPS
 
 
 def _cmd_init(args: argparse.Namespace) -> None:
@@ -34,13 +36,17 @@ def _cmd_init(args: argparse.Namespace) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
+    from ldlm.checkpoint import load_config
     from ldlm.pipeline import LDLMPipeline
 
+    config = load_config(args.checkpoint)  # the length's limit, before the model is built
+    if args.length > config.max_seq_len:
+        raise ValueError(f"--length {args.length} is out of range; allowed: 1..{config.max_seq_len} (the checkpoint's max_seq_len)")
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     start = time.perf_counter()
-    result = pipeline.generate(
-        args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, progress=not args.quiet
-    )
+    steps = config.default_steps if args.steps is None else args.steps
+    sampler = config.default_sampler if args.sampler is None else args.sampler
+    result = pipeline.generate(args.n, args.length, steps, args.seed, sampler, args.t_min, progress=not args.quiet)
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "seconds": elapsed}))
@@ -72,7 +78,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("out", help="checkpoint directory to create")
     p.add_argument("--preset", choices=["tiny", "base"], default="tiny", help="model size (default: tiny)")
-    p.add_argument("--seed", type=int, default=0, help="initialization seed (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help=f"initialization seed, 0..{MAX_SEED} (default: 0)")
     p.add_argument("--gpt2-dir", help="local Hugging Face GPT-2 directory (config.json + model.safetensors)")
     p.add_argument("--norm-init", choices=["default", "random"], default="default",
                    help="random: every LayerNorm/RMSNorm scale and bias and the feature/latent mean and std get "
@@ -89,13 +95,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         description="Sample N sequences by denoising latents from noise, then decode them to text.",
     )
     p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--n", type=positive_int, default=4, help="number of samples (default: 4)")
-    p.add_argument("--length", type=positive_int, default=64, help="tokens per sample, at most the config's max_seq_len (default: 64)")
-    p.add_argument("--steps", type=positive_int, default=None, help="denoising steps (default: the config's default_steps, 50)")
-    p.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
-    p.add_argument("--sampler", choices=["sde", "ddim"], default="sde",
-                   help="sde: Euler-Maruyama (stochastic); ddim: deterministic given the seed (default: sde)")
-    p.add_argument("--t-min", type=float, default=None, help="last time of the grid (default: the config's t_min, 0.05)")
+    # the same caps as `ldlm serve` (ldlm.serve.api.limits): what the server refuses, the CLI refuses too
+    p.add_argument("--n", type=capped_positive_int(MAX_N, " samples per run (as ldlm serve's max_n)"), default=4,
+                   help=f"number of samples, 1..{MAX_N} (default: 4)")
+    p.add_argument("--length", type=positive_int, default=64, help="tokens per sample, at most the checkpoint's max_seq_len (default: 64)")
+    p.add_argument("--steps", type=capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)"), default=None,
+                   help=f"denoising steps, 1..{MAX_STEPS} (default: the checkpoint config's default_steps, 50 unless it says otherwise)")
+    p.add_argument("--seed", type=seed_int, default=0, help=f"noise seed, 0..{MAX_SEED} (default: 0)")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
+                   help="sde: Euler-Maruyama (stochastic); ddim: deterministic given the seed "
+                   f"(default: the checkpoint config's default_sampler, {LDLMConfig.default_sampler} unless it says otherwise)")
+    p.add_argument("--t-min", type=open_unit_float, default=None, help="last time of the grid, in (0, 1) (default: the config's t_min, 0.05)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

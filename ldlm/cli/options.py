@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+
+from ldlm.serve.api.limits import MAX_SEED
 
 
 def positive_int(text: str) -> int:
@@ -12,6 +15,51 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: an integer >= 1")
+    return value
+
+
+def int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type for an integer in ``low..high``; ``why`` says where the upper limit comes from."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: {low}..{high}{why}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in some messages
+    return parse
+
+
+def capped_positive_int(high: int, why: str) -> Callable[[str], int]:
+    """``positive_int`` with an upper limit: the same caps as the HTTP API (``ldlm.serve.api.limits``)."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 1..{high}{why}")
+        return value
+
+    parse.__name__ = "positive integer"
+    return parse
+
+
+def seed_int(text: str) -> int:
+    """A seed: 0..2**63 - 1 everywhere (CLI, HTTP, Triton), so a seed that works in one works in all."""
+    return int_in(0, MAX_SEED)(text)
+
+
+def open_unit_float(text: str) -> float:
+    """A number strictly between 0 and 1 (a time of the diffusion grid, such as --t-min)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0 < value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is out of range; allowed: a number in (0, 1), both ends excluded")
     return value
 
 

@@ -34,7 +34,9 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     ray_only = {"--ray-address": args.ray_address, "--replicas": args.replicas, "--autoscale": args.autoscale,
                 "--replica-cpus": args.replica_cpus, "--replica-gpus": args.replica_gpus}
     if any(value is not None for value in ray_only.values()):
-        raise ValueError(f"{', '.join(f for f, v in ray_only.items() if v is not None)} only apply with --ray")
+        given = [flag for flag, value in ray_only.items() if value is not None]
+        raise ValueError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --ray; add --ray, or leave "
+                         f"{'it' if len(given) == 1 else 'them'} out")
     serve(args.source, settings, args.log_level)
 
 

@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -28,22 +29,35 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ldlm.serve.runtime.backends import BackendError
 from ldlm.serve.api.kserve import ProtocolError
+from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.scheduler import QueueFullError
 
 if TYPE_CHECKING:
     from ldlm.serve.api.server import LDLMService
 
 log = logging.getLogger("ldlm.serve")
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer": logs and metrics only
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    """An answer with ``status`` and one message; ``param`` names the request field at fault (OpenAI's error shape carries it)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
+        self.status, self.message, self.headers, self.param = status, message, headers or {}, param
 
 
 class GuardMiddleware:
-    OPEN_PATHS = ("/v2/health/",)
+    # Open without the key: the health probes, and what a browser needs to show the playground and
+    # /docs (the page, Swagger UI's assets, the schema /docs renders). Every route that runs the
+    # model or tells about it (/v1, /v2 infer and metadata, /metrics) needs the key; the playground
+    # sends the one typed into it.
+    OPEN_PATHS = frozenset({"/", "/docs", "/openapi.json"})
+    OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")
+
+    @classmethod
+    def is_open(cls, path: str) -> bool:
+        return path in cls.OPEN_PATHS or path.startswith(cls.OPEN_PREFIXES)
 
     def __init__(self, app: Any, service: "LDLMService") -> None:
         self.app, self.service = app, service
@@ -64,29 +78,28 @@ class GuardMiddleware:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                status["complete"] = True
             await send(message)
 
         try:
-            if self.expected_auth is not None and not scope["path"].startswith(self.OPEN_PATHS):
+            if self.expected_auth is not None and not self.is_open(scope["path"]):
                 given = headers.get("authorization", "").encode("latin-1")
                 if not hmac.compare_digest(given, self.expected_auth):  # no timing hint about the key
                     return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"},
                                         scope["path"])
             body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
-            replayed = False
-
-            async def replay() -> dict[str, Any]:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()  # then only http.disconnect remains
-
-            await self.app(scope, replay, send_wrapper)
+            await self._run_until_disconnect(scope, body, receive, send_wrapper, status)
         except HTTPError as error:
-            await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"])
+            await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"], error.param)
         except QueueFullError as error:
             await _reply(send_wrapper, 503, str(error), {"Retry-After": "1"}, scope["path"])
+        except DeadlineUnreachableError as error:  # the work ahead would make it late: when to come back
+            self.service.metrics.request_refused.labels(model or "", "deadline").inc()
+            await _reply(send_wrapper, 503, str(error), {"Retry-After": str(math.ceil(error.retry_after_s))}, scope["path"])
+        except RequestTooLargeError as error:  # late even alone
+            self.service.metrics.request_refused.labels(model or "", "too_large").inc()
+            await _reply(send_wrapper, 413, str(error), path=scope["path"])
         except (ProtocolError, BackendError, ValueError) as error:
             await _reply(send_wrapper, 400, str(error), path=scope["path"])
         except Exception as error:  # the process survives; the client learns nothing internal
@@ -96,7 +109,13 @@ class GuardMiddleware:
         finally:
             elapsed = time.perf_counter() - started
             code = status["code"]
+            if status.get("disconnected"):
+                code = status["code"] = CLIENT_CLOSED
+                if model is not None:
+                    self.service.metrics.request_cancelled.labels(model, "disconnect").inc()
             if model is not None:
+                if code == 504:
+                    self.service.metrics.request_cancelled.labels(model, "timeout").inc()
                 if code < 400:
                     self.service.metrics.request_success.labels(model).inc()
                 else:
@@ -104,6 +123,45 @@ class GuardMiddleware:
                 self.service.metrics.request_seconds.labels(model).observe(elapsed)
             log.info("request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
                                        "status": code, "ms": round(1000 * elapsed, 3)})
+
+
+    async def _run_until_disconnect(self, scope: dict[str, Any], body: bytes, receive: Any, send: Any, status: dict[str, Any]) -> None:
+        """Run the app with ``body`` replayed; if the client disconnects before the answer is complete,
+        cancel the app's task. Starlette does not do this for plain (non-streamed) responses: a handler
+        would wait for its generation to the end, holding scheduler slots and batcher rows for nobody.
+        Cancelling the task cancels the future it awaits (``server.wait``), and a cancelled future leaves
+        the scheduler's batch at its next step and the dynamic batcher's queue before it runs."""
+        replayed = False
+        disconnected = asyncio.Event()
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await disconnected.wait()  # the body is all read: only http.disconnect remains
+            return {"type": "http.disconnect"}
+
+        async def watch() -> None:
+            # uvicorn answers receive() with http.disconnect once the peer is gone (or the response is
+            # complete, which is not a reason to cancel anything)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+            if not status.get("complete") and not app.done():
+                status["disconnected"] = True
+                app.cancel()
+
+        app = asyncio.ensure_future(self.app(scope, replay, send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await app
+        except asyncio.CancelledError:
+            if not status.get("disconnected"):
+                raise  # the server itself is being cancelled (shutdown): not ours to swallow
+        finally:
+            watcher.cancel()
+            app.cancel()  # when the middleware's own task is cancelled, the app's goes with it
 
 
 async def read_body(receive: Any, content_length: str | None, limit: int, timeout_s: float) -> bytes:
@@ -136,18 +194,18 @@ def _model_of(path: str) -> str | None:
     return None
 
 
-def error_body(message: str, status: int = 400, path: str = "") -> bytes:
-    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that)."""
+def error_body(message: str, status: int = 400, path: str = "", param: str | None = None) -> bytes:
+    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that), with ``param``."""
     from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_error  # here: openai_api imports this module
 
     if path.startswith(OPENAI_PATHS):
-
-        return json.dumps(openai_error(status, message)).encode()
+        return json.dumps(openai_error(status, message, param)).encode()
     return json.dumps({"error": message}).encode()
 
 
-async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "") -> None:
-    body = error_body(message, status, path)
+async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "",
+                 param: str | None = None) -> None:
+    body = error_body(message, status, path, param)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     try:

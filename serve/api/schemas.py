@@ -1,16 +1,24 @@
 """The text API's request and response schemas, and the one error shape of every route.
 
 Request limits depend on the server (``ServerSettings.max_n``, ``max_steps``, ``max_texts``) and
-on the model (``max_seq_len``), so the request models are built per app by ``request_models``:
-the bounds are then both enforced and visible in ``/openapi.json``.
+on the model (``max_seq_len``; ``default_steps`` and ``default_sampler`` are the defaults), so the
+request models are built per app by ``request_models``: the bounds are then both enforced and
+visible in ``/openapi.json``. Bodies are strict: unknown fields, booleans or floats for integers,
+and empty texts are refused (422) with a message naming the field, the value and what is allowed.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
+
+from ldlm.config import SAMPLERS
+from ldlm.serve.api.limits import MAX_SEED
 
 
 class ErrorResponse(BaseModel):
@@ -39,32 +47,84 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
+class Range:
+    """A field's allowed values, as messages name them: ``1..64``, or ``(0, 1)`` with both ends excluded."""
+
+    low: float
+    high: float
+    exclusive: bool = False  # floats such as t_min: low < x < high
+    unit: str = ""  # " items" for lists: how the value given is counted
+    low_open: bool = False  # floats such as timeout_s: low < x <= high
+
+    def __str__(self) -> str:
+        if self.exclusive:
+            return f"a number in ({self.low:g}, {self.high:g}), both ends excluded"
+        if self.low_open:
+            return f"a number in ({self.low:g}, {self.high:g}]"
+        return f"{self.low}..{self.high}"
+
+
+@dataclass(frozen=True)
 class RequestModels:
     generate: type[BaseModel]
     texts: type[BaseModel]
-    limits: dict[str, tuple[int, int]]  # field -> (low, high), for messages
+    limits: dict[str, Range]  # field -> allowed range, for messages
 
 
-def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int) -> RequestModels:
+# Request bodies are strict: an unknown (misspelled) field is an error naming it, not ignored, and a
+# boolean or a float is not an integer ({"n": true} would otherwise run as n=1).
+STRICT_BODY = ConfigDict(extra="forbid")
+
+
+def strict_int(default: Any, low: int, high: int, description: str) -> Any:
+    return Field(default, ge=low, le=high, strict=True, description=description)
+
+
+def timeout_field(max_timeout_s: float) -> Any:
+    """A request's own deadline, shorter than the server's: refused up front if it cannot be met (the estimate is named)."""
+    return Field(None, gt=0, le=max_timeout_s, description=f"seconds this request may take, at most the server's {max_timeout_s:g} s "
+                 "(its default): a request estimated to take longer is refused at once (413 or 503 with Retry-After), and one "
+                 "that runs past it is cancelled (504)")
+
+
+def non_empty(text: str) -> str:
+    """An empty text is a 422 like every other bad field. (A length constraint on the str would do this too,
+    but pydantic then converts the text and refuses a lone surrogate with a parser message, where
+    ``server.check_texts`` names it.)"""
+    if text == "":
+        raise PydanticCustomError("string_too_short", "empty text")
+    return text
+
+
+def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = 50,
+                   default_sampler: str = "sde", max_timeout_s: float = 60.0) -> RequestModels:
+    """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
+    if not 1 <= default_steps <= max_steps:
+        raise ValueError(f"the model config's default_steps={default_steps} is out of range; allowed: 1..{max_steps} (max_steps)")
     generate = create_model(
         "GenerateBody",
-        n=(int, Field(1, ge=1, le=max_n, description=f"samples to generate (1..{max_n})")),
-        length=(int, Field(64, ge=1, le=max_seq_len, description=f"tokens per sample (1..{max_seq_len}, the model's max_seq_len)")),
-        steps=(int, Field(50, ge=1, le=max_steps, description=f"denoising steps (1..{max_steps})")),
-        seed=(int, Field(0, ge=0, lt=2**63, description="noise seed")),
-        sampler=(Literal["sde", "ddim"], Field("sde", description="sde: Euler-Maruyama; ddim: deterministic")),
-        t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid")),
-        stream=(bool, Field(False, description="answer with Server-Sent Events: `preview` events (each sample's current "
-                                               "x0_hat decoded) every `preview_every` steps, then one `result` event")),
-        preview_every=(int, Field(5, ge=1, le=max_steps, description="steps between previews when streaming")),
+        __config__=STRICT_BODY,
+        n=(int, strict_int(1, 1, max_n, f"samples to generate (1..{max_n})")),
+        length=(int, strict_int(64, 1, max_seq_len, f"tokens per sample (1..{max_seq_len}, the model's max_seq_len)")),
+        steps=(int, strict_int(default_steps, 1, max_steps, f"denoising steps (1..{max_steps}; default: the model config's default_steps)")),
+        seed=(int, strict_int(0, 0, MAX_SEED, f"noise seed (0..{MAX_SEED})")),
+        sampler=(Literal[SAMPLERS], Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic "  # type: ignore[valid-type]
+                                                                       "(default: the model config's default_sampler)")),
+        t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
+        stream=(bool, Field(False, strict=True, description="answer with Server-Sent Events: `preview` events (each sample's current "
+                                                            "x0_hat decoded) every `preview_every` steps, then one `result` event")),
+        preview_every=(int, strict_int(5, 1, max_steps, "steps between previews when streaming")),
+        timeout_s=(float | None, timeout_field(max_timeout_s)),
     )
     texts = create_model(
         "TextsBody",
-        texts=(list[str], Field(..., min_length=1, max_length=max_texts,
-                                description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
+        __config__=STRICT_BODY,
+        texts=(list[Annotated[str, AfterValidator(non_empty)]],
+               Field(..., min_length=1, max_length=max_texts, description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
     )
-    limits = {"n": (1, max_n), "length": (1, max_seq_len), "steps": (1, max_steps), "seed": (0, 2**63 - 1), "texts": (1, max_texts),
-              "preview_every": (1, max_steps)}
+    limits = {"n": Range(1, max_n), "length": Range(1, max_seq_len), "steps": Range(1, max_steps), "seed": Range(0, MAX_SEED),
+              "texts": Range(1, max_texts, unit=" items"), "preview_every": Range(1, max_steps), "t_min": Range(0, 1, exclusive=True),
+              "timeout_s": Range(0, max_timeout_s, low_open=True)}
     return RequestModels(generate, texts, limits)
 
 
@@ -78,18 +138,49 @@ def field_name(loc: tuple[Any, ...] | list[Any]) -> str:
     return name or "body"
 
 
-def validation_message(errors: list[dict[str, Any]], limits: dict[str, tuple[int, int]]) -> str:
-    """pydantic errors -> one readable line per problem, naming the field, the value and the range."""
+def shown(value: Any) -> str:
+    """A value as the client wrote it (JSON): true, 1e+30, "abc"."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+RANGE_ERRORS = ("less_than_equal", "greater_than_equal", "less_than", "greater_than", "too_long", "too_short")
+
+
+def validation_message(errors: list[dict[str, Any]], limits: dict[str, Range], fields: Sequence[str] = ()) -> str:
+    """pydantic errors -> one readable line per problem, naming the field, the value and what is allowed."""
     problems = []
+    unknown = [field_name(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        allowed = f"; allowed: {', '.join(fields)}" if fields else ""
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}{allowed}")
     for e in errors:
-        name = field_name(e["loc"])
-        if e["type"] == "json_invalid":
+        name, kind, given = field_name(e["loc"]), e["type"], e.get("input")
+        allowed = limits.get(name)
+        if kind == "extra_forbidden":
+            continue
+        if kind == "json_invalid":
             problems.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')} at character {e['loc'][-1]})")
-        elif name in limits and e["type"] in ("less_than_equal", "greater_than_equal", "too_long", "too_short"):
-            low, high = limits[name]
-            given = len(e["input"]) if isinstance(e["input"], list) else e["input"]
-            unit = " items" if isinstance(e["input"], list) else ""
-            problems.append(f"{name}: {given}{unit} is out of range; allowed: {low}..{high}")
+        elif kind == "missing":
+            problems.append(f"{name} is required")
+        elif allowed is not None and kind in RANGE_ERRORS:
+            value = f"{len(given)}{allowed.unit}" if isinstance(given, list) else shown(given)
+            problems.append(f"{name}: {value} is out of range; allowed: {allowed}")
+        elif kind in ("int_type", "int_parsing", "int_from_float"):
+            what = "a boolean" if isinstance(given, bool) else "not an integer"
+            problems.append(f"{name}: {shown(given)} is {what}; allowed: an integer" + (f" in {allowed}" if allowed else ""))
+        elif kind in ("float_type", "float_parsing"):
+            problems.append(f"{name}: {shown(given)} is not a number; allowed: " + (str(allowed) if allowed else "a number"))
+        elif kind in ("bool_type", "bool_parsing"):
+            problems.append(f"{name}: {shown(given)} is not a boolean; allowed: true or false")
+        elif kind == "string_too_short" and given == "":
+            problems.append(f"{name}: \"\" is empty; allowed: a non-empty text")
+        elif kind == "string_type":
+            problems.append(f"{name}: {shown(given)} is not a text; allowed: a JSON string")
+        elif kind == "literal_error":
+            problems.append(f"{name}: {shown(given)} is unknown; allowed: {e.get('ctx', {}).get('expected', '')}")
         else:
-            problems.append(f"{name}: {e['msg']}")
+            problems.append(f"{name}: {shown(given)}: {e['msg']}" if "input" in e else f"{name}: {e['msg']}")
     return "; ".join(problems)

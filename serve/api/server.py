@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
 import multiprocessing
 import signal
 import socket
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -48,13 +52,14 @@ from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, JsonLogFormatter, error_body, guarded_protocol
 from ldlm.serve.api.kserve import (HEADER_LENGTH, encode_infer_response, json_bytes, kserve_datatype, parse_body, requested_outputs,
                                tensor_metadata)
+from ldlm.serve.api.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.serve.runtime.torch_backends import length_buckets
 from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_limits, create_router as create_openai_router
 from ldlm.serve.api.playground import create_router as create_playground_router
 from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, PreviewDecoder, generate_sse
-from ldlm.serve.api.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, request_models, validation_message
+from ldlm.serve.api.schemas import ERROR_RESPONSES, EncodeResponse, TextsResponse, field_name, request_models, validation_message
 
 log = logging.getLogger("ldlm.serve")
 MODEL_VERSION = "1"
@@ -75,9 +80,9 @@ class ServerSettings:
     max_queue: int = 256  # requests waiting per graph before 503
     request_timeout_s: float = 60.0
     max_body_bytes: int = 8 << 20
-    max_n: int = 64  # samples per /v1/generate request
-    max_steps: int = 1000
-    max_texts: int = 64
+    max_n: int = MAX_N  # samples per /v1/generate request (ldlm generate's cap too)
+    max_steps: int = MAX_STEPS  # ldlm generate's cap too
+    max_texts: int = MAX_TEXTS
     max_request_samples: int = 64  # batch size of one /v2 infer request (413 above)
     max_request_tokens: int = 8192  # batch x seq of one /v2 infer request (413 above)
     header_timeout_s: float = 10.0  # a request's headers must arrive within this, else the connection closes
@@ -113,14 +118,19 @@ class ServerSettings:
 class LDLMService:
     """Everything a server process holds: the graphs, their batchers, the scheduler, the metrics."""
 
-    def __init__(self, source: str, settings: ServerSettings) -> None:
+    def __init__(self, source: str, settings: ServerSettings, progress: Callable[[str], None] | None = None) -> None:
+        """``progress``: told (one line each) what preparing the service is doing, for a person waiting on ``ldlm serve``."""
         self.settings = settings
         self._scratch = None
+        say = progress or (lambda line: None)
         if settings.backend == "ort" and (Path(source) / "model.safetensors").is_file():
             from ldlm.export.onnx_export import export_graphs
 
+            say(f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
+                "directory to skip this at every start)")
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")  # a checkpoint: export it first
-            source = str(export_graphs(source, Path(self._scratch.name) / "onnx").out)
+            source = str(export_graphs(source, Path(self._scratch.name) / "onnx", progress=progress is not None).out)
+        say(f"loading the graphs of {source} ({settings.backend})")
         graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
                                                 settings.threads, settings.device, memory_arena=False, cuda_graphs=settings.trt_cuda_graphs)
         # Engines built with narrower profiles narrow what the service accepts (lengths) and how
@@ -129,17 +139,38 @@ class LDLMService:
         self.graphs, self.config = graphs, config
         self.metrics = Metrics()
         self.batchers = {
-            name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name))
+            name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name),
+                                 self.metrics.cancelled_samples.labels(name).inc)
             for name, graph in graphs.items()
         }
         self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
         device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
         self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
-                                             observer=self.metrics.observer("generate"))
+                                             observer=self.metrics.observer("generate"),
+                                             on_drop=self.metrics.cancelled_samples.labels("generate").inc)
         self.json_workers = self._json_pool()
-        self.previews = PreviewDecoder(generation, settings.preview_budget)  # its own thread, never the scheduler's
+        self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
+        self._in_flight_lock = threading.Lock()
+        # its own thread, never the scheduler's; its time budget applies while other generations are in flight
+        self.previews = PreviewDecoder(generation, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
         self.ready = True
+        say("ready")
+
+    def submit_generation(self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0,
+                          deadline_s: float | None = None) -> Future[Any]:
+        """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight: a
+        streamed request's previews are free of the preview budget only while it is the one generation in flight."""
+        future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s)
+        with self._in_flight_lock:
+            self._in_flight += 1
+        future.add_done_callback(self._generation_done)
+        return future
+
+    def _generation_done(self, future: Future[Any]) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+        self.previews.nudge()  # a preview rest taken because of this request can end
 
     @staticmethod
     def _json_pool() -> ProcessPoolExecutor:
@@ -168,17 +199,43 @@ class LDLMService:
             self._scratch.cleanup()
 
 
-async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float) -> Any:
+@dataclass(frozen=True)
+class Deadline:
+    """A request's time limit, counted from its handler's start: the server's timeout, or the request's own shorter ``timeout_s``."""
+
+    limit_s: float
+    start: float = dataclasses.field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return max(0.001, self.limit_s - (time.monotonic() - self.start))
+
+
+async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float, limit_s: float | None = None) -> Any:
+    """The future's result, or 504 after ``timeout_s`` (the message names ``limit_s``, the whole limit, when given);
+    either way the future is cancelled when left, which frees whatever it holds."""
     try:
         return await asyncio.wait_for(asyncio.wrap_future(future) if isinstance(future, Future) else future, timeout_s)
     except asyncio.TimeoutError:
         future.cancel()
-        raise HTTPError(504, f"request timed out after {timeout_s:g} s") from None
+        raise HTTPError(504, f"request timed out after {limit_s if limit_s is not None else timeout_s:g} s") from None
 
 
 async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
     """Run ``fn`` on the default thread pool: nothing that scales with a request runs on the event loop."""
     return await wait(asyncio.get_running_loop().run_in_executor(None, fn, *args), timeout_s)
+
+
+async def run_submit(fn: Callable[..., Any], *args: Any, cancel: Callable[[Any], None], timeout_s: float) -> Any:
+    """``run_blocking`` for a call that queues work and returns a handle to it (a future, a stream):
+    when this request is cancelled (its client left, its time ran out) while the call still runs in
+    its thread, ``cancel`` is applied to the handle as soon as the call returns, or the work it queued
+    would run for nobody."""
+    call = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await wait(asyncio.shield(call), timeout_s)
+    except BaseException:
+        call.add_done_callback(lambda done: None if done.cancelled() or done.exception() is not None else cancel(done.result()))
+        raise
 
 
 async def run_json(service: LDLMService, heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
@@ -210,7 +267,10 @@ async def json_response(service: LDLMService, payload: dict[str, Any]) -> Respon
 
 def create_app(service: LDLMService) -> FastAPI:
     settings = service.settings
-    models = request_models(settings.max_n, settings.max_steps, settings.max_texts, service.config.max_seq_len)
+    config = service.config
+    models = request_models(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len, config.default_steps,
+                            config.default_sampler, settings.request_timeout_s)
+    body_models: dict[str, type[BaseModel]] = {}  # route -> its body model, for the names of its fields in messages
     completion_limits = openai_limits(settings, service.config.max_seq_len)  # what OpenAI-route validation messages name
 
     @asynccontextmanager
@@ -229,7 +289,8 @@ def create_app(service: LDLMService) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, error: HTTPError) -> Response:
-        return Response(error_body(error.message, error.status, request.url.path), error.status, error.headers, "application/json")
+        return Response(error_body(error.message, error.status, request.url.path, error.param), error.status, error.headers,
+                        "application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
@@ -241,8 +302,11 @@ def create_app(service: LDLMService) -> FastAPI:
         errors = list(error.errors())
         openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
         status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
-        message = validation_message(errors, completion_limits if openai else models.limits)
-        return Response(error_body(message, status, request.url.path), status, media_type="application/json")
+        body_model = body_models.get(request.url.path)
+        fields = list(body_model.model_fields) if body_model is not None else []
+        message = validation_message(errors, completion_limits if openai else models.limits, fields)
+        param = field_name(errors[0]["loc"]) if errors and errors[0]["type"] != "json_invalid" else None
+        return Response(error_body(message, status, request.url.path, param), status, media_type="application/json")
 
     def model_or_404(name: str) -> str:
         if name not in service.graphs:
@@ -296,15 +360,17 @@ def create_app(service: LDLMService) -> FastAPI:
 
     async def generate(body: Any) -> Response:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
+        deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
         spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
-        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop.
+        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
+        # scheduler refuses at once what it estimates cannot finish in the time left.
+        submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
         if body.stream:
-            start = functools.partial(GenerationStream, service.scheduler, service.previews, spec, body.preview_every,
-                                      loop=asyncio.get_running_loop())
-            stream = await run_blocking(start, timeout_s=settings.request_timeout_s)
-            return StreamingResponse(generate_sse(stream, settings.request_timeout_s), headers=SSE_HEADERS, media_type="text/event-stream")
-        future = await run_blocking(service.scheduler.submit, spec, timeout_s=settings.request_timeout_s)
-        result = await wait(future, settings.request_timeout_s)
+            start = functools.partial(GenerationStream, submit, service.previews, spec, body.preview_every, loop=asyncio.get_running_loop())
+            stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
+            return StreamingResponse(generate_sse(stream, deadline.left()), headers=SSE_HEADERS, media_type="text/event-stream")
+        future = await run_submit(submit, spec, cancel=Future.cancel, timeout_s=deadline.left())
+        result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
     async def reconstruct(body: Any) -> Response:
@@ -337,14 +403,19 @@ def create_app(service: LDLMService) -> FastAPI:
     for path, handler, body_model, response_model in routes:
         handler.__annotations__ = {"body": body_model, "return": Response}
         app.post(path, response_model=response_model, summary=handler.__doc__)(handler)
+        body_models[path] = body_model
 
-    app.include_router(create_openai_router(service))
+    openai_router = create_openai_router(service)
+    app.include_router(openai_router)
+    body_models["/v1/completions"] = openai_router.body_model  # type: ignore[attr-defined]
     app.include_router(create_playground_router())
 
     @app.get("/metrics")
     async def metrics() -> Response:
         for name, batcher in service.batchers.items():
             service.metrics.queue_depth.labels(name).set(batcher.queued)
+        for bucket, rate in service.scheduler.cost.rates().items():
+            service.metrics.sample_step_rate.labels(str(bucket)).set(rate)
         service.metrics.queue_depth.labels("generate").set(service.scheduler.queued_samples)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -430,7 +501,7 @@ def serve(source: str, settings: ServerSettings, log_level: str = "info") -> Non
     log.propagate = False
     sock = bind_socket(settings.host, settings.port)
     try:
-        service = LDLMService(source, settings)
+        service = LDLMService(source, settings, progress=lambda line: print(f"ldlm serve: {line}", file=sys.stderr, flush=True))
         app = create_app(service)
         port = sock.getsockname()[1]
         url = f"http://{settings.host}:{port}"

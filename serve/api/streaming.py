@@ -1,11 +1,17 @@
 """Server-Sent Events for generation: denoising previews, then the result.
 
 A ``GenerationStream`` submits one request to the scheduler with a preview hook. The hook runs on
-the scheduler's worker thread and only hands each sample's x0_hat to the ``PreviewDecoder`` (the
-newest per sample replaces an older one not yet decoded, so nothing backs up). That one thread
-decodes every pending preview of every stream in one decoder call, then rests so that previews
-take at most ``budget`` of the wall time: generation keeps its pace whatever the number of
-streams, and under load a preview is skipped (the next one is newer) rather than slowing anyone.
+the scheduler's worker thread and only hands each sample's x0_hat to the ``PreviewDecoder``; that
+one thread decodes every pending preview of every stream in one decoder call. What a preview may
+cost depends on who else is waiting:
+
+- nothing else in flight (``others_waiting()`` is false): every preview asked for is decoded and
+  sent, in step order, and the stream's result waits for its last previews. The only request a
+  decode can slow down is the one that asked for it;
+- other work in flight: previews take at most ``budget`` of the wall time. After each decode the
+  thread rests (busy x (1 - budget) / budget), and a sample's newest x0_hat replaces one not yet
+  decoded (that preview is skipped, and counted), so nothing backs up and generation keeps its pace
+  whatever the number of streams.
 
 When the client goes away the response's generator is cancelled; its ``finally`` cancels the
 request's future, and the scheduler drops the request's samples at its next step.
@@ -18,13 +24,17 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler, decode_ragged
+from ldlm.serve.runtime.scheduler import GenerateRequest, decode_ragged
+
+log = logging.getLogger("ldlm.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -35,14 +45,22 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     return (f"event: {event}\n" if event else "").encode() + f"data: {payload}\n\n".encode()
 
 
-class PreviewDecoder:
-    """One thread that decodes the pending previews of all streams, in one call, within a time budget."""
+PreviewObserver = Callable[[int, int, float], None]  # (previews decoded, previews skipped, decode seconds)
 
-    def __init__(self, pipeline: LDLMPipeline, budget: float = 0.05) -> None:
+
+class PreviewDecoder:
+    """One thread that decodes the pending previews of all streams, in one call; within ``budget`` of
+    the wall time while ``others_waiting()`` (see the module docs)."""
+
+    def __init__(self, pipeline: LDLMPipeline, budget: float = 0.05, others_waiting: Callable[[], bool] = lambda: True,
+                 observer: PreviewObserver | None = None) -> None:
         if not 0 < budget <= 1:
             raise ValueError(f"budget={budget} is out of range; allowed: (0, 1]")
         self.pipeline, self.budget = pipeline, budget
-        self._pending: dict[tuple[GenerationStream, int], tuple[int, Tensor]] = {}
+        self.others_waiting = others_waiting
+        self.observer = observer
+        self._pending: dict[tuple[GenerationStream, int], list[tuple[int, Tensor]]] = {}
+        self._skipped: dict[GenerationStream, int] = {}
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="ldlm-previews", daemon=True)
@@ -50,13 +68,23 @@ class PreviewDecoder:
 
     def offer(self, stream: GenerationStream, index: int, step: int, x0_hat: Tensor) -> None:
         with self._cond:
-            self._pending[(stream, index)] = (step, x0_hat)
+            queued = self._pending.setdefault((stream, index), [])
+            if queued and self.others_waiting():  # under load only the newest of a sample is decoded
+                self._skipped[stream] = self._skipped.get(stream, 0) + len(queued)
+                queued.clear()
+            queued.append((step, x0_hat))
             self._cond.notify()
 
     def forget(self, stream: GenerationStream) -> None:
         with self._cond:
             for key in [k for k in self._pending if k[0] is stream]:
                 del self._pending[key]
+            self._skipped.pop(stream, None)
+
+    def nudge(self) -> None:
+        """Other work ended: a rest taken because of it ends now."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -67,72 +95,100 @@ class PreviewDecoder:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._stopping:
+                while not self._pending and not self._skipped and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                batch, self._pending = self._pending, {}
+                pending, self._pending = self._pending, {}
+                skipped, self._skipped = self._skipped, {}
+            if self.others_waiting():  # offers queued while the server was idle: under load, the newest only
+                for key, queued in pending.items():
+                    skipped[key[0]] = skipped.get(key[0], 0) + len(queued) - 1
+                    del queued[:-1]
+            items = [(stream, index, step, x0) for (stream, index), queued in pending.items() for step, x0 in queued]
             started = time.perf_counter()
             try:
-                texts = decode_ragged(self.pipeline, [x0 for _, x0 in batch.values()]).texts
+                texts = decode_ragged(self.pipeline, [x0 for *_, x0 in items]).texts if items else []
             except Exception:  # a preview is a nicety: never let it end a stream or this thread
-                continue
-            by_stream: dict[GenerationStream, list[dict[str, Any]]] = {}
-            for ((stream, index), (step, _)), text in zip(batch.items(), texts):
+                log.exception("decoding previews failed; they are skipped")
+                texts = []
+                for stream, *_ in items:
+                    skipped[stream] = skipped.get(stream, 0) + 1
+                items = []
+            by_stream: dict[GenerationStream, list[dict[str, Any]]] = {stream: [] for stream in skipped}
+            for (stream, index, step, _), text in zip(items, texts):
                 by_stream.setdefault(stream, []).append({"index": index, "step": step, "text": text})
             for stream, previews in by_stream.items():
                 with contextlib.suppress(RuntimeError):  # its event loop is gone (shutdown): nobody to tell
-                    stream.deliver(sorted(previews, key=lambda p: p["index"]))
+                    stream.deliver(sorted(previews, key=lambda p: (p["step"], p["index"])), skipped.get(stream, 0))
             busy = time.perf_counter() - started
-            with self._cond:  # rest: decoding takes at most `budget` of the time
-                self._cond.wait_for(lambda: self._stopping, timeout=busy * (1 - self.budget) / self.budget)
+            if self.observer is not None:
+                self.observer(len(items), sum(skipped.values()), busy)
+            with self._cond:  # rest while others wait: decoding takes at most `budget` of the time
+                if items and self.others_waiting():
+                    self._cond.wait_for(lambda: self._stopping or not self.others_waiting(),
+                                        timeout=busy * (1 - self.budget) / self.budget)
+
 
 class GenerationStream:
     """One request in the scheduler, as an async iterator of previews and then its result."""
 
-    def __init__(self, scheduler: GenerationScheduler, previews: PreviewDecoder | None, spec: GenerateRequest,
+    def __init__(self, submit: Callable[..., Future[TextResult]], previews: PreviewDecoder | None, spec: GenerateRequest,
                  preview_every: int = 0, prefix: Tensor | None = None, *, loop: asyncio.AbstractEventLoop) -> None:
-        """Submits at once. ``loop`` is the event loop that reads the events: construct this off that
-        loop (submitting draws every sample's prior noise, work that scales with n x length)."""
+        """Submits at once, with ``submit`` (``GenerationScheduler.submit``'s signature). ``loop`` is the
+        event loop that reads the events: construct this off that loop (submitting draws every sample's
+        prior noise, work that scales with n x length)."""
         self.loop = loop
         self.previews = previews
         self.spec = spec
         self._decoded: list[dict[str, Any]] = []
+        self._offered = 0  # previews handed to the decoder (scheduler thread)
+        self._settled = 0  # of those, sent or skipped (event loop)
         self._wake = asyncio.Event()
         hook = self._hook if preview_every > 0 and previews is not None else None
-        self.future = scheduler.submit(spec, prefix, hook, preview_every)
+        self.future = submit(spec, prefix, hook, preview_every)
 
     def _hook(self, index: int, step: int, x0_hat: Tensor) -> None:  # on the scheduler's thread: hand over only
+        self._offered += 1
         self.previews.offer(self, index, step, x0_hat)  # type: ignore[union-attr]
 
-    def deliver(self, previews: list[dict[str, Any]]) -> None:  # on the preview thread
-        self.loop.call_soon_threadsafe(self._put, previews)
+    def deliver(self, previews: list[dict[str, Any]], skipped: int = 0) -> None:  # on the preview thread
+        self.loop.call_soon_threadsafe(self._put, previews, skipped)
 
-    def _put(self, previews: list[dict[str, Any]]) -> None:
+    def _put(self, previews: list[dict[str, Any]], skipped: int) -> None:
         self._decoded += previews
+        self._settled += len(previews) + skipped
         self._wake.set()
 
+    def _previews_owed(self) -> bool:
+        """Previews offered but not yet sent or skipped, while nothing else waits (then they are worth waiting for)."""
+        return self._settled < self._offered and self.previews is not None and not self.previews.others_waiting()
+
     async def events(self, timeout_s: float) -> AsyncIterator[tuple[str, Any]]:
-        """("preview", [{index, step, text}, ...]) any number of times, then ("result", TextResult).
+        """("preview", [{index, step, text}, ...] of one step) any number of times, then ("result", TextResult).
         Raises TimeoutError after ``timeout_s``; always cancels the request when left early."""
         result = asyncio.wrap_future(self.future)
         deadline = self.loop.time() + timeout_s
         try:
             while True:
-                woken = asyncio.ensure_future(self._wake.wait())
-                done, _ = await asyncio.wait({result, woken}, timeout=max(0.0, deadline - self.loop.time()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                woken.cancel()
-                if not done:
-                    raise TimeoutError(f"request timed out after {timeout_s:g} s")
-                if result.done():
+                decoded, self._decoded = self._decoded, []
+                self._wake.clear()
+                for step in sorted({p["step"] for p in decoded}):  # one event per step, in order
+                    yield "preview", [p for p in decoded if p["step"] == step]
+                now = self.loop.time()
+                if result.done() and (result.cancelled() or result.exception() is not None or not self._previews_owed()
+                                      or now >= deadline):
                     final: TextResult = result.result()
                     yield "result", final
                     return
-                decoded, self._decoded = self._decoded, []
-                self._wake.clear()
-                if decoded:
-                    yield "preview", decoded
+                if now >= deadline:
+                    raise TimeoutError(f"request timed out after {timeout_s:g} s")
+                woken = asyncio.ensure_future(self._wake.wait())
+                # with the result in, wait only for the previews still owed, re-checking that nobody else waits
+                await asyncio.wait({woken} if result.done() else {result, woken},
+                                   timeout=min(deadline - now, 0.05) if result.done() else deadline - now,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
         finally:
             self.future.cancel()  # a gone client or a timeout frees the slots at the scheduler's next step
             result.cancel()

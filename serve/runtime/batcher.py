@@ -1,6 +1,10 @@
 """Dynamic batching for one graph: requests that arrive within ``max_delay_ms`` of each other run
 as one batch of at most ``max_batch`` samples.
 
+A request whose future is cancelled before its batch runs (its client went away or its deadline
+passed) leaves the queue without running: it takes no rows of any batch, and ``dropped_samples``
+counts it.
+
 Requests may have different sequence lengths: they are right-padded to the longest and the
 padding is masked through the graph's ``attention_mask``, so each answer equals an unbatched
 run; outputs are cut back to each request's own length. Every request gets exactly one answer:
@@ -29,6 +33,7 @@ from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.serve.runtime.scheduler import QueueFullError, resolve_future
 
 BatchObserver = Callable[[int, float, float], None]  # (batch size, queue seconds of the oldest, compute seconds)
+DropObserver = Callable[[int], None]  # samples of a cancelled request dropped before they ran
 TRIM_AFTER_BYTES = 1 << 22  # a batch whose inputs exceed this is followed by giving freed memory back
 
 
@@ -61,7 +66,7 @@ class _Pending:
 class DynamicBatcher:
     def __init__(
         self, backend: GraphBackend, max_batch: int = 16, max_delay_ms: float = 2.0, max_queue: int = 256,
-        observer: BatchObserver | None = None,
+        observer: BatchObserver | None = None, on_drop: DropObserver | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
@@ -74,6 +79,8 @@ class DynamicBatcher:
         self.max_delay_s = max_delay_ms / 1000
         self.max_queue = max_queue
         self.observer = observer
+        self.on_drop = on_drop
+        self.dropped_samples = 0
         self._queue: deque[_Pending] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -99,6 +106,8 @@ class DynamicBatcher:
                 raise QueueFullError(f"{self.backend.graph} queue is full ({len(self._queue)} requests waiting, max {self.max_queue})")
             self._queue.extend(chunks)
             self._cond.notify()
+        for chunk in chunks:  # a cancelled request wakes the worker, which drops it (and stops waiting for it)
+            chunk.future.add_done_callback(self._on_done)
         return chunks[0].future if len(chunks) == 1 else _joined([c.future for c in chunks])
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -116,23 +125,46 @@ class DynamicBatcher:
             self._cond.notify()
         self._thread.join(timeout_s)
 
+    def _on_done(self, future: Future[dict[str, np.ndarray]]) -> None:
+        if future.cancelled():
+            with self._cond:
+                self._cond.notify()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
+                self._drop_cancelled()
                 while not self._queue and not self._stopping:
                     self._cond.wait()
+                    self._drop_cancelled()
                 if not self._queue and self._stopping:
                     return
                 deadline = self._queue[0].queued_at + self.max_delay_s
                 while not self._stopping and self._size() < self.max_batch and (left := deadline - time.perf_counter()) > 0:
                     self._cond.wait(left)
+                    self._drop_cancelled()
+                    if not self._queue:
+                        break
                 batch = self._take()
-            self._run(batch)
+            if batch:
+                self._run(batch)
+
+    def _drop_cancelled(self) -> None:
+        """Take every request whose future is already done (cancelled) out of the queue, unrun."""
+        if not any(p.future.done() for p in self._queue):
+            return
+        dropped = [p for p in self._queue if p.future.done()]
+        self._queue = deque(p for p in self._queue if not p.future.done())
+        samples = sum(p.batch for p in dropped)
+        self.dropped_samples += samples
+        if self.on_drop is not None:
+            self.on_drop(samples)
 
     def _size(self) -> int:
         return sum(p.batch for p in self._queue)
 
     def _take(self) -> list[_Pending]:
+        self._drop_cancelled()  # one last look: a request cancelled while the batch filled takes no rows
         batch: list[_Pending] = []
         size = 0
         while self._queue and (not batch or size + self._queue[0].batch <= self.max_batch):

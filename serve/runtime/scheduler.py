@@ -17,11 +17,28 @@ Per request, optionally: a prompt's latents to condition on by prefix inpainting
 current x0_hat. The hook runs on the worker thread, so it must only hand the tensor on (decoding
 belongs elsewhere, or every other request would wait for it). Cancelling a request's future frees
 its slots at the next step; that is how a client that went away stops its generation.
+
+Order (``policy="continuous"``): at every step the batch holds the samples of the requests with the
+least remaining work (shortest remaining work first, priced in seconds by the measured
+``CostModel``), so a short request that arrives while long ones fill the batch joins at the next
+step, taking a slot from the request with the most work left. That sample is not set back: its
+state (x, self-conditioning, solver history, noise stream) stays with it and it resumes where it
+stopped, with the same tokens. The first request in that order gets no more company than keeps its
+step within ``LEAD_SLOWDOWN`` of its step alone (where a step's cost grows with its batch, as on a
+CPU, a short request runs nearly alone for its few steps). Nothing starves: a request that has
+waited longer than its own time alone gains priority with every further second it waits, until it
+outranks any newcomer. ``policy="static"`` keeps first come, first served.
+
+Admission (with ``deadline_s``): the estimated time of a request, its own time plus the work of
+every request that would run before it, must fit its deadline, or ``submit`` refuses it at once
+(``cost.RequestTooLargeError`` if it could not fit even alone, else
+``cost.DeadlineUnreachableError`` with a time to retry), naming the estimate and the limit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -36,11 +53,18 @@ from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampler import NoiseStream, sample_seeds, to_device
+from ldlm.serve.runtime.cost import CostModel, DeadlineUnreachableError, RequestTooLargeError
 from ldlm.solvers import Solver, get_solver, push_past
 
 log = logging.getLogger("ldlm.serve")
 Policy = Literal["continuous", "static"]
 PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x0_hat (L, D)); must not block
+
+
+# A step of the request with the least work left is at most this much slower than the step it would
+# take alone: where a step's cost grows with its batch (a CPU, a saturated GPU) a short request then
+# runs with little company, and where batching is nearly free (a GPU below its limit) the batch fills.
+LEAD_SLOWDOWN = 2.0
 
 
 class QueueFullError(RuntimeError):
@@ -68,6 +92,13 @@ class _Request:
     prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
     on_preview: PreviewHook | None = None
     preview_every: int = 0
+    # the scheduler's bookkeeping for order and admission (set when queued)
+    order: int = 0  # submission order: ties, and the static policy
+    bucket: int = 0  # the length bucket its samples run in
+    work: int = 0  # sample-steps left (n x steps at submit)
+    solo_s: float | None = None  # its time alone, as estimated at submit
+    waited_s: float = 0.0  # time with some sample waiting for a slot, before waiting_since
+    waiting_since: float | None = None
 
 
 @dataclass
@@ -90,6 +121,7 @@ class GenerationScheduler:
     def __init__(
         self, pipeline: LDLMPipeline, max_batch: int = 16, policy: Policy = "continuous", max_queue: int = 4096,
         start: bool = True, observer: Callable[[int, float, float], None] | None = None,
+        on_drop: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
@@ -99,7 +131,13 @@ class GenerationScheduler:
         self.max_batch = max_batch
         self.policy = policy
         self.max_queue = max_queue
-        self._queue: deque[_Sample] = deque()
+        # waiting samples, per request (in submission order): id(request) -> (request, its samples in index order)
+        self._waiting: dict[int, tuple[_Request, deque[_Sample]]] = {}
+        self._queued = 0
+        self._submitted = 0
+        self.cost = CostModel(max_batch)
+        self.on_drop = on_drop  # samples of a cancelled or failed request dropped unfinished, for metrics
+        self.dropped_samples = 0
         self._active: list[_Sample] = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -118,11 +156,12 @@ class GenerationScheduler:
     # --- public API --------------------------------------------------------------------------
 
     def submit(self, spec: GenerateRequest, prefix: Tensor | None = None, on_preview: PreviewHook | None = None,
-               preview_every: int = 0) -> Future[TextResult]:
+               preview_every: int = 0, deadline_s: float | None = None) -> Future[TextResult]:
         """Queue a request; bad input raises here, at once, with the pipeline's messages.
 
         ``prefix`` (P, D), P < length: condition every sample on these latents at its first P
-        positions. ``on_preview``: called every ``preview_every`` steps (not after the last)."""
+        positions. ``on_preview``: called every ``preview_every`` steps (not after the last).
+        ``deadline_s``: refuse the request now if it is estimated to take longer (see the module docs)."""
         cfg = self.pipeline.config
         if not isinstance(spec.n, int) or spec.n < 1:
             raise ValueError(f"n={spec.n!r} is out of range; allowed: an integer >= 1")
@@ -147,9 +186,14 @@ class GenerationScheduler:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the scheduler is shut down")
-            if len(self._queue) + len(samples) > self.max_queue:
-                raise QueueFullError(f"generation queue is full ({len(self._queue)} samples waiting, max {self.max_queue})")
-            self._queue.extend(samples)
+            if self._queued + len(samples) > self.max_queue:
+                self._drop_done()  # cancelled requests' samples do not hold queue places
+            if self._queued + len(samples) > self.max_queue:
+                raise QueueFullError(f"generation queue is full ({self._queued} samples waiting, max {self.max_queue})")
+            self._book(request, len(grid) - 1, deadline_s)
+            self._waiting[id(request)] = (request, deque(samples))
+            self._queued += len(samples)
+            request.waiting_since = request.submitted
             self._cond.notify()
         return request.future
 
@@ -158,7 +202,17 @@ class GenerationScheduler:
 
     @property
     def queued_samples(self) -> int:
-        return len(self._queue)
+        return self._queued
+
+    @property
+    def active_samples(self) -> int:
+        return len(self._active)
+
+    def estimate_s(self, spec: GenerateRequest) -> tuple[float, float] | None:
+        """(seconds of work that would run before ``spec``, ``spec``'s own time alone), or None before any step was measured."""
+        with self._cond:
+            bucket = self.pipeline.bucket_length(spec.length)
+            return self._estimate(spec.n * spec.steps, bucket, self.cost.solo_s(spec.n, spec.steps, bucket), time.perf_counter())
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish every queued and running sample, then stop the worker."""
@@ -172,13 +226,12 @@ class GenerationScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._active and not self._stopping:
+                while not self._queued and not self._active and not self._stopping:
                     self._cond.wait()
-                if self._stopping and not self._queue and not self._active:
+                if self._stopping and not self._queued and not self._active:
                     return
+                self._drop_done()  # a request that was cancelled or timed out frees its slots at once
                 self._admit()
-                # a request that was cancelled or timed out frees its slots at once
-                self._active = [s for s in self._active if not s.request.future.done()]
                 if not self._active:
                     continue
             batch = list(self._active)
@@ -188,7 +241,13 @@ class GenerationScheduler:
                 buckets: dict[int, list[_Sample]] = {}
                 for sample in batch:
                     buckets.setdefault(self.pipeline.bucket_length(sample.x.shape[0]), []).append(sample)
-                finished = [done for group in buckets.values() for done in self._step(group)]
+                finished = []
+                for bucket, group in buckets.items():
+                    started = time.perf_counter()
+                    finished += self._step(group)
+                    self.cost.observe(bucket, len(group), time.perf_counter() - started)
+                    for sample in group:
+                        sample.request.work -= 1
                 if finished:
                     self._finish(finished)
             except Exception as error:  # every request in the batch gets the error, none hangs
@@ -197,15 +256,133 @@ class GenerationScheduler:
                 self._active = [s for s in self._active if s not in batch]
 
     def _admit(self) -> None:
-        if self.policy == "static" and self._active:
+        """Fill the batch for the next step: first come first served (static, once the batch is empty),
+        else the samples of the requests with the least remaining work, taking slots from the most,
+        with no more company than keeps the first request's step within ``LEAD_SLOWDOWN`` of its step alone."""
+        if not self._waiting or (self.policy == "static" and self._active):
             return
         now = time.perf_counter()
-        while self._queue and len(self._active) < self.max_batch:
-            sample = self._queue.popleft()
-            if sample.request.future.done():  # failed or cancelled: drop its other samples
-                continue
-            sample.request.started = sample.request.started or now
+        if self.policy == "static":
+            for request, waiting in sorted(self._waiting.values(), key=lambda entry: entry[0].order):
+                while waiting and len(self._active) < self.max_batch:
+                    self._take(request, waiting, now)
+            return
+        requests = {id(s.request): s.request for s in self._active}
+        requests.update((key, request) for key, (request, _) in self._waiting.items())
+        ranked = sorted(requests.values(), key=lambda r: (self._priority(r, now), r.order))
+        running: dict[int, list[_Sample]] = {}
+        for sample in self._active:
+            running.setdefault(id(sample.request), []).append(sample)
+        lead = ranked[0]
+        lead_samples = len(running.get(id(lead), ())) + len(self._waiting.get(id(lead), (None, ()))[1])
+        alone = self.cost.step_s(lead.bucket, min(lead_samples, self.max_batch))
+        limit = math.inf if alone is None else LEAD_SLOWDOWN * alone
+        chosen: list[_Sample] = []
+        per_bucket: dict[int, int] = {}
+        for request in ranked:
+            candidates = [(sample, False) for sample in running.get(id(request), [])]  # its running samples first
+            entry = self._waiting.get(id(request))
+            candidates += [(sample, True) for sample in (entry[1] if entry is not None else ())]
+            for sample, waiting in candidates:
+                fits = len(chosen) < self.max_batch and (request is lead or self._batch_s(per_bucket, request.bucket) <= limit)
+                if fits:
+                    per_bucket[request.bucket] = per_bucket.get(request.bucket, 0) + 1
+                    chosen.append(self._take(request, entry[1], now, activate=False) if waiting else sample)  # type: ignore[index]
+                elif not waiting:
+                    self._put_back(sample, now)
+                else:
+                    break  # its waiting samples stay queued
+        self._active = chosen
+
+    def _batch_s(self, per_bucket: dict[int, int], adding: int) -> float:
+        """A step's estimated seconds with one more sample in bucket ``adding`` (one denoiser call per bucket)."""
+        total = 0.0
+        for bucket in {*per_bucket, adding}:
+            step = self.cost.step_s(bucket, per_bucket.get(bucket, 0) + (bucket == adding))
+            total += step if step is not None else 0.0
+        return total
+
+    def _take(self, request: _Request, waiting: deque[_Sample], now: float, activate: bool = True) -> _Sample:
+        """The next waiting sample of ``request`` leaves the queue (into the batch when ``activate``)."""
+        sample = waiting.popleft()
+        self._queued -= 1
+        if not waiting:  # none of it waits any more
+            del self._waiting[id(request)]
+            request.waited_s += now - (request.waiting_since or now)
+            request.waiting_since = None
+        request.started = request.started or now
+        if activate:
             self._active.append(sample)
+        return sample
+
+    def _put_back(self, sample: _Sample, now: float) -> None:
+        """A running sample gives its slot to a request with less work left; it resumes where it stopped."""
+        request = sample.request
+        entry = self._waiting.setdefault(id(request), (request, deque()))
+        entry[1].appendleft(sample)  # first of its request's waiting samples (its index order is kept)
+        self._queued += 1
+        if request.waiting_since is None:
+            request.waiting_since = now
+
+    def _priority(self, request: _Request, now: float) -> float:
+        """Seconds of work left, less one second for every second waited beyond its own time alone."""
+        price = self.cost.sample_step_s(request.bucket)
+        left = request.work * (price if price is not None else request.bucket * 1e-6)
+        waited = request.waited_s + (now - request.waiting_since if request.waiting_since is not None else 0.0)
+        grace = request.solo_s if request.solo_s is not None else 1.0
+        return left - max(0.0, waited - grace)
+
+    def _drop_done(self) -> None:
+        """Samples of requests already answered (cancelled, timed out, failed) leave the batch and the queue."""
+        dropped = len(self._active)
+        self._active = [s for s in self._active if not s.request.future.done()]
+        dropped -= len(self._active)
+        for key, (request, waiting) in list(self._waiting.items()):
+            if request.future.done():
+                del self._waiting[key]
+                self._queued -= len(waiting)
+                dropped += len(waiting)
+        if dropped:
+            self.dropped_samples += dropped
+            if self.on_drop is not None:
+                self.on_drop(dropped)
+
+    def _book(self, request: _Request, steps: int, deadline_s: float | None) -> None:
+        """A new request's order, price and admission (under the lock, before it is queued)."""
+        spec = request.spec
+        self._submitted += 1
+        request.order, request.work = self._submitted, spec.n * steps
+        request.bucket = self.pipeline.bucket_length(spec.length)
+        request.solo_s = self.cost.solo_s(spec.n, steps, request.bucket)
+        if deadline_s is None or request.solo_s is None:
+            return  # nothing measured yet: nothing is refused on a guess
+        what = f"{spec.n} sample{'s' if spec.n > 1 else ''} x {steps} steps at length {spec.length}"
+        if request.solo_s > deadline_s:
+            raise RequestTooLargeError(
+                f"this request ({what}) is estimated at {request.solo_s:.1f} s even on an idle server, and its deadline is "
+                f"{deadline_s:.1f} s; allowed: requests estimated within the deadline (fewer samples or steps)")
+        ahead, own = self._estimate(request.work, request.bucket, request.solo_s, request.submitted)  # type: ignore[misc]
+        if ahead + own > deadline_s:
+            raise DeadlineUnreachableError(
+                f"this request ({what}) is estimated at {ahead + own:.1f} s ({ahead:.1f} s of work queued ahead of it + "
+                f"{own:.1f} s of its own), beyond its deadline of {deadline_s:.1f} s; retry in {math.ceil(ahead)} s",
+                retry_after_s=max(1.0, ahead))
+
+    def _estimate(self, work: int, bucket: int, solo_s: float | None, now: float) -> tuple[float, float] | None:
+        """(seconds of the work that runs first, the request's own time): the work ahead is what every live
+        request with less work left (or more waited, see ``_priority``) still has, at full batches."""
+        if solo_s is None:
+            return None
+        price = self.cost.sample_step_s(bucket) or 0.0
+        mine = work * price  # what _priority would say of the new request
+        live = {id(s.request): s.request for s in self._active}
+        live.update((key, request) for key, (request, _) in self._waiting.items())
+        ahead = 0.0
+        for request in live.values():
+            if request.future.done() or (self.policy == "continuous" and self._priority(request, now) > mine):
+                continue  # answered, or it yields to the new request
+            ahead += request.work * (self.cost.sample_step_s(request.bucket) or 0.0)
+        return ahead, solo_s
 
     @torch.inference_mode()
     def _step(self, batch: list[_Sample]) -> list[_Sample]:

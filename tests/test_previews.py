@@ -1,0 +1,92 @@
+"""Streamed previews, counted: on an otherwise idle server a stream gets every preview it asked for
+(steps k, 2k, ... below its last step, in order, then the result); beside other work the previews
+keep within the preview budget, skipping rather than slowing the others. Real server on 127.0.0.1,
+real httpx streams; the preview texts are checked against the plain answer's model, not the decoder."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
+httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
+
+from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.runtime.scheduler import GenerateRequest  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
+from tests.test_openai_api import read_events  # noqa: E402
+from tests.test_server_values import metric  # noqa: E402
+
+BUDGET = 0.05  # the default share of wall time that previews may take while others wait
+
+
+@pytest.fixture(scope="module")
+def server(export_dir: Path):
+    settings = ServerSettings(port=free_port(), max_batch=16, request_timeout_s=120, max_n=16, max_steps=1000, preview_budget=BUDGET)
+    running = RunningServer(LDLMService(str(export_dir), settings))
+    yield running
+    running.stop()
+
+
+def stream(server: RunningServer, body: dict) -> list[tuple[str, dict]]:
+    with httpx.stream("POST", f"{server.url}/v1/generate", json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        return read_events(response)
+
+
+@pytest.mark.parametrize("steps, every, expected", [
+    (40, 5, [5, 10, 15, 20, 25, 30, 35]),  # the issue's case: 7 previews then the result
+    (10, 1, [1, 2, 3, 4, 5, 6, 7, 8, 9]),  # every step but the last
+    (10, None, [5]),  # the default preview_every, 5
+    (5, 5, []),  # the only multiple of 5 is the last step: the result says it
+])
+def test_an_idle_server_sends_every_preview(server: RunningServer, steps: int, every: int | None, expected: list[int]) -> None:
+    body = {"n": 1, "length": 16, "steps": steps, "seed": 2, "sampler": "ddim", **({"preview_every": every} if every else {})}
+    for _ in range(3):  # not a lucky run: three in a row
+        events = stream(server, body)
+        assert [k for k, _ in events] == ["preview"] * len(expected) + ["result"]
+        assert [[s["step"] for s in e["samples"]] for k, e in events[:-1]] == [[step] for step in expected]
+        assert all(e["steps"] == steps for _, e in events[:-1])
+    plain = httpx.post(f"{server.url}/v1/generate", json=body, timeout=120).json()
+    assert events[-1][1] == plain
+
+
+def test_previews_of_every_sample_of_a_stream(server: RunningServer) -> None:
+    events = stream(server, {"n": 3, "length": 8, "steps": 12, "seed": 5, "sampler": "ddim", "preview_every": 4})
+    # a preview event holds one step's samples, those decoded together (the decoder may catch a step
+    # before all its samples are offered): each (sample, step) once, steps in order
+    assert [k for k, _ in events[:-1]] == ["preview"] * (len(events) - 1)
+    shown = [(s["index"], s["step"]) for _, e in events[:-1] for s in e["samples"]]
+    assert all(len({s["step"] for s in e["samples"]}) == 1 for _, e in events[:-1])
+    assert sorted(shown) == [(i, step) for i in range(3) for step in (4, 8)] and len(shown) == 6
+    assert [step for _, step in shown] == sorted(step for _, step in shown)
+    assert events[-1][0] == "result" and len(events[-1][1]["texts"]) == 3
+
+
+def test_beside_other_work_previews_keep_within_the_budget(server: RunningServer) -> None:
+    """A long plain request runs; a stream asking for a preview at every step of 300 gets some, and
+    their decoding takes at most the budget's share of the stream's wall time (plus one decode)."""
+    url = server.url
+    before = httpx.get(f"{url}/metrics", timeout=30).text
+    # the other work: 8 samples x 1000 steps, longer than the stream's 300, and leaving it 8 slots of 16
+    other = server.service.submit_generation(GenerateRequest(8, 64, 1000, 0, "ddim"))
+    try:
+        started = time.monotonic()
+        events = stream(server, {"n": 1, "length": 16, "steps": 300, "seed": 1, "sampler": "ddim", "preview_every": 1})
+        wall = time.monotonic() - started
+        assert not other.done(), "the other work ended before the stream: make it longer"
+    finally:
+        other.cancel()
+    after = httpx.get(f"{url}/metrics", timeout=30).text
+    previews = [e for k, e in events if k == "preview"]
+    steps = [e["samples"][0]["step"] for e in previews]
+    assert events[-1][0] == "result" and steps == sorted(set(steps))  # in order, none twice
+    sent = metric(after, "ldlm_previews_sent_total") - metric(before, "ldlm_previews_sent_total")
+    skipped = metric(after, "ldlm_previews_skipped_total") - metric(before, "ldlm_previews_skipped_total")
+    seconds = metric(after, "ldlm_preview_decode_seconds_total") - metric(before, "ldlm_preview_decode_seconds_total")
+    assert skipped > 0 and len(previews) < 299, (len(previews), skipped)  # the budget held some back
+    assert len(previews) <= sent and sent + skipped <= 299
+    one_decode = seconds / max(sent, 1)
+    assert seconds <= BUDGET * wall * 1.2 + 2 * one_decode, f"previews took {seconds:.3f} s of {wall:.2f} s"
