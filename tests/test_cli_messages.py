@@ -154,7 +154,7 @@ def test_generate_defaults_come_from_the_checkpoint_config(tiny_checkpoint: Path
     monkeypatch.setattr(LDLMPipeline, "generate", lambda self, *args, **kwargs: calls.append(args) or (_ for _ in ()).throw(ValueError("stop")))
     assert main(["generate", str(tiny_checkpoint), "--quiet"]) == 2
     n, length, steps, seed, sampler, t_min = calls[0]
-    assert (steps, sampler) == (50, "sde")  # the tiny preset's default_steps and default_sampler
+    assert (steps, sampler) == (21, "dpm3m-psc")  # the tiny preset's default_steps and default_sampler
 
 
 def test_an_os_error_names_the_users_path_not_a_temporary_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
