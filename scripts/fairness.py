@@ -126,7 +126,8 @@ class Server:
         wait_ready(self.process, self.url)
 
     def stop(self) -> int | str:
-        code = stop_server(self.process, 120)
+        # 30 s to drain: a server that runs abandoned long requests on would otherwise hold the next phase
+        code = stop_server(self.process, 30)
         if code != 0:
             self.log.seek(0)
             print(self.log.read().decode(errors="replace")[-1500:], file=sys.stderr)
@@ -198,6 +199,7 @@ def main() -> None:
         report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "cpu_count": os.cpu_count()}
         report["settings"] = json.loads(json.dumps(report["settings"], default=str))
         report["after"] = measure(args.python, args.cwd, source, args)
+        write_report(report, str(args.out))  # kept if the baseline's run is interrupted
         if args.baseline_python:
             report["before"] = measure(args.baseline_python, args.baseline_cwd or args.cwd, source, args)
             report["after_over_before"] = {
