@@ -1,21 +1,24 @@
 #!/usr/bin/env python
 """Issue 22's fairness measurement: how long short generations take alone and beside a stream of
-long ones, and what the short ones cost the long ones' throughput. One real `ldlm serve` on
-127.0.0.1 per server checkout measured (give --python/--cwd of another checkout, e.g. main, for
-the numbers before a change), three phases each:
+long ones, and what the short ones cost the long ones' throughput. Real `ldlm serve` processes on
+127.0.0.1; with --baseline-python/--baseline-cwd the code before a change is measured too,
+interleaved round by round (the machine may be shared: neither server gets all the quiet minutes).
+Per round and server, three phases, each on a fresh server (what one phase leaves running never
+reaches the next):
 
 1. alone: --short-requests requests of n=1 x --short-steps steps, one after another, on an idle server;
-2. long only: --long-clients clients each sending n=--long-n x --long-steps requests back to back,
+2. long_only: --long-clients clients each sending n=--long-n x --long-steps requests back to back,
    for --seconds: the long requests' throughput (samples x steps per second) without short ones;
 3. beside: the same long stream, and the short requests again, one after another.
 
-Latencies are client wall times (p50, p99). Long throughput is read from the server's own count of
-samples stepped (/metrics ldlm_inference_count{model="generate"}), less the short requests' known
-work, over the phase's wall time. Targets (issue 22): p99 beside <= 3 x p99 alone; long throughput
-beside within 10% of long only.
+Short latencies are client wall times, pooled over the rounds (p50, p99). Long throughput is read
+from the server's own count of samples stepped (/metrics ldlm_inference_count{model="generate"}),
+less the short requests' known work, over the phase's wall time; its median over the rounds.
+Targets (issue 22): short p99 beside <= 3 x alone; long throughput beside within 10% of the code
+before the change (beside).
 
-    python scripts/fairness.py --out docs/measurements/fairness-2026-12-01.json
-    python scripts/fairness.py --baseline-python /work/main/.venv/bin/python --baseline-cwd /work/main --out fairness.json
+    python scripts/fairness.py --baseline-python BASE/.venv/bin/python --baseline-cwd BASE \
+        --out docs/measurements/fairness-2026-12-01.json
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def samples_stepped(url: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def short_latencies(url: str, count: int, body: dict[str, Any]) -> dict[str, Any]:
+def run_shorts(url: str, count: int, body: dict[str, Any]) -> tuple[list[float], list[str]]:
+    """``count`` requests one after another: their wall times (s), and the errors."""
     seconds, errors = [], []
     with httpx.Client(timeout=120) as http:
         for i in range(count):
@@ -62,8 +66,13 @@ def short_latencies(url: str, count: int, body: dict[str, Any]) -> dict[str, Any
                 seconds.append(time.perf_counter() - started)
             else:
                 errors.append(f"{response.status_code}: {response.text[:200]}")
-    return {"requests": count, "answered": len(seconds), "errors": errors[:5], "p50_ms": round(1000 * statistics.median(seconds), 2),
-            "p99_ms": round(1000 * percentile(seconds, 99), 2), "max_ms": round(1000 * max(seconds), 2)}
+    return seconds, errors
+
+
+def latency_summary(seconds: list[float], errors: list[str]) -> dict[str, Any]:
+    return {"answered": len(seconds), "errors": len(errors), "first_errors": errors[:3],
+            "p50_ms": round(1000 * statistics.median(seconds), 2), "p99_ms": round(1000 * percentile(seconds, 99), 2),
+            "max_ms": round(1000 * max(seconds), 2)}
 
 
 class LongStream:
@@ -134,45 +143,57 @@ class Server:
         return code
 
 
-def measure(python: str, cwd: str, source: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_phase(phase: str, python: str, cwd: str, source: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One phase on a fresh server: short latencies (alone, beside) and the long stream's throughput (long_only, beside)."""
     short = {"n": 1, "length": args.length, "steps": args.short_steps, "sampler": "ddim"}
     long = {"n": args.long_n, "length": args.length, "steps": args.long_steps, "sampler": "ddim"}
-    result: dict[str, Any] = {"server_python": python, "server_cwd": cwd, "server_exit": {}}
-    for phase in ("alone", "long_only", "beside"):
-        server = Server(python, cwd, source, args)
+    server = Server(python, cwd, source, args)
+    out: dict[str, Any] = {}
+    try:
+        run_shorts(server.url, 5, short)  # warm-up (and the cost model's first measurements)
+        if phase == "alone":
+            out["short_s"], out["errors"] = run_shorts(server.url, args.short_requests, short)
+            return out
+        stream = LongStream(server.url, args.long_clients, long)
         try:
-            short_latencies(server.url, 5, short)  # warm-up (and the cost model's first measurements)
-            if phase == "alone":
-                result["alone"] = short_latencies(server.url, args.short_requests, short)
-                continue
-            stream = LongStream(server.url, args.long_clients, long)
-            try:
-                wait_until_busy(server.url, args.max_batch * 20)
-                before, started = samples_stepped(server.url), time.perf_counter()
-                shorts = short_latencies(server.url, args.short_requests, short) if phase == "beside" else None
-                left = args.seconds - (time.perf_counter() - started)
-                if left > 0:
-                    time.sleep(left)
-                elapsed = time.perf_counter() - started
-                stepped = samples_stepped(server.url) - before - (args.short_requests * args.short_steps if shorts else 0)
-                result[phase] = {"seconds": round(elapsed, 2), "long_sample_steps_per_s": round(stepped / elapsed, 1),
-                                 "long_requests_finished": sum(started <= t for t in stream.done)}
-                if shorts:
-                    result[phase]["short"] = shorts
-            finally:
-                stream.close()
-            result[phase]["long_errors"] = stream.errors[:5]
+            wait_until_busy(server.url, args.max_batch * 20)
+            before, started = samples_stepped(server.url), time.perf_counter()
+            if phase == "beside":
+                out["short_s"], out["errors"] = run_shorts(server.url, args.short_requests, short)
+            left = args.seconds - (time.perf_counter() - started)
+            if left > 0:
+                time.sleep(left)
+            elapsed = time.perf_counter() - started
+            short_work = len(out.get("short_s", ())) * args.short_steps
+            out["long_sample_steps_per_s"] = (samples_stepped(server.url) - before - short_work) / elapsed
         finally:
-            result["server_exit"][phase] = server.stop()
-    beside = result["beside"]["short"]
+            stream.close()
+        out["long_errors"] = stream.errors[:3]
+    finally:
+        out["server_exit"] = server.stop()
+    return out
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Short latencies pooled over the rounds; long throughput per round and its median."""
+    result: dict[str, Any] = {}
+    for phase in ("alone", "beside"):
+        seconds = [t for r in rounds for t in r[phase]["short_s"]]
+        errors = [e for r in rounds for e in r[phase]["errors"]]
+        result[f"short_{phase}"] = latency_summary(seconds, errors)
+    for phase in ("long_only", "beside"):
+        rates = [round(r[phase]["long_sample_steps_per_s"], 1) for r in rounds]
+        result[f"long_{phase}_sample_steps_per_s"] = {"rounds": rates, "median": statistics.median(rates)}
+    result["long_errors"] = [e for r in rounds for phase in ("long_only", "beside") for e in r[phase]["long_errors"]][:3]
+    result["server_exits"] = sorted({str(r[phase]["server_exit"]) for r in rounds for phase in r})
     result["targets"] = {
-        "short_p99_beside_over_alone": round(beside["p99_ms"] / result["alone"]["p99_ms"], 2),
+        "short_p99_beside_over_alone": round(result["short_beside"]["p99_ms"] / result["short_alone"]["p99_ms"], 2),
         "short_p99_target": "<= 3",
-        "long_throughput_beside_over_long_only": round(result["beside"]["long_sample_steps_per_s"]
-                                                       / result["long_only"]["long_sample_steps_per_s"], 3),
-        "long_throughput_target": ">= 0.9 (and beside: within 10% of the baseline's beside)",
+        "long_beside_over_long_only": round(result["long_beside_sample_steps_per_s"]["median"]
+                                            / result["long_long_only_sample_steps_per_s"]["median"], 3),
     }
     return result
+
 
 
 def main() -> None:
@@ -180,33 +201,44 @@ def main() -> None:
     parser.add_argument("--source", type=Path, help="an `ldlm export` directory (default: export a tiny checkpoint)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs the server (default: this one)")
     parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[1]), help="checkout the server runs from")
-    parser.add_argument("--baseline-python", help="also measure this interpreter's server (e.g. main's, for 'before')")
+    parser.add_argument("--baseline-python", help="also measure this interpreter's server (the code before a change), interleaved")
     parser.add_argument("--baseline-cwd", help="the checkout --baseline-python runs from")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three phases per server (order alternating; default: 3)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=64, help="tokens per sample, short and long alike (default: 64)")
     parser.add_argument("--short-steps", type=int, default=8)
-    parser.add_argument("--short-requests", type=int, default=100)
+    parser.add_argument("--short-requests", type=int, default=50, help="short requests per phase and round (default: 50)")
     parser.add_argument("--long-n", type=int, default=16)
     parser.add_argument("--long-steps", type=int, default=1000)
     parser.add_argument("--long-clients", type=int, default=2, help="long requests in flight at once (default: 2)")
-    parser.add_argument("--seconds", type=float, default=30.0, help="each long phase lasts at least this (default: 30)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="each long phase lasts at least this (default: 20)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    servers = {"after": (args.python, args.cwd)}
+    if args.baseline_python:
+        servers["before"] = (args.baseline_python, args.baseline_cwd or args.cwd)
     scratch = tempfile.TemporaryDirectory(prefix="ldlm-fairness-")
+    report: dict[str, Any] = {"settings": json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "out"}, default=str)),
+                              "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()}
     try:
         source = args.source or make_export(Path(scratch.name))
-        report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "cpu_count": os.cpu_count()}
-        report["settings"] = json.loads(json.dumps(report["settings"], default=str))
-        report["after"] = measure(args.python, args.cwd, source, args)
-        write_report(report, str(args.out))  # kept if the baseline's run is interrupted
-        if args.baseline_python:
-            report["before"] = measure(args.baseline_python, args.baseline_cwd or args.cwd, source, args)
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+        for r in range(args.rounds):
+            order = list(servers) if r % 2 == 0 else list(servers)[::-1]  # neither server always runs first
+            for name in order:
+                python, cwd = servers[name]
+                rounds[name].append({phase: run_phase(phase, python, cwd, source, args) for phase in ("alone", "long_only", "beside")})
+                print(f"round {r + 1}/{args.rounds}: {name} measured", file=sys.stderr, flush=True)
+        for name, (python, cwd) in servers.items():
+            report[name] = {"server_python": python, "server_cwd": cwd, **summarize(rounds[name])}
+        if "before" in report:
             report["after_over_before"] = {
-                "short_p99_beside": round(report["after"]["beside"]["short"]["p99_ms"] / report["before"]["beside"]["short"]["p99_ms"], 3),
-                "long_sample_steps_per_s_beside": round(report["after"]["beside"]["long_sample_steps_per_s"]
-                                                        / report["before"]["beside"]["long_sample_steps_per_s"], 3),
+                "short_p99_beside": round(report["after"]["short_beside"]["p99_ms"] / report["before"]["short_beside"]["p99_ms"], 3),
+                "long_beside_sample_steps_per_s": round(report["after"]["long_beside_sample_steps_per_s"]["median"]
+                                                        / report["before"]["long_beside_sample_steps_per_s"]["median"], 3),
             }
+        report["load_average_at_end"] = os.getloadavg()
     finally:
         scratch.cleanup()
     write_report(report, str(args.out))
