@@ -10,6 +10,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,7 +35,7 @@ class Browser:
     """Headless chromium over --remote-debugging-pipe: JSON messages, NUL-terminated, on fds 3 and 4."""
 
     def __init__(self) -> None:
-        self.profile = tempfile.TemporaryDirectory(prefix="ldlm-chromium-")
+        self.profile = tempfile.TemporaryDirectory(prefix="ldlm-chromium-", ignore_cleanup_errors=True)
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
         to_browser_r, from_browser_w = (self._above_4(fd) for fd in (to_browser_r, from_browser_w))
@@ -44,7 +45,7 @@ class Browser:
         # the browser expects its pipe ends at fds 3 (commands in) and 4 (answers out): the shell moves them there
         move = f'exec "$0" "$@" 3<&{to_browser_r} 4>&{from_browser_w} {to_browser_r}<&- {from_browser_w}>&-'
         self.process = subprocess.Popen(["bash", "-c", move, CHROMIUM, *flags], pass_fds=(to_browser_r, from_browser_w),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._buffer = b""
@@ -107,11 +108,33 @@ class Browser:
         return [e["params"]["request"]["url"] for e in self.events if e.get("method") == "Network.requestWillBeSent"]
 
     def close(self) -> None:
-        self.process.terminate()
+        # chromium's helper processes (renderer, crashpad) can still be writing the profile after the
+        # main process exits: ask it to close, then end its whole process group before removing the profile
+        try:
+            self.call("Browser.close", timeout_s=10)
+        except (OSError, RuntimeError, TimeoutError):
+            pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.process.wait(10)
         os.close(self._to_browser)
         os.close(self._from_browser)
-        self.profile.cleanup()
+        for attempt in range(20):
+            try:
+                shutil.rmtree(self.profile.name)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
