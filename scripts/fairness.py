@@ -55,22 +55,33 @@ def samples_stepped(url: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def run_shorts(url: str, count: int, body: dict[str, Any]) -> tuple[list[float], list[str]]:
-    """``count`` requests one after another: their wall times (s), and the errors."""
-    seconds, errors = [], []
-    with httpx.Client(timeout=120) as http:
+def run_shorts(url: str, count: int, body: dict[str, Any], budget_s: float) -> tuple[list[float], list[str], int]:
+    """Up to ``count`` requests one after another, none started after ``budget_s``, each given at most
+    the time left: their wall times (s; a request still unanswered when time ran out counts as the time
+    it waited, a lower bound), the errors, and how many were cut off so."""
+    seconds, errors, cut = [], [], 0
+    deadline = time.perf_counter() + budget_s
+    with httpx.Client() as http:
         for i in range(count):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
             started = time.perf_counter()
-            response = http.post(f"{url}/v1/generate", json={**body, "seed": i})
+            try:
+                response = http.post(f"{url}/v1/generate", json={**body, "seed": i}, timeout=left)
+            except httpx.TimeoutException:
+                seconds.append(time.perf_counter() - started)
+                cut += 1
+                break
             if response.status_code == 200:
                 seconds.append(time.perf_counter() - started)
             else:
                 errors.append(f"{response.status_code}: {response.text[:200]}")
-    return seconds, errors
+    return seconds, errors, cut
 
 
-def latency_summary(seconds: list[float], errors: list[str]) -> dict[str, Any]:
-    return {"answered": len(seconds), "errors": len(errors), "first_errors": errors[:3],
+def latency_summary(seconds: list[float], errors: list[str], cut: int) -> dict[str, Any]:
+    return {"timed": len(seconds), "cut_off_unanswered": cut, "errors": len(errors), "first_errors": errors[:3],
             "p50_ms": round(1000 * statistics.median(seconds), 2), "p99_ms": round(1000 * percentile(seconds, 99), 2),
             "max_ms": round(1000 * max(seconds), 2)}
 
@@ -150,21 +161,21 @@ def run_phase(phase: str, python: str, cwd: str, source: Path, args: argparse.Na
     server = Server(python, cwd, source, args)
     out: dict[str, Any] = {}
     try:
-        run_shorts(server.url, 5, short)  # warm-up (and the cost model's first measurements)
+        run_shorts(server.url, 5, short, 60)  # warm-up (and the cost model's first measurements)
         if phase == "alone":
-            out["short_s"], out["errors"] = run_shorts(server.url, args.short_requests, short)
+            out["short_s"], out["errors"], out["cut"] = run_shorts(server.url, args.short_requests, short, 2 * args.seconds)
             return out
         stream = LongStream(server.url, args.long_clients, long)
         try:
             wait_until_busy(server.url, args.max_batch * 20)
             before, started = samples_stepped(server.url), time.perf_counter()
-            if phase == "beside":
-                out["short_s"], out["errors"] = run_shorts(server.url, args.short_requests, short)
+            if phase == "beside":  # before issue 22 a short request waited for a long one to finish: capped at 2 x --seconds
+                out["short_s"], out["errors"], out["cut"] = run_shorts(server.url, args.short_requests, short, 2 * args.seconds)
             left = args.seconds - (time.perf_counter() - started)
             if left > 0:
                 time.sleep(left)
             elapsed = time.perf_counter() - started
-            short_work = len(out.get("short_s", ())) * args.short_steps
+            short_work = (len(out.get("short_s", ())) - out.get("cut", 0)) * args.short_steps
             out["long_sample_steps_per_s"] = (samples_stepped(server.url) - before - short_work) / elapsed
         finally:
             stream.close()
@@ -180,7 +191,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     for phase in ("alone", "beside"):
         seconds = [t for r in rounds for t in r[phase]["short_s"]]
         errors = [e for r in rounds for e in r[phase]["errors"]]
-        result[f"short_{phase}"] = latency_summary(seconds, errors)
+        result[f"short_{phase}"] = latency_summary(seconds, errors, sum(r[phase]["cut"] for r in rounds))
     for phase in ("long_only", "beside"):
         rates = [round(r[phase]["long_sample_steps_per_s"], 1) for r in rounds]
         result[f"long_{phase}_sample_steps_per_s"] = {"rounds": rates, "median": statistics.median(rates)}
