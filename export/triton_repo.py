@@ -6,6 +6,11 @@ OUT/
   denoiser/..., decoder/...
   ldlm_generate/config.pbtxt, ldlm_generate/1/{model.py, config.json, tokenizer.json}   (python backend, BLS)
 
+With ``graph_backend="python"`` (an ONNX export only) each graph model is a Python-backend model:
+the same config with ``backend: "python"`` in place of the platform line, and ``<graph>/1/model.py``
+(serve/deploy/triton_onnx_model.py, ONNX Runtime) beside the same ``model.onnx/`` folder. For a
+Triton without the ONNX Runtime backend, such as nvidia-pytriton's (ldlm.serve.deploy.triton_local).
+
 Every config.pbtxt is parsed with the ``model_config`` protobuf schema that tritonclient ships and
 checked against the graph's own I/O names, dtypes and dims before the repository is renamed into place.
 """
@@ -29,6 +34,7 @@ from ldlm.tokenizer import TOKENIZER_FILE
 
 TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
 GENERATE_MODEL = "ldlm_generate"
+GRAPH_BACKENDS = ("native", "python")  # native: tensorrt_plan / onnxruntime_onnx; python: triton_onnx_model.py
 
 
 class RepositoryError(ValueError):
@@ -70,13 +76,15 @@ def inspect_source(source: Path) -> tuple[str, dict[str, dict[str, Any]]]:
 
 
 def model_config(name: str, kind: str, io: dict[str, Any], max_batch: int, queue_delay_us: int, gpu: bool,
-                 cc_filenames: dict[str, str] | None = None) -> str:
-    """config.pbtxt text for one graph. Triton's dims leave out the batch axis."""
+                 cc_filenames: dict[str, str] | None = None, graph_backend: str = "native") -> str:
+    """config.pbtxt text for one graph. Triton's dims leave out the batch axis. ``graph_backend``
+    "python" changes only the backend line (the model file is copied by write_triton_repo)."""
     profiles = io["profiles"]
     if profiles:  # Triton refuses a plan whose profiles stop short of max_batch_size
         max_batch = min(max_batch, max(p["batch"][2] for p in profiles))
     preferred = sorted({p["batch"][1] for p in profiles if p["batch"][1] <= max_batch}) or [min(8, max_batch)]
-    lines = [f'name: "{name}"', f'platform: "{"tensorrt_plan" if kind == "plan" else "onnxruntime_onnx"}"', f"max_batch_size: {max_batch}"]
+    backend = 'backend: "python"' if graph_backend == "python" else f'platform: "{"tensorrt_plan" if kind == "plan" else "onnxruntime_onnx"}"'
+    lines = [f'name: "{name}"', backend, f"max_batch_size: {max_batch}"]
     for section, specs in (("input", io["inputs"]), ("output", io["outputs"])):
         entries = []
         for spec in specs:
@@ -165,12 +173,19 @@ def write_triton_repo(
     max_n: int = 64,
     overwrite: bool = False,
     max_steps: int = 1000,
+    graph_backend: str = "native",
 ) -> Path:
     """Write and validate the repository; ``cc_plans`` maps a compute capability ("8.6") to an
     engine directory built on such a GPU (used as cc_model_filenames). ``max_n`` and ``max_steps``
-    bound ldlm_generate's N and STEPS (as ``ldlm serve`` bounds n and steps)."""
+    bound ldlm_generate's N and STEPS (as ``ldlm serve`` bounds n and steps). ``graph_backend``
+    "python" makes the graphs Python-backend models running ONNX Runtime (an export only)."""
     source = Path(source)
+    if graph_backend not in GRAPH_BACKENDS:
+        raise RepositoryError(f"graph_backend={graph_backend!r} is unknown; allowed: {', '.join(GRAPH_BACKENDS)}")
     kind, graphs = inspect_source(source)
+    if graph_backend == "python" and kind != "onnx":
+        raise RepositoryError(f"graph_backend='python' runs ONNX Runtime on an export's .onnx, but {source} holds TensorRT plans; "
+                              "allowed: an `ldlm export` directory (or graph_backend='native' for tensorrt_plan models)")
     if cc_plans and kind != "plan":
         raise RepositoryError("cc_model_filenames need engine directories; the source is an ONNX export")
     if not 1 <= max_batch <= 1 << 16:
@@ -201,14 +216,14 @@ def write_triton_repo(
                 onnx_dir.mkdir()
                 for file in io["files"]:
                     shutil.copy(file, onnx_dir / ("model.onnx" if file.suffix == ".onnx" else file.name))
-            text = model_config(name, kind, io, max_batch, queue_delay_us, gpu, cc_files)
+                if graph_backend == "python":
+                    shutil.copy(module_file("ldlm.serve.deploy.triton_onnx_model"), version / "model.py")
+            text = model_config(name, kind, io, max_batch, queue_delay_us, gpu, cc_files, graph_backend)
             batch_sizes[name] = validate_config(text, io, f"{name}/config.pbtxt").max_batch_size
             (tmp / name / "config.pbtxt").write_text(text)
         generate = tmp / GENERATE_MODEL / "1"
         generate.mkdir(parents=True)
-        spec = importlib.util.find_spec("ldlm.serve.deploy.triton_generate")  # located, not imported (it needs Triton)
-        assert spec is not None and spec.origin is not None
-        shutil.copy(spec.origin, generate / "model.py")
+        shutil.copy(module_file("ldlm.serve.deploy.triton_generate"), generate / "model.py")
         config.save(generate / CONFIG_FILE)
         tokenizer_sha256 = None
         if (source / TOKENIZER_FILE).is_file():
@@ -218,6 +233,14 @@ def write_triton_repo(
         validate_config(text, None, f"{GENERATE_MODEL}/config.pbtxt")
         (tmp / GENERATE_MODEL / "config.pbtxt").write_text(text)
     return Path(out)
+
+
+def module_file(module: str) -> Path:
+    """The source file of a Triton model module: located, not imported (it needs Triton's pb_utils)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise RepositoryError(f"{module} is not installed with ldlm; reinstall the package")
+    return Path(spec.origin)
 
 
 def list_models(repo: str | os.PathLike[str]) -> Sequence[str]:

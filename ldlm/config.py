@@ -62,8 +62,11 @@ class LDLMConfig:
     schedule_d: float = 3.0  # tangent schedule's d
     beta_clip_t: float = 0.95  # beta(t) is evaluated at min(t, this): beta -> inf as t -> 1
     t_min: float = 0.05
-    default_steps: int = 50
-    default_sampler: str = "sde"  # what a request that names no sampler gets (CLI, HTTP, Triton)
+    # What a request that names neither gets (CLI, HTTP, Triton): the fewest steps at which dpm3m-psc agrees
+    # with DDIM@2000 at least as well as DDIM@50 does, in tokens and in latent error, on tiny (20) and base (21)
+    # (docs/measurements/solvers-2026-12-01.json, solvers-base-crossover-2026-12-01.json).
+    default_steps: int = 21
+    default_sampler: str = "dpm3m-psc"
     decode_final: DecodeFinal = "mean"
 
     def __post_init__(self) -> None:

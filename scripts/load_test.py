@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -61,9 +62,12 @@ def generate_body(seed: int, length: int, steps: int) -> dict:
     return {"n": 1, "length": length, "steps": steps, "seed": seed, "sampler": "ddim"}
 
 
-def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixed", gen_length: int = 16, gen_steps: int = 10) -> dict:
+def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixed", gen_length: int = 16, gen_steps: int = 10,
+                request_for: Callable[[int, int], tuple[str, dict | bytes]] | None = None) -> dict:
     """``mix``: "mixed" (70% encoder, 20% decoder, 10% /v1/generate) or "generate" (only
-    /v1/generate, where the replicas' compute dominates over HTTP handling)."""
+    /v1/generate, where the replicas' compute dominates over HTTP handling). ``request_for(client,
+    i)``, when given, makes each request (path, JSON body as a dict or encoded bytes) instead
+    (scripts/triton_compare.py)."""
     stop_at = time.perf_counter() + seconds
     lock = threading.Lock()
     stats = {"sent": 0, "answered": 0, "errors": 0, "lost": 0, "by_status": {}}
@@ -75,7 +79,9 @@ def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixe
             i = 0
             while time.perf_counter() < stop_at:
                 kind = 1.0 if mix == "generate" else rng.random()
-                if kind < 0.7:
+                if request_for is not None:
+                    request = request_for(index, i)
+                elif kind < 0.7:
                     request = ("/v2/models/encoder/infer", encoder_body(int(rng.integers(8, 33)), index * 100000 + i))
                 elif kind < 0.9:
                     request = ("/v2/models/decoder/infer", decoder_body(int(rng.integers(8, 33)), d, i))
@@ -86,7 +92,10 @@ def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixe
                     stats["sent"] += 1
                 start = time.perf_counter()
                 try:
-                    response = http.post(request[0], json=request[1])
+                    body = request[1]
+                    # bytes: JSON encoded once ahead (large tensors: encoding them per request would load the client, not the server)
+                    response = (http.post(request[0], content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
+                                else http.post(request[0], json=body))
                 except httpx.HTTPError:
                     with lock:
                         stats["lost"] += 1

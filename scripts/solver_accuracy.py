@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ldlm.checkpoint import init_model, write_atomically
@@ -40,14 +41,22 @@ DETERMINISTIC = [name for name, solver in SOLVERS.items() if not solver.stochast
 SHAPES = {"tiny": (8, 64), "base": (2, 32)}  # (samples, tokens) per preset: base runs 2,000 steps on a CPU
 
 
-def compare_on_model(name: str, steps: list[int], reference_steps: int, seed: int) -> dict[str, Any]:
+def compare_on_model(name: str, steps: list[int], reference_steps: int, seed: int, cache: Path | None = None,
+                     solvers: list[str] = DETERMINISTIC) -> dict[str, Any]:
     n, length = SHAPES.get(name, (2, 32))
     pipe = LDLMPipeline(init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2())
     started = time.perf_counter()
-    reference = pipe.sample_latents(n, length, reference_steps, seed, "ddim", progress=True)
+    cached = None if cache is None else cache / f"{name}-n{n}-L{length}-ddim{reference_steps}-seed{seed}.safetensors"
+    if cached is not None and cached.is_file():  # the reference of an earlier run (base: 20 minutes on 2 cores)
+        reference = load_file(cached)["latents"]
+    else:
+        reference = pipe.sample_latents(n, length, reference_steps, seed, "ddim", progress=True)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"latents": reference.contiguous()}, str(cached))
     reference_tokens = pipe.decode(reference).token_ids
     rows: dict[str, list[dict[str, float]]] = {}
-    for solver in DETERMINISTIC:
+    for solver in solvers:
         rows[solver] = []
         for count in tqdm(steps, desc=f"{name} {solver}", unit="run"):
             latents = pipe.sample_latents(n, length, count, seed, solver)
@@ -63,7 +72,7 @@ def compare_on_model(name: str, steps: list[int], reference_steps: int, seed: in
 def verdict(rows: dict[str, list[dict[str, float]]], baseline: tuple[str, int] = ("ddim", 50)) -> dict[str, Any]:
     """For each solver, the fewest steps at which it agrees with the reference at least as well as the
     baseline, in tokens and in latent error at once."""
-    base = next((r for r in rows[baseline[0]] if r["steps"] == baseline[1]), None)
+    base = next((r for r in rows.get(baseline[0], []) if r["steps"] == baseline[1]), None)
     if base is None:
         return {}
     out: dict[str, Any] = {"baseline": f"{baseline[0]}@{baseline[1]}", **{k: base[k] for k in ("latent_rel_error", "token_agreement")}}
@@ -141,14 +150,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="checkpoint and noise seed (default: 0)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     parser.add_argument("--out", default="runs/solvers.json", help="JSON path; the PNG goes beside it")
+    parser.add_argument("--solvers", default=",".join(DETERMINISTIC), help=f"deterministic solvers to run (default: {','.join(DETERMINISTIC)})")
+    parser.add_argument("--reference-cache", help="directory to keep each reference in (safetensors) and reuse it from")
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     if any(s < 1 for s in steps) or args.reference_steps < 1:
         parser.error(f"--steps {args.steps} / --reference-steps {args.reference_steps}: allowed: integers >= 1")
+    solvers = args.solvers.split(",")
+    bad = [name for name in solvers if name not in DETERMINISTIC]
+    if bad:
+        parser.error(f"--solvers {','.join(bad)}: allowed: {', '.join(DETERMINISTIC)}")
+    cache = Path(args.reference_cache) if args.reference_cache else None
     torch.set_num_threads(args.threads)
     report = {"host": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": args.threads,
               "oracle": oracle(sorted(set(steps + [200]))),
-              "models": [compare_on_model(name, steps, args.reference_steps, args.seed) for name in args.presets.split(",")]}
+              "models": [compare_on_model(name, steps, args.reference_steps, args.seed, cache, solvers) for name in args.presets.split(",")]}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, json.dumps(report, indent=2) + "\n")

@@ -117,4 +117,5 @@ def test_busy_machine_warning_names_the_load_and_a_thread_count() -> None:
     warning = busy_machine_warning(2, load_average=2.0, cpus=2)
     assert warning is not None and "load average 2.0 on 2 CPUs" in warning and "--threads 1" in warning
     assert busy_machine_warning(4, load_average=3.0, cpus=8) is None
+    assert "run it on a quiet machine" in busy_machine_warning(1, load_average=2.7, cpus=2)  # type: ignore[operator]
     assert "--threads 5" in busy_machine_warning(8, load_average=3.0, cpus=8)  # type: ignore[operator]

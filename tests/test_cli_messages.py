@@ -154,7 +154,7 @@ def test_generate_defaults_come_from_the_checkpoint_config(tiny_checkpoint: Path
     monkeypatch.setattr(LDLMPipeline, "generate", lambda self, *args, **kwargs: calls.append(args) or (_ for _ in ()).throw(ValueError("stop")))
     assert main(["generate", str(tiny_checkpoint), "--quiet"]) == 2
     n, length, steps, seed, sampler, t_min = calls[0]
-    assert (steps, sampler) == (50, "sde")  # the tiny preset's default_steps and default_sampler
+    assert (steps, sampler) == (21, "dpm3m-psc")  # the tiny preset's default_steps and default_sampler
 
 
 def test_an_os_error_names_the_users_path_not_a_temporary_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -243,7 +243,7 @@ def test_serve_says_what_it_prepares_and_ctrl_c_stops_it_in_one_line(tiny_checkp
         with pytest.raises(httpx.TransportError):  # told while preparing: not serving yet
             httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=2)
         process.send_signal(signal.SIGINT)
-        _, rest = process.communicate(timeout=120)
+        _, rest = process.communicate(timeout=300)  # the export may finish its current phase first on a loaded machine
         assert process.returncode == 130
     finally:
         if process.poll() is None:

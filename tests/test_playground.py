@@ -151,8 +151,8 @@ def test_playground_shows_the_text_sharpening(server: RunningServer, browser: Br
     assert browser.evaluate("document.getElementById('status').textContent").startswith("Done: 300 steps")
     assert browser.evaluate("document.getElementById('preview').classList.contains('final')")
     # The independent reference: the eager PyTorch pipeline of the checkpoint the served graphs were
-    # exported from, with the page's inputs and the sampler its request leaves to the default ("sde").
-    assert final == pipeline.generate(1, 24, 300, seed=3, sampler="sde").texts[0]
+    # exported from, with the page's inputs and the sampler its request leaves to the default ("dpm3m-psc").
+    assert final == pipeline.generate(1, 24, 300, seed=3, sampler="dpm3m-psc").texts[0]
     assert all(u.startswith(server.url) or u.startswith("data:") for u in browser.requested_urls()), browser.requested_urls()
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     shot = browser.call("Page.captureScreenshot", session=True, format="png")["data"]
@@ -201,7 +201,7 @@ def test_with_a_key_the_page_opens_and_sends_the_key_it_is_given(keyed_server: R
     assert "missing or wrong bearer token" in browser.evaluate("document.getElementById('status').textContent")
     assert run_page(browser, "wrong") == "error"
     assert run_page(browser, KEY) == "done"
-    assert browser.evaluate("document.getElementById('preview').textContent") == pipeline.generate(1, 12, 20, seed=5, sampler="sde").texts[0]
+    assert browser.evaluate("document.getElementById('preview').textContent") == pipeline.generate(1, 12, 20, seed=5, sampler="dpm3m-psc").texts[0]
 
 
 def test_with_a_key_docs_render(keyed_server: RunningServer, browser: Browser) -> None:

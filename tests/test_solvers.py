@@ -239,3 +239,16 @@ def test_config_default_sampler_is_checked() -> None:
     with pytest.raises(ValueError, match="default_sampler='euler' is invalid; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc"):
         LDLMConfig(default_sampler="euler")
     assert LDLMConfig().default_sampler in SOLVERS
+
+
+def test_onnx_runtime_gives_the_eager_tokens_under_every_solver(pipeline: LDLMPipeline, export_dir) -> None:
+    """Parity under the new solvers: the exported graphs on ONNX Runtime fp32, sampled from the same CPU
+    noise, decode to exactly the eager pipeline's tokens (what `ldlm parity --sampler` requires)."""
+    pytest.importorskip("onnxruntime", reason="the ONNX Runtime side of parity (pip install -e .[cpu])")
+    from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+
+    graphs, config, tokenizer = open_graphs("ort", export_dir)
+    ort = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config)
+    for sampler in ("dpm2m", "dpm3m-psc"):
+        expected = pipeline.generate(3, 16, 12, seed=9, sampler=sampler).token_ids
+        assert torch.equal(ort.generate(3, 16, 12, seed=9, sampler=sampler).token_ids, expected), sampler

@@ -265,3 +265,38 @@ def test_generate_runs_n_above_max_batch_in_chunks_and_bounds_steps(export_dir: 
     assert too_many_steps.has_error() and "STEPS=6 is out of range; allowed: 1..5" in too_many_steps.error().message()
     with pytest.raises(RepositoryError, match="max_steps=0 is out of range; allowed: 1..1048576"):
         write_triton_repo(export_dir, tmp_path / "r-steps", gpu=False, max_steps=0)
+
+
+def test_python_graph_backend_differs_from_native_only_in_backend_line_and_model_file(repo: Path, export_dir: Path, tmp_path: Path,
+                                                                                        capsys) -> None:
+    """`--graph-backend python`: each graph's config.pbtxt is the native one with `backend: "python"` for the
+    platform line; its version folder gains model.py (serve/deploy/triton_onnx_model.py) beside the same files."""
+    from ldlm.cli import main
+
+    out = tmp_path / "python"
+    assert main(["triton-repo", str(export_dir), str(out), "--cpu", "--max-n", "8", "--graph-backend", "python"]) in (0, None)
+    assert "python -P -m ldlm.serve.deploy.triton_local serve" in capsys.readouterr().out
+    source = Path(importlib.util.find_spec("ldlm.serve.deploy.triton_onnx_model").origin).read_bytes()
+    for name in ("encoder", "denoiser", "decoder"):
+        native = (repo / name / "config.pbtxt").read_text().splitlines()
+        python = (out / name / "config.pbtxt").read_text().splitlines()
+        assert native[1] == 'platform: "onnxruntime_onnx"' and python[1] == 'backend: "python"'
+        assert python[:1] + python[2:] == native[:1] + native[2:], name
+        files = sorted(str(p.relative_to(out / name)) for p in (out / name).rglob("*"))
+        assert files == sorted([*(str(p.relative_to(repo / name)) for p in (repo / name).rglob("*")), "1/model.py"])
+        assert (out / name / "1" / "model.py").read_bytes() == source
+    assert (out / "ldlm_generate" / "config.pbtxt").read_text() == (repo / "ldlm_generate" / "config.pbtxt").read_text()
+
+
+def test_python_graph_backend_refuses_plans_and_unknown_names(export_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(RepositoryError, match="graph_backend='onnx' is unknown; allowed: native, python"):
+        write_triton_repo(export_dir, tmp_path / "r1", graph_backend="onnx")
+    engines = tmp_path / "engines"  # an engine directory's layout; refused before any plan is read
+    engines.mkdir()
+    for graph in ("encoder", "denoiser", "decoder"):
+        (engines / f"{graph}.plan").write_bytes(b"plan")
+        (engines / f"{graph}.plan.json").write_text(json.dumps({"flavor": "tensorrt", "trt_version": "10.0", "precision": "fp32",
+                                                                 "inputs": [], "outputs": [], "profiles": []}))
+    with pytest.raises(RepositoryError, match="graph_backend='python' runs ONNX Runtime on an export's .onnx, but .*engines holds TensorRT plans"):
+        write_triton_repo(engines, tmp_path / "r2", graph_backend="python")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines"]

@@ -151,9 +151,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-n", type=positive_int, default=4, help="samples per generation run (default: 4)")
     p.add_argument("--gen-steps", type=positive_int, default=10, help="steps per generation run (default: 10)")
     p.add_argument("--gen-sampler", choices=SAMPLERS, default="ddim", help="solver of the generation runs (default: ddim)")
-    p.add_argument("--solvers", default="ddim@50,dpm3m-psc@20,dpm3m-psc@15",
+    p.add_argument("--solvers", default="ddim@50,dpm3m-psc@21,dpm3m-psc@15",
                    help="NAME@STEPS list: latency per sample beside token agreement and latent error against a long "
-                        "DDIM run, side by side on the workload backend; '' skips (default: ddim@50,dpm3m-psc@20,dpm3m-psc@15)")
+                        "DDIM run, side by side on the workload backend; '' skips (default: ddim@50,dpm3m-psc@21,dpm3m-psc@15)")
     p.add_argument("--solver-reference-steps", type=positive_int, default=500,
                    help="DDIM steps of the solvers' reference (default: 500)")
     p.add_argument("--workload-requests", type=int, default=60, help="requests in the mixed-arrival workload; 0 skips it (default: 60)")

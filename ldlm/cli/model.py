@@ -100,7 +100,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help=f"number of samples, 1..{MAX_N} (default: 4)")
     p.add_argument("--length", type=positive_int, default=64, help="tokens per sample, at most the checkpoint's max_seq_len (default: 64)")
     p.add_argument("--steps", type=capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)"), default=None,
-                   help=f"denoising steps, 1..{MAX_STEPS} (default: the checkpoint config's default_steps, 50 unless it says otherwise)")
+                   help=f"denoising steps, 1..{MAX_STEPS} (default: the checkpoint config's default_steps, {LDLMConfig.default_steps} unless it says otherwise)")
     p.add_argument("--seed", type=seed_int, default=0, help=f"noise seed, 0..{MAX_SEED} (default: 0)")
     p.add_argument("--sampler", choices=SAMPLERS, default=None,
                    help="sde: Euler-Maruyama (stochastic); ddim: deterministic given the seed "

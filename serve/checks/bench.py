@@ -97,8 +97,10 @@ def busy_machine_warning(threads: int, load_average: float | None = None, cpus: 
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     if load + threads <= cpus + 0.5:
         return None
-    return (f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} threads; "
-            f"timings will be noisy and oversubscribed (try --threads {max(1, cpus - round(load))} or a quiet machine)")
+    fewer = max(1, cpus - round(load))
+    advice = f"try --threads {fewer} or a quiet machine" if fewer < threads else "run it on a quiet machine"
+    return (f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} "
+            f"thread{'s' if threads > 1 else ''}; timings will be noisy and oversubscribed ({advice})")
 
 
 def bench_generation(pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int,
