@@ -13,7 +13,8 @@ reaches the next):
 
 Short latencies are client wall times, pooled over the rounds (p50, p99). Long throughput is read
 from the server's own count of samples stepped (/metrics ldlm_inference_count{model="generate"}),
-less the short requests' known work, over the phase's wall time; its median over the rounds.
+less the short requests' known work, over the phase's wall time and over the server process's CPU
+time (the latter holds still when other jobs share the machine); medians over the rounds.
 Targets (issue 22): short p99 beside <= 3 x alone; long throughput beside within 10% of the code
 before the change (beside).
 
@@ -49,28 +50,46 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]  # nearest rank
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) the process has used: a throughput per CPU second holds
+    still when other jobs share the machine, which wall-time throughput does not."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15 of stat)
+
+
 def samples_stepped(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     match = re.search(r'^ldlm_inference_count_total\{model="generate"\} (\S+)$', text, re.M)
     return float(match.group(1)) if match else 0.0
 
 
-def run_shorts(url: str, count: int, body: dict[str, Any]) -> tuple[list[float], list[str]]:
-    """``count`` requests one after another: their wall times (s), and the errors."""
-    seconds, errors = [], []
-    with httpx.Client(timeout=120) as http:
+def run_shorts(url: str, count: int, body: dict[str, Any], budget_s: float) -> tuple[list[float], list[str], int]:
+    """Up to ``count`` requests one after another, none started after ``budget_s``, each given at most
+    the time left: their wall times (s; a request still unanswered when time ran out counts as the time
+    it waited, a lower bound), the errors, and how many were cut off so."""
+    seconds, errors, cut = [], [], 0
+    deadline = time.perf_counter() + budget_s
+    with httpx.Client() as http:
         for i in range(count):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
             started = time.perf_counter()
-            response = http.post(f"{url}/v1/generate", json={**body, "seed": i})
+            try:
+                response = http.post(f"{url}/v1/generate", json={**body, "seed": i}, timeout=left)
+            except httpx.TimeoutException:
+                seconds.append(time.perf_counter() - started)
+                cut += 1
+                break
             if response.status_code == 200:
                 seconds.append(time.perf_counter() - started)
             else:
                 errors.append(f"{response.status_code}: {response.text[:200]}")
-    return seconds, errors
+    return seconds, errors, cut
 
 
-def latency_summary(seconds: list[float], errors: list[str]) -> dict[str, Any]:
-    return {"answered": len(seconds), "errors": len(errors), "first_errors": errors[:3],
+def latency_summary(seconds: list[float], errors: list[str], cut: int) -> dict[str, Any]:
+    return {"timed": len(seconds), "cut_off_unanswered": cut, "errors": len(errors), "first_errors": errors[:3],
             "p50_ms": round(1000 * statistics.median(seconds), 2), "p99_ms": round(1000 * percentile(seconds, 99), 2),
             "max_ms": round(1000 * max(seconds), 2)}
 
@@ -150,22 +169,24 @@ def run_phase(phase: str, python: str, cwd: str, source: Path, args: argparse.Na
     server = Server(python, cwd, source, args)
     out: dict[str, Any] = {}
     try:
-        run_shorts(server.url, 5, short)  # warm-up (and the cost model's first measurements)
+        run_shorts(server.url, 5, short, 60)  # warm-up (and the cost model's first measurements)
         if phase == "alone":
-            out["short_s"], out["errors"] = run_shorts(server.url, args.short_requests, short)
+            out["short_s"], out["errors"], out["cut"] = run_shorts(server.url, args.short_requests, short, 2 * args.seconds)
             return out
         stream = LongStream(server.url, args.long_clients, long)
         try:
             wait_until_busy(server.url, args.max_batch * 20)
-            before, started = samples_stepped(server.url), time.perf_counter()
-            if phase == "beside":
-                out["short_s"], out["errors"] = run_shorts(server.url, args.short_requests, short)
+            before, started, cpu = samples_stepped(server.url), time.perf_counter(), cpu_seconds(server.process.pid)
+            if phase == "beside":  # before issue 22 a short request waited for a long one to finish: capped at 2 x --seconds
+                out["short_s"], out["errors"], out["cut"] = run_shorts(server.url, args.short_requests, short, 2 * args.seconds)
             left = args.seconds - (time.perf_counter() - started)
             if left > 0:
                 time.sleep(left)
             elapsed = time.perf_counter() - started
-            short_work = len(out.get("short_s", ())) * args.short_steps
-            out["long_sample_steps_per_s"] = (samples_stepped(server.url) - before - short_work) / elapsed
+            short_work = (len(out.get("short_s", ())) - out.get("cut", 0)) * args.short_steps
+            long_work = samples_stepped(server.url) - before - short_work
+            out["long_sample_steps_per_s"] = long_work / elapsed
+            out["long_sample_steps_per_cpu_s"] = long_work / (cpu_seconds(server.process.pid) - cpu)
         finally:
             stream.close()
         out["long_errors"] = stream.errors[:3]
@@ -180,10 +201,11 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     for phase in ("alone", "beside"):
         seconds = [t for r in rounds for t in r[phase]["short_s"]]
         errors = [e for r in rounds for e in r[phase]["errors"]]
-        result[f"short_{phase}"] = latency_summary(seconds, errors)
+        result[f"short_{phase}"] = latency_summary(seconds, errors, sum(r[phase]["cut"] for r in rounds))
     for phase in ("long_only", "beside"):
-        rates = [round(r[phase]["long_sample_steps_per_s"], 1) for r in rounds]
-        result[f"long_{phase}_sample_steps_per_s"] = {"rounds": rates, "median": statistics.median(rates)}
+        for unit in ("s", "cpu_s"):
+            rates = [round(r[phase][f"long_sample_steps_per_{unit}"], 1) for r in rounds]
+            result[f"long_{phase}_sample_steps_per_{unit}"] = {"rounds": rates, "median": statistics.median(rates)}
     result["long_errors"] = [e for r in rounds for phase in ("long_only", "beside") for e in r[phase]["long_errors"]][:3]
     result["server_exits"] = sorted({str(r[phase]["server_exit"]) for r in rounds for phase in r})
     result["targets"] = {
@@ -191,6 +213,8 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         "short_p99_target": "<= 3",
         "long_beside_over_long_only": round(result["long_beside_sample_steps_per_s"]["median"]
                                             / result["long_long_only_sample_steps_per_s"]["median"], 3),
+        "long_per_cpu_s_beside_over_long_only": round(result["long_beside_sample_steps_per_cpu_s"]["median"]
+                                                      / result["long_long_only_sample_steps_per_cpu_s"]["median"], 3),
     }
     return result
 
@@ -237,6 +261,8 @@ def main() -> None:
                 "short_p99_beside": round(report["after"]["short_beside"]["p99_ms"] / report["before"]["short_beside"]["p99_ms"], 3),
                 "long_beside_sample_steps_per_s": round(report["after"]["long_beside_sample_steps_per_s"]["median"]
                                                         / report["before"]["long_beside_sample_steps_per_s"]["median"], 3),
+                "long_beside_sample_steps_per_cpu_s": round(report["after"]["long_beside_sample_steps_per_cpu_s"]["median"]
+                                                            / report["before"]["long_beside_sample_steps_per_cpu_s"]["median"], 3),
             }
         report["load_average_at_end"] = os.getloadavg()
     finally:
