@@ -33,9 +33,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import latent_width, write_report  # noqa: E402
-from loopback import free_port, serve_command, stop_server, wait_ready  # noqa: E402
+from ldlm.serve.checks.loopback import free_port, serve_command, stop_server, tiny_export, wait_ready
+from ldlm.serve.checks.traffic import latent_width, write_report
 
 TEXT = ("Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
         "then trains a diffusion model over those latents, and finally decodes samples back into tokens. ") * 3
@@ -46,16 +45,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
-
-
-def make_export(work: Path) -> Path:
-    from ldlm.checkpoint import init_model, save_checkpoint
-    from ldlm.config import preset
-    from ldlm.export.onnx_export import export_graphs
-    from ldlm.tokenizer import TextTokenizer
-
-    checkpoint = save_checkpoint(init_model(preset("tiny"), seed=0), TextTokenizer.gpt2(), work / "ckpt")
-    return export_graphs(checkpoint, work / "onnx").out
 
 
 class Server:
@@ -304,7 +293,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     scratch = tempfile.TemporaryDirectory(prefix="ldlm-attack-")
-    source = args.source or make_export(Path(scratch.name))
+    source = args.source or tiny_export(Path(scratch.name))
     report: dict[str, Any] = {"server_python": args.python, "server_cwd": args.cwd}
     server = Server(args.python, args.cwd, source, args.threads)
     sections = {

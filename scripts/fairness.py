@@ -39,10 +39,8 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attack_check import make_export  # noqa: E402
-from load_test import write_report  # noqa: E402
-from loopback import free_port, serve_command, stop_server, wait_ready  # noqa: E402
+from ldlm.serve.checks.loopback import free_port, serve_command, stop_server, tiny_export, wait_ready
+from ldlm.serve.checks.traffic import write_report
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -246,7 +244,7 @@ def main() -> None:
     report: dict[str, Any] = {"settings": json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "out"}, default=str)),
                               "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()}
     try:
-        source = args.source or make_export(Path(scratch.name))
+        source = args.source or tiny_export(Path(scratch.name))
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
         for r in range(args.rounds):
             order = list(servers) if r % 2 == 0 else list(servers)[::-1]  # neither server always runs first

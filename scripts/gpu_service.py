@@ -21,14 +21,13 @@ from ldlm.config import preset
 from ldlm.serve.runtime.backends import GraphBackend
 from ldlm.tokenizer import TextTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import free_port, serve_command, start_server, stop_server  # noqa: E402
+from ldlm.serve.checks import traffic
+from ldlm.serve.checks.loopback import free_port, serve_command, start_server, stop_server
+
 
 def kserve_encoder_body(length: int, seed: int) -> bytes:
-    """load_test's encoder request (batch 1), asking for the latents as binary data."""
-    import load_test
-
-    return json.dumps({**load_test.encoder_body(length, seed), "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}).encode()
+    """The load test's encoder request (batch 1), asking for the latents as binary data."""
+    return json.dumps({**traffic.encoder_body(length, seed), "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}).encode()
 
 
 def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -36,8 +35,6 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
     the service over the raw runner at batch 1 (encoder, 16 tokens, binary output), then a short
     bounded load of mixed requests from concurrent clients."""
     import httpx
-
-    import load_test
 
     port = free_port()
     flags = ["--backend", "compiled", "--device", str(device), "--precision", "bf16", "--max-batch", "16"]
@@ -72,7 +69,7 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
                                   "http_p99_ms": round(float(np.percentile(http_ms, 99)), 3),
                                   "runner_p50_ms": round(statistics.median(raw_ms), 3),
                                   "overhead_p50_ms": round(statistics.median(http_ms) - statistics.median(raw_ms), 3)}
-            result["load"] = load_test.run_clients(url, sizes["http_clients"], sizes["http_seconds"], load_test.latent_width(url))
+            result["load"] = traffic.run_clients(url, sizes["http_clients"], sizes["http_seconds"], traffic.latent_width(url))
         finally:
             result["server_exit_code"] = stop_server(server)
     return result

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -27,9 +26,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import write_report  # noqa: E402
-from loopback import LOOPBACK, free_port, start_server, stop_server  # noqa: E402
+from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export
+from ldlm.serve.checks.traffic import write_report
 
 
 def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, int]:
@@ -109,13 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ldlm-preview-") as work:
         process, url = None, args.url
         if url is None:
-            from ldlm.checkpoint import init_model, save_checkpoint
-            from ldlm.config import preset
-            from ldlm.export.onnx_export import export_graphs
-            from ldlm.tokenizer import TextTokenizer
-
-            checkpoint = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), Path(work) / "tiny")
-            source = str(export_graphs(checkpoint, Path(work) / "onnx").out)
+            source = str(tiny_export(Path(work)))
             port = free_port()
             process = start_server(source, port, ["--preview-budget", str(args.budget)])
             url = f"http://127.0.0.1:{port}"

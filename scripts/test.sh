@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (CPU torch, the package and its test extras) and run the whole test suite.
+# Set up (CPU torch, the package, its test and lint extras), run the lint gate, then the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh cpu,rtx,test,ray
+bash scripts/bootstrap.sh cpu,rtx,test,ray,lint
+bash scripts/lint.sh
 # The playground's browser test drives Debian's chromium. Install it when missing; where apt cannot
 # (no root, no network) the test skips and says so.
 if ! command -v chromium >/dev/null 2>&1; then

@@ -37,9 +37,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import generate_body, run_clients, write_report  # noqa: E402
-from loopback import free_port, start_server, stop_server  # noqa: E402
+from ldlm.serve.checks.loopback import free_port, start_server, stop_server, tiny_export
+from ldlm.serve.checks.traffic import generate_body, run_clients, write_report
 
 from ldlm.serve.deploy.triton_local import DEFAULT_CACHE, prepare_env  # noqa: E402
 from ldlm.serve.deploy.triton_local import start_server as start_triton  # noqa: E402
@@ -70,7 +69,7 @@ def denoiser_bodies(batch: int, length: int, d: int, count: int, triton: bool) -
 
 
 def triton_generate_body(seed: int, length: int, steps: int) -> dict:
-    """load_test.generate_body's request as ldlm_generate's KServe inputs."""
+    """traffic.generate_body's request as ldlm_generate's KServe inputs."""
     ours = generate_body(seed, length, steps)
     scalars = [{"name": name, "shape": [1], "datatype": "INT64", "data": [ours[key]]}
                for name, key in (("N", "n"), ("LENGTH", "length"), ("STEPS", "steps"), ("SEED", "seed"))]
@@ -167,13 +166,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ldlm-triton-compare-") as work:
         source = args.source
         if source is None:
-            from ldlm.checkpoint import init_model, save_checkpoint
-            from ldlm.config import preset
-            from ldlm.export.onnx_export import export_graphs
-            from ldlm.tokenizer import TextTokenizer
-
-            checkpoint = save_checkpoint(init_model(preset("tiny"), 0), TextTokenizer.gpt2(), Path(work) / "tiny")
-            source = str(export_graphs(checkpoint, Path(work) / "onnx", progress=False).out)
+            source = str(tiny_export(Path(work), progress=False))
         repo = write_triton_repo(source, Path(work) / "repo", max_batch=MAX_BATCH, gpu=False, graph_backend="python")
         port = free_port()
         ours = start_server(source, port)

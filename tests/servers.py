@@ -3,18 +3,15 @@ or in its own process (``wait_ready`` for a ``python -m ldlm.cli serve`` child).
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import uvicorn
 
 from ldlm.serve.api.server import LDLMService, create_app, server_config
 
 # One port picker and one readiness wait (for a server in its own process) for the scripts and the tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from loopback import free_port, wait_ready  # noqa: E402, F401
+from ldlm.serve.checks.loopback import free_port, wait_ready  # noqa: F401
 
 
 class RunningServer:

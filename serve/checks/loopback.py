@@ -1,6 +1,7 @@
-"""``ldlm serve`` in a child process on 127.0.0.1, for the measuring scripts (load_test, preview_cost,
-attack_check, gpu_service): a free port, a start that waits for readiness and fails fast, with the
-server's own output, when the server dies first. Scripts send traffic to loopback only."""
+"""``ldlm serve`` in a child process on 127.0.0.1, for the measuring scripts (load_test, fairness,
+preview_cost, attack_check, gpu_service, triton_compare) and the tests: a free port, a start that waits
+for readiness and fails fast, with the server's own output, when the server dies first, and a tiny
+export to serve. Traffic goes to loopback only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+
+from ldlm.checkpoint import init_model, save_checkpoint
+from ldlm.config import preset
+from ldlm.export.onnx_export import export_graphs
+from ldlm.tokenizer import TextTokenizer
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -69,3 +75,9 @@ def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> int | str
         process.kill()
         process.wait()
         return f"killed after {timeout_s:g} s"
+
+
+def tiny_export(work: Path, progress: bool = True) -> Path:
+    """A random-init tiny checkpoint under ``work``, exported to ONNX: something to serve in seconds."""
+    checkpoint = save_checkpoint(init_model(preset("tiny"), seed=0), TextTokenizer.gpt2(), work / "ckpt")
+    return export_graphs(checkpoint, work / "onnx", progress=progress).out
