@@ -64,10 +64,9 @@ PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x
 # A step of the request with the least work left is at most this much slower than the step it would
 # take alone: where a step's cost grows with its batch (a CPU, a saturated GPU) a short request then
 # runs with little company, and where batching is nearly free (a GPU below its limit) the batch fills.
-# 3: on the 2-core CPU a short request's p99 beside long ones was 1.7x its p99 alone at 2, and the
-# long ones lost 8-10% of their throughput to it; 3 trades some of that latency back (see
-# scripts/fairness.py and docs/measurements/fairness-2026-12-01.json).
-LEAD_SLOWDOWN = 3.0
+# 2, measured on the 2-core CPU (scripts/fairness.py, docs/measurements/fairness-2026-12-01.json): at 3
+# the 8-step requests' p99 beside 1000-step ones rose past 3x their p99 alone for ~4% more long throughput.
+LEAD_SLOWDOWN = 2.0
 
 
 class QueueFullError(RuntimeError):
