@@ -145,10 +145,10 @@ def _validate(c: LDLMConfig) -> None:
     for name, (low, high) in INT_RANGES.items():
         value = getattr(c, name)
         require(type(value) is int and low <= value <= high, name, value, f"an integer in {low}..{high}")  # type(): no bools
-    for name, (low, high) in FLOAT_RANGES.items():
+    for name, (above, at_most) in FLOAT_RANGES.items():
         value = getattr(c, name)
-        ok = type(value) in (int, float) and math.isfinite(value) and low < value <= high
-        require(ok, name, value, f"a number in ({low:g}, {high:g}]")
+        ok = type(value) in (int, float) and math.isfinite(value) and above < value <= at_most
+        require(ok, name, value, f"a number in ({above:g}, {at_most:g}]")
     for name in ("mask_token_id", "eos_token_id", "feature_layer"):
         require(type(getattr(c, name)) is int, name, getattr(c, name), "an integer")
     for name in ("dropout", "t_min", "beta_clip_t"):

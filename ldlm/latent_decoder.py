@@ -31,6 +31,8 @@ class LatentDecoder(nn.Module):
     h_hat predicts the standardized GPT-2 features at ``feature_layer``. No final norm (known).
     """
 
+    mask_embedding: Tensor  # a buffer
+
     def __init__(self, config: LDLMConfig) -> None:
         super().__init__()
         d = config.d_model

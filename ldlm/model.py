@@ -21,6 +21,12 @@ from ldlm.token_decoder import TokenDecoder
 
 
 class LDLM(nn.Module):
+    # buffers: the standardization statistics of GPT-2's features and of the latents
+    feature_mean: Tensor
+    feature_std: Tensor
+    latent_mean: Tensor
+    latent_std: Tensor
+
     def __init__(self, config: LDLMConfig) -> None:
         super().__init__()
         self.config = config

@@ -45,7 +45,8 @@ def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixe
     (scripts/triton_compare.py)."""
     stop_at = time.perf_counter() + seconds
     lock = threading.Lock()
-    stats = {"sent": 0, "answered": 0, "errors": 0, "lost": 0, "by_status": {}}
+    stats = {"sent": 0, "answered": 0, "errors": 0, "lost": 0}
+    by_status: dict[str, int] = {}
     latencies: list[float] = []
 
     def client(index: int) -> None:
@@ -78,7 +79,7 @@ def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixe
                 elapsed = time.perf_counter() - start
                 with lock:
                     stats["answered"] += 1
-                    stats["by_status"][str(response.status_code)] = stats["by_status"].get(str(response.status_code), 0) + 1
+                    by_status[str(response.status_code)] = by_status.get(str(response.status_code), 0) + 1
                     if response.status_code != 200:
                         stats["errors"] += 1
                     latencies.append(elapsed)
@@ -92,6 +93,7 @@ def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixe
     wall = time.perf_counter() - started
     return {
         **stats,
+        "by_status": by_status,
         "mix": mix,
         "clients": clients,
         "seconds": round(wall, 2),
