@@ -52,7 +52,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the server's life, closed in stop)
         self.process = subprocess.Popen(serve_command(source, self.port, ["--threads", str(threads)], python), cwd=cwd, env=env,
                                         stdout=self.log, stderr=subprocess.STDOUT)
         try:
@@ -67,7 +67,9 @@ class Server:
 
     def stop(self) -> int | str:
         """SIGTERM, as an operator stops it (killed if it does not exit in time): its exit code."""
-        return stop_server(self.process)
+        code = stop_server(self.process)
+        self.log.close()
+        return code
 
 
 def encoder_json(batch: int, seq: int) -> dict[str, Any]:
@@ -137,7 +139,7 @@ def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
                 base = server.rss_mb
                 peak, done = [base], threading.Event()
 
-                def sample() -> None:
+                def sample(done: threading.Event = done, peak: list[float] = peak) -> None:
                     while not done.is_set():
                         peak[0] = max(peak[0], server.rss_mb)
                         time.sleep(0.002)

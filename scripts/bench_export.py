@@ -120,8 +120,8 @@ def main() -> None:
                     session.run(None, inputs)
                     eager, onnx_rt = [], []
                     for _ in range(args.runs):  # alternate, so noise hits both backends alike
-                        eager.append(timed(lambda: eager_call(model, graph, inputs)))
-                        onnx_rt.append(timed(lambda: session.run(None, inputs)))
+                        eager.append(timed(lambda: eager_call(model, graph, inputs)))  # noqa: B023 (called at once)
+                        onnx_rt.append(timed(lambda: session.run(None, inputs)))  # noqa: B023, F821 (called at once, before the del)
                 e, o = statistics.median(eager), statistics.median(onnx_rt)
                 report["latency_ms"][f"{graph}/b{batch}/L{args.length}"] = {
                     "eager_median": round(e, 2),

@@ -145,7 +145,7 @@ class Server:
     def __init__(self, python: str, cwd: str, source: Path, args: argparse.Namespace) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the server's life, closed in stop)
         flags = ["--threads", str(args.threads), "--max-batch", str(args.max_batch), "--timeout-s", "600"]
         self.process = subprocess.Popen(serve_command(source, self.port, flags, python), cwd=cwd, stdout=self.log,
                                         stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -157,6 +157,7 @@ class Server:
         if code != 0:
             self.log.seek(0)
             print(self.log.read().decode(errors="replace")[-1500:], file=sys.stderr)
+        self.log.close()
         return code
 
 

@@ -233,7 +233,7 @@ def long_sample_stage(backends: dict[str, dict[str, GraphBackend]], tokenizer: T
         if name == "compiled-bf16":
             rows.append((config.default_sampler, config.default_steps))
         for sampler, count in rows:
-            def once() -> float:
+            def once(pipe: LDLMPipeline = pipe, count: int = count, sampler: str = sampler) -> float:
                 start = time.perf_counter()
                 latents = pipe.sample_latents(1, length, count, 0, sampler)
                 ids = pipe.graphs.decode_tokens(latents, torch.ones(1, length, dtype=torch.bool, device=device)).cpu()

@@ -48,7 +48,7 @@ def test_large_list_payloads_are_encoded_in_a_worker_process() -> None:
     service = RecordingService()
     small = {"texts": ["a"] * 2, "token_ids": [[1, 2, 3]] * 2}
     large = {"texts": ["a"] * 64, "token_ids": [[7] * 1024] * 64}  # 64 x 1024 = 65536 ids > JSON_WORKER_ELEMENTS
-    assert 64 * 1024 > server.JSON_WORKER_ELEMENTS
+    assert server.JSON_WORKER_ELEMENTS < 64 * 1024
     for payload in (small, large):
         response = asyncio.run(server.json_response(service, payload))  # type: ignore[arg-type]
         assert json.loads(response.body) == payload

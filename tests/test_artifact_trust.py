@@ -192,4 +192,4 @@ def test_leftovers_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
         (tmp / "done").write_text("ok")
     assert not killed.exists() and not old_style.exists()
     assert running.exists() and other.exists() and (out / "done").read_text() == "ok"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".onnx.%d.l1ve.tmp" % os.getpid(), ".other.1.x.tmp", "onnx"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".onnx.{os.getpid()}.l1ve.tmp", ".other.1.x.tmp", "onnx"])

@@ -43,7 +43,7 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     solvers = report["solvers"]["entries"]
     assert report["solvers"]["reference"] == "ddim@30"
     assert solvers["ddim@30"]["token_agreement"] == 1.0 and solvers["ddim@30"]["latent_rel_error"] == 0.0  # the reference itself
-    assert 0 < solvers["ddim@3"]["latent_rel_error"] and solvers["dpm3m-psc@3"]["latent_rel_error"] < solvers["ddim@3"]["latent_rel_error"]
+    assert solvers["ddim@3"]["latent_rel_error"] > 0 and solvers["dpm3m-psc@3"]["latent_rel_error"] < solvers["ddim@3"]["latent_rel_error"]
     for entry in solvers.values():
         assert entry["ms_per_sample"] == pytest.approx(1000 * entry["p50_s"] / report["solvers"]["n"], rel=1e-2)
     assert (out / "bench.png").stat().st_size > 1000

@@ -85,10 +85,9 @@ def test_existing_output_needs_overwrite(tiny_model: LDLM, tokenizer: TextTokeni
 
 
 def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="disk full"):
-        with atomic_directory(tmp_path / "out") as tmp:
-            (tmp / "config.json").write_text("{}")
-            raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError, match="disk full"), atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
     assert list(tmp_path.iterdir()) == []
 
 

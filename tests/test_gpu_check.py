@@ -201,7 +201,7 @@ def test_wrapper_dry_run_uses_the_given_python_and_installs_nothing(tmp_path: Pa
                               capture_output=True, text=True, check=True).stdout.strip()
     assert ldlm_from(setup) == expected == data["environment"]["ldlm_from"]
     assert "installing into" not in setup and not (tmp_path / "site").exists()
-    assert data["environment"]["python"] == "%d.%d.%d" % sys.version_info[:3]
+    assert data["environment"]["python"] == ".".join(map(str, sys.version_info[:3]))
 
 
 def test_wrapper_forced_install_puts_the_tree_into_the_site_offline(tmp_path: Path) -> None:

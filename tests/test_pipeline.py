@@ -32,7 +32,7 @@ def test_generate_result_shapes(pipeline: LDLMPipeline) -> None:
     result = pipeline.generate(n=3, length=10, steps=2, seed=0)
     assert result.token_ids.shape == (3, 10) and len(result.texts) == 3
     assert all(isinstance(t, str) for t in result.texts)
-    assert ((0 <= result.token_ids) & (result.token_ids < pipeline.config.vocab_size)).all()
+    assert ((result.token_ids >= 0) & (result.token_ids < pipeline.config.vocab_size)).all()
 
 
 def test_encode_texts_equals_encode_ids(pipeline: LDLMPipeline) -> None:
