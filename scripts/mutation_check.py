@@ -45,7 +45,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     # --- the five from issue 16 ---------------------------------------------------------------
     Mutation("scheduler-continuous-becomes-static", "serve/runtime/scheduler.py",
-             'if self.policy == "static" and self._active:', "if self._active:",
+             'if not self._waiting or (self.policy == "static" and self._active):', "if not self._waiting or self._active:",
              ("tests/test_scheduler_values.py",), "continuous batching silently admits nothing until the batch drains"),
     Mutation("reconstruct-drops-mask", "ldlm/pipeline.py",
              "return self.decode(encoded.latents, encoded.attention_mask)", "return self.decode(encoded.latents)",
@@ -286,7 +286,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "type(value) is int and low <= value <= high", "type(value) is int and low <= value < high",
              ("tests/test_guards_config.py",), "the documented top of every integer range (256 denoiser layers, ...) refused"),
     Mutation("config-eps-zero-allowed", "ldlm/config.py",
-             "math.isfinite(value) and low < value <= high", "math.isfinite(value) and low <= value <= high",
+             "math.isfinite(value) and above < value <= at_most", "math.isfinite(value) and above <= value <= at_most",
              ("tests/test_guards_config.py",), "a config with eps 0 loads: a zero row normalizes to NaN"),
     Mutation("config-eos-off-by-one", "ldlm/config.py",
              "require(0 <= c.eos_token_id < c.vocab_size,", "require(0 <= c.eos_token_id <= c.vocab_size,",
@@ -345,7 +345,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "int(content_length) > limit):", "int(content_length) >= limit):",
              ("tests/test_guards_middleware.py",), "a body of exactly --max-body-mb is refused"),
     Mutation("health-prefix-too-wide", "serve/api/http_guard.py",
-             'OPEN_PATHS = ("/v2/health/",)', 'OPEN_PATHS = ("/v2/health",)',
+             'OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")', 'OPEN_PREFIXES = ("/v2/health", "/static/swagger/")',
              ("tests/test_guards_middleware.py",), "paths that merely start with /v2/health skip the bearer check"),
     Mutation("queue-full-without-retry-after", "serve/api/http_guard.py",
              '503, str(error), {"Retry-After": "1"}, scope["path"])', '503, str(error), {}, scope["path"])',
