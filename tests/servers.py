@@ -10,7 +10,8 @@ from pathlib import Path
 
 import uvicorn
 
-from ldlm.serve.api.server import LDLMService, create_app, server_config
+from ldlm.serve.api.server import create_app, server_config
+from ldlm.serve.api.service import LDLMService
 
 # One port picker and one readiness wait (for a server in its own process) for the scripts and the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
-from ldlm.config import SAMPLERS
+from ldlm.config import SAMPLERS, LDLMConfig
 from ldlm.serve.api.limits import MAX_SEED
 
 
@@ -90,14 +90,14 @@ def timeout_field(max_timeout_s: float) -> Any:
 def non_empty(text: str) -> str:
     """An empty text is a 422 like every other bad field. (A length constraint on the str would do this too,
     but pydantic then converts the text and refuses a lone surrogate with a parser message, where
-    ``server.check_texts`` names it.)"""
+    ``text_api.check_texts`` names it.)"""
     if text == "":
         raise PydanticCustomError("string_too_short", "empty text")
     return text
 
 
-def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = 50,
-                   default_sampler: str = "sde", max_timeout_s: float = 60.0) -> RequestModels:
+def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = LDLMConfig.default_steps,
+                   default_sampler: str = LDLMConfig.default_sampler, max_timeout_s: float = 60.0) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
     if not 1 <= default_steps <= max_steps:
         raise ValueError(f"the model config's default_steps={default_steps} is out of range; allowed: 1..{max_steps} (max_steps)")
