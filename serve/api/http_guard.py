@@ -257,7 +257,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             self.header_timer = None
             if self.is_idle() and not self.transport.is_closing():  # headers incomplete: a slow or idle client
                 if self.conn.trailing_data[0]:  # part of a request came: say why it ends
-                    self.transport.write(raw_response(408, "Request Timeout", f"the request headers did not arrive within {header_timeout_s:g} s"))
+                    message = f"the request headers did not arrive within {header_timeout_s:g} s"
+                    self.transport.write(raw_response(408, "Request Timeout", message))
                 self.transport.close()
 
         def _open_connections(self) -> int:

@@ -60,7 +60,8 @@ class ServerSettings:
         checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
                   "max_body_bytes": (self.max_body_bytes, 1024, 1 << 31), "max_n": (self.max_n, 1, 1 << 16),
                   "max_steps": (self.max_steps, 1, 1 << 20), "max_texts": (self.max_texts, 1, 1 << 16),
-                  "max_request_samples": (self.max_request_samples, 1, 1 << 20), "max_request_tokens": (self.max_request_tokens, 1, 1 << 30),
+                  "max_request_samples": (self.max_request_samples, 1, 1 << 20),
+                  "max_request_tokens": (self.max_request_tokens, 1, 1 << 30),
                   "max_connections": (self.max_connections, 1, 1 << 20)}
         for name, (value, low, high) in checks.items():
             if not low <= value <= high:
