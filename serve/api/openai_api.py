@@ -13,8 +13,9 @@ their positions are reset to those latents forward-noised to the step's time
 ``"length"``); ``stop`` ends it before the first of up to 4 texts (``"stop"``), and ``echo`` puts
 the prompt before it. OpenAI parameters that mean nothing to a diffusion sampler (temperature,
 top_p, best_of, logprobs, the penalties, logit_bias, suffix) are accepted only at the value that
-asks for nothing, else refused (400) naming the parameter; unknown fields are refused too. How well a completion follows its prompt depends on the trained model: a
-random-init checkpoint gives gibberish. With ``stream: true`` every choice comes as one OpenAI
+asks for nothing, else refused (400) naming the parameter; unknown fields are refused too. How
+well a completion follows its prompt depends on the trained model: a random-init checkpoint gives
+gibberish. With ``stream: true`` every choice comes as one OpenAI
 chunk once its text is final (diffusion has no left-to-right deltas), then ``data: [DONE]``.
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -28,19 +29,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, create_model
 
-from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.config import LDLMConfig
 from ldlm.pipeline import TextResult
 from ldlm.serve.api.errors import HTTPError, openai_error
 from ldlm.serve.api.limits import MAX_SEED
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
-from ldlm.serve.api.schemas import STRICT_BODY, Range, strict_int, timeout_field
+from ldlm.serve.api.schemas import STRICT_BODY, Range, SamplerName, strict_int, timeout_field
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
@@ -94,8 +95,8 @@ def completion_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int
         echo=(bool, Field(False, strict=True, description="the prompt, then the completion, in each choice's text")),
         user=(str | None, Field(None, description="an end-user id, as OpenAI's; it does not change the output")),
         steps=(int, strict_int(default_steps, 1, max_steps, f"LDLM: denoising steps (1..{max_steps}; default: the model config's)")),
-        sampler=(Literal[SAMPLERS], Field(default_sampler, description="LDLM: sde (Euler-Maruyama) or ddim (deterministic); "  # type: ignore[valid-type]
-                                                                       "default: the model config's")),
+        sampler=(SamplerName, Field(default_sampler, description="LDLM: sde (Euler-Maruyama) or ddim (deterministic); "
+                                                                 "default: the model config's")),
         t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
         timeout_s=(float | None, timeout_field(max_timeout_s)),
         **unsupported,

@@ -71,6 +71,10 @@ class RequestModels:
     limits: dict[str, Range]  # field -> allowed range, for messages
 
 
+# The sampler names a request may give: ldlm.config.SAMPLERS, the one list, as a type that pydantic
+# validates and /openapi.json lists.
+SamplerName = Literal[SAMPLERS]  # type: ignore[valid-type]
+
 # Request bodies are strict: an unknown (misspelled) field is an error naming it, not ignored, and a
 # boolean or a float is not an integer ({"n": true} would otherwise run as n=1).
 STRICT_BODY = ConfigDict(extra="forbid")
@@ -106,10 +110,11 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
         __config__=STRICT_BODY,
         n=(int, strict_int(1, 1, max_n, f"samples to generate (1..{max_n})")),
         length=(int, strict_int(64, 1, max_seq_len, f"tokens per sample (1..{max_seq_len}, the model's max_seq_len)")),
-        steps=(int, strict_int(default_steps, 1, max_steps, f"denoising steps (1..{max_steps}; default: the model config's default_steps)")),
+        steps=(int, strict_int(default_steps, 1, max_steps,
+                               f"denoising steps (1..{max_steps}; default: the model config's default_steps)")),
         seed=(int, strict_int(0, 0, MAX_SEED, f"noise seed (0..{MAX_SEED})")),
-        sampler=(Literal[SAMPLERS], Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic "  # type: ignore[valid-type]
-                                                                       "(default: the model config's default_sampler)")),
+        sampler=(SamplerName, Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic "
+                                                                 "(default: the model config's default_sampler)")),
         t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
         stream=(bool, Field(False, strict=True, description="answer with Server-Sent Events: `preview` events (each sample's current "
                                                             "x0_hat decoded) every `preview_every` steps, then one `result` event")),
@@ -120,7 +125,8 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
         "TextsBody",
         __config__=STRICT_BODY,
         texts=(list[Annotated[str, AfterValidator(non_empty)]],
-               Field(..., min_length=1, max_length=max_texts, description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
+               Field(..., min_length=1, max_length=max_texts,
+                     description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
     )
     limits = {"n": Range(1, max_n), "length": Range(1, max_seq_len), "steps": Range(1, max_steps), "seed": Range(0, MAX_SEED),
               "texts": Range(1, max_texts, unit=" items"), "preview_every": Range(1, max_steps), "t_min": Range(0, 1, exclusive=True),
