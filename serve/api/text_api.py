@@ -13,6 +13,7 @@ graphs' dynamic batchers.
 
 import asyncio
 import functools
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -56,28 +57,23 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
-    async def reconstruct(body: TextsBody) -> Response:  # type: ignore[valid-type]
-        """Texts -> latents -> texts."""
+    async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[str]], dict[str, Any]]) -> Response:
+        """Check the body's texts and compute ``payload`` of them, in one call off the loop; answer with its JSON."""
         texts = list(body.texts)
 
         def run() -> dict[str, Any]:
             check_texts(texts, service.batched_pipeline)
-            result = service.batched_pipeline.reconstruct(texts)
-            return {"texts": result.texts, "token_ids": result.ids()}  # each text's own ids, no padded positions
+            return payload(service.batched_pipeline, texts)
 
         return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
+
+    async def reconstruct(body: TextsBody) -> Response:  # type: ignore[valid-type]
+        """Texts -> latents -> texts."""
+        return await answer_texts(body, reconstruction)
 
     async def encode(body: TextsBody) -> Response:  # type: ignore[valid-type]
         """Texts -> standardized latents (B, L, D) and their attention mask."""
-        texts = list(body.texts)
-
-        def run() -> dict[str, Any]:
-            check_texts(texts, service.batched_pipeline)
-            result = service.batched_pipeline.encode(texts)
-            return {"shape": list(result.latents.shape), "latents": result.latents.numpy(),
-                    "attention_mask": result.attention_mask.long().numpy()}
-
-        return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
+        return await answer_texts(body, encoding)
 
     # registered here, not by decorators: each route's summary is its handler's docstring
     for path, handler, response_model in (("/v1/generate", generate, TextsResponse), ("/v1/reconstruct", reconstruct, TextsResponse),
@@ -98,3 +94,13 @@ def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:
     for i, ids in enumerate(pipeline.tokenizer.encode(texts)):
         if len(ids) > limit:
             raise HTTPError(400, f"texts[{i}] is {len(ids)} tokens long; allowed: 1..{limit} tokens (the model's max_seq_len)")
+
+
+def reconstruction(pipeline: LDLMPipeline, texts: list[str]) -> dict[str, Any]:
+    result = pipeline.reconstruct(texts)
+    return {"texts": result.texts, "token_ids": result.ids()}  # each text's own ids, no padded positions
+
+
+def encoding(pipeline: LDLMPipeline, texts: list[str]) -> dict[str, Any]:
+    result = pipeline.encode(texts)
+    return {"shape": list(result.latents.shape), "latents": result.latents.numpy(), "attention_mask": result.attention_mask.long().numpy()}
