@@ -345,7 +345,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "int(content_length) > limit):", "int(content_length) >= limit):",
              ("tests/test_guards_middleware.py",), "a body of exactly --max-body-mb is refused"),
     Mutation("health-prefix-too-wide", "serve/api/http_guard.py",
-             'OPEN_PATHS = ("/v2/health/",)', 'OPEN_PATHS = ("/v2/health",)',
+             'OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")', 'OPEN_PREFIXES = ("/v2/health", "/static/swagger/")',
              ("tests/test_guards_middleware.py",), "paths that merely start with /v2/health skip the bearer check"),
     Mutation("queue-full-without-retry-after", "serve/api/http_guard.py",
              '503, str(error), {"Retry-After": "1"}, scope["path"])', '503, str(error), {}, scope["path"])',
