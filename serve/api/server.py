@@ -31,7 +31,7 @@ import uvicorn
 from fastapi import FastAPI
 
 import ldlm
-from ldlm.serve.api import kserve_api, metrics_api, openai_api, playground, text_api
+from ldlm.serve.api import kserve_api, metrics_api, openai_api, openai_schemas, playground, text_api
 from ldlm.serve.api.errors import add_error_handlers
 from ldlm.serve.api.http_guard import GuardMiddleware, JsonLogFormatter, guarded_protocol
 from ldlm.serve.api.schemas import ERROR_RESPONSES
@@ -58,7 +58,7 @@ def create_app(service: LDLMService) -> FastAPI:
                   "as in the request schemas.")
     app.state.service = service
     app.add_middleware(GuardMiddleware, service=service)  # type: ignore[arg-type]
-    add_error_handlers(app, text_models.limits, openai_api.openai_limits(settings, service.config.max_seq_len))
+    add_error_handlers(app, text_models.limits, openai_schemas.openai_limits(settings, service.config.max_seq_len))
     app.include_router(kserve_api.create_router(service))
     app.include_router(text_api.create_router(service, text_models))
     app.include_router(openai_api.create_router(service))
