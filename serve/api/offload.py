@@ -106,7 +106,7 @@ async def parse_infer_body(service: LDLMService, request: Request) -> InferReque
 async def infer_response(service: LDLMService, model: str, version: str, parsed: InferRequest,
                          outputs: dict[str, np.ndarray]) -> Response:
     """The KServe v2 answer, encoded off the loop: in a worker process when its JSON holds many values."""
-    json_elements = sum(outputs[name].size for name, binary in requested_outputs(parsed, outputs) if not binary)
-    content, headers = await run_json(service, json_elements > JSON_WORKER_ELEMENTS, encode_infer_response, model, version,
+    json_values = sum(outputs[name].size for name, binary in requested_outputs(parsed, outputs) if not binary)
+    content, headers = await run_json(service, json_values > JSON_WORKER_ELEMENTS, encode_infer_response, model, version,
                                       parsed, outputs)
     return Response(content, headers=headers)
