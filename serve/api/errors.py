@@ -9,6 +9,7 @@ routers): each of them raises ``HTTPError`` and none of them is imported here.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,7 +44,7 @@ def error_body(message: str, status: int = 400, path: str = "", param: str | Non
     return json.dumps({"error": message}).encode()
 
 
-def error_response(request: Request, status: int, message: str, headers: dict[str, str] | None = None,
+def error_response(request: Request, status: int, message: str, headers: Mapping[str, str] | None = None,
                    param: str | None = None) -> Response:
     return Response(error_body(message, status, request.url.path, param), status, headers, "application/json")
 

@@ -57,7 +57,7 @@ def create_app(service: LDLMService) -> FastAPI:
                   f"{settings.max_request_tokens} tokens (batch x seq) per /v2 infer request; n, length, steps and texts "
                   "as in the request schemas.")
     app.state.service = service
-    app.add_middleware(GuardMiddleware, service=service)  # type: ignore[arg-type]
+    app.add_middleware(GuardMiddleware, service=service)
     add_error_handlers(app, text_models.limits, openai_schemas.openai_limits(settings, service.config.max_seq_len))
     app.include_router(kserve_api.create_router(service))
     app.include_router(text_api.create_router(service, text_models))
@@ -91,7 +91,7 @@ def server_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     """uvicorn with our connection layer: header deadline, idle-first shedding, keep-alive and body timeouts."""
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                           http=guarded_protocol(settings.header_timeout_s, settings.max_connections),
-                          timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
+                          timeout_keep_alive=settings.keep_alive_s,
                           timeout_graceful_shutdown=int(settings.request_timeout_s) + 5, backlog=2048)
 
 
