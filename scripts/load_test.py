@@ -106,8 +106,8 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
     import ray
     from ray import serve
 
+    from ldlm.serve.api.service import ServerSettings
     from ldlm.serve.deploy.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, build_app
-    from ldlm.serve.api.server import ServerSettings
 
     ray.init(include_dashboard=False, log_to_driver=False)
     port = free_port()

@@ -33,7 +33,7 @@ def test_large_list_payloads_are_encoded_in_a_worker_process() -> None:
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from ldlm.serve.api import server
+    from ldlm.serve.api import offload as server
 
     class RecordingService:  # only what json_response touches: where the codec call is sent
         settings = SimpleNamespace(request_timeout_s=30.0)

@@ -131,8 +131,8 @@ def test_edited_weight_bytes_are_refused_by_every_consumer(export_copy: Path, ti
         verify_export(export_copy)
     with pytest.raises(ArtifactError, match=message):
         open_graphs("ort", export_copy)
+    from ldlm.serve.api.service import LDLMService, ServerSettings
     from ldlm.serve.checks.parity import run_parity
-    from ldlm.serve.api.server import LDLMService, ServerSettings
 
     with pytest.raises(ArtifactError, match=message):
         LDLMService(str(export_copy), ServerSettings())

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
-from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerationScheduler  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body  # noqa: E402
 from tests.test_server_values import metric  # noqa: E402

@@ -122,7 +122,7 @@ def test_generate_has_the_servers_caps(option: str, value: str, allowed: str, ca
 def test_the_caps_are_the_servers_numbers() -> None:
     """One source: the server's defaults and the CLI's limits are the same constants."""
     from ldlm.cli import build_parser
-    from ldlm.serve.api.server import ServerSettings
+    from ldlm.serve.api.service import ServerSettings
 
     settings = ServerSettings()
     assert (settings.max_n, settings.max_steps) == (64, 1000)

@@ -21,7 +21,7 @@ pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
 from ldlm.serve.api.kserve import HEADER_LENGTH  # noqa: E402
-from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 EOS = 50256  # GPT-2's <|endoftext|>

@@ -12,11 +12,12 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
-from ldlm.serve.api.http_guard import GuardMiddleware, HTTPError, error_body, read_body  # noqa: E402
+from ldlm.serve.api.errors import HTTPError, error_body, openai_error  # noqa: E402
+from ldlm.serve.api.http_guard import GuardMiddleware, read_body  # noqa: E402
 from ldlm.serve.api.kserve import ProtocolError  # noqa: E402
 from ldlm.serve.api.metrics import Metrics  # noqa: E402
-from ldlm.serve.api.openai_api import openai_error, stream_error_status  # noqa: E402
-from ldlm.serve.api.server import ServerSettings  # noqa: E402
+from ldlm.serve.api.openai_api import stream_error_status  # noqa: E402
+from ldlm.serve.api.service import ServerSettings  # noqa: E402
 from ldlm.serve.api.streaming import PreviewDecoder, sse  # noqa: E402
 from ldlm.serve.runtime.backends import BackendError  # noqa: E402
 from ldlm.serve.runtime.scheduler import QueueFullError  # noqa: E402

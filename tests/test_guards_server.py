@@ -23,7 +23,7 @@ def raises(error: type[Exception], message: str):
 
 
 def test_server_settings_edges() -> None:
-    from ldlm.serve.api.server import ServerSettings
+    from ldlm.serve.api.service import ServerSettings
 
     for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
         assert getattr(ServerSettings(**{name: 0.001}), name) == 0.001
@@ -52,8 +52,9 @@ def test_an_address_that_is_not_ours_is_named() -> None:
 
 
 def test_a_json_worker_that_dies_mid_request_is_a_503() -> None:
-    from ldlm.serve.api.http_guard import HTTPError
-    from ldlm.serve.api.server import ServerSettings, run_json
+    from ldlm.serve.api.errors import HTTPError
+    from ldlm.serve.api.offload import run_json
+    from ldlm.serve.api.service import ServerSettings
 
     def broken(fn, *args) -> Future:
         future: Future = Future()
@@ -102,7 +103,7 @@ def test_playground_assets_are_a_fixed_list(monkeypatch) -> None:
     from fastapi.responses import Response
 
     from ldlm.serve.api import playground
-    from ldlm.serve.api.http_guard import HTTPError
+    from ldlm.serve.api.errors import HTTPError
 
     def app_with(router) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None)  # as the server's: /docs is the playground router's

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

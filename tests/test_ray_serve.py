@@ -36,8 +36,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
+from ldlm.serve.api.service import ServerSettings  # noqa: E402
 from ldlm.serve.deploy.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builder, build_app, parse_autoscale  # noqa: E402
-from ldlm.serve.api.server import ServerSettings  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
 REPLICAS, REPLICA_CPUS = 2, 0.5

@@ -40,7 +40,7 @@ def test_cli_reconstruct_json_has_no_padded_ids(tiny_checkpoint: Path, pipeline:
 def test_http_reconstruct_has_no_padded_ids(export_dir: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
     httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
-    from ldlm.serve.api.server import LDLMService, ServerSettings
+    from ldlm.serve.api.service import LDLMService, ServerSettings
     from tests.servers import RunningServer, free_port
 
     running = RunningServer(LDLMService(str(export_dir), ServerSettings(port=free_port(), max_batch=8)))

@@ -24,8 +24,8 @@ hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test (pip instal
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st  # noqa: E402
 
 from ldlm.model import LDLM  # noqa: E402
-from ldlm.serve.api import server as server_module  # noqa: E402
-from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api import offload as server_module  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402
 
 LIMITS = dict(max_batch=4, max_delay_ms=0.0, request_timeout_s=60, max_body_bytes=1 << 20, max_n=8, max_steps=100, max_texts=8,

@@ -19,7 +19,7 @@ pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
 from ldlm.model import LDLM  # noqa: E402
-from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 from ldlm.tokenizer import TextTokenizer  # noqa: E402
 

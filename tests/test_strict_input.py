@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip
 from ldlm.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.schemas import request_models  # noqa: E402
-from ldlm.serve.api.server import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, stream, preview_every, timeout_s"

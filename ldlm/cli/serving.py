@@ -10,7 +10,8 @@ from ldlm.cli.options import device_options, positive_int
 def _cmd_serve(args: argparse.Namespace) -> None:
     import os
 
-    from ldlm.serve.api.server import ServerSettings, serve
+    from ldlm.serve.api.server import serve
+    from ldlm.serve.api.service import ServerSettings
 
     settings = ServerSettings(
         host=args.host, port=args.port, backend=args.backend, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,

@@ -22,29 +22,20 @@ import logging
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ldlm.serve.runtime.backends import BackendError
+from ldlm.serve.api.errors import HTTPError, error_body
 from ldlm.serve.api.kserve import ProtocolError
+from ldlm.serve.api.service import LDLMService
+from ldlm.serve.runtime.backends import BackendError
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.scheduler import QueueFullError
 
-if TYPE_CHECKING:
-    from ldlm.serve.api.server import LDLMService
-
 log = logging.getLogger("ldlm.serve")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer": logs and metrics only
-
-
-class HTTPError(Exception):
-    """An answer with ``status`` and one message; ``param`` names the request field at fault (OpenAI's error shape carries it)."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers, self.param = status, message, headers or {}, param
 
 
 class GuardMiddleware:
@@ -59,7 +50,7 @@ class GuardMiddleware:
     def is_open(cls, path: str) -> bool:
         return path in cls.OPEN_PATHS or path.startswith(cls.OPEN_PREFIXES)
 
-    def __init__(self, app: Any, service: "LDLMService") -> None:
+    def __init__(self, app: Any, service: LDLMService) -> None:
         self.app, self.service = app, service
         key = service.settings.api_key
         self.expected_auth = f"Bearer {key}".encode() if key else None
@@ -129,7 +120,7 @@ class GuardMiddleware:
         """Run the app with ``body`` replayed; if the client disconnects before the answer is complete,
         cancel the app's task. Starlette does not do this for plain (non-streamed) responses: a handler
         would wait for its generation to the end, holding scheduler slots and batcher rows for nobody.
-        Cancelling the task cancels the future it awaits (``server.wait``), and a cancelled future leaves
+        Cancelling the task cancels the future it awaits (``offload.wait``), and a cancelled future leaves
         the scheduler's batch at its next step and the dynamic batcher's queue before it runs."""
         replayed = False
         disconnected = asyncio.Event()
@@ -192,15 +183,6 @@ def _model_of(path: str) -> str | None:
     if path.startswith("/v1/"):
         return path.split("/")[2]
     return None
-
-
-def error_body(message: str, status: int = 400, path: str = "", param: str | None = None) -> bytes:
-    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that), with ``param``."""
-    from ldlm.serve.api.openai_api import OPENAI_PATHS, openai_error  # here: openai_api imports this module
-
-    if path.startswith(OPENAI_PATHS):
-        return json.dumps(openai_error(status, message, param)).encode()
-    return json.dumps({"error": message}).encode()
 
 
 async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "",
@@ -275,7 +257,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             self.header_timer = None
             if self.is_idle() and not self.transport.is_closing():  # headers incomplete: a slow or idle client
                 if self.conn.trailing_data[0]:  # part of a request came: say why it ends
-                    self.transport.write(raw_response(408, "Request Timeout", f"the request headers did not arrive within {header_timeout_s:g} s"))
+                    message = f"the request headers did not arrive within {header_timeout_s:g} s"
+                    self.transport.write(raw_response(408, "Request Timeout", message))
                 self.transport.close()
 
         def _open_connections(self) -> int:

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-DATATYPES: dict[str, Any] = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32, "BOOL": np.bool_}
+DATATYPES: dict[str, Any] = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
+                             "BOOL": np.bool_}
 KSERVE_NAMES = {"FLOAT": "FP32", "FLOAT16": "FP16", "INT64": "INT64", "INT32": "INT32", "BOOL": "BOOL"}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -93,7 +94,8 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         size = _parameters(spec, where).get("binary_data_size")
         if size is not None:
             if type(size) is not int or size != count * dtype.itemsize:
-                raise ProtocolError(f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes = {count * dtype.itemsize}")
+                raise ProtocolError(f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes "
+                                    f"= {count * dtype.itemsize}")
             if offset + size > len(binary):
                 raise ProtocolError(f"{where}: binary data is shorter than its binary_data_size {size}")
             array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)

@@ -13,128 +13,38 @@ their positions are reset to those latents forward-noised to the step's time
 ``"length"``); ``stop`` ends it before the first of up to 4 texts (``"stop"``), and ``echo`` puts
 the prompt before it. OpenAI parameters that mean nothing to a diffusion sampler (temperature,
 top_p, best_of, logprobs, the penalties, logit_bias, suffix) are accepted only at the value that
-asks for nothing, else refused (400) naming the parameter; unknown fields are refused too. How well a completion follows its prompt depends on the trained model: a
-random-init checkpoint gives gibberish. With ``stream: true`` every choice comes as one OpenAI
+asks for nothing, else refused (400) naming the parameter; unknown fields are refused too. How
+well a completion follows its prompt depends on the trained model: a random-init checkpoint gives
+gibberish. With ``stream: true`` every choice comes as one OpenAI
 chunk once its text is final (diffusion has no left-to-right deltas), then ``data: [DONE]``.
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the body model carries this server's limits, so it is built
+# per app, and FastAPI reads a handler's parameter types from its live annotations.
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field, create_model
-
-from ldlm.config import SAMPLERS
 
 from ldlm.pipeline import TextResult
-from ldlm.serve.api.http_guard import HTTPError
+from ldlm.serve.api.errors import HTTPError, openai_error
+from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
+from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_body
+from ldlm.serve.api.service import LDLMService
+from ldlm.serve.api.streaming import SSE_HEADERS, sse
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.scheduler import GenerateRequest, QueueFullError
-from ldlm.serve.api.limits import MAX_SEED
-from ldlm.serve.api.schemas import STRICT_BODY, Range, strict_int, timeout_field
-from ldlm.serve.api.streaming import SSE_HEADERS, sse
 
-if TYPE_CHECKING:
-    from ldlm.serve.api.server import LDLMService
-
-OPENAI_PATHS = ("/v1/completions", "/v1/models")
-MODEL_ID = "ldlm"
-
-
-class StreamOptions(BaseModel):
-    model_config = STRICT_BODY
-    include_usage: bool = Field(False, strict=True)
-
-
-# OpenAI parameters a diffusion sampler has no use for. Each is accepted only at the value that asks
-# for nothing (OpenAI's own default), so a client that leaves them alone works; any other value is
-# refused with OpenAI's error shape naming the parameter, never silently ignored.
-UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "temperature": ((None, 1, 1.0), "there is no next-token distribution to sharpen; sampler \"ddim\" with a seed is deterministic"),
-    "top_p": ((None, 1, 1.0), "there is no next-token distribution to truncate"),
-    "best_of": ((None, 1), "completions are not scored; ask for n choices instead"),
-    "logprobs": ((None,), "a diffusion sample has no per-token log-probabilities"),
-    "frequency_penalty": ((None, 0, 0.0), "tokens are not sampled one at a time"),
-    "presence_penalty": ((None, 0, 0.0), "tokens are not sampled one at a time"),
-    "logit_bias": ((None, {}), "tokens are not sampled from logits one at a time"),
-    "suffix": ((None, ""), "only prefix prompts (inpainting at the start) are supported"),
-}
-MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
-
-
-def completion_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = 50,
-                    default_sampler: str = "sde", max_timeout_s: float = 60.0) -> type[BaseModel]:
-    unsupported = {name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}")) for name, (allowed, why)
-                   in UNSUPPORTED.items()}
-    return create_model(
-        "CompletionBody",
-        __config__=STRICT_BODY,
-        model=(str, Field(..., description=f"the served model's id: {MODEL_ID!r} (see GET /v1/models)")),
-        prompt=(str | list[str], Field("", description="text to continue; '' generates unconditionally; "
-                                                       f"a list of 1..{max_texts} prompts gives n choices each")),
-        max_tokens=(int, strict_int(16, 1, max_seq_len, "completion tokens; prompt tokens + max_tokens "
-                                                        f"must fit the model's max_seq_len ({max_seq_len})")),
-        n=(int, strict_int(1, 1, max_n, f"choices per prompt (1..{max_n} in all)")),
-        seed=(int | None, Field(None, ge=0, le=MAX_SEED, strict=True,
-                                description="noise seed; with sampler ddim the same seed gives the same text")),
-        stream=(bool, Field(False, strict=True, description="OpenAI server-sent chunks, ending with data: [DONE]")),
-        stream_options=(StreamOptions | None, Field(None, description="include_usage: a last chunk with usage")),
-        stop=(str | list[str] | None, Field(None, description=f"up to {MAX_STOP} texts: a choice ends before the first of them "
-                                                              "(finish_reason \"stop\")")),
-        echo=(bool, Field(False, strict=True, description="the prompt, then the completion, in each choice's text")),
-        user=(str | None, Field(None, description="an end-user id, as OpenAI's; it does not change the output")),
-        steps=(int, strict_int(default_steps, 1, max_steps, f"LDLM: denoising steps (1..{max_steps}; default: the model config's)")),
-        sampler=(Literal[SAMPLERS], Field(default_sampler, description="LDLM: sde (Euler-Maruyama) or ddim (deterministic); "  # type: ignore[valid-type]
-                                                                       "default: the model config's")),
-        t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
-        timeout_s=(float | None, timeout_field(max_timeout_s)),
-        **unsupported,
-    )
-
-
-def accepted(allowed: tuple[Any, ...]) -> str:
-    """(None, 1, 1.0) -> '1 or null'."""
-    values: list[Any] = []
-    for value in allowed:
-        if value is not None and value not in values:  # 1.0 == 1: named once
-            values.append(value)
-    return " or ".join([*(json.dumps(v) for v in values), "null"])
-
-
-def check_supported(body: Any) -> None:
-    """Refuse a parameter this model cannot honour, naming it (OpenAI's ``param``)."""
-    for name, (allowed, why) in UNSUPPORTED.items():
-        value = getattr(body, name)
-        if not any(value == a and type(value) is not bool for a in allowed) and value is not None:
-            raise HTTPError(400, f"{name}={json.dumps(value)} is not supported by this diffusion model ({why}); "
-                                 f"allowed: {accepted(allowed)}", param=name)
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stops) > MAX_STOP or any(stop == "" for stop in stops):
-        raise HTTPError(400, f"stop has {len(stops)} items{' with an empty one' if '' in stops else ''}; "
-                             f"allowed: 1..{MAX_STOP} non-empty texts", param="stop")
-
-
-def openai_limits(settings: Any, max_seq_len: int) -> dict[str, Range]:
-    """The ranges that validation messages name, field by field."""
-    return {"max_tokens": Range(1, max_seq_len), "n": Range(1, settings.max_n), "steps": Range(1, settings.max_steps),
-            "seed": Range(0, MAX_SEED), "t_min": Range(0, 1, exclusive=True),
-            "timeout_s": Range(0, settings.request_timeout_s, low_open=True)}
-
-
-def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error",
-            504: "timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+# One prompt's token ids and its scheduler request.
+Prepared = list[tuple[list[int], GenerateRequest]]
 
 
 # What a generation can end with once a stream has started (as streaming.generate_sse reports).
@@ -155,12 +65,10 @@ def stream_error_status(error: Exception) -> int:
 
 
 def create_router(service: LDLMService) -> APIRouter:
-    from ldlm.serve.api.server import Deadline, json_response, run_blocking, run_submit, wait  # the server's helpers, one of each
-
     settings, config = service.settings, service.config
-    pipeline = service.batched_pipeline
-    body_model = completion_body(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len, config.default_steps,
-                                 config.default_sampler, settings.request_timeout_s)
+    CompletionBody = completion_body(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len,
+                                     config.default_steps, config.default_sampler, settings.request_timeout_s)
+    completer = Completions(service)
     router = APIRouter()
     created = int(time.time())
 
@@ -170,8 +78,28 @@ def create_router(service: LDLMService) -> APIRouter:
         return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": created, "owned_by": "ldlm",
                                             "max_model_len": config.max_seq_len}]}
 
-    def prepare(body: Any) -> list[tuple[list[int], GenerateRequest]]:
+    @router.post("/v1/completions", summary="OpenAI-compatible completions")
+    async def completions(body: CompletionBody) -> Response:  # type: ignore[valid-type]
+        """OpenAI completions by a diffusion model; see the module docs for how prompts condition."""
+        return await completer.answer(body)
+
+    return router
+
+
+def prompt_text(body: Any, i: int) -> str:
+    return body.prompt if isinstance(body.prompt, str) else body.prompt[i]
+
+
+class Completions:
+    """The work behind POST /v1/completions: prompts -> scheduler requests -> OpenAI choices, whole or streamed."""
+
+    def __init__(self, service: LDLMService) -> None:
+        self.service = service
+        self.settings, self.config, self.pipeline = service.settings, service.config, service.batched_pipeline
+
+    def prepare(self, body: Any) -> Prepared:
         """Per prompt: its token ids and the scheduler request (off the loop: tokenizing is work)."""
+        settings, config = self.settings, self.config
         if body.model != MODEL_ID:
             raise HTTPError(404, f"model {body.model!r} does not exist; available: {MODEL_ID}", param="model")
         check_supported(body)
@@ -181,7 +109,7 @@ def create_router(service: LDLMService) -> APIRouter:
         if len(prompts) * body.n > settings.max_n:
             raise HTTPError(400, f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} choices; "
                                  f"allowed: up to {settings.max_n} per request")
-        ids = [[] if p == "" else pipeline.tokenizer.encode([p])[0] for p in prompts]
+        ids = [[] if p == "" else self.pipeline.tokenizer.encode([p])[0] for p in prompts]
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
         prepared = []
         for i, row in enumerate(ids):
@@ -193,65 +121,61 @@ def create_router(service: LDLMService) -> APIRouter:
                                                   body.sampler, body.t_min)))
         return prepared
 
-    def prompt_text(body: Any, i: int) -> str:
-        return body.prompt if isinstance(body.prompt, str) else body.prompt[i]
+    def prefix_latents(self, rows: list[list[int]]) -> list[torch.Tensor | None]:
+        return [None if not row else self.pipeline.encode([row]).latents[0].cpu() for row in rows]
 
-    def prefix_latents(rows: list[list[int]]) -> list[torch.Tensor | None]:
-        return [None if not row else pipeline.encode([row]).latents[0].cpu() for row in rows]
-
-    def choices(row: list[int], result: TextResult, first_index: int, body: Any, prompt: str) -> tuple[list[dict[str, Any]], int]:
+    def choices(self, row: list[int], result: TextResult, first_index: int, body: Any, prompt: str) -> tuple[list[dict[str, Any]], int]:
         """The text after the prompt, cut at end-of-text and before the first stop text (``stop``),
         preceded by the prompt with ``echo``; and the completion tokens counted."""
         out, used = [], 0
-        eos = config.eos_token_id
+        eos = self.config.eos_token_id
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         for j, ids in enumerate(result.token_ids[:, len(row):].tolist()):
             stop = eos in ids
             ids = ids[: ids.index(eos)] if stop else ids
-            text = pipeline.tokenizer.decode(ids)
+            text = self.pipeline.tokenizer.decode(ids)
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:  # the tokens counted are those of the text returned
                 text, stop = text[:cut], True
-                ids = pipeline.tokenizer.encode([text])[0] if text else []
+                ids = self.pipeline.tokenizer.encode([text])[0] if text else []
             used += len(ids)
             out.append({"text": prompt + text if body.echo else text, "index": first_index + j, "logprobs": None,
                         "finish_reason": "stop" if stop else "length"})
         return out, used
 
-    def submit(prepared: list[tuple[list[int], GenerateRequest]], prefixes: list[torch.Tensor | None],
-               deadline: Deadline) -> list[Future[TextResult]]:
+    def submit(self, prepared: Prepared, prefixes: list[torch.Tensor | None], deadline: Deadline) -> list[Future[TextResult]]:
         """Queue every prompt's request, all or none (off the loop: each draws its samples' prior noise).
         When one fails (a full queue: 503 by GuardMiddleware), those already queued are cancelled,
         or they would run for nobody."""
         futures: list[Future[TextResult]] = []
         try:
             for (_, spec), prefix in zip(prepared, prefixes):
-                futures.append(service.submit_generation(spec, prefix, deadline_s=deadline.left()))
+                futures.append(self.service.submit_generation(spec, prefix, deadline_s=deadline.left()))
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
         return futures
 
-    async def start(body: Any, deadline: Deadline) -> tuple[list[tuple[list[int], GenerateRequest]], list[Future[TextResult]]]:
+    async def start(self, body: Any, deadline: Deadline) -> tuple[Prepared, list[Future[TextResult]]]:
         try:
-            prepared = await run_blocking(prepare, body, timeout_s=deadline.left())
-            prefixes = await run_blocking(prefix_latents, [row for row, _ in prepared], timeout_s=deadline.left())
+            prepared = await run_blocking(self.prepare, body, timeout_s=deadline.left())
+            prefixes = await run_blocking(self.prefix_latents, [row for row, _ in prepared], timeout_s=deadline.left())
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
-        futures = await run_submit(submit, prepared, prefixes, deadline, cancel=lambda queued: [f.cancel() for f in queued],
+        futures = await run_submit(self.submit, prepared, prefixes, deadline, cancel=lambda queued: [f.cancel() for f in queued],
                                    timeout_s=deadline.left())
         return prepared, futures
 
-    async def completions(body: Any) -> Response:
-        """OpenAI completions by a diffusion model; see the module docs for how prompts condition."""
-        deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
-        prepared, futures = await start(body, deadline)
+    async def answer(self, body: Any) -> Response:
+        """The whole completion as one JSON answer, or (``stream: true``) as OpenAI chunks."""
+        deadline = Deadline(self.settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
+        prepared, futures = await self.start(body, deadline)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
         prompt_tokens = sum(len(row) for row, _ in prepared) * body.n
         if body.stream:
-            return StreamingResponse(stream_chunks(head, prepared, futures, prompt_tokens, body, deadline), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return StreamingResponse(self.stream_chunks(head, prepared, futures, prompt_tokens, body, deadline),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             results = await wait(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), deadline.left(), deadline.limit_s)
         finally:
@@ -259,14 +183,13 @@ def create_router(service: LDLMService) -> APIRouter:
                 future.cancel()  # no-op when finished; frees the slots when the client left or time ran out
         every, used = [], 0
         for i, ((row, _), result) in enumerate(zip(prepared, results)):
-            got, n_used = choices(row, result, i * body.n, body, prompt_text(body, i))
+            got, n_used = self.choices(row, result, i * body.n, body, prompt_text(body, i))
             every += got
             used += n_used
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
-        return await json_response(service, {**head, "choices": every, "usage": usage})
+        return await json_response(self.service, {**head, "choices": every, "usage": usage(prompt_tokens, used)})
 
-    async def stream_chunks(head: dict[str, Any], prepared: list[tuple[list[int], GenerateRequest]], futures: list[Future[TextResult]],
-                            prompt_tokens: int, body: Any, deadline: Deadline) -> AsyncIterator[bytes]:
+    async def stream_chunks(self, head: dict[str, Any], prepared: Prepared, futures: list[Future[TextResult]], prompt_tokens: int,
+                            body: Any, deadline: Deadline) -> AsyncIterator[bytes]:
         used = 0
         pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), deadline.left(), deadline.limit_s)): i for i, f in enumerate(futures)}
         try:
@@ -274,12 +197,11 @@ def create_router(service: LDLMService) -> APIRouter:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     i = pending.pop(task)
-                    got, n_used = choices(prepared[i][0], task.result(), i * body.n, body, prompt_text(body, i))
+                    got, n_used = self.choices(prepared[i][0], task.result(), i * body.n, body, prompt_text(body, i))
                     used += n_used
                     yield sse({**head, "choices": got})
             if body.stream_options is not None and body.stream_options.include_usage:
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
-                yield sse({**head, "choices": [], "usage": usage})
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, used)})
         except STREAM_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape
             yield sse(openai_error(stream_error_status(error), getattr(error, "message", str(error))))
         finally:
@@ -289,7 +211,6 @@ def create_router(service: LDLMService) -> APIRouter:
                 task.cancel()
         yield sse("[DONE]")
 
-    completions.__annotations__ = {"body": body_model, "return": Response}
-    router.post("/v1/completions", summary="OpenAI-compatible completions")(completions)
-    router.body_model = body_model  # type: ignore[attr-defined]  # for the field names of validation messages
-    return router
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}

@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
-from ldlm.serve.api.http_guard import HTTPError
+from ldlm.serve.api.errors import HTTPError
 
 STATIC = Path(__file__).parent / "static"
 SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css")
@@ -21,7 +21,7 @@ SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css")
 
 def swagger_dir() -> Path | None:
     try:
-        import fastapi_offline
+        import fastapi_offline  # optional: without its assets /docs answers 404 naming the package
     except ImportError:
         return None
     return Path(fastapi_offline.__file__).parent / "static"

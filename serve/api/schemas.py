@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
-from ldlm.config import SAMPLERS
+from ldlm.config import SAMPLERS, LDLMConfig
 from ldlm.serve.api.limits import MAX_SEED
 
 
@@ -71,6 +71,10 @@ class RequestModels:
     limits: dict[str, Range]  # field -> allowed range, for messages
 
 
+# The sampler names a request may give: ldlm.config.SAMPLERS, the one list, as a type that pydantic
+# validates and /openapi.json lists.
+SamplerName = Literal[SAMPLERS]  # type: ignore[valid-type]
+
 # Request bodies are strict: an unknown (misspelled) field is an error naming it, not ignored, and a
 # boolean or a float is not an integer ({"n": true} would otherwise run as n=1).
 STRICT_BODY = ConfigDict(extra="forbid")
@@ -90,14 +94,14 @@ def timeout_field(max_timeout_s: float) -> Any:
 def non_empty(text: str) -> str:
     """An empty text is a 422 like every other bad field. (A length constraint on the str would do this too,
     but pydantic then converts the text and refuses a lone surrogate with a parser message, where
-    ``server.check_texts`` names it.)"""
+    ``text_api.check_texts`` names it.)"""
     if text == "":
         raise PydanticCustomError("string_too_short", "empty text")
     return text
 
 
-def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = 50,
-                   default_sampler: str = "sde", max_timeout_s: float = 60.0) -> RequestModels:
+def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = LDLMConfig.default_steps,
+                   default_sampler: str = LDLMConfig.default_sampler, max_timeout_s: float = 60.0) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
     if not 1 <= default_steps <= max_steps:
         raise ValueError(f"the model config's default_steps={default_steps} is out of range; allowed: 1..{max_steps} (max_steps)")
@@ -106,10 +110,11 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
         __config__=STRICT_BODY,
         n=(int, strict_int(1, 1, max_n, f"samples to generate (1..{max_n})")),
         length=(int, strict_int(64, 1, max_seq_len, f"tokens per sample (1..{max_seq_len}, the model's max_seq_len)")),
-        steps=(int, strict_int(default_steps, 1, max_steps, f"denoising steps (1..{max_steps}; default: the model config's default_steps)")),
+        steps=(int, strict_int(default_steps, 1, max_steps,
+                               f"denoising steps (1..{max_steps}; default: the model config's default_steps)")),
         seed=(int, strict_int(0, 0, MAX_SEED, f"noise seed (0..{MAX_SEED})")),
-        sampler=(Literal[SAMPLERS], Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic "  # type: ignore[valid-type]
-                                                                       "(default: the model config's default_sampler)")),
+        sampler=(SamplerName, Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic "
+                                                                 "(default: the model config's default_sampler)")),
         t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
         stream=(bool, Field(False, strict=True, description="answer with Server-Sent Events: `preview` events (each sample's current "
                                                             "x0_hat decoded) every `preview_every` steps, then one `result` event")),
@@ -120,7 +125,8 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
         "TextsBody",
         __config__=STRICT_BODY,
         texts=(list[Annotated[str, AfterValidator(non_empty)]],
-               Field(..., min_length=1, max_length=max_texts, description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
+               Field(..., min_length=1, max_length=max_texts,
+                     description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
     )
     limits = {"n": Range(1, max_n), "length": Range(1, max_seq_len), "steps": Range(1, max_steps), "seed": Range(0, MAX_SEED),
               "texts": Range(1, max_texts, unit=" items"), "preview_every": Range(1, max_steps), "t_min": Range(0, 1, exclusive=True),

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
-import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any

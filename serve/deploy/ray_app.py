@@ -27,7 +27,8 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from ldlm.serve.api.server import LDLMService, ServerSettings, create_app
+from ldlm.serve.api.server import create_app
+from ldlm.serve.api.service import LDLMService, ServerSettings
 
 DEPLOYMENT_NAME = "ldlm"
 APP_NAME = "ldlm"

@@ -1,0 +1,79 @@
+"""The one error shape of every route, and the app's handlers that give every error that shape.
+
+A refused request gets ``{"error": "<message naming the value and the allowed range>"}``; on the
+OpenAI routes it gets OpenAI's ``{"error": {"message", "type", "param", "code"}}``, which the
+official client parses. This module sits below every other of the HTTP layer (the guard, the
+routers): each of them raises ``HTTPError`` and none of them is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ldlm.serve.api.schemas import Range, field_name, validation_message
+
+OPENAI_PATHS = ("/v1/completions", "/v1/models")
+
+
+class HTTPError(Exception):
+    """An answer with ``status`` and one message; ``param`` names the request field at fault (OpenAI's error shape carries it)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers, self.param = status, message, headers or {}, param
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error",
+            504: "timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def error_body(message: str, status: int = 400, path: str = "", param: str | None = None) -> bytes:
+    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that), with ``param``."""
+    if path.startswith(OPENAI_PATHS):
+        return json.dumps(openai_error(status, message, param)).encode()
+    return json.dumps({"error": message}).encode()
+
+
+def error_response(request: Request, status: int, message: str, headers: Mapping[str, str] | None = None,
+                   param: str | None = None) -> Response:
+    return Response(error_body(message, status, request.url.path, param), status, headers, "application/json")
+
+
+def add_error_handlers(app: FastAPI, text_limits: dict[str, Range], openai_limits: dict[str, Range]) -> None:
+    """Our HTTPError, Starlette's (unknown route, 405, ...) and FastAPI's validation errors, in the one shape.
+    ``text_limits`` and ``openai_limits``: the ranges that validation messages name, field by field."""
+
+    @app.exception_handler(HTTPError)
+    async def http_error(request: Request, error: HTTPError) -> Response:
+        return error_response(request, error.status, error.message, error.headers, error.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
+        message = f"no route {request.method} {request.url.path}; see /docs" if error.status_code == 404 else str(error.detail)
+        return error_response(request, error.status_code, message, error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        errors = list(error.errors())
+        openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
+        status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
+        message = validation_message(errors, openai_limits if openai else text_limits, body_fields(request))
+        param = field_name(errors[0]["loc"]) if errors and errors[0]["type"] != "json_invalid" else None
+        return error_response(request, status, message, param=param)
+
+
+def body_fields(request: Request) -> list[str]:
+    """The fields of the matched route's body model, for the "allowed:" of an unknown field's message."""
+    body = getattr(request.scope.get("route"), "body_field", None)  # FastAPI puts the matched route in the scope
+    model = body.field_info.annotation if body is not None else None
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []

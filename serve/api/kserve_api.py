@@ -1,0 +1,104 @@
+"""The KServe v2 (Open Inference Protocol) routes: one model per graph, as Triton serves them.
+
+  GET  /v2, /v2/health/live, /v2/health/ready
+  GET  /v2/models/{model}[/versions/{v}], .../ready
+  POST /v2/models/{model}[/versions/{v}]/infer     JSON and binary tensors (tritonclient works as is)
+
+The codec is ``kserve``; each request runs through its graph's ``DynamicBatcher``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+import ldlm
+from ldlm.serve.api.errors import HTTPError
+from ldlm.serve.api.kserve import kserve_datatype, tensor_metadata
+from ldlm.serve.api.offload import infer_response, parse_infer_body, run_blocking, wait
+from ldlm.serve.api.service import LDLMService, ServerSettings
+from ldlm.serve.runtime.backends import NUMPY_DTYPES, GraphBackend
+
+MODEL_VERSION = "1"
+
+
+def create_router(service: LDLMService) -> APIRouter:
+    settings = service.settings
+    router = APIRouter()
+
+    def model_or_404(name: str) -> str:
+        if name not in service.graphs:
+            raise HTTPError(404, f"unknown model {name!r}; available: {', '.join(service.graphs)}")
+        return name
+
+    @router.get("/v2")
+    async def server_metadata() -> dict[str, Any]:
+        return {"name": "ldlm", "version": ldlm.__version__, "extensions": ["binary_tensor_data"]}
+
+    @router.get("/v2/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @router.get("/v2/health/ready")
+    async def ready() -> Response:
+        return Response(status_code=200 if service.ready else 503)
+
+    @router.get("/v2/models/{model}")
+    @router.get("/v2/models/{model}/versions/{version}")
+    async def model_metadata(model: str, version: str = MODEL_VERSION) -> dict[str, Any]:
+        graph = service.graphs[model_or_404(model)]
+        return {"name": model, "versions": [MODEL_VERSION], "platform": f"ldlm_{graph.backend}",
+                "inputs": tensor_metadata(graph.inputs), "outputs": tensor_metadata(graph.outputs)}
+
+    @router.get("/v2/models/{model}/ready")
+    @router.get("/v2/models/{model}/versions/{version}/ready")
+    async def model_ready(model: str, version: str = MODEL_VERSION) -> Response:
+        model_or_404(model)
+        return Response(status_code=200 if service.ready else 503)
+
+    @router.post("/v2/models/{model}/infer")
+    @router.post("/v2/models/{model}/versions/{version}/infer")
+    async def infer(model: str, request: Request, version: str = MODEL_VERSION) -> Response:
+        """KServe v2 inference: JSON or binary tensors in and out (tritonclient's default)."""
+        graph = service.graphs[model_or_404(model)]
+        parsed = await parse_infer_body(service, request)
+        await run_blocking(check_infer_inputs, model, graph, parsed.inputs, settings, service.config.gpt2_vocab_size,
+                           timeout_s=settings.request_timeout_s)
+        unknown = [n for n, _ in parsed.outputs or [] if n not in graph.output_names]
+        if unknown:
+            raise HTTPError(400, f"unknown outputs {unknown}; {model} has {graph.output_names}")
+        outputs = await wait(service.batchers[model].submit(parsed.inputs), settings.request_timeout_s)
+        return await infer_response(service, model, MODEL_VERSION, parsed, outputs)
+
+    return router
+
+
+def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.ndarray], settings: ServerSettings, vocab: int) -> None:
+    """What the service needs beyond the graph's contract: exact datatypes (no BOOL for INT64),
+    masks of 0 and 1, ids in the vocabulary, and the per-request memory caps."""
+    for spec in graph.inputs:
+        name, array = spec["name"], inputs.get(spec["name"])
+        if array is None:
+            continue  # the batcher names missing inputs
+        want = np.dtype(NUMPY_DTYPES[spec["dtype"]])
+        if array.dtype != want:
+            raise HTTPError(400, f"{model}: input {name} has datatype {kserve_datatype(array.dtype)}; allowed: {kserve_datatype(want)}")
+        if array.ndim >= 1 and array.shape[0] > settings.max_request_samples:
+            raise HTTPError(413, f"{model}: input {name} has {array.shape[0]} samples; allowed: 1..{settings.max_request_samples} "
+                                 "per request (--max-request-samples)")
+        if "seq" in spec["shape"] and array.ndim == len(spec["shape"]):
+            tokens = array.shape[0] * array.shape[spec["shape"].index("seq")]
+            if tokens > settings.max_request_tokens:
+                raise HTTPError(413, f"{model}: input {name} has {tokens} tokens (batch x seq); allowed: up to "
+                                     f"{settings.max_request_tokens} per request (--max-request-tokens)")
+        if name == "attention_mask" and array.size:
+            outside = (array != 0) & (array != 1)
+            if outside.any():
+                raise HTTPError(400, f"{model}: attention_mask holds {int(array[outside].flat[0])}; allowed: 0 or 1")
+    ids = inputs.get("input_ids")
+    if model == "encoder" and ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        bad = int(ids.max() if ids.max() >= vocab else ids.min())
+        raise HTTPError(400, f"input_ids contains {bad}; allowed: [0, {vocab}) (gpt2_vocab_size)")

@@ -1,0 +1,168 @@
+"""What a server process holds and how it is set: ``ServerSettings`` and ``LDLMService``.
+
+``LDLMService`` opens the graphs of one artifact, puts a ``DynamicBatcher`` in front of each graph and a
+step-level ``GenerationScheduler`` in front of generation, and owns the metrics, the preview decoder and
+the JSON worker processes. It knows nothing of HTTP: the routers (``kserve_api``, ``text_api``,
+``openai_api``, ``metrics_api``) are built from it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ldlm.export.onnx_export import export_graphs
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.api.limits import MAX_N, MAX_STEPS, MAX_TEXTS
+from ldlm.serve.api.metrics import Metrics
+from ldlm.serve.api.streaming import PreviewDecoder
+from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers, serving_limits
+from ldlm.serve.runtime.batcher import DynamicBatcher
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.torch_backends import length_buckets
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "ort"
+    max_batch: int = 16  # samples per graph execution; larger requests run in chunks of this size
+    max_delay_ms: float = 0.0  # how long a batch waits for company; 0: whatever queued while the last ran
+    max_queue: int = 256  # requests waiting per graph before 503
+    request_timeout_s: float = 60.0
+    max_body_bytes: int = 8 << 20
+    max_n: int = MAX_N  # samples per /v1/generate request (ldlm generate's cap too)
+    max_steps: int = MAX_STEPS  # ldlm generate's cap too
+    max_texts: int = MAX_TEXTS
+    max_request_samples: int = 64  # batch size of one /v2 infer request (413 above)
+    max_request_tokens: int = 8192  # batch x seq of one /v2 infer request (413 above)
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this, else the connection closes
+    body_timeout_s: float = 30.0  # its body within this, else 408
+    keep_alive_s: float = 5.0  # an idle keep-alive connection closes after this
+    max_connections: int = 1024  # above this the oldest idle connection is closed; all busy: 503
+    api_key: str | None = None
+    threads: int | None = None
+    device: str = "cpu"  # torch backends (eager, compiled)
+    precision: str = "fp32"
+    provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
+    preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take
+    trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
+
+    def __post_init__(self) -> None:
+        checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
+                  "max_body_bytes": (self.max_body_bytes, 1024, 1 << 31), "max_n": (self.max_n, 1, 1 << 16),
+                  "max_steps": (self.max_steps, 1, 1 << 20), "max_texts": (self.max_texts, 1, 1 << 16),
+                  "max_request_samples": (self.max_request_samples, 1, 1 << 20),
+                  "max_request_tokens": (self.max_request_tokens, 1, 1 << 30),
+                  "max_connections": (self.max_connections, 1, 1 << 20)}
+        for name, (value, low, high) in checks.items():
+            if not low <= value <= high:
+                raise ValueError(f"{name}={value} is out of range; allowed: {low}..{high}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: > 0")
+        if not 0 < self.preview_budget <= 1:
+            raise ValueError(f"preview_budget={self.preview_budget} is out of range; allowed: (0, 1]")
+        if self.max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms={self.max_delay_ms} is out of range; allowed: >= 0")
+
+
+class LDLMService:
+    """Everything a server process holds: the graphs, their batchers, the scheduler, the metrics."""
+
+    def __init__(self, source: str, settings: ServerSettings, progress: Callable[[str], None] | None = None) -> None:
+        """``progress``: told (one line each) what preparing the service is doing, for a person waiting on ``ldlm serve``."""
+        self.settings = settings
+        self._scratch = None
+        say = progress or (lambda line: None)
+        if settings.backend == "ort" and is_checkpoint(source):
+            say(f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
+                "directory to skip this at every start)")
+            self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")
+            source = export_checkpoint_for_serving(source, Path(self._scratch.name), progress=progress is not None)
+        say(f"loading the graphs of {source} ({settings.backend})")
+        graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
+                                                settings.threads, settings.device, memory_arena=False, cuda_graphs=settings.trt_cuda_graphs)
+        # Engines built with narrower profiles narrow what the service accepts (lengths) and how
+        # many samples one execution takes; a larger request still runs, in chunks.
+        config, self.max_batch = serving_limits(graphs, config, settings.max_batch)
+        self.graphs, self.config = graphs, config
+        self.metrics = Metrics()
+        self.batchers = {
+            name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name),
+                                 self.metrics.cancelled_samples.labels(name).inc)
+            for name, graph in graphs.items()
+        }
+        self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
+        device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
+        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+        self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
+                                             observer=self.metrics.observer("generate"),
+                                             on_drop=self.metrics.cancelled_samples.labels("generate").inc)
+        self.json_workers = self._json_pool()
+        self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
+        self._in_flight_lock = threading.Lock()
+        # its own thread, never the scheduler's; its time budget applies while other generations are in flight
+        self.previews = PreviewDecoder(generation, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
+        self.ready = True
+        say("ready")
+
+    def submit_generation(self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0,
+                          deadline_s: float | None = None) -> Future[Any]:
+        """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight: a
+        streamed request's previews are free of the preview budget only while it is the one generation in flight."""
+        future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s)
+        with self._in_flight_lock:
+            self._in_flight += 1
+        future.add_done_callback(self._generation_done)
+        return future
+
+    def _generation_done(self, future: Future[Any]) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+        self.previews.nudge()  # a preview rest taken because of this request can end
+
+    @staticmethod
+    def _json_pool() -> ProcessPoolExecutor:
+        # spawn, not fork: a forked copy of ONNX Runtime's and torch's thread pools can deadlock
+        return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+
+    def submit_json(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run a JSON codec call in a worker process; a pool broken by a dead worker is replaced."""
+        try:
+            return self.json_workers.submit(fn, *args)
+        except BrokenProcessPool:
+            self.json_workers = self._json_pool()
+            return self.json_workers.submit(fn, *args)
+
+    def close(self) -> None:
+        """Finish everything queued, then stop the workers (graceful shutdown)."""
+        self.ready = False
+        self.scheduler.close()
+        self.previews.close()
+        for batcher in self.batchers.values():
+            batcher.close()
+        for graph in self.graphs.values():
+            graph.close()  # TensorRT-RTX: its runtime cache is kept for the next start
+        self.json_workers.shutdown(wait=True, cancel_futures=True)
+        if self._scratch is not None:
+            self._scratch.cleanup()
+
+
+def is_checkpoint(source: str) -> bool:
+    """A training checkpoint (weights to export), as opposed to an export's directory of graphs."""
+    return (Path(source) / "model.safetensors").is_file()
+
+
+def export_checkpoint_for_serving(checkpoint: str, scratch: Path, progress: bool) -> str:
+    """ONNX Runtime serves an export, not a checkpoint: export ``checkpoint``'s graphs under ``scratch``
+    (a directory the service removes at close) and return the export's directory, for ``open_graphs``."""
+    return str(export_graphs(checkpoint, scratch / "onnx", progress=progress).out)

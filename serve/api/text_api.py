@@ -1,0 +1,108 @@
+"""The text API: texts in, texts, token ids or latents out.
+
+  POST /v1/generate      sample texts (``stream: true``: Server-Sent Events with denoising previews)
+  POST /v1/reconstruct   texts -> latents -> texts
+  POST /v1/encode        texts -> standardized latents and their attention mask
+
+Generation goes through the service's step-level scheduler; reconstruct and encode through the
+graphs' dynamic batchers.
+"""
+
+# No `from __future__ import annotations`: the body models carry this server's limits, so they are
+# built per app, and FastAPI reads a handler's parameter types from its live annotations.
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response, StreamingResponse
+
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.api.errors import HTTPError
+from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
+from ldlm.serve.api.schemas import EncodeResponse, RequestModels, TextsResponse, request_models
+from ldlm.serve.api.service import LDLMService
+from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, generate_sse
+from ldlm.serve.runtime.scheduler import GenerateRequest
+
+
+def text_request_models(service: LDLMService) -> RequestModels:
+    """The /v1 bodies with this server's limits and the model config's defaults."""
+    settings, config = service.settings, service.config
+    return request_models(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len, config.default_steps,
+                          config.default_sampler, settings.request_timeout_s)
+
+
+def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
+    """The /v1 text routes, their bodies validated by ``models`` (see ``text_request_models``)."""
+    settings = service.settings
+    router = APIRouter()
+    # Any to a type checker: built at run time, these are types only to pydantic and FastAPI
+    GenerateBody: Any = models.generate
+    TextsBody: Any = models.texts
+
+    async def generate(body: GenerateBody) -> Response:
+        """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
+        deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
+        spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
+        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
+        # scheduler refuses at once what it estimates cannot finish in the time left.
+        submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
+        if body.stream:
+            start = functools.partial(GenerationStream, submit, service.previews, spec, body.preview_every, loop=asyncio.get_running_loop())
+            stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
+            return StreamingResponse(generate_sse(stream, deadline.left()), headers=SSE_HEADERS, media_type="text/event-stream")
+        future = await run_submit(submit, spec, cancel=Future.cancel, timeout_s=deadline.left())
+        result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
+        return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
+
+    async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[str]], dict[str, Any]]) -> Response:
+        """Check the body's texts and compute ``payload`` of them, in one call off the loop; answer with its JSON."""
+        texts = list(body.texts)
+
+        def run() -> dict[str, Any]:
+            check_texts(texts, service.batched_pipeline)
+            return payload(service.batched_pipeline, texts)
+
+        return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
+
+    async def reconstruct(body: TextsBody) -> Response:
+        """Texts -> latents -> texts."""
+        return await answer_texts(body, reconstruction)
+
+    async def encode(body: TextsBody) -> Response:
+        """Texts -> standardized latents (B, L, D) and their attention mask."""
+        return await answer_texts(body, encoding)
+
+    # registered here, not by decorators: each route's summary is its handler's docstring
+    for path, handler, response_model in (("/v1/generate", generate, TextsResponse), ("/v1/reconstruct", reconstruct, TextsResponse),
+                                          ("/v1/encode", encode, EncodeResponse)):
+        router.post(path, response_model=response_model, summary=handler.__doc__)(handler)
+    return router
+
+
+def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:
+    """Each text as the request names it (``texts[3]``): valid Unicode, and at most max_seq_len tokens."""
+    limit = pipeline.config.max_seq_len
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise HTTPError(400, f"texts[{i}] is not valid Unicode ({error.reason} at character {error.start}); "
+                                 "allowed: UTF-8 text") from None
+    for i, ids in enumerate(pipeline.tokenizer.encode(texts)):
+        if len(ids) > limit:
+            raise HTTPError(400, f"texts[{i}] is {len(ids)} tokens long; allowed: 1..{limit} tokens (the model's max_seq_len)")
+
+
+def reconstruction(pipeline: LDLMPipeline, texts: list[str]) -> dict[str, Any]:
+    result = pipeline.reconstruct(texts)
+    return {"texts": result.texts, "token_ids": result.ids()}  # each text's own ids, no padded positions
+
+
+def encoding(pipeline: LDLMPipeline, texts: list[str]) -> dict[str, Any]:
+    result = pipeline.encode(texts)
+    return {"shape": list(result.latents.shape), "latents": result.latents.numpy(), "attention_mask": result.attention_mask.long().numpy()}
