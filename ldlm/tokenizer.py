@@ -66,6 +66,10 @@ class TextTokenizer:
                 raise ValueError(f"texts[{i}]={text!r} is empty; allowed: text with at least one non-space character")
         return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts))]
 
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` encodes to, blank text included (0 for ""): a usage count, not a model input."""
+        return len(self.tokenizer.encode(text).ids)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text up to the first end-of-text token; ids outside the vocabulary (the mask) are dropped."""
         ids = list(ids)

@@ -135,10 +135,9 @@ class Completions:
             ids = ids[: ids.index(eos)] if stop else ids
             text = self.pipeline.tokenizer.decode(ids)
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:  # the tokens counted are those of the text returned
+            if cut >= 0:  # the tokens counted are those of the text returned (which may be blank)
                 text, stop = text[:cut], True
-                ids = self.pipeline.tokenizer.encode([text])[0] if text else []
-            used += len(ids)
+            used += self.pipeline.tokenizer.count_tokens(text) if cut >= 0 else len(ids)
             out.append({"text": prompt + text if body.echo else text, "index": first_index + j, "logprobs": None,
                         "finish_reason": "stop" if stop else "length"})
         return out, used
