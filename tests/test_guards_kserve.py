@@ -181,3 +181,21 @@ def test_metadata_and_json_bytes() -> None:
     payload = {"texts": ["a"], "latents": np.array([[1.5, 2.0]], np.float32), "n": 1}
     assert json.loads(json_bytes(payload)) == {"texts": ["a"], "latents": [[1.5, 2.0]], "n": 1}
     assert requested_outputs(InferRequest(None, {}, [("z", False)], True), {"y": np.zeros(1), "z": np.zeros(1)}) == [("z", False)]
+
+
+# --- misspelled protocol fields --------------------------------------------------------------------------
+
+
+def test_a_misspelled_field_is_refused_at_every_level() -> None:
+    """Each level's fields are the protocol's; a typo was silently ignored (the request ran without it)."""
+    good = tensor("ids", "INT64", (1,), (3,))
+    refused("the request: unknown field 'outptus'; allowed: id, parameters, inputs, outputs",
+            body_of(good, outptus=[{"name": "latents"}]))
+    refused("inputs[0] (ids): unknown field 'paramters'; allowed: name, shape, datatype, parameters, data",
+            body_of(tensor("ids", "INT64", (1,), (3,), paramters={})))
+    refused("outputs[0] (latents): unknown field 'binary_data'; allowed: name, parameters",
+            body_of(good, outputs=[{"name": "latents", "binary_data": True}]))
+    # every field of the protocol, spelled right, parses
+    parsed = parse_infer_request(body_of(tensor("ids", "INT64", (1,), (3,), parameters={}), id="r1", parameters={},
+                                         outputs=[{"name": "latents", "parameters": {"binary_data": True}}]), None)
+    assert (parsed.id, parsed.outputs) == ("r1", [("latents", True)])

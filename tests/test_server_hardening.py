@@ -314,6 +314,18 @@ def test_malformed_infer_gets_4xx_naming_the_problem(hardened: RunningServer, ca
     assert set(response.json()) == {"error"} and message in response.json()["error"], response.text
 
 
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/generate", b'{"n": 1, "seed": "\xff"}', "the body is not valid UTF-8 JSON: invalid start byte at byte 18"),
+    ("/v1/reconstruct", b'{"texts": ' + b"[" * 100000 + b"]" * 100000 + b"}", "the body's JSON is nested too deeply"),
+    ("/v1/completions", b'{"prompt": "\xc3"}', "the body is not valid UTF-8 JSON"),
+])
+def test_a_v1_body_that_cannot_be_parsed_is_named(hardened: RunningServer, path: str, body: bytes, message: str) -> None:
+    """FastAPI's own answer was "There was an error parsing the body" for both: it did not say which."""
+    response = post(hardened, path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert message in response.text, response.text
+
+
 def test_lone_surrogate_text_gets_400(hardened: RunningServer) -> None:
     body = b'{"texts": ["abc\\ud800def"]}'
     response = post(hardened, "/v1/reconstruct", content=body, headers={"Content-Type": "application/json"})

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ldlm.serve.api.kserve import ProtocolError, load_json
 from ldlm.serve.api.schemas import Range, field_name, validation_message
 
 OPENAI_PATHS = ("/v1/completions", "/v1/models")
@@ -60,6 +61,8 @@ def add_error_handlers(app: FastAPI, text_limits: dict[str, Range], openai_limit
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
         message = f"no route {request.method} {request.url.path}; see /docs" if error.status_code == 404 else str(error.detail)
+        if error.status_code == 400 and error.detail == FASTAPI_PARSE_FAILURE:
+            message = await body_problem(request)
         return error_response(request, error.status_code, message, error.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -70,6 +73,20 @@ def add_error_handlers(app: FastAPI, text_limits: dict[str, Range], openai_limit
         message = validation_message(errors, openai_limits if openai else text_limits, body_fields(request))
         param = field_name(errors[0]["loc"]) if errors and errors[0]["type"] != "json_invalid" else None
         return error_response(request, status, message, param=param)
+
+
+# FastAPI's words for a body json.loads raised on with other than a JSONDecodeError (bad UTF-8, nesting
+# deep enough to exhaust the decoder's recursion): they do not say which.
+FASTAPI_PARSE_FAILURE = "There was an error parsing the body"
+
+
+async def body_problem(request: Request) -> str:
+    """What is wrong with a body FastAPI could not parse, in the KServe codec's words (one reading of JSON)."""
+    try:
+        load_json(await request.body())  # the body FastAPI read is kept on the request
+    except ProtocolError as problem:
+        return str(problem)
+    return FASTAPI_PARSE_FAILURE
 
 
 def body_fields(request: Request) -> list[str]:

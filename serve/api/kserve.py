@@ -50,6 +50,18 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
+# The protocol's fields (KServe v2 / Triton): a misspelled one ("outptus") is refused, not ignored.
+REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
+INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
+OUTPUT_FIELDS = ("name", "parameters")
+
+
+def refuse_unknown_fields(holder: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    unknown = [key for key in holder if key not in allowed]
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+
+
 def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     """Decode a KServe v2 infer body. Every value is checked before it becomes an array: types are
     exact (no bool for an integer, no float silently cast to an int), integers fit their datatype,
@@ -66,6 +78,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     payload = load_json(body[:json_size])
     if not isinstance(payload, dict):
         raise ProtocolError("the request must be a JSON object with an 'inputs' list")
+    refuse_unknown_fields(payload, REQUEST_FIELDS, "the request")
     raw_inputs = payload.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError("field 'inputs' must be a non-empty list")
@@ -80,6 +93,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             raise ProtocolError(f"{where} must be an object with a string 'name'")
         name = spec["name"]
         where = f"{where} ({name})"
+        refuse_unknown_fields(spec, INPUT_FIELDS, where)
         if name in inputs:
             raise ProtocolError(f"{where}: input {name!r} is given twice")
         datatype = spec.get("datatype")
@@ -121,6 +135,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         for i, out in enumerate(payload["outputs"]):
             if not isinstance(out, dict) or not isinstance(out.get("name"), str):
                 raise ProtocolError(f"outputs[{i}] must be an object with a string 'name'")
+            refuse_unknown_fields(out, OUTPUT_FIELDS, f"outputs[{i}] ({out['name']})")
             outputs.append((out["name"], _flag(_parameters(out, f"outputs[{i}]"), "binary_data", f"outputs[{i}]")))
     return InferRequest(payload.get("id"), inputs, outputs, _flag(parameters, "binary_data_output", "the request"))
 
