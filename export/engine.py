@@ -20,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import ldlm
-from ldlm.checkpoint import CONFIG_FILE, atomic_directory, write_atomically
+from ldlm.checkpoint import CONFIG_FILE
 from ldlm.export.artifact import MANIFEST_SUFFIX, PLAN_SUFFIX, check_artifacts
 from ldlm.export.layernorm_network import check_network_layer_norms, parse_onnx_network
 from ldlm.export.onnx_export import read_manifest, sha256_file
@@ -28,6 +28,7 @@ from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
 from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, layernorm_overflow_warnings, load_flavor
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
+from ldlm.files import atomic_directory, write_atomically
 from ldlm.tokenizer import TOKENIZER_FILE
 
 

@@ -29,11 +29,12 @@ import torch
 from tqdm.auto import tqdm
 
 import ldlm
-from ldlm.checkpoint import CONFIG_FILE, atomic_directory, load_checkpoint
-from ldlm.export.artifact import check_artifacts
+from ldlm.checkpoint import CONFIG_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
+from ldlm.export.artifact import check_artifacts
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
+from ldlm.files import atomic_directory
 from ldlm.model import LDLM
 from ldlm.tokenizer import TOKENIZER_FILE
 

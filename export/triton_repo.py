@@ -25,11 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ldlm.checkpoint import CONFIG_FILE, atomic_directory
+from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.export.onnx_export import sha256_file
+from ldlm.files import atomic_directory
 from ldlm.tokenizer import TOKENIZER_FILE
 
 TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
-from ldlm.checkpoint import write_atomically
+from ldlm.files import write_atomically
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopback import LOOPBACK, free_port, start_server, stop_server  # noqa: E402

@@ -45,7 +45,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     # --- the five from issue 16 ---------------------------------------------------------------
     Mutation("scheduler-continuous-becomes-static", "serve/runtime/scheduler.py",
-             'if self.policy == "static" and self._active:', "if self._active:",
+             'or (self.policy == "static" and self._active):', "or self._active:",
              ("tests/test_scheduler_values.py",), "continuous batching silently admits nothing until the batch drains"),
     Mutation("reconstruct-drops-mask", "ldlm/pipeline.py",
              "return self.decode(encoded.latents, encoded.attention_mask)", "return self.decode(encoded.latents)",
@@ -306,7 +306,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("random-std-negative", "ldlm/checkpoint.py",
              "std.copy_(torch.exp(normal(std, 0.2)))", "std.copy_(normal(std, 0.2))",
              ("tests/test_eps_probe.py",), "norm_init=random draws negative standard deviations"),
-    Mutation("checkpoint-overwrite-inverted", "ldlm/checkpoint.py",
+    Mutation("checkpoint-overwrite-inverted", "ldlm/files.py",
              "if Path(out).exists() and not overwrite:", "if Path(out).exists() and overwrite:",
              ("tests/test_checkpoint.py",), "an existing checkpoint is replaced without --force"),
     # --- OpenAI completions (lines identical on the http branch) ------------------------------------

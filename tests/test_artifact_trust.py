@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.checkpoint import atomic_directory
 from ldlm.config import FLOAT_RANGES, INT_RANGES, LDLMConfig, preset
 from ldlm.export.artifact import ArtifactError
+from ldlm.files import atomic_directory
 from tests.artifacts import reseal_manifest
 
 from ldlm.export.onnx_export import verify_export

@@ -15,8 +15,9 @@ from ldlm.serve.api.limits import MAX_N, MAX_SEED, MAX_STEPS
 def _cmd_init(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
-    from ldlm.checkpoint import init_model, refuse_existing, save_checkpoint
+    from ldlm.checkpoint import init_model, save_checkpoint
     from ldlm.config import preset
+    from ldlm.files import refuse_existing
     from ldlm.tokenizer import TextTokenizer
 
     refuse_existing(args.out, args.force)  # before the model is built, which takes a while at base size

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ldlm.checkpoint import write_atomically
+from ldlm.files import write_atomically
 from ldlm.model import LDLM
 
 from ldlm.serve.checks.layernorm_cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, layer_norm_cases

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ldlm.checkpoint import write_atomically
 from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.files import write_atomically
 from ldlm.serve.checks.parity import ParityReport
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from ldlm.checkpoint import write_atomically
+from ldlm.files import write_atomically
 
 PYTRITON = "nvidia-pytriton==0.7.0"  # tritonserver 2.51
 STUB_NUMPY = "numpy==1.26.4"  # the last NumPy before 2: the stub's tensors arrive empty with NumPy 2
