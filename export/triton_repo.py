@@ -27,9 +27,8 @@ from typing import Any
 
 from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir
+from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.export.onnx_export import sha256_file
 from ldlm.files import atomic_directory
 from ldlm.tokenizer import TOKENIZER_FILE
 

@@ -132,7 +132,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("network-axes-ignored", "export/layernorm_network.py",
              "if layer.axes != expected:", "if layer.axes & expected != expected:",
              ("tests/test_engine_network.py",), "a layer normalizing extra axes passes the check"),
-    Mutation("strongly-typed-hard-coded", "export/engine.py",
+    Mutation("strongly-typed-hard-coded", "export/trt_flavor.py",
              "return flag is not None and bool(network.get_flag(flag))", "return True",
              ("tests/test_engine_network.py",), "the manifest claims strong typing it did not read"),
     # --- kserve ---------------------------------------------------------------------------------

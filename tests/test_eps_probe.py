@@ -18,8 +18,9 @@ import torch
 
 from ldlm.checkpoint import init_model
 from ldlm.cli import main
+from ldlm.export.artifact import read_manifest
 from ldlm.export.graphs import graph_io
-from ldlm.export.onnx_export import graph_layer_norm_specs, read_manifest
+from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.verify import check_layer_norms, node_name_scopes, pair_layer_norm_nodes, verify_onnx
 from ldlm.layers import RMSNorm
 from ldlm.serve.checks.eps_probe import (

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from ldlm.cli import main
-from ldlm.export.onnx_export import read_manifest
+from ldlm.export.artifact import read_manifest
 from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
 from ldlm.serve.checks.compare import Comparison, compare_outputs
 from ldlm.serve.checks.parity import run_parity

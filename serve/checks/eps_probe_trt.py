@@ -26,9 +26,10 @@ from ldlm.export.layernorm_network import (
     NormalizationPlan,
     read_normalization_layers,
 )
-from ldlm.export.onnx_export import graph_layer_norm_specs, sha256_file
+from ldlm.export.artifact import sha256_file
+from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, load_flavor
-from ldlm.export.verify import LAYER_NORM_OP, pair_layer_norm_nodes
+from ldlm.export.verify import LAYER_NORM_OP, eps_matches, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
 
@@ -126,7 +127,7 @@ def probe_layer(flavor: Flavor, graph: str, layer: Any, module_name: str, model:
     n = math.prod(module.normalized_shape)
     probe = LayerNormProbe(graph, layer.name, module_name, float(module.eps), layer.epsilon, eps_rtol(n, float(module.eps)))
     where = f"layer {layer.name!r} (module {module_name})"
-    if np.float32(layer.epsilon) != np.float32(module.eps):
+    if not eps_matches(layer.epsilon, module.eps):
         probe.problems.append(f"{where}: epsilon {layer.epsilon:g} after parsing != module eps {module.eps:g} (compared as float32)")
     if layer.input_dtype != "FLOAT":
         probe.problems.append(f"{where}: runs in {layer.input_dtype}; LayerNorms must stay in FP32")

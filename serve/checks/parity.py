@@ -28,15 +28,16 @@ import torch
 from tqdm.auto import tqdm
 
 from ldlm.checkpoint import load_checkpoint
+from ldlm.export.artifact import read_manifest
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
-from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs, read_manifest
+from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
 from ldlm.export.verify import LayerNormSpec, VerifyResult, pair_layer_norm_nodes, verify_onnx
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
-from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
 from ldlm.serve.checks.compare import Comparison, compare_outputs, tolerance
 from ldlm.serve.checks.eps_probe import EpsProbeReport, probe_artifact
+from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
+from ldlm.tokenizer import TextTokenizer
 
 TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8}
 REAL_TEXT = [

@@ -28,9 +28,8 @@ from torch import Tensor
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import PLAN_SUFFIX, check_artifacts, check_engine_dir
+from ldlm.export.artifact import PLAN_SUFFIX, check_artifacts, check_engine_dir, describe_io, read_manifest
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
-from ldlm.export.onnx_export import describe_io, read_manifest
 from ldlm.model import LDLM
 from ldlm.tokenizer import TextTokenizer
 
