@@ -39,9 +39,10 @@ from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.checks.bench import WORKLOAD_STEPS, bench_generation, bench_graphs, graph_feed, mixed_workload, run_workload, workload_lengths_used
 from ldlm.serve.checks.parity import compare_with_eager, eager_tokens
-from ldlm.serve.runtime.backends import BackendGraphs, EagerBackend, GraphBackend
+from ldlm.serve.runtime.backends import BackendGraphs
+from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, prepare_model
+from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, length_buckets, prepare_model
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))

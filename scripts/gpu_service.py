@@ -18,7 +18,7 @@ import torch
 
 from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import preset
-from ldlm.serve.runtime.backends import GraphBackend
+from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -22,7 +22,8 @@ from ldlm.files import atomic_directory
 from tests.artifacts import reseal_manifest
 
 from ldlm.export.onnx_export import verify_export
-from ldlm.serve.runtime.backends import BackendError, open_graphs
+from ldlm.serve.runtime.backends import open_graphs
+from ldlm.serve.runtime.graph_backend import BackendError
 
 # Only the artifact tests that open an export need ONNX Runtime; the config bounds and the clean-up
 # of a killed writer's leftovers run without it.

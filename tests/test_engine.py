@@ -179,7 +179,8 @@ def test_engine_directory_files_are_checked_against_the_plans(engines, tmp_path:
     precision the plans were not built in) is refused before any engine is loaded (so this runs
     without a GPU too)."""
     from ldlm.export.artifact import ArtifactError
-    from ldlm.serve.runtime.backends import BackendError, open_graphs
+    from ldlm.serve.runtime.backends import open_graphs
+    from ldlm.serve.runtime.graph_backend import BackendError
 
     precision, out = engines
     record = read_plan_manifest(out / "encoder.plan")["tokenizer"]
