@@ -376,7 +376,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "if name in inputs:", "if name in raw_inputs:",
              ("tests/test_guards_kserve.py",), "an input given twice silently keeps the second"),
     # --- the eps probe's math ------------------------------------------------------------------------
-    Mutation("eps-budget-halved", "serve/checks/eps_probe.py",
+    Mutation("eps-budget-halved", "serve/checks/layernorm_cases.py",
              "return 2 * math.ceil(math.log2(max(n, 2))) + 8", "return math.ceil(math.log2(max(n, 2))) + 8",
              ("tests/test_eps_probe_math.py",), "the float32 bound is too tight: correct backends fail the probes"),
     Mutation("implied-eps-without-variance", "serve/checks/eps_probe.py",

@@ -28,10 +28,10 @@ from ldlm.serve.checks.eps_probe import (
     LayerNormProbe,
     analyse_outputs,
     eps_rtol,
-    probe_layer_norm_eps,
     probe_rows,
     run_cases,
 )
+from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.checks.layernorm_cases import layer_norm_cases
 from ldlm.serve.checks.parity import run_parity
 from tests.artifacts import ENCODER_LN, edited_export, node_of, set_eps

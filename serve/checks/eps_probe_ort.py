@@ -41,7 +41,7 @@ def one_node_model(attributes: list[onnx.AttributeProto], x_shape: tuple[int, ..
 
 class OrtNodeRunner:
     def __init__(self, providers: tuple[str, ...]) -> None:
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional (the [cpu] or [gpu] extra): only the ort probes need it
 
         self.ort = ort
         self.providers = list(providers)

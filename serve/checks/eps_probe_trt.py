@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 import onnx
+import torch
 from tqdm.auto import tqdm
 
+from ldlm.export.artifact import sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.layernorm_network import (
     axes_mask,
@@ -26,12 +28,13 @@ from ldlm.export.layernorm_network import (
     NormalizationPlan,
     read_normalization_layers,
 )
-from ldlm.export.artifact import sha256_file
 from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, load_flavor
 from ldlm.export.verify import LAYER_NORM_OP, eps_matches, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
+from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
+from ldlm.serve.runtime.tensorrt_executor import bind
 
 NO_GPU = ("no CUDA GPU: the one-layer TensorRT engines were built and their INormalizationLayer eps read back, "
           "but not executed (deserialize_cuda_engine, execute_async_v3), so no implied eps and no output check "
@@ -41,10 +44,6 @@ NO_GPU = ("no CUDA GPU: the one-layer TensorRT engines were built and their INor
 def run_normalization_plan(flavor: Flavor, plan: NormalizationPlan, x: np.ndarray) -> np.ndarray:
     """Run a one-layer plan on the GPU: x (float32, plan.input_shape) -> y, with the runtime's
     checked binding, on a stream of its own."""
-    import torch
-
-    from ldlm.serve.runtime.tensorrt_executor import bind
-
     if not torch.cuda.is_available():
         raise RuntimeError("running a TensorRT plan needs a CUDA GPU; torch.cuda.is_available() is False")
     logger = flavor_logger(flavor)
@@ -81,8 +80,6 @@ def locate_plan_onnx(engine_dir: Path, manifest: dict[str, Any], onnx_dir: Path 
 
 def probe_engines(model: LDLM, engine_dir: Path, onnx_dir: Path | None, seed: int, flavor_name: str | None,
                   progress: bool = False) -> EpsProbeReport:
-    from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
-
     graphs = [g for g in GRAPH_NAMES if (engine_dir / f"{g}.plan").is_file()]
     if not graphs:
         raise ValueError(f"{engine_dir} has no {', '.join(g + '.plan' for g in GRAPH_NAMES)}; make one with `ldlm build-engine`")
