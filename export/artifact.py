@@ -1,5 +1,8 @@
 """Artifact trust: an export directory is used only after its manifest checks out.
 
+Reading a manifest lives here too (``read_manifest``, ``describe_io``, ``sha256_file``), so whoever
+opens an export (the runtime, the checks) needs this module and never the exporter.
+
 One function, ``check_artifacts``, called wherever an export directory is opened (``open_graphs``
 for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
 - a file path that is absolute, or that leaves the directory (``../``, or a symlink out of it);
@@ -11,23 +14,52 @@ for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import onnx
+
 from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
 from ldlm.tokenizer import TOKENIZER_FILE
 
-MANIFEST_FILE = "manifest.json"  # the name ldlm.export.onnx_export writes
+MANIFEST_FILE = "manifest.json"  # written by ldlm.export.onnx_export beside the ONNX files
 PLAN_SUFFIX = ".plan"  # ldlm.export.engine writes <graph>.plan and, beside it, <graph>.plan.json
 MANIFEST_SUFFIX = ".plan.json"
 
 
 class ArtifactError(ValueError):
     """An artifact that does not match its manifest; the message names the file and the fix."""
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        raise ValueError(f"{directory} has no {MANIFEST_FILE}; is it a directory written by `ldlm export`?")
+    return json.loads(path.read_text())
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_io(values: Sequence[onnx.ValueInfoProto]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": v.name,
+            "dtype": onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type),
+            "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+        }
+        for v in values
+    ]
 
 
 def resolve_inside(directory: Path, name: object) -> Path:
@@ -68,8 +100,6 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any])
 
 def check_file(directory: Path, name: object, record: object, manifest: str = MANIFEST_FILE) -> None:
     """One listed file: inside ``directory``, present, with the recorded size and sha256."""
-    from ldlm.export.onnx_export import sha256_file  # onnx_export imports torch; keep this module light
-
     path = resolve_inside(directory, name)
     if not path.is_file():
         raise ArtifactError(f"{path} is listed in {directory / manifest} but missing; re-export with `ldlm export`")
@@ -122,8 +152,6 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
 
 def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> None:
     """The ONNX file's weights may live in other files; each must be one the manifest hashes."""
-    import onnx
-
     try:
         graph = onnx.load(str(directory / onnx_file), load_external_data=False).graph
     except Exception as error:  # protobuf's DecodeError and friends

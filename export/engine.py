@@ -20,20 +20,24 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import ldlm
-from ldlm.checkpoint import CONFIG_FILE, atomic_directory, write_atomically
-from ldlm.export.artifact import MANIFEST_SUFFIX, PLAN_SUFFIX, check_artifacts
+from ldlm.checkpoint import CONFIG_FILE
+from ldlm.config import LDLMConfig
+from ldlm.export.artifact import MANIFEST_SUFFIX, PLAN_SUFFIX, check_artifacts, read_manifest, sha256_file
 from ldlm.export.layernorm_network import check_network_layer_norms, parse_onnx_network
-from ldlm.export.onnx_export import read_manifest, sha256_file
 from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
-from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, layernorm_overflow_warnings, load_flavor
+from ldlm.export.trt_flavor import (
+    EngineBuildError,
+    Flavor,
+    flavor_logger,
+    gpu_info,
+    is_strongly_typed,
+    layernorm_overflow_warnings,
+    load_flavor,
+)
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
+from ldlm.files import atomic_directory, write_atomically
 from ldlm.tokenizer import TOKENIZER_FILE
-
-
-
-class EngineBuildError(RuntimeError):
-    """Parsing or building failed; the message names the graph and TensorRT's own errors."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,6 @@ def build_engines(
         raise ValueError(f"ONNX directory {onnx_dir} does not exist; make one with `ldlm export`")
     manifest = read_manifest(onnx_dir)
     check_artifacts(onnx_dir, manifest)  # build only from files that match their sha256
-    from ldlm.config import LDLMConfig
-
     config = LDLMConfig.load(onnx_dir / CONFIG_FILE)
     graphs = list(graphs or manifest["graphs"])
     unknown = [g for g in graphs if g not in manifest["graphs"]]
@@ -194,20 +196,6 @@ def _build(
     if serialized is not None and timing_cache is not None:
         write_atomically(timing_cache, bytes(config.get_timing_cache().serialize()))
     return serialized, seconds, is_strongly_typed(trt, network)
-
-
-def _network_flags(trt: Any) -> int:
-    """Strongly typed where the flag exists: the ONNX carries the precision (TensorRT 11 and RTX
-    build nothing else; TensorRT 10 accepts it)."""
-    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    return 0 if flag is None else 1 << int(flag)
-
-
-def is_strongly_typed(trt: Any, network: Any) -> bool:
-    """Read back from the network itself: TensorRT-RTX networks are strongly typed whatever the
-    creation flags say, and a TensorRT without the flag builds weakly typed networks."""
-    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    return flag is not None and bool(network.get_flag(flag))
 
 
 def _attach_timing_cache(flavor: Flavor, config: Any, path: str | None) -> str | None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ldlm.export.verify import LayerNormSpec
+from ldlm.export.trt_flavor import EngineBuildError, flavor_logger, network_flags
+from ldlm.export.verify import LayerNormSpec, eps_matches
 
 
 def normalization_layers(trt: Any, network: Any) -> list[Any]:
@@ -43,7 +44,7 @@ def check_network_layer_norms(trt: Any, network: Any, specs: Sequence[LayerNormS
         problems.append(f"{len(layers)} INormalizationLayer(s) after parsing, {len(specs)} LayerNormalization node(s) expected")
     for layer, spec in zip(layers, specs):
         where = f"layer {layer.name!r} (module {spec.name})"
-        if np.float32(layer.epsilon) != np.float32(spec.eps):
+        if not eps_matches(layer.epsilon, spec.eps):
             problems.append(f"{where}: epsilon {layer.epsilon:g} != module eps {spec.eps:g} (compared as float32)")
         rank = len(layer.get_input(0).shape)
         expected = axes_mask(spec.axis, rank)
@@ -72,13 +73,10 @@ class NormalizationLayerInfo:
 
 def parse_onnx_network(flavor: Any, onnx_path: str | Path) -> tuple[Any, Any, Any]:
     """(builder, network, parser) of ``onnx_path``, parsed from the path so external data is found."""
-    from ldlm.export.engine import EngineBuildError, _network_flags
-    from ldlm.export.trt_flavor import flavor_logger
-
     trt = flavor.trt
     logger = flavor_logger(flavor)
     builder = trt.Builder(logger)
-    network = builder.create_network(_network_flags(trt))
+    network = builder.create_network(network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
@@ -129,13 +127,10 @@ def build_normalization_plan(
     Scale and bias are constants shaped to broadcast over the non-normalized axes. Builds ahead of
     time without a GPU with TensorRT-RTX; running the plan needs one (``serve.checks.eps_probe_trt.run_normalization_plan``).
     """
-    from ldlm.export.engine import EngineBuildError, _network_flags
-    from ldlm.export.trt_flavor import flavor_logger
-
     trt = flavor.trt
     logger = flavor_logger(flavor)
     builder = trt.Builder(logger)
-    network = builder.create_network(_network_flags(trt))
+    network = builder.create_network(network_flags(trt))
     x = network.add_input("x", trt.float32, tuple(input_shape))
     param_shape = tuple(s if axes >> a & 1 else 1 for a, s in enumerate(input_shape))
     # trt.Weights does not copy: the arrays must outlive the build.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -29,17 +28,17 @@ import torch
 from tqdm.auto import tqdm
 
 import ldlm
-from ldlm.checkpoint import CONFIG_FILE, atomic_directory, load_checkpoint
-from ldlm.export.artifact import check_artifacts
+from ldlm.checkpoint import CONFIG_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
+from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
+from ldlm.files import atomic_directory
 from ldlm.model import LDLM
 from ldlm.tokenizer import TOKENIZER_FILE
 
 SUPPORTED_OPSETS: tuple[int, ...] = (18, 20)  # 17 comes out as 18 from dynamo; 23 has Attention, unknown to TensorRT 10
 DEFAULT_OPSET = 18
-MANIFEST_FILE = "manifest.json"
 
 
 @dataclass
@@ -168,25 +167,6 @@ def export_graphs(
     return ExportResult(Path(out), manifest, results)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def describe_io(values: Sequence[onnx.ValueInfoProto]) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": v.name,
-            "dtype": onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type),
-            "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
-        }
-        for v in values
-    ]
-
-
 def _manifest_entry(path: Path, io: GraphIO, specs: list[LayerNormSpec]) -> dict[str, Any]:
     model = onnx.load(str(path), load_external_data=False)
     files = sorted(p for p in path.parent.iterdir() if p.name == path.name or p.name.startswith(path.name + "."))
@@ -216,13 +196,6 @@ def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer
 def tokenizer_record(path: Path) -> dict[str, Any]:
     """The manifest entry of a tokenizer.json: servers load it only if it still matches."""
     return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-
-
-def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST_FILE
-    if not path.is_file():
-        raise ValueError(f"{directory} has no {MANIFEST_FILE}; is it a directory written by `ldlm export`?")
-    return json.loads(path.read_text())
 
 
 def verify_export(

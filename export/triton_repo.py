@@ -25,11 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ldlm.checkpoint import CONFIG_FILE, atomic_directory
+from google.protobuf import text_format
+
+from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir
+from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.export.onnx_export import sha256_file
+from ldlm.files import atomic_directory
 from ldlm.tokenizer import TOKENIZER_FILE
 
 TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
@@ -44,7 +46,7 @@ class RepositoryError(ValueError):
 def load_model_config_schema() -> Any:
     """tritonclient's ``ModelConfig`` protobuf class (its grpc package ships the schema)."""
     try:
-        from tritonclient.grpc import model_config_pb2
+        from tritonclient.grpc import model_config_pb2  # optional (the [triton] extra)
     except Exception as error:  # ImportError, or tritonclient's RuntimeError without grpc support
         raise RepositoryError(f"validating config.pbtxt needs tritonclient's model_config schema: pip install 'tritonclient[grpc]' ({error})") from error
     return model_config_pb2.ModelConfig
@@ -141,8 +143,6 @@ def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: 
 
 def validate_config(text: str, io: dict[str, Any] | None, where: str) -> Any:
     """Parse with the protobuf schema; compare names, dtypes and dims with the graph's I/O."""
-    from google.protobuf import text_format
-
     schema = load_model_config_schema()
     try:
         config = text_format.Parse(text, schema())

@@ -3,6 +3,7 @@
 
 Both share the builder, parser, profile and runtime API this package uses, so everything else
 takes the imported module and runs one code path. Imports are lazy: neither is a hard dependency.
+The network creation flags every parse and build here uses (``network_flags``) live here too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import torch
+
 FLAVORS: tuple[str, ...] = ("tensorrt", "tensorrt_rtx")
 INSTALL_HINT = "pip install -e .[rtx] (TensorRT-RTX), or NVIDIA TensorRT from NVIDIA's index or container"
 
 
 class FlavorError(ValueError):
     """No usable TensorRT flavour, or not the one asked for."""
+
+
+class EngineBuildError(RuntimeError):
+    """Parsing or building failed; the message names the graph and TensorRT's own errors."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,23 @@ def load_flavor(name: str | None = None) -> Flavor:
             errors.append(f"{candidate}: {error}")
     wanted = f"TensorRT flavour {name!r} is" if name else "no TensorRT flavour is"
     raise FlavorError(f"{wanted} not installed ({'; '.join(errors)}); install it with {INSTALL_HINT}")
+
+
+# --- network definitions: the same flags for every network this package builds ----------------------
+
+
+def network_flags(trt: Any) -> int:
+    """Strongly typed where the flag exists: the ONNX carries the precision (TensorRT 11 and RTX
+    build nothing else; TensorRT 10 accepts it)."""
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return 0 if flag is None else 1 << int(flag)
+
+
+def is_strongly_typed(trt: Any, network: Any) -> bool:
+    """Read back from the network itself: TensorRT-RTX networks are strongly typed whatever the
+    creation flags say, and a TensorRT without the flag builds weakly typed networks."""
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return flag is not None and bool(network.get_flag(flag))
 
 
 # TensorRT prints this when a LayerNorm arrived decomposed and runs in FP16; it is a build failure.
@@ -127,8 +151,6 @@ class GpuInfo:
 def gpu_info(device: Any = None) -> GpuInfo:
     """The GPU this process would run on (``device``, else torch's current one), through torch's
     CUDA runtime; no GPU gives (None, None)."""
-    import torch
-
     if not torch.cuda.is_available():
         return GpuInfo(None, None)
     major, minor = torch.cuda.get_device_capability(device)

@@ -37,6 +37,12 @@ class VerificationError(ValueError):
     """An exported graph broke the LayerNorm promise; the message lists every problem."""
 
 
+def eps_matches(eps: float, module_eps: float) -> bool:
+    """Whether a LayerNorm's epsilon is its module's eps. Compared as float32, the only way an ONNX
+    attribute or a TensorRT layer can hold it (1e-5 becomes 9.99999975e-06 in all of them)."""
+    return bool(np.float32(eps) == np.float32(module_eps))
+
+
 def digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
@@ -185,7 +191,7 @@ def _check_node(node: onnx.NodeProto, spec: LayerNormSpec, tensors: dict[str, np
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     problems = []
     eps = attrs.get("epsilon", ONNX_DEFAULT_EPS)
-    if np.float32(eps) != np.float32(spec.eps):
+    if not eps_matches(eps, spec.eps):
         problems.append(f"{where}: epsilon {eps:g} != module eps {spec.eps:g} (compared as float32)")
     axis = attrs.get("axis", ONNX_DEFAULT_AXIS)
     if axis != spec.axis:

@@ -5,6 +5,7 @@ Heavy modules (torch, tokenizers) load on first use, so ``import ldlm`` and ``ld
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -32,7 +33,5 @@ __all__ = ["__version__", *_EXPORTS]
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'ldlm' has no attribute {name!r}")

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
-from ldlm.layers import MLP, LatentAttention, PositionTable, stream_bias, RMSNorm
+from ldlm.layers import MLP, LatentAttention, PositionTable, RMSNorm, stream_bias
 
 
 class EncoderBlock(nn.Module):

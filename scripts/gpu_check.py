@@ -30,17 +30,27 @@ from typing import Any
 import torch
 
 import ldlm
-from ldlm.checkpoint import init_model, save_checkpoint, write_atomically
+from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import SAMPLERS, LDLMConfig, preset
 from ldlm.device import DeviceError, resolve_device
 from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.files import write_atomically
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.runtime.backends import BackendGraphs, EagerBackend, GraphBackend
-from ldlm.serve.checks.bench import WORKLOAD_STEPS, bench_generation, bench_graphs, graph_feed, mixed_workload, run_workload, workload_lengths_used
+from ldlm.serve.checks.bench import (
+    WORKLOAD_STEPS,
+    bench_generation,
+    bench_graphs,
+    graph_feed,
+    mixed_workload,
+    run_workload,
+    workload_lengths_used,
+)
 from ldlm.serve.checks.parity import compare_with_eager, eager_tokens
+from ldlm.serve.runtime.backends import BackendGraphs
+from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, prepare_model
+from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, length_buckets, prepare_model
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))

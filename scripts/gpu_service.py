@@ -18,11 +18,10 @@ import torch
 
 from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import preset
-from ldlm.serve.runtime.backends import GraphBackend
-from ldlm.tokenizer import TextTokenizer
-
 from ldlm.serve.checks import traffic
 from ldlm.serve.checks.loopback import free_port, serve_command, start_server, stop_server
+from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.tokenizer import TextTokenizer
 
 
 def kserve_encoder_body(length: int, seed: int) -> bytes:

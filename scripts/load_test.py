@@ -34,7 +34,6 @@ from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_s
 from ldlm.serve.checks.traffic import encoder_body, latent_width, run_clients, write_report
 
 
-
 def measure_overhead(url: str, source: str, requests: int) -> dict:
     """Batch 1 encoder, 16 tokens, through tritonclient (binary tensors, as Triton clients send
     them) and through the raw runner in this process, alternating call by call."""

@@ -132,7 +132,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("network-axes-ignored", "export/layernorm_network.py",
              "if layer.axes != expected:", "if layer.axes & expected != expected:",
              ("tests/test_engine_network.py",), "a layer normalizing extra axes passes the check"),
-    Mutation("strongly-typed-hard-coded", "export/engine.py",
+    Mutation("strongly-typed-hard-coded", "export/trt_flavor.py",
              "return flag is not None and bool(network.get_flag(flag))", "return True",
              ("tests/test_engine_network.py",), "the manifest claims strong typing it did not read"),
     # --- kserve ---------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("random-std-negative", "ldlm/checkpoint.py",
              "std.copy_(torch.exp(normal(std, 0.2)))", "std.copy_(normal(std, 0.2))",
              ("tests/test_eps_probe.py",), "norm_init=random draws negative standard deviations"),
-    Mutation("checkpoint-overwrite-inverted", "ldlm/checkpoint.py",
+    Mutation("checkpoint-overwrite-inverted", "ldlm/files.py",
              "if Path(out).exists() and not overwrite:", "if Path(out).exists() and overwrite:",
              ("tests/test_checkpoint.py",), "an existing checkpoint is replaced without --force"),
     # --- OpenAI completions (lines identical on the http branch) ------------------------------------
@@ -376,7 +376,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "if name in inputs:", "if name in raw_inputs:",
              ("tests/test_guards_kserve.py",), "an input given twice silently keeps the second"),
     # --- the eps probe's math ------------------------------------------------------------------------
-    Mutation("eps-budget-halved", "serve/checks/eps_probe.py",
+    Mutation("eps-budget-halved", "serve/checks/layernorm_cases.py",
              "return 2 * math.ceil(math.log2(max(n, 2))) + 8", "return math.ceil(math.log2(max(n, 2))) + 8",
              ("tests/test_eps_probe_math.py",), "the float32 bound is too tight: correct backends fail the probes"),
     Mutation("implied-eps-without-variance", "serve/checks/eps_probe.py",

@@ -30,8 +30,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ldlm.checkpoint import init_model, write_atomically
+from ldlm.checkpoint import init_model
 from ldlm.config import preset
+from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampler import TangentSchedule
 from ldlm.solvers import SOLVERS, run_sampler

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.checkpoint import atomic_directory
 from ldlm.config import FLOAT_RANGES, INT_RANGES, LDLMConfig, preset
 from ldlm.export.artifact import ArtifactError
-from tests.artifacts import reseal_manifest
-
 from ldlm.export.onnx_export import verify_export
-from ldlm.serve.runtime.backends import BackendError, open_graphs
+from ldlm.files import atomic_directory
+from ldlm.serve.runtime.backends import open_graphs
+from ldlm.serve.runtime.graph_backend import BackendError
+from tests.artifacts import reseal_manifest
 
 # Only the artifact tests that open an export need ONNX Runtime; the config bounds and the clean-up
 # of a killed writer's leftovers run without it.

@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ldlm.serve.runtime.backends import BackendError, EagerBackend, open_graphs
+from ldlm.serve.runtime.backends import open_graphs
+from ldlm.serve.runtime.graph_backend import BackendError
+from ldlm.serve.runtime.torch_backends import EagerBackend
 
 pytest.importorskip("onnxruntime", reason="ONNX Runtime is one of the backends compared (pip install -e .[cpu])")
 

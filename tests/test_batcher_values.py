@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ldlm.model import LDLM
-from ldlm.serve.runtime.backends import EagerBackend
 from ldlm.serve.runtime.batcher import DynamicBatcher
+from ldlm.serve.runtime.torch_backends import EagerBackend
 
 
 def feeds(graph: str, lengths: list[int], d: int) -> list[dict[str, np.ndarray]]:

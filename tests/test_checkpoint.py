@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ldlm.checkpoint import CheckpointError, atomic_directory, load_checkpoint, save_checkpoint
+from ldlm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ldlm.files import atomic_directory
 from ldlm.model import LDLM
 from ldlm.tokenizer import TextTokenizer
 

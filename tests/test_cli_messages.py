@@ -93,7 +93,7 @@ def test_verify_onnx_on_a_plain_file_says_so(tmp_path: Path, monkeypatch: pytest
 
 def test_probe_eps_checks_the_artifact_before_loading_the_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No checkpoint exists here: the artifact's error comes first, from the API as from the CLI."""
-    from ldlm.serve.checks.eps_probe import probe_layer_norm_eps
+    from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 
     missing = tmp_path / "no-checkpoint"
     with pytest.raises(ValueError, match=r"an artifact is needed; allowed: --onnx-dir DIR \(ONNX Runtime\) or --engine-dir DIR \(TensorRT\)"):

@@ -17,12 +17,12 @@ import onnx
 import pytest
 import torch
 
-from ldlm.export.engine import BuildOptions, EngineBuildError, build_engines, build_plan
+from ldlm.export.artifact import read_manifest
+from ldlm.export.engine import BuildOptions, build_engines, build_plan
 from ldlm.export.layernorm_network import axes_mask, check_network_layer_norms, parse_onnx_network
-from ldlm.export.onnx_export import read_manifest
 from ldlm.export.precision import lower_precision
 from ldlm.export.profiles import EngineProfile, ShapeRange
-from ldlm.export.trt_flavor import FlavorError, GpuInfo, load_flavor
+from ldlm.export.trt_flavor import EngineBuildError, FlavorError, GpuInfo, load_flavor
 from ldlm.export.verify import LayerNormSpec
 from ldlm.serve.runtime.tensorrt_engine import PlanMismatchError, TensorRTEngine, check_plan_manifest, read_plan_manifest
 from tests.artifacts import ENCODER_LN, edited_export, reseal_manifest, set_eps
@@ -179,7 +179,8 @@ def test_engine_directory_files_are_checked_against_the_plans(engines, tmp_path:
     precision the plans were not built in) is refused before any engine is loaded (so this runs
     without a GPU too)."""
     from ldlm.export.artifact import ArtifactError
-    from ldlm.serve.runtime.backends import BackendError, open_graphs
+    from ldlm.serve.runtime.backends import open_graphs
+    from ldlm.serve.runtime.graph_backend import BackendError
 
     precision, out = engines
     record = read_plan_manifest(out / "encoder.plan")["tokenizer"]

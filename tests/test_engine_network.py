@@ -14,10 +14,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ldlm.export.engine import BuildOptions, EngineBuildError, build_plan, is_strongly_typed
+from ldlm.export.engine import BuildOptions, build_plan
 from ldlm.export.layernorm_network import check_network_layer_norms, normalization_layers, parse_onnx_network
 from ldlm.export.profiles import EngineProfile, ShapeRange
-from ldlm.export.trt_flavor import flavor_logger, load_flavor
+from ldlm.export.trt_flavor import EngineBuildError, flavor_logger, is_strongly_typed, load_flavor
 from ldlm.export.verify import LayerNormSpec, digest
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no network was parsed")

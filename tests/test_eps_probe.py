@@ -18,8 +18,9 @@ import torch
 
 from ldlm.checkpoint import init_model
 from ldlm.cli import main
+from ldlm.export.artifact import read_manifest
 from ldlm.export.graphs import graph_io
-from ldlm.export.onnx_export import graph_layer_norm_specs, read_manifest
+from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.verify import check_layer_norms, node_name_scopes, pair_layer_norm_nodes, verify_onnx
 from ldlm.layers import RMSNorm
 from ldlm.serve.checks.eps_probe import (
@@ -27,10 +28,10 @@ from ldlm.serve.checks.eps_probe import (
     LayerNormProbe,
     analyse_outputs,
     eps_rtol,
-    probe_layer_norm_eps,
     probe_rows,
     run_cases,
 )
+from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.checks.layernorm_cases import layer_norm_cases
 from ldlm.serve.checks.parity import run_parity
 from tests.artifacts import ENCODER_LN, edited_export, node_of, set_eps

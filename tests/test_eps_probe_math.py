@@ -9,8 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from ldlm.serve.checks.eps_probe import (CONSTANT_VALUES, LARGE_MEAN, LARGE_MEAN_VARIANCES, SWEEP_DRAWS, SWEEP_VARIANCES,
-                                         LayerNormProbe, analyse_outputs, eps_rtol, float32_budget, probe_rows)
+from ldlm.serve.checks.eps_probe import (
+    CONSTANT_VALUES,
+    LARGE_MEAN,
+    LARGE_MEAN_VARIANCES,
+    SWEEP_DRAWS,
+    SWEEP_VARIANCES,
+    LayerNormProbe,
+    analyse_outputs,
+    eps_rtol,
+    probe_rows,
+)
+from ldlm.serve.checks.layernorm_cases import float32_budget
 
 
 def test_float32_budget_and_tolerances_by_hand() -> None:

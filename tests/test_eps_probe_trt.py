@@ -11,13 +11,13 @@ import torch
 
 from ldlm.cli import main
 from ldlm.export.engine import BuildOptions, build_engines
+from ldlm.export.graphs import graph_io
 from ldlm.export.layernorm_network import axes_mask, build_normalization_plan, parse_onnx_network, read_normalization_layers
+from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.profiles import EngineProfile, ShapeRange
 from ldlm.export.trt_flavor import load_flavor
 from ldlm.export.verify import LAYER_NORM_OP, pair_layer_norm_nodes
-from ldlm.export.graphs import graph_io
-from ldlm.export.onnx_export import graph_layer_norm_specs
-from ldlm.serve.checks.eps_probe import probe_layer_norm_eps
+from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from tests.artifacts import ENCODER_LN, edited_export, set_eps
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no one-layer engine was built")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ldlm
-from ldlm.export.onnx_export import MANIFEST_FILE, export_graphs, sha256_file, verify_export
+from ldlm.export.artifact import MANIFEST_FILE, sha256_file
+from ldlm.export.onnx_export import export_graphs, verify_export
 from ldlm.model import LDLM
 
 # Only the tests that run a graph need ONNX Runtime; the manifest and verification tests run without it.

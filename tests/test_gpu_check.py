@@ -17,7 +17,6 @@ import time
 import tomllib
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))

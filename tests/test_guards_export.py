@@ -41,7 +41,7 @@ def test_manifest_structure_is_checked_before_any_file(tmp_path: Path) -> None:
 
 
 def test_each_file_record_needs_its_sha256_and_size(tmp_path: Path) -> None:
-    from ldlm.export.onnx_export import sha256_file
+    from ldlm.export.artifact import sha256_file
 
     (tmp_path / "w.bin").write_bytes(b"12345")
     for record in (None, {}, {"sha256": 5}, "abc"):
@@ -85,8 +85,9 @@ def test_engine_directory_needs_every_plan_with_its_record(tmp_path: Path) -> No
 
 
 def test_export_inputs_are_named(export_dir: Path, tmp_path: Path, tiny_model) -> None:
+    from ldlm.export.artifact import read_manifest
     from ldlm.export.graphs import graph_io
-    from ldlm.export.onnx_export import read_manifest, verify_export
+    from ldlm.export.onnx_export import verify_export
 
     with raises(ValueError, f"{tmp_path} has no manifest.json; is it a directory written by `ldlm export`?"):
         read_manifest(tmp_path)

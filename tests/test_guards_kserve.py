@@ -11,8 +11,16 @@ import re
 import numpy as np
 import pytest
 
-from ldlm.serve.api.kserve import (InferRequest, ProtocolError, json_bytes, load_json, parse_body, parse_infer_request,
-                                   requested_outputs, tensor_metadata)
+from ldlm.serve.api.kserve import (
+    InferRequest,
+    ProtocolError,
+    json_bytes,
+    load_json,
+    parse_body,
+    parse_infer_request,
+    requested_outputs,
+    tensor_metadata,
+)
 
 
 def body_of(*inputs: dict, **fields) -> bytes:

@@ -19,8 +19,8 @@ from ldlm.serve.api.metrics import Metrics  # noqa: E402
 from ldlm.serve.api.openai_api import stream_error_status  # noqa: E402
 from ldlm.serve.api.service import ServerSettings  # noqa: E402
 from ldlm.serve.api.streaming import PreviewDecoder, sse  # noqa: E402
-from ldlm.serve.runtime.backends import BackendError  # noqa: E402
-from ldlm.serve.runtime.scheduler import QueueFullError  # noqa: E402
+from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
+from ldlm.serve.runtime.queueing import QueueFullError  # noqa: E402
 
 RAISES = {"/v1/protocol": ProtocolError("inputs[0] (x): bad"), "/v1/backend": BackendError("decoder: bad shape"),
           "/v1/value": ValueError("n=0 is out of range"), "/v1/queue": QueueFullError("generation queue is full"),

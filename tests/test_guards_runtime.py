@@ -163,7 +163,7 @@ class BlockingBackend:
 
 def test_batcher_settings_queue_and_shutdown() -> None:
     from ldlm.serve.runtime.batcher import DynamicBatcher
-    from ldlm.serve.runtime.scheduler import QueueFullError
+    from ldlm.serve.runtime.queueing import QueueFullError
 
     backend = BlockingBackend()
     for kwargs, message in (({"max_batch": 0}, "max_batch=0 is out of range; allowed: >= 1"),
@@ -191,8 +191,9 @@ def test_batcher_settings_queue_and_shutdown() -> None:
 
 
 def test_backend_inputs_and_sources(tiny_model, export_dir: Path) -> None:
-    from ldlm.serve.runtime.backends import BackendError, EagerBackend, open_graphs
-    from ldlm.serve.runtime.torch_backends import CompiledBackend, check_precision, resolve_device
+    from ldlm.serve.runtime.backends import open_graphs
+    from ldlm.serve.runtime.graph_backend import BackendError
+    from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, check_precision, resolve_device
 
     eager = EagerBackend(tiny_model, "denoiser")
     x = torch.zeros(1, 3, 64)

@@ -109,9 +109,10 @@ def test_every_import_inside_a_function_says_why(path: Path) -> None:
     lines = path.read_text().splitlines()
     unexplained = []
     for node in function_level_imports(ast.parse("\n".join(lines), str(path))):
-        # the reason is on the import's own line, or on a comment line above its block of imports
+        # the reason is on the import's own line, or on a comment line above its block of imports (blank lines
+        # between groups of the block allowed)
         row = node.lineno - 2
-        while row >= 0 and lines[row].strip().startswith(("import ", "from ")):
+        while row >= 0 and (not lines[row].strip() or lines[row].strip().startswith(("import ", "from "))):
             row -= 1
         above = lines[row].strip() if row >= 0 else ""
         if "#" not in lines[node.lineno - 1] and not above.startswith("#"):

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from ldlm.export.artifact import read_manifest
 from ldlm.export.graphs import GraphIO
-from ldlm.export.onnx_export import export_graph, read_manifest
+from ldlm.export.onnx_export import export_graph
 from ldlm.export.verify import LAYER_NORM_OP, LayerNormSpec, layer_norm_specs, pair_layer_norm_nodes, verify_onnx
 from ldlm.layers import MLP
 from tests.reference import layer_norm as np_layer_norm

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
-from ldlm.serve.runtime.backends import BackendError  # noqa: E402
+from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 

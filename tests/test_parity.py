@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from ldlm.cli import main
-from ldlm.export.onnx_export import read_manifest
+from ldlm.export.artifact import read_manifest
 from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
 from ldlm.serve.checks.compare import Comparison, compare_outputs
 from ldlm.serve.checks.parity import run_parity
@@ -142,7 +142,7 @@ def test_compare_with_eager_scores_tokens_against_the_reference_given(tiny_model
     every token; against a reference with 4 of its 16 tokens changed, on exactly 12 of 16."""
     from ldlm.export.graphs import GRAPH_NAMES
     from ldlm.serve.checks.parity import compare_with_eager, eager_tokens
-    from ldlm.serve.runtime.backends import EagerBackend
+    from ldlm.serve.runtime.torch_backends import EagerBackend
 
     graphs = {g: EagerBackend(tiny_model, g, with_logits=g == "decoder") for g in GRAPH_NAMES}
     report = compare_with_eager(tiny_model, tokenizer, graphs, "eager", "fp32", steps=2, n=2, length=8)

@@ -25,8 +25,9 @@ from ldlm.config import preset
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampler import NoiseStream
-from ldlm.serve.runtime.backends import BackendGraphs, EagerBackend
+from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.torch_backends import EagerBackend
 from ldlm.tokenizer import TextTokenizer
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "sampler_golden_cpu.json").read_text())

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler, QueueFullError
+from ldlm.serve.runtime.queueing import QueueFullError
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
 REQUESTS = [
     GenerateRequest(n=2, length=9, steps=4, seed=1, sampler="sde"),

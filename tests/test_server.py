@@ -19,7 +19,6 @@ import pytest
 import torch
 
 
-
 def optional(module: str):  # type: ignore[no-untyped-def]
     try:
         return importlib.import_module(module)
@@ -46,7 +45,7 @@ def _needs_the_serving_stack(request: pytest.FixtureRequest) -> None:
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
-from ldlm.serve.runtime.scheduler import QueueFullError  # noqa: E402
+from ldlm.serve.runtime.queueing import QueueFullError  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402
 
 

@@ -21,7 +21,9 @@ import torch
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test (pip install -e .[test])")
-from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api import offload as server_module  # noqa: E402

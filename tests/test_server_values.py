@@ -20,8 +20,8 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port  # noqa: E402
 from ldlm.tokenizer import TextTokenizer  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
 
 KEY = {"Authorization": "Bearer k3y"}
 

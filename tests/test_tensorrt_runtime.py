@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from ldlm.checkpoint import write_atomically
 from ldlm.config import LDLMConfig
+from ldlm.files import write_atomically
 from ldlm.serve.runtime.backends import serving_limits
 from ldlm.serve.runtime.tensorrt_engine import RuntimeCacheFile, runtime_cache_path
 from ldlm.serve.runtime.tensorrt_executor import TORCH_DTYPES, PlanExecutor, PlanMismatchError, batch_chunks, torch_dtype

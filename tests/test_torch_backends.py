@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from ldlm.model import LDLM
-from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.runtime.backends import BackendError, BackendGraphs, EagerBackend, open_graphs, ort_providers
+from ldlm.pipeline import LDLMPipeline, bucket_for
 from ldlm.serve.checks.bench import graph_feed
-from ldlm.pipeline import bucket_for
-from ldlm.serve.runtime.torch_backends import CompiledBackend, fill_padded, length_buckets, prepare_model, resolve_device
+from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers
+from ldlm.serve.runtime.graph_backend import BackendError
+from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, fill_padded, length_buckets, prepare_model, resolve_device
 
 GRAPHS = ("encoder", "denoiser", "decoder")
 NO_CUDA = "no CUDA device here"

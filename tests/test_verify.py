@@ -4,7 +4,6 @@ deliberately broken graphs rejected with precise messages."""
 from __future__ import annotations
 
 import importlib.util
-
 from pathlib import Path
 
 import numpy as np

@@ -9,6 +9,7 @@ from ldlm.cli.options import positive_int
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.export.onnx_export import export_graphs
 
     graphs = tuple(args.graphs.split(","))
@@ -22,6 +23,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
 
 def _cmd_verify_onnx(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.export.onnx_export import verify_export
 
     results = verify_export(args.path, args.checkpoint)
@@ -35,6 +37,7 @@ def _cmd_verify_onnx(args: argparse.Namespace) -> None:
 
 
 def _cmd_build_engine(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.export.engine import BuildOptions, build_engines, plan_summary
     from ldlm.export.profiles import EngineProfile
 
@@ -54,6 +57,7 @@ def _cmd_build_engine(args: argparse.Namespace) -> None:
 
 
 def _cmd_triton_repo(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.export.triton_repo import list_models, write_triton_repo
 
     cc_plans = {}

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ldlm.cli.options import device_options, positive_int, positive_int_list
 from ldlm.config import SAMPLERS
 
 
 def _cmd_parity(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.serve.checks.parity import run_parity
     from ldlm.serve.checks.parity_report import write_parity_report
 
@@ -37,7 +39,9 @@ def _cmd_parity(args: argparse.Namespace) -> None:
 
 
 def _cmd_probe_eps(args: argparse.Namespace) -> None:
-    from ldlm.serve.checks.eps_probe import probe_layer_norm_eps, write_eps_report
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
+    from ldlm.serve.checks.eps_probe import write_eps_report
+    from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 
     report = probe_layer_norm_eps(args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor,
                                   progress=not args.quiet)
@@ -61,8 +65,7 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.serve.checks.bench import bench_summary, busy_machine_warning, parse_solver_specs, plot_bench, run_bench
 
     warning = busy_machine_warning(args.threads)

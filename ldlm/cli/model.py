@@ -13,10 +13,12 @@ from ldlm.serve.api.limits import MAX_N, MAX_SEED, MAX_STEPS
 
 
 def _cmd_init(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from tqdm.auto import tqdm
 
-    from ldlm.checkpoint import init_model, refuse_existing, save_checkpoint
+    from ldlm.checkpoint import init_model, save_checkpoint
     from ldlm.config import preset
+    from ldlm.files import refuse_existing
     from ldlm.tokenizer import TextTokenizer
 
     refuse_existing(args.out, args.force)  # before the model is built, which takes a while at base size
@@ -36,6 +38,7 @@ def _cmd_init(args: argparse.Namespace) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.checkpoint import load_config
     from ldlm.pipeline import LDLMPipeline
 
@@ -57,6 +60,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _cmd_reconstruct(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.pipeline import LDLMPipeline
 
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ldlm.cli.options import device_options, positive_int
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    import os
-
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.serve.api.server import serve
     from ldlm.serve.api.service import ServerSettings
 
@@ -24,7 +24,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     )
     if args.ray:
         try:
-            from ldlm.serve.deploy.ray_app import RayOptions, parse_autoscale, run_on_ray
+            from ldlm.serve.deploy.ray_app import RayOptions, parse_autoscale, run_on_ray  # optional: Ray
         except ImportError as error:
             raise RuntimeError(f"--ray needs Ray Serve: pip install 'ldlm[ray]' ({error})") from None
         low, high = parse_autoscale(args.autoscale) if args.autoscale else (None, None)

@@ -30,9 +30,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ldlm.serve.api.errors import HTTPError, error_body
 from ldlm.serve.api.kserve import ProtocolError
 from ldlm.serve.api.service import LDLMService
-from ldlm.serve.runtime.backends import BackendError
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
-from ldlm.serve.runtime.scheduler import QueueFullError
+from ldlm.serve.runtime.graph_backend import BackendError
+from ldlm.serve.runtime.queueing import QueueFullError
 
 log = logging.getLogger("ldlm.serve")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer": logs and metrics only

@@ -20,7 +20,7 @@ from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.kserve import kserve_datatype, tensor_metadata
 from ldlm.serve.api.offload import infer_response, parse_infer_body, run_blocking, wait
 from ldlm.serve.api.service import LDLMService, ServerSettings
-from ldlm.serve.runtime.backends import NUMPY_DTYPES, GraphBackend
+from ldlm.serve.runtime.graph_backend import NUMPY_DTYPES, GraphBackend
 
 MODEL_VERSION = "1"
 

@@ -41,7 +41,8 @@ from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
-from ldlm.serve.runtime.scheduler import GenerateRequest, QueueFullError
+from ldlm.serve.runtime.queueing import QueueFullError
+from ldlm.serve.runtime.scheduler import GenerateRequest
 
 # One prompt's token ids and its scheduler request.
 Prepared = list[tuple[list[int], GenerateRequest]]

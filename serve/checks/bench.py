@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
+import torch
 
+from ldlm.checkpoint import load_config
 from ldlm.config import LDLMConfig
+from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline, check_length
-from ldlm.serve.runtime.backends import GraphBackend
+from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
+from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.solvers import get_solver
 
@@ -46,8 +53,6 @@ def timed_call(backend: GraphBackend, feed: dict[str, np.ndarray]) -> Callable[[
     NumPy, as it is served."""
     if not hasattr(backend, "run_tensors"):
         return lambda: backend.run(feed)
-    import torch
-
     device = backend.device  # type: ignore[attr-defined]
     tensors = {n: torch.from_numpy(a).to(device) for n, a in feed.items()}
 
@@ -259,34 +264,13 @@ def run_bench(
 ) -> dict[str, Any]:
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
     The torch backends (eager, compiled) run on ``device`` in ``precision``; ort on ``provider``."""
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    from ldlm.checkpoint import load_config
-    from ldlm.export.onnx_export import export_graphs
-    from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
-
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
         sources = {"eager": checkpoint, "compiled": checkpoint, "ort": onnx_dir, "trt": engine_dir}
         if "ort" in backends and onnx_dir is None:
             sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress).out)
-        graphs_by_backend, pipelines = {}, {}
-        for name in backends:
-            if name not in sources:
-                raise ValueError(f"backend={name!r} is unknown; allowed: {', '.join(sources)}")
-            if sources[name] is None:
-                raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
-            torch_backend = name in TORCH_BACKENDS
-            graphs, config, tokenizer = open_graphs(name, sources[name], precision if torch_backend else "fp32",
-                                                    ort_providers(provider), threads, device if torch_backend else "cpu")
-            graphs_by_backend[name] = graphs
-            buckets = (16, 32, 64, 128, config.max_seq_len)
-            pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, getattr(graphs["denoiser"], "device", "cpu"),
-                                           config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
+        graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device)
         report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__,
                                   "config_sha256": config.config_hash(), "load_average_1m": round(os.getloadavg()[0], 2),
                                   "cpus": os.cpu_count()}
@@ -298,24 +282,50 @@ def run_bench(
                                               solver_reference_steps)
             report["solvers"]["backend"] = chosen
         if workload_requests > 0:
-            workload = mixed_workload(config, workload_requests, workload_rate, lengths=workload_lengths)
-            batching: dict[str, Any] = {"backend": chosen, "max_batch": max_batch, "rate_per_s": workload_rate,
-                                        "requests": workload_requests, "lengths": workload_lengths_used(config, workload_lengths)}
-            for policy in ("static", "continuous"):
-                batching[policy] = run_workload(pipelines[chosen], workload, policy, max_batch)
-            # The same arrivals, each request with another solver (cycling): one batch holds several solvers.
-            mixed = mixed_workload(config, workload_requests, workload_rate, lengths=workload_lengths,
-                                   samplers=("ddim", "dpm3m-psc", "dpm2m", "sde"))
-            batching["continuous_mixed_solvers"] = run_workload(pipelines[chosen], mixed, "continuous", max_batch)
-            batching["mixed_solvers_throughput_ratio"] = round(
-                batching["continuous_mixed_solvers"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"], 3)
-            batching["throughput_ratio"] = round(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], 3)
-            batching["p99_ratio"] = round(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], 3)
-            report["batching"] = batching
+            report["batching"] = bench_batching(pipelines[chosen], chosen, config, workload_requests, workload_rate,
+                                                workload_lengths, max_batch)
         for graphs in graphs_by_backend.values():
             for graph in graphs.values():
                 graph.close()
     return report
+
+
+def open_pipelines(
+    backends: Sequence[str], sources: Mapping[str, str | None], precision: str, provider: str, threads: int, device: str,
+) -> tuple[dict[str, dict[str, GraphBackend]], dict[str, LDLMPipeline], LDLMConfig]:
+    """Each backend's graphs (from its source) and a pipeline on them; the config of the last one opened."""
+    graphs_by_backend, pipelines = {}, {}
+    for name in backends:
+        if name not in sources:
+            raise ValueError(f"backend={name!r} is unknown; allowed: {', '.join(sources)}")
+        if sources[name] is None:
+            raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
+        torch_backend = name in TORCH_BACKENDS
+        graphs, config, tokenizer = open_graphs(name, sources[name], precision if torch_backend else "fp32",
+                                                ort_providers(provider), threads, device if torch_backend else "cpu")
+        graphs_by_backend[name] = graphs
+        buckets = (16, 32, 64, 128, config.max_seq_len)
+        pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, getattr(graphs["denoiser"], "device", "cpu"),
+                                       config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
+    return graphs_by_backend, pipelines, config
+
+
+def bench_batching(pipeline: LDLMPipeline, backend: str, config: LDLMConfig, requests: int, rate: float, lengths: Sequence[int],
+                   max_batch: int) -> dict[str, Any]:
+    """One mixed-arrival workload under static and continuous batching, then with mixed solvers."""
+    workload = mixed_workload(config, requests, rate, lengths=lengths)
+    batching: dict[str, Any] = {"backend": backend, "max_batch": max_batch, "rate_per_s": rate, "requests": requests,
+                                "lengths": workload_lengths_used(config, lengths)}
+    for policy in ("static", "continuous"):
+        batching[policy] = run_workload(pipeline, workload, policy, max_batch)
+    # The same arrivals, each request with another solver (cycling): one batch holds several solvers.
+    mixed = mixed_workload(config, requests, rate, lengths=lengths, samplers=("ddim", "dpm3m-psc", "dpm2m", "sde"))
+    batching["continuous_mixed_solvers"] = run_workload(pipeline, mixed, "continuous", max_batch)
+    batching["mixed_solvers_throughput_ratio"] = round(
+        batching["continuous_mixed_solvers"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"], 3)
+    batching["throughput_ratio"] = round(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], 3)
+    batching["p99_ratio"] = round(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], 3)
+    return batching
 
 
 def bench_summary(report: dict[str, Any]) -> list[str]:
@@ -343,10 +353,8 @@ def bench_summary(report: dict[str, Any]) -> list[str]:
 
 
 def plot_bench(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot fixes its backend on first import, for the whole process
 
     fig = bench_figure(report, plt)
     fig.savefig(path, dpi=100)

@@ -10,6 +10,8 @@ layer's epsilon, axes, scale and bias) runs by itself on rows built so that eps 
               backend computes the variance (E[x^2] - E[x]^2 in float32 is off by ~u*1e8 = 6).
 The reference is torch.nn.functional.layer_norm in float64 with the module's own weight, bias and
 eps, read from the checkpoint, never from the graph.
+The backends' runners: ``eps_probe_ort`` and ``eps_probe_trt``; probing an artifact with them:
+``eps_probe_artifact.probe_layer_norm_eps``.
 
 Implied eps. A sweep row has mean m and variance v (float64, of the float32 input). With the node's
 own g and b, z = (y - b)/g; the least-squares s = <x - m, z>/<z, z> estimates sqrt(v + eps), so
@@ -29,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,10 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ldlm.checkpoint import write_atomically
-from ldlm.model import LDLM
-
-from ldlm.serve.checks.layernorm_cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, layer_norm_cases
+from ldlm.files import write_atomically
+from ldlm.serve.checks.layernorm_cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, float32_budget, layer_norm_cases
 
 SWEEP_VARIANCES: tuple[float, ...] = tuple(float(v) for v in np.logspace(-7, -4, 13))
 SWEEP_DRAWS = 3
@@ -51,11 +50,6 @@ CONSTANT_VALUES: tuple[float, ...] = (0.0, 1.0, -3.25, 1e4)
 LARGE_MEAN = 1e4
 LARGE_MEAN_VARIANCES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 FAMILIES: tuple[str, ...] = ("sweep", "constant", "large-mean")
-
-
-def float32_budget(n: int) -> int:
-    """k(n): how many float32 roundings (units of 2^-24, relative) a LayerNorm over n values may spend."""
-    return 2 * math.ceil(math.log2(max(n, 2))) + 8
 
 
 def eps_rtol(n: int, eps: float) -> float:
@@ -251,59 +245,6 @@ def run_cases(run: LayerNormRunner, dtypes: Sequence[str]) -> list[CaseProbe]:
             got = run(case.x.astype(dtype), -case.normalized_ndim, scale, bias, case.eps)
             results.append(CaseProbe(case.name, dtype, False) if got is None else check_case(case, dtype, got))
     return results
-
-
-def probe_layer_norm_eps(
-    checkpoint: str | os.PathLike[str],
-    onnx_dir: str | os.PathLike[str] | None = None,
-    engine_dir: str | os.PathLike[str] | None = None,
-    seed: int = 0,
-    providers: tuple[str, ...] = ("CPUExecutionProvider",),
-    flavor: str | None = None,
-    progress: bool = False,
-) -> EpsProbeReport:
-    """Probe every LayerNorm of an ``ldlm export`` directory (ONNX Runtime) or an ``ldlm build-engine``
-    directory (TensorRT; ``onnx_dir`` then says where the ONNX the plans were built from lives, when
-    it is not where the plan manifests say) against the checkpoint's modules."""
-    from ldlm.checkpoint import load_checkpoint
-
-    check_artifact(onnx_dir, engine_dir)  # before the checkpoint is loaded
-    model, _ = load_checkpoint(checkpoint)
-    return probe_artifact(model, onnx_dir, engine_dir, seed, providers, flavor, progress)
-
-
-def check_artifact(onnx_dir: str | os.PathLike[str] | None, engine_dir: str | os.PathLike[str] | None) -> None:
-    """A ValueError unless an artifact is given and each directory given exists."""
-    if onnx_dir is None and engine_dir is None:
-        raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
-    for name, path in (("onnx_dir", onnx_dir), ("engine_dir", engine_dir)):
-        if path is not None and not Path(path).is_dir():
-            raise ValueError(f"{name}={str(path)!r} is not a directory; allowed: a directory written by "
-                             f"{'`ldlm export`' if name == 'onnx_dir' else '`ldlm build-engine`'}")
-
-
-def probe_artifact(
-    model: LDLM,
-    onnx_dir: str | os.PathLike[str] | None = None,
-    engine_dir: str | os.PathLike[str] | None = None,
-    seed: int = 0,
-    providers: tuple[str, ...] = ("CPUExecutionProvider",),
-    flavor: str | None = None,
-    progress: bool = False,
-) -> EpsProbeReport:
-    """``probe_layer_norm_eps`` on a loaded model (the reference modules)."""
-    check_artifact(onnx_dir, engine_dir)
-    start = time.perf_counter()
-    if engine_dir is not None:
-        from ldlm.serve.checks.eps_probe_trt import probe_engines
-
-        report = probe_engines(model, Path(engine_dir), None if onnx_dir is None else Path(onnx_dir), seed, flavor, progress)
-    else:
-        from ldlm.serve.checks.eps_probe_ort import probe_onnx_export
-
-        report = probe_onnx_export(model, Path(onnx_dir), seed, providers, progress)  # type: ignore[arg-type]
-    report.seconds = round(time.perf_counter() - start, 3)
-    return report
 
 
 def write_eps_report(report: EpsProbeReport, out: str | os.PathLike[str]) -> list[Path]:

@@ -16,8 +16,9 @@ import onnx
 from onnx import helper, numpy_helper
 from tqdm.auto import tqdm
 
+from ldlm.export.artifact import read_manifest
 from ldlm.export.graphs import graph_io
-from ldlm.export.onnx_export import graph_layer_norm_specs, read_manifest
+from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.verify import LAYER_NORM_OP, ONNX_DEFAULT_EPS, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
@@ -40,7 +41,7 @@ def one_node_model(attributes: list[onnx.AttributeProto], x_shape: tuple[int, ..
 
 class OrtNodeRunner:
     def __init__(self, providers: tuple[str, ...]) -> None:
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional (the [cpu] or [gpu] extra): only the ort probes need it
 
         self.ort = ort
         self.providers = list(providers)

@@ -16,21 +16,25 @@ from typing import Any
 
 import numpy as np
 import onnx
+import torch
 from tqdm.auto import tqdm
 
+from ldlm.export.artifact import sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.layernorm_network import (
+    NormalizationPlan,
     axes_mask,
     build_normalization_plan,
     parse_onnx_network,
-    NormalizationPlan,
     read_normalization_layers,
 )
-from ldlm.export.onnx_export import graph_layer_norm_specs, sha256_file
+from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, load_flavor
-from ldlm.export.verify import LAYER_NORM_OP, pair_layer_norm_nodes
+from ldlm.export.verify import LAYER_NORM_OP, eps_matches, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
+from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
+from ldlm.serve.runtime.tensorrt_executor import bind
 
 NO_GPU = ("no CUDA GPU: the one-layer TensorRT engines were built and their INormalizationLayer eps read back, "
           "but not executed (deserialize_cuda_engine, execute_async_v3), so no implied eps and no output check "
@@ -40,10 +44,6 @@ NO_GPU = ("no CUDA GPU: the one-layer TensorRT engines were built and their INor
 def run_normalization_plan(flavor: Flavor, plan: NormalizationPlan, x: np.ndarray) -> np.ndarray:
     """Run a one-layer plan on the GPU: x (float32, plan.input_shape) -> y, with the runtime's
     checked binding, on a stream of its own."""
-    import torch
-
-    from ldlm.serve.runtime.tensorrt_executor import bind
-
     if not torch.cuda.is_available():
         raise RuntimeError("running a TensorRT plan needs a CUDA GPU; torch.cuda.is_available() is False")
     logger = flavor_logger(flavor)
@@ -80,8 +80,6 @@ def locate_plan_onnx(engine_dir: Path, manifest: dict[str, Any], onnx_dir: Path 
 
 def probe_engines(model: LDLM, engine_dir: Path, onnx_dir: Path | None, seed: int, flavor_name: str | None,
                   progress: bool = False) -> EpsProbeReport:
-    from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
-
     graphs = [g for g in GRAPH_NAMES if (engine_dir / f"{g}.plan").is_file()]
     if not graphs:
         raise ValueError(f"{engine_dir} has no {', '.join(g + '.plan' for g in GRAPH_NAMES)}; make one with `ldlm build-engine`")
@@ -126,7 +124,7 @@ def probe_layer(flavor: Flavor, graph: str, layer: Any, module_name: str, model:
     n = math.prod(module.normalized_shape)
     probe = LayerNormProbe(graph, layer.name, module_name, float(module.eps), layer.epsilon, eps_rtol(n, float(module.eps)))
     where = f"layer {layer.name!r} (module {module_name})"
-    if np.float32(layer.epsilon) != np.float32(module.eps):
+    if not eps_matches(layer.epsilon, module.eps):
         probe.problems.append(f"{where}: epsilon {layer.epsilon:g} after parsing != module eps {module.eps:g} (compared as float32)")
     if layer.input_dtype != "FLOAT":
         probe.problems.append(f"{where}: runs in {layer.input_dtype}; LayerNorms must stay in FP32")

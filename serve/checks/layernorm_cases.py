@@ -11,12 +11,19 @@ module rather than the op reduce to the op the backend must compute:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def float32_budget(n: int) -> int:
+    """k(n): how many float32 roundings (units of 2^-24, relative) a LayerNorm over n values may spend."""
+    return 2 * math.ceil(math.log2(max(n, 2))) + 8
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,6 @@ def numpy_layer_norm(x: np.ndarray, normalized_ndim: int, scale: np.ndarray | No
 
 def _case7() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x = randn(4, 128)*3 + 5, gamma = 1 + 0.1 randn, beta = 0.1 randn, torch seed 0 (the seed's draw)."""
-    import torch
-
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 128, generator=gen) * 3 + 5
     gamma, beta = 1 + 0.1 * torch.randn(128, generator=gen), 0.1 * torch.randn(128, generator=gen)
@@ -107,12 +112,10 @@ class CaseProbe:
 
 
 def case_atol(case: LayerNormCase, dtype: str) -> float:
-    """float64: 1e-12. float32: the probe's float32 budget (eps_probe.float32_budget) applied to the
+    """float64: 1e-12. float32: the probe's float32 budget (``float32_budget``) applied to the
     largest reference term, plus the input's own rounding to float32 amplified by 1/sigma."""
     if dtype == "float64":
         return 1e-12
-    from ldlm.serve.checks.eps_probe import float32_budget
-
     n = int(np.prod(case.x.shape[-case.normalized_ndim:]))
     axes = tuple(range(case.x.ndim - case.normalized_ndim, case.x.ndim))
     sigma = np.sqrt(case.x.var(axis=axes) + case.eps).min()

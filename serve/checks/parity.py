@@ -28,15 +28,21 @@ import torch
 from tqdm.auto import tqdm
 
 from ldlm.checkpoint import load_checkpoint
+from ldlm.export.artifact import read_manifest
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
-from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs, read_manifest
+from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
 from ldlm.export.verify import LayerNormSpec, VerifyResult, pair_layer_norm_nodes, verify_onnx
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
-from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, EagerBackend, GraphBackend, OrtBackend, open_graphs, ort_providers
 from ldlm.serve.checks.compare import Comparison, compare_outputs, tolerance
-from ldlm.serve.checks.eps_probe import EpsProbeReport, probe_artifact
+from ldlm.serve.checks.eps_probe import EpsProbeReport
+from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
+from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
+from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, OrtBackend, open_graphs, ort_providers
+from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
+from ldlm.serve.runtime.torch_backends import EagerBackend
+from ldlm.tokenizer import TextTokenizer
 
 TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8}
 REAL_TEXT = [
@@ -216,9 +222,6 @@ def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResul
             path: Path | None = source / read_manifest(source)["graphs"][name]["file"]
             problem = None
         else:
-            from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
-            from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
-
             path, problem = locate_plan_onnx(source, read_plan_manifest(source / f"{name}.plan"), None)
         if path is None:
             results.append(VerifyResult(name, str(source), 0, len(specs), [problem or "no ONNX to verify"]))
@@ -338,9 +341,9 @@ def run_parity(
             report.notes.append(f"{backend} has no artifact: no structural verifier and no eps probes ran")
         else:
             bar.set_postfix_str("eps probes")
-            report.eps_probes = probe_artifact(model, onnx_dir=source if backend == "ort" else None,
-                                               engine_dir=source if backend == "trt" else None, seed=seed,
-                                               providers=ort_providers(provider))  # where the graphs ran
+            report.eps_probes = probe_layer_norm_eps(model, onnx_dir=source if backend == "ort" else None,
+                                                     engine_dir=source if backend == "trt" else None, seed=seed,
+                                                     providers=ort_providers(provider))  # where the graphs ran
             if backend == "ort" and precision != "fp32":
                 report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
             bar.update()

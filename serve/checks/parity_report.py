@@ -9,8 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ldlm.checkpoint import write_atomically
+import matplotlib
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
 from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.files import write_atomically
+from ldlm.serve.checks.compare import HISTOGRAM_EDGES
 from ldlm.serve.checks.parity import ParityReport
 
 
@@ -68,10 +73,8 @@ def markdown(report: ParityReport) -> str:
 
 
 def plot(report: ParityReport, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot fixes its backend on first import, for the whole process
 
     files = []
     if report.graphs:
@@ -101,8 +104,6 @@ def layer_norm_label(name: str) -> str:
 
 
 def _plot_graphs(report: ParityReport, plt: Any) -> Any:
-    from ldlm.serve.checks.compare import HISTOGRAM_EDGES
-
     graphs = graphs_in_pipeline_order(report)
     fig, axes = plt.subplots(1, len(graphs), figsize=(5 * len(graphs), 4.6), squeeze=False)
     labels = ["0"] + [f"{e:.0e}" for e in HISTOGRAM_EDGES[1:-1]]
@@ -127,9 +128,6 @@ def _plot_graphs(report: ParityReport, plt: Any) -> Any:
 
 
 def _plot_layer_norms(report: ParityReport, plt: Any) -> Any:
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     rows = report.layer_norms
     nonzero = [c.max_abs for c in rows if c.max_abs > 0]
     floor = 10.0 ** (math.floor(math.log10(min(nonzero or [report.atol]))) - 1)  # a decade below the smallest error

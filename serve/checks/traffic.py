@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ldlm.checkpoint import write_atomically
+from ldlm.files import write_atomically
 
 
 def encoder_body(length: int, seed: int) -> dict:

@@ -183,7 +183,7 @@ def run_on_ray(source: str, settings: ServerSettings, options: RayOptions, addre
     """``ldlm serve --ray``: join (``address``, e.g. "auto") or start a Ray cluster, deploy, print
     where it listens, serve until SIGINT/SIGTERM, then take the application down (replicas drain;
     Serve and Ray too if this call started them)."""
-    import ray
+    import ray  # optional (the [ray] extra): only `ldlm serve --ray` needs it
 
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
     # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process, so ours

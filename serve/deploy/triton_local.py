@@ -27,6 +27,7 @@ and every endpoint on 127.0.0.1. Without a GPU it logs CUDA warnings and serves 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from ldlm.checkpoint import write_atomically
+from ldlm.files import write_atomically
 
 PYTRITON = "nvidia-pytriton==0.7.0"  # tritonserver 2.51
 STUB_NUMPY = "numpy==1.26.4"  # the last NumPy before 2: the stub's tensors arrive empty with NumPy 2
@@ -259,8 +260,6 @@ def server_command(env: TritonEnv, repo: Path, http_port: int, grpc_port: int, m
 def _terminate_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started it dies (a test run killed
     with SIGKILL never leaves a server behind; Linux's PR_SET_PDEATHSIG)."""
-    import ctypes
-
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
@@ -269,7 +268,7 @@ def start_server(repo: str | os.PathLike[str], env: TritonEnv, log: IO[Any] | Pa
                  extra: list[str] | None = None) -> TritonServer:
     """tritonserver on 127.0.0.1 (free ports unless given), returned once /v2/health/ready answers
     200 (every model loaded); an error with the log's end if it exits first or after ``timeout_s``."""
-    import httpx
+    import httpx  # optional (the [test] extra): only a local tritonserver needs it
 
     ports = [p if p is not None else free_port() for p in (http_port, grpc_port, metrics_port)]
     for port in ports:

@@ -1,14 +1,14 @@
-"""One engine interface over torch eager, ONNX Runtime and TensorRT.
+"""One engine interface over torch eager, ONNX Runtime and TensorRT, and ``open_graphs`` to open it.
 
-A ``GraphBackend`` runs one graph: named arrays (NumPy or torch) in, named NumPy arrays out.
-Inputs are checked once here, against the graph's I/O contract from the export manifest; then a
-backend-specific ``_run`` does the work. ``provider`` says what really ran (ONNX Runtime silently
-falls back to CPU when a GPU provider cannot start, so it is read back from the session).
+A ``GraphBackend`` (``graph_backend``) runs one graph: named arrays (NumPy or torch) in, named NumPy
+arrays out, its inputs checked once against the graph's I/O contract from the export manifest.
+``provider`` says what really ran (ONNX Runtime silently falls back to CPU when a GPU provider
+cannot start, so it is read back from the session). The ONNX Runtime and TensorRT backends live
+here; the torch ones (``eager``, ``compiled``) and their device/precision helpers in ``torch_backends``.
 
 ``BackendGraphs`` puts three GraphBackends behind the ``InferenceGraphs`` methods, so the one
 ``LDLMPipeline`` (and the batching scheduler) runs on any backend. Torch and TensorRT backends also
 take and give device tensors (``run_tensors``), so a GPU pipeline makes no host copy per denoiser call.
-The torch device/precision helpers and the ``compiled`` backend live in ``torch_backends``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import tempfile
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,10 +27,12 @@ from torch import Tensor
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import PLAN_SUFFIX, check_artifacts, check_engine_dir
-from ldlm.export.graphs import GRAPH_NAMES, graph_io
-from ldlm.export.onnx_export import describe_io, read_manifest
-from ldlm.model import LDLM
+from ldlm.export.artifact import PLAN_SUFFIX, check_artifacts, check_engine_dir, describe_io, read_manifest
+from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.export.precision import lower_precision
+from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
+from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, check_precision, prepare_model, resolve_device
 from ldlm.tokenizer import TextTokenizer
 
 BACKENDS: tuple[str, ...] = ("eager", "compiled", "ort", "trt")
@@ -43,133 +44,7 @@ ORT_PROVIDERS: dict[str, tuple[str, ...]] = {
     "cuda": ("CUDAExecutionProvider", "CPUExecutionProvider"),
     "tensorrt": ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
 }
-NUMPY_DTYPES = {"FLOAT": np.float32, "INT64": np.int64, "FLOAT16": np.float16, "INT32": np.int32, "BOOL": np.bool_}
 ORT_PRECISIONS = ("fp32", "fp16")  # ONNX Runtime's CPU provider has no bf16 kernels
-
-
-class BackendError(ValueError):
-    """A backend that is not installed, a precision it cannot run, or inputs outside its contract."""
-
-
-class GraphBackend(ABC):
-    backend: str
-    provider: str
-    batch_limit: int | None = None  # the largest batch one execution takes (TensorRT profiles); None: any
-
-    def __init__(self, graph: str, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], max_seq_len: int) -> None:
-        self.graph = graph
-        self.inputs = inputs
-        self.outputs = outputs
-        self.max_seq_len = max_seq_len
-        self.input_names = [i["name"] for i in inputs]
-        self.output_names = [o["name"] for o in outputs]
-
-    def run(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
-        return self._run(self.check_inputs(inputs))
-
-    def check_inputs(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
-        """Names, dtypes and shapes against the contract; a consistent batch and sequence length."""
-        missing = [n for n in self.input_names if n not in inputs]
-        unknown = [n for n in inputs if n not in self.input_names]
-        if missing or unknown:
-            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
-        arrays: dict[str, np.ndarray] = {}
-        sizes: dict[str, int] = {}
-        for spec in self.inputs:
-            name = spec["name"]
-            value = inputs[name]
-            array = value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
-            dtype = NUMPY_DTYPES[spec["dtype"]]
-            self._check_one(spec, array.dtype.kind, str(array.dtype), tuple(array.shape), sizes)
-            arrays[name] = np.ascontiguousarray(array, dtype=dtype)
-        self._check_sizes(sizes)
-        return arrays
-
-    def check_tensors(self, inputs: Mapping[str, Tensor]) -> None:
-        """``check_inputs`` for torch tensors on any device: shapes and dtypes only, no copy to the host."""
-        sizes: dict[str, int] = {}
-        missing = [n for n in self.input_names if n not in inputs]
-        if missing or len(inputs) != len(self.input_names):
-            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
-        for spec in self.inputs:
-            value = inputs[spec["name"]]
-            kind = "f" if value.is_floating_point() else "b" if value.dtype == torch.bool else "i"
-            self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
-        self._check_sizes(sizes)
-
-    def _check_one(self, spec: dict[str, Any], kind: str, dtype: str, shape: tuple[int, ...], sizes: dict[str, int]) -> None:
-        """One input's dtype kind and shape against its spec; symbolic sizes collected in ``sizes``."""
-        name, want_kind = spec["name"], np.dtype(NUMPY_DTYPES[spec["dtype"]]).kind
-        if kind != want_kind and not (kind == "b" and want_kind == "i"):
-            raise BackendError(f"{self.graph}: input {name} has dtype {dtype}; allowed: {np.dtype(NUMPY_DTYPES[spec['dtype']]).name}")
-        if len(shape) != len(spec["shape"]):
-            raise BackendError(f"{self.graph}: input {name} has shape {shape}; allowed: {spec['shape']}")
-        for axis, (size, want) in enumerate(zip(shape, spec["shape"])):
-            if isinstance(want, str):
-                if sizes.setdefault(want, size) != size:
-                    raise BackendError(f"{self.graph}: input {name} axis {axis} ({want}) is {size}, other inputs have {sizes[want]}")
-            elif size != want:
-                raise BackendError(f"{self.graph}: input {name} axis {axis} is {size}; allowed: {want}")
-
-    def _check_sizes(self, sizes: dict[str, int]) -> None:
-        if sizes.get("batch", 1) < 1 or not 1 <= sizes.get("seq", 1) <= self.max_seq_len:
-            raise BackendError(f"{self.graph}: batch {sizes.get('batch')} / seq {sizes.get('seq')} out of range; allowed: batch >= 1, 1 <= seq <= {self.max_seq_len}")
-
-    @abstractmethod
-    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-    def close(self) -> None:
-        """Release what the backend holds past its last call (TensorRT: save the runtime cache)."""
-
-
-class EagerBackend(GraphBackend):
-    """The reference: the graph's torch module, run as exported (same wrapper, same names), on the
-    model's device and in its precision (see ``torch_backends.prepare_model``). Float outputs come
-    back as FP32."""
-
-    backend = "eager"
-
-    def __init__(self, model: LDLM, graph: str, with_logits: bool = False) -> None:
-        io = graph_io(model, graph, with_logits)
-        specs = [{"name": n, "dtype": "INT64" if t.dtype == torch.int64 else "FLOAT", "shape": list(s)}
-                 for n, t, s in zip(io.input_names, io.example_inputs, io.input_shapes)]
-        outs = [{"name": n, "dtype": "INT64" if n == "token_ids" else "FLOAT", "shape": list(s)} for n, s in zip(io.output_names, io.output_shapes)]
-        super().__init__(graph, specs, outs, model.config.max_seq_len)
-        self.module = io.module.eval()
-        self.device = next(model.parameters()).device
-        # The compute dtype: the latent bank is cast with the model and never on the FP32 list.
-        self.dtype = model.latent_encoder.latent_bank.dtype
-        self.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
-        self.seq_names = {s["name"] for s in specs if "seq" in s["shape"]}
-        self.seq_outputs = {o["name"] for o in outs if "seq" in o["shape"]}
-        self.provider = f"torch {torch.__version__} eager on {self.device}" + ("" if self.precision == "fp32" else f" ({self.precision})")
-
-    @torch.inference_mode()
-    def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Tensors in (any device; checked on their shapes alone, no copy to the host), tensors
-        out on this backend's device."""
-        self.check_tensors(inputs)
-        return self._forward({s["name"]: inputs[s["name"]].to(self.device, self.input_dtype(s), non_blocking=True) for s in self.inputs})
-
-    def input_dtype(self, spec: dict[str, Any]) -> torch.dtype:
-        """int64 stays; per-position activations take the compute dtype; the per-sample time t
-        stays FP32 (its sinusoidal embedding is computed in FP32)."""
-        if spec["dtype"] == "INT64":
-            return torch.int64
-        return self.dtype if spec["name"] in self.seq_names else torch.float32
-
-    def _batch_and_length(self, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
-        mask = tensors["attention_mask"]
-        return mask.shape[0], mask.shape[1]
-
-    def _forward(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        result = self.module(*(tensors[n] for n in self.input_names))
-        values = result if isinstance(result, tuple) else (result,)
-        return {n: v.float() if v.is_floating_point() else v for n, v in zip(self.output_names, values)}
-
-    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self.run_tensors({n: torch.from_numpy(a) for n, a in inputs.items()})
-        return {n: v.cpu().numpy() for n, v in outputs.items()}
 
 
 class OrtBackend(GraphBackend):
@@ -215,8 +90,6 @@ class TensorRTBackend(GraphBackend):
     backend = "trt"
 
     def __init__(self, plan: Path, graph: str, max_seq_len: int, cuda_graphs: bool = False) -> None:
-        from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
-
         self.engine = TensorRTEngine(plan, cuda_graphs=cuda_graphs)
         manifest = self.engine.manifest
         super().__init__(graph, manifest["inputs"], manifest["outputs"], min(max_seq_len, self.engine.max_seq or max_seq_len))
@@ -276,8 +149,6 @@ def open_graphs(
                            "the compiled backend captures CUDA graphs by itself on a CUDA device")
     path = Path(path)
     if backend in TORCH_BACKENDS:
-        from ldlm.serve.runtime.torch_backends import CompiledBackend, check_precision, prepare_model, resolve_device
-
         check_precision(precision, backend)
         target = resolve_device(device)  # before loading: a missing device fails fast
         if not (path / "model.safetensors").is_file():
@@ -309,8 +180,6 @@ def open_graphs(
         files = {g: path / manifest["graphs"][g]["file"] for g in GRAPH_NAMES}
         if precision != "fp16":
             return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}, config, tokenizer
-        from ldlm.export.precision import lower_precision
-
         # The same cast pass the engines use, into a scratch directory that goes once the sessions hold
         # the graphs (ONNX Runtime reads a model and its external data whole when a session is made).
         with tempfile.TemporaryDirectory(prefix="ldlm-fp16-") as work:

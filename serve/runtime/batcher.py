@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ldlm.serve.runtime.backends import GraphBackend
-from ldlm.serve.runtime.scheduler import QueueFullError, resolve_future
+from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.queueing import QueueFullError, QueueWorker, resolve_future
 
 BatchObserver = Callable[[int, float, float], None]  # (batch size, queue seconds of the oldest, compute seconds)
 DropObserver = Callable[[int], None]  # samples of a cancelled request dropped before they ran
@@ -63,7 +63,7 @@ class _Pending:
     queued_at: float = field(default_factory=time.perf_counter)
 
 
-class DynamicBatcher:
+class DynamicBatcher(QueueWorker):
     def __init__(
         self, backend: GraphBackend, max_batch: int = 16, max_delay_ms: float = 2.0, max_queue: int = 256,
         observer: BatchObserver | None = None, on_drop: DropObserver | None = None,
@@ -82,13 +82,10 @@ class DynamicBatcher:
         self.on_drop = on_drop
         self.dropped_samples = 0
         self._queue: deque[_Pending] = deque()
-        self._cond = threading.Condition()
-        self._stopping = False
         seq_axes = {s["name"]: s["shape"].index("seq") for s in backend.inputs if "seq" in s["shape"]}
         self._seq_axes = seq_axes
         self._out_seq_axes = {o["name"]: o["shape"].index("seq") for o in backend.outputs if "seq" in o["shape"]}
-        self._thread = threading.Thread(target=self._loop, name=f"ldlm-batcher-{backend.graph}", daemon=True)
-        self._thread.start()
+        super().__init__(f"ldlm-batcher-{backend.graph}")
 
     def submit(self, inputs: Mapping[str, Any]) -> Future[dict[str, np.ndarray]]:
         """Check ``inputs`` against the graph's contract (raises at once) and queue them."""
@@ -100,8 +97,7 @@ class DynamicBatcher:
         chunks = [_Pending({n: a[i : i + self.max_batch] for n, a in arrays.items()}, min(self.max_batch, batch - i), length)
                   for i in range(0, batch, self.max_batch)]
         with self._cond:
-            if self._stopping:
-                raise RuntimeError(f"the {self.backend.graph} batcher is shut down")
+            self._check_open(f"the {self.backend.graph} batcher")
             if len(self._queue) + len(chunks) > self.max_queue:
                 raise QueueFullError(f"{self.backend.graph} queue is full ({len(self._queue)} requests waiting, max {self.max_queue})")
             self._queue.extend(chunks)
@@ -117,13 +113,6 @@ class DynamicBatcher:
     @property
     def queued(self) -> int:
         return len(self._queue)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        """Answer everything queued, then stop."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
 
     def _on_done(self, future: Future[dict[str, np.ndarray]]) -> None:
         if future.cancelled():

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +53,7 @@ from torch import Tensor
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampler import NoiseStream, sample_seeds, to_device
 from ldlm.serve.runtime.cost import CostModel, DeadlineUnreachableError, RequestTooLargeError
+from ldlm.serve.runtime.queueing import QueueFullError, QueueWorker, resolve_future
 from ldlm.solvers import Solver, get_solver, push_past
 
 log = logging.getLogger("ldlm.serve")
@@ -67,10 +67,6 @@ PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x
 # 2, measured on the 2-core CPU (scripts/fairness.py, docs/measurements/fairness-2026-12-01.json): at 3
 # the 8-step requests' p99 beside 1000-step ones rose past 3x their p99 alone for ~4% more long throughput.
 LEAD_SLOWDOWN = 2.0
-
-
-class QueueFullError(RuntimeError):
-    """The scheduler's queue is at capacity; retry later."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +115,7 @@ class _Sample:
     prefix_noise: NoiseStream | None = None  # the forward noise of the inpainted prefix
 
 
-class GenerationScheduler:
+class GenerationScheduler(QueueWorker):
     def __init__(
         self, pipeline: LDLMPipeline, max_batch: int = 16, policy: Policy = "continuous", max_queue: int = 4096,
         start: bool = True, observer: Callable[[int, float, float], None] | None = None,
@@ -141,19 +137,11 @@ class GenerationScheduler:
         self.on_drop = on_drop  # samples of a cancelled or failed request dropped unfinished, for metrics
         self.dropped_samples = 0
         self._active: list[_Sample] = []
-        self._cond = threading.Condition()
-        self._stopping = False
         self.observer = observer  # (batch size, 0, compute seconds) per denoiser call, for metrics
         self.denoiser_calls = 0
         self._missing = torch.tensor(float("nan"), dtype=torch.float64, device=pipeline.device)  # a past step not taken
         self.samples_stepped = 0
-        self._thread = threading.Thread(target=self._loop, name="ldlm-generation", daemon=True)
-        if start:
-            self._thread.start()
-
-    def start(self) -> None:
-        """Start the worker (when constructed with ``start=False``, e.g. to queue a known batch first)."""
-        self._thread.start()
+        super().__init__("ldlm-generation", start)
 
     # --- public API --------------------------------------------------------------------------
 
@@ -186,8 +174,7 @@ class GenerationScheduler:
             zeros = torch.zeros_like(prior)
             samples.append(_Sample(request, i, solver, grid, stream, prior, prior, zeros, zeros, prefix_noise=prefix_noise))
         with self._cond:
-            if self._stopping:
-                raise RuntimeError("the scheduler is shut down")
+            self._check_open("the scheduler")
             if self._queued + len(samples) > self.max_queue:
                 self._drop_done()  # cancelled requests' samples do not hold queue places
             if self._queued + len(samples) > self.max_queue:
@@ -215,13 +202,6 @@ class GenerationScheduler:
         with self._cond:
             bucket = self.pipeline.bucket_length(spec.length)
             return self._estimate(spec.n * spec.steps, bucket, self.cost.solo_s(spec.n, spec.steps, bucket), time.perf_counter())
-
-    def close(self, timeout_s: float | None = None) -> None:
-        """Finish every queued and running sample, then stop the worker."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
 
     # --- the worker ----------------------------------------------------------------------------
 
@@ -484,14 +464,3 @@ def decode_ragged(pipeline: LDLMPipeline, latents: list[Tensor]) -> TextResult:
     for i, z in enumerate(latents):
         mask[i, : z.shape[0]] = True
     return pipeline.decode(torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents]), mask)
-
-
-def resolve_future(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
-    """Answer a future unless its caller cancelled it meanwhile (a race the caller may win)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ldlm.checkpoint import write_atomically
 from ldlm.export.artifact import MANIFEST_SUFFIX, PLAN_SUFFIX
 from ldlm.export.trt_flavor import Flavor, GpuInfo, flavor_logger, gpu_info, load_flavor
+from ldlm.files import write_atomically
 from ldlm.serve.runtime.tensorrt_executor import PlanExecutor, PlanMismatchError
 
 log = logging.getLogger(__name__)

@@ -22,15 +22,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ldlm.device import DeviceError
 from ldlm.device import resolve_device as core_resolve_device
+from ldlm.export.graphs import graph_io
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
 from ldlm.pipeline import bucket_for
-from ldlm.serve.runtime.backends import BackendError, EagerBackend
+from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
 
 TORCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,6 +83,56 @@ def _cast_output(dtype: torch.dtype) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         return output.to(dtype)
     return hook
+
+
+class EagerBackend(GraphBackend):
+    """The reference: the graph's torch module, run as exported (same wrapper, same names), on the
+    model's device and in its precision (see ``prepare_model``). Float outputs come
+    back as FP32."""
+
+    backend = "eager"
+
+    def __init__(self, model: LDLM, graph: str, with_logits: bool = False) -> None:
+        io = graph_io(model, graph, with_logits)
+        specs = [{"name": n, "dtype": "INT64" if t.dtype == torch.int64 else "FLOAT", "shape": list(s)}
+                 for n, t, s in zip(io.input_names, io.example_inputs, io.input_shapes)]
+        outs = [{"name": n, "dtype": "INT64" if n == "token_ids" else "FLOAT", "shape": list(s)} for n, s in zip(io.output_names, io.output_shapes)]
+        super().__init__(graph, specs, outs, model.config.max_seq_len)
+        self.module = io.module.eval()
+        self.device = next(model.parameters()).device
+        # The compute dtype: the latent bank is cast with the model and never on the FP32 list.
+        self.dtype = model.latent_encoder.latent_bank.dtype
+        self.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        self.seq_names = {s["name"] for s in specs if "seq" in s["shape"]}
+        self.seq_outputs = {o["name"] for o in outs if "seq" in o["shape"]}
+        self.provider = f"torch {torch.__version__} eager on {self.device}" + ("" if self.precision == "fp32" else f" ({self.precision})")
+
+    @torch.inference_mode()
+    def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Tensors in (any device; checked on their shapes alone, no copy to the host), tensors
+        out on this backend's device."""
+        self.check_tensors(inputs)
+        return self._forward({s["name"]: inputs[s["name"]].to(self.device, self.input_dtype(s), non_blocking=True) for s in self.inputs})
+
+    def input_dtype(self, spec: dict[str, Any]) -> torch.dtype:
+        """int64 stays; per-position activations take the compute dtype; the per-sample time t
+        stays FP32 (its sinusoidal embedding is computed in FP32)."""
+        if spec["dtype"] == "INT64":
+            return torch.int64
+        return self.dtype if spec["name"] in self.seq_names else torch.float32
+
+    def _batch_and_length(self, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
+        mask = tensors["attention_mask"]
+        return mask.shape[0], mask.shape[1]
+
+    def _forward(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        result = self.module(*(tensors[n] for n in self.input_names))
+        values = result if isinstance(result, tuple) else (result,)
+        return {n: v.float() if v.is_floating_point() else v for n, v in zip(self.output_names, values)}
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.run_tensors({n: torch.from_numpy(a) for n, a in inputs.items()})
+        return {n: v.cpu().numpy() for n, v in outputs.items()}
 
 
 def length_buckets(max_seq_len: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> tuple[int, ...]:

@@ -1,0 +1,92 @@
+"""The interface every backend implements: ``GraphBackend`` runs one graph, checking its inputs
+against the graph's I/O contract (names, dtypes, shapes from the export manifest) before a
+backend-specific ``_run`` does the work. The backends themselves live in ``backends`` (ONNX Runtime,
+TensorRT) and ``torch_backends`` (eager, compiled).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+NUMPY_DTYPES = {"FLOAT": np.float32, "INT64": np.int64, "FLOAT16": np.float16, "INT32": np.int32, "BOOL": np.bool_}
+
+
+class BackendError(ValueError):
+    """A backend that is not installed, a precision it cannot run, or inputs outside its contract."""
+
+
+class GraphBackend(ABC):
+    backend: str
+    provider: str
+    batch_limit: int | None = None  # the largest batch one execution takes (TensorRT profiles); None: any
+
+    def __init__(self, graph: str, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], max_seq_len: int) -> None:
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+        self.max_seq_len = max_seq_len
+        self.input_names = [i["name"] for i in inputs]
+        self.output_names = [o["name"] for o in outputs]
+
+    def run(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
+        return self._run(self.check_inputs(inputs))
+
+    def check_inputs(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
+        """Names, dtypes and shapes against the contract; a consistent batch and sequence length."""
+        missing = [n for n in self.input_names if n not in inputs]
+        unknown = [n for n in inputs if n not in self.input_names]
+        if missing or unknown:
+            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
+        arrays: dict[str, np.ndarray] = {}
+        sizes: dict[str, int] = {}
+        for spec in self.inputs:
+            name = spec["name"]
+            value = inputs[name]
+            array = value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
+            dtype = NUMPY_DTYPES[spec["dtype"]]
+            self._check_one(spec, array.dtype.kind, str(array.dtype), tuple(array.shape), sizes)
+            arrays[name] = np.ascontiguousarray(array, dtype=dtype)
+        self._check_sizes(sizes)
+        return arrays
+
+    def check_tensors(self, inputs: Mapping[str, Tensor]) -> None:
+        """``check_inputs`` for torch tensors on any device: shapes and dtypes only, no copy to the host."""
+        sizes: dict[str, int] = {}
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing or len(inputs) != len(self.input_names):
+            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
+        for spec in self.inputs:
+            value = inputs[spec["name"]]
+            kind = "f" if value.is_floating_point() else "b" if value.dtype == torch.bool else "i"
+            self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
+        self._check_sizes(sizes)
+
+    def _check_one(self, spec: dict[str, Any], kind: str, dtype: str, shape: tuple[int, ...], sizes: dict[str, int]) -> None:
+        """One input's dtype kind and shape against its spec; symbolic sizes collected in ``sizes``."""
+        name, want_kind = spec["name"], np.dtype(NUMPY_DTYPES[spec["dtype"]]).kind
+        if kind != want_kind and not (kind == "b" and want_kind == "i"):
+            raise BackendError(f"{self.graph}: input {name} has dtype {dtype}; allowed: {np.dtype(NUMPY_DTYPES[spec['dtype']]).name}")
+        if len(shape) != len(spec["shape"]):
+            raise BackendError(f"{self.graph}: input {name} has shape {shape}; allowed: {spec['shape']}")
+        for axis, (size, want) in enumerate(zip(shape, spec["shape"])):
+            if isinstance(want, str):
+                if sizes.setdefault(want, size) != size:
+                    raise BackendError(f"{self.graph}: input {name} axis {axis} ({want}) is {size}, other inputs have {sizes[want]}")
+            elif size != want:
+                raise BackendError(f"{self.graph}: input {name} axis {axis} is {size}; allowed: {want}")
+
+    def _check_sizes(self, sizes: dict[str, int]) -> None:
+        if sizes.get("batch", 1) < 1 or not 1 <= sizes.get("seq", 1) <= self.max_seq_len:
+            raise BackendError(f"{self.graph}: batch {sizes.get('batch')} / seq {sizes.get('seq')} out of range; allowed: batch >= 1, 1 <= seq <= {self.max_seq_len}")
+
+    @abstractmethod
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None:
+        """Release what the backend holds past its last call (TensorRT: save the runtime cache)."""
