@@ -71,8 +71,10 @@ def resolve_inside(directory: Path, name: object) -> Path:
     root = directory.resolve()
     path = (directory / name).resolve()  # follows symlinks, so a link out of the directory is caught too
     if not path.is_relative_to(root):
-        raise ArtifactError(f"{directory / MANIFEST_FILE}: file {name!r} leaves the directory (resolves to {path}); "
-                            f"allowed: a relative path inside {directory}")
+        raise ArtifactError(
+            f"{directory / MANIFEST_FILE}: file {name!r} leaves the directory (resolves to {path}); "
+            f"allowed: a relative path inside {directory}"
+        )
     return path
 
 
@@ -84,7 +86,9 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any])
         raise ArtifactError(f"{directory / MANIFEST_FILE} lists no graphs; re-export with `ldlm export`")
     for graph, entry in graphs.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("files"), dict):
-            raise ArtifactError(f"{directory / MANIFEST_FILE}: graph {graph!r} has no 'files' with sha256 sums; re-export with `ldlm export`")
+            raise ArtifactError(
+                f"{directory / MANIFEST_FILE}: graph {graph!r} has no 'files' with sha256 sums; re-export with `ldlm export`"
+            )
         resolve_inside(directory, entry.get("file"))
         if entry.get("file") not in entry["files"]:
             raise ArtifactError(f"{directory / MANIFEST_FILE}: graph {graph!r} file {entry.get('file')!r} has no sha256 entry")
@@ -93,9 +97,8 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any])
         check_external_data(directory, entry["file"], set(entry["files"]))
     check_tokenizer(directory, manifest.get("tokenizer"))
     config_path = directory / CONFIG_FILE
-    if config_path.is_file() and "config_sha256" in manifest:
-        if LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
-            raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
+    if config_path.is_file() and "config_sha256" in manifest and LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
+        raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
 
 
 def check_file(directory: Path, name: object, record: object, manifest: str = MANIFEST_FILE) -> None:
@@ -118,11 +121,15 @@ def check_tokenizer(directory: Path, record: object, manifest: str = MANIFEST_FI
     path = directory / TOKENIZER_FILE
     if record is None:
         if path.is_file():
-            raise ArtifactError(f"{path} has no sha256 in {directory / manifest}, so it is not trusted "
-                                "(an export from before tokenizers were hashed, or a file added since); re-export with `ldlm export`")
+            raise ArtifactError(
+                f"{path} has no sha256 in {directory / manifest}, so it is not trusted "
+                "(an export from before tokenizers were hashed, or a file added since); re-export with `ldlm export`"
+            )
         return
     if not isinstance(record, dict) or record.get("file") != TOKENIZER_FILE:
-        raise ArtifactError(f"{directory / manifest}: tokenizer entry {record!r} is invalid; allowed: {{'file': '{TOKENIZER_FILE}', 'sha256': ...}}")
+        raise ArtifactError(
+            f"{directory / manifest}: tokenizer entry {record!r} is invalid; allowed: {{'file': '{TOKENIZER_FILE}', 'sha256': ...}}"
+        )
     check_file(directory, TOKENIZER_FILE, record, manifest)
 
 
@@ -145,8 +152,10 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
     config = directory / CONFIG_FILE
     expected = manifests[graphs[0]].get("config_sha256")
     if expected is None or not config.is_file() or LDLMConfig.load(config).config_hash() != expected:
-        raise ArtifactError(f"{config} does not match the config_sha256 in {directory / first} (missing, edited, or plans built "
-                            "before configs were recorded); rebuild with `ldlm build-engine`")
+        raise ArtifactError(
+            f"{config} does not match the config_sha256 in {directory / first} (missing, edited, or plans built "
+            "before configs were recorded); rebuild with `ldlm build-engine`"
+        )
     return manifests
 
 
@@ -161,5 +170,7 @@ def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> No
         if location is not None:
             resolve_inside(directory, location)
             if location not in listed:
-                raise ArtifactError(f"{directory / onnx_file} reads tensor {tensor.name!r} from {location!r}, "
-                                    f"which {directory / MANIFEST_FILE} does not list; re-export it")
+                raise ArtifactError(
+                    f"{directory / onnx_file} reads tensor {tensor.name!r} from {location!r}, "
+                    f"which {directory / MANIFEST_FILE} does not list; re-export it"
+                )

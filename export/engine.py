@@ -161,8 +161,13 @@ def build_plan(
 
 
 def _build(
-    flavor: Flavor, onnx_path: Path, specs: Sequence[LayerNormSpec], entry: dict[str, Any],
-    profiles: Sequence[EngineProfile], options: BuildOptions, progress: bool,
+    flavor: Flavor,
+    onnx_path: Path,
+    specs: Sequence[LayerNormSpec],
+    entry: dict[str, Any],
+    profiles: Sequence[EngineProfile],
+    options: BuildOptions,
+    progress: bool,
 ) -> tuple[Any, float, bool]:
     """Parse, check the LayerNorms, configure, build: (serialized plan or None, seconds, strongly typed)."""
     trt = flavor.trt
@@ -255,4 +260,3 @@ def plan_summary(manifest: dict[str, Any]) -> str:
         f"{manifest['precision']}, {len(manifest['profiles'])} profile(s), {manifest['layer_norms']} LayerNorm(s) checked, "
         f"built in {manifest['build_seconds']} s on {manifest['build_host']['description']})"
     )
-

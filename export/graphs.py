@@ -91,22 +91,38 @@ def graph_io(model: LDLM, name: str, with_logits: bool = False) -> GraphIO:
     if name == "encoder":
         ids = torch.randint(0, model.config.gpt2_vocab_size, (b, length), generator=torch.Generator().manual_seed(0))
         return GraphIO(
-            name, EncoderGraph(model), ("feature_model", "latent_encoder"), (ids, mask),
-            ("input_ids", "attention_mask"), ("latents",),
-            (("batch", "seq"), ("batch", "seq")), (("batch", "seq", d),),
+            name,
+            EncoderGraph(model),
+            ("feature_model", "latent_encoder"),
+            (ids, mask),
+            ("input_ids", "attention_mask"),
+            ("latents",),
+            (("batch", "seq"), ("batch", "seq")),
+            (("batch", "seq", d),),
         )
     if name == "denoiser":
         x = torch.zeros(b, length, d)
         return GraphIO(
-            name, DenoiserGraph(model), ("denoiser",), (x, torch.full((b,), 0.5), x.clone(), mask),
-            ("x_t", "t", "x0_prev", "attention_mask"), ("x0_hat",),
-            (("batch", "seq", d), ("batch",), ("batch", "seq", d), ("batch", "seq")), (("batch", "seq", d),),
+            name,
+            DenoiserGraph(model),
+            ("denoiser",),
+            (x, torch.full((b,), 0.5), x.clone(), mask),
+            ("x_t", "t", "x0_prev", "attention_mask"),
+            ("x0_hat",),
+            (("batch", "seq", d), ("batch",), ("batch", "seq", d), ("batch", "seq")),
+            (("batch", "seq", d),),
         )
     if name == "decoder":
         outputs: tuple[str, ...] = ("token_ids", "logits") if with_logits else ("token_ids",)
         shapes: tuple[tuple[str | int, ...], ...] = (("batch", "seq"), ("batch", "seq", v))[: len(outputs)]
         return GraphIO(
-            name, DecoderGraph(model, with_logits), ("latent_decoder", "token_decoder"), (torch.zeros(b, length, d), mask),
-            ("latents", "attention_mask"), outputs, (("batch", "seq", d), ("batch", "seq")), shapes,
+            name,
+            DecoderGraph(model, with_logits),
+            ("latent_decoder", "token_decoder"),
+            (torch.zeros(b, length, d), mask),
+            ("latents", "attention_mask"),
+            outputs,
+            (("batch", "seq", d), ("batch", "seq")),
+            shapes,
         )
     raise ValueError(f"unknown graph {name!r}; allowed: {', '.join(GRAPH_NAMES)}")

@@ -93,8 +93,7 @@ def read_normalization_layers(trt: Any, network: Any) -> list[NormalizationLayer
     infos = []
     for layer in normalization_layers(trt, network):
         scale, bias = (_constant_value(trt, producers, layer.get_input(k)) if layer.num_inputs > k else None for k in (1, 2))
-        infos.append(NormalizationLayerInfo(layer.name, float(layer.epsilon), int(layer.axes),
-                                            layer.get_input(0).dtype.name, scale, bias))
+        infos.append(NormalizationLayerInfo(layer.name, float(layer.epsilon), int(layer.axes), layer.get_input(0).dtype.name, scale, bias))
     return infos
 
 
@@ -120,7 +119,12 @@ class NormalizationPlan:
 
 
 def build_normalization_plan(
-    flavor: Any, input_shape: tuple[int, ...], axes: int, epsilon: float, scale: np.ndarray, bias: np.ndarray | None,
+    flavor: Any,
+    input_shape: tuple[int, ...],
+    axes: int,
+    epsilon: float,
+    scale: np.ndarray,
+    bias: np.ndarray | None,
 ) -> NormalizationPlan:
     """Build a float32 engine holding one INormalizationLayer: x -> normalize(x, scale, bias) -> y.
 

@@ -49,8 +49,10 @@ class ExportResult:
 
     def __repr__(self) -> str:  # the manifest holds every LayerNorm spec: far too long to print
         passed = sum(r.passed for r in self.verification)
-        return (f"ExportResult(out={str(self.out)!r}, graphs={list(self.manifest['graphs'])}, "
-                f"opset={self.manifest['opset']}, verified={passed}/{len(self.verification)} passed)")
+        return (
+            f"ExportResult(out={str(self.out)!r}, graphs={list(self.manifest['graphs'])}, "
+            f"opset={self.manifest['opset']}, verified={passed}/{len(self.verification)} passed)"
+        )
 
 
 def check_opset(opset: int) -> None:
@@ -198,9 +200,7 @@ def tokenizer_record(path: Path) -> dict[str, Any]:
     return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
-def verify_export(
-    path: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None
-) -> list[VerifyResult]:
+def verify_export(path: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None) -> list[VerifyResult]:
     """Verify an export directory, or one ONNX file in it, against its manifest's LayerNorm specs,
     or against the modules of ``checkpoint`` when given (which also compares weights by value)."""
     path = Path(path)

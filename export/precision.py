@@ -33,9 +33,31 @@ FLOAT = TensorProto.FLOAT
 
 # Ops whose float output has their float inputs' type: safe to run in the low type.
 POLYMORPHIC_OPS = {
-    "MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg", "Sigmoid", "Tanh", "Erf", "Relu", "Gelu",
-    "Concat", "Split", "Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Gather",
-    "Where", "Identity", "Max", "Min",
+    "MatMul",
+    "Gemm",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Neg",
+    "Sigmoid",
+    "Tanh",
+    "Erf",
+    "Relu",
+    "Gelu",
+    "Concat",
+    "Split",
+    "Slice",
+    "Reshape",
+    "Transpose",
+    "Squeeze",
+    "Unsqueeze",
+    "Expand",
+    "Gather",
+    "Where",
+    "Identity",
+    "Max",
+    "Min",
 }
 KEEP_FP32_OPS = {"LayerNormalization", "Softmax", "Pow", "ReduceMean", "ReduceSum", "Sqrt", "Reciprocal", "Exp", "Log"}
 SHAPE_OPS = {"Shape", "Size"}  # their outputs carry no data dependence
@@ -50,9 +72,7 @@ class PrecisionReport:
     lowered_weights: int
 
 
-def lower_precision(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], precision: str
-) -> PrecisionReport:
+def lower_precision(src: str | os.PathLike[str], dst: str | os.PathLike[str], precision: str) -> PrecisionReport:
     """Write the strongly typed ``precision`` variant of the ONNX file ``src`` to ``dst``."""
     if precision not in LOW_TYPES:
         raise ValueError(f"precision={precision!r} has no cast pass; allowed: {', '.join(LOW_TYPES)}")
@@ -160,8 +180,7 @@ def _fp32_nodes(graph: onnx.GraphProto, types: dict[str, int]) -> set[int]:
         if n.op_type == "ReduceMean" and n.input[0] in producer and nodes[producer[n.input[0]]].op_type == "Pow":
             frontier = list(n.output)
             for _ in range(3):
-                following = [c for name in frontier for c in consumers[name]
-                             if nodes[c].op_type in ("Add", "Sqrt", "Div", "Reciprocal")]
+                following = [c for name in frontier for c in consumers[name] if nodes[c].op_type in ("Add", "Sqrt", "Div", "Reciprocal")]
                 keep.update(following)
                 frontier = [out for c in following for out in nodes[c].output]
     # Logits: walk back from ArgMax's input and from any "logits" output to the head's MatMul/Gemm.

@@ -68,7 +68,6 @@ def profile_shapes(inputs: list[dict[str, Any]], profile: EngineProfile) -> dict
         if unknown:
             raise ValueError(f"input {value['name']} has symbolic axes {unknown}; profiles know batch and seq")
         shapes[value["name"]] = tuple(
-            tuple(getattr(ranges[d], which) if isinstance(d, str) else int(d) for d in dims)
-            for which in ("min", "opt", "max")
+            tuple(getattr(ranges[d], which) if isinstance(d, str) else int(d) for d in dims) for which in ("min", "opt", "max")
         )
     return shapes

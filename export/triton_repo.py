@@ -48,7 +48,9 @@ def load_model_config_schema() -> Any:
     try:
         from tritonclient.grpc import model_config_pb2  # optional (the [triton] extra)
     except Exception as error:  # ImportError, or tritonclient's RuntimeError without grpc support
-        raise RepositoryError(f"validating config.pbtxt needs tritonclient's model_config schema: pip install 'tritonclient[grpc]' ({error})") from error
+        raise RepositoryError(
+            f"validating config.pbtxt needs tritonclient's model_config schema: pip install 'tritonclient[grpc]' ({error})"
+        ) from error
     return model_config_pb2.ModelConfig
 
 
@@ -61,31 +63,48 @@ def inspect_source(source: Path) -> tuple[str, dict[str, dict[str, Any]]]:
     if plans:
         missing = [g for g in GRAPH_NAMES if not (source / f"{g}.plan").is_file() or not (source / f"{g}.plan.json").is_file()]
         if missing:
-            raise RepositoryError(f"{source} is mixed: it has plans ({', '.join(plans)}) but none, or no manifest, for {', '.join(missing)}")
+            raise RepositoryError(
+                f"{source} is mixed: it has plans ({', '.join(plans)}) but none, or no manifest, for {', '.join(missing)}"
+            )
         manifests = {g: json.loads((source / f"{g}.plan.json").read_text()) for g in GRAPH_NAMES}
         builds = {(m["flavor"], m["trt_version"], m["precision"]) for m in manifests.values()}
         if len(builds) != 1:
             raise RepositoryError(f"{source} is mixed: its plans come from different builds {sorted(builds)}")
-        return "plan", {g: {"inputs": m["inputs"], "outputs": m["outputs"], "profiles": m["profiles"], "files": [source / f"{g}.plan"]} for g, m in manifests.items()}
+        return "plan", {
+            g: {"inputs": m["inputs"], "outputs": m["outputs"], "profiles": m["profiles"], "files": [source / f"{g}.plan"]}
+            for g, m in manifests.items()
+        }
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         missing = [g for g in GRAPH_NAMES if g not in manifest.get("graphs", {})]
         if missing:
             raise RepositoryError(f"{source} has no {', '.join(missing)} graph(s); export all three")
-        return "onnx", {g: {"inputs": e["inputs"], "outputs": e["outputs"], "profiles": [],
-                            "files": [source / f for f in e["files"]]} for g, e in manifest["graphs"].items()}
+        return "onnx", {
+            g: {"inputs": e["inputs"], "outputs": e["outputs"], "profiles": [], "files": [source / f for f in e["files"]]}
+            for g, e in manifest["graphs"].items()
+        }
     raise RepositoryError(f"{source} is empty of models: no *.plan and no manifest.json")
 
 
-def model_config(name: str, kind: str, io: dict[str, Any], max_batch: int, queue_delay_us: int, gpu: bool,
-                 cc_filenames: dict[str, str] | None = None, graph_backend: str = "native") -> str:
+def model_config(
+    name: str,
+    kind: str,
+    io: dict[str, Any],
+    max_batch: int,
+    queue_delay_us: int,
+    gpu: bool,
+    cc_filenames: dict[str, str] | None = None,
+    graph_backend: str = "native",
+) -> str:
     """config.pbtxt text for one graph. Triton's dims leave out the batch axis. ``graph_backend``
     "python" changes only the backend line (the model file is copied by write_triton_repo)."""
     profiles = io["profiles"]
     if profiles:  # Triton refuses a plan whose profiles stop short of max_batch_size
         max_batch = min(max_batch, max(p["batch"][2] for p in profiles))
     preferred = sorted({p["batch"][1] for p in profiles if p["batch"][1] <= max_batch}) or [min(8, max_batch)]
-    backend = 'backend: "python"' if graph_backend == "python" else f'platform: "{"tensorrt_plan" if kind == "plan" else "onnxruntime_onnx"}"'
+    backend = (
+        'backend: "python"' if graph_backend == "python" else f'platform: "{"tensorrt_plan" if kind == "plan" else "onnxruntime_onnx"}"'
+    )
     lines = [f'name: "{name}"', backend, f"max_batch_size: {max_batch}"]
     for section, specs in (("input", io["inputs"]), ("output", io["outputs"])):
         entries = []
@@ -93,16 +112,26 @@ def model_config(name: str, kind: str, io: dict[str, Any], max_batch: int, queue
             dims = triton_dims(spec)
             # A per-sample scalar (shape [batch]) is dims [1] reshaped to [] for the model.
             reshape = " reshape: { shape: [ ] }" if len(spec["shape"]) == 1 else ""
-            entries.append(f'  {{ name: "{spec["name"]}" data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ]{reshape} }}')
+            entries.append(
+                f'  {{ name: "{spec["name"]}" data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ]{reshape} }}'
+            )
         lines.append(f"{section} [\n" + ",\n".join(entries) + "\n]")
-    lines.append(f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, preferred))} ] max_queue_delay_microseconds: {queue_delay_us} }}")
+    lines.append(
+        f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, preferred))} ] max_queue_delay_microseconds: {queue_delay_us} }}"
+    )
     lines.append(f"instance_group [ {{ count: 1 kind: {'KIND_GPU' if gpu else 'KIND_CPU'} }} ]")
     warm = []
     for spec in io["inputs"]:
         dims = [16 if d == -1 else d for d in triton_dims(spec)]
         fill = "random_data: true" if spec["dtype"] == "FLOAT" else "zero_data: true"
-        warm.append(f'    key: "{spec["name"]}" value: {{ data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ] {fill} }}')
-    lines.append('model_warmup [ {\n  name: "batch1_seq16"\n  batch_size: 1\n  inputs [\n' + ",\n".join("  {" + w.strip() + " }" for w in warm) + "\n  ]\n} ]")
+        warm.append(
+            f'    key: "{spec["name"]}" value: {{ data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ] {fill} }}'
+        )
+    lines.append(
+        'model_warmup [ {\n  name: "batch1_seq16"\n  batch_size: 1\n  inputs [\n'
+        + ",\n".join("  {" + w.strip() + " }" for w in warm)
+        + "\n  ]\n} ]"
+    )
     if cc_filenames:
         lines.append("cc_model_filenames [ " + ", ".join(f'{{ key: "{cc}" value: "{file}" }}' for cc, file in cc_filenames.items()) + " ]")
     return "\n".join(lines) + "\n"
@@ -127,8 +156,18 @@ def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: 
     """ldlm_generate's config.pbtxt. Its parameters carry the limits the model enforces (max_n,
     max_steps: the server's defaults) and ``bls_max_batch``, the largest batch its denoiser and
     decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples."""
-    scalars = [("N", "TYPE_INT64"), ("LENGTH", "TYPE_INT64"), ("STEPS", "TYPE_INT64"), ("SEED", "TYPE_INT64"), ("SAMPLER", "TYPE_STRING"), ("T_MIN", "TYPE_FP32")]
-    inputs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN") else ""} }}' for n, t in scalars)
+    scalars = [
+        ("N", "TYPE_INT64"),
+        ("LENGTH", "TYPE_INT64"),
+        ("STEPS", "TYPE_INT64"),
+        ("SEED", "TYPE_INT64"),
+        ("SAMPLER", "TYPE_STRING"),
+        ("T_MIN", "TYPE_FP32"),
+    ]
+    inputs = ",\n".join(
+        f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN") else ""} }}'
+        for n, t in scalars
+    )
     limits = {"max_n": max_n, "max_steps": max_steps, **({"bls_max_batch": bls_max_batch} if bls_max_batch is not None else {})}
     return (
         f'name: "{GENERATE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n'
@@ -156,10 +195,17 @@ def validate_config(text: str, io: dict[str, Any] | None, where: str) -> Any:
             raise RepositoryError(f"{where}: {section} names {list(declared)} != graph's {[s['name'] for s in specs]}")
         for spec in specs:
             tensor = declared[spec["name"]]
-            want_type = schema.DESCRIPTOR.fields_by_name["input"].message_type.fields_by_name["data_type"].enum_type.values_by_name[TRITON_TYPES[spec["dtype"]]].number
+            want_type = (
+                schema.DESCRIPTOR.fields_by_name["input"]
+                .message_type.fields_by_name["data_type"]
+                .enum_type.values_by_name[TRITON_TYPES[spec["dtype"]]]
+                .number
+            )
             want_dims = triton_dims(spec)
             if tensor.data_type != want_type or list(tensor.dims) != want_dims:
-                raise RepositoryError(f"{where}: {section} {spec['name']} is {tensor.data_type}/{list(tensor.dims)}, the graph has {spec['dtype']}/{want_dims}")
+                raise RepositoryError(
+                    f"{where}: {section} {spec['name']} is {tensor.data_type}/{list(tensor.dims)}, the graph has {spec['dtype']}/{want_dims}"
+                )
     return config
 
 
@@ -184,8 +230,10 @@ def write_triton_repo(
         raise RepositoryError(f"graph_backend={graph_backend!r} is unknown; allowed: {', '.join(GRAPH_BACKENDS)}")
     kind, graphs = inspect_source(source)
     if graph_backend == "python" and kind != "onnx":
-        raise RepositoryError(f"graph_backend='python' runs ONNX Runtime on an export's .onnx, but {source} holds TensorRT plans; "
-                              "allowed: an `ldlm export` directory (or graph_backend='native' for tensorrt_plan models)")
+        raise RepositoryError(
+            f"graph_backend='python' runs ONNX Runtime on an export's .onnx, but {source} holds TensorRT plans; "
+            "allowed: an `ldlm export` directory (or graph_backend='native' for tensorrt_plan models)"
+        )
     if cc_plans and kind != "plan":
         raise RepositoryError("cc_model_filenames need engine directories; the source is an ONNX export")
     if not 1 <= max_batch <= 1 << 16:

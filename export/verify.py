@@ -76,12 +76,17 @@ def layer_norm_specs(module: nn.Module, prefix: str = "") -> list[LayerNormSpec]
         if isinstance(m, nn.LayerNorm):
             weight = None if m.weight is None else m.weight.detach().cpu().numpy()
             bias = None if m.bias is None else m.bias.detach().cpu().numpy()
-            specs.append(LayerNormSpec(
-                name=name, eps=float(m.eps), axis=-len(m.normalized_shape),
-                weight_sha256=None if weight is None else digest(weight),
-                bias_sha256=None if bias is None else digest(bias),
-                weight=weight, bias=bias,
-            ))
+            specs.append(
+                LayerNormSpec(
+                    name=name,
+                    eps=float(m.eps),
+                    axis=-len(m.normalized_shape),
+                    weight_sha256=None if weight is None else digest(weight),
+                    bias_sha256=None if bias is None else digest(bias),
+                    weight=weight,
+                    bias=bias,
+                )
+            )
     return specs
 
 
@@ -112,9 +117,7 @@ class VerifyResult:
             raise VerificationError(f"{self.path}: " + self.summary())
 
 
-def verify_onnx(
-    path: str | os.PathLike[str], expected: Sequence[LayerNormSpec], graph: str | None = None
-) -> VerifyResult:
+def verify_onnx(path: str | os.PathLike[str], expected: Sequence[LayerNormSpec], graph: str | None = None) -> VerifyResult:
     """Check the ONNX file at ``path`` against the LayerNorm modules it was exported from."""
     path = Path(path)
     name = graph or path.stem
@@ -204,8 +207,13 @@ def _check_node(node: onnx.NodeProto, spec: LayerNormSpec, tensors: dict[str, np
 
 
 def _check_parameter(
-    where: str, role: str, input_name: str, sha256: str | None, reference: np.ndarray | None,
-    tensors: dict[str, np.ndarray], absent_value: float | None,
+    where: str,
+    role: str,
+    input_name: str,
+    sha256: str | None,
+    reference: np.ndarray | None,
+    tensors: dict[str, np.ndarray],
+    absent_value: float | None,
 ) -> list[str]:
     module_attr = "weight" if role == "scale" else "bias"
     if sha256 is None:  # the module has no such parameter

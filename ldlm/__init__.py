@@ -28,7 +28,18 @@ _EXPORTS = {
     "load_checkpoint": "ldlm.checkpoint",
     "save_checkpoint": "ldlm.checkpoint",
 }
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "__version__",
+    "LDLMConfig",
+    "preset",
+    "LDLM",
+    "LDLMPipeline",
+    "TextTokenizer",
+    "CheckpointError",
+    "init_model",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 
 def __getattr__(name: str) -> Any:

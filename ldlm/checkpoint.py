@@ -33,9 +33,7 @@ class CheckpointError(ValueError):
     """A checkpoint or weights file that cannot be used; the message names the file or tensor."""
 
 
-def save_checkpoint(
-    model: LDLM, tokenizer: TextTokenizer, out: str | os.PathLike[str], overwrite: bool = False
-) -> Path:
+def save_checkpoint(model: LDLM, tokenizer: TextTokenizer, out: str | os.PathLike[str], overwrite: bool = False) -> Path:
     with atomic_directory(out, overwrite) as tmp:
         model.config.save(tmp / CONFIG_FILE)
         state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
@@ -79,7 +77,7 @@ def load_checkpoint(path: str | os.PathLike[str], device: str | torch.device = "
 def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict: it has keys(), no __iter__)
     except Exception as error:  # safetensors raises its own error types, plus OSError
         raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
 
@@ -111,9 +109,7 @@ _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"
 NORM_INITS: tuple[str, ...] = ("default", "random")
 
 
-def init_model(
-    config: LDLMConfig, seed: int, gpt2_dir: str | os.PathLike[str] | None = None, norm_init: str = "default"
-) -> LDLM:
+def init_model(config: LDLMConfig, seed: int, gpt2_dir: str | os.PathLike[str] | None = None, norm_init: str = "default") -> LDLM:
     """A seeded random-init LDLM; GPT-2 weights come from ``gpt2_dir`` when given.
 
     ``norm_init="random"`` gives every norm and the standardization statistics their own values

@@ -126,14 +126,27 @@ class LDLMConfig:
 # Allowed range of every field, checked at load: wide enough for any GPT-2-sized LDLM, narrow
 # enough that a config cannot ask for unbounded memory (a billion layers, a 10**9-wide model).
 INT_RANGES: dict[str, tuple[int, int]] = {
-    "d_model": (2, 16384), "n_heads": (1, 256), "max_seq_len": (1, 65536), "vocab_size": (2, 1 << 20),
-    "gpt2_layers": (1, 96), "gpt2_vocab_size": (1, 1 << 20), "gpt2_positions": (1, 65536),
-    "encoder_layers": (1, 128), "decoder_layers": (1, 128), "mlp_ratio": (1, 64), "denoiser_layers": (2, 256),
-    "swiglu_hidden": (1, 262144), "token_decoder_layers": (1, 128), "default_steps": (1, 100000),
+    "d_model": (2, 16384),
+    "n_heads": (1, 256),
+    "max_seq_len": (1, 65536),
+    "vocab_size": (2, 1 << 20),
+    "gpt2_layers": (1, 96),
+    "gpt2_vocab_size": (1, 1 << 20),
+    "gpt2_positions": (1, 65536),
+    "encoder_layers": (1, 128),
+    "decoder_layers": (1, 128),
+    "mlp_ratio": (1, 64),
+    "denoiser_layers": (2, 256),
+    "swiglu_hidden": (1, 262144),
+    "token_decoder_layers": (1, 128),
+    "default_steps": (1, 100000),
 }
 FLOAT_RANGES: dict[str, tuple[float, float]] = {  # open at 0 (must be > 0), closed at the top
-    "layer_norm_eps": (0.0, 1.0), "rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e9),
-    "time_max_period": (0.0, 1e6), "schedule_d": (0.0, 1e3),
+    "layer_norm_eps": (0.0, 1.0),
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (0.0, 1e9),
+    "time_max_period": (0.0, 1e6),
+    "schedule_d": (0.0, 1e3),
 }
 
 
@@ -157,14 +170,20 @@ def _validate(c: LDLMConfig) -> None:
     require(type(c.per_stream_kv) is bool, "per_stream_kv", c.per_stream_kv, "true or false")
     require(c.d_model % c.n_heads == 0, "n_heads", c.n_heads, f"a divisor of d_model={c.d_model}")
     require(c.head_dim % 2 == 0, "n_heads", c.n_heads, "a value giving an even head_dim (rotary embeddings)")
-    require(c.denoiser_layers % 2 == 0, "denoiser_layers", c.denoiser_layers,
-            "an even number (the U-Net skips pair the first half with the second)")
-    require(-c.gpt2_layers - 1 <= c.feature_layer <= -2, "feature_layer", c.feature_layer,
-            f"[{-c.gpt2_layers - 1}, -2] (index -1 is ln_f's output, which is not a block output)")
-    require(c.max_seq_len <= c.gpt2_positions, "max_seq_len", c.max_seq_len,
-            f"<= gpt2_positions={c.gpt2_positions}")
-    require(c.gpt2_vocab_size <= c.vocab_size, "gpt2_vocab_size", c.gpt2_vocab_size,
-            f"<= vocab_size={c.vocab_size}")
+    require(
+        c.denoiser_layers % 2 == 0,
+        "denoiser_layers",
+        c.denoiser_layers,
+        "an even number (the U-Net skips pair the first half with the second)",
+    )
+    require(
+        -c.gpt2_layers - 1 <= c.feature_layer <= -2,
+        "feature_layer",
+        c.feature_layer,
+        f"[{-c.gpt2_layers - 1}, -2] (index -1 is ln_f's output, which is not a block output)",
+    )
+    require(c.max_seq_len <= c.gpt2_positions, "max_seq_len", c.max_seq_len, f"<= gpt2_positions={c.gpt2_positions}")
+    require(c.gpt2_vocab_size <= c.vocab_size, "gpt2_vocab_size", c.gpt2_vocab_size, f"<= vocab_size={c.vocab_size}")
     require(0 <= c.mask_token_id < c.vocab_size, "mask_token_id", c.mask_token_id, f"[0, {c.vocab_size})")
     require(0 <= c.eos_token_id < c.vocab_size, "eos_token_id", c.eos_token_id, f"[0, {c.vocab_size})")
     require(0.0 <= c.dropout < 1.0, "dropout", c.dropout, "[0, 1)")

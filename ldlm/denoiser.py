@@ -67,9 +67,7 @@ class DenoiserBlock(nn.Module):
         self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
         self.mlp = SwiGLU(d, config.swiglu_hidden)
 
-    def forward(
-        self, x: Tensor, time: Tensor, x0_prev: Tensor, rotary: tuple[Tensor, Tensor], attn_bias: Tensor | None
-    ) -> Tensor:
+    def forward(self, x: Tensor, time: Tensor, x0_prev: Tensor, rotary: tuple[Tensor, Tensor], attn_bias: Tensor | None) -> Tensor:
         x = x + self.time_proj(time)[:, None, :] + self.self_cond_proj(x0_prev)
         x = x + self.attn(self.attn_norm(x), rotary, attn_bias)
         return x + self.mlp(self.mlp_norm(x))

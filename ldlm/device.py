@@ -20,8 +20,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if resolved.type != "cuda":
         raise DeviceError(f"device={device!r} is not supported; allowed: cpu, cuda, cuda:N")
     if not torch.cuda.is_available():
-        why = ("this torch build has no CUDA support" if torch.version.cuda is None
-               else f"no CUDA device is visible to torch (built for CUDA {torch.version.cuda}; check the driver and CUDA_VISIBLE_DEVICES)")
+        why = (
+            "this torch build has no CUDA support"
+            if torch.version.cuda is None
+            else f"no CUDA device is visible to torch (built for CUDA {torch.version.cuda}; check the driver and CUDA_VISIBLE_DEVICES)"
+        )
         raise DeviceError(f"device={device!r} is not available: {why} (torch {torch.__version__}); allowed here: cpu")
     index = 0 if resolved.index is None else resolved.index
     if index >= torch.cuda.device_count():

@@ -125,8 +125,9 @@ class LDLMPipeline:
     def encode(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EncodeResult:
         """Texts or token-id lists -> standardized latents, right-padded to the longest input."""
         if isinstance(inputs, str):  # a bare string is a sequence of one-character texts: never what was meant
-            raise TypeError(f"inputs is the string {_preview(inputs)}; allowed: a list of texts or token-id lists, "
-                            f"e.g. [{_preview(inputs)}]")
+            raise TypeError(
+                f"inputs is the string {_preview(inputs)}; allowed: a list of texts or token-id lists, e.g. [{_preview(inputs)}]"
+            )
         if len(inputs) == 0:
             raise ValueError("no inputs given; allowed: at least one text or id list")
         ids = self.tokenizer.encode(inputs) if isinstance(inputs[0], str) else [list(map(int, r)) for r in inputs]  # type: ignore[arg-type]

@@ -105,9 +105,7 @@ def predicted_noise(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: T
     return (x_t - _bcast(schedule.alpha(t)) * x0_hat) / _bcast(schedule.sigma(t))
 
 
-def sde_step(
-    schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor, noise: Tensor
-) -> tuple[Tensor, Tensor]:
+def sde_step(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
     """One Euler-Maruyama step of the reverse SDE from t to t_next < t. Returns (x_next, x_mean).
 
     Reverse SDE:  dx = [-1/2 beta x - beta score] dt + sqrt(beta) dW_bar,  score = -eps_hat / sigma_t.

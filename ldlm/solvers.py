@@ -78,8 +78,9 @@ class Solver:
     def time_grid(self, steps: int, t_min: float, schedule: TangentSchedule) -> Tensor:
         return time_grid(steps, t_min, self.grid, schedule)
 
-    def step(self, schedule: TangentSchedule, x: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor,
-             past: Past, noise: Tensor | None = None) -> StepResult:
+    def step(
+        self, schedule: TangentSchedule, x: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor, past: Past, noise: Tensor | None = None
+    ) -> StepResult:
         """One step from t to t_next (B,) given this step's x0_hat and the past (most recent first)."""
         if self.stochastic:
             if noise is None:

@@ -43,9 +43,7 @@ class TextTokenizer:
             return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)))
         if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
             return cls._from_bpe_files(directory / "vocab.json", directory / "merges.txt")
-        raise ValueError(
-            f"{directory}: no tokenizer found; expected {TOKENIZER_FILE} or vocab.json + merges.txt"
-        )
+        raise ValueError(f"{directory}: no tokenizer found; expected {TOKENIZER_FILE} or vocab.json + merges.txt")
 
     @classmethod
     def _from_bpe_files(cls, vocab: Path, merges: Path) -> TextTokenizer:

@@ -36,8 +36,10 @@ import numpy as np
 from ldlm.serve.checks.loopback import free_port, serve_command, stop_server, tiny_export, wait_ready
 from ldlm.serve.checks.traffic import latent_width, write_report
 
-TEXT = ("Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
-        "then trains a diffusion model over those latents, and finally decodes samples back into tokens. ") * 3
+TEXT = (
+    "Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "
+    "then trains a diffusion model over those latents, and finally decodes samples back into tokens. "
+) * 3
 
 
 def rss_mb(pid: int) -> float:
@@ -53,8 +55,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the server's life, closed in stop)
-        self.process = subprocess.Popen(serve_command(source, self.port, ["--threads", str(threads)], python), cwd=cwd, env=env,
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            serve_command(source, self.port, ["--threads", str(threads)], python),
+            cwd=cwd,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_ready(self.process, self.url)
         except RuntimeError as error:
@@ -74,25 +81,43 @@ class Server:
 
 def encoder_json(batch: int, seq: int) -> dict[str, Any]:
     ids = np.random.default_rng(0).integers(0, 50000, (batch, seq)).tolist()
-    return {"inputs": [{"name": "input_ids", "shape": [batch, seq], "datatype": "INT64", "data": ids},
-                       {"name": "attention_mask", "shape": [batch, seq], "datatype": "INT64", "data": [[1] * seq] * batch}]}
+    return {
+        "inputs": [
+            {"name": "input_ids", "shape": [batch, seq], "datatype": "INT64", "data": ids},
+            {"name": "attention_mask", "shape": [batch, seq], "datatype": "INT64", "data": [[1] * seq] * batch},
+        ]
+    }
 
 
 def binary_body(batch: int, seq: int) -> tuple[bytes, dict[str, str]]:
     ids = np.ones((batch, seq), dtype=np.int64)
-    header = {"inputs": [{"name": "input_ids", "shape": [batch, seq], "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}},
-                         {"name": "attention_mask", "shape": [batch, seq], "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}}],
-              "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}
+    header = {
+        "inputs": [
+            {"name": "input_ids", "shape": [batch, seq], "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}},
+            {"name": "attention_mask", "shape": [batch, seq], "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}},
+        ],
+        "outputs": [{"name": "latents", "parameters": {"binary_data": True}}],
+    }
     head = json.dumps(header).encode()
-    return head + ids.tobytes() + ids.tobytes(), {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
+    return head + ids.tobytes() + ids.tobytes(), {
+        "Inference-Header-Content-Length": str(len(head)),
+        "Content-Type": "application/octet-stream",
+    }
 
 
 def memory(server: Server) -> dict[str, Any]:
-    mixed = [("/v1/reconstruct", {"json": {"texts": [TEXT] * 64}}), ("/v1/encode", {"json": {"texts": [TEXT[:200]] * 16}}),
-             ("/v2/models/encoder/infer", {"json": encoder_json(8, 64)}),
-             ("/v1/generate", {"json": {"n": 4, "length": 64, "steps": 5, "sampler": "ddim"}})]
-    small = [("/v1/reconstruct", {"json": {"texts": ["warm up"]}}), ("/v1/encode", {"json": {"texts": ["warm up"]}}),
-             ("/v2/models/encoder/infer", {"json": encoder_json(1, 8)}), ("/v1/generate", {"json": {"n": 1, "length": 8, "steps": 2}})]
+    mixed = [
+        ("/v1/reconstruct", {"json": {"texts": [TEXT] * 64}}),
+        ("/v1/encode", {"json": {"texts": [TEXT[:200]] * 16}}),
+        ("/v2/models/encoder/infer", {"json": encoder_json(8, 64)}),
+        ("/v1/generate", {"json": {"n": 4, "length": 64, "steps": 5, "sampler": "ddim"}}),
+    ]
+    small = [
+        ("/v1/reconstruct", {"json": {"texts": ["warm up"]}}),
+        ("/v1/encode", {"json": {"texts": ["warm up"]}}),
+        ("/v2/models/encoder/infer", {"json": encoder_json(1, 8)}),
+        ("/v1/generate", {"json": {"n": 1, "length": 8, "steps": 2}}),
+    ]
     with httpx.Client(base_url=server.url, timeout=600) as http:
         for path, kwargs in small:  # warm: every route has run once, at a small size
             http.post(path, **kwargs)
@@ -100,8 +125,12 @@ def memory(server: Server) -> dict[str, Any]:
         body, headers = binary_body(520000, 1)  # 8.3 MB: the issue's request
         started = time.perf_counter()
         response = http.post("/v2/models/encoder/infer", content=body, headers=headers)
-        large = {"status": response.status_code, "seconds": round(time.perf_counter() - started, 2),
-                 "answer": response.text[:200] if response.status_code != 200 else "200 (tensor)", "rss_after_mb": round(server.rss_mb, 1)}
+        large = {
+            "status": response.status_code,
+            "seconds": round(time.perf_counter() - started, 2),
+            "answer": response.text[:200] if response.status_code != 200 else "200 (tensor)",
+            "rss_after_mb": round(server.rss_mb, 1),
+        }
         statuses: dict[int, int] = {}
         peak = 0.0
         for i in range(100):
@@ -110,8 +139,14 @@ def memory(server: Server) -> dict[str, Any]:
             statuses[code] = statuses.get(code, 0) + 1
             peak = max(peak, server.rss_mb)
         after = server.rss_mb
-    return {"rss_warm_mb": round(warm, 1), "large_request": large, "mixed_statuses": statuses, "rss_peak_during_mixed_mb": round(peak, 1),
-            "rss_after_100_mixed_mb": round(after, 1), "rss_after_over_warm": round(after / warm, 3)}
+    return {
+        "rss_warm_mb": round(warm, 1),
+        "large_request": large,
+        "mixed_statuses": statuses,
+        "rss_peak_during_mixed_mb": round(peak, 1),
+        "rss_after_100_mixed_mb": round(after, 1),
+        "rss_after_over_warm": round(after / warm, 3),
+    }
 
 
 def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
@@ -121,8 +156,12 @@ def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
     d = latent_width(server.url)
     feeds = {
         "encoder": lambda b: {"input_ids": rng.integers(0, 50000, (b, seq)), "attention_mask": np.ones((b, seq), np.int64)},
-        "denoiser": lambda b: {"x_t": rng.standard_normal((b, seq, d), np.float32), "t": np.full(b, 0.5, np.float32),
-                               "x0_prev": np.zeros((b, seq, d), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
+        "denoiser": lambda b: {
+            "x_t": rng.standard_normal((b, seq, d), np.float32),
+            "t": np.full(b, 0.5, np.float32),
+            "x0_prev": np.zeros((b, seq, d), np.float32),
+            "attention_mask": np.ones((b, seq), np.int64),
+        },
         "decoder": lambda b: {"latents": rng.standard_normal((b, seq, d), np.float32), "attention_mask": np.ones((b, seq), np.int64)},
     }
     names = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
@@ -132,8 +171,13 @@ def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
             peaks = {}
             for batch in (1, 16, 1, 16):
                 arrays = feed(batch)
-                header = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": names[a.dtype], "parameters": {"binary_data_size": a.nbytes}}
-                                     for n, a in arrays.items()], "parameters": {"binary_data_output": True}}
+                header = {
+                    "inputs": [
+                        {"name": n, "shape": list(a.shape), "datatype": names[a.dtype], "parameters": {"binary_data_size": a.nbytes}}
+                        for n, a in arrays.items()
+                    ],
+                    "parameters": {"binary_data_output": True},
+                }
                 head = json.dumps(header).encode()
                 body = head + b"".join(a.tobytes() for a in arrays.values())
                 base = server.rss_mb
@@ -146,13 +190,18 @@ def memory_per_sample(server: Server, seq: int = 128) -> dict[str, Any]:
 
                 sampler = threading.Thread(target=sample)
                 sampler.start()
-                code = http.post(f"/v2/models/{graph}/infer", content=body, headers={"Inference-Header-Content-Length": str(len(head))}).status_code
+                code = http.post(
+                    f"/v2/models/{graph}/infer", content=body, headers={"Inference-Header-Content-Length": str(len(head))}
+                ).status_code
                 done.set()
                 sampler.join()
                 assert code == 200, code
                 peaks[batch] = peak[0] - base  # the second run of each size counts (the first loads lazily)
-            report[graph] = {"peak_over_idle_mb_batch1": round(peaks[1], 1), "peak_over_idle_mb_batch16": round(peaks[16], 1),
-                             "mb_per_sample": round((peaks[16] - peaks[1]) / 15, 2)}
+            report[graph] = {
+                "peak_over_idle_mb_batch1": round(peaks[1], 1),
+                "peak_over_idle_mb_batch16": round(peaks[16], 1),
+                "mb_per_sample": round((peaks[16] - peaks[1]) / 15, 2),
+            }
     return report
 
 
@@ -177,8 +226,13 @@ def health_during(server: Server, label: str, path: str, kwargs: dict[str, Any])
             latencies.append(1000 * (time.perf_counter() - started))
             time.sleep(0.01)
     thread.join()
-    return {"request": label, **result, "health_probes": len(latencies), "health_max_ms": round(max(latencies), 1),
-            "health_p50_ms": round(statistics.median(latencies), 1)}
+    return {
+        "request": label,
+        **result,
+        "health_probes": len(latencies),
+        "health_max_ms": round(max(latencies), 1),
+        "health_p50_ms": round(statistics.median(latencies), 1),
+    }
 
 
 def idle_connections(server: Server, count: int) -> dict[str, Any]:
@@ -245,8 +299,12 @@ def slow_headers(server: Server, count: int, cap_s: float) -> dict[str, Any]:
     for s in sockets:
         s.close()
     durations = list(closed_at.values())
-    return {"slow_header_clients": count, "closed_by_server": len(closed_at), "still_open_after_s": None if len(closed_at) == count else cap_s,
-            "max_open_s": round(max(durations), 1) if durations else None}
+    return {
+        "slow_header_clients": count,
+        "closed_by_server": len(closed_at),
+        "still_open_after_s": None if len(closed_at) == count else cap_s,
+        "max_open_s": round(max(durations), 1) if durations else None,
+    }
 
 
 def abandoned_generation(server: Server) -> dict[str, Any]:
@@ -264,13 +322,19 @@ def abandoned_generation(server: Server) -> dict[str, Any]:
     small_s = time.perf_counter() - started
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     cancelled = [line for line in metrics.splitlines() if line.startswith(("ldlm_request_cancelled_total", "ldlm_cancelled_samples_total"))]
-    return {"big": big, "big_status": status, "big_seconds": round(abandoned_s, 2), "small_status": small.status_code,
-            "small_seconds_after": round(small_s, 3), "cancel_metrics": cancelled}
+    return {
+        "big": big,
+        "big_status": status,
+        "big_seconds": round(abandoned_s, 2),
+        "small_status": small.status_code,
+        "small_seconds_after": round(small_s, 3),
+        "cancel_metrics": cancelled,
+    }
 
 
 def shutdown_with_stalled_client(server: Server, cap_s: float) -> dict[str, Any]:
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"texts\": [")
+    s.sendall(b'POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"texts": [')
     time.sleep(1.0)
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
@@ -290,8 +354,11 @@ def main() -> None:
     parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[1]), help="checkout the server runs from")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--idle", type=int, default=1100, help="idle connections to open (default: 1100)")
-    parser.add_argument("--sections", default="memory,health_during_large,abandoned,idle,slow_headers,shutdown",
-                        help="what to measure, in order (also: memory_per_sample)")
+    parser.add_argument(
+        "--sections",
+        default="memory,health_during_large,abandoned,idle,slow_headers,shutdown",
+        help="what to measure, in order (also: memory_per_sample)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     scratch = tempfile.TemporaryDirectory(prefix="ldlm-attack-")
@@ -303,7 +370,9 @@ def main() -> None:
         "memory_per_sample": lambda: memory_per_sample(server),
         "health_during_large": lambda: [
             health_during(server, "encoder JSON input_ids [260000, 1]", "/v2/models/encoder/infer", {"json": encoder_json(260000, 1)}),
-            health_during(server, "encoder JSON input_ids [64, 128] (largest accepted)", "/v2/models/encoder/infer", {"json": encoder_json(64, 128)}),
+            health_during(
+                server, "encoder JSON input_ids [64, 128] (largest accepted)", "/v2/models/encoder/infer", {"json": encoder_json(64, 128)}
+            ),
             health_during(server, "/v1/encode 64 texts of ~128 tokens", "/v1/encode", {"json": {"texts": [TEXT] * 64}}),
         ],
         "abandoned": lambda: abandoned_generation(server),

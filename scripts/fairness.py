@@ -87,9 +87,15 @@ def run_shorts(url: str, count: int, body: dict[str, Any], budget_s: float) -> t
 
 
 def latency_summary(seconds: list[float], errors: list[str], cut: int) -> dict[str, Any]:
-    return {"timed": len(seconds), "cut_off_unanswered": cut, "errors": len(errors), "first_errors": errors[:3],
-            "p50_ms": round(1000 * statistics.median(seconds), 2), "p99_ms": round(1000 * percentile(seconds, 99), 2),
-            "max_ms": round(1000 * max(seconds), 2)}
+    return {
+        "timed": len(seconds),
+        "cut_off_unanswered": cut,
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "p50_ms": round(1000 * statistics.median(seconds), 2),
+        "p99_ms": round(1000 * percentile(seconds, 99), 2),
+        "max_ms": round(1000 * max(seconds), 2),
+    }
 
 
 class LongStream:
@@ -147,8 +153,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the server's life, closed in stop)
         flags = ["--threads", str(args.threads), "--max-batch", str(args.max_batch), "--timeout-s", "600"]
-        self.process = subprocess.Popen(serve_command(source, self.port, flags, python), cwd=cwd, stdout=self.log,
-                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            serve_command(source, self.port, flags, python),
+            cwd=cwd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         wait_ready(self.process, self.url)
 
     def stop(self) -> int | str:
@@ -210,13 +221,14 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     result["targets"] = {
         "short_p99_beside_over_alone": round(result["short_beside"]["p99_ms"] / result["short_alone"]["p99_ms"], 2),
         "short_p99_target": "<= 3",
-        "long_beside_over_long_only": round(result["long_beside_sample_steps_per_s"]["median"]
-                                            / result["long_long_only_sample_steps_per_s"]["median"], 3),
-        "long_per_cpu_s_beside_over_long_only": round(result["long_beside_sample_steps_per_cpu_s"]["median"]
-                                                      / result["long_long_only_sample_steps_per_cpu_s"]["median"], 3),
+        "long_beside_over_long_only": round(
+            result["long_beside_sample_steps_per_s"]["median"] / result["long_long_only_sample_steps_per_s"]["median"], 3
+        ),
+        "long_per_cpu_s_beside_over_long_only": round(
+            result["long_beside_sample_steps_per_cpu_s"]["median"] / result["long_long_only_sample_steps_per_cpu_s"]["median"], 3
+        ),
     }
     return result
-
 
 
 def main() -> None:
@@ -242,8 +254,11 @@ def main() -> None:
     if args.baseline_python:
         servers["before"] = (args.baseline_python, args.baseline_cwd or args.cwd)
     scratch = tempfile.TemporaryDirectory(prefix="ldlm-fairness-")
-    report: dict[str, Any] = {"settings": json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "out"}, default=str)),
-                              "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()}
+    report: dict[str, Any] = {
+        "settings": json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "out"}, default=str)),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+    }
     try:
         source = args.source or tiny_export(Path(scratch.name))
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
@@ -258,10 +273,16 @@ def main() -> None:
         if "before" in report:
             report["after_over_before"] = {
                 "short_p99_beside": round(report["after"]["short_beside"]["p99_ms"] / report["before"]["short_beside"]["p99_ms"], 3),
-                "long_beside_sample_steps_per_s": round(report["after"]["long_beside_sample_steps_per_s"]["median"]
-                                                        / report["before"]["long_beside_sample_steps_per_s"]["median"], 3),
-                "long_beside_sample_steps_per_cpu_s": round(report["after"]["long_beside_sample_steps_per_cpu_s"]["median"]
-                                                            / report["before"]["long_beside_sample_steps_per_cpu_s"]["median"], 3),
+                "long_beside_sample_steps_per_s": round(
+                    report["after"]["long_beside_sample_steps_per_s"]["median"]
+                    / report["before"]["long_beside_sample_steps_per_s"]["median"],
+                    3,
+                ),
+                "long_beside_sample_steps_per_cpu_s": round(
+                    report["after"]["long_beside_sample_steps_per_cpu_s"]["median"]
+                    / report["before"]["long_beside_sample_steps_per_cpu_s"]["median"],
+                    3,
+                ),
             }
         report["load_average_at_end"] = os.getloadavg()
     finally:

@@ -58,20 +58,68 @@ from gpu_service import http_stage, previews_stage, probe_eps_stage  # noqa: E40
 from gpu_targets import summary_markdown  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
-    "base": dict(parity_n=4, parity_len=64, parity_steps=20, lat_batches=(1, 8, 64), lat_len=128, lat_runs=20,
-                 long_len=1024, long_steps=50, long_runs=5, tps_len=128, tps_steps=50, tps_batches=(64, 128, 256), tps_runs=2,
-                 wl_max_batch=16, wl_seconds=3.0, wl_lengths=(16, 32, 64, 128), http_clients=16, http_seconds=10.0,
-                 overhead_requests=200, server_ready_s=240,
-                 preview_clients=16, preview_requests=2, preview_rounds=2, preview_len=128, preview_steps=50),
-    "tiny": dict(parity_n=2, parity_len=16, parity_steps=5, lat_batches=(1, 8), lat_len=32, lat_runs=3,
-                 long_len=128, long_steps=10, long_runs=2, tps_len=32, tps_steps=5, tps_batches=(4, 8), tps_runs=1,
-                 wl_max_batch=4, wl_seconds=2.0, wl_lengths=(16, 32), http_clients=4, http_seconds=3.0,
-                 overhead_requests=30, server_ready_s=120,
-                 preview_clients=2, preview_requests=1, preview_rounds=1, preview_len=16, preview_steps=10),
+    "base": dict(
+        parity_n=4,
+        parity_len=64,
+        parity_steps=20,
+        lat_batches=(1, 8, 64),
+        lat_len=128,
+        lat_runs=20,
+        long_len=1024,
+        long_steps=50,
+        long_runs=5,
+        tps_len=128,
+        tps_steps=50,
+        tps_batches=(64, 128, 256),
+        tps_runs=2,
+        wl_max_batch=16,
+        wl_seconds=3.0,
+        wl_lengths=(16, 32, 64, 128),
+        http_clients=16,
+        http_seconds=10.0,
+        overhead_requests=200,
+        server_ready_s=240,
+        preview_clients=16,
+        preview_requests=2,
+        preview_rounds=2,
+        preview_len=128,
+        preview_steps=50,
+    ),
+    "tiny": dict(
+        parity_n=2,
+        parity_len=16,
+        parity_steps=5,
+        lat_batches=(1, 8),
+        lat_len=32,
+        lat_runs=3,
+        long_len=128,
+        long_steps=10,
+        long_runs=2,
+        tps_len=32,
+        tps_steps=5,
+        tps_batches=(4, 8),
+        tps_runs=1,
+        wl_max_batch=4,
+        wl_seconds=2.0,
+        wl_lengths=(16, 32),
+        http_clients=4,
+        http_seconds=3.0,
+        overhead_requests=30,
+        server_ready_s=120,
+        preview_clients=2,
+        preview_requests=1,
+        preview_rounds=1,
+        preview_len=16,
+        preview_steps=10,
+    ),
 }
 # name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline.
-TORCH_CANDIDATES = {"eager": ("eager", "fp32"), "eager-bf16": ("eager", "bf16"), "eager-fp16": ("eager", "fp16"),
-                    "compiled-bf16": ("compiled", "bf16")}
+TORCH_CANDIDATES = {
+    "eager": ("eager", "fp32"),
+    "eager-bf16": ("eager", "bf16"),
+    "eager-fp16": ("eager", "fp16"),
+    "compiled-bf16": ("compiled", "bf16"),
+}
 LATENCY_BACKENDS = ("eager", "eager-bf16", "compiled-bf16")
 STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "previews", "probe_eps")
 
@@ -108,8 +156,10 @@ class Run:
 
     def write(self) -> None:
         self.report["elapsed_s"] = round(time.perf_counter() - self.started, 1)
-        for name, text in (("gpu_check.json", json.dumps(self.report, indent=2, default=str) + "\n"),
-                           ("gpu_check.md", summary_markdown(self.report))):
+        for name, text in (
+            ("gpu_check.json", json.dumps(self.report, indent=2, default=str) + "\n"),
+            ("gpu_check.md", summary_markdown(self.report)),
+        ):
             write_atomically(self.out / name, text)  # never a half-written file
 
 
@@ -148,7 +198,9 @@ def ort_gpu_candidates(checkpoint: Path, work: Path) -> tuple[dict[str, dict[str
 
     available = ort.get_available_providers()
     wanted = {"ort-cuda": "cuda", "ort-tensorrt": "tensorrt"}
-    runnable = {n: p for n, p in wanted.items() if {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}[p] in available}
+    runnable = {
+        n: p for n, p in wanted.items() if {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}[p] in available
+    }
     for name in set(wanted) - set(runnable):
         notes[name] = f"skipped: onnxruntime {ort.__version__} here has providers {available} (onnxruntime-gpu is not installed)"
     if not runnable:
@@ -168,7 +220,10 @@ def ort_gpu_candidates(checkpoint: Path, work: Path) -> tuple[dict[str, dict[str
 
 # --- stages ----------------------------------------------------------------------------------------
 
-def parity_stage(model: LDLM, tokenizer: TextTokenizer, candidates: dict[str, dict[str, GraphBackend]], sizes: dict[str, Any]) -> dict[str, Any]:
+
+def parity_stage(
+    model: LDLM, tokenizer: TextTokenizer, candidates: dict[str, dict[str, GraphBackend]], sizes: dict[str, Any]
+) -> dict[str, Any]:
     """Every candidate against CPU fp32 eager: per graph output max abs error and cosine; end to
     end, token agreement with the deterministic sampler on the reference's CPU noise."""
     n, length, steps = sizes["parity_n"], min(sizes["parity_len"], model.config.max_seq_len), sizes["parity_steps"]
@@ -185,13 +240,21 @@ def parity_stage(model: LDLM, tokenizer: TextTokenizer, candidates: dict[str, di
             entry["max_abs"] = max(entry["max_abs"], c.max_abs)
             entry["cosine_min"] = min(entry["cosine_min"], c.cosine_min)
             entry["elementwise_passed"] = bool(entry["elementwise_passed"] and c.passed)
-        result[name] = {"providers": report.providers, "atol": report.atol, "rtol": report.rtol, "outputs": per_output,
-                        "comparisons": [{k: v for k, v in c.to_dict().items() if k != "abs_error_histogram"} for c in report.graphs],
-                        "decoder_token_agreement": report.decoder_token_agreement, "token_agreement": report.token_agreement}
+        result[name] = {
+            "providers": report.providers,
+            "atol": report.atol,
+            "rtol": report.rtol,
+            "outputs": per_output,
+            "comparisons": [{k: v for k, v in c.to_dict().items() if k != "abs_error_histogram"} for c in report.graphs],
+            "decoder_token_agreement": report.decoder_token_agreement,
+            "token_agreement": report.token_agreement,
+        }
     return result
 
 
-def device_loop_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device) -> dict[str, Any]:
+def device_loop_stage(
+    graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device
+) -> dict[str, Any]:
     """The step loop with CUDA's sync debug mode set to error (any host sync raises), and a
     profile of one batch-1 denoiser call: how many CUDA graph launches and kernel launches."""
     if device.type != "cuda":
@@ -219,22 +282,30 @@ def device_loop_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer,
     for event in prof.events():
         if event.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cuLaunchKernel", "cudaStreamSynchronize"):
             counts[event.name] = counts.get(event.name, 0) + 1
-    return {"no_host_sync_in_step_loop": no_sync, "denoiser_b1_L128_runtime_calls": counts,
-            "provider": denoiser.provider}
+    return {"no_host_sync_in_step_loop": no_sync, "denoiser_b1_L128_runtime_calls": counts, "provider": denoiser.provider}
 
 
 def latency_stage(backends: dict[str, dict[str, GraphBackend]], config: LDLMConfig, sizes: dict[str, Any]) -> dict[str, Any]:
     length = min(sizes["lat_len"], config.max_seq_len)
-    return {"length": length, "runs": sizes["lat_runs"], "baseline": "eager = torch eager fp32 on the same device (TF32 off)",
-            "graphs": bench_graphs(backends, config, sizes["lat_batches"], length, sizes["lat_runs"])}
+    return {
+        "length": length,
+        "runs": sizes["lat_runs"],
+        "baseline": "eager = torch eager fp32 on the same device (TF32 off)",
+        "graphs": bench_graphs(backends, config, sizes["lat_batches"], length, sizes["lat_runs"]),
+    }
 
 
-def long_sample_stage(backends: dict[str, dict[str, GraphBackend]], tokenizer: TextTokenizer, config: LDLMConfig,
-                      device: torch.device, sizes: dict[str, Any]) -> dict[str, Any]:
+def long_sample_stage(
+    backends: dict[str, dict[str, GraphBackend]], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
+) -> dict[str, Any]:
     """One sample of long_len tokens, long_steps steps, batch 1: wall time from noise to token ids."""
     length, steps = min(sizes["long_len"], config.max_seq_len), sizes["long_steps"]
-    result: dict[str, Any] = {"length": length, "steps": steps, "batch": 1,
-                              "measures": "sample_latents + decode to token ids (host copy included), p50 of runs"}
+    result: dict[str, Any] = {
+        "length": length,
+        "steps": steps,
+        "batch": 1,
+        "measures": "sample_latents + decode to token ids (host copy included), p50 of runs",
+    }
     for name in ("compiled-bf16", "eager-bf16", "eager"):
         pipe = LDLMPipeline(BackendGraphs(backends[name]), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
         # every solver at the target's step count on the fastest backend, and the server's default
@@ -243,22 +314,24 @@ def long_sample_stage(backends: dict[str, dict[str, GraphBackend]], tokenizer: T
         if name == "compiled-bf16":
             rows.append((config.default_sampler, config.default_steps))
         for sampler, count in rows:
+
             def once(pipe: LDLMPipeline = pipe, count: int = count, sampler: str = sampler) -> float:
                 start = time.perf_counter()
                 latents = pipe.sample_latents(1, length, count, 0, sampler)
                 ids = pipe.graphs.decode_tokens(latents, torch.ones(1, length, dtype=torch.bool, device=device)).cpu()
                 assert ids.shape == (1, length)
                 return 1000 * (time.perf_counter() - start)
+
             once()  # warm-up and capture
             times = [once() for _ in range(sizes["long_runs"] if name != "eager" else 2)]
             key = f"{name}/{sampler}" if count == steps else f"{name}/{sampler}@{count} (server default)"
-            result[key] = {"p50_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2), "runs": len(times),
-                           "steps": count}
+            result[key] = {"p50_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2), "runs": len(times), "steps": count}
     return result
 
 
-def throughput_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device,
-                     sizes: dict[str, Any]) -> dict[str, Any]:
+def throughput_stage(
+    graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
+) -> dict[str, Any]:
     length, steps = min(sizes["tps_len"], config.max_seq_len), sizes["tps_steps"]
     pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
     result: dict[str, Any] = {"backend": graphs["denoiser"].provider, "length": length, "steps": steps, "sampler": "ddim", "by_batch": {}}
@@ -270,8 +343,9 @@ def throughput_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, 
     return result
 
 
-def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device,
-                   sizes: dict[str, Any]) -> dict[str, Any]:
+def batching_stage(
+    graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
+) -> dict[str, Any]:
     """Continuous against static batching on the bench's mixed-arrival workload, at an arrival rate
     set to 1.5x the measured saturated capacity (so both policies are busy)."""
     lengths = tuple(workload_lengths_used(config, sizes["wl_lengths"]))
@@ -297,8 +371,14 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
     rate = 1.5 * capacity_rps
     requests = int(min(2000, max(20, rate * sizes["wl_seconds"])))
     workload = mixed_workload(config, requests, rate, lengths=lengths)
-    result: dict[str, Any] = {"max_batch": max_batch, "lengths": list(lengths), "calibration_step_s": round(step_s, 5),
-                              "rate_per_s": round(rate, 2), "requests": requests, "backend": graphs["denoiser"].provider}
+    result: dict[str, Any] = {
+        "max_batch": max_batch,
+        "lengths": list(lengths),
+        "calibration_step_s": round(step_s, 5),
+        "rate_per_s": round(rate, 2),
+        "requests": requests,
+        "backend": graphs["denoiser"].provider,
+    }
     for policy in ("static", "continuous"):
         result[policy] = run_workload(pipe, workload, policy, max_batch)
     result["throughput_ratio"] = round(result["continuous"]["tokens_per_s"] / result["static"]["tokens_per_s"], 3)
@@ -307,6 +387,7 @@ def batching_stage(graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, co
 
 
 # --- main ------------------------------------------------------------------------------------------
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,8 +412,13 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 2)
     run = Run(out, args.budget_s, args.tiny, selected)
     run.report.update(date=datetime.date.today().isoformat(), config=config_name, device=str(device), tiny=args.tiny, sizes=sizes)
-    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-                           "cpu_threads": torch.get_num_threads(), "ldlm_from": ldlm.__file__}
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "cpu_threads": torch.get_num_threads(),
+        "ldlm_from": ldlm.__file__,
+    }
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), capability=".".join(map(str, torch.cuda.get_device_capability(device))))
     for module in ("onnxruntime", "tensorrt", "fastapi", "uvicorn", "httpx"):
@@ -347,8 +433,14 @@ def main() -> None:
         tokenizer = TextTokenizer.gpt2()
         checkpoint = save_checkpoint(model, tokenizer, work / "ckpt")
         with_logits = open_candidates(model, device, with_logits=True)
-        serving = {name: {g: (CompiledBackend if isinstance(b, CompiledBackend) else EagerBackend)(b.module.model, g)  # type: ignore[attr-defined]
-                          for g, b in graphs.items()} for name, graphs in with_logits.items() if name in LATENCY_BACKENDS}
+        serving = {
+            name: {
+                g: (CompiledBackend if isinstance(b, CompiledBackend) else EagerBackend)(b.module.model, g)  # type: ignore[attr-defined]
+                for g, b in graphs.items()
+            }
+            for name, graphs in with_logits.items()
+            if name in LATENCY_BACKENDS
+        }
         run.report["setup_s"] = round(time.perf_counter() - start, 1)
         ort_graphs, ort_notes = {}, {}
         if device.type == "cuda":

@@ -26,7 +26,9 @@ from ldlm.tokenizer import TextTokenizer
 
 def kserve_encoder_body(length: int, seed: int) -> bytes:
     """The load test's encoder request (batch 1), asking for the latents as binary data."""
-    return json.dumps({**traffic.encoder_body(length, seed), "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}).encode()
+    return json.dumps(
+        {**traffic.encoder_body(length, seed), "outputs": [{"name": "latents", "parameters": {"binary_data": True}}]}
+    ).encode()
 
 
 def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -63,11 +65,17 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
                     start = time.perf_counter()
                     raw_encoder.run(feed)  # NumPy in and out, as the server's batcher runs it
                     raw_ms.append(1000 * (time.perf_counter() - start))
-            result["overhead"] = {"graph": "encoder", "batch": 1, "length": 16, "requests": len(http_ms),
-                                  "client": "httpx, JSON inputs, binary output", "http_p50_ms": round(statistics.median(http_ms), 3),
-                                  "http_p99_ms": round(float(np.percentile(http_ms, 99)), 3),
-                                  "runner_p50_ms": round(statistics.median(raw_ms), 3),
-                                  "overhead_p50_ms": round(statistics.median(http_ms) - statistics.median(raw_ms), 3)}
+            result["overhead"] = {
+                "graph": "encoder",
+                "batch": 1,
+                "length": 16,
+                "requests": len(http_ms),
+                "client": "httpx, JSON inputs, binary output",
+                "http_p50_ms": round(statistics.median(http_ms), 3),
+                "http_p99_ms": round(float(np.percentile(http_ms, 99)), 3),
+                "runner_p50_ms": round(statistics.median(raw_ms), 3),
+                "overhead_p50_ms": round(statistics.median(http_ms) - statistics.median(raw_ms), 3),
+            }
             result["load"] = traffic.run_clients(url, sizes["http_clients"], sizes["http_seconds"], traffic.latent_width(url))
         finally:
             result["server_exit_code"] = stop_server(server)
@@ -88,8 +96,13 @@ def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any]
     every, clients, requests = 5, sizes["preview_clients"], sizes["preview_requests"]
     plain = {"n": 1, "length": sizes["preview_len"], "steps": sizes["preview_steps"], "sampler": "sde"}
     streamed = {**plain, "stream": True, "preview_every": every}
-    result: dict[str, Any] = {"preview_every": every, "clients": clients, "requests_per_client": requests, **plain,
-                              "server": " ".join(serve_command(checkpoint, port, flags)[1:])}
+    result: dict[str, Any] = {
+        "preview_every": every,
+        "clients": clients,
+        "requests_per_client": requests,
+        **plain,
+        "server": " ".join(serve_command(checkpoint, port, flags)[1:]),
+    }
     with log_path.open("w") as log:
         server = start_server(checkpoint, port, flags, log=log, log_path=log_path, timeout_s=sizes["server_ready_s"])
         try:
@@ -103,10 +116,13 @@ def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any]
                     rates[mode].append(round(rate, 1))
                     received += events
             medians = {m: statistics.median(v) for m, v in rates.items()}
-            result.update(sample_steps_per_s=rates, throughput_cost=round(1 - medians["previews"] / medians["plain"], 4),
-                          preview_events_per_request=round(received / (sizes["preview_rounds"] * clients * requests), 2),
-                          preview_events_per_request_nominal=(plain["steps"] - 1) // every,
-                          first_preview_batch1=preview_cost.first_preview_seconds(url, streamed, 5))
+            result.update(
+                sample_steps_per_s=rates,
+                throughput_cost=round(1 - medians["previews"] / medians["plain"], 4),
+                preview_events_per_request=round(received / (sizes["preview_rounds"] * clients * requests), 2),
+                preview_events_per_request_nominal=(plain["steps"] - 1) // every,
+                first_preview_batch1=preview_cost.first_preview_seconds(url, streamed, 5),
+            )
         finally:
             result["server_exit_code"] = stop_server(server)
     return result
@@ -121,9 +137,11 @@ def probe_eps_stage(work: Path) -> dict[str, Any]:
         return {"skipped": "this ldlm has no probe-eps command"}
     # Every norm with its own scale and bias, as trained: a scale or bias mixed up between nodes shows.
     ckpt = save_checkpoint(init_model(preset("tiny"), 0, norm_init="random"), TextTokenizer.gpt2(), work / "tiny-ckpt")
-    steps = [["export", str(ckpt), str(work / "tiny-onnx"), "--quiet"],
-             ["build-engine", str(work / "tiny-onnx"), str(work / "tiny-engines"), "--flavor", "tensorrt", "--quiet"],
-             ["probe-eps", str(ckpt), "--engine-dir", str(work / "tiny-engines")]]
+    steps = [
+        ["export", str(ckpt), str(work / "tiny-onnx"), "--quiet"],
+        ["build-engine", str(work / "tiny-onnx"), str(work / "tiny-engines"), "--flavor", "tensorrt", "--quiet"],
+        ["probe-eps", str(ckpt), "--engine-dir", str(work / "tiny-engines")],
+    ]
     result: dict[str, Any] = {}
     for argv in steps:
         done = subprocess.run([sys.executable, "-P", "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=240)

@@ -24,8 +24,11 @@ def _stage(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _long_sample(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "long_sample")
-    others = "; ".join(f"{key.split('/', 1)[1]} {entry['p50_ms']} ms" for key, entry in s.items()
-                       if key.startswith("compiled-bf16/") and key != "compiled-bf16/ddim")
+    others = "; ".join(
+        f"{key.split('/', 1)[1]} {entry['p50_ms']} ms"
+        for key, entry in s.items()
+        if key.startswith("compiled-bf16/") and key != "compiled-bf16/ddim"
+    )
     return s["compiled-bf16/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, compiled bf16; {others}"
 
 
@@ -38,13 +41,17 @@ def _compiled_speedup(r: dict[str, Any]) -> tuple[float, str]:
     graphs = _stage(r, "latency")["graphs"]
     key = next(k for k in graphs if k.startswith("denoiser/b1/"))
     cell = graphs[key]
-    return cell["compiled-bf16"]["speedup_vs_eager"], f"{key}: eager fp32 {cell['eager']['p50_ms']} ms, compiled bf16 {cell['compiled-bf16']['p50_ms']} ms"
+    return cell["compiled-bf16"][
+        "speedup_vs_eager"
+    ], f"{key}: eager fp32 {cell['eager']['p50_ms']} ms, compiled bf16 {cell['compiled-bf16']['p50_ms']} ms"
 
 
 def _batching(r: dict[str, Any]) -> tuple[tuple[float, float], str]:
     s = _stage(r, "batching")
-    return (s["throughput_ratio"], s["p99_ratio"]), (f"throughput x{s['throughput_ratio']}, p99 x{s['p99_ratio']} "
-                                                     f"({s['requests']} requests at {s['rate_per_s']}/s, max batch {s['max_batch']})")
+    return (s["throughput_ratio"], s["p99_ratio"]), (
+        f"throughput x{s['throughput_ratio']}, p99 x{s['p99_ratio']} "
+        f"({s['requests']} requests at {s['rate_per_s']}/s, max batch {s['max_batch']})"
+    )
 
 
 def _overhead(r: dict[str, Any]) -> tuple[float, str]:
@@ -64,20 +71,45 @@ def _bf16_agreement(r: dict[str, Any]) -> tuple[float, str]:
 
 def _preview_cost(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "previews")
-    return s["throughput_cost"], (f"issue 13: {s['preview_events_per_request']} of {s['preview_events_per_request_nominal']} previews per request, "
-                                  f"{s['clients']} clients, length {s['length']}, {s['steps']} steps; first preview at batch 1 "
-                                  f"{s['first_preview_batch1']['median_ms']} ms")
+    return s["throughput_cost"], (
+        f"issue 13: {s['preview_events_per_request']} of {s['preview_events_per_request_nominal']} previews per request, "
+        f"{s['clients']} clients, length {s['length']}, {s['steps']} steps; first preview at batch 1 "
+        f"{s['first_preview_batch1']['median_ms']} ms"
+    )
 
 
 TARGETS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[Any, str]], Callable[[Any], bool], Callable[[Any], str]]] = [
     ("1024-token sample, 50 steps, batch 1, noise to token ids", "<= 100 ms", _long_sample, lambda v: v <= 100, lambda v: f"{v:.1f} ms"),
     ("generated tokens/s at large batch", ">= 20,000", _tokens_per_s, lambda v: v >= 20000, lambda v: f"{v:,.0f}"),
-    ("compiled backend against eager fp32, one denoiser call at batch 1", ">= 3x", _compiled_speedup, lambda v: v >= 3, lambda v: f"x{v:.2f}"),
-    ("continuous against static batching, mixed arrivals", ">= 1.3x throughput, p99 no worse", _batching,
-     lambda v: v[0] >= 1.3 and v[1] <= 1.0, lambda v: f"x{v[0]:.2f}, p99 x{v[1]:.2f}"),
+    (
+        "compiled backend against eager fp32, one denoiser call at batch 1",
+        ">= 3x",
+        _compiled_speedup,
+        lambda v: v >= 3,
+        lambda v: f"x{v:.2f}",
+    ),
+    (
+        "continuous against static batching, mixed arrivals",
+        ">= 1.3x throughput, p99 no worse",
+        _batching,
+        lambda v: v[0] >= 1.3 and v[1] <= 1.0,
+        lambda v: f"x{v[0]:.2f}, p99 x{v[1]:.2f}",
+    ),
     ("service overhead over the raw runner, p50", "<= 2 ms", _overhead, lambda v: v <= 2, lambda v: f"{v:.3f} ms"),
-    ("bf16 against fp32, deterministic sampler", "token agreement >= 99%", _bf16_agreement, lambda v: v >= 0.99, lambda v: f"{100 * v:.2f}%"),
-    ("streamed previews every 5 steps, never skipped: throughput cost", "<= 10%", _preview_cost, lambda v: v <= 0.10, lambda v: f"{100 * v:.1f}%"),
+    (
+        "bf16 against fp32, deterministic sampler",
+        "token agreement >= 99%",
+        _bf16_agreement,
+        lambda v: v >= 0.99,
+        lambda v: f"{100 * v:.2f}%",
+    ),
+    (
+        "streamed previews every 5 steps, never skipped: throughput cost",
+        "<= 10%",
+        _preview_cost,
+        lambda v: v <= 0.10,
+        lambda v: f"{100 * v:.1f}%",
+    ),
 ]
 
 
@@ -86,9 +118,19 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, str]]:
     for measure, target, get, ok, show in TARGETS:
         try:
             value, note = get(report)
-            rows.append({"measure": measure, "target": target, "measured": show(value), "verdict": "met" if ok(value) else "MISSED", "note": note})
+            rows.append(
+                {"measure": measure, "target": target, "measured": show(value), "verdict": "met" if ok(value) else "MISSED", "note": note}
+            )
         except (LookupError, KeyError, StopIteration, TypeError) as error:
-            rows.append({"measure": measure, "target": target, "measured": "-", "verdict": "not measured", "note": str(error) or type(error).__name__})
+            rows.append(
+                {
+                    "measure": measure,
+                    "target": target,
+                    "measured": "-",
+                    "verdict": "not measured",
+                    "note": str(error) or type(error).__name__,
+                }
+            )
     return rows
 
 
@@ -101,21 +143,31 @@ def targets_markdown(rows: list[dict[str, str]]) -> str:
 def summary_markdown(report: dict[str, Any]) -> str:
     env = report.get("environment", {})
     stages = report.get("stages", {})
-    lines = [f"# GPU check, {report.get('date', '?')}", "",
-             f"{env.get('gpu', 'no GPU')} (compute capability {env.get('capability', '-')}), torch {env.get('torch')}, "
-             f"config **{report.get('config')}** on **{report.get('device')}**; {report.get('elapsed_s', '?')} s in all.", ""]
+    lines = [
+        f"# GPU check, {report.get('date', '?')}",
+        "",
+        f"{env.get('gpu', 'no GPU')} (compute capability {env.get('capability', '-')}), torch {env.get('torch')}, "
+        f"config **{report.get('config')}** on **{report.get('device')}**; {report.get('elapsed_s', '?')} s in all.",
+        "",
+    ]
     if report.get("tiny"):
         lines += ["> Dry run with the tiny config: the figures below exercise the script, they are not comparable with the targets.", ""]
     lines += ["## Targets", "", targets_markdown(target_rows(report)), ""]
     parity = stages.get("parity", {})
     candidates = [k for k, v in parity.items() if isinstance(v, dict) and "outputs" in v]
     if candidates:
-        lines += ["## Parity against CPU fp32 eager (worst over random, padded and stress inputs)", "",
-                  "| backend | output | max abs error | cosine min | elementwise at atol/rtol |", "|---|---|---|---|---|"]
+        lines += [
+            "## Parity against CPU fp32 eager (worst over random, padded and stress inputs)",
+            "",
+            "| backend | output | max abs error | cosine min | elementwise at atol/rtol |",
+            "|---|---|---|---|---|",
+        ]
         for name in candidates:
             for output, v in parity[name]["outputs"].items():
-                lines.append(f"| {name} | {output} | {v['max_abs']:.3g} | {v['cosine_min']:.6f} | {'pass' if v['elementwise_passed'] else 'fail'} "
-                             f"({parity[name]['atol']:g}/{parity[name]['rtol']:g}) |")
+                lines.append(
+                    f"| {name} | {output} | {v['max_abs']:.3g} | {v['cosine_min']:.6f} | {'pass' if v['elementwise_passed'] else 'fail'} "
+                    f"({parity[name]['atol']:g}/{parity[name]['rtol']:g}) |"
+                )
         lines += ["", "| backend | end-to-end token agreement (ddim) | decoder token agreement |", "|---|---|---|"]
         for name in candidates:
             dec = ", ".join(f"{k} {100 * v:.2f}%" for k, v in parity[name]["decoder_token_agreement"].items())
@@ -124,12 +176,23 @@ def summary_markdown(report: dict[str, Any]) -> str:
     latency = stages.get("latency", {}).get("graphs", {})
     if latency:
         backends = sorted({b for cell in latency.values() for b in cell})
-        lines += ["## Latency per graph, p50 ms (speed-up against eager fp32)", "", "| graph | " + " | ".join(backends) + " |",
-                  "|---|" + "---|" * len(backends)]
+        lines += [
+            "## Latency per graph, p50 ms (speed-up against eager fp32)",
+            "",
+            "| graph | " + " | ".join(backends) + " |",
+            "|---|" + "---|" * len(backends),
+        ]
         for key, cell in latency.items():
-            lines.append(f"| {key} | " + " | ".join(
-                f"{cell[b]['p50_ms']:.3f}" + (f" (x{cell[b]['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in cell[b] else "")
-                if b in cell else "-" for b in backends) + " |")
+            lines.append(
+                f"| {key} | "
+                + " | ".join(
+                    f"{cell[b]['p50_ms']:.3f}" + (f" (x{cell[b]['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in cell[b] else "")
+                    if b in cell
+                    else "-"
+                    for b in backends
+                )
+                + " |"
+            )
         lines.append("")
     for name in ("device_loop", "long_sample", "throughput", "batching", "http", "probe_eps", "ort_gpu"):
         if name in stages:

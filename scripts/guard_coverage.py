@@ -42,16 +42,20 @@ ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 # Raises that the suite cannot execute on a CPU machine, or that guard an invariant no input can
 # break. Key: "path::function::text" where text is a substring of the raise's source; value: the
 # reason. Checked by ``classify``: a key that matches no raise is reported as stale.
-GPU = ("needs a CUDA GPU and a failing TensorRT call (execute, context, profile, capture): no input of ours provokes it, "
-       "and scripts/gpu_check.py runs only the paths that succeed")
-DESERIALIZE = ("needs a CUDA GPU: TensorRT deserializes plans only there; a corrupt plan whose sha256 matches its manifest would "
-               "reach it (not written: this task had no GPU)")
+GPU = (
+    "needs a CUDA GPU and a failing TensorRT call (execute, context, profile, capture): no input of ours provokes it, "
+    "and scripts/gpu_check.py runs only the paths that succeed"
+)
+DESERIALIZE = (
+    "needs a CUDA GPU: TensorRT deserializes plans only there; a corrupt plan whose sha256 matches its manifest would "
+    "reach it (not written: this task had no GPU)"
+)
 TRT_BUILD = "a TensorRT build that fails: the message carries TensorRT's own errors; every ONNX we export builds"
 NOT_HERE: dict[str, str] = {
     "ldlm/device.py::resolve_device::cuda:0..cuda:": "needs a CUDA GPU: cuda:N at or above its device count (on CPU the check "
-        "before it answers, tested)",
+    "before it answers, tested)",
     "serve/runtime/backends.py::OrtBackend.__init__::could not start": "needs onnxruntime-gpu whose CUDA/TensorRT provider fails to start; "
-        "the CPU build lists no such provider, so the check before it refuses first (tested)",
+    "the CPU build lists no such provider, so the check before it refuses first (tested)",
     "serve/runtime/tensorrt_engine.py::TensorRTEngine.__init__::could not load": DESERIALIZE,
     "serve/runtime/tensorrt_engine.py::TensorRTEngine.__init__::could not deserialize": DESERIALIZE,
     "serve/runtime/tensorrt_executor.py::PlanExecutor._execute_plain::execute_async_v3 failed": GPU,
@@ -65,7 +69,7 @@ NOT_HERE: dict[str, str] = {
     "export/layernorm_network.py::build_normalization_plan::could not build": TRT_BUILD,
     "export/onnx_export.py::export_graph::returned no program": "torch.onnx.export returning None: a torch failure, not an input",
     "export/onnx_export.py::export_graphs::cannot write to": "a PermissionError: the suite runs as root, who may write anywhere "
-        "(a read-only mount answers EROFS or EPERM depending on the machine); the NotADirectoryError branch beside it is tested",
+    "(a read-only mount answers EROFS or EPERM depending on the machine); the NotADirectoryError branch beside it is tested",
 }
 
 
@@ -155,8 +159,9 @@ def analyse(data_file: Path, root: Path = ROOT) -> tuple[list[RaiseSite], list[B
         else:
             executed, missing_arcs = set(), {}
         for node, function in walker.raises:
-            raises.append(RaiseSite(rel, node.lineno, function, _exception_name(node), lines[node.lineno - 1].strip(),
-                                    node.lineno in executed))
+            raises.append(
+                RaiseSite(rel, node.lineno, function, _exception_name(node), lines[node.lineno - 1].strip(), node.lineno in executed)
+            )
         for node, function in walker.ifs:
             if node.lineno not in executed:
                 continue  # a function no test calls: its raises say more than its branches
@@ -194,13 +199,30 @@ def run_suite(data_file: Path, pytest_args: list[str]) -> float:
         old.unlink()
     rc = data_file.parent / "coveragerc"
     sources = ", ".join(str(ROOT / p) for p in PACKAGES)
-    rc.write_text(f"[run]\nbranch = True\nparallel = True\ndata_file = {data_file}\nsource = {sources}\n"
-                  "patch = subprocess\nconcurrency = thread, multiprocessing\nsigterm = True\n")
+    rc.write_text(
+        f"[run]\nbranch = True\nparallel = True\ndata_file = {data_file}\nsource = {sources}\n"
+        "patch = subprocess\nconcurrency = thread, multiprocessing\nsigterm = True\n"
+    )
     env = {**os.environ, "COVERAGE_RCFILE": str(rc)}
     python = ROOT / ".venv" / "bin" / "python"
     started = time.perf_counter()
-    done = subprocess.run([str(python), "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *(pytest_args or ["tests"])], cwd=ROOT, env=env)
+    done = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "coverage",
+            "run",
+            f"--rcfile={rc}",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *(pytest_args or ["tests"]),
+        ],
+        cwd=ROOT,
+        env=env,
+    )
     seconds = time.perf_counter() - started
     subprocess.run([str(python), "-m", "coverage", "combine", f"--rcfile={rc}", "--keep", "-q"], cwd=ROOT, env=env, check=True)
     print(f"pytest exit status {done.returncode} after {seconds:.0f} s (under coverage)", flush=True)
@@ -209,13 +231,21 @@ def run_suite(data_file: Path, pytest_args: list[str]) -> float:
 
 def markdown(report: dict) -> str:
     r = report
-    out = [f"# Guard coverage ({r['date']})", "",
-           (f"Suite run under coverage.py (branch) in {r['suite_seconds']:.0f} s: `{r['command']}`." if r["suite_seconds"] == r["suite_seconds"]
-            else f"From coverage data of an earlier run: `{r['command']}`."), "",
-           f"- raise statements in ldlm/, export/, serve/: **{r['raises']}**; executed by a test: **{r['raises_executed']}**",
-           f"- not executed, with a reason they cannot run here (listed below): {len(r['not_here'])}",
-           f"- not executed and no reason: **{len(r['untested'])}** (each a gap: a guard no test triggers)",
-           f"- ordering `if`s (bounds, limits) with a branch never taken: {len(r['branches'])}", ""]
+    out = [
+        f"# Guard coverage ({r['date']})",
+        "",
+        (
+            f"Suite run under coverage.py (branch) in {r['suite_seconds']:.0f} s: `{r['command']}`."
+            if r["suite_seconds"] == r["suite_seconds"]
+            else f"From coverage data of an earlier run: `{r['command']}`."
+        ),
+        "",
+        f"- raise statements in ldlm/, export/, serve/: **{r['raises']}**; executed by a test: **{r['raises_executed']}**",
+        f"- not executed, with a reason they cannot run here (listed below): {len(r['not_here'])}",
+        f"- not executed and no reason: **{len(r['untested'])}** (each a gap: a guard no test triggers)",
+        f"- ordering `if`s (bounds, limits) with a branch never taken: {len(r['branches'])}",
+        "",
+    ]
     if r["untested"]:
         out += ["## Untested raises", "", "| file:line | function | raise |", "|---|---|---|"]
         out += [f"| {s['path']}:{s['line']} | {s['function']} | `{s['text'][:90]}` |" for s in r["untested"]]
@@ -232,7 +262,9 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", action="store_true", help="run the suite under coverage first (else read --data)")
-    parser.add_argument("--data", default="runs/guard-coverage/.coverage", help="coverage data file (default: runs/guard-coverage/.coverage)")
+    parser.add_argument(
+        "--data", default="runs/guard-coverage/.coverage", help="coverage data file (default: runs/guard-coverage/.coverage)"
+    )
     parser.add_argument("--out", default="runs/guard-coverage/guard-coverage.json", help="JSON report; the summary goes next to it as .md")
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"), help="date shown in the summary")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests)")
@@ -245,20 +277,27 @@ def main(argv: list[str] | None = None) -> int:
     stale = classify(raises)
     untested = [s for s in raises if not s.executed and s.reason is None]
     report = {
-        "date": args.date, "suite_seconds": seconds,
-        "command": "scripts/guard_coverage.py --run " + " ".join(args.pytest_args) if args.run else f"scripts/guard_coverage.py --data {args.data}",
-        "raises": len(raises), "raises_executed": sum(s.executed for s in raises),
+        "date": args.date,
+        "suite_seconds": seconds,
+        "command": "scripts/guard_coverage.py --run " + " ".join(args.pytest_args)
+        if args.run
+        else f"scripts/guard_coverage.py --data {args.data}",
+        "raises": len(raises),
+        "raises_executed": sum(s.executed for s in raises),
         "untested": [asdict(s) for s in untested],
         "not_here": [asdict(s) for s in raises if not s.executed and s.reason is not None],
         "executed_but_listed_not_here": [asdict(s) for s in raises if s.executed and s.reason is not None],
-        "branches": [asdict(b) for b in branches], "stale_reasons": stale,
+        "branches": [asdict(b) for b in branches],
+        "stale_reasons": stale,
     }
     out = (ROOT / args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
-    print(f"{report['raises_executed']}/{report['raises']} raises executed; {len(untested)} untested without a reason; "
-          f"{len(report['not_here'])} not runnable here; {len(branches)} bound branches with an arc never taken")
+    print(
+        f"{report['raises_executed']}/{report['raises']} raises executed; {len(untested)} untested without a reason; "
+        f"{len(report['not_here'])} not runnable here; {len(branches)} bound branches with an arc never taken"
+    )
     for s in untested:
         print(f"  UNTESTED {s.path}:{s.line} {s.function}: {s.text[:100]}")
     print(f"report: {out} and {out.with_suffix('.md')}")

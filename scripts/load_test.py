@@ -63,9 +63,16 @@ def measure_overhead(url: str, source: str, requests: int) -> dict:
         raw_ms.append(1000 * (time.perf_counter() - start))
     client.close()
     http_p50, raw_p50 = statistics.median(http_ms), statistics.median(raw_ms)
-    return {"requests": requests, "client": "tritonclient (binary tensors)", "http_p50_ms": round(http_p50, 3),
-            "runner_p50_ms": round(raw_p50, 3), "overhead_p50_ms": round(http_p50 - raw_p50, 3),
-            "graph": "encoder", "batch": 1, "length": 16}
+    return {
+        "requests": requests,
+        "client": "tritonclient (binary tensors)",
+        "http_p50_ms": round(http_p50, 3),
+        "runner_p50_ms": round(raw_p50, 3),
+        "overhead_p50_ms": round(http_p50 - raw_p50, 3),
+        "graph": "encoder",
+        "batch": 1,
+        "length": 16,
+    }
 
 
 def cpu_seconds_by_process() -> dict[str, float]:
@@ -131,15 +138,22 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
                 result = run_clients(url, args.clients, args.seconds, d, args.mix, args.gen_length, args.gen_steps)
                 cpu_after = cpu_seconds_by_process()
                 spent = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
-                per_request = {k: round(1000 * v / max(result["answered"], 1), 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0.05}
+                per_request = {
+                    k: round(1000 * v / max(result["answered"], 1), 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0.05
+                }
                 runs[n].append({"round": round_, "loadavg_1m": round(os.getloadavg()[0], 2), **result, "cpu_ms_per_request": per_request})
                 print(f"round {round_}: {n} replica(s): {result['throughput_rps']} req/s", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
     medians = {n: statistics.median(r["throughput_rps"] for r in runs[n]) for n in counts}
-    cpu = {n: {"replicas": statistics.median(r["cpu_ms_per_request"].get("ray::ServeReplica", 0.0) for r in runs[n]),
-               "total": statistics.median(round(sum(r["cpu_ms_per_request"].values()), 3) for r in runs[n])} for n in counts}
+    cpu = {
+        n: {
+            "replicas": statistics.median(r["cpu_ms_per_request"].get("ray::ServeReplica", 0.0) for r in runs[n]),
+            "total": statistics.median(round(sum(r["cpu_ms_per_request"].values()), 3) for r in runs[n]),
+        }
+        for n in counts
+    }
     cores = os.cpu_count() or 1
     # What the CPU cost per request allows on this machine if nothing else ran: n replicas of one
     # intra-op thread use at most about n cores, and all processes together at most `cores`.
@@ -157,11 +171,16 @@ def ray_scaling(source: str, counts: list[int], args: argparse.Namespace) -> dic
         # CPU per answered request, median over rounds: the replicas against everything (proxy,
         # controller, raylet, this load generator). Less affected by other load than throughput.
         "cpu_ms_per_request": {str(n): c for n, c in cpu.items()},
-        "cpu_bound_estimate": {"throughput_rps": {str(n): round(b, 2) for n, b in bound.items()},
-                               "speedup": round(bound[max(counts)] / bound[min(counts)], 3) if bound[min(counts)] else None,
-                               "assumes": f"only this test on the {cores} cores; a replica with 1 intra-op thread uses about one core"},
+        "cpu_bound_estimate": {
+            "throughput_rps": {str(n): round(b, 2) for n, b in bound.items()},
+            "speedup": round(bound[max(counts)] / bound[min(counts)], 3) if bound[min(counts)] else None,
+            "assumes": f"only this test on the {cores} cores; a replica with 1 intra-op thread uses about one core",
+        },
         "runs": {str(n): r for n, r in runs.items()},
-        "load": {"errors": sum(r["errors"] for rs in runs.values() for r in rs), "lost": sum(r["lost"] for rs in runs.values() for r in rs)},
+        "load": {
+            "errors": sum(r["errors"] for rs in runs.values() for r in rs),
+            "lost": sum(r["lost"] for rs in runs.values() for r in rs),
+        },
     }
 
 
@@ -172,8 +191,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--overhead-requests", type=int, default=300, help="0 skips the overhead measurement")
-    parser.add_argument("--mix", choices=["mixed", "generate"], default="mixed",
-                        help="mixed: 70%% encoder, 20%% decoder, 10%% generate; generate: only /v1/generate (default: mixed)")
+    parser.add_argument(
+        "--mix",
+        choices=["mixed", "generate"],
+        default="mixed",
+        help="mixed: 70%% encoder, 20%% decoder, 10%% generate; generate: only /v1/generate (default: mixed)",
+    )
     parser.add_argument("--gen-length", type=int, default=16, help="tokens per /v1/generate request (default: 16)")
     parser.add_argument("--gen-steps", type=int, default=10, help="steps per /v1/generate request (default: 10)")
     parser.add_argument("--ray-replicas", help="compare Ray Serve replica counts on a local Ray cluster, e.g. 1,2")

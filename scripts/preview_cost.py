@@ -82,8 +82,12 @@ def first_preview_seconds(url: str, body: dict, repeats: int) -> dict:
                         break
                     elif not line:
                         event = None  # a blank line ends the event
-    return {"median_ms": round(1000 * statistics.median(times), 2) if times else None,
-            "min_ms": round(1000 * min(times), 2) if times else None, "runs": repeats, "runs_without_preview": repeats - len(times)}
+    return {
+        "median_ms": round(1000 * statistics.median(times), 2) if times else None,
+        "min_ms": round(1000 * min(times), 2) if times else None,
+        "runs": repeats,
+        "runs_without_preview": repeats - len(times),
+    }
 
 
 def main() -> None:
@@ -127,16 +131,23 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {v[-1]:.0f}" for m, v in rates.items()), flush=True)
             medians = {m: statistics.median(v) for m, v in rates.items()}
             report = {
-                "url": url, "clients": args.clients, "requests_per_client": args.requests, "length": args.length,
-                "steps": args.steps, "preview_every": args.every, "rounds": args.rounds, "preview_budget": args.budget,
+                "url": url,
+                "clients": args.clients,
+                "requests_per_client": args.requests,
+                "length": args.length,
+                "steps": args.steps,
+                "preview_every": args.every,
+                "rounds": args.rounds,
+                "preview_budget": args.budget,
                 "sample_steps_per_s": {m: [round(x, 1) for x in v] for m, v in rates.items()},
                 "median_sample_steps_per_s": {m: round(v, 1) for m, v in medians.items()},
                 "throughput_cost": round(1 - medians["previews"] / medians["plain"], 4),
                 # previews are skipped, never queued, when decoding them would exceed the budget
                 "preview_events_per_request": round(received / (args.rounds * args.clients * args.requests), 2),
                 "preview_events_per_request_nominal": (args.steps - 1) // args.every,
-                "first_preview_batch1": {f"preview_every_{k}": first_preview_seconds(url, {**streamed, "preview_every": k}, 10)
-                                         for k in sorted({1, args.every})},
+                "first_preview_batch1": {
+                    f"preview_every_{k}": first_preview_seconds(url, {**streamed, "preview_every": k}, 10) for k in sorted({1, args.every})
+                },
             }
         finally:
             if process is not None:

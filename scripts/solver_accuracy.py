@@ -42,8 +42,9 @@ DETERMINISTIC = [name for name, solver in SOLVERS.items() if not solver.stochast
 SHAPES = {"tiny": (8, 64), "base": (2, 32)}  # (samples, tokens) per preset: base runs 2,000 steps on a CPU
 
 
-def compare_on_model(name: str, steps: list[int], reference_steps: int, seed: int, cache: Path | None = None,
-                     solvers: list[str] = DETERMINISTIC) -> dict[str, Any]:
+def compare_on_model(
+    name: str, steps: list[int], reference_steps: int, seed: int, cache: Path | None = None, solvers: list[str] = DETERMINISTIC
+) -> dict[str, Any]:
     n, length = SHAPES.get(name, (2, 32))
     pipe = LDLMPipeline(init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2())
     started = time.perf_counter()
@@ -61,13 +62,23 @@ def compare_on_model(name: str, steps: list[int], reference_steps: int, seed: in
         rows[solver] = []
         for count in tqdm(steps, desc=f"{name} {solver}", unit="run"):
             latents = pipe.sample_latents(n, length, count, seed, solver)
-            rows[solver].append({
-                "steps": count,
-                "latent_rel_error": round(float((latents - reference).norm() / reference.norm()), 5),
-                "token_agreement": round(float((pipe.decode(latents).token_ids == reference_tokens).float().mean()), 4),
-            })
-    return {"preset": name, "n": n, "length": length, "reference": f"ddim@{reference_steps}", "seed": seed,
-            "seconds": round(time.perf_counter() - started, 1), "solvers": rows, "verdict": verdict(rows)}
+            rows[solver].append(
+                {
+                    "steps": count,
+                    "latent_rel_error": round(float((latents - reference).norm() / reference.norm()), 5),
+                    "token_agreement": round(float((pipe.decode(latents).token_ids == reference_tokens).float().mean()), 4),
+                }
+            )
+    return {
+        "preset": name,
+        "n": n,
+        "length": length,
+        "reference": f"ddim@{reference_steps}",
+        "seed": seed,
+        "seconds": round(time.perf_counter() - started, 1),
+        "solvers": rows,
+        "verdict": verdict(rows),
+    }
 
 
 def verdict(rows: dict[str, list[dict[str, float]]], baseline: tuple[str, int] = ("ddim", 50)) -> dict[str, Any]:
@@ -78,10 +89,15 @@ def verdict(rows: dict[str, list[dict[str, float]]], baseline: tuple[str, int] =
         return {}
     out: dict[str, Any] = {"baseline": f"{baseline[0]}@{baseline[1]}", **{k: base[k] for k in ("latent_rel_error", "token_agreement")}}
     for solver, entries in rows.items():
-        good = [r["steps"] for r in entries
-                if r["latent_rel_error"] <= base["latent_rel_error"] and r["token_agreement"] >= base["token_agreement"]]
-        out[solver] = {"fewest_steps_as_good": min(good) if good else None,
-                       "fewer_calls": round(baseline[1] / min(good), 2) if good else None}
+        good = [
+            r["steps"]
+            for r in entries
+            if r["latent_rel_error"] <= base["latent_rel_error"] and r["token_agreement"] >= base["token_agreement"]
+        ]
+        out[solver] = {
+            "fewest_steps_as_good": min(good) if good else None,
+            "fewer_calls": round(baseline[1] / min(good), 2) if good else None,
+        }
     return out
 
 
@@ -105,8 +121,12 @@ def oracle(steps: list[int]) -> dict[str, Any]:
             errors.append(float((x - exact).norm() / exact.norm()))
         tail = [i for i, c in enumerate(steps) if c >= 50]
         slope = -float(np.polyfit(np.log([steps[i] for i in tail]), np.log([errors[i] for i in tail]), 1)[0]) if len(tail) > 1 else None
-        out[name] = {"grid": solver.grid, "steps": steps, "rel_error": [round(e, 8) for e in errors],
-                     "observed_order": None if slope is None else round(slope, 2)}
+        out[name] = {
+            "grid": solver.grid,
+            "steps": steps,
+            "rel_error": [round(e, 8) for e in errors],
+            "observed_order": None if slope is None else round(slope, 2),
+        }
     return out
 
 
@@ -151,7 +171,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="checkpoint and noise seed (default: 0)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     parser.add_argument("--out", default="runs/solvers.json", help="JSON path; the PNG goes beside it")
-    parser.add_argument("--solvers", default=",".join(DETERMINISTIC), help=f"deterministic solvers to run (default: {','.join(DETERMINISTIC)})")
+    parser.add_argument(
+        "--solvers", default=",".join(DETERMINISTIC), help=f"deterministic solvers to run (default: {','.join(DETERMINISTIC)})"
+    )
     parser.add_argument("--reference-cache", help="directory to keep each reference in (safetensors) and reuse it from")
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
@@ -163,9 +185,13 @@ def main() -> None:
         parser.error(f"--solvers {','.join(bad)}: allowed: {', '.join(DETERMINISTIC)}")
     cache = Path(args.reference_cache) if args.reference_cache else None
     torch.set_num_threads(args.threads)
-    report = {"host": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": args.threads,
-              "oracle": oracle(sorted(set(steps + [200]))),
-              "models": [compare_on_model(name, steps, args.reference_steps, args.seed, cache, solvers) for name in args.presets.split(",")]}
+    report = {
+        "host": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "oracle": oracle(sorted(set(steps + [200]))),
+        "models": [compare_on_model(name, steps, args.reference_steps, args.seed, cache, solvers) for name in args.presets.split(",")],
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, json.dumps(report, indent=2) + "\n")

@@ -47,8 +47,11 @@ MAX_BATCH = 16  # ldlm serve's default max_batch; Triton's max_batch_size is set
 
 def kserve_body(inputs: dict[str, np.ndarray]) -> dict:
     datatypes = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
-    return {"inputs": [{"name": n, "shape": list(v.shape), "datatype": datatypes[v.dtype], "data": v.reshape(-1).tolist()}
-                       for n, v in inputs.items()]}
+    return {
+        "inputs": [
+            {"name": n, "shape": list(v.shape), "datatype": datatypes[v.dtype], "data": v.reshape(-1).tolist()} for n, v in inputs.items()
+        ]
+    }
 
 
 def denoiser_bodies(batch: int, length: int, d: int, count: int, triton: bool) -> list[dict]:
@@ -59,34 +62,49 @@ def denoiser_bodies(batch: int, length: int, d: int, count: int, triton: bool) -
     for seed in range(count):
         rng = np.random.default_rng(seed)
         t = rng.uniform(0.05, 1.0, batch).astype(np.float32)
-        bodies.append(kserve_body({
-            "x_t": rng.standard_normal((batch, length, d)).astype(np.float32).round(4),
-            "t": t.reshape(batch, 1) if triton else t,
-            "x0_prev": rng.standard_normal((batch, length, d)).astype(np.float32).round(4),
-            "attention_mask": np.ones((batch, length), dtype=np.int64)}))
+        bodies.append(
+            kserve_body(
+                {
+                    "x_t": rng.standard_normal((batch, length, d)).astype(np.float32).round(4),
+                    "t": t.reshape(batch, 1) if triton else t,
+                    "x0_prev": rng.standard_normal((batch, length, d)).astype(np.float32).round(4),
+                    "attention_mask": np.ones((batch, length), dtype=np.int64),
+                }
+            )
+        )
     return bodies
 
 
 def triton_generate_body(seed: int, length: int, steps: int) -> dict:
     """traffic.generate_body's request as ldlm_generate's KServe inputs."""
     ours = generate_body(seed, length, steps)
-    scalars = [{"name": name, "shape": [1], "datatype": "INT64", "data": [ours[key]]}
-               for name, key in (("N", "n"), ("LENGTH", "length"), ("STEPS", "steps"), ("SEED", "seed"))]
+    scalars = [
+        {"name": name, "shape": [1], "datatype": "INT64", "data": [ours[key]]}
+        for name, key in (("N", "n"), ("LENGTH", "length"), ("STEPS", "steps"), ("SEED", "seed"))
+    ]
     return {"inputs": [*scalars, {"name": "SAMPLER", "shape": [1], "datatype": "BYTES", "data": [ours["sampler"]]}]}
 
 
 def workloads(args: argparse.Namespace, d: int) -> dict[str, dict[str, object]]:
     """name -> server -> request_for(client, i) as run_clients takes it."""
-    pools = {(b, t): [json.dumps(body).encode() for body in denoiser_bodies(b, args.length, d, 16, t)] for b in (1, 8) for t in (False, True)}
+    pools = {
+        (b, t): [json.dumps(body).encode() for body in denoiser_bodies(b, args.length, d, 16, t)] for b in (1, 8) for t in (False, True)
+    }
     return {
         f"denoiser-b{b}": {
             "ldlm serve": lambda c, i, b=b: ("/v2/models/denoiser/infer", pools[(b, False)][(c + i) % 16]),
             "triton": lambda c, i, b=b: ("/v2/models/denoiser/infer", pools[(b, True)][(c + i) % 16]),
-        } for b in (1, 8)
-    } | {"generate": {
-        "ldlm serve": lambda c, i: ("/v1/generate", generate_body(c * 100000 + i, args.gen_length, args.gen_steps)),
-        "triton": lambda c, i: ("/v2/models/ldlm_generate/infer", triton_generate_body(c * 100000 + i, args.gen_length, args.gen_steps)),
-    }}
+        }
+        for b in (1, 8)
+    } | {
+        "generate": {
+            "ldlm serve": lambda c, i: ("/v1/generate", generate_body(c * 100000 + i, args.gen_length, args.gen_steps)),
+            "triton": lambda c, i: (
+                "/v2/models/ldlm_generate/infer",
+                triton_generate_body(c * 100000 + i, args.gen_length, args.gen_steps),
+            ),
+        }
+    }
 
 
 def agreement(urls: dict[str, str], d: int, args: argparse.Namespace) -> dict:
@@ -96,7 +114,9 @@ def agreement(urls: dict[str, str], d: int, args: argparse.Namespace) -> dict:
         theirs = http.post(f"{urls['triton']}/v2/models/denoiser/infer", json=denoiser_bodies(8, args.length, d, 1, True)[0]).json()
         x_ours, x_theirs = (np.asarray(r["outputs"][0]["data"], dtype=np.float32) for r in (ours, theirs))
         texts_ours = http.post(f"{urls['ldlm serve']}/v1/generate", json=generate_body(7, args.gen_length, args.gen_steps)).json()["texts"]
-        answer = http.post(f"{urls['triton']}/v2/models/ldlm_generate/infer", json=triton_generate_body(7, args.gen_length, args.gen_steps)).json()
+        answer = http.post(
+            f"{urls['triton']}/v2/models/ldlm_generate/infer", json=triton_generate_body(7, args.gen_length, args.gen_steps)
+        ).json()
         texts_theirs = next(o["data"] for o in answer["outputs"] if o["name"] == "TEXTS")
     return {"denoiser_b8_max_abs_diff": float(np.abs(x_ours - x_theirs).max()), "generate_same_texts": texts_ours == texts_theirs}
 
@@ -107,10 +127,20 @@ def counters(server: str, url: str) -> dict[str, dict[str, float]]:
     ldlm serve's generation scheduler counts its denoiser steps under "generate"."""
     if server == "triton":
         stats = httpx.get(f"{url}/v2/models/stats", timeout=10).json()["model_stats"]
-        return {m["name"]: {"inferences": float(m["inference_count"]), "executions": float(m["execution_count"]),
-                            "compute_s": float(m["inference_stats"]["compute_infer"]["ns"]) / 1e9} for m in stats}
+        return {
+            m["name"]: {
+                "inferences": float(m["inference_count"]),
+                "executions": float(m["execution_count"]),
+                "compute_s": float(m["inference_stats"]["compute_infer"]["ns"]) / 1e9,
+            }
+            for m in stats
+        }
     found: dict[str, dict[str, float]] = {}
-    names = {"ldlm_inference_count_total": "inferences", "ldlm_execution_count_total": "executions", "ldlm_compute_duration_seconds_sum": "compute_s"}
+    names = {
+        "ldlm_inference_count_total": "inferences",
+        "ldlm_execution_count_total": "executions",
+        "ldlm_compute_duration_seconds_sum": "compute_s",
+    }
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         metric, _, rest = line.partition("{")
         if metric in names and 'model="' in rest:
@@ -126,9 +156,12 @@ def batching(before: dict, after: dict, seconds: float) -> dict[str, dict[str, f
         start = before.get(model, {})
         delta = {k: v - start.get(k, 0.0) for k, v in end.items()}
         if delta.get("executions"):
-            report[model] = {"executions": int(delta["executions"]), "samples_per_execution": round(delta["inferences"] / delta["executions"], 2),
-                             "compute_ms_per_execution": round(1000 * delta["compute_s"] / delta["executions"], 2),
-                             "compute_busy_share": round(delta["compute_s"] / seconds, 3)}
+            report[model] = {
+                "executions": int(delta["executions"]),
+                "samples_per_execution": round(delta["inferences"] / delta["executions"], 2),
+                "compute_ms_per_execution": round(1000 * delta["compute_s"] / delta["executions"], 2),
+                "compute_busy_share": round(delta["compute_s"] / seconds, 3),
+            }
     return report
 
 
@@ -138,8 +171,13 @@ def host() -> dict:
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
-    return {"cpus": os.cpu_count(), "machine": platform.machine(), "avx512f": "avx512f" in flags, "avx2": "avx2" in flags,
-            "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "avx512f": "avx512f" in flags,
+        "avx2": "avx2" in flags,
+        "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def main() -> None:
@@ -185,20 +223,33 @@ def main() -> None:
                     result = run_clients(urls[server], args.clients, args.seconds, d, request_for=request_for)
                     result["batching"] = batching(before, counters(server, urls[server]), result["seconds"])
                     results[name][server].append(result)
-                    print(f"{name:12s} {server:10s} {result['throughput_rps']:8.2f} req/s  p50 {result['latency_p50_ms']} ms  "
-                          f"p99 {result['latency_p99_ms']} ms  errors {result['errors']}", flush=True)
+                    print(
+                        f"{name:12s} {server:10s} {result['throughput_rps']:8.2f} req/s  p50 {result['latency_p50_ms']} ms  "
+                        f"p99 {result['latency_p99_ms']} ms  errors {result['errors']}",
+                        flush=True,
+                    )
         finally:
             report["ldlm_serve_exit_code"] = stop_server(ours)
             if triton is not None:
                 report["triton_exit_code"] = triton.stop()
     report["host"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-    report["results"] = {name: {server: {
-        "requests_per_s": round(statistics.mean(r["throughput_rps"] for r in runs), 2),
-        "p50_ms": round(statistics.mean(r["latency_p50_ms"] for r in runs), 2),
-        "p99_ms": round(statistics.mean(r["latency_p99_ms"] for r in runs), 2),
-        "runs": runs} for server, runs in per_server.items()} for name, per_server in results.items()}
-    report["ldlm_serve_over_triton_rps"] = {name: round(r["ldlm serve"]["requests_per_s"] / r["triton"]["requests_per_s"], 2)
-                                           for name, r in report["results"].items() if r["triton"]["requests_per_s"]}
+    report["results"] = {
+        name: {
+            server: {
+                "requests_per_s": round(statistics.mean(r["throughput_rps"] for r in runs), 2),
+                "p50_ms": round(statistics.mean(r["latency_p50_ms"] for r in runs), 2),
+                "p99_ms": round(statistics.mean(r["latency_p99_ms"] for r in runs), 2),
+                "runs": runs,
+            }
+            for server, runs in per_server.items()
+        }
+        for name, per_server in results.items()
+    }
+    report["ldlm_serve_over_triton_rps"] = {
+        name: round(r["ldlm serve"]["requests_per_s"] / r["triton"]["requests_per_s"], 2)
+        for name, r in report["results"].items()
+        if r["triton"]["requests_per_s"]
+    }
     report["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     write_report(report, args.out)
     errors = sum(r["errors"] + r["lost"] for per in results.values() for runs in per.values() for r in runs)

@@ -45,9 +45,11 @@ def node_of(graph: onnx.GraphProto, module: str) -> onnx.NodeProto:
 
 def set_eps(module: str, eps: float) -> Callable[[onnx.GraphProto], None]:
     """An ``edited_export`` edit: ``module``'s LayerNormalization node gets epsilon ``eps``."""
+
     def edit(graph: onnx.GraphProto) -> None:
         node = node_of(graph, module)
         kept = [a for a in node.attribute if a.name != "epsilon"]
         del node.attribute[:]
         node.attribute.extend([*kept, onnx.helper.make_attribute("epsilon", eps)])
+
     return edit

@@ -36,7 +36,11 @@ class RunningServer:
 
 def infer_body(**overrides: object) -> dict[str, object]:
     """A valid KServe v2 infer request for the encoder (one sequence of 3 tokens), fields overridable."""
-    body: dict[str, object] = {"inputs": [{"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]},
-                                          {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}]}
+    body: dict[str, object] = {
+        "inputs": [
+            {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]},
+            {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]},
+        ]
+    }
     body.update(overrides)
     return body

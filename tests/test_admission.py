@@ -74,17 +74,24 @@ def test_requests_past_their_deadline_are_refused_up_front_naming_the_estimate(s
         late = httpx.post(f"{url}/v1/generate", json={"n": 4, "length": LENGTH, "steps": 300, "timeout_s": timeout}, timeout=300)
         assert late.status_code == 503, late.text
         assert int(late.headers["retry-after"]) >= 1
-        assert "s of work queued ahead of it + " in late.json()["error"] and f"beyond its deadline of {timeout:.1f} s" in late.json()["error"]
-        fits = httpx.post(f"{url}/v1/completions", json={"model": "ldlm", "max_tokens": LENGTH, "n": 4, "steps": 300, "sampler": "ddim",
-                                                         "timeout_s": 2 * (own + queued)}, timeout=300)
+        assert (
+            "s of work queued ahead of it + " in late.json()["error"] and f"beyond its deadline of {timeout:.1f} s" in late.json()["error"]
+        )
+        fits = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "ldlm", "max_tokens": LENGTH, "n": 4, "steps": 300, "sampler": "ddim", "timeout_s": 2 * (own + queued)},
+            timeout=300,
+        )
         assert fits.status_code == 200, fits.text
     finally:
         for future in ahead:
             future.cancel()
     after = httpx.get(f"{url}/metrics", timeout=30).text
     for reason in ("too_large", "deadline"):
-        assert metric(after, "ldlm_request_refused_total", model="generate", reason=reason) == \
-            metric(before, "ldlm_request_refused_total", model="generate", reason=reason) + 1
+        assert (
+            metric(after, "ldlm_request_refused_total", model="generate", reason=reason)
+            == metric(before, "ldlm_request_refused_total", model="generate", reason=reason) + 1
+        )
     assert metric(after, "ldlm_generate_sample_steps_per_second", bucket=str(LENGTH)) > 0
 
 

@@ -18,8 +18,9 @@ def test_cli_ray_options_need_ray(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "ldlm serve: error: --replicas, --autoscale only apply with --ray; add --ray, or leave them out" in capsys.readouterr().err
 
 
-def test_cli_ray_without_ray_installed_says_what_to_install(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_ray_without_ray_installed_says_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError, as where Ray is not installed
     monkeypatch.delitem(sys.modules, "ldlm.serve.deploy.ray_app", raising=False)
     assert main(["serve", str(tmp_path), "--ray"]) == 2

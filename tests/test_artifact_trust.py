@@ -26,11 +26,13 @@ from tests.artifacts import reseal_manifest
 
 # Only the artifact tests that open an export need ONNX Runtime; the config bounds and the clean-up
 # of a killed writer's leftovers run without it.
-needs_ort = pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None,
-                               reason="the export is opened with ONNX Runtime (pip install -e .[cpu])")
+needs_ort = pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None, reason="the export is opened with ONNX Runtime (pip install -e .[cpu])"
+)
 
 
 # --- 6. config bounds ---------------------------------------------------------------------------
+
 
 def test_a_billion_layers_is_refused_at_load(tmp_path: Path) -> None:
     data = preset("tiny").to_dict() | {"denoiser_layers": 1_000_000_000}
@@ -63,6 +65,7 @@ def test_other_fields_reject_wrong_types() -> None:
 
 
 # --- 7. artifacts ---------------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def export_copy(export_dir: Path, tmp_path: Path) -> Path:
@@ -102,8 +105,11 @@ def test_symlink_out_of_the_directory_is_refused(export_copy: Path, tmp_path: Pa
 def test_the_tokenizer_is_trusted_only_with_its_sha256(export_copy: Path) -> None:
     """A server decodes every text with tokenizer.json: an edited one would change every answer."""
     record = json.loads((export_copy / "manifest.json").read_text())["tokenizer"]
-    assert record == {"file": "tokenizer.json", "sha256": hashlib.sha256((export_copy / "tokenizer.json").read_bytes()).hexdigest(),
-                      "bytes": (export_copy / "tokenizer.json").stat().st_size}
+    assert record == {
+        "file": "tokenizer.json",
+        "sha256": hashlib.sha256((export_copy / "tokenizer.json").read_bytes()).hexdigest(),
+        "bytes": (export_copy / "tokenizer.json").stat().st_size,
+    }
     open_graphs("ort", export_copy)  # as exported: trusted
     text = (export_copy / "tokenizer.json").read_text()
     (export_copy / "tokenizer.json").write_text(text.replace('"the"', '"thE"', 1))
@@ -138,7 +144,9 @@ def test_edited_weight_bytes_are_refused_by_every_consumer(export_copy: Path, ti
         LDLMService(str(export_copy), ServerSettings())
     with pytest.raises(ArtifactError, match=message):
         run_parity(tiny_checkpoint, "ort", source=export_copy)
-    result = subprocess.run([sys.executable, "-m", "ldlm.cli", "verify-onnx", str(export_copy)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "ldlm.cli", "verify-onnx", str(export_copy)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode != 0 and "does not match the sha256" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -22,8 +22,10 @@ def test_eager_and_ort_share_the_contract_and_agree(tiny_checkpoint: Path, expor
         assert eager[name].input_names == ort[name].input_names
         assert set(eager[name].output_names) <= set(ort[name].output_names)
     assert all(g.provider == "CPUExecutionProvider" for g in ort.values())
-    feed = {"latents": np.random.default_rng(0).standard_normal((2, 5, config.d_model)).astype(np.float32),
-            "attention_mask": np.ones((2, 5), dtype=np.int64)}
+    feed = {
+        "latents": np.random.default_rng(0).standard_normal((2, 5, config.d_model)).astype(np.float32),
+        "attention_mask": np.ones((2, 5), dtype=np.int64),
+    }
     np.testing.assert_array_equal(eager["decoder"].run(feed)["token_ids"], ort["decoder"].run(feed)["token_ids"])
 
 
@@ -43,8 +45,9 @@ def test_inputs_are_checked_at_the_boundary(export_dir: Path) -> None:
         denoiser.run({**good, "t": np.zeros(2, np.float32)})
     long = np.zeros((1, config.max_seq_len + 1, config.d_model), np.float32)
     with pytest.raises(BackendError, match=f"1 <= seq <= {config.max_seq_len}"):  # outside the graph's shape range
-        denoiser.run({"x_t": long, "t": np.zeros(1, np.float32), "x0_prev": long,
-                      "attention_mask": np.ones((1, config.max_seq_len + 1), np.int64)})
+        denoiser.run(
+            {"x_t": long, "t": np.zeros(1, np.float32), "x0_prev": long, "attention_mask": np.ones((1, config.max_seq_len + 1), np.int64)}
+        )
 
 
 def test_missing_backend_and_unsupported_precision(tiny_checkpoint: Path, export_dir: Path, monkeypatch) -> None:

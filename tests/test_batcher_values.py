@@ -30,8 +30,9 @@ def run_batched(backend: EagerBackend, inputs: list[dict[str, np.ndarray]]) -> t
     """Submit every request before the worker can start a batch (max_batch = their total, a long
     delay), so they run as one batch; the observer records the batch sizes."""
     sizes: list[int] = []
-    batcher = DynamicBatcher(backend, max_batch=len(inputs), max_delay_ms=60_000,
-                             observer=lambda batch, queued, compute: sizes.append(batch))
+    batcher = DynamicBatcher(
+        backend, max_batch=len(inputs), max_delay_ms=60_000, observer=lambda batch, queued, compute: sizes.append(batch)
+    )
     try:
         futures = [batcher.submit(feed) for feed in inputs]
         results = [f.result(timeout=60) for f in futures]
@@ -116,7 +117,9 @@ def test_freed_memory_is_given_back_after_large_batches_only(tiny_model: LDLM, m
     monkeypatch.setattr(batcher_module, "release_freed_memory", lambda: trims.append(1))
     small, large = feeds("decoder", [4, 12], tiny_model.config.d_model)
     # between the two requests' input bytes: only the larger one is followed by a trim
-    monkeypatch.setattr(batcher_module, "TRIM_AFTER_BYTES", (sum(a.nbytes for a in small.values()) + sum(a.nbytes for a in large.values())) // 2)
+    monkeypatch.setattr(
+        batcher_module, "TRIM_AFTER_BYTES", (sum(a.nbytes for a in small.values()) + sum(a.nbytes for a in large.values())) // 2
+    )
     backend = EagerBackend(tiny_model, "decoder")
     batcher = DynamicBatcher(backend, max_batch=1, max_delay_ms=0)
     try:

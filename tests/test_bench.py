@@ -15,10 +15,39 @@ pytest.importorskip("onnxruntime", reason="ONNX Runtime is one of the benchmarke
 
 def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench"
-    code = main(["bench", str(tiny_checkpoint), "--onnx-dir", str(export_dir), "--runs", "2", "--batches", "1,2", "--length", "16",
-                 "--gen-n", "1", "--gen-steps", "2", "--workload-requests", "6", "--workload-rate", "200", "--max-batch", "4",
-                 "--workload-lengths", "16,4096", "--solvers", "ddim@30,ddim@3,dpm3m-psc@3", "--solver-reference-steps", "30",
-                 "--quiet", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            str(tiny_checkpoint),
+            "--onnx-dir",
+            str(export_dir),
+            "--runs",
+            "2",
+            "--batches",
+            "1,2",
+            "--length",
+            "16",
+            "--gen-n",
+            "1",
+            "--gen-steps",
+            "2",
+            "--workload-requests",
+            "6",
+            "--workload-rate",
+            "200",
+            "--max-batch",
+            "4",
+            "--workload-lengths",
+            "16,4096",
+            "--solvers",
+            "ddim@30,ddim@3,dpm3m-psc@3",
+            "--solver-reference-steps",
+            "30",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     assert set(report["graphs"]) == {f"{g}/b{b}/L16" for g in ("encoder", "denoiser", "decoder") for b in (1, 2)}
@@ -37,7 +66,9 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     generation = report["generation"]["ort"]
     assert generation["tokens_per_s"] == pytest.approx(generation["n"] * generation["length"] / generation["p50_s"], rel=1e-2)
     batching = report["batching"]
-    assert batching["throughput_ratio"] == pytest.approx(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], rel=1e-2)
+    assert batching["throughput_ratio"] == pytest.approx(
+        batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], rel=1e-2
+    )
     assert batching["p99_ratio"] == pytest.approx(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], rel=1e-2)
     assert batching["continuous_mixed_solvers"]["errors"] == 0 and batching["continuous_mixed_solvers"]["requests"] == 6
     solvers = report["solvers"]["entries"]

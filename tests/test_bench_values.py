@@ -76,10 +76,15 @@ def test_generation_tokens_per_second(monkeypatch) -> None:
 def test_percentile_and_summary_lines() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([5.0], 99) == 5.0
-    report = {"graphs": {"encoder/b1/L8": {"eager": {"p50_ms": 4.0}, "ort": {"p50_ms": 1.0, "speedup_vs_eager": 4.0}}},
-              "generation": {"ort": {"tokens_per_s": 12.5, "n": 1, "length": 8, "steps": 2, "sampler": "ddim"}},
-              "batching": {"continuous": {"tokens_per_s": 30, "latency_p99_s": 1.0}, "static": {"tokens_per_s": 10, "latency_p99_s": 2.0},
-                           "throughput_ratio": 3.0}}
+    report = {
+        "graphs": {"encoder/b1/L8": {"eager": {"p50_ms": 4.0}, "ort": {"p50_ms": 1.0, "speedup_vs_eager": 4.0}}},
+        "generation": {"ort": {"tokens_per_s": 12.5, "n": 1, "length": 8, "steps": 2, "sampler": "ddim"}},
+        "batching": {
+            "continuous": {"tokens_per_s": 30, "latency_p99_s": 1.0},
+            "static": {"tokens_per_s": 10, "latency_p99_s": 2.0},
+            "throughput_ratio": 3.0,
+        },
+    }
     lines = bench_summary(report)
     assert "ort p50 1.00 ms (x4.00)" in lines[0]
     assert "continuous 30 vs static 10 tokens/s (x3.0)" in lines[-1]

@@ -113,8 +113,11 @@ def test_a_client_that_leaves_while_its_request_is_being_queued_leaves_nothing_q
     before = metric(metrics(server), "ldlm_request_cancelled_total", model="generate", reason="disconnect")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/generate", json=LONG, timeout=0.5)
-    wait_until(lambda: metric(metrics(server), "ldlm_request_cancelled_total", model="generate", reason="disconnect") == before + 1,
-               10, "the server noticing the disconnect")
+    wait_until(
+        lambda: metric(metrics(server), "ldlm_request_cancelled_total", model="generate", reason="disconnect") == before + 1,
+        10,
+        "the server noticing the disconnect",
+    )
     release.set()
     wait_until(lambda: bool(queued) and queued[0].cancelled(), 10, "the late-queued request being cancelled")
     wait_until(lambda: idle(scheduler), 10, "the late-queued samples leaving")
@@ -131,8 +134,12 @@ def test_a_graph_request_cancelled_while_it_waits_never_runs(export_dir: Path) -
             httpx.post(f"{running.url}/v2/models/encoder/infer", json=infer_body(), timeout=1)
         wait_until(lambda: batcher.queued == 0, 10, "the abandoned request leaving the queue")
         answers: list[httpx.Response] = []
-        threads = [threading.Thread(target=lambda: answers.append(
-            httpx.post(f"{running.url}/v2/models/encoder/infer", json=infer_body(), timeout=20))) for _ in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{running.url}/v2/models/encoder/infer", json=infer_body(), timeout=20))
+            )
+            for _ in range(2)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -97,8 +97,11 @@ def test_leftovers_of_other_targets_and_live_writers_are_kept(tmp_path: Path) ->
     leave it alone even though ``v2`` is no PID; names with glob characters are matched literally."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    others = [tmp_path / f".ckpt.v2.{dead.pid}.abcd1234.tmp", tmp_path / f".ckpt.v2.{os.getpid()}.abcd1234.tmp",
-              tmp_path / f".ckpt.12.{dead.pid}.abcd1234.tmp"]
+    others = [
+        tmp_path / f".ckpt.v2.{dead.pid}.abcd1234.tmp",
+        tmp_path / f".ckpt.v2.{os.getpid()}.abcd1234.tmp",
+        tmp_path / f".ckpt.12.{dead.pid}.abcd1234.tmp",
+    ]
     for folder in others:
         folder.mkdir()
     bracketed = tmp_path / "ck[pt]"

@@ -54,15 +54,35 @@ def test_bench_integer_lists_parse(tmp_path: Path) -> None:
 
 def test_bench_length_above_max_seq_len_is_an_error(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
-    argv = ["bench", str(tiny_checkpoint), "--length", "1000", "--out", str(out), "--quiet",
-            "--backends", "eager", "--batches", "1", "--runs", "1", "--gen-n", "1", "--gen-steps", "1", "--workload-requests", "0"]
+    argv = [
+        "bench",
+        str(tiny_checkpoint),
+        "--length",
+        "1000",
+        "--out",
+        str(out),
+        "--quiet",
+        "--backends",
+        "eager",
+        "--batches",
+        "1",
+        "--runs",
+        "1",
+        "--gen-n",
+        "1",
+        "--gen-steps",
+        "1",
+        "--workload-requests",
+        "0",
+    ]
     assert main(argv) == 2
     assert "ldlm bench: error: length=1000 is out of range; allowed: 1..128 (config max_seq_len)" in capsys.readouterr().err
     assert not out.exists()
 
 
-def test_init_on_an_existing_directory_refuses_before_building(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_init_on_an_existing_directory_refuses_before_building(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -76,14 +96,15 @@ def test_init_on_an_existing_directory_refuses_before_building(tmp_path: Path, m
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_verify_onnx_on_a_plain_file_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_onnx_on_a_plain_file_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     Path("README.md").write_text("# not an export\n")
     assert main(["verify-onnx", "README.md"]) == 2
     err = capsys.readouterr().err
-    assert "README.md is a file, not an export directory or an .onnx file; allowed: a directory written by " \
-           "`ldlm export`, or an .onnx file in one" in err
+    assert (
+        "README.md is a file, not an export directory or an .onnx file; allowed: a directory written by "
+        "`ldlm export`, or an .onnx file in one" in err
+    )
     assert ". has no" not in err
 
     Path("loose.onnx").write_bytes(b"")
@@ -96,7 +117,9 @@ def test_probe_eps_checks_the_artifact_before_loading_the_checkpoint(tmp_path: P
     from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 
     missing = tmp_path / "no-checkpoint"
-    with pytest.raises(ValueError, match=r"an artifact is needed; allowed: --onnx-dir DIR \(ONNX Runtime\) or --engine-dir DIR \(TensorRT\)"):
+    with pytest.raises(
+        ValueError, match=r"an artifact is needed; allowed: --onnx-dir DIR \(ONNX Runtime\) or --engine-dir DIR \(TensorRT\)"
+    ):
         probe_layer_norm_eps(missing)
     with pytest.raises(ValueError, match=r"onnx_dir='.*no-export' is not a directory; allowed: a directory written by `ldlm export`"):
         probe_layer_norm_eps(missing, onnx_dir=tmp_path / "no-export")
@@ -104,16 +127,19 @@ def test_probe_eps_checks_the_artifact_before_loading_the_checkpoint(tmp_path: P
     assert "an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, value, allowed", [
-    ("--steps", "1000000000", "1..1000 denoising steps (as ldlm serve's max_steps)"),  # was 12 GB of time grid
-    ("--steps", "1001", "1..1000 denoising steps (as ldlm serve's max_steps)"),
-    ("--n", "1000000000", "1..64 samples per run (as ldlm serve's max_n)"),  # was 4.2 GB of noise
-    ("--n", "65", "1..64 samples per run (as ldlm serve's max_n)"),
-    ("--seed", "-1", "0..9223372036854775807"),
-    ("--seed", "9223372036854775808", "0..9223372036854775807"),
-    ("--t-min", "5", "a number in (0, 1), both ends excluded"),
-    ("--t-min", "nan", "a number in (0, 1), both ends excluded"),
-])
+@pytest.mark.parametrize(
+    "option, value, allowed",
+    [
+        ("--steps", "1000000000", "1..1000 denoising steps (as ldlm serve's max_steps)"),  # was 12 GB of time grid
+        ("--steps", "1001", "1..1000 denoising steps (as ldlm serve's max_steps)"),
+        ("--n", "1000000000", "1..64 samples per run (as ldlm serve's max_n)"),  # was 4.2 GB of noise
+        ("--n", "65", "1..64 samples per run (as ldlm serve's max_n)"),
+        ("--seed", "-1", "0..9223372036854775807"),
+        ("--seed", "9223372036854775808", "0..9223372036854775807"),
+        ("--t-min", "5", "a number in (0, 1), both ends excluded"),
+        ("--t-min", "nan", "a number in (0, 1), both ends excluded"),
+    ],
+)
 def test_generate_has_the_servers_caps(option: str, value: str, allowed: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error(["generate", "CKPT", option, value], capsys)
     assert f"argument {option}: {value} is out of range; allowed: {allowed}" in err
@@ -146,12 +172,15 @@ def test_generate_length_above_the_checkpoints_limit_in_cli_words(tiny_checkpoin
     assert "ldlm generate: error: --length 129 is out of range; allowed: 1..128 (the checkpoint's max_seq_len)" in capsys.readouterr().err
 
 
-def test_generate_defaults_come_from_the_checkpoint_config(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_defaults_come_from_the_checkpoint_config(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from ldlm.pipeline import LDLMPipeline
 
     calls: list[tuple] = []
-    monkeypatch.setattr(LDLMPipeline, "generate", lambda self, *args, **kwargs: calls.append(args) or (_ for _ in ()).throw(ValueError("stop")))
+    monkeypatch.setattr(
+        LDLMPipeline, "generate", lambda self, *args, **kwargs: calls.append(args) or (_ for _ in ()).throw(ValueError("stop"))
+    )
     assert main(["generate", str(tiny_checkpoint), "--quiet"]) == 2
     n, length, steps, seed, sampler, t_min = calls[0]
     assert (steps, sampler) == (21, "dpm3m-psc")  # the tiny preset's default_steps and default_sampler
@@ -196,8 +225,12 @@ def test_ctrl_c_ends_a_command_with_one_line_and_130(monkeypatch: pytest.MonkeyP
 def test_ctrl_c_during_a_real_export(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """SIGINT to ``ldlm export`` once its progress bar is up: one line, exit code 130, nothing left in OUT."""
     out = tmp_path / "onnx"
-    process = subprocess.Popen([sys.executable, "-P", "-m", "ldlm.cli", "export", str(tiny_checkpoint), str(out)],
-                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        [sys.executable, "-P", "-m", "ldlm.cli", "export", str(tiny_checkpoint), str(out)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         seen = b""
         while b"%|" not in seen:  # tqdm's bar: the export is under way
@@ -216,8 +249,13 @@ def test_ctrl_c_during_a_real_export(tiny_checkpoint: Path, tmp_path: Path) -> N
 
 
 def serve_process(source: Path, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-P", "-m", "ldlm.cli", "serve", str(source), "--port", str(port), "--log-level", "warning"],
-                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-P", "-m", "ldlm.cli", "serve", str(source), "--port", str(port), "--log-level", "warning"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        text=True,
+    )
 
 
 def first_line(stream, timeout_s: float) -> str:

@@ -48,8 +48,20 @@ def test_verify_onnx_exit_codes(export_dir: Path, tmp_path: Path, capsys) -> Non
 def test_build_engine_one_graph(export_dir: Path, tmp_path: Path, capsys) -> None:
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX builds the plan (pip install -e .[rtx])")
     out = tmp_path / "engines"
-    code = run(["build-engine", str(export_dir), str(out), "--flavor", "tensorrt_rtx", "--graphs", "decoder",
-                "--profile", "batch=1:1:2,seq=1:8:16", "--quiet"])
+    code = run(
+        [
+            "build-engine",
+            str(export_dir),
+            str(out),
+            "--flavor",
+            "tensorrt_rtx",
+            "--graphs",
+            "decoder",
+            "--profile",
+            "batch=1:1:2,seq=1:8:16",
+            "--quiet",
+        ]
+    )
     assert code == 0
     manifest = json.loads((out / "decoder.plan.json").read_text())
     assert manifest["profiles"] == [{"batch": [1, 1, 2], "seq": [1, 8, 16]}] and manifest["layer_norms"] == 6

@@ -72,7 +72,9 @@ def test_typed_variant_keeps_layer_norms_and_io_in_fp32(engines) -> None:
     layer_norms = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
     assert len(layer_norms) == 6
     assert all(types[name] == onnx.TensorProto.FLOAT for n in layer_norms for name in n.input)
-    matmul_weights = [n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in {i.name for i in model.graph.initializer}]
+    matmul_weights = [
+        n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in {i.name for i in model.graph.initializer}
+    ]
     lowered = [w for w in matmul_weights if types[w] == low]
     # The rest read only value-independent tensors (the first block's latent-bank queries), which stay FP32.
     assert len(lowered) >= 0.8 * len(matmul_weights), (len(lowered), len(matmul_weights))
@@ -84,8 +86,10 @@ def test_typed_variant_keeps_layer_norms_and_io_in_fp32(engines) -> None:
 def test_fp16_variant_stays_close_to_fp32_in_onnx_runtime(export_dir: Path, tmp_path: Path) -> None:
     ort = pytest.importorskip("onnxruntime")
     lower_precision(export_dir / "decoder.onnx", tmp_path / "decoder.fp16.onnx", "fp16")
-    feed = {"latents": np.random.default_rng(0).standard_normal((2, 12, 64)).astype(np.float32),
-            "attention_mask": np.ones((2, 12), dtype=np.int64)}
+    feed = {
+        "latents": np.random.default_rng(0).standard_normal((2, 12, 64)).astype(np.float32),
+        "attention_mask": np.ones((2, 12), dtype=np.int64),
+    }
     ids32, logits32 = ort.InferenceSession(str(export_dir / "decoder.onnx")).run(None, feed)
     ids16, logits16 = ort.InferenceSession(str(tmp_path / "decoder.fp16.onnx")).run(None, feed)
     assert logits16.dtype == np.float32
@@ -158,7 +162,10 @@ def test_plan_from_another_version_or_gpu_is_refused(engines) -> None:
     flavor = load_flavor("tensorrt_rtx")
     check_plan_manifest(manifest, flavor, GpuInfo(None, None))  # the same TensorRT: accepted
     older = {**manifest, "trt_version": "1.2.0"}
-    with pytest.raises(PlanMismatchError, match=r"built by tensorrt_rtx 1.2.0, but this process runs tensorrt_rtx .*rebuild it on this machine: ldlm build-engine"):
+    with pytest.raises(
+        PlanMismatchError,
+        match=r"built by tensorrt_rtx 1.2.0, but this process runs tensorrt_rtx .*rebuild it on this machine: ldlm build-engine",
+    ):
         check_plan_manifest(older, flavor, GpuInfo(None, None))
     datacenter = {**manifest, "flavor": "tensorrt", "build_host": {"gpu": "NVIDIA H100", "compute_capability": "9.0"}}
 

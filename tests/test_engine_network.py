@@ -38,13 +38,20 @@ def layer_norm_chain(path: Path, count: int = 4) -> tuple[list[LayerNormSpec], d
         weight = (1 + 0.1 * gen.standard_normal(8)).astype(np.float32)
         bias = (0.1 * gen.standard_normal(8)).astype(np.float32)
         inits += [numpy_helper.from_array(weight, f"ln{i}.weight"), numpy_helper.from_array(bias, f"ln{i}.bias")]
-        nodes += [helper.make_node("LayerNormalization", [last, f"ln{i}.weight", f"ln{i}.bias"], [f"n{i}"], axis=-1, epsilon=1e-5, name=f"ln{i}"),
-                  helper.make_node("Relu", [f"n{i}"], [f"r{i}"], name=f"relu{i}")]
+        nodes += [
+            helper.make_node("LayerNormalization", [last, f"ln{i}.weight", f"ln{i}.bias"], [f"n{i}"], axis=-1, epsilon=1e-5, name=f"ln{i}"),
+            helper.make_node("Relu", [f"n{i}"], [f"r{i}"], name=f"relu{i}"),
+        ]
         specs.append(LayerNormSpec(f"ln{i}", 1e-5, -1, digest(weight), digest(bias), weight, bias))
         last = f"r{i}"
     shape = ["batch", "seq", 8]
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info(last, TensorProto.FLOAT, shape)], inits)
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info(last, TensorProto.FLOAT, shape)],
+        inits,
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
     io = [{"name": "x", "dtype": "FLOAT", "shape": shape}]
     return specs, {"inputs": io, "outputs": [{**io[0], "name": last}]}
@@ -94,8 +101,10 @@ def test_layer_norm_overflow_warning_fails_the_build(flavor, tmp_path: Path, mon
     @contextlib.contextmanager
     def capture_with_warning():
         with real_capture() as messages:
-            logger.log(flavor.trt.ILogger.Severity.WARNING,
-                       "Detected layernorm nodes in FP16. Running layernorm after self-attention in FP16 may cause overflow.")
+            logger.log(
+                flavor.trt.ILogger.Severity.WARNING,
+                "Detected layernorm nodes in FP16. Running layernorm after self-attention in FP16 may cause overflow.",
+            )
             yield messages
 
     specs, entry = layer_norm_chain(tmp_path / "chain.onnx", count=2)

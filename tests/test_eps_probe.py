@@ -49,10 +49,12 @@ DECODER_MLP_LN = "model.latent_decoder.blocks.1.mlp.norm"
 
 def swap_parameters(first: str, second: str) -> Callable[[onnx.GraphProto], None]:
     """Node ``first`` reads ``second``'s scale and bias, and the other way round."""
+
     def edit(graph: onnx.GraphProto) -> None:
         a, b = node_of(graph, first), node_of(graph, second)
         a_params, b_params = list(a.input[1:]), list(b.input[1:])
         a.input[1:], b.input[1:] = b_params, a_params
+
     return edit
 
 
@@ -100,9 +102,15 @@ def test_cli_norm_init_random_and_loaded_gpt2_norms_are_kept(tmp_path: Path, tin
     model, _ = load_checkpoint(tmp_path / "ckpt")
     assert not torch.all(model.token_decoder.norm.weight == 1) and not torch.all(model.latent_std == 1)
     transformers = pytest.importorskip("transformers", reason="transformers writes the local GPT-2 directory")
-    hf = transformers.GPT2Model(transformers.GPT2Config(
-        n_layer=tiny_config.gpt2_layers, n_embd=tiny_config.d_model, n_head=tiny_config.n_heads,
-        vocab_size=tiny_config.gpt2_vocab_size, n_positions=tiny_config.gpt2_positions))
+    hf = transformers.GPT2Model(
+        transformers.GPT2Config(
+            n_layer=tiny_config.gpt2_layers,
+            n_embd=tiny_config.d_model,
+            n_head=tiny_config.n_heads,
+            vocab_size=tiny_config.gpt2_vocab_size,
+            n_positions=tiny_config.gpt2_positions,
+        )
+    )
     with torch.no_grad():
         hf.h[0].ln_1.weight.uniform_(0.5, 1.5)
     hf.save_pretrained(tmp_path / "gpt2")
@@ -165,12 +173,18 @@ def test_correct_export_passes_with_implied_eps_of_every_layer_norm(tiny_checkpo
     assert EpsProbeReport.from_dict(json.loads(json.dumps(report.to_dict()))).to_dict() == report.to_dict()
 
 
-@pytest.mark.parametrize(("graph", "module", "eps"), [
-    ("encoder", ENCODER_LN, 1e-6), ("encoder", ENCODER_MLP_LN, 1e-4),
-    ("decoder", DECODER_LN, 1e-6), ("decoder", DECODER_MLP_LN, 1e-4),
-])
-def test_eps_changed_in_one_node_fails_naming_node_and_module(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path,
-                                                               graph: str, module: str, eps: float) -> None:
+@pytest.mark.parametrize(
+    ("graph", "module", "eps"),
+    [
+        ("encoder", ENCODER_LN, 1e-6),
+        ("encoder", ENCODER_MLP_LN, 1e-4),
+        ("decoder", DECODER_LN, 1e-6),
+        ("decoder", DECODER_MLP_LN, 1e-4),
+    ],
+)
+def test_eps_changed_in_one_node_fails_naming_node_and_module(
+    tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, graph: str, module: str, eps: float
+) -> None:
     broken = edited_export(export_dir, tmp_path / "broken", graph, set_eps(module, eps))
     report = probe_layer_norm_eps(tiny_checkpoint, onnx_dir=broken)
     assert not report.passed and report.status == "FAILED"
@@ -257,12 +271,17 @@ def test_parity_cli_fails_on_a_decoder_eps_of_1e4(tiny_checkpoint: Path, export_
 
 def test_parity_fails_on_a_structural_verifier_failure_alone(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path) -> None:
     """A dangling decomposed LayerNorm changes no output: only the structural verifier can fail it."""
+
     def add_decomposed(graph: onnx.GraphProto) -> None:
         make = onnx.helper.make_node
-        graph.node.extend([make("ReduceMean", ["latents"], ["dangling_mean"], name="dangling_mean"),
-                           make("Sub", ["latents", "dangling_mean"], ["dangling_centered"], name="dangling_sub"),
-                           make("Mul", ["dangling_centered", "dangling_centered"], ["dangling_sq"], name="dangling_sq"),
-                           make("ReduceMean", ["dangling_sq"], ["dangling_var"], name="dangling_var")])
+        graph.node.extend(
+            [
+                make("ReduceMean", ["latents"], ["dangling_mean"], name="dangling_mean"),
+                make("Sub", ["latents", "dangling_mean"], ["dangling_centered"], name="dangling_sub"),
+                make("Mul", ["dangling_centered", "dangling_centered"], ["dangling_sq"], name="dangling_sq"),
+                make("ReduceMean", ["dangling_sq"], ["dangling_var"], name="dangling_var"),
+            ]
+        )
 
     broken = edited_export(export_dir, tmp_path / "broken", "decoder", add_decomposed)
     report = run_parity(tiny_checkpoint, "ort", source=broken)

@@ -23,8 +23,10 @@ from tests.artifacts import ENCODER_LN, edited_export, set_eps
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no one-layer engine was built")
 SMALL = (EngineProfile(ShapeRange(1, 2, 4), ShapeRange(1, 16, 64)),)
 GPU = torch.cuda.is_available()
-NOT_RUN_ON_CPU = ("no CUDA GPU: the one-layer TensorRT engines were not executed (deserialize_cuda_engine, "
-                  "execute_async_v3), so no implied eps, output check or fixed case ran on TensorRT")
+NOT_RUN_ON_CPU = (
+    "no CUDA GPU: the one-layer TensorRT engines were not executed (deserialize_cuda_engine, "
+    "execute_async_v3), so no implied eps, output check or fixed case ran on TensorRT"
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +86,17 @@ def test_engine_probes_build_every_layer_and_say_what_did_not_run(tiny_checkpoin
     assert "not exercised: no CUDA GPU" in capsys.readouterr().out
 
 
-def test_a_changed_eps_is_read_back_and_fails_naming_layer_and_module(tiny_checkpoint: Path, export_dir: Path, engines: Path,
-                                                                      tiny_model, tmp_path: Path) -> None:
+def test_a_changed_eps_is_read_back_and_fails_naming_layer_and_module(
+    tiny_checkpoint: Path, export_dir: Path, engines: Path, tiny_model, tmp_path: Path
+) -> None:
     from ldlm.serve.checks.eps_probe_trt import probe_layer
 
     broken = edited_export(export_dir, tmp_path / "broken", "encoder", set_eps(ENCODER_LN, 1e-6))
     flavor = load_flavor("tensorrt_rtx")
-    probes = [probe_layer(flavor, "encoder", layer, module, tiny_model, 0, can_run=False)
-              for layer, module in layers_with_modules(broken / "encoder.onnx", tiny_model, "encoder")]
+    probes = [
+        probe_layer(flavor, "encoder", layer, module, tiny_model, 0, can_run=False)
+        for layer, module in layers_with_modules(broken / "encoder.onnx", tiny_model, "encoder")
+    ]
     [failed] = [p for p in probes if p.problems]
     assert failed.module == ENCODER_LN and failed.node_eps == pytest.approx(1e-6)
     assert f"layer {failed.node!r} (module {ENCODER_LN}): epsilon 1e-06 after parsing != module eps 1e-05" in failed.problems[0]

@@ -18,8 +18,9 @@ from ldlm.export.onnx_export import export_graphs, verify_export
 from ldlm.model import LDLM
 
 # Only the tests that run a graph need ONNX Runtime; the manifest and verification tests run without it.
-needs_ort = pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None,
-                               reason="ONNX Runtime runs the exported graphs (pip install -e .[cpu])")
+needs_ort = pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None, reason="ONNX Runtime runs the exported graphs (pip install -e .[cpu])"
+)
 ATOL = 1e-5
 
 
@@ -37,8 +38,10 @@ def test_export_writes_verified_graphs_and_manifest(export_dir: Path, tiny_model
     io = {name: (g["inputs"], g["outputs"]) for name, g in manifest["graphs"].items()}
     d, v = tiny_model.config.d_model, tiny_model.config.vocab_size
     assert io["encoder"] == (
-        [{"name": "input_ids", "dtype": "INT64", "shape": ["batch", "seq"]},
-         {"name": "attention_mask", "dtype": "INT64", "shape": ["batch", "seq"]}],
+        [
+            {"name": "input_ids", "dtype": "INT64", "shape": ["batch", "seq"]},
+            {"name": "attention_mask", "dtype": "INT64", "shape": ["batch", "seq"]},
+        ],
         [{"name": "latents", "dtype": "FLOAT", "shape": ["batch", "seq", d]}],
     )
     assert [i["name"] for i in io["denoiser"][0]] == ["x_t", "t", "x0_prev", "attention_mask"]

@@ -20,8 +20,18 @@ def test_export_result_points_at_the_final_files(tiny_checkpoint: Path, tmp_path
 
 def test_quiet_export_prints_no_constant_folding_notice(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """The decoder's query LayerNorm runs over constants; onnxscript logs that it does not fold it."""
-    argv = [sys.executable, "-m", "ldlm.cli", "export", str(tiny_checkpoint), str(tmp_path / "onnx"), "--graphs", "decoder",
-            "--with-logits", "--quiet"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ldlm.cli",
+        "export",
+        str(tiny_checkpoint),
+        str(tmp_path / "onnx"),
+        "--graphs",
+        "decoder",
+        "--with-logits",
+        "--quiet",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "PASSED decoder" in done.stdout

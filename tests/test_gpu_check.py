@@ -30,10 +30,19 @@ def report(**overrides: object) -> dict:
         "latency": {"graphs": {"denoiser/b1/L128": {"eager": {"p50_ms": 9.0}, "compiled-bf16": {"p50_ms": 3.0, "speedup_vs_eager": 3.0}}}},
         "batching": {"throughput_ratio": 1.4, "p99_ratio": 1.05, "requests": 100, "rate_per_s": 50, "max_batch": 16},
         "http": {"overhead": {"overhead_p50_ms": 1.5, "http_p50_ms": 3.0, "runner_p50_ms": 1.5, "graph": "encoder"}},
-        "parity": {"eager-bf16": {"token_agreement": 0.995, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.9991}}},
-                   "compiled-bf16": {"token_agreement": 0.99, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.999}}}},
-        "previews": {"throughput_cost": 0.1001, "preview_events_per_request": 9.0, "preview_events_per_request_nominal": 9,
-                     "clients": 16, "length": 128, "steps": 50, "first_preview_batch1": {"median_ms": 12.5}},
+        "parity": {
+            "eager-bf16": {"token_agreement": 0.995, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.9991}}},
+            "compiled-bf16": {"token_agreement": 0.99, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.999}}},
+        },
+        "previews": {
+            "throughput_cost": 0.1001,
+            "preview_events_per_request": 9.0,
+            "preview_events_per_request_nominal": 9,
+            "clients": 16,
+            "length": 128,
+            "steps": 50,
+            "first_preview_batch1": {"median_ms": 12.5},
+        },
     }
     stages.update(overrides)  # type: ignore[arg-type]
     return {"stages": stages}
@@ -55,7 +64,9 @@ def test_each_target_is_judged_at_its_boundary() -> None:
 
 
 def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
-    r = report(http={"error": "RuntimeError: ldlm serve exited with 1"}, throughput={"skipped": "time budget"}, previews={"skipped": "time budget"})
+    r = report(
+        http={"error": "RuntimeError: ldlm serve exited with 1"}, throughput={"skipped": "time budget"}, previews={"skipped": "time budget"}
+    )
     del r["stages"]["long_sample"]
     rows = target_rows(r)
     assert [row["verdict"] for row in rows] == ["not measured", "not measured", "met", "MISSED", "not measured", "met", "not measured"]
@@ -65,8 +76,22 @@ def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
 
 
 def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--device", "cpu", "--out", str(tmp_path),
-                           "--stages", "device_loop,http,previews,probe_eps"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "gpu_check.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--stages",
+            "device_loop,http,previews,probe_eps",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["config"] == "tiny" and data["device"] == "cpu"
@@ -85,8 +110,12 @@ def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
 
 
 def test_unknown_stage_is_refused(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--stages", "warp"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--stages", "warp"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "names unknown stages; allowed: parity" in done.stderr
 
 
@@ -127,8 +156,12 @@ def test_first_preview_is_timed_on_preview_events_only() -> None:
 
 
 def test_absent_device_is_refused_by_name(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--device", "cuda:99"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--device", "cuda:99"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--device: device='cuda:99' is not available" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "gpu_check.json").exists()
 
@@ -148,16 +181,28 @@ def wrapper_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     (fake_bin / "python3").write_text("#!/bin/sh\necho 'the python3 on PATH was run, not $PYTHON' >&2\nexit 97\n")
     (fake_bin / "python3").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "GPU_CHECK_")) and k not in ("PYTHONPATH", "OUT")}
-    env.update(PATH=f"{fake_bin}{os.pathsep}{env.get('PATH', '')}", PYTHON=sys.executable,
-               PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple/", PIP_RETRIES="0", PIP_TIMEOUT="2",
-               GPU_CHECK_SITE=str(tmp_path / "site"), **extra)
+    env.update(
+        PATH=f"{fake_bin}{os.pathsep}{env.get('PATH', '')}",
+        PYTHON=sys.executable,
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_INDEX_URL="http://127.0.0.1:9/simple/",
+        PIP_RETRIES="0",
+        PIP_TIMEOUT="2",
+        GPU_CHECK_SITE=str(tmp_path / "site"),
+        **extra,
+    )
     return env
 
 
 def run_wrapper(tree: Path, out: Path, env: dict[str, str]) -> tuple[str, dict]:
     """Runs the wrapper's CPU dry run; checks what it wrote; returns setup.log and the report."""
-    done = subprocess.run(["bash", str(tree / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu",
-                           "--stages", WRAPPER_STAGES, "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        ["bash", str(tree / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu", "--stages", WRAPPER_STAGES, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     setup = (out / "setup.log").read_text() if (out / "setup.log").exists() else "(no setup.log)"
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-3000:]}\nsetup.log:\n{setup[-3000:]}"
     assert f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}" in done.stdout
@@ -170,7 +215,10 @@ def run_wrapper(tree: Path, out: Path, env: dict[str, str]) -> tuple[str, dict]:
     assert stages["device_loop"]["skipped"].startswith("not on CUDA") and "error" not in stages["probe_eps"]
     summary = (out / "gpu_check.md").read_text()
     assert "## device_loop" in summary and "## probe_eps" in summary
-    assert "| bf16 against fp32, deterministic sampler | token agreement >= 99% | - | not measured | stage parity skipped: not selected (--stages) |" in summary
+    assert (
+        "| bf16 against fp32, deterministic sampler | token agreement >= 99% | - | not measured | stage parity skipped: not selected (--stages) |"
+        in summary
+    )
     return setup, data
 
 
@@ -196,8 +244,9 @@ def test_wrapper_dry_run_uses_the_given_python_and_installs_nothing(tmp_path: Pa
     env = wrapper_env(tmp_path)
     setup, data = run_wrapper(REPO, tmp_path / "out", env)
     # The ldlm this interpreter imports by itself (no cwd on sys.path): the wrapper installs nothing.
-    expected = subprocess.run([sys.executable, "-P", "-c", "import ldlm; print(ldlm.__file__)"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, check=True).stdout.strip()
+    expected = subprocess.run(
+        [sys.executable, "-P", "-c", "import ldlm; print(ldlm.__file__)"], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert ldlm_from(setup) == expected == data["environment"]["ldlm_from"]
     assert "installing into" not in setup and not (tmp_path / "site").exists()
     assert data["environment"]["python"] == ".".join(map(str, sys.version_info[:3]))
@@ -222,8 +271,26 @@ def test_wrapper_forced_install_puts_the_tree_into_the_site_offline(tmp_path: Pa
 def test_wrapper_falls_back_to_the_carried_ldlm_wheel(tmp_path: Path) -> None:
     tree = copy_tree(tmp_path / "tree")
     env = wrapper_env(tmp_path, GPU_CHECK_FORCE_INSTALL="1")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(tree / ".whl"), str(tree)], env=env, cwd=tree, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(tree / ".whl"),
+            str(tree),
+        ],
+        env=env,
+        cwd=tree,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     shutil.rmtree(tree / "build", ignore_errors=True)
     # The tree cannot be built (as on a Python without the build backend): the wheel must be used.
     pyproject = tree / "pyproject.toml"

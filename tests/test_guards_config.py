@@ -14,7 +14,8 @@ from ldlm.config import LDLMConfig, preset
 
 # Fields that other rules tie to the one under test, set so that only the tested bound decides.
 COMPANIONS: dict[tuple[str, int], dict[str, object]] = {
-    ("d_model", 2): {"n_heads": 1}, ("d_model", 16384): {"n_heads": 1},
+    ("d_model", 2): {"n_heads": 1},
+    ("d_model", 16384): {"n_heads": 1},
     ("n_heads", 256): {"d_model": 512},  # head_dim 2, even
     ("max_seq_len", 65536): {"gpt2_positions": 65536},
     ("vocab_size", 2): {"gpt2_vocab_size": 1, "mask_token_id": 1, "eos_token_id": 0},
@@ -23,9 +24,19 @@ COMPANIONS: dict[tuple[str, int], dict[str, object]] = {
     ("gpt2_positions", 1): {"max_seq_len": 1},
 }
 INT_BOUNDS = [  # (field, low, high), from the documented ranges
-    ("d_model", 2, 16384), ("n_heads", 1, 256), ("max_seq_len", 1, 65536), ("vocab_size", 2, 1 << 20), ("gpt2_layers", 1, 96),
-    ("gpt2_vocab_size", 1, 1 << 20), ("gpt2_positions", 1, 65536), ("encoder_layers", 1, 128), ("decoder_layers", 1, 128),
-    ("mlp_ratio", 1, 64), ("denoiser_layers", 2, 256), ("swiglu_hidden", 1, 262144), ("token_decoder_layers", 1, 128),
+    ("d_model", 2, 16384),
+    ("n_heads", 1, 256),
+    ("max_seq_len", 1, 65536),
+    ("vocab_size", 2, 1 << 20),
+    ("gpt2_layers", 1, 96),
+    ("gpt2_vocab_size", 1, 1 << 20),
+    ("gpt2_positions", 1, 65536),
+    ("encoder_layers", 1, 128),
+    ("decoder_layers", 1, 128),
+    ("mlp_ratio", 1, 64),
+    ("denoiser_layers", 2, 256),
+    ("swiglu_hidden", 1, 262144),
+    ("token_decoder_layers", 1, 128),
     ("default_steps", 1, 100000),
 ]
 FLOAT_BOUNDS = [("layer_norm_eps", 1.0), ("rms_norm_eps", 1.0), ("rope_theta", 1e9), ("time_max_period", 1e6), ("schedule_d", 1e3)]

@@ -67,7 +67,12 @@ class PbUtils(types.ModuleType):
                 n, length = self.inputs["attention_mask"].shape
                 return InferenceResponse([Tensor("token_ids", np.full((n, length), 383, np.int64))])
 
-        self.Tensor, self.TritonError, self.InferenceResponse, self.InferenceRequest = Tensor, TritonError, InferenceResponse, InferenceRequest
+        self.Tensor, self.TritonError, self.InferenceResponse, self.InferenceRequest = (
+            Tensor,
+            TritonError,
+            InferenceResponse,
+            InferenceRequest,
+        )
 
     @staticmethod
     def get_input_tensor_by_name(request, name):
@@ -101,8 +106,11 @@ def generate_model(tmp_path: Path, monkeypatch):
 def inputs(pb: PbUtils, **values) -> dict:
     tensors = {}
     for name, value in values.items():
-        array = np.array([value.encode()], dtype=np.object_) if isinstance(value, str) else \
-            np.array([value], dtype=np.float32 if isinstance(value, float) else np.int64)
+        array = (
+            np.array([value.encode()], dtype=np.object_)
+            if isinstance(value, str)
+            else np.array([value], dtype=np.float32 if isinstance(value, float) else np.int64)
+        )
         tensors[name] = pb.Tensor(name, array)
     return tensors
 
@@ -112,9 +120,12 @@ def test_generate_refuses_each_input_outside_its_range(generate_model) -> None:
     model = make(max_n="4", max_steps="5")
     good = {"N": 1, "LENGTH": 4, "STEPS": 1, "SEED": 0, "SAMPLER": "ddim"}
     for changes, message in (
-        ({"N": 0}, "N=0 is out of range; allowed: 1..4"), ({"N": 5}, "N=5 is out of range; allowed: 1..4"),
-        ({"LENGTH": 0}, "LENGTH=0 is out of range; allowed: 1..128"), ({"LENGTH": 129}, "LENGTH=129 is out of range; allowed: 1..128"),
-        ({"STEPS": 0}, "STEPS=0 is out of range; allowed: 1..5"), ({"STEPS": 6}, "STEPS=6 is out of range; allowed: 1..5"),
+        ({"N": 0}, "N=0 is out of range; allowed: 1..4"),
+        ({"N": 5}, "N=5 is out of range; allowed: 1..4"),
+        ({"LENGTH": 0}, "LENGTH=0 is out of range; allowed: 1..128"),
+        ({"LENGTH": 129}, "LENGTH=129 is out of range; allowed: 1..128"),
+        ({"STEPS": 0}, "STEPS=0 is out of range; allowed: 1..5"),
+        ({"STEPS": 6}, "STEPS=6 is out of range; allowed: 1..5"),
         ({"SAMPLER": "euler"}, "SAMPLER='euler' is unknown; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc"),
         ({"T_MIN": 1.0}, "t_min=1.0 is invalid; allowed: (0, 1)"),
     ):
@@ -167,8 +178,13 @@ def test_an_edited_tokenizer_in_the_repository_is_refused(generate_model, tmp_pa
     TextTokenizer.gpt2().save(tokenizer.parent)
     found = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
     assert make(tokenizer_sha256=found).tokenizer.encode([" The"]) == [[383]]  # the recorded file loads
-    with pytest.raises(RuntimeError, match=re.escape(f"{tokenizer} has sha256 {found}, but config.pbtxt's tokenizer_sha256 is {'1' * 64}; "
-                                                     "rewrite the repository with `ldlm triton-repo`")):
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            f"{tokenizer} has sha256 {found}, but config.pbtxt's tokenizer_sha256 is {'1' * 64}; "
+            "rewrite the repository with `ldlm triton-repo`"
+        ),
+    ):
         make(tokenizer_sha256="1" * 64)
     with pytest.raises(RuntimeError, match=re.escape("but config.pbtxt's tokenizer_sha256 is None")):
         make()  # a tokenizer.json that config.pbtxt has no record of
@@ -196,8 +212,9 @@ def test_ray_options_at_their_edges() -> None:
     assert RayOptions(replicas=1, min_replicas=0, max_replicas=1).autoscaling  # scale to zero is allowed
     assert RayOptions(replicas=4, min_replicas=4, max_replicas=4).deployment_options()["autoscaling_config"]["initial_replicas"] == 4
     for low, replicas, high in ((2, 1, 4), (1, 5, 4), (-1, 1, 4)):
-        with pytest.raises(ValueError, match=re.escape(f"autoscaling needs 0 <= min_replicas ({low}) <= replicas ({replicas}) "
-                                                       f"<= max_replicas ({high})")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"autoscaling needs 0 <= min_replicas ({low}) <= replicas ({replicas}) <= max_replicas ({high})")
+        ):
             RayOptions(replicas=replicas, min_replicas=low, max_replicas=high)
     with pytest.raises(ValueError, match="min_replicas and max_replicas go together"):
         RayOptions(max_replicas=3)
@@ -206,10 +223,17 @@ def test_ray_options_at_their_edges() -> None:
     with pytest.raises(ValueError, match=re.escape("num_cpus=1.0 and num_gpus=-0.5 must be >= 0")):
         RayOptions(num_gpus=-0.5)
     assert RayOptions(num_cpus=0, num_gpus=0.25).deployment_options() == {
-        "max_ongoing_requests": 64, "max_queued_requests": 1024, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.25}, "num_replicas": 1}
+        "max_ongoing_requests": 64,
+        "max_queued_requests": 1024,
+        "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.25},
+        "num_replicas": 1,
+    }
     assert RayOptions(replicas=3, min_replicas=1, max_replicas=5, target_ongoing_requests=2.5).deployment_options() == {
-        "max_ongoing_requests": 64, "max_queued_requests": 1024, "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
-        "autoscaling_config": {"min_replicas": 1, "max_replicas": 5, "initial_replicas": 3, "target_ongoing_requests": 2.5}}
+        "max_ongoing_requests": 64,
+        "max_queued_requests": 1024,
+        "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 5, "initial_replicas": 3, "target_ongoing_requests": 2.5},
+    }
     assert ray_app._typed(RayOptions, {"replicas": "2", "num_gpus": "0"}) == {"replicas": 2, "num_gpus": 0.0}
     assert [ray_app._parse("flag", word, bool) for word in ("true", "FALSE", " 1 ", "0")] == [True, False, True, False]
     assert ray_app.parse_autoscale(" 2 : 8 ") == (2, 8)

@@ -57,8 +57,10 @@ def test_each_file_record_needs_its_sha256_and_size(tmp_path: Path) -> None:
 
 def test_tokenizer_record_must_name_the_tokenizer_file(tmp_path: Path) -> None:
     for record in ({"file": "vocab.json", "sha256": "0" * 64}, "tokenizer.json", {"sha256": "0" * 64}):
-        with raises(ArtifactError, f"{tmp_path / 'manifest.json'}: tokenizer entry {record!r} is invalid; allowed: "
-                                   "{'file': 'tokenizer.json', 'sha256': ...}"):
+        with raises(
+            ArtifactError,
+            f"{tmp_path / 'manifest.json'}: tokenizer entry {record!r} is invalid; allowed: {{'file': 'tokenizer.json', 'sha256': ...}}",
+        ):
             check_tokenizer(tmp_path, record)
     check_tokenizer(tmp_path, None)  # no record and no file: GPT-2's built-in tokenizer, nothing to check
 
@@ -68,8 +70,12 @@ def test_weights_file_missing_from_the_manifest_is_refused(export_dir: Path, tmp
     shutil.copytree(export_dir, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     del manifest["graphs"]["denoiser"]["files"]["denoiser.onnx.data"]  # the weights file, no longer hashed
-    with pytest.raises(ArtifactError, match=re.escape(f"{copy / 'denoiser.onnx'} reads tensor ") + r"'[^']+'" +
-                       re.escape(" from 'denoiser.onnx.data', which " + f"{copy / 'manifest.json'} does not list; re-export it")):
+    with pytest.raises(
+        ArtifactError,
+        match=re.escape(f"{copy / 'denoiser.onnx'} reads tensor ")
+        + r"'[^']+'"
+        + re.escape(" from 'denoiser.onnx.data', which " + f"{copy / 'manifest.json'} does not list; re-export it"),
+    ):
         check_artifacts(copy, manifest)
 
 
@@ -137,7 +143,9 @@ def test_a_missing_tensorrt_flavour_is_named() -> None:
 
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("NVIDIA TensorRT is installed here: the not-installed message cannot be provoked")
-    with pytest.raises(FlavorError, match=r"TensorRT flavour 'tensorrt' is not installed \(tensorrt: No module named 'tensorrt'\); install it"):
+    with pytest.raises(
+        FlavorError, match=r"TensorRT flavour 'tensorrt' is not installed \(tensorrt: No module named 'tensorrt'\); install it"
+    ):
         load_flavor("tensorrt")
     with raises(FlavorError, "flavor='trt' is unknown; allowed: tensorrt, tensorrt_rtx"):
         load_flavor("trt")
@@ -148,7 +156,9 @@ def test_verification_failures_name_every_failing_graph() -> None:
     bad = VerifyResult("decoder", "d.onnx", 3, 2, ["3 LayerNormalization nodes, 2 modules"])
     ok.raise_for_problems()
     assert verify_all([ok]) == [ok]
-    with raises(VerificationError, "d.onnx: FAILED decoder: 3 LayerNormalization node(s), 2 expected\n  - 3 LayerNormalization nodes, 2 modules"):
+    with raises(
+        VerificationError, "d.onnx: FAILED decoder: 3 LayerNormalization node(s), 2 expected\n  - 3 LayerNormalization nodes, 2 modules"
+    ):
         bad.raise_for_problems()
     with pytest.raises(VerificationError) as error:
         verify_all([ok, bad, dataclasses.replace(bad, graph="denoiser", path="n.onnx")])
@@ -165,8 +175,12 @@ def test_triton_repository_inputs(export_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "repo"
     with raises(RepositoryError, f"{tmp_path / 'nope'} is not a directory; allowed: an `ldlm export` or `ldlm build-engine` directory"):
         write_triton_repo(tmp_path / "nope", out)
-    for name, value, allowed in (("max_batch", 0, "1..65536"), ("max_batch", 65537, "1..65536"), ("max_n", 0, "1..65536"),
-                                 ("max_n", 65537, "1..65536")):
+    for name, value, allowed in (
+        ("max_batch", 0, "1..65536"),
+        ("max_batch", 65537, "1..65536"),
+        ("max_n", 0, "1..65536"),
+        ("max_n", 65537, "1..65536"),
+    ):
         with raises(RepositoryError, f"{name}={value} is out of range; allowed: {allowed}"):
             write_triton_repo(export_dir, out, **{name: value})
     with raises(RepositoryError, "cc_model_filenames need engine directories; the source is an ONNX export"):
@@ -183,8 +197,10 @@ def test_triton_repository_inputs(export_dir: Path, tmp_path: Path) -> None:
     for graph, precision in (("encoder", "fp32"), ("denoiser", "fp16"), ("decoder", "fp32")):
         (mixed / f"{graph}.plan").write_bytes(b"plan")
         (mixed / f"{graph}.plan.json").write_text(json.dumps({"flavor": "tensorrt_rtx", "trt_version": "1.2", "precision": precision}))
-    with raises(RepositoryError, f"{mixed} is mixed: its plans come from different builds "
-                                 "[('tensorrt_rtx', '1.2', 'fp16'), ('tensorrt_rtx', '1.2', 'fp32')]"):
+    with raises(
+        RepositoryError,
+        f"{mixed} is mixed: its plans come from different builds [('tensorrt_rtx', '1.2', 'fp16'), ('tensorrt_rtx', '1.2', 'fp32')]",
+    ):
         write_triton_repo(mixed, out)
     assert not out.exists()
 
@@ -193,9 +209,14 @@ def test_triton_config_validation_names_what_differs(monkeypatch) -> None:
     pytest.importorskip("tritonclient.grpc", reason="config.pbtxt is validated with tritonclient's schema (pip install -e .[test])")
     from ldlm.export.triton_repo import RepositoryError, validate_config
 
-    io = {"inputs": [{"name": "x", "dtype": "FLOAT", "shape": ["batch", 4]}], "outputs": [{"name": "y", "dtype": "INT64", "shape": ["batch"]}]}
-    good = ('name: "m"\nmax_batch_size: 8\ninput [{ name: "x" data_type: TYPE_FP32 dims: [4] }]\n'
-            'output [{ name: "y" data_type: TYPE_INT64 dims: [1] reshape: { shape: [] } }]\n')
+    io = {
+        "inputs": [{"name": "x", "dtype": "FLOAT", "shape": ["batch", 4]}],
+        "outputs": [{"name": "y", "dtype": "INT64", "shape": ["batch"]}],
+    }
+    good = (
+        'name: "m"\nmax_batch_size: 8\ninput [{ name: "x" data_type: TYPE_FP32 dims: [4] }]\n'
+        'output [{ name: "y" data_type: TYPE_INT64 dims: [1] reshape: { shape: [] } }]\n'
+    )
     assert validate_config(good, io, "m/config.pbtxt").max_batch_size == 8
     with raises(RepositoryError, "m/config.pbtxt: input names ['z'] != graph's ['x']"):
         validate_config(good.replace('name: "x"', 'name: "z"'), io, "m/config.pbtxt")

@@ -32,8 +32,9 @@ PROMPT = "Hi there"  # 2 tokens: [17250, 612]
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_texts=4, max_steps=50,
-                              max_body_bytes=1 << 20)
+    settings = ServerSettings(
+        port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_texts=4, max_steps=50, max_body_bytes=1 << 20
+    )
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()
@@ -85,8 +86,7 @@ def complete(client, **kwargs):
 def test_completion_stops_at_end_of_text_and_counts_only_the_tokens_before_it(client, force) -> None:
     force(HELLO + [EOS] + [WORLD] * 7, [WORLD] * 10)  # choice 0 ends after " Hello there"; choice 1 never ends
     result = complete(client, prompt="", max_tokens=10, n=2, seed=1)
-    assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [
-        (0, " Hello there", "stop"), (1, " world" * 10, "length")]
+    assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [(0, " Hello there", "stop"), (1, " world" * 10, "length")]
     assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (0, 12, 12)
 
 
@@ -119,7 +119,11 @@ def test_each_prompt_of_a_list_is_cut_on_its_own_row(client, force) -> None:
     force(HELLO + [EOS] * 4, [WORLD] * 6)
     result = complete(client, prompt=["", ""], max_tokens=6, n=2, seed=5)
     assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [
-        (0, " Hello there", "stop"), (1, " world" * 6, "length"), (2, " Hello there", "stop"), (3, " world" * 6, "length")]
+        (0, " Hello there", "stop"),
+        (1, " world" * 6, "length"),
+        (2, " Hello there", "stop"),
+        (3, " world" * 6, "length"),
+    ]
     assert result.usage.completion_tokens == 2 + 6 + 2 + 6
 
 
@@ -149,7 +153,9 @@ def kserve_body(arrays: dict[str, np.ndarray], binary: bool) -> tuple[bytes, dic
             spec["data"] = array.reshape(-1).tolist()
         inputs.append(spec)
     head = json.dumps({"inputs": inputs}).encode()
-    headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))} if binary else {"Content-Type": "application/json"}
+    headers = (
+        {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))} if binary else {"Content-Type": "application/json"}
+    )
     return head + blobs, headers
 
 
@@ -210,20 +216,26 @@ def test_prompt_list_and_choices_at_their_limits(server: RunningServer) -> None:
     assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == list(range(8))
     assert openai_message(post_completion(server, prompt=[""] * 5, max_tokens=1)) == "prompt has 5 items; allowed: 1..4"
     assert openai_message(post_completion(server, prompt=[], max_tokens=1)) == "prompt has 0 items; allowed: 1..4"
-    assert openai_message(post_completion(server, prompt=["", "", ""], n=3, max_tokens=1)) == \
-        "3 prompts x n=3 is 9 choices; allowed: up to 8 per request"
+    assert (
+        openai_message(post_completion(server, prompt=["", "", ""], n=3, max_tokens=1))
+        == "3 prompts x n=3 is 9 choices; allowed: up to 8 per request"
+    )
 
 
 def test_prompt_plus_max_tokens_fills_max_seq_len_exactly(server: RunningServer) -> None:
-    """" x" is one token: 120 of them + max_tokens 8 = 128 = max_seq_len, allowed; 9 is one too many."""
+    """ " x" is one token: 120 of them + max_tokens 8 = 128 = max_seq_len, allowed; 9 is one too many."""
     prompt = " x" * 120
     ok = post_completion(server, prompt=prompt, max_tokens=8)
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 120
-    assert openai_message(post_completion(server, prompt=prompt, max_tokens=9)) == \
-        "prompt has 120 tokens and max_tokens is 9: 129 tokens in all; allowed: up to 128 (the model's max_seq_len)"
+    assert (
+        openai_message(post_completion(server, prompt=prompt, max_tokens=9))
+        == "prompt has 120 tokens and max_tokens is 9: 129 tokens in all; allowed: up to 128 (the model's max_seq_len)"
+    )
     assert openai_message(post_completion(server, prompt=["", prompt], max_tokens=9)).startswith("prompt[1] has 120 tokens")
-    assert openai_message(post_completion(server, prompt="   ", max_tokens=1)) == \
-        "texts[0]='   ' is empty; allowed: text with at least one non-space character"
+    assert (
+        openai_message(post_completion(server, prompt="   ", max_tokens=1))
+        == "texts[0]='   ' is empty; allowed: text with at least one non-space character"
+    )
 
 
 def test_each_prompt_of_a_list_gets_the_next_seed(client, pipeline) -> None:

@@ -37,7 +37,12 @@ def refused(message: str, body: bytes, header: str | None = None) -> None:
 
 
 def binary(name: str, array: np.ndarray, datatype: str) -> tuple[dict, bytes]:
-    return {"name": name, "datatype": datatype, "shape": list(array.shape), "parameters": {"binary_data_size": array.nbytes}}, array.tobytes()
+    return {
+        "name": name,
+        "datatype": datatype,
+        "shape": list(array.shape),
+        "parameters": {"binary_data_size": array.nbytes},
+    }, array.tobytes()
 
 
 # --- NaN and Infinity ----------------------------------------------------------------------------------
@@ -76,12 +81,16 @@ def test_float_magnitudes_up_to_the_datatype_limit() -> None:
 # --- integers and bools ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("datatype", "low", "high"), [("INT32", -2**31, 2**31 - 1), ("INT64", -2**63, 2**63 - 1)])
+@pytest.mark.parametrize(("datatype", "low", "high"), [("INT32", -(2**31), 2**31 - 1), ("INT64", -(2**63), 2**63 - 1)])
 def test_integers_fit_their_datatype_to_the_edge(datatype: str, low: int, high: int) -> None:
     parsed = parse_infer_request(body_of(tensor("ids", datatype, (2,), (low, high))), None)
     assert parsed.inputs["ids"].tolist() == [low, high]
-    refused(f"inputs[0] (ids): {datatype} data holds {high + 1}; allowed: {low}..{high}", body_of(tensor("ids", datatype, (2,), (0, high + 1))))
-    refused(f"inputs[0] (ids): {datatype} data holds {low - 1}; allowed: {low}..{high}", body_of(tensor("ids", datatype, (2,), (low - 1, 0))))
+    refused(
+        f"inputs[0] (ids): {datatype} data holds {high + 1}; allowed: {low}..{high}", body_of(tensor("ids", datatype, (2,), (0, high + 1)))
+    )
+    refused(
+        f"inputs[0] (ids): {datatype} data holds {low - 1}; allowed: {low}..{high}", body_of(tensor("ids", datatype, (2,), (low - 1, 0)))
+    )
 
 
 def test_json_types_must_match_the_datatype() -> None:
@@ -118,8 +127,9 @@ def test_the_request_and_its_inputs_must_be_objects() -> None:
 
 
 def test_datatypes_and_shapes() -> None:
-    refused("inputs[0] (x): datatype 'UINT8' is unsupported; allowed: FP32, FP16, FP64, INT64, INT32, BOOL",
-            body_of(tensor(datatype="UINT8")))
+    refused(
+        "inputs[0] (x): datatype 'UINT8' is unsupported; allowed: FP32, FP16, FP64, INT64, INT32, BOOL", body_of(tensor(datatype="UINT8"))
+    )
     eight = parse_infer_request(body_of(tensor(shape=[1] * 8, data=[[[[[[[[2.5]]]]]]]])), None)  # rank 8, nested as the shape
     assert eight.inputs["x"].shape == (1,) * 8 and eight.inputs["x"].item() == 2.5
     shape_message = "is invalid; allowed: a list of at most 8 integers in 0..2**31-1"
@@ -159,10 +169,14 @@ def test_binary_sizes_and_offsets() -> None:
 def test_parameters_and_outputs() -> None:
     refused("the request: 'parameters' must be an object, not list", body_of(tensor(), parameters=[1]))
     refused("inputs[0] (x): 'parameters' must be an object, not str", body_of({**tensor(), "parameters": "binary"}))
-    refused("the request: parameters.binary_data_output=1 is invalid; allowed: true or false",
-            body_of(tensor(), parameters={"binary_data_output": 1}))
-    refused("outputs[0]: parameters.binary_data='true' is invalid; allowed: true or false",
-            body_of(tensor(), outputs=[{"name": "y", "parameters": {"binary_data": "true"}}]))
+    refused(
+        "the request: parameters.binary_data_output=1 is invalid; allowed: true or false",
+        body_of(tensor(), parameters={"binary_data_output": 1}),
+    )
+    refused(
+        "outputs[0]: parameters.binary_data='true' is invalid; allowed: true or false",
+        body_of(tensor(), outputs=[{"name": "y", "parameters": {"binary_data": "true"}}]),
+    )
     refused("field 'outputs' must be a list", body_of(tensor(), outputs={"name": "y"}))
     refused("outputs[1] must be an object with a string 'name'", body_of(tensor(), outputs=[{"name": "y"}, {"id": "z"}]))
     parsed = parse_infer_request(body_of(tensor(), parameters={"binary_data_output": True}), None)
@@ -182,10 +196,16 @@ def test_json_errors_say_where() -> None:
 
 
 def test_metadata_and_json_bytes() -> None:
-    specs = [{"name": "x_t", "dtype": "FLOAT", "shape": ["batch", "seq", 64]}, {"name": "ids", "dtype": "INT64", "shape": ["batch", 3]},
-             {"name": "h", "dtype": "FLOAT16", "shape": [2]}]
-    assert tensor_metadata(specs) == [{"name": "x_t", "datatype": "FP32", "shape": [-1, -1, 64]},
-                                      {"name": "ids", "datatype": "INT64", "shape": [-1, 3]}, {"name": "h", "datatype": "FP16", "shape": [2]}]
+    specs = [
+        {"name": "x_t", "dtype": "FLOAT", "shape": ["batch", "seq", 64]},
+        {"name": "ids", "dtype": "INT64", "shape": ["batch", 3]},
+        {"name": "h", "dtype": "FLOAT16", "shape": [2]},
+    ]
+    assert tensor_metadata(specs) == [
+        {"name": "x_t", "datatype": "FP32", "shape": [-1, -1, 64]},
+        {"name": "ids", "datatype": "INT64", "shape": [-1, 3]},
+        {"name": "h", "datatype": "FP16", "shape": [2]},
+    ]
     payload = {"texts": ["a"], "latents": np.array([[1.5, 2.0]], np.float32), "n": 1}
     assert json.loads(json_bytes(payload)) == {"texts": ["a"], "latents": [[1.5, 2.0]], "n": 1}
     assert requested_outputs(InferRequest(None, {}, [("z", False)], True), {"y": np.zeros(1), "z": np.zeros(1)}) == [("z", False)]
@@ -197,13 +217,23 @@ def test_metadata_and_json_bytes() -> None:
 def test_a_misspelled_field_is_refused_at_every_level() -> None:
     """Each level's fields are the protocol's; a typo was silently ignored (the request ran without it)."""
     good = tensor("ids", "INT64", (1,), (3,))
-    refused("the request: unknown field 'outptus'; allowed: id, parameters, inputs, outputs",
-            body_of(good, outptus=[{"name": "latents"}]))
-    refused("inputs[0] (ids): unknown field 'paramters'; allowed: name, shape, datatype, parameters, data",
-            body_of(tensor("ids", "INT64", (1,), (3,), paramters={})))
-    refused("outputs[0] (latents): unknown field 'binary_data'; allowed: name, parameters",
-            body_of(good, outputs=[{"name": "latents", "binary_data": True}]))
+    refused("the request: unknown field 'outptus'; allowed: id, parameters, inputs, outputs", body_of(good, outptus=[{"name": "latents"}]))
+    refused(
+        "inputs[0] (ids): unknown field 'paramters'; allowed: name, shape, datatype, parameters, data",
+        body_of(tensor("ids", "INT64", (1,), (3,), paramters={})),
+    )
+    refused(
+        "outputs[0] (latents): unknown field 'binary_data'; allowed: name, parameters",
+        body_of(good, outputs=[{"name": "latents", "binary_data": True}]),
+    )
     # every field of the protocol, spelled right, parses
-    parsed = parse_infer_request(body_of(tensor("ids", "INT64", (1,), (3,), parameters={}), id="r1", parameters={},
-                                         outputs=[{"name": "latents", "parameters": {"binary_data": True}}]), None)
+    parsed = parse_infer_request(
+        body_of(
+            tensor("ids", "INT64", (1,), (3,), parameters={}),
+            id="r1",
+            parameters={},
+            outputs=[{"name": "latents", "parameters": {"binary_data": True}}],
+        ),
+        None,
+    )
     assert (parsed.id, parsed.outputs) == ("r1", [("latents", True)])

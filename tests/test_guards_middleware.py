@@ -22,10 +22,15 @@ from ldlm.serve.api.streaming import PreviewDecoder, sse  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
 from ldlm.serve.runtime.queueing import QueueFullError  # noqa: E402
 
-RAISES = {"/v1/protocol": ProtocolError("inputs[0] (x): bad"), "/v1/backend": BackendError("decoder: bad shape"),
-          "/v1/value": ValueError("n=0 is out of range"), "/v1/queue": QueueFullError("generation queue is full"),
-          "/v1/http": HTTPError(504, "request timed out after 1 s"), "/v1/crash": KeyError("secret internals"),
-          "/v1/completions": HTTPError(404, "model 'gpt-4' does not exist")}
+RAISES = {
+    "/v1/protocol": ProtocolError("inputs[0] (x): bad"),
+    "/v1/backend": BackendError("decoder: bad shape"),
+    "/v1/value": ValueError("n=0 is out of range"),
+    "/v1/queue": QueueFullError("generation queue is full"),
+    "/v1/http": HTTPError(504, "request timed out after 1 s"),
+    "/v1/crash": KeyError("secret internals"),
+    "/v1/completions": HTTPError(404, "model 'gpt-4' does not exist"),
+}
 
 
 async def stand_in_app(scope, receive, send) -> None:
@@ -54,9 +59,13 @@ def call(app, method: str, path: str, **kwargs) -> httpx.Response:
 
 def test_errors_map_to_statuses_and_one_shape() -> None:
     app, metrics = guarded()
-    expected = {"/v1/protocol": (400, "inputs[0] (x): bad"), "/v1/backend": (400, "decoder: bad shape"),
-                "/v1/value": (400, "n=0 is out of range"), "/v1/queue": (503, "generation queue is full"),
-                "/v1/http": (504, "request timed out after 1 s")}
+    expected = {
+        "/v1/protocol": (400, "inputs[0] (x): bad"),
+        "/v1/backend": (400, "decoder: bad shape"),
+        "/v1/value": (400, "n=0 is out of range"),
+        "/v1/queue": (503, "generation queue is full"),
+        "/v1/http": (504, "request timed out after 1 s"),
+    }
     for path, (status, message) in expected.items():
         response = call(app, "POST", path)
         assert (response.status_code, response.json()) == (status, {"error": message}), path
@@ -66,8 +75,9 @@ def test_errors_map_to_statuses_and_one_shape() -> None:
     assert crash.status_code == 500 and crash.json() == {"error": "internal error (KeyError); request id abc123"}
     assert "secret" not in crash.text and crash.headers["x-request-id"] == "abc123"
     openai = call(app, "POST", "/v1/completions")  # the OpenAI routes answer in OpenAI's shape
-    assert openai.status_code == 404 and openai.json() == {"error": {"message": "model 'gpt-4' does not exist",
-                                                                     "type": "not_found_error", "param": None, "code": None}}
+    assert openai.status_code == 404 and openai.json() == {
+        "error": {"message": "model 'gpt-4' does not exist", "type": "not_found_error", "param": None, "code": None}
+    }
     rendered = metrics.render().decode()
     assert 'ldlm_request_failure_total{code="503",model="queue"} 2.0' in rendered
     assert 'ldlm_request_failure_total{code="404",model="completions"} 1.0' in rendered
@@ -100,6 +110,7 @@ def test_body_cap_at_its_edge_on_content_length_and_chunked_bodies() -> None:
             for _ in range(total // 256):
                 yield b"y" * 256
             yield b"y" * (total % 256)
+
         return gen()
 
     assert call(app, "POST", "/v1/echo", content=chunks(1024)).json() == {"bytes": 1024, "more_body": False}
@@ -126,16 +137,32 @@ def test_read_body_edges() -> None:
 
     body = {"type": "http.request", "body": b"0123456789", "more_body": False}
     assert read(receiver(body), "10") == b"0123456789"
-    assert read(receiver({"type": "http.request", "body": b"01234", "more_body": True},
-                         {"type": "http.request", "body": b"56789", "more_body": False}), None) == b"0123456789"
-    for length, message in (("11", "body of 11 bytes exceeds the limit of 10 bytes"), ("-1", "body of -1 bytes exceeds"),
-                            ("1e3", "body of 1e3 bytes exceeds")):
+    assert (
+        read(
+            receiver(
+                {"type": "http.request", "body": b"01234", "more_body": True},
+                {"type": "http.request", "body": b"56789", "more_body": False},
+            ),
+            None,
+        )
+        == b"0123456789"
+    )
+    for length, message in (
+        ("11", "body of 11 bytes exceeds the limit of 10 bytes"),
+        ("-1", "body of -1 bytes exceeds"),
+        ("1e3", "body of 1e3 bytes exceeds"),
+    ):
         with pytest.raises(HTTPError, match=message) as error:
             read(receiver(body), length)
         assert error.value.status == 413
     with pytest.raises(HTTPError, match="body exceeds the limit of 10 bytes") as error:
-        read(receiver({"type": "http.request", "body": b"012345", "more_body": True},
-                      {"type": "http.request", "body": b"67890", "more_body": False}), None)
+        read(
+            receiver(
+                {"type": "http.request", "body": b"012345", "more_body": True},
+                {"type": "http.request", "body": b"67890", "more_body": False},
+            ),
+            None,
+        )
     assert (error.value.status, error.value.headers) == (413, {"Connection": "close"})
     with pytest.raises(HTTPError, match="the client disconnected before sending the whole body") as error:
         read(receiver({"type": "http.request", "body": b"01", "more_body": True}, {"type": "http.disconnect"}), None)
@@ -148,12 +175,22 @@ def test_read_body_edges() -> None:
 def test_error_shapes() -> None:
     assert json.loads(error_body("bad", 400, "/v2/models/x/infer")) == {"error": "bad"}
     assert json.loads(error_body("bad", 400, "/v1/models")) == openai_error(400, "bad")
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout"}
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        500: "server_error",
+        503: "server_error",
+        504: "timeout",
+    }
     assert {status: openai_error(status, "m")["error"]["type"] for status in kinds} == kinds
     assert openai_error(400, "m", "n") == {"error": {"message": "m", "type": "invalid_request_error", "param": "n", "code": None}}
-    statuses = [stream_error_status(e) for e in (HTTPError(413, "x"), QueueFullError("x"), TimeoutError("x"), BackendError("x"),
-                                                 ValueError("x"), RuntimeError("x"))]
+    statuses = [
+        stream_error_status(e)
+        for e in (HTTPError(413, "x"), QueueFullError("x"), TimeoutError("x"), BackendError("x"), ValueError("x"), RuntimeError("x"))
+    ]
     assert statuses == [413, 503, 504, 400, 400, 500]
 
 

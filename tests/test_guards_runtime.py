@@ -86,9 +86,18 @@ def hf_gpt2_dir(directory: Path, edit=None) -> Path:
 
     config = preset("tiny")
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({"n_embd": config.d_model, "n_head": config.n_heads, "n_layer": config.gpt2_layers,
-                                                       "vocab_size": config.gpt2_vocab_size, "n_positions": config.gpt2_positions,
-                                                       "layer_norm_epsilon": config.layer_norm_eps}))
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "n_embd": config.d_model,
+                "n_head": config.n_heads,
+                "n_layer": config.gpt2_layers,
+                "vocab_size": config.gpt2_vocab_size,
+                "n_positions": config.gpt2_positions,
+                "layer_norm_epsilon": config.layer_norm_eps,
+            }
+        )
+    )
     state = {}
     for name, tensor in init_model(config, seed=1).feature_model.state_dict().items():
         conv1d = name.endswith(("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"))
@@ -166,9 +175,11 @@ def test_batcher_settings_queue_and_shutdown() -> None:
     from ldlm.serve.runtime.queueing import QueueFullError
 
     backend = BlockingBackend()
-    for kwargs, message in (({"max_batch": 0}, "max_batch=0 is out of range; allowed: >= 1"),
-                            ({"max_delay_ms": -1}, "max_delay_ms=-1 is out of range; allowed: >= 0"),
-                            ({"max_queue": 0}, "max_queue=0 is out of range; allowed: >= 1")):
+    for kwargs, message in (
+        ({"max_batch": 0}, "max_batch=0 is out of range; allowed: >= 1"),
+        ({"max_delay_ms": -1}, "max_delay_ms=-1 is out of range; allowed: >= 0"),
+        ({"max_queue": 0}, "max_queue=0 is out of range; allowed: >= 1"),
+    ):
         with raises(ValueError, message):
             DynamicBatcher(backend, **kwargs)  # type: ignore[arg-type]
     batcher = DynamicBatcher(backend, max_batch=1, max_delay_ms=0, max_queue=1)  # type: ignore[arg-type]
@@ -200,7 +211,9 @@ def test_backend_inputs_and_sources(tiny_model, export_dir: Path) -> None:
     good = {"x_t": x, "t": torch.zeros(1), "x0_prev": x, "attention_mask": torch.ones(1, 3, dtype=torch.int64)}
     eager.check_tensors(good)
     for inputs in ({k: v for k, v in good.items() if k != "t"}, {**good, "extra": x}):
-        with raises(BackendError, f"denoiser: inputs {sorted(inputs)} do not match; allowed: exactly ['x_t', 't', 'x0_prev', 'attention_mask']"):
+        with raises(
+            BackendError, f"denoiser: inputs {sorted(inputs)} do not match; allowed: exactly ['x_t', 't', 'x0_prev', 'attention_mask']"
+        ):
             eager.check_tensors(inputs)
     with raises(BackendError, "batch_buckets=[2, 0] is invalid; allowed: integers >= 1"):
         CompiledBackend(tiny_model, "denoiser", batch_buckets=[2, 0])
@@ -212,7 +225,9 @@ def test_backend_inputs_and_sources(tiny_model, export_dir: Path) -> None:
         check_precision("int8", "eager")
     with raises(BackendError, "device='meta' is not supported"):
         resolve_device("meta")
-    with raises(BackendError, f"{export_dir} is not a checkpoint (no model.safetensors); backend 'eager' runs a checkpoint from `ldlm init`"):
+    with raises(
+        BackendError, f"{export_dir} is not a checkpoint (no model.safetensors); backend 'eager' runs a checkpoint from `ldlm init`"
+    ):
         open_graphs("eager", export_dir)
 
 
@@ -227,8 +242,9 @@ def test_tensorrt_files_and_binding_on_cpu(tmp_path: Path) -> None:
     with raises(PlanMismatchError, f"plan {plan} has no manifest encoder.plan.json; rebuild it with `ldlm build-engine`"):
         read_plan_manifest(plan)
 
-    context = types.SimpleNamespace(set_input_shape=lambda name, shape: True, set_tensor_address=lambda name, address: True,
-                                    get_tensor_shape=lambda name: (2, -1))
+    context = types.SimpleNamespace(
+        set_input_shape=lambda name, shape: True, set_tensor_address=lambda name, address: True, get_tensor_shape=lambda name: (2, -1)
+    )
     with raises(RuntimeError, "TensorRT could not infer the shape of output y ((2, -1)); are all input shapes set?"):
         bind(context, {"x": torch.zeros(2, 3)}, ["y"], {"y": torch.float32}, torch.device("cpu"))
     context.get_tensor_shape = lambda name: (2, 3)
@@ -257,7 +273,9 @@ def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Pa
     assert tolerance("fp16") == (2e-2, 2e-2)
     with raises(ValueError, "precision='int8' has no tolerances; allowed: fp32, fp16, bf16"):
         tolerance("int8")
-    with pytest.raises(ValueError, match=re.escape("ONNX Runtime providers ['NoSuchExecutionProvider'] are not available here; allowed: [")):
+    with pytest.raises(
+        ValueError, match=re.escape("ONNX Runtime providers ['NoSuchExecutionProvider'] are not available here; allowed: [")
+    ):
         OrtNodeRunner(("CPUExecutionProvider", "NoSuchExecutionProvider"))
     with raises(ValueError, f"{tmp_path} has no encoder.plan, denoiser.plan, decoder.plan; make one with `ldlm build-engine`"):
         probe_engines(tiny_model, tmp_path, None, 0, None)

@@ -65,7 +65,10 @@ def test_a_json_worker_that_dies_mid_request_is_a_503() -> None:
     with pytest.raises(HTTPError) as error:
         asyncio.run(run_json(service, True, json.dumps, {}))  # type: ignore[arg-type]
     assert (error.value.status, error.value.message, error.value.headers) == (
-        503, "a JSON worker process died during this request; retry", {"Retry-After": "1"})
+        503,
+        "a JSON worker process died during this request; retry",
+        {"Retry-After": "1"},
+    )
     assert asyncio.run(run_json(service, False, json.dumps, {"a": 1})) == '{"a": 1}'  # type: ignore[arg-type]  # light: a thread
 
 
@@ -128,6 +131,7 @@ def test_playground_assets_are_a_fixed_list(monkeypatch) -> None:
     monkeypatch.setattr(playground, "swagger_dir", lambda: None)  # fastapi-offline not installed
     bare = app_with(playground.create_router())
     docs = asyncio.run(get(bare, "/docs"))
-    assert docs.status_code == 404 and docs.json() == {"error": "Swagger UI's assets are not installed (pip install fastapi-offline); "
-                                                                "the schema is at /openapi.json"}
+    assert docs.status_code == 404 and docs.json() == {
+        "error": "Swagger UI's assets are not installed (pip install fastapi-offline); the schema is at /openapi.json"
+    }
     assert asyncio.run(get(bare, f"/static/swagger/{playground.SWAGGER_FILES[0]}")).status_code == 404

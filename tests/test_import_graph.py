@@ -72,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for successor in sorted(graph.get(node, ())):
             if state.get(successor) == "open":
-                return stack[stack.index(successor):] + [successor]
+                return stack[stack.index(successor) :] + [successor]
             if successor not in state and (cycle := visit(successor)):
                 return cycle
         stack.pop()

@@ -30,8 +30,9 @@ def test_each_binary_input_is_read_from_its_own_offset() -> None:
     ids = np.arange(6, dtype=np.int64).reshape(2, 3) + 100
     mask = np.array([[1, 1, 0], [1, 0, 0]], dtype=np.int64)  # same size as ids, other values
     x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 2, 2)
-    body, header = binary_body({"input_ids": ("INT64", ids), "attention_mask": ("INT64", mask), "x": ("FP32", x)},
-                               {"t": ("FP32", [0.25, 0.75])})
+    body, header = binary_body(
+        {"input_ids": ("INT64", ids), "attention_mask": ("INT64", mask), "x": ("FP32", x)}, {"t": ("FP32", [0.25, 0.75])}
+    )
     parsed = parse_infer_request(body, header)
     np.testing.assert_array_equal(parsed.inputs["input_ids"], ids)
     np.testing.assert_array_equal(parsed.inputs["attention_mask"], mask)
@@ -45,8 +46,13 @@ def test_each_binary_input_is_read_from_its_own_offset() -> None:
 
 
 def test_json_inputs_keep_shape_and_dtype() -> None:
-    body = json.dumps({"id": "r1", "inputs": [{"name": "a", "shape": [2, 2], "datatype": "INT32", "data": [1, 2, 3, 4]}],
-                       "outputs": [{"name": "y", "parameters": {"binary_data": True}}, {"name": "z"}]}).encode()
+    body = json.dumps(
+        {
+            "id": "r1",
+            "inputs": [{"name": "a", "shape": [2, 2], "datatype": "INT32", "data": [1, 2, 3, 4]}],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True}}, {"name": "z"}],
+        }
+    ).encode()
     parsed = parse_infer_request(body, None)
     assert parsed.id == "r1" and parsed.outputs == [("y", True), ("z", False)] and parsed.binary_outputs is False
     np.testing.assert_array_equal(parsed.inputs["a"], np.array([[1, 2], [3, 4]], np.int32))
@@ -90,7 +96,13 @@ def test_response_binary_and_json_outputs_decode_back() -> None:
 def test_kserve_datatype_names_each_numpy_dtype() -> None:
     from ldlm.serve.api.kserve import kserve_datatype
 
-    assert [kserve_datatype(np.dtype(t)) for t in ("float32", "float16", "float64", "int64", "int32", "bool")] == \
-        ["FP32", "FP16", "FP64", "INT64", "INT32", "BOOL"]
+    assert [kserve_datatype(np.dtype(t)) for t in ("float32", "float16", "float64", "int64", "int32", "bool")] == [
+        "FP32",
+        "FP16",
+        "FP64",
+        "INT64",
+        "INT32",
+        "BOOL",
+    ]
     with pytest.raises(ProtocolError, match="dtype uint8 has no KServe datatype; allowed: float32, float16"):
         kserve_datatype(np.dtype("uint8"))

@@ -90,8 +90,14 @@ F32 = dict(atol=2e-5, rtol=1e-5)  # float32 against a float64 reference (layerno
 
 # case: (input, dim, eps, weight, bias, golden first row of the LayerNorm output or None)
 CASES = {
-    "1-last-axis": (np.array([[[1, 2, 4], [10, 20, 40]], [[3, 5, 9], [2, 3, 8]]], float), 3, 1e-5, [1, 1, 1], [0, 0, 0],
-                    [-1.069, -0.2673, 1.3363]),
+    "1-last-axis": (
+        np.array([[[1, 2, 4], [10, 20, 40]], [[3, 5, 9], [2, 3, 8]]], float),
+        3,
+        1e-5,
+        [1, 1, 1],
+        [0, 0, 0],
+        [-1.069, -0.2673, 1.3363],
+    ),
     "2-population-variance": (np.array([[1, 2, 4], [8, 8, 8]], float), 3, 1e-5, [1, 1, 1], [0, 0, 0], None),
     "3-affine": (np.array([[1, 2, 4], [2, 4, 8]], float), 3, 1e-5, [2, 0.5, -1], [1, -2, 3], None),
     "4-eps-1e-5": (np.array([[1, 1.001, 0.999], [7, 7, 7]], float), 3, 1e-5, [1, 1, 1], [0, 0, 0], [0.0, 0.306186, -0.306186]),

@@ -22,9 +22,23 @@ from ldlm.config import LDLMConfig
 from ldlm.layers import RMSNorm
 from tests import reference_model as ref
 
-CONFIG = LDLMConfig(d_model=32, n_heads=4, max_seq_len=16, gpt2_layers=3, gpt2_positions=16, encoder_layers=2, decoder_layers=2,
-                    denoiser_layers=4, swiglu_hidden=48, token_decoder_layers=2, mlp_ratio=3, rms_norm_eps=0.25,
-                    layer_norm_eps=0.0625, rope_theta=500.0, time_max_period=7.0)
+CONFIG = LDLMConfig(
+    d_model=32,
+    n_heads=4,
+    max_seq_len=16,
+    gpt2_layers=3,
+    gpt2_positions=16,
+    encoder_layers=2,
+    decoder_layers=2,
+    denoiser_layers=4,
+    swiglu_hidden=48,
+    token_decoder_layers=2,
+    mlp_ratio=3,
+    rms_norm_eps=0.25,
+    layer_norm_eps=0.0625,
+    rope_theta=500.0,
+    time_max_period=7.0,
+)
 RTOL, ATOL = 2e-5, 2e-5  # float32 against float64: measured worst ~1e-6 on these sizes
 
 

@@ -29,8 +29,9 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=2000,
-                              preview_budget=1.0)  # no throttling: these tests check what the previews say, not their pace
+    settings = ServerSettings(
+        port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=2000, preview_budget=1.0
+    )  # no throttling: these tests check what the previews say, not their pace
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()
@@ -177,8 +178,11 @@ def test_a_full_queue_cancels_the_prompts_already_queued(server: RunningServer, 
 
 def test_a_failed_generation_ends_the_stream_with_an_error_chunk_then_done(server: RunningServer, monkeypatch) -> None:
     """An error set on the request's future (after the 200 went out) is reported in-band, as generate_sse does."""
-    for error, status_type in ((BackendError("decoder: engine lost"), "invalid_request_error"),
-                               (RuntimeError("engine lost"), "server_error")):
+    for error, status_type in (
+        (BackendError("decoder: engine lost"), "invalid_request_error"),
+        (RuntimeError("engine lost"), "server_error"),
+    ):
+
         def failing_submit(*args, error=error, **kwargs):
             future = Future()
             future.set_exception(error)

@@ -19,8 +19,9 @@ from ldlm.serve.checks.parity import run_parity
 from ldlm.serve.checks.parity_report import write_parity_report
 from tests.artifacts import reseal_manifest
 
-needs_ort = pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None,
-                               reason="ONNX Runtime is the engine under test (pip install -e .[cpu])")
+needs_ort = pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None, reason="ONNX Runtime is the engine under test (pip install -e .[cpu])"
+)
 
 
 def test_compare_outputs_rules() -> None:

@@ -19,10 +19,18 @@ def comparison(name: str, error: float):
 
 
 def report(**overrides) -> ParityReport:
-    fields = dict(backend="ort", precision="fp32", providers={}, atol=1e-4, rtol=1e-4,
-                  graphs=[comparison("encoder/random/latents", 0.0), comparison("decoder/random/logits", 0.0)],
-                  layer_norms=[comparison("encoder:ln_a/random", 0.0), comparison("encoder:ln_b/random", 0.0)],
-                  decoder_token_agreement={"random": 1.0, "padded": 1.0}, token_agreement=1.0, token_agreement_required=1.0)
+    fields = dict(
+        backend="ort",
+        precision="fp32",
+        providers={},
+        atol=1e-4,
+        rtol=1e-4,
+        graphs=[comparison("encoder/random/latents", 0.0), comparison("decoder/random/logits", 0.0)],
+        layer_norms=[comparison("encoder:ln_a/random", 0.0), comparison("encoder:ln_b/random", 0.0)],
+        decoder_token_agreement={"random": 1.0, "padded": 1.0},
+        token_agreement=1.0,
+        token_agreement_required=1.0,
+    )
     fields.update(overrides)
     return ParityReport(**fields)  # type: ignore[arg-type]
 
@@ -33,8 +41,9 @@ def test_all_parts_agreeing_passes() -> None:
     assert good.to_dict()["passed"] is True
 
 
-@pytest.mark.parametrize("case", ["graph", "layer_norm", "end_to_end", "end_to_end_missing", "decoder_tokens", "nothing",
-                                  "structure", "eps_probes"])
+@pytest.mark.parametrize(
+    "case", ["graph", "layer_norm", "end_to_end", "end_to_end_missing", "decoder_tokens", "nothing", "structure", "eps_probes"]
+)
 def test_each_failing_part_fails_the_report(case: str) -> None:
     bad = {
         "graph": dict(graphs=[comparison("encoder/random/latents", 0.0), comparison("decoder/random/logits", 1e-2)]),
@@ -46,8 +55,10 @@ def test_each_failing_part_fails_the_report(case: str) -> None:
         # the artifact's structure and its eps probes count on their own: an engine whose builder changed
         # an eps passes every whole-graph comparison (eps barely moves ordinary activations)
         "structure": dict(verification=[VerifyResult("encoder", "encoder.onnx", 2, 2, ["epsilon 1e-06 != module eps 1e-05"])]),
-        "eps_probes": dict(verification=[VerifyResult("encoder", "encoder.onnx", 2, 2, [])],
-                           eps_probes=EpsProbeReport("trt", "tensorrt", "engines", problems=["encoder.ln_a: implied eps 1e-06"])),
+        "eps_probes": dict(
+            verification=[VerifyResult("encoder", "encoder.onnx", 2, 2, [])],
+            eps_probes=EpsProbeReport("trt", "tensorrt", "engines", problems=["encoder.ln_a: implied eps 1e-06"]),
+        ),
     }[case]
     failed = report(**bad)
     assert not failed.passed, case

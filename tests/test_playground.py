@@ -26,8 +26,11 @@ from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/test.sh installs it: apt-get install -y "
-                                "chromium); the page and /docs were not exercised in a browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no chromium on PATH (scripts/test.sh installs it: apt-get install -y "
+    "chromium); the page and /docs were not exercised in a browser",
+)
 SCREENSHOT = Path(os.environ.get("LDLM_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts")) / "playground.png"
 
 
@@ -39,13 +42,30 @@ class Browser:
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
         to_browser_r, from_browser_w = (self._above_4(fd) for fd in (to_browser_r, from_browser_w))
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-extensions", "--window-size=1000,800",
-                 f"--user-data-dir={self.profile.name}", "--remote-debugging-pipe", "about:blank"]
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-extensions",
+            "--window-size=1000,800",
+            f"--user-data-dir={self.profile.name}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
         # the browser expects its pipe ends at fds 3 (commands in) and 4 (answers out): the shell moves them there
         move = f'exec "$0" "$@" 3<&{to_browser_r} 4>&{from_browser_w} {to_browser_r}<&- {from_browser_w}>&-'
-        self.process = subprocess.Popen(["bash", "-c", move, CHROMIUM, *flags], pass_fds=(to_browser_r, from_browser_w),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            ["bash", "-c", move, CHROMIUM, *flags],
+            pass_fds=(to_browser_r, from_browser_w),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._buffer = b""
@@ -216,15 +236,19 @@ def run_page(browser: Browser, key: str) -> str:
     return browser.evaluate("document.body.dataset.state")
 
 
-def test_with_a_key_the_page_opens_and_sends_the_key_it_is_given(keyed_server: RunningServer, browser: Browser,
-                                                                 pipeline: LDLMPipeline) -> None:
+def test_with_a_key_the_page_opens_and_sends_the_key_it_is_given(
+    keyed_server: RunningServer, browser: Browser, pipeline: LDLMPipeline
+) -> None:
     browser.open(keyed_server.url + "/")  # no key: the page itself is open
     assert browser.evaluate("document.title") == "ldlm playground"
     assert run_page(browser, "") == "error"  # no key typed: the API refuses, and the page says why
     assert "missing or wrong bearer token" in browser.evaluate("document.getElementById('status').textContent")
     assert run_page(browser, "wrong") == "error"
     assert run_page(browser, KEY) == "done"
-    assert browser.evaluate("document.getElementById('preview').textContent") == pipeline.generate(1, 12, 20, seed=5, sampler="dpm3m-psc").texts[0]
+    assert (
+        browser.evaluate("document.getElementById('preview').textContent")
+        == pipeline.generate(1, 12, 20, seed=5, sampler="dpm3m-psc").texts[0]
+    )
 
 
 def test_with_a_key_docs_render(keyed_server: RunningServer, browser: Browser) -> None:
@@ -239,9 +263,21 @@ def test_with_a_key_every_api_route_still_needs_it(keyed_server: RunningServer) 
     with httpx.Client(base_url=keyed_server.url, timeout=30) as http:
         for path in ("/", "/docs", "/openapi.json", "/static/swagger/swagger-ui.css", "/v2/health/live", "/v2/health/ready"):
             assert http.get(path).status_code == 200, path
-        closed = [("GET", "/v2"), ("GET", "/v2/models/encoder"), ("GET", "/v2/models/encoder/ready"), ("GET", "/metrics"),
-                  ("GET", "/v1/models"), ("POST", "/v2/models/encoder/infer"), ("POST", "/v1/generate"), ("POST", "/v1/reconstruct"),
-                  ("POST", "/v1/encode"), ("POST", "/v1/completions"), ("GET", "/docs/"), ("GET", "/openapi.json/x"), ("GET", "//v1/models")]
+        closed = [
+            ("GET", "/v2"),
+            ("GET", "/v2/models/encoder"),
+            ("GET", "/v2/models/encoder/ready"),
+            ("GET", "/metrics"),
+            ("GET", "/v1/models"),
+            ("POST", "/v2/models/encoder/infer"),
+            ("POST", "/v1/generate"),
+            ("POST", "/v1/reconstruct"),
+            ("POST", "/v1/encode"),
+            ("POST", "/v1/completions"),
+            ("GET", "/docs/"),
+            ("GET", "/openapi.json/x"),
+            ("GET", "//v1/models"),
+        ]
         for method, path in closed:
             response = http.request(method, path, json={})
             assert response.status_code == 401, (path, response.status_code)

@@ -28,8 +28,11 @@ def comparison(name: str, error: float) -> Comparison:
 
 @pytest.fixture
 def report() -> ParityReport:
-    graphs = [comparison(f"{g}/{inputs}/{output}", 1e-6) for g, output in (("decoder", "logits"), ("encoder", "latents"), ("denoiser", "x0_hat"))
-              for inputs in ("random", "padded")]
+    graphs = [
+        comparison(f"{g}/{inputs}/{output}", 1e-6)
+        for g, output in (("decoder", "logits"), ("encoder", "latents"), ("denoiser", "x0_hat"))
+        for inputs in ("random", "padded")
+    ]
     layer_norms = [
         comparison("encoder:model.feature_model.h.0.ln_1/random", 1e-6),
         comparison("decoder:model.latent_decoder.query_mlp.norm/random", 0.0),
@@ -74,8 +77,14 @@ def bench_report(with_workload: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"graphs": {"encoder/b1/L16": cell, "decoder/b1/L16": cell}}
     if with_workload:
         policy = {"tokens_per_s": 200.0, "latency_p50_s": 0.5, "latency_p99_s": 0.9}
-        report["batching"] = {"backend": "ort", "requests": 12, "rate_per_s": 20.0, "max_batch": 8,
-                              "static": policy, "continuous": {**policy, "latency_p50_s": 0.6, "latency_p99_s": 0.7}}
+        report["batching"] = {
+            "backend": "ort",
+            "requests": 12,
+            "rate_per_s": 20.0,
+            "max_batch": 8,
+            "static": policy,
+            "continuous": {**policy, "latency_p50_s": 0.6, "latency_p99_s": 0.7},
+        }
     return report
 
 

@@ -20,15 +20,18 @@ def bf16_bits(tensor: TensorProto) -> np.ndarray:
 
 
 def test_bf16_rounding_against_hand_computed_bits() -> None:
-    values = np.array([
-        1.0,             # 0x3F80_0000 -> 0x3F80
-        -2.5,            # 0xC020_0000 -> 0xC020
-        1 + 2**-8,       # exactly half way between 1 and 1 + 2^-7: ties to even, down -> 0x3F80
-        1 + 3 * 2**-8,   # half way, odd below: ties to even, up -> 0x3F82
-        1 + 2**-8 + 2**-20,  # just above half way: up -> 0x3F81
-        0.0,
-        3.0e38,          # large but finite: 0x7F61_B1E6 -> 0x7F62
-    ], dtype=np.float32)
+    values = np.array(
+        [
+            1.0,  # 0x3F80_0000 -> 0x3F80
+            -2.5,  # 0xC020_0000 -> 0xC020
+            1 + 2**-8,  # exactly half way between 1 and 1 + 2^-7: ties to even, down -> 0x3F80
+            1 + 3 * 2**-8,  # half way, odd below: ties to even, up -> 0x3F82
+            1 + 2**-8 + 2**-20,  # just above half way: up -> 0x3F81
+            0.0,
+            3.0e38,  # large but finite: 0x7F61_B1E6 -> 0x7F62
+        ],
+        dtype=np.float32,
+    )
     expected = np.array([0x3F80, 0xC020, 0x3F80, 0x3F82, 0x3F81, 0x0000, 0x7F62], dtype=np.uint16)
     np.testing.assert_array_equal(bf16_bits(_low_initializer(values, "w", TensorProto.BFLOAT16)), expected)
 
@@ -54,13 +57,23 @@ def small_graph(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     gen = np.random.default_rng(2)
     w, w2 = gen.standard_normal((4, 4)).astype(np.float32), gen.standard_normal((4, 3)).astype(np.float32)
     scale = (1 + 0.1 * gen.standard_normal(4)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm1"),
-             helper.make_node("LayerNormalization", ["h", "scale", "bias"], ["n"], axis=-1, epsilon=1e-5, name="ln"),
-             helper.make_node("MatMul", ["n", "W2"], ["y"], name="mm2")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
-                              [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w2, "W2"),
-                               numpy_helper.from_array(scale, "scale"), numpy_helper.from_array(np.zeros(4, np.float32), "bias")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm1"),
+        helper.make_node("LayerNormalization", ["h", "scale", "bias"], ["n"], axis=-1, epsilon=1e-5, name="ln"),
+        helper.make_node("MatMul", ["n", "W2"], ["y"], name="mm2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [
+            numpy_helper.from_array(w, "W"),
+            numpy_helper.from_array(w2, "W2"),
+            numpy_helper.from_array(scale, "scale"),
+            numpy_helper.from_array(np.zeros(4, np.float32), "bias"),
+        ],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     onnx.save(onnx.shape_inference.infer_shapes(model), str(path))  # the cast pass reads value_info, as exports carry it
     return w, w2, scale
@@ -106,13 +119,19 @@ def test_the_head_feeding_argmax_stays_fp32(tmp_path: Path) -> None:
     """A decoder without a logits output: the vocabulary head is found from ArgMax back to its MatMul."""
     gen = np.random.default_rng(4)
     w, head = gen.standard_normal((4, 4)).astype(np.float32), gen.standard_normal((4, 10)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="body"),
-             helper.make_node("Relu", ["h"], ["r"], name="act"),
-             helper.make_node("MatMul", ["r", "HEAD"], ["logits_inner"], name="head"),
-             helper.make_node("ArgMax", ["logits_inner"], ["token_ids"], axis=-1, keepdims=0, name="argmax")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                              [helper.make_tensor_value_info("token_ids", TensorProto.INT64, [2])],
-                              [numpy_helper.from_array(w, "W"), numpy_helper.from_array(head, "HEAD")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="body"),
+        helper.make_node("Relu", ["h"], ["r"], name="act"),
+        helper.make_node("MatMul", ["r", "HEAD"], ["logits_inner"], name="head"),
+        helper.make_node("ArgMax", ["logits_inner"], ["token_ids"], axis=-1, keepdims=0, name="argmax"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("token_ids", TensorProto.INT64, [2])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(head, "HEAD")],
+    )
     model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     onnx.save(model, str(tmp_path / "g.onnx"))
     lower_precision(tmp_path / "g.onnx", tmp_path / "low.onnx", "fp16")

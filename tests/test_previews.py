@@ -36,12 +36,15 @@ def stream(server: RunningServer, body: dict) -> list[tuple[str, dict]]:
         return read_events(response)
 
 
-@pytest.mark.parametrize("steps, every, expected", [
-    (40, 5, [5, 10, 15, 20, 25, 30, 35]),  # the case: 7 previews then the result
-    (10, 1, [1, 2, 3, 4, 5, 6, 7, 8, 9]),  # every step but the last
-    (10, None, [5]),  # the default preview_every, 5
-    (5, 5, []),  # the only multiple of 5 is the last step: the result says it
-])
+@pytest.mark.parametrize(
+    "steps, every, expected",
+    [
+        (40, 5, [5, 10, 15, 20, 25, 30, 35]),  # the case: 7 previews then the result
+        (10, 1, [1, 2, 3, 4, 5, 6, 7, 8, 9]),  # every step but the last
+        (10, None, [5]),  # the default preview_every, 5
+        (5, 5, []),  # the only multiple of 5 is the last step: the result says it
+    ],
+)
 def test_an_idle_server_sends_every_preview(server: RunningServer, steps: int, every: int | None, expected: list[int]) -> None:
     body = {"n": 1, "length": 16, "steps": steps, "seed": 2, "sampler": "ddim", **({"preview_every": every} if every else {})}
     for _ in range(3):  # not a lucky run: three in a row

@@ -189,7 +189,9 @@ def cluster(export_dir: Path):
 @pytest.fixture(scope="module")
 def expected(pipeline: LDLMPipeline) -> dict[int, list[list[int]]]:
     """/v1/generate's answers, from the eager pipeline run separately (no Ray, no ONNX)."""
-    return {seed: pipeline.generate(GENERATE["n"], GENERATE["length"], GENERATE["steps"], seed, "ddim").token_ids.tolist() for seed in SEEDS}
+    return {
+        seed: pipeline.generate(GENERATE["n"], GENERATE["length"], GENERATE["steps"], seed, "ddim").token_ids.tolist() for seed in SEEDS
+    }
 
 
 def encoder_ids(seed: int) -> np.ndarray:
@@ -216,8 +218,9 @@ def test_two_replicas_each_hold_their_cpu_share(cluster: str) -> None:
     assert ray.available_resources().get("CPU", 0.0) == pytest.approx(2 - REPLICAS * REPLICA_CPUS)
 
 
-def test_answers_equal_the_single_process_references(cluster: str, tiny_model: LDLM, pipeline: LDLMPipeline,
-                                                     expected: dict[int, list[list[int]]]) -> None:
+def test_answers_equal_the_single_process_references(
+    cluster: str, tiny_model: LDLM, pipeline: LDLMPipeline, expected: dict[int, list[list[int]]]
+) -> None:
     client = triton.InferenceServerClient(cluster.removeprefix("http://"))
     try:
         assert client.is_server_ready() and client.is_model_ready("denoiser")
@@ -291,8 +294,10 @@ def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: L
     assert killed["answered_before"] < total, "the kill came after the load"
     # The kill landed on requests in flight: without the retries those requests would be lost.
     assert sum(clients.retries.values()) >= 1, f"the killed replica had nothing in flight; retries: {dict(clients.retries)}"
-    print(f"\nreplica killed with {in_flight} requests in flight after {killed['answered_before']}/{total} answers; "
-          f"retries: {dict(clients.retries)}")
+    print(
+        f"\nreplica killed with {in_flight} requests in flight after {killed['answered_before']}/{total} answers; "
+        f"retries: {dict(clients.retries)}"
+    )
     print("\n".join(clients.events))
 
     def recovered() -> bool:  # the controller notices the death (health checks), then starts a new replica
@@ -334,8 +339,16 @@ def test_app_builder_values_take_the_types_fields_declare() -> None:
     assert _typed(ServerSettings, {"trt_cuda_graphs": "0"}) == {"trt_cuda_graphs": False}
     assert _typed(ServerSettings, {"trt_cuda_graphs": "True"}) == {"trt_cuda_graphs": True}
     assert _typed(ServerSettings, {"trt_cuda_graphs": "1"}) == {"trt_cuda_graphs": True}
-    assert _typed(ServerSettings, {"threads": "3", "max_delay_ms": "2.5", "api_key": "123"}) == {"threads": 3, "max_delay_ms": 2.5, "api_key": "123"}
-    assert _typed(RayOptions, {"min_replicas": "1", "max_replicas": "4", "num_gpus": "0.5"}) == {"min_replicas": 1, "max_replicas": 4, "num_gpus": 0.5}
+    assert _typed(ServerSettings, {"threads": "3", "max_delay_ms": "2.5", "api_key": "123"}) == {
+        "threads": 3,
+        "max_delay_ms": 2.5,
+        "api_key": "123",
+    }
+    assert _typed(RayOptions, {"min_replicas": "1", "max_replicas": "4", "num_gpus": "0.5"}) == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "num_gpus": 0.5,
+    }
     with pytest.raises(ValueError, match="trt_cuda_graphs='yes' is not a valid bool; allowed: true, false, 1, 0"):
         _typed(ServerSettings, {"trt_cuda_graphs": "yes"})
     with pytest.raises(ValueError, match="min_replicas='two' is not a valid int"):

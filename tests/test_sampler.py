@@ -72,8 +72,13 @@ def test_solvers_reach_the_data_distribution_of_a_gaussian(sampler: str) -> None
     gen = torch.Generator().manual_seed(0)
     prior = torch.randn(4, 2000, 4, generator=gen, dtype=F64)
     x = run_sampler(
-        exact_denoiser, prior, lambda: torch.randn(4, 2000, 4, generator=gen, dtype=F64),
-        time_grid(steps, t_min), SCHEDULE, sampler, decode_final="mean",
+        exact_denoiser,
+        prior,
+        lambda: torch.randn(4, 2000, 4, generator=gen, dtype=F64),
+        time_grid(steps, t_min),
+        SCHEDULE,
+        sampler,
+        decode_final="mean",
     )
     t = torch.tensor(t_min, dtype=F64)
     expected_std = math.sqrt(SCHEDULE.alpha(t) ** 2 * s**2 + SCHEDULE.sigma(t) ** 2)

@@ -99,8 +99,11 @@ def test_device_path_equals_host_path_on_cpu(golden_model: LDLM, sampler: str) -
     assert torch.equal(device_path.decode(a).token_ids, host_path.decode(b).token_ids)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA step loop (no host sync, device noise) "
-                    "was not exercised here; scripts/gpu_check.py runs it on the GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: the CUDA step loop (no host sync, device noise) "
+    "was not exercised here; scripts/gpu_check.py runs it on the GPU",
+)
 def test_cuda_step_loop_makes_no_host_sync(golden_model: LDLM) -> None:
     model = init_model(preset("tiny"), seed=0).cuda()
     pipe = LDLMPipeline(model, TextTokenizer.gpt2(), device="cuda")
@@ -112,5 +115,7 @@ def test_cuda_step_loop_makes_no_host_sync(golden_model: LDLM) -> None:
         torch.cuda.set_sync_debug_mode("default")
     cpu_noise = LDLMPipeline(model, TextTokenizer.gpt2(), device="cuda", noise_device="cpu")
     host = LDLMPipeline(golden_model, TextTokenizer.gpt2())
-    torch.testing.assert_close(cpu_noise.sample_latents(2, 16, 5, 0, "ddim").cpu(), host.sample_latents(2, 16, 5, 0, "ddim"), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        cpu_noise.sample_latents(2, 16, 5, 0, "ddim").cpu(), host.sample_latents(2, 16, 5, 0, "ddim"), atol=1e-3, rtol=1e-3
+    )
     assert latents.is_cuda and torch.isfinite(latents).all()

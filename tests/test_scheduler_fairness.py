@@ -15,7 +15,7 @@ from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
 def test_a_short_request_takes_a_slot_at_the_next_step_and_the_long_one_resumes(pipeline: LDLMPipeline) -> None:
     """max_batch=1. L (4 steps) runs; S (1 step) arrives during L's first step:
-      [L] -> [S] (L waits, its state kept) -> [L] -> [L] -> [L]; both give their single runs' tokens."""
+    [L] -> [S] (L waits, its state kept) -> [L] -> [L] -> [L]; both give their single runs' tokens."""
     for sampler in ("sde", "dpm2m"):  # a noise stream, and a multistep solver's history, carried across the pause
         long = GenerateRequest(n=1, length=6, steps=4, seed=41, sampler=sampler)
         short = GenerateRequest(n=1, length=6, steps=1, seed=42, sampler=sampler)
@@ -93,13 +93,19 @@ def test_requests_that_cannot_meet_their_deadline_are_refused_naming_the_estimat
     length = 8  # bucket 8 (the tiny pipeline's buckets are its lengths)
     assert pipeline.bucket_length(length) == 8
     try:
-        with pytest.raises(RequestTooLargeError, match=r"this request \(4 samples x 100 steps at length 8\) is estimated at 2\.4 s "
-                                                       r"even on an idle server, and its deadline is 2\.0 s"):
+        with pytest.raises(
+            RequestTooLargeError,
+            match=r"this request \(4 samples x 100 steps at length 8\) is estimated at 2\.4 s "
+            r"even on an idle server, and its deadline is 2\.0 s",
+        ):
             scheduler.submit(GenerateRequest(n=4, length=length, steps=100), deadline_s=2.0)
         x = scheduler.submit(GenerateRequest(n=2, length=length, steps=100))  # 200 sample-steps: 1.2 s at full batches
         # 1 x 300 steps (1.8 s of work) runs after X: 1.2 s ahead + 300 x 10 ms alone = 4.2 s
-        with pytest.raises(DeadlineUnreachableError, match=r"estimated at 4\.2 s \(1\.2 s of work queued ahead of it \+ 3\.0 s of its "
-                                                           r"own\), beyond its deadline of 3\.5 s; retry in 2 s") as refused:
+        with pytest.raises(
+            DeadlineUnreachableError,
+            match=r"estimated at 4\.2 s \(1\.2 s of work queued ahead of it \+ 3\.0 s of its "
+            r"own\), beyond its deadline of 3\.5 s; retry in 2 s",
+        ) as refused:
             scheduler.submit(GenerateRequest(n=1, length=length, steps=300), deadline_s=3.5)
         assert refused.value.retry_after_s == pytest.approx(1.2)
         y = scheduler.submit(GenerateRequest(n=1, length=length, steps=300), deadline_s=4.5)
@@ -127,14 +133,18 @@ class FixedCost(CostModel):
         pass
 
 
-@pytest.mark.parametrize("kind, overhead_s, per_sample_s, with_short", [
-    # a step's cost grows with its batch (a CPU): 1 sample 11 ms, 2 samples 21 ms <= 2 x 11, 3 samples 31 ms > 22
-    ("cpu", 0.001, 0.010, [42, 41]),
-    # batching nearly free (a GPU below its limit): 4 samples 10.4 ms <= 2 x 10.1 ms, the batch fills
-    ("gpu", 0.010, 0.0001, [42, 41, 41, 41]),
-])
-def test_a_short_request_gets_little_company_where_batching_costs(pipeline: LDLMPipeline, kind: str, overhead_s: float,
-                                                                  per_sample_s: float, with_short: list[int]) -> None:
+@pytest.mark.parametrize(
+    "kind, overhead_s, per_sample_s, with_short",
+    [
+        # a step's cost grows with its batch (a CPU): 1 sample 11 ms, 2 samples 21 ms <= 2 x 11, 3 samples 31 ms > 22
+        ("cpu", 0.001, 0.010, [42, 41]),
+        # batching nearly free (a GPU below its limit): 4 samples 10.4 ms <= 2 x 10.1 ms, the batch fills
+        ("gpu", 0.010, 0.0001, [42, 41, 41, 41]),
+    ],
+)
+def test_a_short_request_gets_little_company_where_batching_costs(
+    pipeline: LDLMPipeline, kind: str, overhead_s: float, per_sample_s: float, with_short: list[int]
+) -> None:
     """max_batch=4: L (4 samples x 3 steps) runs; S (1 x 2) arrives during L's first step. While S runs,
     lower-ranked samples join only while S's step stays within 2x its step alone (LEAD_SLOWDOWN)."""
     long = GenerateRequest(n=4, length=6, steps=3, seed=41, sampler="ddim")

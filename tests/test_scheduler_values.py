@@ -25,8 +25,13 @@ EXPECTED_BATCHES = {"continuous": [2, 2, 1, 1, 1], "static": [2, 1, 1, 1, 1, 1]}
 
 def run_schedule(pipeline: LDLMPipeline, policy: str, requests: list[GenerateRequest], max_batch: int):
     sizes: list[int] = []
-    scheduler = GenerationScheduler(pipeline, max_batch=max_batch, policy=policy, start=False,  # type: ignore[arg-type]
-                                    observer=lambda batch, queued, compute: sizes.append(batch))
+    scheduler = GenerationScheduler(
+        pipeline,
+        max_batch=max_batch,
+        policy=policy,
+        start=False,  # type: ignore[arg-type]
+        observer=lambda batch, queued, compute: sizes.append(batch),
+    )
     try:
         futures = [scheduler.submit(r) for r in requests]
         scheduler.start()
@@ -50,9 +55,11 @@ def test_batch_schedule_matches_the_hand_count(pipeline: LDLMPipeline, policy: s
 def test_each_request_gets_its_own_answer_in_a_shared_batch(pipeline: LDLMPipeline) -> None:
     """Requests with different n, lengths, steps, t_min and decode paths share denoiser calls; each
     answer equals the request's single run (per-sample rows, not a neighbour's)."""
-    requests = [GenerateRequest(n=2, length=5, steps=3, seed=21, sampler="sde"),
-                GenerateRequest(n=1, length=11, steps=2, seed=22, sampler="ddim", t_min=0.3),
-                GenerateRequest(n=3, length=5, steps=2, seed=23, sampler="ddim")]
+    requests = [
+        GenerateRequest(n=2, length=5, steps=3, seed=21, sampler="sde"),
+        GenerateRequest(n=1, length=11, steps=2, seed=22, sampler="ddim", t_min=0.3),
+        GenerateRequest(n=3, length=5, steps=2, seed=23, sampler="ddim"),
+    ]
     results, sizes, _ = run_schedule(pipeline, "continuous", requests, max_batch=8)
     assert max(sizes) > 1
     for request, result in zip(requests, results):
@@ -77,7 +84,7 @@ def test_scheduler_latents_equal_the_samplers_own_loop(pipeline: LDLMPipeline) -
 
 def test_a_cancelled_request_frees_its_slot_at_the_next_step(pipeline: LDLMPipeline) -> None:
     """max_batch=2; A and B run 6 steps. During the first denoiser call B is cancelled and C (one step) arrives:
-      [A,B] (B cancelled, C queued) -> [A,C] (B dropped before admission: C takes its slot at once) -> [A] x 4."""
+    [A,B] (B cancelled, C queued) -> [A,C] (B dropped before admission: C takes its slot at once) -> [A] x 4."""
     a = GenerateRequest(n=1, length=6, steps=6, seed=31, sampler="ddim")
     b = GenerateRequest(n=1, length=6, steps=6, seed=32, sampler="ddim")
     c = GenerateRequest(n=1, length=6, steps=1, seed=33, sampler="ddim")

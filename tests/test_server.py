@@ -30,8 +30,15 @@ def optional(module: str):  # type: ignore[no-untyped-def]
 # none of them (settings) still run without them.
 httpx = optional("httpx")
 tritonclient_http = optional("tritonclient.http")
-MISSING = [name for name, found in (("onnxruntime", importlib.util.find_spec("onnxruntime")), ("httpx", httpx),
-                                    ("tritonclient.http", tritonclient_http)) if found is None]
+MISSING = [
+    name
+    for name, found in (
+        ("onnxruntime", importlib.util.find_spec("onnxruntime")),
+        ("httpx", httpx),
+        ("tritonclient.http", tritonclient_http),
+    )
+    if found is None
+]
 
 
 RUN_WITHOUT_THE_STACK = {"test_default_bind_is_loopback"}
@@ -42,6 +49,7 @@ def _needs_the_serving_stack(request: pytest.FixtureRequest) -> None:
     if MISSING and request.function.__name__ not in RUN_WITHOUT_THE_STACK:
         pytest.skip(f"{', '.join(MISSING)} not installed (pip install -e .[cpu,test]); the service was not exercised")
 
+
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
@@ -51,7 +59,9 @@ from tests.servers import RunningServer, free_port, infer_body, wait_ready  # no
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=8, max_delay_ms=1.0, request_timeout_s=30, max_body_bytes=1 << 20, max_n=8, max_steps=100)
+    settings = ServerSettings(
+        port=free_port(), max_batch=8, max_delay_ms=1.0, request_timeout_s=30, max_body_bytes=1 << 20, max_n=8, max_steps=100
+    )
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()
@@ -68,8 +78,10 @@ def encoder_inputs(binary: bool):
     ids = np.random.default_rng(0).integers(0, 50257, (2, 10)).astype(np.int64)
     mask = np.ones((2, 10), dtype=np.int64)
     mask[1, 6:] = 0
-    inputs = [tritonclient_http.InferInput("input_ids", list(ids.shape), "INT64"),
-              tritonclient_http.InferInput("attention_mask", list(mask.shape), "INT64")]
+    inputs = [
+        tritonclient_http.InferInput("input_ids", list(ids.shape), "INT64"),
+        tritonclient_http.InferInput("attention_mask", list(mask.shape), "INT64"),
+    ]
     inputs[0].set_data_from_numpy(ids, binary_data=binary)
     inputs[1].set_data_from_numpy(mask, binary_data=binary)
     return ids, mask, inputs
@@ -118,8 +130,11 @@ def test_tritonclient_denoiser_and_decoder(client, tiny_model: LDLM) -> None:
     latents.set_data_from_numpy(x)
     decoder_mask = tritonclient_http.InferInput("attention_mask", [3, 7], "INT64")
     decoder_mask.set_data_from_numpy(mask)
-    result = client.infer("decoder", [latents, decoder_mask], outputs=[tritonclient_http.InferRequestedOutput("token_ids"),
-                                                                       tritonclient_http.InferRequestedOutput("logits")])
+    result = client.infer(
+        "decoder",
+        [latents, decoder_mask],
+        outputs=[tritonclient_http.InferRequestedOutput("token_ids"), tritonclient_http.InferRequestedOutput("logits")],
+    )
     np.testing.assert_array_equal(result.as_numpy("token_ids"), result.as_numpy("logits").argmax(-1))
 
 
@@ -140,35 +155,127 @@ def test_text_api(server: RunningServer, pipeline: LDLMPipeline) -> None:
 
 
 BAD_REQUESTS = [
-    ("malformed JSON", "POST", "/v2/models/encoder/infer", {"content": b"{not json"}, 400, "the body is not valid JSON: Expecting property name"),
-    ("wrong dtype", "POST", "/v2/models/encoder/infer",
-     {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]},
-                                 {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}])}, 400, "input input_ids has datatype FP32; allowed: INT64"),
-    ("wrong shape", "POST", "/v2/models/encoder/infer",
-     {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 3, 1], "datatype": "INT64", "data": [1, 2, 3]},
-                                 {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}])}, 400, "input_ids has shape (1, 3, 1)"),
-    ("data count", "POST", "/v2/models/encoder/infer",
-     {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3]}])}, 400, "needs 4"),
-    ("ids >= V", "POST", "/v2/models/encoder/infer",
-     {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 50257]},
-                                 {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}])}, 400, "input_ids contains 50257"),
-    ("missing input", "POST", "/v2/models/encoder/infer",
-     {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]}])}, 400, "allowed: exactly"),
-    ("bad binary size", "POST", "/v2/models/encoder/infer",
-     {"content": json.dumps({"inputs": [{"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "parameters": {"binary_data_size": 3}}]}).encode() + b"abc",
-      "headers": {"Inference-Header-Content-Length": str(len(json.dumps({"inputs": [{"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "parameters": {"binary_data_size": 3}}]})))}}, 400, "binary_data_size 3"),
-    ("sequence too long", "POST", "/v2/models/denoiser/infer",  # every input well formed: only the length is wrong
-     {"json": {"inputs": [{"name": "x_t", "shape": [1, 200, 64], "datatype": "FP32", "data": [0.0] * 12800},
-                          {"name": "t", "shape": [1], "datatype": "FP32", "data": [0.5]},
-                          {"name": "x0_prev", "shape": [1, 200, 64], "datatype": "FP32", "data": [0.0] * 12800},
-                          {"name": "attention_mask", "shape": [1, 200], "datatype": "INT64", "data": [1] * 200}]}},
-     400, "1 <= seq <= 128"),
+    (
+        "malformed JSON",
+        "POST",
+        "/v2/models/encoder/infer",
+        {"content": b"{not json"},
+        400,
+        "the body is not valid JSON: Expecting property name",
+    ),
+    (
+        "wrong dtype",
+        "POST",
+        "/v2/models/encoder/infer",
+        {
+            "json": infer_body(
+                inputs=[
+                    {"name": "input_ids", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]},
+                    {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]},
+                ]
+            )
+        },
+        400,
+        "input input_ids has datatype FP32; allowed: INT64",
+    ),
+    (
+        "wrong shape",
+        "POST",
+        "/v2/models/encoder/infer",
+        {
+            "json": infer_body(
+                inputs=[
+                    {"name": "input_ids", "shape": [1, 3, 1], "datatype": "INT64", "data": [1, 2, 3]},
+                    {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]},
+                ]
+            )
+        },
+        400,
+        "input_ids has shape (1, 3, 1)",
+    ),
+    (
+        "data count",
+        "POST",
+        "/v2/models/encoder/infer",
+        {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3]}])},
+        400,
+        "needs 4",
+    ),
+    (
+        "ids >= V",
+        "POST",
+        "/v2/models/encoder/infer",
+        {
+            "json": infer_body(
+                inputs=[
+                    {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 50257]},
+                    {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]},
+                ]
+            )
+        },
+        400,
+        "input_ids contains 50257",
+    ),
+    (
+        "missing input",
+        "POST",
+        "/v2/models/encoder/infer",
+        {"json": infer_body(inputs=[{"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]}])},
+        400,
+        "allowed: exactly",
+    ),
+    (
+        "bad binary size",
+        "POST",
+        "/v2/models/encoder/infer",
+        {
+            "content": json.dumps(
+                {"inputs": [{"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "parameters": {"binary_data_size": 3}}]}
+            ).encode()
+            + b"abc",
+            "headers": {
+                "Inference-Header-Content-Length": str(
+                    len(
+                        json.dumps(
+                            {"inputs": [{"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "parameters": {"binary_data_size": 3}}]}
+                        )
+                    )
+                )
+            },
+        },
+        400,
+        "binary_data_size 3",
+    ),
+    (
+        "sequence too long",
+        "POST",
+        "/v2/models/denoiser/infer",  # every input well formed: only the length is wrong
+        {
+            "json": {
+                "inputs": [
+                    {"name": "x_t", "shape": [1, 200, 64], "datatype": "FP32", "data": [0.0] * 12800},
+                    {"name": "t", "shape": [1], "datatype": "FP32", "data": [0.5]},
+                    {"name": "x0_prev", "shape": [1, 200, 64], "datatype": "FP32", "data": [0.0] * 12800},
+                    {"name": "attention_mask", "shape": [1, 200], "datatype": "INT64", "data": [1] * 200},
+                ]
+            }
+        },
+        400,
+        "1 <= seq <= 128",
+    ),
     ("unknown model", "POST", "/v2/models/gpt5/infer", {"json": infer_body()}, 404, "unknown model 'gpt5'"),
     ("unknown model metadata", "GET", "/v2/models/gpt5", {}, 404, "unknown model"),
     ("oversized body", "POST", "/v2/models/encoder/infer", {"content": b"x" * (2 << 20)}, 413, "exceeds the limit"),
     ("huge n", "POST", "/v1/generate", {"json": {"n": 100000, "length": 8, "steps": 2}}, 422, "n: 100000 is out of range; allowed: 1..8"),
     ("negative steps", "POST", "/v1/generate", {"json": {"n": 1, "length": 8, "steps": -3}}, 422, "steps"),
-    ("length above max", "POST", "/v1/generate", {"json": {"n": 1, "length": 4096, "steps": 2}}, 422, "length: 4096 is out of range; allowed: 1..128"),
+    (
+        "length above max",
+        "POST",
+        "/v1/generate",
+        {"json": {"n": 1, "length": 4096, "steps": 2}},
+        422,
+        "length: 4096 is out of range; allowed: 1..128",
+    ),
     ("unknown sampler", "POST", "/v1/generate", {"json": {"sampler": "euler"}}, 422, "sampler"),
     ("wrong type", "POST", "/v1/generate", {"json": {"n": "many"}}, 422, "n:"),
     ("empty text", "POST", "/v1/reconstruct", {"json": {"texts": ["ok", ""]}}, 422, 'texts[1]: "" is empty; allowed: a non-empty text'),
@@ -204,10 +311,16 @@ def test_metrics(server: RunningServer) -> None:
         http.post("/v2/models/encoder/infer", json=infer_body())
         http.post("/v2/models/encoder/infer", content=b"{nope")
         text = http.get("/metrics").text
-    for name in ("ldlm_request_success_total{model=\"encoder\"}", "ldlm_request_failure_total{code=\"400\",model=\"encoder\"}",
-                 "ldlm_inference_count_total{model=\"encoder\"}", "ldlm_execution_count_total{model=\"encoder\"}",
-                 "ldlm_queue_duration_seconds_bucket", "ldlm_compute_duration_seconds_bucket",
-                 "ldlm_request_duration_seconds_bucket", "ldlm_batch_size_bucket"):
+    for name in (
+        'ldlm_request_success_total{model="encoder"}',
+        'ldlm_request_failure_total{code="400",model="encoder"}',
+        'ldlm_inference_count_total{model="encoder"}',
+        'ldlm_execution_count_total{model="encoder"}',
+        "ldlm_queue_duration_seconds_bucket",
+        "ldlm_compute_duration_seconds_bucket",
+        "ldlm_request_duration_seconds_bucket",
+        "ldlm_batch_size_bucket",
+    ):
         assert name in text, name
 
 
@@ -235,8 +348,13 @@ def test_default_bind_is_loopback() -> None:
 def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port), "--threads", "1", "--timeout-s", "600"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port), "--threads", "1", "--timeout-s", "600"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(process, url, 60)
@@ -269,8 +387,25 @@ def test_load_test_script_smoke(export_dir: Path, tmp_path: Path) -> None:
     """scripts/load_test.py end to end, briefly: its own server, 2 clients, 2 s, overhead probe."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
     out = tmp_path / "load.json"
-    subprocess.run([sys.executable, str(script), "--source", str(export_dir), "--clients", "2", "--seconds", "2",
-                    "--overhead-requests", "20", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--source",
+            str(export_dir),
+            "--clients",
+            "2",
+            "--seconds",
+            "2",
+            "--overhead-requests",
+            "20",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     report = json.loads(out.read_text())
     assert report["load"]["answered"] > 0 and report["load"]["errors"] == 0 and report["load"]["lost"] == 0
     assert report["overhead"]["runner_p50_ms"] > 0 and report["server_exit_code"] == 0

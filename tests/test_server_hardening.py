@@ -22,17 +22,29 @@ pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test (pip install -e .[test])")
 from hypothesis import HealthCheck, given  # noqa: E402
-from hypothesis import settings as hypothesis_settings
-from hypothesis import strategies as st
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api import offload as server_module  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402
 
-LIMITS = dict(max_batch=4, max_delay_ms=0.0, request_timeout_s=60, max_body_bytes=1 << 20, max_n=8, max_steps=100, max_texts=8,
-              max_request_samples=16, max_request_tokens=512, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=5.0,
-              max_connections=24)
+LIMITS = dict(
+    max_batch=4,
+    max_delay_ms=0.0,
+    request_timeout_s=60,
+    max_body_bytes=1 << 20,
+    max_n=8,
+    max_steps=100,
+    max_texts=8,
+    max_request_samples=16,
+    max_request_tokens=512,
+    header_timeout_s=1.0,
+    body_timeout_s=1.0,
+    keep_alive_s=5.0,
+    max_connections=24,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +61,23 @@ def post(server: RunningServer, path: str, **kwargs) -> httpx.Response:
 
 def binary_ids(batch: int, seq: int) -> tuple[bytes, dict[str, str]]:
     ids = np.ones((batch, seq), dtype=np.int64)
-    header = {"inputs": [{"name": n, "shape": [batch, seq], "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}}
-                         for n in ("input_ids", "attention_mask")]}
+    header = {
+        "inputs": [
+            {"name": n, "shape": [batch, seq], "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}}
+            for n in ("input_ids", "attention_mask")
+        ]
+    }
     head = json.dumps(header).encode()
     return head + ids.tobytes() * 2, {"Inference-Header-Content-Length": str(len(head))}
 
 
 def ids_input(data, shape=(1, 3), datatype="INT64", **extra):
-    return {"inputs": [{"name": "input_ids", "shape": list(shape), "datatype": datatype, "data": data, **extra},
-                       {"name": "attention_mask", "shape": list(shape), "datatype": "INT64", "data": [1] * int(np.prod(shape))}]}
+    return {
+        "inputs": [
+            {"name": "input_ids", "shape": list(shape), "datatype": datatype, "data": data, **extra},
+            {"name": "attention_mask", "shape": list(shape), "datatype": "INT64", "data": [1] * int(np.prod(shape))},
+        ]
+    }
 
 
 def assert_alive(server: RunningServer) -> None:
@@ -66,6 +86,7 @@ def assert_alive(server: RunningServer) -> None:
 
 
 # --- 1. memory bounded per request -------------------------------------------------------------
+
 
 def test_huge_batch_is_refused_naming_the_limit(hardened: RunningServer) -> None:
     body, headers = binary_ids(20000, 1)  # the issue's [520000, 1], scaled to this server's 1 MiB body cap
@@ -78,8 +99,7 @@ def test_huge_batch_is_refused_naming_the_limit(hardened: RunningServer) -> None
     assert_alive(hardened)
 
 
-def test_large_request_runs_in_max_batch_chunks_with_single_run_answers(hardened: RunningServer, tiny_model: LDLM,
-                                                                         monkeypatch) -> None:
+def test_large_request_runs_in_max_batch_chunks_with_single_run_answers(hardened: RunningServer, tiny_model: LDLM, monkeypatch) -> None:
     backend = hardened.service.graphs["encoder"]
     seen: list[int] = []
     original = backend._run
@@ -90,8 +110,12 @@ def test_large_request_runs_in_max_batch_chunks_with_single_run_answers(hardened
 
     monkeypatch.setattr(backend, "_run", recording)
     ids = np.random.default_rng(3).integers(0, 50257, (10, 6))
-    body = {"inputs": [{"name": "input_ids", "shape": [10, 6], "datatype": "INT64", "data": ids.ravel().tolist()},
-                       {"name": "attention_mask", "shape": [10, 6], "datatype": "INT64", "data": [1] * 60}]}
+    body = {
+        "inputs": [
+            {"name": "input_ids", "shape": [10, 6], "datatype": "INT64", "data": ids.ravel().tolist()},
+            {"name": "attention_mask", "shape": [10, 6], "datatype": "INT64", "data": [1] * 60},
+        ]
+    }
     response = post(hardened, "/v2/models/encoder/infer", json=body)
     assert response.status_code == 200, response.text
     assert max(seen) <= 4 and sum(seen) == 10  # max_batch=4: chunks of 4, 4, 2
@@ -108,6 +132,7 @@ def test_served_sessions_give_peak_memory_back(hardened: RunningServer) -> None:
 
 
 # --- 2. nothing scales with a request on the event loop ----------------------------------------
+
 
 def test_json_decoding_and_encoding_run_off_the_event_loop(hardened: RunningServer, monkeypatch) -> None:
     threads: dict[str, str] = {}
@@ -135,8 +160,13 @@ def test_large_json_is_coded_in_a_worker_process(hardened: RunningServer, tiny_m
     original = service.submit_json
     monkeypatch.setattr(service, "submit_json", lambda fn, *args: submitted.append(fn.__name__) or original(fn, *args))
     ids = np.random.default_rng(5).integers(0, 50257, (2, 5))
-    body = {"id": "w1", "inputs": [{"name": "input_ids", "shape": [2, 5], "datatype": "INT64", "data": ids.tolist()},
-                                   {"name": "attention_mask", "shape": [2, 5], "datatype": "INT64", "data": [[1] * 5] * 2}]}
+    body = {
+        "id": "w1",
+        "inputs": [
+            {"name": "input_ids", "shape": [2, 5], "datatype": "INT64", "data": ids.tolist()},
+            {"name": "attention_mask", "shape": [2, 5], "datatype": "INT64", "data": [[1] * 5] * 2},
+        ],
+    }
     response = post(hardened, "/v2/models/encoder/infer", json=body)
     assert response.status_code == 200 and response.json()["id"] == "w1"
     latents = np.array(response.json()["outputs"][0]["data"], dtype=np.float32).reshape(2, 5, 64)
@@ -163,6 +193,7 @@ def test_a_killed_json_worker_is_replaced(hardened: RunningServer, monkeypatch) 
 
 
 # --- 3. slow and idle clients --------------------------------------------------------------------
+
 
 def connect(server: RunningServer) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", server.service.settings.port))
@@ -192,7 +223,7 @@ def test_silent_and_slow_header_clients_are_closed(hardened: RunningServer) -> N
 
 def test_stalled_body_gets_408(hardened: RunningServer) -> None:
     s = connect(hardened)
-    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"texts\"")
+    s.sendall(b'POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"texts"')
     answer = read_until_closed(s)
     assert answer.startswith(b"HTTP/1.1 408 ") and b"body did not arrive within 1 s" in answer
     assert_alive(hardened)
@@ -257,7 +288,7 @@ def test_shutdown_is_not_held_by_a_client_stalled_mid_body(export_dir: Path) -> 
     settings = ServerSettings(port=free_port(), **{**LIMITS, "body_timeout_s": 300.0, "request_timeout_s": 300})
     running = RunningServer(LDLMService(str(export_dir), settings))
     s = connect(running)
-    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"texts\": [")
+    s.sendall(b'POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"texts": [')
     time.sleep(0.3)
     started = time.monotonic()
     running.stop()
@@ -267,6 +298,7 @@ def test_shutdown_is_not_held_by_a_client_stalled_mid_body(export_dir: Path) -> 
 
 # --- 4. malformed requests get a 4xx, never a 500 ---------------------------------------------------
 
+
 def raw_infer(header: dict, payload: bytes = b"") -> dict:
     head = json.dumps(header).encode()
     return {"content": head + payload, "headers": {"Inference-Header-Content-Length": str(len(head))}}
@@ -274,35 +306,89 @@ def raw_infer(header: dict, payload: bytes = b"") -> dict:
 
 ATTACKS = [
     ("bool in shape", ids_input([1, 2, 3], shape=[True, 3]), 400, "shape [True, 3] is invalid"),
-    ("INT64 Infinity", {"content": b'{"inputs":[{"name":"input_ids","shape":[1,1],"datatype":"INT64","data":[Infinity]}]}'}, 400,
-     "INT64 data holds float values; allowed: integers"),
+    (
+        "INT64 Infinity",
+        {"content": b'{"inputs":[{"name":"input_ids","shape":[1,1],"datatype":"INT64","data":[Infinity]}]}'},
+        400,
+        "INT64 data holds float values; allowed: integers",
+    ),
     ("INT64 2**63", ids_input([1, 2, 2**63]), 400, "holds 9223372036854775808; allowed: -9223372036854775808..9223372036854775807"),
-    ("INT64 -2**63-1", ids_input([1, 2, -2**63 - 1]), 400, "allowed: -9223372036854775808..9223372036854775807"),
+    ("INT64 -2**63-1", ids_input([1, 2, -(2**63) - 1]), 400, "allowed: -9223372036854775808..9223372036854775807"),
     ("INT64 2**64", ids_input([1, 2, 2**64]), 400, "holds 18446744073709551616"),
-    ("INT64 10**400", {"content": ('{"inputs":[{"name":"input_ids","shape":[1,1],"datatype":"INT64","data":[1' + "0" * 400 + "]}]}").encode()},
-     400, "an integer of 401 digits"),
+    (
+        "INT64 10**400",
+        {"content": ('{"inputs":[{"name":"input_ids","shape":[1,1],"datatype":"INT64","data":[1' + "0" * 400 + "]}]}").encode()},
+        400,
+        "an integer of 401 digits",
+    ),
     ("request parameters string", {**infer_body(), "parameters": "x"}, 400, "'parameters' must be an object"),
     ("input parameters string", ids_input([1, 2, 3], parameters="x"), 400, "inputs[0] (input_ids): 'parameters' must be an object"),
-    ("binary_data_size float", raw_infer({"inputs": [{"name": "input_ids", "shape": [1, 4], "datatype": "INT64",
-                                                      "parameters": {"binary_data_size": 32.0}}]}, b"\0" * 32), 400, "binary_data_size 32.0 is invalid"),
+    (
+        "binary_data_size float",
+        raw_infer(
+            {"inputs": [{"name": "input_ids", "shape": [1, 4], "datatype": "INT64", "parameters": {"binary_data_size": 32.0}}]}, b"\0" * 32
+        ),
+        400,
+        "binary_data_size 32.0 is invalid",
+    ),
     ("JSON 1000 deep", {"content": b"[" * 1000 + b"]" * 1000}, 400, "nested too deeply"),
     ("JSON 100000 deep", {"content": b'{"inputs": ' + b"[" * 100000 + b"]" * 100000 + b"}"}, 400, "nested too deeply"),
-    ("BOOL for INT64", {"json": {"inputs": [{"name": "input_ids", "shape": [1, 3], "datatype": "BOOL", "data": [True, False, True]},
-                                            {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]}]}},
-     400, "input input_ids has datatype BOOL; allowed: INT64"),
+    (
+        "BOOL for INT64",
+        {
+            "json": {
+                "inputs": [
+                    {"name": "input_ids", "shape": [1, 3], "datatype": "BOOL", "data": [True, False, True]},
+                    {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]},
+                ]
+            }
+        },
+        400,
+        "input input_ids has datatype BOOL; allowed: INT64",
+    ),
     ("bools in INT64 data", ids_input([1, True, 3]), 400, "INT64 data holds bool values; allowed: integers"),
     ("floats cast to ints", ids_input([1.5, 2, 3]), 400, "INT64 data holds float values; allowed: integers"),
-    ("mask of 2", {"json": {"inputs": [{"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]},
-                                       {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 1]}]}},
-     400, "attention_mask holds 2; allowed: 0 or 1"),
-    ("NaN input", {"content": b'{"inputs":[{"name":"latents","shape":[1,1,64],"datatype":"FP32","data":[NaN' + b",0" * 63 + b"]}]}"}, 400,
-     "NaN or Infinity; allowed: finite numbers"),
-    ("Infinity binary", raw_infer({"inputs": [{"name": "latents", "shape": [1, 1, 2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]},
-                                  np.array([np.inf, 0], dtype=np.float32).tobytes()), 400, "NaN or Infinity"),
-    ("FP32 overflow", {"json": {"inputs": [{"name": "latents", "shape": [1, 1, 1], "datatype": "FP32", "data": [1e300]}]}}, 400,
-     "FP32 data holds 1e+300; allowed: magnitudes up to"),
+    (
+        "mask of 2",
+        {
+            "json": {
+                "inputs": [
+                    {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]},
+                    {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 1]},
+                ]
+            }
+        },
+        400,
+        "attention_mask holds 2; allowed: 0 or 1",
+    ),
+    (
+        "NaN input",
+        {"content": b'{"inputs":[{"name":"latents","shape":[1,1,64],"datatype":"FP32","data":[NaN' + b",0" * 63 + b"]}]}"},
+        400,
+        "NaN or Infinity; allowed: finite numbers",
+    ),
+    (
+        "Infinity binary",
+        raw_infer(
+            {"inputs": [{"name": "latents", "shape": [1, 1, 2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]},
+            np.array([np.inf, 0], dtype=np.float32).tobytes(),
+        ),
+        400,
+        "NaN or Infinity",
+    ),
+    (
+        "FP32 overflow",
+        {"json": {"inputs": [{"name": "latents", "shape": [1, 1, 1], "datatype": "FP32", "data": [1e300]}]}},
+        400,
+        "FP32 data holds 1e+300; allowed: magnitudes up to",
+    ),
     ("id an object", {**infer_body(), "id": {"a": 1}}, 400, "field 'id' must be a string"),
-    ("binary_data_output string", {**infer_body(), "parameters": {"binary_data_output": "yes"}}, 400, "binary_data_output='yes' is invalid"),
+    (
+        "binary_data_output string",
+        {**infer_body(), "parameters": {"binary_data_output": "yes"}},
+        400,
+        "binary_data_output='yes' is invalid",
+    ),
     ("data a string", ids_input("123"), 400, "'data' must be a list, not str"),
 ]
 
@@ -316,11 +402,14 @@ def test_malformed_infer_gets_4xx_naming_the_problem(hardened: RunningServer, ca
     assert set(response.json()) == {"error"} and message in response.json()["error"], response.text
 
 
-@pytest.mark.parametrize(("path", "body", "message"), [
-    ("/v1/generate", b'{"n": 1, "seed": "\xff"}', "the body is not valid UTF-8 JSON: invalid start byte at byte 18"),
-    ("/v1/reconstruct", b'{"texts": ' + b"[" * 100000 + b"]" * 100000 + b"}", "the body's JSON is nested too deeply"),
-    ("/v1/completions", b'{"prompt": "\xc3"}', "the body is not valid UTF-8 JSON"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/generate", b'{"n": 1, "seed": "\xff"}', "the body is not valid UTF-8 JSON: invalid start byte at byte 18"),
+        ("/v1/reconstruct", b'{"texts": ' + b"[" * 100000 + b"]" * 100000 + b"}", "the body's JSON is nested too deeply"),
+        ("/v1/completions", b'{"prompt": "\xc3"}', "the body is not valid UTF-8 JSON"),
+    ],
+)
 def test_a_v1_body_that_cannot_be_parsed_is_named(hardened: RunningServer, path: str, body: bytes, message: str) -> None:
     """FastAPI's own answer was "There was an error parsing the body" for both: it did not say which."""
     response = post(hardened, path, content=body, headers={"Content-Type": "application/json"})
@@ -369,19 +458,39 @@ def test_error_shape_is_one_for_all_routes(hardened: RunningServer) -> None:
     assert wrong_method.status_code == 405 and set(wrong_method.json()) == {"error"}
 
 
-kserve_values = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True),
-                          st.text(max_size=5), st.lists(st.integers(-3, 3), max_size=4))
+kserve_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.lists(st.integers(-3, 3), max_size=4),
+)
 kserve_input = st.fixed_dictionaries(
     {"name": st.sampled_from(["input_ids", "attention_mask", "x", ""])},
-    optional={"shape": st.one_of(st.lists(st.one_of(st.integers(-2, 6), st.booleans(), st.floats(0, 4)), max_size=4), kserve_values),
-              "datatype": st.sampled_from(["INT64", "INT32", "FP32", "FP16", "FP64", "BOOL", "BYTES", "int"]),
-              "data": st.one_of(st.lists(kserve_values, max_size=12), st.lists(st.lists(kserve_values, max_size=4), max_size=4), kserve_values),
-              "parameters": st.one_of(st.dictionaries(st.sampled_from(["binary_data_size", "binary_data"]), kserve_values, max_size=2), kserve_values)})
+    optional={
+        "shape": st.one_of(st.lists(st.one_of(st.integers(-2, 6), st.booleans(), st.floats(0, 4)), max_size=4), kserve_values),
+        "datatype": st.sampled_from(["INT64", "INT32", "FP32", "FP16", "FP64", "BOOL", "BYTES", "int"]),
+        "data": st.one_of(st.lists(kserve_values, max_size=12), st.lists(st.lists(kserve_values, max_size=4), max_size=4), kserve_values),
+        "parameters": st.one_of(
+            st.dictionaries(st.sampled_from(["binary_data_size", "binary_data"]), kserve_values, max_size=2), kserve_values
+        ),
+    },
+)
 kserve_body = st.fixed_dictionaries(
-    {}, optional={"inputs": st.one_of(st.lists(kserve_input, max_size=3), kserve_values), "id": kserve_values,
-                  "outputs": st.one_of(st.lists(st.fixed_dictionaries({"name": st.sampled_from(["latents", "nope"])},
-                                                                      optional={"parameters": kserve_values}), max_size=2), kserve_values),
-                  "parameters": st.one_of(st.dictionaries(st.sampled_from(["binary_data_output"]), kserve_values, max_size=1), kserve_values)})
+    {},
+    optional={
+        "inputs": st.one_of(st.lists(kserve_input, max_size=3), kserve_values),
+        "id": kserve_values,
+        "outputs": st.one_of(
+            st.lists(
+                st.fixed_dictionaries({"name": st.sampled_from(["latents", "nope"])}, optional={"parameters": kserve_values}), max_size=2
+            ),
+            kserve_values,
+        ),
+        "parameters": st.one_of(st.dictionaries(st.sampled_from(["binary_data_output"]), kserve_values, max_size=1), kserve_values),
+    },
+)
 
 
 @hypothesis_settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
@@ -394,6 +503,7 @@ def test_fuzzed_kserve_json_never_gets_5xx(hardened: RunningServer, body: dict) 
 
 
 # --- 5. auth, and what the process prints --------------------------------------------------------
+
 
 def test_bearer_key_is_compared_in_constant_time(export_dir: Path, monkeypatch) -> None:
     import hmac
@@ -415,8 +525,9 @@ def test_busy_port_fails_cleanly_before_loading(export_dir: Path) -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port)],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port)], capture_output=True, text=True, timeout=120
+        )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Traceback" not in output and "serving" not in output
     assert f"port {port} on 127.0.0.1 is already in use" in output and "--port" in output
@@ -426,8 +537,13 @@ def test_key_never_printed_and_openapi_typed(export_dir: Path) -> None:
     port = free_port()
     key = "k3y-that-must-not-leak"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LDLM_API_KEY": key}
-    process = subprocess.Popen([sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port), "--threads", "1"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ldlm.cli", "serve", str(export_dir), "--port", str(port), "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     try:
         wait_ready(process, f"http://127.0.0.1:{port}", 120)
         headers = {"Authorization": f"Bearer {key}"}
@@ -446,4 +562,6 @@ def test_key_never_printed_and_openapi_typed(export_dir: Path) -> None:
     ok = schema["paths"]["/v1/encode"]["post"]["responses"]
     assert ok["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/EncodeResponse")
     assert ok["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
-    assert schema["paths"]["/v1/generate"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/TextsResponse")
+    assert schema["paths"]["/v1/generate"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/TextsResponse"
+    )

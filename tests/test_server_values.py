@@ -37,8 +37,9 @@ def batching_server(export_dir: Path):
 
 @pytest.fixture(scope="module")
 def limits_server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=8, max_delay_ms=0, request_timeout_s=60, max_body_bytes=64 << 10,
-                              max_n=4, max_steps=1000, max_texts=2)
+    settings = ServerSettings(
+        port=free_port(), max_batch=8, max_delay_ms=0, request_timeout_s=60, max_body_bytes=64 << 10, max_n=4, max_steps=1000, max_texts=2
+    )
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()
@@ -63,8 +64,12 @@ def eager_round_trip(model: LDLM, ids: list[int]) -> list[int]:
 
 
 def encoder_body(ids: list[int]) -> dict:
-    return {"inputs": [{"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64", "data": ids},
-                       {"name": "attention_mask", "shape": [1, len(ids)], "datatype": "INT64", "data": [1] * len(ids)}]}
+    return {
+        "inputs": [
+            {"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64", "data": ids},
+            {"name": "attention_mask", "shape": [1, len(ids)], "datatype": "INT64", "data": [1] * len(ids)},
+        ]
+    }
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -107,7 +112,9 @@ def test_concurrent_requests_of_two_lengths_get_their_single_run_values(batching
     assert delta("ldlm_execution_count_total", model="encoder") == 1  # one batch ...
     assert delta("ldlm_inference_count_total", model="encoder") == 2  # ... of two samples
     assert delta("ldlm_batch_size_count", model="encoder") == 1 and delta("ldlm_batch_size_sum", model="encoder") == 2
-    assert delta("ldlm_batch_size_bucket", model="encoder", le="1.0") == 0 and delta("ldlm_batch_size_bucket", model="encoder", le="2.0") == 1
+    assert (
+        delta("ldlm_batch_size_bucket", model="encoder", le="1.0") == 0 and delta("ldlm_batch_size_bucket", model="encoder", le="2.0") == 1
+    )
     assert delta("ldlm_request_success_total", model="encoder") == 2
     assert delta("ldlm_request_duration_seconds_count", model="encoder") == 2
 
@@ -121,8 +128,16 @@ def test_auth_covers_metrics_and_failures_are_counted(batching_server: RunningSe
         assert http.post("/v2/models/encoder/infer", content=b"{nope", headers=KEY).status_code == 400
         assert http.post("/v2/models/encoder/infer", json=encoder_body([1, 2])).status_code == 401
         after = http.get("/metrics", headers=KEY).text
-    assert metric(after, "ldlm_request_failure_total", code="400", model="encoder") - metric(before, "ldlm_request_failure_total", code="400", model="encoder") == 1
-    assert metric(after, "ldlm_request_failure_total", code="401", model="encoder") - metric(before, "ldlm_request_failure_total", code="401", model="encoder") == 1
+    assert (
+        metric(after, "ldlm_request_failure_total", code="400", model="encoder")
+        - metric(before, "ldlm_request_failure_total", code="400", model="encoder")
+        == 1
+    )
+    assert (
+        metric(after, "ldlm_request_failure_total", code="401", model="encoder")
+        - metric(before, "ldlm_request_failure_total", code="401", model="encoder")
+        == 1
+    )
     assert metric(after, "ldlm_execution_count_total", model="encoder") == metric(before, "ldlm_execution_count_total", model="encoder")
 
 
@@ -177,12 +192,16 @@ def test_streamed_body_over_the_cap_is_refused(limits_server: RunningServer) -> 
         assert http.post("/v2/models/encoder/infer", json=encoder_body([1, 2, 3])).status_code == 200
 
 
-@pytest.mark.parametrize(("path", "body", "message"), [
-    ("/v1/generate", {"n": 1, "length": 4, "steps": 1001}, "steps: 1001 is out of range; allowed: 1..1000"),
-    ("/v1/generate", {"n": 5, "length": 4, "steps": 2}, "n: 5 is out of range; allowed: 1..4"),
-    ("/v1/reconstruct", {"texts": ["a", "b", "c"]}, "texts: 3 items is out of range; allowed: 1..2"),
-    ("/v1/encode", {"texts": ["a", "b", "c"]}, "texts: 3 items is out of range; allowed: 1..2"),
-], ids=["max_steps", "max_n", "max_texts-reconstruct", "max_texts-encode"])
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/generate", {"n": 1, "length": 4, "steps": 1001}, "steps: 1001 is out of range; allowed: 1..1000"),
+        ("/v1/generate", {"n": 5, "length": 4, "steps": 2}, "n: 5 is out of range; allowed: 1..4"),
+        ("/v1/reconstruct", {"texts": ["a", "b", "c"]}, "texts: 3 items is out of range; allowed: 1..2"),
+        ("/v1/encode", {"texts": ["a", "b", "c"]}, "texts: 3 items is out of range; allowed: 1..2"),
+    ],
+    ids=["max_steps", "max_n", "max_texts-reconstruct", "max_texts-encode"],
+)
 def test_configured_limits(limits_server: RunningServer, path: str, body: dict, message: str) -> None:
     with httpx.Client(base_url=limits_server.url, timeout=30) as http:
         response = http.post(path, json=body)

@@ -57,8 +57,9 @@ def test_the_oracle_is_exact_for_the_exact_ode() -> None:
     assert oracle_error("ddim", 20) > 10 * oracle_error("ddim", 2000)
 
 
-@pytest.mark.parametrize(("sampler", "low", "high"), [("ddim", 0.9, 1.15), ("dpm2m", 1.8, 2.6), ("dpm3m", 2.3, 3.6),
-                                                       ("dpm3m-psc", 2.3, 3.6)])
+@pytest.mark.parametrize(
+    ("sampler", "low", "high"), [("ddim", 0.9, 1.15), ("dpm2m", 1.8, 2.6), ("dpm3m", 2.3, 3.6), ("dpm3m-psc", 2.3, 3.6)]
+)
 def test_observed_order_of_convergence(sampler: str, low: float, high: float) -> None:
     order = observed_order(sampler)
     assert low <= order <= high, f"{sampler}: observed order {order:.2f}, expected {low}..{high}"
@@ -80,8 +81,7 @@ def test_first_step_and_one_step_runs_are_exactly_ddim() -> None:
     for name in ("ddim", "dpm2m", "dpm3m", "dpm3m-psc"):
         result = SOLVERS[name].step(SCHEDULE, x, x0, t, t_next, [])
         assert torch.equal(result.x, expected), name
-        one_step = run_sampler(oracle_denoiser, PRIOR, lambda: None, time_grid(1, T_MIN, SOLVERS[name].grid, SCHEDULE),
-                               SCHEDULE, name)
+        one_step = run_sampler(oracle_denoiser, PRIOR, lambda: None, time_grid(1, T_MIN, SOLVERS[name].grid, SCHEDULE), SCHEDULE, name)
         hand = ddim_step(SCHEDULE, PRIOR, x0, t, torch.full((2,), T_MIN, dtype=F64))
         torch.testing.assert_close(one_step, hand, rtol=0, atol=0, msg=name)
 
@@ -104,8 +104,7 @@ def test_second_order_step_by_hand() -> None:
         return torch.full((1, 1, 1), v, dtype=F64)
 
     past = [(scalar(m1), torch.tensor([lam[0]], dtype=F64))]
-    result = SOLVERS["dpm2m"].step(SCHEDULE, scalar(x), scalar(m0), torch.tensor([t1], dtype=F64),
-                                   torch.tensor([t2], dtype=F64), past)
+    result = SOLVERS["dpm2m"].step(SCHEDULE, scalar(x), scalar(m0), torch.tensor([t1], dtype=F64), torch.tensor([t2], dtype=F64), past)
     assert result.x.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -175,8 +174,9 @@ def test_predicted_self_conditioning_keeps_the_limit(pipeline: LDLMPipeline) -> 
 def test_mixed_solvers_share_denoiser_calls_and_match_single_runs(pipeline: LDLMPipeline) -> None:
     """Every solver in one continuous batch, at different steps (staggered step counts and a late
     arrival), each keeping its own past: each answer equals its request's single run, token for token."""
-    requests = [GenerateRequest(n=2 if i % 2 else 1, length=8, steps=3 + 2 * i, seed=40 + i, sampler=name)
-                for i, name in enumerate(SAMPLERS)]
+    requests = [
+        GenerateRequest(n=2 if i % 2 else 1, length=8, steps=3 + 2 * i, seed=40 + i, sampler=name) for i, name in enumerate(SAMPLERS)
+    ]
     sizes: list[int] = []
     scheduler = GenerationScheduler(pipeline, max_batch=4, start=False, observer=lambda b, q, c: sizes.append(b))
     try:

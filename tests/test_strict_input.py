@@ -37,50 +37,76 @@ def client(server: RunningServer):
         yield client
 
 
-@pytest.mark.parametrize(("path", "body", "message"), [
-    ("/v1/generate", {"n": True}, "n: true is a boolean; allowed: an integer in 1..4"),  # ran as n=1 before
-    ("/v1/generate", {"n": 2.0}, "n: 2.0 is not an integer; allowed: an integer in 1..4"),
-    ("/v1/generate", {"steps": "10"}, "steps: \"10\" is not an integer; allowed: an integer in 1..100"),
-    ("/v1/generate", {"seed": 1e30}, "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),
-    ("/v1/generate", {"seed": 2**63}, "seed: 9223372036854775808 is out of range; allowed: 0..9223372036854775807"),
-    ("/v1/generate", {"t_min": 5}, "t_min: 5 is out of range; allowed: a number in (0, 1), both ends excluded"),
-    ("/v1/generate", {"t_min": 0}, "t_min: 0 is out of range; allowed: a number in (0, 1), both ends excluded"),
-    ("/v1/generate", {"stream": 1}, "stream: 1 is not a boolean; allowed: true or false"),
-    ("/v1/generate", {"sampler": "euler"}, "sampler: \"euler\" is unknown; allowed: "  # every name in ldlm.config.SAMPLERS
-     + ", ".join(repr(name) for name in SAMPLERS[:-1]) + f" or {SAMPLERS[-1]!r}"),
-    ("/v1/generate", {"temprature": 0.5}, f"unknown field 'temprature'; allowed: {GENERATE_FIELDS}"),
-    ("/v1/generate", {"n": 1, "lenght": 8, "step": 2}, f"unknown fields 'lenght', 'step'; allowed: {GENERATE_FIELDS}"),
-    ("/v1/reconstruct", {"texts": [""]}, "texts[0]: \"\" is empty; allowed: a non-empty text"),  # was a 400, [] a 422
-    ("/v1/encode", {"texts": ["ok", ""]}, "texts[1]: \"\" is empty; allowed: a non-empty text"),
-    ("/v1/encode", {"texts": []}, "texts: 0 items is out of range; allowed: 1..2"),
-    ("/v1/encode", {"texts": [7]}, "texts[0]: 7 is not a text; allowed: a JSON string"),
-    ("/v1/encode", {"texts": ["a"], "normalize": True}, "unknown field 'normalize'; allowed: texts"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/generate", {"n": True}, "n: true is a boolean; allowed: an integer in 1..4"),  # ran as n=1 before
+        ("/v1/generate", {"n": 2.0}, "n: 2.0 is not an integer; allowed: an integer in 1..4"),
+        ("/v1/generate", {"steps": "10"}, 'steps: "10" is not an integer; allowed: an integer in 1..100'),
+        ("/v1/generate", {"seed": 1e30}, "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),
+        ("/v1/generate", {"seed": 2**63}, "seed: 9223372036854775808 is out of range; allowed: 0..9223372036854775807"),
+        ("/v1/generate", {"t_min": 5}, "t_min: 5 is out of range; allowed: a number in (0, 1), both ends excluded"),
+        ("/v1/generate", {"t_min": 0}, "t_min: 0 is out of range; allowed: a number in (0, 1), both ends excluded"),
+        ("/v1/generate", {"stream": 1}, "stream: 1 is not a boolean; allowed: true or false"),
+        (
+            "/v1/generate",
+            {"sampler": "euler"},
+            'sampler: "euler" is unknown; allowed: '  # every name in ldlm.config.SAMPLERS
+            + ", ".join(repr(name) for name in SAMPLERS[:-1])
+            + f" or {SAMPLERS[-1]!r}",
+        ),
+        ("/v1/generate", {"temprature": 0.5}, f"unknown field 'temprature'; allowed: {GENERATE_FIELDS}"),
+        ("/v1/generate", {"n": 1, "lenght": 8, "step": 2}, f"unknown fields 'lenght', 'step'; allowed: {GENERATE_FIELDS}"),
+        ("/v1/reconstruct", {"texts": [""]}, 'texts[0]: "" is empty; allowed: a non-empty text'),  # was a 400, [] a 422
+        ("/v1/encode", {"texts": ["ok", ""]}, 'texts[1]: "" is empty; allowed: a non-empty text'),
+        ("/v1/encode", {"texts": []}, "texts: 0 items is out of range; allowed: 1..2"),
+        ("/v1/encode", {"texts": [7]}, "texts[0]: 7 is not a text; allowed: a JSON string"),
+        ("/v1/encode", {"texts": ["a"], "normalize": True}, "unknown field 'normalize'; allowed: texts"),
+    ],
+)
 def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: str, body: dict, message: str) -> None:
     response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
     assert response.status_code == 422, response.text
     assert response.json() == {"error": message}
 
 
-@pytest.mark.parametrize(("kwargs", "param", "message"), [
-    ({"temperature": 0.7}, "temperature", "temperature=0.7 is not supported by this diffusion model (there is no next-token "
-                                          "distribution to sharpen; sampler \"ddim\" with a seed is deterministic); allowed: 1 or null"),
-    ({"logprobs": 2}, "logprobs", "logprobs=2 is not supported by this diffusion model (a diffusion sample has no per-token "
-                                  "log-probabilities); allowed: null"),
-    ({"best_of": 3}, "best_of", "best_of=3 is not supported by this diffusion model (completions are not scored; ask for n "
-                                "choices instead); allowed: 1 or null"),
-    ({"top_p": 0.9}, "top_p", None),
-    ({"presence_penalty": 1.0}, "presence_penalty", None),
-    ({"frequency_penalty": -1.0}, "frequency_penalty", None),
-    ({"logit_bias": {"50256": -100}}, "logit_bias", None),
-    ({"suffix": " end"}, "suffix", None),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop has 5 items; allowed: 1..4 non-empty texts"),
-    ({"extra_body": {"temprature": 1}}, "temprature", "unknown field 'temprature'; allowed: model, prompt, max_tokens, n, seed, "
-                                                      "stream, stream_options, stop, echo, user, steps, sampler, t_min, timeout_s, temperature, "
-                                                      "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix"),
-    ({"n": True}, "n", "n: true is a boolean; allowed: an integer in 1..4"),
-    ({"extra_body": {"seed": 1e30}}, "seed", "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "param", "message"),
+    [
+        (
+            {"temperature": 0.7},
+            "temperature",
+            "temperature=0.7 is not supported by this diffusion model (there is no next-token "
+            'distribution to sharpen; sampler "ddim" with a seed is deterministic); allowed: 1 or null',
+        ),
+        (
+            {"logprobs": 2},
+            "logprobs",
+            "logprobs=2 is not supported by this diffusion model (a diffusion sample has no per-token log-probabilities); allowed: null",
+        ),
+        (
+            {"best_of": 3},
+            "best_of",
+            "best_of=3 is not supported by this diffusion model (completions are not scored; ask for n "
+            "choices instead); allowed: 1 or null",
+        ),
+        ({"top_p": 0.9}, "top_p", None),
+        ({"presence_penalty": 1.0}, "presence_penalty", None),
+        ({"frequency_penalty": -1.0}, "frequency_penalty", None),
+        ({"logit_bias": {"50256": -100}}, "logit_bias", None),
+        ({"suffix": " end"}, "suffix", None),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop has 5 items; allowed: 1..4 non-empty texts"),
+        (
+            {"extra_body": {"temprature": 1}},
+            "temprature",
+            "unknown field 'temprature'; allowed: model, prompt, max_tokens, n, seed, "
+            "stream, stream_options, stop, echo, user, steps, sampler, t_min, timeout_s, temperature, "
+            "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix",
+        ),
+        ({"n": True}, "n", "n: true is a boolean; allowed: an integer in 1..4"),
+        ({"extra_body": {"seed": 1e30}}, "seed", "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),
+    ],
+)
 def test_unsupported_openai_parameters_are_refused_naming_them(client, kwargs: dict, param: str, message: str | None) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model="ldlm", prompt="", max_tokens=4, **kwargs)
@@ -92,9 +118,21 @@ def test_unsupported_openai_parameters_are_refused_naming_them(client, kwargs: d
 def test_openai_defaults_that_ask_for_nothing_are_accepted(client) -> None:
     """What a client that sets them to OpenAI's defaults sends: the same completion as without them."""
     plain = client.completions.create(model="ldlm", prompt="", max_tokens=6, seed=4, extra_body={"steps": 3, "sampler": "ddim"})
-    same = client.completions.create(model="ldlm", prompt="", max_tokens=6, seed=4, temperature=1, top_p=1, best_of=1, logprobs=None,
-                                     presence_penalty=0, frequency_penalty=0, user="someone", echo=False,
-                                     extra_body={"steps": 3, "sampler": "ddim"})
+    same = client.completions.create(
+        model="ldlm",
+        prompt="",
+        max_tokens=6,
+        seed=4,
+        temperature=1,
+        top_p=1,
+        best_of=1,
+        logprobs=None,
+        presence_penalty=0,
+        frequency_penalty=0,
+        user="someone",
+        echo=False,
+        extra_body={"steps": 3, "sampler": "ddim"},
+    )
     assert [c.text for c in same.choices] == [c.text for c in plain.choices]
 
 

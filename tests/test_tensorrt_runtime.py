@@ -72,7 +72,7 @@ class StandInContext:
         return True
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
-        return (*self.shapes["x"], ) if name == "y" else self.shapes[name]
+        return (*self.shapes["x"],) if name == "y" else self.shapes[name]
 
     def execute_async_v3(self, stream: int) -> bool:
         self._event("execute")
@@ -293,8 +293,11 @@ def test_service_limits_follow_the_narrowest_graph() -> None:
     plain = {g: types.SimpleNamespace(max_seq_len=config.max_seq_len, batch_limit=None) for g in ("encoder", "denoiser", "decoder")}
     same, batch = serving_limits(plain, config, 16)  # ONNX Runtime, torch: no profile
     assert same is config and batch == 16
-    narrow = dict(plain, denoiser=types.SimpleNamespace(max_seq_len=config.max_seq_len // 2, batch_limit=8),
-                  decoder=types.SimpleNamespace(max_seq_len=config.max_seq_len, batch_limit=32))
+    narrow = dict(
+        plain,
+        denoiser=types.SimpleNamespace(max_seq_len=config.max_seq_len // 2, batch_limit=8),
+        decoder=types.SimpleNamespace(max_seq_len=config.max_seq_len, batch_limit=32),
+    )
     capped, batch = serving_limits(narrow, config, 16)
     assert capped.max_seq_len == config.max_seq_len // 2 and batch == 8
     assert {k: v for k, v in vars(capped).items() if k != "max_seq_len"} == {k: v for k, v in vars(config).items() if k != "max_seq_len"}

@@ -126,13 +126,16 @@ def test_missing_cuda_is_a_clear_error() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the no-CUDA messages cannot be seen here")
-@pytest.mark.parametrize("command", [
-    ["serve", "{ckpt}", "--backend", "compiled", "--device", "cuda", "--precision", "bf16"],
-    ["bench", "{ckpt}", "--backends", "eager", "--device", "cuda"],
-    ["parity", "{ckpt}", "--backend", "eager", "--device", "cuda", "--precision", "bf16"],
-    ["generate", "{ckpt}", "--device", "cuda"],
-    ["reconstruct", "{ckpt}", "some text", "--device", "cuda"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["serve", "{ckpt}", "--backend", "compiled", "--device", "cuda", "--precision", "bf16"],
+        ["bench", "{ckpt}", "--backends", "eager", "--device", "cuda"],
+        ["parity", "{ckpt}", "--backend", "eager", "--device", "cuda", "--precision", "bf16"],
+        ["generate", "{ckpt}", "--device", "cuda"],
+        ["reconstruct", "{ckpt}", "some text", "--device", "cuda"],
+    ],
+)
 def test_cli_device_cuda_without_cuda_is_a_message_not_a_traceback(tiny_checkpoint: Path, tmp_path: Path, command: list[str]) -> None:
     argv = [a.format(ckpt=tiny_checkpoint) for a in command] + ["--out", str(tmp_path / "out")] * (command[0] in ("bench", "parity"))
     done = subprocess.run([sys.executable, "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=300)
@@ -154,8 +157,11 @@ def test_ort_gpu_provider_without_onnxruntime_gpu_names_what_is_missing(export_d
         open_graphs("ort", export_dir, device="cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{NO_CUDA}: CUDA-graph capture and replay of the compiled "
-                    "backend were not exercised (scripts/gpu_check.py runs them on the GPU)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason=f"{NO_CUDA}: CUDA-graph capture and replay of the compiled "
+    "backend were not exercised (scripts/gpu_check.py runs them on the GPU)",
+)
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_cuda_graphs_replay_matches_eager_on_cuda(tiny_model: LDLM, graph: str) -> None:
     model = prepare_model(copy.deepcopy(tiny_model), torch.device("cuda"), "fp32")

@@ -108,8 +108,10 @@ def test_bad_sources_and_existing_output(export_dir: Path, tmp_path: Path) -> No
 
 def test_generate_model_refuses_a_tokenizer_edited_in_the_repository(repo: Path, tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("onnxruntime", reason="the stand-in BLS loads the repository's ONNX models")
-    assert read_config(repo, "ldlm_generate").parameters["tokenizer_sha256"].string_value == hashlib.sha256(
-        (repo / "ldlm_generate" / "1" / "tokenizer.json").read_bytes()).hexdigest()
+    assert (
+        read_config(repo, "ldlm_generate").parameters["tokenizer_sha256"].string_value
+        == hashlib.sha256((repo / "ldlm_generate" / "1" / "tokenizer.json").read_bytes()).hexdigest()
+    )
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
     tokenizer = copy / "ldlm_generate" / "1" / "tokenizer.json"
@@ -137,8 +139,10 @@ class StandInPbUtils(types.ModuleType):
         from ldlm.serve.runtime.backends import OrtBackend
 
         config = json.loads((repo / "ldlm_generate" / "1" / "config.json").read_text())
-        self.models = {name: OrtBackend(repo / name / "1" / "model.onnx" / "model.onnx", name, config["max_seq_len"])
-                       for name in ("denoiser", "decoder")}
+        self.models = {
+            name: OrtBackend(repo / name / "1" / "model.onnx" / "model.onnx", name, config["max_seq_len"])
+            for name in ("denoiser", "decoder")
+        }
         self.configs = {name: read_config(repo, name) for name in ("denoiser", "decoder")}
         self.bls_calls = 0
         utils = self
@@ -182,11 +186,17 @@ class StandInPbUtils(types.ModuleType):
                 for tensor in self.inputs:
                     spec, shape = declared[tensor.name()], list(tensor.as_numpy().shape)
                     dims = list(spec.dims)
-                    if len(shape) != 1 + len(dims) or not 1 <= shape[0] <= config.max_batch_size or any(
-                            d != -1 and d != s for d, s in zip(dims, shape[1:])):
-                        return InferenceResponse(error=TritonError(
-                            f"unexpected shape for input '{tensor.name()}' for model '{self.model_name}'. "
-                            f"Expected [-1,{','.join(map(str, dims))}], got {shape}"))
+                    if (
+                        len(shape) != 1 + len(dims)
+                        or not 1 <= shape[0] <= config.max_batch_size
+                        or any(d != -1 and d != s for d, s in zip(dims, shape[1:]))
+                    ):
+                        return InferenceResponse(
+                            error=TritonError(
+                                f"unexpected shape for input '{tensor.name()}' for model '{self.model_name}'. "
+                                f"Expected [-1,{','.join(map(str, dims))}], got {shape}"
+                            )
+                        )
                     model_shape = [shape[0], *spec.reshape.shape] if spec.HasField("reshape") else shape
                     feed[tensor.name()] = tensor.as_numpy().reshape(model_shape)
                 try:
@@ -195,7 +205,12 @@ class StandInPbUtils(types.ModuleType):
                     return InferenceResponse(error=TritonError(str(error)))
                 return InferenceResponse([Tensor(n, outputs[n]) for n in self.requested])
 
-        self.Tensor, self.TritonError, self.InferenceResponse, self.InferenceRequest = Tensor, TritonError, InferenceResponse, InferenceRequest
+        self.Tensor, self.TritonError, self.InferenceResponse, self.InferenceRequest = (
+            Tensor,
+            TritonError,
+            InferenceResponse,
+            InferenceRequest,
+        )
 
     @staticmethod
     def get_input_tensor_by_name(request, name):
@@ -224,7 +239,11 @@ def load_generate_model(repo: Path, monkeypatch) -> tuple[object, StandInPbUtils
 def request(pb, **values):
     tensors = []
     for name, value in values.items():
-        array = np.array([value.encode()], dtype=np.object_) if isinstance(value, str) else np.array([value], dtype=np.float32 if isinstance(value, float) else np.int64)
+        array = (
+            np.array([value.encode()], dtype=np.object_)
+            if isinstance(value, str)
+            else np.array([value], dtype=np.float32 if isinstance(value, float) else np.int64)
+        )
         tensors.append(pb.Tensor(name, array))
     return types.SimpleNamespace(inputs=tensors)
 
@@ -233,8 +252,11 @@ def request(pb, **values):
 def test_generate_loop_gives_the_runners_tokens(repo: Path, pipeline: LDLMPipeline, monkeypatch, sampler: str) -> None:
     pytest.importorskip("onnxruntime", reason="the stand-in BLS runs the repository's ONNX models")
     model, pb = load_generate_model(repo, monkeypatch)
-    requests = [request(pb, N=2, LENGTH=12, STEPS=4, SEED=3, SAMPLER=sampler), request(pb, N=100, LENGTH=12, STEPS=4),
-                request(pb, N=1, LENGTH=7, STEPS=3, SEED=9, SAMPLER=sampler, T_MIN=0.1)]
+    requests = [
+        request(pb, N=2, LENGTH=12, STEPS=4, SEED=3, SAMPLER=sampler),
+        request(pb, N=100, LENGTH=12, STEPS=4),
+        request(pb, N=1, LENGTH=7, STEPS=3, SEED=9, SAMPLER=sampler, T_MIN=0.1),
+    ]
     first, bad, third = model.execute(requests)
     assert not first.has_error() and not third.has_error()
     assert bad.has_error() and "N=100 is out of range; allowed: 1..8" in bad.error().message()
@@ -248,14 +270,19 @@ def test_generate_loop_gives_the_runners_tokens(repo: Path, pipeline: LDLMPipeli
     assert pb.bls_calls == (4 + 1) + (3 + 1)  # one denoiser call per step, one decoder call per request
 
 
-def test_generate_runs_n_above_max_batch_in_chunks_and_bounds_steps(export_dir: Path, tmp_path: Path, pipeline: LDLMPipeline,
-                                                                      monkeypatch) -> None:
+def test_generate_runs_n_above_max_batch_in_chunks_and_bounds_steps(
+    export_dir: Path, tmp_path: Path, pipeline: LDLMPipeline, monkeypatch
+) -> None:
     """N above the denoiser's max_batch_size runs in BLS calls of at most that many samples (Triton
     refuses larger ones; the stand-in too), with the runner's tokens; STEPS is bounded by max_steps."""
     pytest.importorskip("onnxruntime", reason="the stand-in BLS runs the repository's ONNX models")
     repo = write_triton_repo(export_dir, tmp_path / "repo", gpu=False, max_batch=2, max_n=8, max_steps=5)
     parameters = read_config(repo, "ldlm_generate").parameters
-    assert {k: parameters[k].string_value for k in ("max_n", "max_steps", "bls_max_batch")} == {"max_n": "8", "max_steps": "5", "bls_max_batch": "2"}
+    assert {k: parameters[k].string_value for k in ("max_n", "max_steps", "bls_max_batch")} == {
+        "max_n": "8",
+        "max_steps": "5",
+        "bls_max_batch": "2",
+    }
     model, pb = load_generate_model(repo, monkeypatch)
     five, too_many_steps = model.execute([request(pb, N=5, LENGTH=9, STEPS=3, SEED=2, SAMPLER="sde"), request(pb, N=1, LENGTH=9, STEPS=6)])
     assert not five.has_error(), five.error().message()
@@ -267,8 +294,9 @@ def test_generate_runs_n_above_max_batch_in_chunks_and_bounds_steps(export_dir: 
         write_triton_repo(export_dir, tmp_path / "r-steps", gpu=False, max_steps=0)
 
 
-def test_python_graph_backend_differs_from_native_only_in_backend_line_and_model_file(repo: Path, export_dir: Path, tmp_path: Path,
-                                                                                        capsys) -> None:
+def test_python_graph_backend_differs_from_native_only_in_backend_line_and_model_file(
+    repo: Path, export_dir: Path, tmp_path: Path, capsys
+) -> None:
     """`--graph-backend python`: each graph's config.pbtxt is the native one with `backend: "python"` for the
     platform line; its version folder gains model.py (serve/deploy/triton_onnx_model.py) beside the same files."""
     from ldlm.cli import main
@@ -295,8 +323,11 @@ def test_python_graph_backend_refuses_plans_and_unknown_names(export_dir: Path, 
     engines.mkdir()
     for graph in ("encoder", "denoiser", "decoder"):
         (engines / f"{graph}.plan").write_bytes(b"plan")
-        (engines / f"{graph}.plan.json").write_text(json.dumps({"flavor": "tensorrt", "trt_version": "10.0", "precision": "fp32",
-                                                                 "inputs": [], "outputs": [], "profiles": []}))
-    with pytest.raises(RepositoryError, match="graph_backend='python' runs ONNX Runtime on an export's .onnx, but .*engines holds TensorRT plans"):
+        (engines / f"{graph}.plan.json").write_text(
+            json.dumps({"flavor": "tensorrt", "trt_version": "10.0", "precision": "fp32", "inputs": [], "outputs": [], "profiles": []})
+        )
+    with pytest.raises(
+        RepositoryError, match="graph_backend='python' runs ONNX Runtime on an export's .onnx, but .*engines holds TensorRT plans"
+    ):
         write_triton_repo(engines, tmp_path / "r2", graph_backend="python")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engines"]

@@ -44,16 +44,26 @@ def triton_env() -> TritonEnv:
     try:
         return prepare_env(CACHE)
     except TritonUnavailable as error:
-        pytest.skip(f"nvidia-pytriton's tritonserver could not be installed here, so no real Triton ran (readiness, "
-                    f"metadata, graph parity, generation, limits, batching, stop were not checked): {error}")
+        pytest.skip(
+            f"nvidia-pytriton's tritonserver could not be installed here, so no real Triton ran (readiness, "
+            f"metadata, graph parity, generation, limits, batching, stop were not checked): {error}"
+        )
 
 
 @pytest.fixture(scope="module")
 def server(triton_env: TritonEnv, export_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     env = triton_env
     work = tmp_path_factory.mktemp("triton-server")
-    repo = write_triton_repo(export_dir, work / "repo", max_batch=MAX_BATCH, queue_delay_us=QUEUE_DELAY_US, gpu=False,
-                             max_n=MAX_N, max_steps=MAX_STEPS, graph_backend="python")
+    repo = write_triton_repo(
+        export_dir,
+        work / "repo",
+        max_batch=MAX_BATCH,
+        queue_delay_us=QUEUE_DELAY_US,
+        gpu=False,
+        max_n=MAX_N,
+        max_steps=MAX_STEPS,
+        graph_backend="python",
+    )
     running = start_server(repo, env, work / "server.log")
     yield running
     running.stop()  # already stopped by test_server_stops_cleanly_by_its_pid unless a test before it failed
@@ -78,8 +88,14 @@ def graph_io(export_dir: Path, graph: str) -> dict[str, list[tuple[str, str, lis
     model = onnx.load(str(export_dir / f"{graph}.onnx"), load_external_data=False)
 
     def specs(values) -> list[tuple[str, str, list[int]]]:
-        return [(v.name, ONNX_TO_KSERVE[v.type.tensor_type.elem_type],
-                 [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim]) for v in values]
+        return [
+            (
+                v.name,
+                ONNX_TO_KSERVE[v.type.tensor_type.elem_type],
+                [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim],
+            )
+            for v in values
+        ]
 
     return {"inputs": specs(model.graph.input), "outputs": specs(model.graph.output)}
 
@@ -135,8 +151,12 @@ def http_infer(client, model: str, inputs: dict[str, np.ndarray], outputs: list[
 
 
 def generate_inputs(**values: object) -> dict[str, np.ndarray]:
-    return {name: np.array([value.encode()], dtype=np.object_) if isinstance(value, str) else
-            np.array([value], dtype=np.float32 if isinstance(value, float) else np.int64) for name, value in values.items()}
+    return {
+        name: np.array([value.encode()], dtype=np.object_)
+        if isinstance(value, str)
+        else np.array([value], dtype=np.float32 if isinstance(value, float) else np.int64)
+        for name, value in values.items()
+    }
 
 
 def test_every_model_is_ready_over_http_and_grpc(server: TritonServer, http, grpc) -> None:
@@ -162,18 +182,29 @@ def test_metadata_and_config_report_the_graphs_shapes_and_datatypes(export_dir: 
             assert [int(b) for b in config["dynamic_batching"]["preferred_batch_size"]] == [MAX_BATCH]
             assert int(config["dynamic_batching"]["max_queue_delay_microseconds"]) == QUEUE_DELAY_US
             assert [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config["input"]] == [
-                (n, "TYPE_" + d, served_shape(s)[1:]) for n, d, s in io["inputs"]]
+                (n, "TYPE_" + d, served_shape(s)[1:]) for n, d, s in io["inputs"]
+            ]
             assert len(config["model_warmup"]) == 1
     generate = http.get_model_metadata("ldlm_generate")
     assert [(t["name"], t["datatype"], t["shape"]) for t in generate["inputs"]] == [
-        ("N", "INT64", [1]), ("LENGTH", "INT64", [1]), ("STEPS", "INT64", [1]), ("SEED", "INT64", [1]),
-        ("SAMPLER", "BYTES", [1]), ("T_MIN", "FP32", [1])]
-    assert [(t["name"], t["datatype"], t["shape"]) for t in generate["outputs"]] == [("TEXTS", "BYTES", [-1]), ("TOKEN_IDS", "INT64", [-1, -1])]
+        ("N", "INT64", [1]),
+        ("LENGTH", "INT64", [1]),
+        ("STEPS", "INT64", [1]),
+        ("SEED", "INT64", [1]),
+        ("SAMPLER", "BYTES", [1]),
+        ("T_MIN", "FP32", [1]),
+    ]
+    assert [(t["name"], t["datatype"], t["shape"]) for t in generate["outputs"]] == [
+        ("TEXTS", "BYTES", [-1]),
+        ("TOKEN_IDS", "INT64", [-1, -1]),
+    ]
 
 
 @pytest.mark.parametrize("route", ["http-json", "http-binary", "grpc"])
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_graph_outputs_equal_onnx_runtime_run_directly(export_dir: Path, pipeline: LDLMPipeline, http, grpc, graph: str, route: str) -> None:
+def test_graph_outputs_equal_onnx_runtime_run_directly(
+    export_dir: Path, pipeline: LDLMPipeline, http, grpc, graph: str, route: str
+) -> None:
     inputs = graph_inputs(graph, pipeline.config, 2, 11, seed=GRAPHS.index(graph))
     outputs = [name for name, _, _ in graph_io(export_dir, graph)["outputs"]]
     if route == "grpc":
@@ -196,7 +227,9 @@ def test_generate_gives_the_eager_pipelines_tokens(pipeline: LDLMPipeline, http,
     """N=6 runs in BLS calls of MAX_BATCH=4 and 2 samples; every sampler the package knows."""
     n, length, steps, seed = 6, 12, 4, 3
     assert n > MAX_BATCH
-    got = http_infer(http, "ldlm_generate", generate_inputs(N=n, LENGTH=length, STEPS=steps, SEED=seed, SAMPLER=sampler), ["TOKEN_IDS", "TEXTS"])
+    got = http_infer(
+        http, "ldlm_generate", generate_inputs(N=n, LENGTH=length, STEPS=steps, SEED=seed, SAMPLER=sampler), ["TOKEN_IDS", "TEXTS"]
+    )
     expected = pipeline.generate(n, length, steps, seed, sampler)
     np.testing.assert_array_equal(got["TOKEN_IDS"], expected.token_ids.numpy())
     assert [t.decode() for t in got["TEXTS"]] == expected.texts
@@ -205,10 +238,13 @@ def test_generate_gives_the_eager_pipelines_tokens(pipeline: LDLMPipeline, http,
 def test_out_of_range_requests_get_tritons_error_and_the_server_stays_up(server: TritonServer, pipeline: LDLMPipeline, http, grpc) -> None:
     max_len = pipeline.config.max_seq_len
     good = dict(N=1, LENGTH=8, STEPS=2, SEED=0, SAMPLER=SAMPLERS[0])
-    cases = [({"N": MAX_N + 1}, f"N={MAX_N + 1} is out of range; allowed: 1..{MAX_N}"), ({"N": 0}, f"N=0 is out of range; allowed: 1..{MAX_N}"),
-             ({"LENGTH": max_len + 1}, f"LENGTH={max_len + 1} is out of range; allowed: 1..{max_len}"),
-             ({"STEPS": MAX_STEPS + 1}, f"STEPS={MAX_STEPS + 1} is out of range; allowed: 1..{MAX_STEPS}"),
-             ({"SAMPLER": "leapfrog"}, f"SAMPLER='leapfrog' is unknown; allowed: {', '.join(SAMPLERS)}")]
+    cases = [
+        ({"N": MAX_N + 1}, f"N={MAX_N + 1} is out of range; allowed: 1..{MAX_N}"),
+        ({"N": 0}, f"N=0 is out of range; allowed: 1..{MAX_N}"),
+        ({"LENGTH": max_len + 1}, f"LENGTH={max_len + 1} is out of range; allowed: 1..{max_len}"),
+        ({"STEPS": MAX_STEPS + 1}, f"STEPS={MAX_STEPS + 1} is out of range; allowed: 1..{MAX_STEPS}"),
+        ({"SAMPLER": "leapfrog"}, f"SAMPLER='leapfrog' is unknown; allowed: {', '.join(SAMPLERS)}"),
+    ]
     for change, message in cases:
         with pytest.raises(InferenceServerException, match=message.replace(".", r"\.")):
             http_infer(http, "ldlm_generate", generate_inputs(**{**good, **change}), ["TOKEN_IDS"])

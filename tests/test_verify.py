@@ -19,8 +19,9 @@ from ldlm.export.verify import find_decomposed_layer_norms, layer_norm_specs, ve
 from tests.reference import layer_norm as np_layer_norm
 
 # Only the tests that run a graph need ONNX Runtime; the structural checks run without it.
-needs_ort = pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None,
-                               reason="ONNX Runtime runs the exported graphs (pip install -e .[cpu])")
+needs_ort = pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None, reason="ONNX Runtime runs the exported graphs (pip install -e .[cpu])"
+)
 
 
 class ChannelsLayerNorm(nn.Module):
@@ -50,33 +51,62 @@ def case7() -> tuple[nn.Module, np.ndarray]:
 
 # (case, module, input, NumPy reference, golden values at [first row] or None)
 CASES = {
-    "1-last-axis": (lambda: nn.LayerNorm(3, elementwise_affine=False),
-                    np.array([[[1, 2, 4], [10, 20, 40]], [[3, 5, 9], [2, 3, 8]]], float),
-                    lambda x, m: np_layer_norm(x, 1), [-1.069, -0.2673, 1.3363]),
-    "1-two-axes": (lambda: nn.LayerNorm((2, 3), elementwise_affine=False),
-                   np.array([[[1, 2, 4], [10, 20, 40]], [[3, 5, 9], [2, 3, 8]]], float),
-                   lambda x, m: np_layer_norm(x, 2), [-0.8612, -0.7884, -0.6429]),
-    "2-population-variance": (lambda: nn.LayerNorm(3, elementwise_affine=False),
-                              np.array([[1, 2, 4], [8, 8, 8]], float), lambda x, m: np_layer_norm(x, 1), None),
-    "3-affine": (lambda: affine(nn.LayerNorm(3), [2, 0.5, -1], [1, -2, 3]),
-                 np.array([[1, 2, 4], [2, 4, 8]], float),
-                 lambda x, m: np_layer_norm(x, 1, np.array([2, 0.5, -1]), np.array([1, -2, 3])), None),
-    "3-scale-only": (lambda: nn.LayerNorm(3, bias=False),
-                     np.array([[1, 2, 4], [2, 4, 8]], float), lambda x, m: np_layer_norm(x, 1), None),
-    "4-eps-1e-5": (lambda: nn.LayerNorm(3, eps=1e-5, elementwise_affine=False),
-                   np.array([[1, 1.001, 0.999], [7, 7, 7]], float),
-                   lambda x, m: np_layer_norm(x, 1, eps=1e-5), [0.0, 0.306186, -0.306186]),
-    "4-eps-0.1": (lambda: nn.LayerNorm(3, eps=0.1, elementwise_affine=False),
-                  np.array([[1, 1.001, 0.999], [7, 7, 7]], float),
-                  lambda x, m: np_layer_norm(x, 1, eps=0.1), [0.0, 0.003162, -0.003162]),
-    "5-train-mode": (lambda: nn.LayerNorm(3).train(), np.array([[1, 2, 4], [3, 7, 8]], float),
-                     lambda x, m: np_layer_norm(x, 1), None),
-    "6-channels": (lambda: ChannelsLayerNorm(2), np.arange(12, dtype=float).reshape(1, 2, 2, 3),
-                   lambda x, m: np_layer_norm(x.transpose(0, 2, 3, 1), 1).transpose(0, 3, 1, 2), None),
-    "7-hand-written": (lambda: case7()[0], case7()[1].astype(float),
-                       lambda x, m: np_layer_norm(x, 1, m.weight.detach().double().numpy(), m.bias.detach().double().numpy()), None),
-    "8-default-init": (lambda: nn.LayerNorm(6), np.array([[8, -3, 0, 1, 5, -2]], float),
-                       lambda x, m: np_layer_norm(x, 1), [1.6830, -1.1651, -0.3884, -0.1295, 0.9062, -0.9062]),
+    "1-last-axis": (
+        lambda: nn.LayerNorm(3, elementwise_affine=False),
+        np.array([[[1, 2, 4], [10, 20, 40]], [[3, 5, 9], [2, 3, 8]]], float),
+        lambda x, m: np_layer_norm(x, 1),
+        [-1.069, -0.2673, 1.3363],
+    ),
+    "1-two-axes": (
+        lambda: nn.LayerNorm((2, 3), elementwise_affine=False),
+        np.array([[[1, 2, 4], [10, 20, 40]], [[3, 5, 9], [2, 3, 8]]], float),
+        lambda x, m: np_layer_norm(x, 2),
+        [-0.8612, -0.7884, -0.6429],
+    ),
+    "2-population-variance": (
+        lambda: nn.LayerNorm(3, elementwise_affine=False),
+        np.array([[1, 2, 4], [8, 8, 8]], float),
+        lambda x, m: np_layer_norm(x, 1),
+        None,
+    ),
+    "3-affine": (
+        lambda: affine(nn.LayerNorm(3), [2, 0.5, -1], [1, -2, 3]),
+        np.array([[1, 2, 4], [2, 4, 8]], float),
+        lambda x, m: np_layer_norm(x, 1, np.array([2, 0.5, -1]), np.array([1, -2, 3])),
+        None,
+    ),
+    "3-scale-only": (lambda: nn.LayerNorm(3, bias=False), np.array([[1, 2, 4], [2, 4, 8]], float), lambda x, m: np_layer_norm(x, 1), None),
+    "4-eps-1e-5": (
+        lambda: nn.LayerNorm(3, eps=1e-5, elementwise_affine=False),
+        np.array([[1, 1.001, 0.999], [7, 7, 7]], float),
+        lambda x, m: np_layer_norm(x, 1, eps=1e-5),
+        [0.0, 0.306186, -0.306186],
+    ),
+    "4-eps-0.1": (
+        lambda: nn.LayerNorm(3, eps=0.1, elementwise_affine=False),
+        np.array([[1, 1.001, 0.999], [7, 7, 7]], float),
+        lambda x, m: np_layer_norm(x, 1, eps=0.1),
+        [0.0, 0.003162, -0.003162],
+    ),
+    "5-train-mode": (lambda: nn.LayerNorm(3).train(), np.array([[1, 2, 4], [3, 7, 8]], float), lambda x, m: np_layer_norm(x, 1), None),
+    "6-channels": (
+        lambda: ChannelsLayerNorm(2),
+        np.arange(12, dtype=float).reshape(1, 2, 2, 3),
+        lambda x, m: np_layer_norm(x.transpose(0, 2, 3, 1), 1).transpose(0, 3, 1, 2),
+        None,
+    ),
+    "7-hand-written": (
+        lambda: case7()[0],
+        case7()[1].astype(float),
+        lambda x, m: np_layer_norm(x, 1, m.weight.detach().double().numpy(), m.bias.detach().double().numpy()),
+        None,
+    ),
+    "8-default-init": (
+        lambda: nn.LayerNorm(6),
+        np.array([[8, -3, 0, 1, 5, -2]], float),
+        lambda x, m: np_layer_norm(x, 1),
+        [1.6830, -1.1651, -0.3884, -0.1295, 0.9062, -0.9062],
+    ),
 }
 
 

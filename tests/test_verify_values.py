@@ -17,20 +17,36 @@ B = [(0.1 * GEN.standard_normal(4)).astype(np.float32) for _ in range(2)]
 
 
 def spec(i: int, eps: float = 1e-5, weight: bool = True, bias: bool = True) -> LayerNormSpec:
-    return LayerNormSpec(f"ln{i}", eps, -1, digest(W[i]) if weight else None, digest(B[i]) if bias else None,
-                         W[i] if weight else None, B[i] if bias else None)
+    return LayerNormSpec(
+        f"ln{i}",
+        eps,
+        -1,
+        digest(W[i]) if weight else None,
+        digest(B[i]) if bias else None,
+        W[i] if weight else None,
+        B[i] if bias else None,
+    )
 
 
-def graph(nodes_inputs: list[list[str]], eps: list[float] | None = None, initializers: dict[str, np.ndarray] | None = None) -> onnx.GraphProto:
+def graph(
+    nodes_inputs: list[list[str]], eps: list[float] | None = None, initializers: dict[str, np.ndarray] | None = None
+) -> onnx.GraphProto:
     inits = {f"ln{i}.weight": W[i] for i in range(2)} | {f"ln{i}.bias": B[i] for i in range(2)} | (initializers or {})
     nodes, last = [], "x"
     for i, extra in enumerate(nodes_inputs):
-        nodes.append(helper.make_node("LayerNormalization", [last, *extra], [f"y{i}"], axis=-1,
-                                      epsilon=(eps or [1e-5] * len(nodes_inputs))[i], name=f"node{i}"))
+        nodes.append(
+            helper.make_node(
+                "LayerNormalization", [last, *extra], [f"y{i}"], axis=-1, epsilon=(eps or [1e-5] * len(nodes_inputs))[i], name=f"node{i}"
+            )
+        )
         last = f"y{i}"
-    return helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                             [helper.make_tensor_value_info(last, TensorProto.FLOAT, [2, 4])],
-                             [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info(last, TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
 
 
 def test_correct_graph_passes(tmp_path: Path) -> None:
@@ -49,10 +65,13 @@ def test_more_nodes_than_modules_is_a_problem() -> None:
 
 def test_swapped_parameters_are_caught_by_value() -> None:
     """Right names, wrong values: ln0's weight holds ln1's numbers."""
-    problems = check_layer_norms(graph([["ln0.weight", "ln0.bias"], ["ln1.weight", "ln1.bias"]], initializers={"ln0.weight": W[1]}),
-                                 [spec(0), spec(1)])
+    problems = check_layer_norms(
+        graph([["ln0.weight", "ln0.bias"], ["ln1.weight", "ln1.bias"]], initializers={"ln0.weight": W[1]}), [spec(0), spec(1)]
+    )
     diff = float(np.abs(W[1] - W[0]).max())
-    assert problems == [f"node 'node0' (module ln0): scale 'ln0.weight' differs from the module's weight, max abs diff {diff:.3g}"], problems
+    assert problems == [f"node 'node0' (module ln0): scale 'ln0.weight' differs from the module's weight, max abs diff {diff:.3g}"], (
+        problems
+    )
 
 
 def test_parameters_the_module_does_not_have() -> None:

@@ -14,8 +14,13 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
     graphs = tuple(args.graphs.split(","))
     result = export_graphs(
-        args.checkpoint, args.out, opset=args.opset, graphs=graphs, with_logits=args.with_logits,
-        overwrite=args.force, progress=not args.quiet,
+        args.checkpoint,
+        args.out,
+        opset=args.opset,
+        graphs=graphs,
+        with_logits=args.with_logits,
+        overwrite=args.force,
+        progress=not args.quiet,
     )
     for verification in result.verification:
         print(verification.summary())
@@ -66,17 +71,30 @@ def _cmd_triton_repo(args: argparse.Namespace) -> None:
         if not sep or not cc or not directory:
             raise ValueError(f"--cc-plan {item!r} is malformed; allowed: CC=ENGINE_DIR, e.g. 8.6=engines-a10")
         cc_plans[cc] = directory
-    out = write_triton_repo(args.source, args.out, args.max_batch, args.queue_delay_us, not args.cpu, cc_plans or None,
-                            args.max_n, args.force, graph_backend=args.graph_backend)
+    out = write_triton_repo(
+        args.source,
+        args.out,
+        args.max_batch,
+        args.queue_delay_us,
+        not args.cpu,
+        cc_plans or None,
+        args.max_n,
+        args.force,
+        graph_backend=args.graph_backend,
+    )
     print(f"wrote {out}: models {', '.join(list_models(out))}; every config.pbtxt validated against tritonclient's schema")
     if args.graph_backend == "python":
         if not args.cpu:
-            print("note: instance groups are KIND_GPU, so model.py asks ONNX Runtime for CUDA and refuses to load without it; "
-                  "--cpu writes KIND_CPU")
+            print(
+                "note: instance groups are KIND_GPU, so model.py asks ONNX Runtime for CUDA and refuses to load without it; "
+                "--cpu writes KIND_CPU"
+            )
         print(f"run on this machine: python -P -m ldlm.serve.deploy.triton_local serve {out}   (see docs/scale-out.md)")
         return
-    print(f"run: docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
-          "nvcr.io/nvidia/tritonserver:<xx.yy>-py3 tritonserver --model-repository=/models   (see docs/scale-out.md)")
+    print(
+        f"run: docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
+        "nvcr.io/nvidia/tritonserver:<xx.yy>-py3 tritonserver --model-repository=/models   (see docs/scale-out.md)"
+    )
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -122,8 +140,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="output directory to create")
     p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="default: the first installed of tensorrt, tensorrt_rtx")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32", help="default: fp32 (TF32 off)")
-    p.add_argument("--profile", action="append", metavar="batch=MIN:OPT:MAX,seq=MIN:OPT:MAX",
-                   help="an optimization profile; repeat for batch buckets (default: batch=1:8:32,seq=1:128:max_seq_len)")
+    p.add_argument(
+        "--profile",
+        action="append",
+        metavar="batch=MIN:OPT:MAX,seq=MIN:OPT:MAX",
+        help="an optimization profile; repeat for batch buckets (default: batch=1:8:32,seq=1:128:max_seq_len)",
+    )
     p.add_argument("--graphs", help="comma-separated subset of the export's graphs (default: all)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls (off by default, for parity)")
     p.add_argument("--optimization-level", type=int, default=3, help="builder optimization level 0..5 (default: 3)")
@@ -148,8 +170,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu", action="store_true", help="instance groups on CPU (default: GPU)")
     p.add_argument("--cc-plan", action="append", metavar="CC=ENGINE_DIR", help="extra plans per compute capability (cc_model_filenames)")
     p.add_argument("--max-n", type=positive_int, default=64, help="largest N ldlm_generate accepts (default: 64)")
-    p.add_argument("--graph-backend", choices=["native", "python"], default="native",
-                   help="native (default): tensorrt_plan / onnxruntime_onnx; python: Python-backend models running ONNX Runtime "
-                   "on an export (for a Triton without the ONNX Runtime backend, e.g. nvidia-pytriton's)")
+    p.add_argument(
+        "--graph-backend",
+        choices=["native", "python"],
+        default="native",
+        help="native (default): tensorrt_plan / onnxruntime_onnx; python: Python-backend models running ONNX Runtime "
+        "on an export (for a Triton without the ONNX Runtime backend, e.g. nvidia-pytriton's)",
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=_cmd_triton_repo)

@@ -17,9 +17,19 @@ def _cmd_parity(args: argparse.Namespace) -> None:
     from ldlm.serve.checks.parity_report import write_parity_report
 
     source = {"trt": args.engine_dir, "ort": args.onnx_dir}.get(args.backend)  # torch backends run the checkpoint
-    report = run_parity(args.checkpoint, args.backend, args.precision, source, bisect=args.bisect, seed=args.seed,
-                        steps=args.steps, progress=not args.quiet, device=args.device, provider=args.provider,
-                        sampler=args.sampler)
+    report = run_parity(
+        args.checkpoint,
+        args.backend,
+        args.precision,
+        source,
+        bisect=args.bisect,
+        seed=args.seed,
+        steps=args.steps,
+        progress=not args.quiet,
+        device=args.device,
+        provider=args.provider,
+        sampler=args.sampler,
+    )
     files = write_parity_report(report, args.out)
     for comparison in [*report.graphs, *report.layer_norms]:
         if args.verbose or not comparison.passed:
@@ -43,8 +53,9 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
     from ldlm.serve.checks.eps_probe import write_eps_report
     from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 
-    report = probe_layer_norm_eps(args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor,
-                                  progress=not args.quiet)
+    report = probe_layer_norm_eps(
+        args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor, progress=not args.quiet
+    )
     if args.out:
         print(f"wrote {', '.join(str(f) for f in write_eps_report(report, args.out))}")
     if args.json:
@@ -72,11 +83,28 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if warning:
         print(f"ldlm bench: warning: {warning}", file=sys.stderr)
     report = run_bench(
-        args.checkpoint, args.backends.split(","), args.onnx_dir, args.engine_dir, args.batches,
-        args.length, args.runs, args.threads, args.gen_n, args.gen_steps, args.workload_requests, args.workload_rate,
-        args.workload_backend, args.max_batch, progress=not args.quiet, workload_lengths=args.workload_lengths,
-        device=args.device, precision=args.precision, provider=args.provider, gen_sampler=args.gen_sampler,
-        solver_specs=parse_solver_specs(args.solvers), solver_reference_steps=args.solver_reference_steps,
+        args.checkpoint,
+        args.backends.split(","),
+        args.onnx_dir,
+        args.engine_dir,
+        args.batches,
+        args.length,
+        args.runs,
+        args.threads,
+        args.gen_n,
+        args.gen_steps,
+        args.workload_requests,
+        args.workload_rate,
+        args.workload_backend,
+        args.max_batch,
+        progress=not args.quiet,
+        workload_lengths=args.workload_lengths,
+        device=args.device,
+        precision=args.precision,
+        provider=args.provider,
+        gen_sampler=args.gen_sampler,
+        solver_specs=parse_solver_specs(args.solvers),
+        solver_reference_steps=args.solver_reference_steps,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,10 +126,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "Writes parity.json, parity.md and PNG plots. Exit code 1 on failure.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")
-    p.add_argument("--backend", choices=["ort", "trt", "eager", "compiled"], default="ort",
-                   help="ort, trt, or torch on --device: eager, compiled (shape buckets + CUDA graphs) (default: ort)")
-    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="sets atol/rtol, and the dtype of the torch backends (default: fp32)")
+    p.add_argument(
+        "--backend",
+        choices=["ort", "trt", "eager", "compiled"],
+        default="ort",
+        help="ort, trt, or torch on --device: eager, compiled (shape buckets + CUDA graphs) (default: ort)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="sets atol/rtol, and the dtype of the torch backends (default: fp32)",
+    )
     p.add_argument("--onnx-dir", help="ort: an `ldlm export` directory (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")
     device_options(p, precision=False)
@@ -109,8 +145,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the generation noise")
     p.add_argument("--steps", type=positive_int, default=10, help="sampler steps of the end-to-end check (default: 10)")
-    p.add_argument("--sampler", choices=SAMPLERS, default="ddim",
-                   help="solver of the end-to-end check; both sides draw the same CPU noise (default: ddim)")
+    p.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default="ddim",
+        help="solver of the end-to-end check; both sides draw the same CPU noise (default: ddim)",
+    )
     p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_parity)
@@ -126,7 +166,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "without a GPU: the one-layer engines are built and their eps read back, not executed).",
     )
     p.add_argument("checkpoint", help="checkpoint directory (the modules' eps, weight and bias)")
-    p.add_argument("--onnx-dir", help="an `ldlm export` directory (ONNX Runtime); with --engine-dir: where the ONNX the plans were built from is")
+    p.add_argument(
+        "--onnx-dir", help="an `ldlm export` directory (ONNX Runtime); with --engine-dir: where the ONNX the plans were built from is"
+    )
     p.add_argument("--engine-dir", help="an `ldlm build-engine` directory (TensorRT; runs on a GPU)")
     p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="TensorRT flavour (default: the plans' own)")
     p.add_argument("--seed", type=int, default=0, help="seed of the probe rows (default: 0)")
@@ -154,16 +196,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-n", type=positive_int, default=4, help="samples per generation run (default: 4)")
     p.add_argument("--gen-steps", type=positive_int, default=10, help="steps per generation run (default: 10)")
     p.add_argument("--gen-sampler", choices=SAMPLERS, default="ddim", help="solver of the generation runs (default: ddim)")
-    p.add_argument("--solvers", default="ddim@50,dpm3m-psc@21,dpm3m-psc@15",
-                   help="NAME@STEPS list: latency per sample beside token agreement and latent error against a long "
-                        "DDIM run, side by side on the workload backend; '' skips (default: ddim@50,dpm3m-psc@21,dpm3m-psc@15)")
-    p.add_argument("--solver-reference-steps", type=positive_int, default=500,
-                   help="DDIM steps of the solvers' reference (default: 500)")
+    p.add_argument(
+        "--solvers",
+        default="ddim@50,dpm3m-psc@21,dpm3m-psc@15",
+        help="NAME@STEPS list: latency per sample beside token agreement and latent error against a long "
+        "DDIM run, side by side on the workload backend; '' skips (default: ddim@50,dpm3m-psc@21,dpm3m-psc@15)",
+    )
+    p.add_argument("--solver-reference-steps", type=positive_int, default=500, help="DDIM steps of the solvers' reference (default: 500)")
     p.add_argument("--workload-requests", type=int, default=60, help="requests in the mixed-arrival workload; 0 skips it (default: 60)")
     p.add_argument("--workload-rate", type=float, default=20.0, help="mean arrivals per second (default: 20)")
     p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")
-    p.add_argument("--workload-lengths", type=positive_int_list, default=[16, 32, 64, 128],
-                   help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)")
+    p.add_argument(
+        "--workload-lengths",
+        type=positive_int_list,
+        default=[16, 32, 64, 128],
+        help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)",
+    )
     p.add_argument("--max-batch", type=positive_int, default=8, help="scheduler batch size (default: 8)")
     device_options(p)
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")

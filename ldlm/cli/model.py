@@ -84,10 +84,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=["tiny", "base"], default="tiny", help="model size (default: tiny)")
     p.add_argument("--seed", type=seed_int, default=0, help=f"initialization seed, 0..{MAX_SEED} (default: 0)")
     p.add_argument("--gpt2-dir", help="local Hugging Face GPT-2 directory (config.json + model.safetensors)")
-    p.add_argument("--norm-init", choices=["default", "random"], default="default",
-                   help="random: every LayerNorm/RMSNorm scale and bias and the feature/latent mean and std get "
-                   "their own seeded values, like a trained checkpoint, so parity sees a norm paired with the wrong "
-                   "parameters (GPT-2 weights from --gpt2-dir are kept); default: scale 1, bias 0, identity statistics")
+    p.add_argument(
+        "--norm-init",
+        choices=["default", "random"],
+        default="default",
+        help="random: every LayerNorm/RMSNorm scale and bias and the feature/latent mean and std get "
+        "their own seeded values, like a trained checkpoint, so parity sees a norm paired with the wrong "
+        "parameters (GPT-2 weights from --gpt2-dir are kept); default: scale 1, bias 0, identity statistics",
+    )
     p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -100,16 +104,30 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="checkpoint directory")
     # the same caps as `ldlm serve` (ldlm.serve.api.limits): what the server refuses, the CLI refuses too
-    p.add_argument("--n", type=capped_positive_int(MAX_N, " samples per run (as ldlm serve's max_n)"), default=4,
-                   help=f"number of samples, 1..{MAX_N} (default: 4)")
+    p.add_argument(
+        "--n",
+        type=capped_positive_int(MAX_N, " samples per run (as ldlm serve's max_n)"),
+        default=4,
+        help=f"number of samples, 1..{MAX_N} (default: 4)",
+    )
     p.add_argument("--length", type=positive_int, default=64, help="tokens per sample, at most the checkpoint's max_seq_len (default: 64)")
-    p.add_argument("--steps", type=capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)"), default=None,
-                   help=f"denoising steps, 1..{MAX_STEPS} (default: the checkpoint config's default_steps, {LDLMConfig.default_steps} unless it says otherwise)")
+    p.add_argument(
+        "--steps",
+        type=capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)"),
+        default=None,
+        help=f"denoising steps, 1..{MAX_STEPS} (default: the checkpoint config's default_steps, {LDLMConfig.default_steps} unless it says otherwise)",
+    )
     p.add_argument("--seed", type=seed_int, default=0, help=f"noise seed, 0..{MAX_SEED} (default: 0)")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help="sde: Euler-Maruyama (stochastic); ddim: deterministic given the seed "
-                   f"(default: the checkpoint config's default_sampler, {LDLMConfig.default_sampler} unless it says otherwise)")
-    p.add_argument("--t-min", type=open_unit_float, default=None, help="last time of the grid, in (0, 1) (default: the config's t_min, 0.05)")
+    p.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default=None,
+        help="sde: Euler-Maruyama (stochastic); ddim: deterministic given the seed "
+        f"(default: the checkpoint config's default_sampler, {LDLMConfig.default_sampler} unless it says otherwise)",
+    )
+    p.add_argument(
+        "--t-min", type=open_unit_float, default=None, help="last time of the grid, in (0, 1) (default: the config's t_min, 0.05)"
+    )
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -77,7 +77,15 @@ def device_options(p: argparse.ArgumentParser, precision: bool = True) -> None:
     """--device and --precision for the torch backends, --provider for ONNX Runtime."""
     p.add_argument("--device", default="cpu", help="torch backends (eager, compiled): cpu, cuda or cuda:N (default: cpu)")
     if precision:
-        p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                       help="torch backends' dtype; LayerNorm, RMSNorm, softmax and logits stay FP32 (default: fp32)")
-    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
-                   help="ONNX Runtime execution provider; cuda and tensorrt need onnxruntime-gpu (default: cpu)")
+        p.add_argument(
+            "--precision",
+            choices=["fp32", "bf16", "fp16"],
+            default="fp32",
+            help="torch backends' dtype; LayerNorm, RMSNorm, softmax and logits stay FP32 (default: fp32)",
+        )
+    p.add_argument(
+        "--provider",
+        choices=["cpu", "cuda", "tensorrt"],
+        default="cpu",
+        help="ONNX Runtime execution provider; cuda and tensorrt need onnxruntime-gpu (default: cpu)",
+    )

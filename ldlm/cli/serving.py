@@ -14,13 +14,26 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from ldlm.serve.api.service import ServerSettings
 
     settings = ServerSettings(
-        host=args.host, port=args.port, backend=args.backend, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
-        max_queue=args.max_queue, request_timeout_s=args.timeout_s, max_body_bytes=args.max_body_mb << 20,
-        api_key=args.api_key or os.environ.get("LDLM_API_KEY") or None, threads=args.threads,
-        device=args.device, precision=args.precision, provider=args.provider,
-        max_request_samples=args.max_request_samples, max_request_tokens=args.max_request_tokens,
-        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
-        preview_budget=args.preview_budget, trt_cuda_graphs=args.trt_cuda_graphs,
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        max_batch=args.max_batch,
+        max_delay_ms=args.max_delay_ms,
+        max_queue=args.max_queue,
+        request_timeout_s=args.timeout_s,
+        max_body_bytes=args.max_body_mb << 20,
+        api_key=args.api_key or os.environ.get("LDLM_API_KEY") or None,
+        threads=args.threads,
+        device=args.device,
+        precision=args.precision,
+        provider=args.provider,
+        max_request_samples=args.max_request_samples,
+        max_request_tokens=args.max_request_tokens,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections,
+        preview_budget=args.preview_budget,
+        trt_cuda_graphs=args.trt_cuda_graphs,
     )
     if args.ray:
         try:
@@ -28,16 +41,28 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         except ImportError as error:
             raise RuntimeError(f"--ray needs Ray Serve: pip install 'ldlm[ray]' ({error})") from None
         low, high = parse_autoscale(args.autoscale) if args.autoscale else (None, None)
-        options = RayOptions(replicas=args.replicas or max(low or 1, 1), min_replicas=low, max_replicas=high,
-                             num_cpus=1.0 if args.replica_cpus is None else args.replica_cpus, num_gpus=args.replica_gpus or 0.0)
+        options = RayOptions(
+            replicas=args.replicas or max(low or 1, 1),
+            min_replicas=low,
+            max_replicas=high,
+            num_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+            num_gpus=args.replica_gpus or 0.0,
+        )
         run_on_ray(args.source, settings, options, args.ray_address)
         return
-    ray_only = {"--ray-address": args.ray_address, "--replicas": args.replicas, "--autoscale": args.autoscale,
-                "--replica-cpus": args.replica_cpus, "--replica-gpus": args.replica_gpus}
+    ray_only = {
+        "--ray-address": args.ray_address,
+        "--replicas": args.replicas,
+        "--autoscale": args.autoscale,
+        "--replica-cpus": args.replica_cpus,
+        "--replica-gpus": args.replica_gpus,
+    }
     if any(value is not None for value in ray_only.values()):
         given = [flag for flag, value in ray_only.items() if value is not None]
-        raise ValueError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --ray; add --ray, or leave "
-                         f"{'it' if len(given) == 1 else 'them'} out")
+        raise ValueError(
+            f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --ray; add --ray, or leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
     serve(args.source, settings, args.log_level)
 
 
@@ -50,36 +75,74 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "dynamic batching, continuous batching for generation, Prometheus /metrics and OpenAPI /docs. Binds "
         "127.0.0.1 unless told otherwise. SIGINT/SIGTERM finish in-flight requests before exiting.",
     )
-    p.add_argument("source", help="checkpoint (eager, compiled; ort exports it first), `ldlm export` dir (ort) or `ldlm build-engine` dir (trt)")
-    p.add_argument("--backend", choices=["eager", "compiled", "ort", "trt"], default="ort",
-                   help="eager or compiled (shape buckets + CUDA graphs) torch on --device, ort on --provider, trt (default: ort)")
+    p.add_argument(
+        "source", help="checkpoint (eager, compiled; ort exports it first), `ldlm export` dir (ort) or `ldlm build-engine` dir (trt)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=["eager", "compiled", "ort", "trt"],
+        default="ort",
+        help="eager or compiled (shape buckets + CUDA graphs) torch on --device, ort on --provider, trt (default: ort)",
+    )
     device_options(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
     p.add_argument("--max-batch", type=positive_int, default=16, help="samples per execution (default: 16)")
-    p.add_argument("--max-delay-ms", type=float, default=0.0, help="dynamic batching window; 0 batches whatever queued during the last run (default: 0)")
-    p.add_argument("--preview-budget", type=float, default=0.05, help="share of wall time that decoding streamed denoising "
-                   "previews may take; previews are skipped, never queued, beyond it (default: 0.05)")
-    p.add_argument("--trt-cuda-graphs", action="store_true", help="trt: replay CUDA graphs (TensorRT-RTX captures its own; "
-                   "NVIDIA TensorRT: one capture per profile and shape). The compiled backend uses CUDA graphs on cuda anyway")
+    p.add_argument(
+        "--max-delay-ms",
+        type=float,
+        default=0.0,
+        help="dynamic batching window; 0 batches whatever queued during the last run (default: 0)",
+    )
+    p.add_argument(
+        "--preview-budget",
+        type=float,
+        default=0.05,
+        help="share of wall time that decoding streamed denoising "
+        "previews may take; previews are skipped, never queued, beyond it (default: 0.05)",
+    )
+    p.add_argument(
+        "--trt-cuda-graphs",
+        action="store_true",
+        help="trt: replay CUDA graphs (TensorRT-RTX captures its own; "
+        "NVIDIA TensorRT: one capture per profile and shape). The compiled backend uses CUDA graphs on cuda anyway",
+    )
     p.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests per graph before 503 (default: 256)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout, then 504 (default: 60)")
     p.add_argument("--max-body-mb", type=positive_int, default=8, help="request body cap, then 413 (default: 8 MiB)")
-    p.add_argument("--max-request-samples", type=positive_int, default=64, help="batch size of one /v2 infer request, then 413 (default: 64)")
-    p.add_argument("--max-request-tokens", type=positive_int, default=8192,
-                   help="batch x seq of one /v2 infer request, then 413 (default: 8192)")
+    p.add_argument(
+        "--max-request-samples", type=positive_int, default=64, help="batch size of one /v2 infer request, then 413 (default: 64)"
+    )
+    p.add_argument(
+        "--max-request-tokens", type=positive_int, default=8192, help="batch x seq of one /v2 infer request, then 413 (default: 8192)"
+    )
     p.add_argument("--header-timeout-s", type=float, default=10.0, help="a request's headers must arrive within this (default: 10)")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request's body must arrive within this, then 408 (default: 30)")
-    p.add_argument("--max-connections", type=positive_int, default=1024,
-                   help="open connections; above it the oldest idle one is closed, and if all are busy a new one gets 503 (default: 1024)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'. Prefer the LDLM_API_KEY environment variable: "
-                   "a command-line key is visible to every user in the process list. Off by default")
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=1024,
+        help="open connections; above it the oldest idle one is closed, and if all are busy a new one gets 503 (default: 1024)",
+    )
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY'. Prefer the LDLM_API_KEY environment variable: "
+        "a command-line key is visible to every user in the process list. Off by default",
+    )
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="level of the JSON request log on stderr; info logs one line per request (default: info)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="level of the JSON request log on stderr; info logs one line per request (default: info)",
+    )
     ray = p.add_argument_group("Ray Serve (pip install 'ldlm[ray]'; see docs/scale-out.md)")
-    ray.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas behind Ray's proxy on --host/--port; each replica is "
-                     "one full service (graphs, batching) with the options above")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve as Ray Serve replicas behind Ray's proxy on --host/--port; each replica is "
+        "one full service (graphs, batching) with the options above",
+    )
     ray.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` made here); default: start a local one")
     ray.add_argument("--replicas", type=positive_int, help="replicas (default: 1; with --autoscale, the initial count)")
     ray.add_argument("--autoscale", metavar="MIN:MAX", help="let Ray scale the replicas between MIN and MAX with the load")

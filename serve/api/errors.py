@@ -33,8 +33,9 @@ class HTTPError(Exception):
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error",
-            504: "timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error", 504: "timeout"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
@@ -45,8 +46,9 @@ def error_body(message: str, status: int = 400, path: str = "", param: str | Non
     return json.dumps({"error": message}).encode()
 
 
-def error_response(request: Request, status: int, message: str, headers: Mapping[str, str] | None = None,
-                   param: str | None = None) -> Response:
+def error_response(
+    request: Request, status: int, message: str, headers: Mapping[str, str] | None = None, param: str | None = None
+) -> Response:
     return Response(error_body(message, status, request.url.path, param), status, headers, "application/json")
 
 

@@ -77,8 +77,7 @@ class GuardMiddleware:
             if self.expected_auth is not None and not self.is_open(scope["path"]):
                 given = headers.get("authorization", "").encode("latin-1")
                 if not hmac.compare_digest(given, self.expected_auth):  # no timing hint about the key
-                    return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"},
-                                        scope["path"])
+                    return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}, scope["path"])
             body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
             await self._run_until_disconnect(scope, body, receive, send_wrapper, status)
         except HTTPError as error:
@@ -95,8 +94,7 @@ class GuardMiddleware:
             await _reply(send_wrapper, 400, str(error), path=scope["path"])
         except Exception as error:  # the process survives; the client learns nothing internal
             log.exception("unhandled error", extra={"request_id": request_id})
-            await _reply(send_wrapper, 500, f"internal error ({type(error).__name__}); request id {request_id}",
-                         path=scope["path"])
+            await _reply(send_wrapper, 500, f"internal error ({type(error).__name__}); request id {request_id}", path=scope["path"])
         finally:
             elapsed = time.perf_counter() - started
             code = status["code"]
@@ -112,9 +110,16 @@ class GuardMiddleware:
                 else:
                     self.service.metrics.request_failure.labels(model, str(code)).inc()
                 self.service.metrics.request_seconds.labels(model).observe(elapsed)
-            log.info("request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
-                                       "status": code, "ms": round(1000 * elapsed, 3)})
-
+            log.info(
+                "request",
+                extra={
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "status": code,
+                    "ms": round(1000 * elapsed, 3),
+                },
+            )
 
     async def _run_until_disconnect(self, scope: dict[str, Any], body: bytes, receive: Any, send: Any, status: dict[str, Any]) -> None:
         """Run the app with ``body`` replayed; if the client disconnects before the answer is complete,
@@ -164,7 +169,7 @@ async def read_body(receive: Any, content_length: str | None, limit: int, timeou
     while True:
         try:
             message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise HTTPError(408, f"the request body did not arrive within {timeout_s:g} s", {"Connection": "close"}) from None
         if message["type"] == "http.disconnect":
             raise HTTPError(400, "the client disconnected before sending the whole body")
@@ -185,8 +190,9 @@ def _model_of(path: str) -> str | None:
     return None
 
 
-async def _reply(send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "",
-                 param: str | None = None) -> None:
+async def _reply(
+    send: Any, status: int, message: str, headers: dict[str, str] | None = None, path: str = "", param: str | None = None
+) -> None:
     body = error_body(message, status, path, param)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -200,8 +206,9 @@ async def _reply(send: Any, status: int, message: str, headers: dict[str, str] |
 def raw_response(status: int, reason: str, message: str, extra: str = "") -> bytes:
     """A complete HTTP/1.1 error response, for the protocol layer (no app, no h11 state)."""
     body = error_body(message)
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"{extra}connection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -265,8 +272,11 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             return sum(not c.transport.is_closing() for c in self.connections)  # closed ones leave the set a loop turn later
 
         def _shed_idle(self) -> bool:
-            idle = [c for c in self.connections
-                    if c is not self and isinstance(c, GuardedH11Protocol) and c.is_idle() and not c.transport.is_closing()]
+            idle = [
+                c
+                for c in self.connections
+                if c is not self and isinstance(c, GuardedH11Protocol) and c.is_idle() and not c.transport.is_closing()
+            ]
             if not idle:
                 return False
             oldest = min(idle, key=lambda c: c.opened_at)

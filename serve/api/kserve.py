@@ -16,8 +16,14 @@ from typing import Any
 
 import numpy as np
 
-DATATYPES: dict[str, Any] = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
-                             "BOOL": np.bool_}
+DATATYPES: dict[str, Any] = {
+    "FP32": np.float32,
+    "FP16": np.float16,
+    "FP64": np.float64,
+    "INT64": np.int64,
+    "INT32": np.int32,
+    "BOOL": np.bool_,
+}
 KSERVE_NAMES = {"FLOAT": "FP32", "FLOAT16": "FP16", "INT64": "INT64", "INT32": "INT32", "BOOL": "BOOL"}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -108,8 +114,10 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         size = _parameters(spec, where).get("binary_data_size")
         if size is not None:
             if type(size) is not int or size != count * dtype.itemsize:
-                raise ProtocolError(f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes "
-                                    f"= {count * dtype.itemsize}")
+                raise ProtocolError(
+                    f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes "
+                    f"= {count * dtype.itemsize}"
+                )
             if offset + size > len(binary):
                 raise ProtocolError(f"{where}: binary data is shorter than its binary_data_size {size}")
             array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
@@ -215,9 +223,7 @@ def _flatten(data: Any, where: str) -> list[Any]:
     return flat
 
 
-def encode_infer_response(
-    model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray]
-) -> tuple[bytes, dict[str, str]]:
+def encode_infer_response(model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
     """The response body and headers; binary outputs follow the JSON header."""
     wanted = requested_outputs(request, outputs)
     entries, blobs = [], []
@@ -269,4 +275,3 @@ def tensor_metadata(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {"name": s["name"], "datatype": KSERVE_NAMES[s["dtype"]], "shape": [d if isinstance(d, int) else -1 for d in s["shape"]]}
         for s in specs
     ]
-

@@ -50,8 +50,13 @@ def create_router(service: LDLMService) -> APIRouter:
     @router.get("/v2/models/{model}/versions/{version}")
     async def model_metadata(model: str, version: str = MODEL_VERSION) -> dict[str, Any]:
         graph = service.graphs[model_or_404(model)]
-        return {"name": model, "versions": [MODEL_VERSION], "platform": f"ldlm_{graph.backend}",
-                "inputs": tensor_metadata(graph.inputs), "outputs": tensor_metadata(graph.outputs)}
+        return {
+            "name": model,
+            "versions": [MODEL_VERSION],
+            "platform": f"ldlm_{graph.backend}",
+            "inputs": tensor_metadata(graph.inputs),
+            "outputs": tensor_metadata(graph.outputs),
+        }
 
     @router.get("/v2/models/{model}/ready")
     @router.get("/v2/models/{model}/versions/{version}/ready")
@@ -65,8 +70,9 @@ def create_router(service: LDLMService) -> APIRouter:
         """KServe v2 inference: JSON or binary tensors in and out (tritonclient's default)."""
         graph = service.graphs[model_or_404(model)]
         parsed = await parse_infer_body(service, request)
-        await run_blocking(check_infer_inputs, model, graph, parsed.inputs, settings, service.config.gpt2_vocab_size,
-                           timeout_s=settings.request_timeout_s)
+        await run_blocking(
+            check_infer_inputs, model, graph, parsed.inputs, settings, service.config.gpt2_vocab_size, timeout_s=settings.request_timeout_s
+        )
         unknown = [n for n, _ in parsed.outputs or [] if n not in graph.output_names]
         if unknown:
             raise HTTPError(400, f"unknown outputs {unknown}; {model} has {graph.output_names}")
@@ -87,13 +93,19 @@ def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.nda
         if array.dtype != want:
             raise HTTPError(400, f"{model}: input {name} has datatype {kserve_datatype(array.dtype)}; allowed: {kserve_datatype(want)}")
         if array.ndim >= 1 and array.shape[0] > settings.max_request_samples:
-            raise HTTPError(413, f"{model}: input {name} has {array.shape[0]} samples; allowed: 1..{settings.max_request_samples} "
-                                 "per request (--max-request-samples)")
+            raise HTTPError(
+                413,
+                f"{model}: input {name} has {array.shape[0]} samples; allowed: 1..{settings.max_request_samples} "
+                "per request (--max-request-samples)",
+            )
         if "seq" in spec["shape"] and array.ndim == len(spec["shape"]):
             tokens = array.shape[0] * array.shape[spec["shape"].index("seq")]
             if tokens > settings.max_request_tokens:
-                raise HTTPError(413, f"{model}: input {name} has {tokens} tokens (batch x seq); allowed: up to "
-                                     f"{settings.max_request_tokens} per request (--max-request-tokens)")
+                raise HTTPError(
+                    413,
+                    f"{model}: input {name} has {tokens} tokens (batch x seq); allowed: up to "
+                    f"{settings.max_request_tokens} per request (--max-request-tokens)",
+                )
         if name == "attention_mask" and array.size:
             outside = (array != 0) & (array != 1)
             if outside.any():

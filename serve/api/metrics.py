@@ -19,30 +19,46 @@ class Metrics:
         self.request_failure = Counter("ldlm_request_failure", "Requests answered with an error", ["model", "code"], registry=r)
         self.inference_count = Counter("ldlm_inference_count", "Samples inferred (batch entries)", ["model"], registry=r)
         self.execution_count = Counter("ldlm_execution_count", "Graph executions (batches run)", ["model"], registry=r)
-        self.queue_seconds = Histogram("ldlm_queue_duration_seconds", "Time a batch's oldest request waited", ["model"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.compute_seconds = Histogram("ldlm_compute_duration_seconds", "Graph execution time per batch", ["model"],
-                                         buckets=LATENCY_BUCKETS, registry=r)
-        self.request_seconds = Histogram("ldlm_request_duration_seconds", "End-to-end request latency", ["model"],
-                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram(
+            "ldlm_queue_duration_seconds", "Time a batch's oldest request waited", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.compute_seconds = Histogram(
+            "ldlm_compute_duration_seconds", "Graph execution time per batch", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.request_seconds = Histogram(
+            "ldlm_request_duration_seconds", "End-to-end request latency", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
         self.batch_size = Histogram("ldlm_batch_size", "Samples per execution", ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("ldlm_queue_depth", "Requests waiting", ["model"], registry=r)
         # Cancelled work: requests whose client left (reason "disconnect") or whose deadline passed
         # ("timeout"), and the samples that were dropped unfinished because of them (a graph request's
         # rows before its batch ran; a generation's samples still queued or mid-denoising).
-        self.request_cancelled = Counter("ldlm_request_cancelled", "Requests cancelled before their answer", ["model", "reason"],
-                                         registry=r)
+        self.request_cancelled = Counter(
+            "ldlm_request_cancelled", "Requests cancelled before their answer", ["model", "reason"], registry=r
+        )
         self.previews_sent = Counter("ldlm_previews_sent", "Streamed previews decoded and sent", registry=r)
-        self.previews_skipped = Counter("ldlm_previews_skipped", "Streamed previews skipped for the preview budget (a newer one replaced "
-                                        "them while other work was in flight)", registry=r)
+        self.previews_skipped = Counter(
+            "ldlm_previews_skipped",
+            "Streamed previews skipped for the preview budget (a newer one replaced them while other work was in flight)",
+            registry=r,
+        )
         self.preview_seconds = Counter("ldlm_preview_decode_seconds", "Time spent decoding previews", registry=r)
-        self.request_refused = Counter("ldlm_request_refused", "Generations refused up front: estimated past their deadline behind the "
-                                       "work queued ahead (deadline: 503) or even alone (too_large: 413)", ["model", "reason"], registry=r)
-        self.sample_step_rate = Gauge("ldlm_generate_sample_steps_per_second", "Measured generation throughput at a full batch, "
-                                      "per length bucket (the scheduler's cost model)", ["bucket"], registry=r)
-        self.cancelled_samples = Counter("ldlm_cancelled_samples",
-                                         "Samples dropped unfinished because their request was cancelled (or failed)", ["model"],
-                                         registry=r)
+        self.request_refused = Counter(
+            "ldlm_request_refused",
+            "Generations refused up front: estimated past their deadline behind the "
+            "work queued ahead (deadline: 503) or even alone (too_large: 413)",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.sample_step_rate = Gauge(
+            "ldlm_generate_sample_steps_per_second",
+            "Measured generation throughput at a full batch, per length bucket (the scheduler's cost model)",
+            ["bucket"],
+            registry=r,
+        )
+        self.cancelled_samples = Counter(
+            "ldlm_cancelled_samples", "Samples dropped unfinished because their request was cancelled (or failed)", ["model"], registry=r
+        )
 
     def observe_previews(self, decoded: int, skipped: int, seconds: float) -> None:
         """A PreviewDecoder observer: one decoder call for previews (or a pass that only skipped some)."""

@@ -45,7 +45,7 @@ async def wait(future: Future[Any] | asyncio.Future[Any], timeout_s: float, limi
     either way the future is cancelled when left, which frees whatever it holds."""
     try:
         return await asyncio.wait_for(asyncio.wrap_future(future) if isinstance(future, Future) else future, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         future.cancel()
         raise HTTPError(504, f"request timed out after {limit_s if limit_s is not None else timeout_s:g} s") from None
 
@@ -99,14 +99,13 @@ async def parse_infer_body(service: LDLMService, request: Request) -> InferReque
     """A KServe v2 infer body, decoded (and decompressed) off the loop: in a worker process when large or compressed."""
     body, encoding, header_length = await request.body(), request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH)
     json_size = int(header_length) if header_length is not None and header_length.isdigit() else len(body)
-    return await run_json(service, json_size > JSON_WORKER_BYTES or bool(encoding), parse_body, body, encoding, header_length,
-                          service.settings.max_body_bytes)
+    return await run_json(
+        service, json_size > JSON_WORKER_BYTES or bool(encoding), parse_body, body, encoding, header_length, service.settings.max_body_bytes
+    )
 
 
-async def infer_response(service: LDLMService, model: str, version: str, parsed: InferRequest,
-                         outputs: dict[str, np.ndarray]) -> Response:
+async def infer_response(service: LDLMService, model: str, version: str, parsed: InferRequest, outputs: dict[str, np.ndarray]) -> Response:
     """The KServe v2 answer, encoded off the loop: in a worker process when its JSON holds many values."""
     json_values = sum(outputs[name].size for name, binary in requested_outputs(parsed, outputs) if not binary)
-    content, headers = await run_json(service, json_values > JSON_WORKER_ELEMENTS, encode_infer_response, model, version,
-                                      parsed, outputs)
+    content, headers = await run_json(service, json_values > JSON_WORKER_ELEMENTS, encode_infer_response, model, version, parsed, outputs)
     return Response(content, headers=headers)

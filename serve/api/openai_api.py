@@ -67,8 +67,15 @@ def stream_error_status(error: Exception) -> int:
 
 def create_router(service: LDLMService) -> APIRouter:
     settings, config = service.settings, service.config
-    CompletionBody = completion_body(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len,
-                                     config.default_steps, config.default_sampler, settings.request_timeout_s)
+    CompletionBody = completion_body(
+        settings.max_n,
+        settings.max_steps,
+        settings.max_texts,
+        config.max_seq_len,
+        config.default_steps,
+        config.default_sampler,
+        settings.request_timeout_s,
+    )
     completer = Completions(service)
     router = APIRouter()
     created = int(time.time())
@@ -76,8 +83,10 @@ def create_router(service: LDLMService) -> APIRouter:
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         """The served model, as OpenAI lists models."""
-        return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": created, "owned_by": "ldlm",
-                                            "max_model_len": config.max_seq_len}]}
+        return {
+            "object": "list",
+            "data": [{"id": MODEL_ID, "object": "model", "created": created, "owned_by": "ldlm", "max_model_len": config.max_seq_len}],
+        }
 
     @router.post("/v1/completions", summary="OpenAI-compatible completions")
     async def completions(body: CompletionBody) -> Response:  # type: ignore[valid-type]
@@ -108,18 +117,23 @@ class Completions:
         if not 1 <= len(prompts) <= settings.max_texts:
             raise HTTPError(400, f"prompt has {len(prompts)} items; allowed: 1..{settings.max_texts}")
         if len(prompts) * body.n > settings.max_n:
-            raise HTTPError(400, f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} choices; "
-                                 f"allowed: up to {settings.max_n} per request")
+            raise HTTPError(
+                400, f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} choices; allowed: up to {settings.max_n} per request"
+            )
         ids = [[] if p == "" else self.pipeline.tokenizer.encode([p])[0] for p in prompts]
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
         prepared = []
         for i, row in enumerate(ids):
             if len(row) + body.max_tokens > config.max_seq_len:
                 name = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
-                raise HTTPError(400, f"{name} has {len(row)} tokens and max_tokens is {body.max_tokens}: {len(row) + body.max_tokens} "
-                                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)")
-            prepared.append((row, GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63,
-                                                  body.sampler, body.t_min)))
+                raise HTTPError(
+                    400,
+                    f"{name} has {len(row)} tokens and max_tokens is {body.max_tokens}: {len(row) + body.max_tokens} "
+                    f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)",
+                )
+            prepared.append(
+                (row, GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63, body.sampler, body.t_min))
+            )
         return prepared
 
     def prefix_latents(self, rows: list[list[int]]) -> list[torch.Tensor | None]:
@@ -131,7 +145,7 @@ class Completions:
         out, used = [], 0
         eos = self.config.eos_token_id
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        for j, ids in enumerate(result.token_ids[:, len(row):].tolist()):
+        for j, ids in enumerate(result.token_ids[:, len(row) :].tolist()):
             stop = eos in ids
             ids = ids[: ids.index(eos)] if stop else ids
             text = self.pipeline.tokenizer.decode(ids)
@@ -139,8 +153,14 @@ class Completions:
             if cut >= 0:  # the tokens counted are those of the text returned (which may be blank)
                 text, stop = text[:cut], True
             used += self.pipeline.tokenizer.count_tokens(text) if cut >= 0 else len(ids)
-            out.append({"text": prompt + text if body.echo else text, "index": first_index + j, "logprobs": None,
-                        "finish_reason": "stop" if stop else "length"})
+            out.append(
+                {
+                    "text": prompt + text if body.echo else text,
+                    "index": first_index + j,
+                    "logprobs": None,
+                    "finish_reason": "stop" if stop else "length",
+                }
+            )
         return out, used
 
     def submit(self, prepared: Prepared, prefixes: list[torch.Tensor | None], deadline: Deadline) -> list[Future[TextResult]]:
@@ -163,8 +183,9 @@ class Completions:
             prefixes = await run_blocking(self.prefix_latents, [row for row, _ in prepared], timeout_s=deadline.left())
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
-        futures = await run_submit(self.submit, prepared, prefixes, deadline, cancel=lambda queued: [f.cancel() for f in queued],
-                                   timeout_s=deadline.left())
+        futures = await run_submit(
+            self.submit, prepared, prefixes, deadline, cancel=lambda queued: [f.cancel() for f in queued], timeout_s=deadline.left()
+        )
         return prepared, futures
 
     async def answer(self, body: Any) -> Response:
@@ -174,8 +195,11 @@ class Completions:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
         prompt_tokens = sum(len(row) for row, _ in prepared) * body.n
         if body.stream:
-            return StreamingResponse(self.stream_chunks(head, prepared, futures, prompt_tokens, body, deadline),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                self.stream_chunks(head, prepared, futures, prompt_tokens, body, deadline),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
         try:
             results = await wait(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), deadline.left(), deadline.limit_s)
         finally:
@@ -188,8 +212,9 @@ class Completions:
             used += n_used
         return await json_response(self.service, {**head, "choices": every, "usage": usage(prompt_tokens, used)})
 
-    async def stream_chunks(self, head: dict[str, Any], prepared: Prepared, futures: list[Future[TextResult]], prompt_tokens: int,
-                            body: Any, deadline: Deadline) -> AsyncIterator[bytes]:
+    async def stream_chunks(
+        self, head: dict[str, Any], prepared: Prepared, futures: list[Future[TextResult]], prompt_tokens: int, body: Any, deadline: Deadline
+    ) -> AsyncIterator[bytes]:
         used = 0
         pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), deadline.left(), deadline.limit_s)): i for i, f in enumerate(futures)}
         try:

@@ -30,7 +30,7 @@ class StreamOptions(BaseModel):
 # for nothing (OpenAI's own default), so a client that leaves them alone works; any other value is
 # refused with OpenAI's error shape naming the parameter, never silently ignored.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "temperature": ((None, 1, 1.0), "there is no next-token distribution to sharpen; sampler \"ddim\" with a seed is deterministic"),
+    "temperature": ((None, 1, 1.0), 'there is no next-token distribution to sharpen; sampler "ddim" with a seed is deterministic'),
     "top_p": ((None, 1, 1.0), "there is no next-token distribution to truncate"),
     "best_of": ((None, 1), "completions are not scored; ask for n choices instead"),
     "logprobs": ((None,), "a diffusion sample has no per-token log-probabilities"),
@@ -42,30 +42,51 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
 
 
-def completion_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = LDLMConfig.default_steps,
-                    default_sampler: str = LDLMConfig.default_sampler, max_timeout_s: float = 60.0) -> type[BaseModel]:
-    unsupported = {name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}")) for name, (allowed, why)
-                   in UNSUPPORTED.items()}
+def completion_body(
+    max_n: int,
+    max_steps: int,
+    max_texts: int,
+    max_seq_len: int,
+    default_steps: int = LDLMConfig.default_steps,
+    default_sampler: str = LDLMConfig.default_sampler,
+    max_timeout_s: float = 60.0,
+) -> type[BaseModel]:
+    unsupported = {
+        name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}"))
+        for name, (allowed, why) in UNSUPPORTED.items()
+    }
     return create_model(
         "CompletionBody",
         __config__=STRICT_BODY,
         model=(str, Field(..., description=f"the served model's id: {MODEL_ID!r} (see GET /v1/models)")),
-        prompt=(str | list[str], Field("", description="text to continue; '' generates unconditionally; "
-                                                       f"a list of 1..{max_texts} prompts gives n choices each")),
-        max_tokens=(int, strict_int(16, 1, max_seq_len, "completion tokens; prompt tokens + max_tokens "
-                                                        f"must fit the model's max_seq_len ({max_seq_len})")),
+        prompt=(
+            str | list[str],
+            Field("", description=f"text to continue; '' generates unconditionally; a list of 1..{max_texts} prompts gives n choices each"),
+        ),
+        max_tokens=(
+            int,
+            strict_int(
+                16, 1, max_seq_len, f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({max_seq_len})"
+            ),
+        ),
         n=(int, strict_int(1, 1, max_n, f"choices per prompt (1..{max_n} in all)")),
-        seed=(int | None, Field(None, ge=0, le=MAX_SEED, strict=True,
-                                description="noise seed; with sampler ddim the same seed gives the same text")),
+        seed=(
+            int | None,
+            Field(None, ge=0, le=MAX_SEED, strict=True, description="noise seed; with sampler ddim the same seed gives the same text"),
+        ),
         stream=(bool, Field(False, strict=True, description="OpenAI server-sent chunks, ending with data: [DONE]")),
         stream_options=(StreamOptions | None, Field(None, description="include_usage: a last chunk with usage")),
-        stop=(str | list[str] | None, Field(None, description=f"up to {MAX_STOP} texts: a choice ends before the first of them "
-                                                              "(finish_reason \"stop\")")),
+        stop=(
+            str | list[str] | None,
+            Field(None, description=f'up to {MAX_STOP} texts: a choice ends before the first of them (finish_reason "stop")'),
+        ),
         echo=(bool, Field(False, strict=True, description="the prompt, then the completion, in each choice's text")),
         user=(str | None, Field(None, description="an end-user id, as OpenAI's; it does not change the output")),
         steps=(int, strict_int(default_steps, 1, max_steps, f"LDLM: denoising steps (1..{max_steps}; default: the model config's)")),
-        sampler=(SamplerName, Field(default_sampler, description="LDLM: sde (Euler-Maruyama) or ddim (deterministic); "
-                                                                 "default: the model config's")),
+        sampler=(
+            SamplerName,
+            Field(default_sampler, description="LDLM: sde (Euler-Maruyama) or ddim (deterministic); default: the model config's"),
+        ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
         timeout_s=(float | None, timeout_field(max_timeout_s)),
         **unsupported,
@@ -86,16 +107,27 @@ def check_supported(body: Any) -> None:
     for name, (allowed, why) in UNSUPPORTED.items():
         value = getattr(body, name)
         if not any(value == a and type(value) is not bool for a in allowed) and value is not None:
-            raise HTTPError(400, f"{name}={json.dumps(value)} is not supported by this diffusion model ({why}); "
-                                 f"allowed: {accepted(allowed)}", param=name)
+            raise HTTPError(
+                400,
+                f"{name}={json.dumps(value)} is not supported by this diffusion model ({why}); allowed: {accepted(allowed)}",
+                param=name,
+            )
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOP or any(stop == "" for stop in stops):
-        raise HTTPError(400, f"stop has {len(stops)} items{' with an empty one' if '' in stops else ''}; "
-                             f"allowed: 1..{MAX_STOP} non-empty texts", param="stop")
+        raise HTTPError(
+            400,
+            f"stop has {len(stops)} items{' with an empty one' if '' in stops else ''}; allowed: 1..{MAX_STOP} non-empty texts",
+            param="stop",
+        )
 
 
 def openai_limits(settings: ServerSettings, max_seq_len: int) -> dict[str, Range]:
     """The ranges that validation messages name, field by field."""
-    return {"max_tokens": Range(1, max_seq_len), "n": Range(1, settings.max_n), "steps": Range(1, settings.max_steps),
-            "seed": Range(0, MAX_SEED), "t_min": Range(0, 1, exclusive=True),
-            "timeout_s": Range(0, settings.request_timeout_s, low_open=True)}
+    return {
+        "max_tokens": Range(1, max_seq_len),
+        "n": Range(1, settings.max_n),
+        "steps": Range(1, settings.max_steps),
+        "seed": Range(0, MAX_SEED),
+        "t_min": Range(0, 1, exclusive=True),
+        "timeout_s": Range(0, settings.request_timeout_s, low_open=True),
+    }

@@ -38,11 +38,14 @@ def create_router() -> APIRouter:
     @router.get("/docs")
     async def docs() -> HTMLResponse:
         if swagger is None:
-            raise HTTPError(404, "Swagger UI's assets are not installed (pip install fastapi-offline); "
-                                 "the schema is at /openapi.json")
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="ldlm API", swagger_favicon_url="data:,",
-                                   swagger_js_url="/static/swagger/swagger-ui-bundle.js",
-                                   swagger_css_url="/static/swagger/swagger-ui.css")
+            raise HTTPError(404, "Swagger UI's assets are not installed (pip install fastapi-offline); the schema is at /openapi.json")
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="ldlm API",
+            swagger_favicon_url="data:,",
+            swagger_js_url="/static/swagger/swagger-ui-bundle.js",
+            swagger_css_url="/static/swagger/swagger-ui.css",
+        )
 
     @router.get("/static/swagger/{name}")
     async def swagger_asset(name: str) -> Response:

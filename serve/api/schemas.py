@@ -40,9 +40,15 @@ class EncodeResponse(BaseModel):
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
-    for code, text in {400: "malformed request", 401: "missing or wrong bearer token", 408: "body too slow",
-                       413: "body or request too large", 422: "a field out of range",
-                       503: "queue full (Retry-After)", 504: "timed out"}.items()
+    for code, text in {
+        400: "malformed request",
+        401: "missing or wrong bearer token",
+        408: "body too slow",
+        413: "body or request too large",
+        422: "a field out of range",
+        503: "queue full (Retry-After)",
+        504: "timed out",
+    }.items()
 }
 
 
@@ -86,9 +92,14 @@ def strict_int(default: Any, low: int, high: int, description: str) -> Any:
 
 def timeout_field(max_timeout_s: float) -> Any:
     """A request's own deadline, shorter than the server's: refused up front if it cannot be met (the estimate is named)."""
-    return Field(None, gt=0, le=max_timeout_s, description=f"seconds this request may take, at most the server's {max_timeout_s:g} s "
-                 "(its default): a request estimated to take longer is refused at once (413 or 503 with Retry-After), and one "
-                 "that runs past it is cancelled (504)")
+    return Field(
+        None,
+        gt=0,
+        le=max_timeout_s,
+        description=f"seconds this request may take, at most the server's {max_timeout_s:g} s "
+        "(its default): a request estimated to take longer is refused at once (413 or 503 with Retry-After), and one "
+        "that runs past it is cancelled (504)",
+    )
 
 
 def non_empty(text: str) -> str:
@@ -100,8 +111,15 @@ def non_empty(text: str) -> str:
     return text
 
 
-def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, default_steps: int = LDLMConfig.default_steps,
-                   default_sampler: str = LDLMConfig.default_sampler, max_timeout_s: float = 60.0) -> RequestModels:
+def request_models(
+    max_n: int,
+    max_steps: int,
+    max_texts: int,
+    max_seq_len: int,
+    default_steps: int = LDLMConfig.default_steps,
+    default_sampler: str = LDLMConfig.default_sampler,
+    max_timeout_s: float = 60.0,
+) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
     if not 1 <= default_steps <= max_steps:
         raise ValueError(f"the model config's default_steps={default_steps} is out of range; allowed: 1..{max_steps} (max_steps)")
@@ -110,27 +128,51 @@ def request_models(max_n: int, max_steps: int, max_texts: int, max_seq_len: int,
         __config__=STRICT_BODY,
         n=(int, strict_int(1, 1, max_n, f"samples to generate (1..{max_n})")),
         length=(int, strict_int(64, 1, max_seq_len, f"tokens per sample (1..{max_seq_len}, the model's max_seq_len)")),
-        steps=(int, strict_int(default_steps, 1, max_steps,
-                               f"denoising steps (1..{max_steps}; default: the model config's default_steps)")),
+        steps=(
+            int,
+            strict_int(default_steps, 1, max_steps, f"denoising steps (1..{max_steps}; default: the model config's default_steps)"),
+        ),
         seed=(int, strict_int(0, 0, MAX_SEED, f"noise seed (0..{MAX_SEED})")),
-        sampler=(SamplerName, Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic "
-                                                                 "(default: the model config's default_sampler)")),
+        sampler=(
+            SamplerName,
+            Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic (default: the model config's default_sampler)"),
+        ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
-        stream=(bool, Field(False, strict=True, description="answer with Server-Sent Events: `preview` events (each sample's current "
-                                                            "x0_hat decoded) every `preview_every` steps, then one `result` event")),
+        stream=(
+            bool,
+            Field(
+                False,
+                strict=True,
+                description="answer with Server-Sent Events: `preview` events (each sample's current "
+                "x0_hat decoded) every `preview_every` steps, then one `result` event",
+            ),
+        ),
         preview_every=(int, strict_int(5, 1, max_steps, "steps between previews when streaming")),
         timeout_s=(float | None, timeout_field(max_timeout_s)),
     )
     texts = create_model(
         "TextsBody",
         __config__=STRICT_BODY,
-        texts=(list[Annotated[str, AfterValidator(non_empty)]],
-               Field(..., min_length=1, max_length=max_texts,
-                     description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens")),
+        texts=(
+            list[Annotated[str, AfterValidator(non_empty)]],
+            Field(
+                ...,
+                min_length=1,
+                max_length=max_texts,
+                description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens",
+            ),
+        ),
     )
-    limits = {"n": Range(1, max_n), "length": Range(1, max_seq_len), "steps": Range(1, max_steps), "seed": Range(0, MAX_SEED),
-              "texts": Range(1, max_texts, unit=" items"), "preview_every": Range(1, max_steps), "t_min": Range(0, 1, exclusive=True),
-              "timeout_s": Range(0, max_timeout_s, low_open=True)}
+    limits = {
+        "n": Range(1, max_n),
+        "length": Range(1, max_seq_len),
+        "steps": Range(1, max_steps),
+        "seed": Range(0, MAX_SEED),
+        "texts": Range(1, max_texts, unit=" items"),
+        "preview_every": Range(1, max_steps),
+        "t_min": Range(0, 1, exclusive=True),
+        "timeout_s": Range(0, max_timeout_s, low_open=True),
+    }
     return RequestModels(generate, texts, limits)
 
 
@@ -182,7 +224,7 @@ def validation_message(errors: list[dict[str, Any]], limits: dict[str, Range], f
         elif kind in ("bool_type", "bool_parsing"):
             problems.append(f"{name}: {shown(given)} is not a boolean; allowed: true or false")
         elif kind == "string_too_short" and given == "":
-            problems.append(f"{name}: \"\" is empty; allowed: a non-empty text")
+            problems.append(f'{name}: "" is empty; allowed: a non-empty text')
         elif kind == "string_type":
             problems.append(f"{name}: {shown(given)} is not a text; allowed: a JSON string")
         elif kind == "literal_error":

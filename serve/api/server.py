@@ -51,11 +51,18 @@ def create_app(service: LDLMService) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, service.close)  # drain, then stop
         log.info("shutdown complete")
 
-    app = FastAPI(title="ldlm", version=ldlm.__version__, lifespan=lifespan, responses=ERROR_RESPONSES, docs_url=None, redoc_url=None,
-                  description="LDLM inference: KServe v2 for the encoder, denoiser and decoder graphs, and a text API. "
-                  f"Limits of this server: {settings.max_body_bytes} body bytes; {settings.max_request_samples} samples and "
-                  f"{settings.max_request_tokens} tokens (batch x seq) per /v2 infer request; n, length, steps and texts "
-                  "as in the request schemas.")
+    app = FastAPI(
+        title="ldlm",
+        version=ldlm.__version__,
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+        docs_url=None,
+        redoc_url=None,
+        description="LDLM inference: KServe v2 for the encoder, denoiser and decoder graphs, and a text API. "
+        f"Limits of this server: {settings.max_body_bytes} body bytes; {settings.max_request_samples} samples and "
+        f"{settings.max_request_tokens} tokens (batch x seq) per /v2 infer request; n, length, steps and texts "
+        "as in the request schemas.",
+    )
     app.state.service = service
     app.add_middleware(GuardMiddleware, service=service)
     add_error_handlers(app, text_models.limits, openai_schemas.openai_limits(settings, service.config.max_seq_len))
@@ -80,8 +87,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as error:
         sock.close()
         if error.errno == errno.EADDRINUSE:
-            raise PortInUseError(f"port {port} on {host} is already in use (another `ldlm serve`?); choose another with "
-                                 f"--port, e.g. --port {port + 1 if port < 65535 else 8000}, or stop the process that holds it") from None
+            raise PortInUseError(
+                f"port {port} on {host} is already in use (another `ldlm serve`?); choose another with "
+                f"--port, e.g. --port {port + 1 if port < 65535 else 8000}, or stop the process that holds it"
+            ) from None
         raise RuntimeError(f"cannot bind {host}:{port}: {error.strerror}; choose another --host or --port") from None
     sock.set_inheritable(True)
     return sock
@@ -89,10 +98,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def server_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     """uvicorn with our connection layer: header deadline, idle-first shedding, keep-alive and body timeouts."""
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                          http=guarded_protocol(settings.header_timeout_s, settings.max_connections),
-                          timeout_keep_alive=settings.keep_alive_s,
-                          timeout_graceful_shutdown=int(settings.request_timeout_s) + 5, backlog=2048)
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        http=guarded_protocol(settings.header_timeout_s, settings.max_connections),
+        timeout_keep_alive=settings.keep_alive_s,
+        timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
+        backlog=2048,
+    )
 
 
 def serve(source: str, settings: ServerSettings, log_level: str = "info") -> None:
@@ -108,11 +124,14 @@ def serve(source: str, settings: ServerSettings, log_level: str = "info") -> Non
         app = create_app(service)
         port = sock.getsockname()[1]
         url = f"http://{settings.host}:{port}"
-        auth = " -H \"Authorization: Bearer $LDLM_API_KEY\"" if settings.api_key else ""  # the key itself is never printed
+        auth = ' -H "Authorization: Bearer $LDLM_API_KEY"' if settings.api_key else ""  # the key itself is never printed
         providers = ", ".join(f"{g}: {b.provider}" for g, b in service.graphs.items())
         print(f"ldlm serving {source} ({settings.backend}; {providers}) on {url}", flush=True)
-        print(f"try: curl -s {url}/v1/generate -H 'Content-Type: application/json'{auth} "
-              f"-d '{{\"n\": 2, \"length\": 32, \"steps\": 20, \"seed\": 0, \"sampler\": \"ddim\"}}'", flush=True)
+        print(
+            f"try: curl -s {url}/v1/generate -H 'Content-Type: application/json'{auth} "
+            f'-d \'{{"n": 2, "length": 32, "steps": 20, "seed": 0, "sampler": "ddim"}}\'',
+            flush=True,
+        )
         print(f"docs: {url}/docs   metrics: {url}/metrics", flush=True)
         GracefulServer(server_config(app, settings)).run(sockets=[sock])
     finally:

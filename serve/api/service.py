@@ -57,12 +57,18 @@ class ServerSettings:
     trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
 
     def __post_init__(self) -> None:
-        checks = {"port": (self.port, 0, 65535), "max_batch": (self.max_batch, 1, 1 << 16), "max_queue": (self.max_queue, 1, 1 << 20),
-                  "max_body_bytes": (self.max_body_bytes, 1024, 1 << 31), "max_n": (self.max_n, 1, 1 << 16),
-                  "max_steps": (self.max_steps, 1, 1 << 20), "max_texts": (self.max_texts, 1, 1 << 16),
-                  "max_request_samples": (self.max_request_samples, 1, 1 << 20),
-                  "max_request_tokens": (self.max_request_tokens, 1, 1 << 30),
-                  "max_connections": (self.max_connections, 1, 1 << 20)}
+        checks = {
+            "port": (self.port, 0, 65535),
+            "max_batch": (self.max_batch, 1, 1 << 16),
+            "max_queue": (self.max_queue, 1, 1 << 20),
+            "max_body_bytes": (self.max_body_bytes, 1024, 1 << 31),
+            "max_n": (self.max_n, 1, 1 << 16),
+            "max_steps": (self.max_steps, 1, 1 << 20),
+            "max_texts": (self.max_texts, 1, 1 << 16),
+            "max_request_samples": (self.max_request_samples, 1, 1 << 20),
+            "max_request_tokens": (self.max_request_tokens, 1, 1 << 30),
+            "max_connections": (self.max_connections, 1, 1 << 20),
+        }
         for name, (value, low, high) in checks.items():
             if not low <= value <= high:
                 raise ValueError(f"{name}={value} is out of range; allowed: {low}..{high}")
@@ -84,29 +90,50 @@ class LDLMService:
         self._scratch = None
         say = progress or (lambda line: None)
         if settings.backend == "ort" and is_checkpoint(source):
-            say(f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
-                "directory to skip this at every start)")
+            say(
+                f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
+                "directory to skip this at every start)"
+            )
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")
             source = export_checkpoint_for_serving(source, Path(self._scratch.name), progress=progress is not None)
         say(f"loading the graphs of {source} ({settings.backend})")
-        graphs, config, tokenizer = open_graphs(settings.backend, source, settings.precision, ort_providers(settings.provider),
-                                                settings.threads, settings.device, memory_arena=False, cuda_graphs=settings.trt_cuda_graphs)
+        graphs, config, tokenizer = open_graphs(
+            settings.backend,
+            source,
+            settings.precision,
+            ort_providers(settings.provider),
+            settings.threads,
+            settings.device,
+            memory_arena=False,
+            cuda_graphs=settings.trt_cuda_graphs,
+        )
         # Engines built with narrower profiles narrow what the service accepts (lengths) and how
         # many samples one execution takes; a larger request still runs, in chunks.
         config, self.max_batch = serving_limits(graphs, config, settings.max_batch)
         self.graphs, self.config = graphs, config
         self.metrics = Metrics()
         self.batchers = {
-            name: DynamicBatcher(graph, self.max_batch, settings.max_delay_ms, settings.max_queue, self.metrics.observer(name),
-                                 self.metrics.cancelled_samples.labels(name).inc)
+            name: DynamicBatcher(
+                graph,
+                self.max_batch,
+                settings.max_delay_ms,
+                settings.max_queue,
+                self.metrics.observer(name),
+                self.metrics.cancelled_samples.labels(name).inc,
+            )
             for name, graph in graphs.items()
         }
         self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
         device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
         generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
-        self.scheduler = GenerationScheduler(generation, self.max_batch, "continuous", settings.max_queue * 16,
-                                             observer=self.metrics.observer("generate"),
-                                             on_drop=self.metrics.cancelled_samples.labels("generate").inc)
+        self.scheduler = GenerationScheduler(
+            generation,
+            self.max_batch,
+            "continuous",
+            settings.max_queue * 16,
+            observer=self.metrics.observer("generate"),
+            on_drop=self.metrics.cancelled_samples.labels("generate").inc,
+        )
         self.json_workers = self._json_pool()
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
         self._in_flight_lock = threading.Lock()
@@ -115,8 +142,9 @@ class LDLMService:
         self.ready = True
         say("ready")
 
-    def submit_generation(self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0,
-                          deadline_s: float | None = None) -> Future[Any]:
+    def submit_generation(
+        self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0, deadline_s: float | None = None
+    ) -> Future[Any]:
         """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight: a
         streamed request's previews are free of the preview budget only while it is the one generation in flight."""
         future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s)

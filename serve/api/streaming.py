@@ -52,8 +52,13 @@ class PreviewDecoder:
     """One thread that decodes the pending previews of all streams, in one call; within ``budget`` of
     the wall time while ``others_waiting()`` (see the module docs)."""
 
-    def __init__(self, pipeline: LDLMPipeline, budget: float = 0.05, others_waiting: Callable[[], bool] = lambda: True,
-                 observer: PreviewObserver | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: LDLMPipeline,
+        budget: float = 0.05,
+        others_waiting: Callable[[], bool] = lambda: True,
+        observer: PreviewObserver | None = None,
+    ) -> None:
         if not 0 < budget <= 1:
             raise ValueError(f"budget={budget} is out of range; allowed: (0, 1]")
         self.pipeline, self.budget = pipeline, budget
@@ -126,15 +131,22 @@ class PreviewDecoder:
                 self.observer(len(items), sum(skipped.values()), busy)
             with self._cond:  # rest while others wait: decoding takes at most `budget` of the time
                 if items and self.others_waiting():
-                    self._cond.wait_for(lambda: self._stopping or not self.others_waiting(),
-                                        timeout=busy * (1 - self.budget) / self.budget)
+                    self._cond.wait_for(lambda: self._stopping or not self.others_waiting(), timeout=busy * (1 - self.budget) / self.budget)
 
 
 class GenerationStream:
     """One request in the scheduler, as an async iterator of previews and then its result."""
 
-    def __init__(self, submit: Callable[..., Future[TextResult]], previews: PreviewDecoder | None, spec: GenerateRequest,
-                 preview_every: int = 0, prefix: Tensor | None = None, *, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        submit: Callable[..., Future[TextResult]],
+        previews: PreviewDecoder | None,
+        spec: GenerateRequest,
+        preview_every: int = 0,
+        prefix: Tensor | None = None,
+        *,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         """Submits at once, with ``submit`` (``GenerationScheduler.submit``'s signature). ``loop`` is the
         event loop that reads the events: construct this off that loop (submitting draws every sample's
         prior noise, work that scales with n x length)."""
@@ -176,8 +188,7 @@ class GenerationStream:
                 for step in sorted({p["step"] for p in decoded}):  # one event per step, in order
                     yield "preview", [p for p in decoded if p["step"] == step]
                 now = self.loop.time()
-                if result.done() and (result.cancelled() or result.exception() is not None or not self._previews_owed()
-                                      or now >= deadline):
+                if result.done() and (result.cancelled() or result.exception() is not None or not self._previews_owed() or now >= deadline):
                     final: TextResult = result.result()
                     yield "result", final
                     return
@@ -185,9 +196,11 @@ class GenerationStream:
                     raise TimeoutError(f"request timed out after {timeout_s:g} s")
                 woken = asyncio.ensure_future(self._wake.wait())
                 # with the result in, wait only for the previews still owed, re-checking that nobody else waits
-                await asyncio.wait({woken} if result.done() else {result, woken},
-                                   timeout=min(deadline - now, 0.05) if result.done() else deadline - now,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {woken} if result.done() else {result, woken},
+                    timeout=min(deadline - now, 0.05) if result.done() else deadline - now,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 woken.cancel()
         finally:
             self.future.cancel()  # a gone client or a timeout frees the slots at the scheduler's next step

@@ -32,8 +32,15 @@ from ldlm.serve.runtime.scheduler import GenerateRequest
 def text_request_models(service: LDLMService) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults."""
     settings, config = service.settings, service.config
-    return request_models(settings.max_n, settings.max_steps, settings.max_texts, config.max_seq_len, config.default_steps,
-                          config.default_sampler, settings.request_timeout_s)
+    return request_models(
+        settings.max_n,
+        settings.max_steps,
+        settings.max_texts,
+        config.max_seq_len,
+        config.default_steps,
+        config.default_sampler,
+        settings.request_timeout_s,
+    )
 
 
 def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
@@ -78,8 +85,11 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         return await answer_texts(body, encoding)
 
     # registered here, not by decorators: each route's summary is its handler's docstring
-    for path, handler, response_model in (("/v1/generate", generate, TextsResponse), ("/v1/reconstruct", reconstruct, TextsResponse),
-                                          ("/v1/encode", encode, EncodeResponse)):
+    for path, handler, response_model in (
+        ("/v1/generate", generate, TextsResponse),
+        ("/v1/reconstruct", reconstruct, TextsResponse),
+        ("/v1/encode", encode, EncodeResponse),
+    ):
         router.post(path, response_model=response_model, summary=handler.__doc__)(handler)
     return router
 
@@ -91,8 +101,9 @@ def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:
-            raise HTTPError(400, f"texts[{i}] is not valid Unicode ({error.reason} at character {error.start}); "
-                                 "allowed: UTF-8 text") from None
+            raise HTTPError(
+                400, f"texts[{i}] is not valid Unicode ({error.reason} at character {error.start}); allowed: UTF-8 text"
+            ) from None
     for i, ids in enumerate(pipeline.tokenizer.encode(texts)):
         if len(ids) > limit:
             raise HTTPError(400, f"texts[{i}] is {len(ids)} tokens long; allowed: 1..{limit} tokens (the model's max_seq_len)")

@@ -61,6 +61,7 @@ def timed_call(backend: GraphBackend, feed: dict[str, np.ndarray]) -> Callable[[
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return out
+
     return call
 
 
@@ -84,8 +85,12 @@ def bench_graphs(
             entry: dict[str, Any] = {}
             for name, values in times.items():
                 p50 = statistics.median(values)
-                entry[name] = {"p50_ms": round(p50, 3), "p99_ms": round(percentile(values, 99), 3),
-                               "samples_per_s": round(1000 * batch / p50, 2), "provider": backends[name][graph].provider}
+                entry[name] = {
+                    "p50_ms": round(p50, 3),
+                    "p99_ms": round(percentile(values, 99), 3),
+                    "samples_per_s": round(1000 * batch / p50, 2),
+                    "provider": backends[name][graph].provider,
+                }
             if "eager" in entry:
                 for name in entry:
                     if name != "eager":
@@ -104,12 +109,15 @@ def busy_machine_warning(threads: int, load_average: float | None = None, cpus: 
         return None
     fewer = max(1, cpus - round(load))
     advice = f"try --threads {fewer} or a quiet machine" if fewer < threads else "run it on a quiet machine"
-    return (f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} "
-            f"thread{'s' if threads > 1 else ''}; timings will be noisy and oversubscribed ({advice})")
+    return (
+        f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} "
+        f"thread{'s' if threads > 1 else ''}; timings will be noisy and oversubscribed ({advice})"
+    )
 
 
-def bench_generation(pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int,
-                     sampler: str = "ddim") -> dict[str, Any]:
+def bench_generation(
+    pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int, sampler: str = "ddim"
+) -> dict[str, Any]:
     results = {}
     times: dict[str, list[float]] = {name: [] for name in pipelines}
     for pipe in pipelines.values():
@@ -121,8 +129,14 @@ def bench_generation(pipelines: Mapping[str, LDLMPipeline], n: int, length: int,
             times[name].append(time.perf_counter() - start)
     for name, values in times.items():
         p50 = statistics.median(values)
-        results[name] = {"p50_s": round(p50, 6), "tokens_per_s": round(n * length / p50, 2), "n": n, "length": length,
-                         "steps": steps, "sampler": sampler}
+        results[name] = {
+            "p50_s": round(p50, 6),
+            "tokens_per_s": round(n * length / p50, 2),
+            "n": n,
+            "length": length,
+            "steps": steps,
+            "sampler": sampler,
+        }
     return results
 
 
@@ -138,8 +152,9 @@ def parse_solver_specs(text: str) -> list[tuple[str, int]]:
     return specs
 
 
-def bench_solvers(pipeline: LDLMPipeline, specs: Sequence[tuple[str, int]], n: int, length: int, runs: int,
-                  reference_steps: int) -> dict[str, Any]:
+def bench_solvers(
+    pipeline: LDLMPipeline, specs: Sequence[tuple[str, int]], n: int, length: int, runs: int, reference_steps: int
+) -> dict[str, Any]:
     """Latency per sample beside agreement, solver by solver, in one run: each ``(sampler, steps)`` is
     timed (p50 of ``runs``, specs alternating) and compared with DDIM at ``reference_steps`` from the same
     seeds (token agreement and the final latent's relative L2 error). The cheapest spec that agrees as
@@ -150,7 +165,8 @@ def bench_solvers(pipeline: LDLMPipeline, specs: Sequence[tuple[str, int]], n: i
     for sampler, steps in specs:  # quality, and the warm-up of the timing
         latents = pipeline.sample_latents(n, length, steps, 0, sampler)
         entries[f"{sampler}@{steps}"] = {
-            "sampler": sampler, "steps": steps,
+            "sampler": sampler,
+            "steps": steps,
             "token_agreement": round(float((pipeline.decode(latents).token_ids == reference_tokens).float().mean()), 4),
             "latent_rel_error": round(float((latents - reference).norm() / reference.norm()), 5),
         }
@@ -181,8 +197,14 @@ def workload_lengths_used(config: LDLMConfig, lengths: Sequence[int]) -> list[in
     return [n for n in lengths if n <= config.max_seq_len] or [config.max_seq_len]
 
 
-def mixed_workload(config: LDLMConfig, requests: int, rate_per_s: float, seed: int = 0,
-                   lengths: Sequence[int] = (16, 32, 64, 128), samplers: Sequence[str] = ("ddim",)) -> list[Arrival]:
+def mixed_workload(
+    config: LDLMConfig,
+    requests: int,
+    rate_per_s: float,
+    seed: int = 0,
+    lengths: Sequence[int] = (16, 32, 64, 128),
+    samplers: Sequence[str] = ("ddim",),
+) -> list[Arrival]:
     """Poisson arrivals of requests with mixed lengths (``workload_lengths_used``) and WORKLOAD_STEPS
     steps (a seeded, fixed list); request i uses ``samplers[i % len(samplers)]``."""
     gen = np.random.default_rng(seed)
@@ -190,8 +212,12 @@ def mixed_workload(config: LDLMConfig, requests: int, rate_per_s: float, seed: i
     at = np.cumsum(gen.exponential(1 / rate_per_s, requests))
     low, high = WORKLOAD_STEPS
     return [
-        Arrival(float(t), GenerateRequest(n=1, length=int(gen.choice(lengths)), steps=int(gen.integers(low, high + 1)),
-                                          seed=i, sampler=samplers[i % len(samplers)]))
+        Arrival(
+            float(t),
+            GenerateRequest(
+                n=1, length=int(gen.choice(lengths)), steps=int(gen.integers(low, high + 1)), seed=i, sampler=samplers[i % len(samplers)]
+            ),
+        )
         for i, t in enumerate(at)
     ]
 
@@ -213,6 +239,7 @@ def run_workload(pipeline: LDLMPipeline, workload: list[Arrival], policy: str, m
                 latencies.append(time.perf_counter() - submitted)
                 if len(latencies) == len(workload):
                     done.set()
+
         return callback
 
     for arrival in workload:
@@ -271,19 +298,27 @@ def run_bench(
         if "ort" in backends and onnx_dir is None:
             sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress).out)
         graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device)
-        report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__,
-                                  "config_sha256": config.config_hash(), "load_average_1m": round(os.getloadavg()[0], 2),
-                                  "cpus": os.cpu_count()}
+        report: dict[str, Any] = {
+            "checkpoint": str(checkpoint),
+            "threads": threads,
+            "runs": runs,
+            "torch": torch.__version__,
+            "config_sha256": config.config_hash(),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+            "cpus": os.cpu_count(),
+        }
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
         report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler)
         chosen = workload_backend if workload_backend in pipelines else backends[-1]
         if solver_specs:
-            report["solvers"] = bench_solvers(pipelines[chosen], solver_specs, gen_n, min(length, 64), max(3, runs // 3),
-                                              solver_reference_steps)
+            report["solvers"] = bench_solvers(
+                pipelines[chosen], solver_specs, gen_n, min(length, 64), max(3, runs // 3), solver_reference_steps
+            )
             report["solvers"]["backend"] = chosen
         if workload_requests > 0:
-            report["batching"] = bench_batching(pipelines[chosen], chosen, config, workload_requests, workload_rate,
-                                                workload_lengths, max_batch)
+            report["batching"] = bench_batching(
+                pipelines[chosen], chosen, config, workload_requests, workload_rate, workload_lengths, max_batch
+            )
         for graphs in graphs_by_backend.values():
             for graph in graphs.values():
                 graph.close()
@@ -291,7 +326,12 @@ def run_bench(
 
 
 def open_pipelines(
-    backends: Sequence[str], sources: Mapping[str, str | None], precision: str, provider: str, threads: int, device: str,
+    backends: Sequence[str],
+    sources: Mapping[str, str | None],
+    precision: str,
+    provider: str,
+    threads: int,
+    device: str,
 ) -> tuple[dict[str, dict[str, GraphBackend]], dict[str, LDLMPipeline], LDLMConfig]:
     """Each backend's graphs (from its source) and a pipeline on them; the config of the last one opened."""
     graphs_by_backend, pipelines = {}, {}
@@ -301,28 +341,46 @@ def open_pipelines(
         if sources[name] is None:
             raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
         torch_backend = name in TORCH_BACKENDS
-        graphs, config, tokenizer = open_graphs(name, sources[name], precision if torch_backend else "fp32",
-                                                ort_providers(provider), threads, device if torch_backend else "cpu")
+        graphs, config, tokenizer = open_graphs(
+            name,
+            sources[name],
+            precision if torch_backend else "fp32",
+            ort_providers(provider),
+            threads,
+            device if torch_backend else "cpu",
+        )
         graphs_by_backend[name] = graphs
         buckets = (16, 32, 64, 128, config.max_seq_len)
-        pipelines[name] = LDLMPipeline(BackendGraphs(graphs), tokenizer, getattr(graphs["denoiser"], "device", "cpu"),
-                                       config=config, buckets=[b for b in buckets if b <= config.max_seq_len])
+        pipelines[name] = LDLMPipeline(
+            BackendGraphs(graphs),
+            tokenizer,
+            getattr(graphs["denoiser"], "device", "cpu"),
+            config=config,
+            buckets=[b for b in buckets if b <= config.max_seq_len],
+        )
     return graphs_by_backend, pipelines, config
 
 
-def bench_batching(pipeline: LDLMPipeline, backend: str, config: LDLMConfig, requests: int, rate: float, lengths: Sequence[int],
-                   max_batch: int) -> dict[str, Any]:
+def bench_batching(
+    pipeline: LDLMPipeline, backend: str, config: LDLMConfig, requests: int, rate: float, lengths: Sequence[int], max_batch: int
+) -> dict[str, Any]:
     """One mixed-arrival workload under static and continuous batching, then with mixed solvers."""
     workload = mixed_workload(config, requests, rate, lengths=lengths)
-    batching: dict[str, Any] = {"backend": backend, "max_batch": max_batch, "rate_per_s": rate, "requests": requests,
-                                "lengths": workload_lengths_used(config, lengths)}
+    batching: dict[str, Any] = {
+        "backend": backend,
+        "max_batch": max_batch,
+        "rate_per_s": rate,
+        "requests": requests,
+        "lengths": workload_lengths_used(config, lengths),
+    }
     for policy in ("static", "continuous"):
         batching[policy] = run_workload(pipeline, workload, policy, max_batch)
     # The same arrivals, each request with another solver (cycling): one batch holds several solvers.
     mixed = mixed_workload(config, requests, rate, lengths=lengths, samplers=("ddim", "dpm3m-psc", "dpm2m", "sde"))
     batching["continuous_mixed_solvers"] = run_workload(pipeline, mixed, "continuous", max_batch)
     batching["mixed_solvers_throughput_ratio"] = round(
-        batching["continuous_mixed_solvers"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"], 3)
+        batching["continuous_mixed_solvers"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"], 3
+    )
     batching["throughput_ratio"] = round(batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"], 3)
     batching["p99_ratio"] = round(batching["continuous"]["latency_p99_s"] / batching["static"]["latency_p99_s"], 3)
     return batching
@@ -331,24 +389,35 @@ def bench_batching(pipeline: LDLMPipeline, backend: str, config: LDLMConfig, req
 def bench_summary(report: dict[str, Any]) -> list[str]:
     lines = []
     for key, entry in report["graphs"].items():
-        cells = ", ".join(f"{b} p50 {v['p50_ms']:.2f} ms" + (f" (x{v['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in v else "") for b, v in entry.items())
+        cells = ", ".join(
+            f"{b} p50 {v['p50_ms']:.2f} ms" + (f" (x{v['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in v else "")
+            for b, v in entry.items()
+        )
         lines.append(f"{key:22s} {cells}")
     for name, entry in report["generation"].items():
-        lines.append(f"generate {name}: {entry['tokens_per_s']:.1f} tokens/s ({entry['n']} x {entry['length']}, "
-                     f"{entry['steps']} steps of {entry['sampler']})")
+        lines.append(
+            f"generate {name}: {entry['tokens_per_s']:.1f} tokens/s ({entry['n']} x {entry['length']}, "
+            f"{entry['steps']} steps of {entry['sampler']})"
+        )
     if "solvers" in report:
         solvers = report["solvers"]
         lines.append(f"solvers on {solvers['backend']} against {solvers['reference']} ({solvers['n']} x {solvers['length']}):")
         for key, entry in solvers["entries"].items():
-            lines.append(f"  {key:16s} {entry['ms_per_sample']:9.2f} ms/sample  tokens {100 * entry['token_agreement']:5.1f}%  "
-                         f"latent error {entry['latent_rel_error']:.4f}")
+            lines.append(
+                f"  {key:16s} {entry['ms_per_sample']:9.2f} ms/sample  tokens {100 * entry['token_agreement']:5.1f}%  "
+                f"latent error {entry['latent_rel_error']:.4f}"
+            )
     if "batching" in report:
         b = report["batching"]
-        lines.append(f"mixed arrivals: continuous {b['continuous']['tokens_per_s']} vs static {b['static']['tokens_per_s']} tokens/s "
-                     f"(x{b['throughput_ratio']}), p99 {b['continuous']['latency_p99_s']} vs {b['static']['latency_p99_s']} s")
+        lines.append(
+            f"mixed arrivals: continuous {b['continuous']['tokens_per_s']} vs static {b['static']['tokens_per_s']} tokens/s "
+            f"(x{b['throughput_ratio']}), p99 {b['continuous']['latency_p99_s']} vs {b['static']['latency_p99_s']} s"
+        )
         if "mixed_solvers_throughput_ratio" in b:
-            lines.append(f"mixed solvers in one batch: {b['continuous_mixed_solvers']['tokens_per_s']} tokens/s "
-                         f"(x{b['mixed_solvers_throughput_ratio']} of one solver)")
+            lines.append(
+                f"mixed solvers in one batch: {b['continuous_mixed_solvers']['tokens_per_s']} tokens/s "
+                f"(x{b['mixed_solvers_throughput_ratio']} of one solver)"
+            )
     return lines
 
 
@@ -374,7 +443,9 @@ def bench_figure(report: dict[str, Any], plt: Any) -> Any:
     backends = sorted({b for entry in graphs.values() for b in entry})
     width = 0.8 / max(1, len(backends))
     for i, backend in enumerate(backends):
-        ax.bar([k + i * width for k in range(len(keys))], [graphs[key].get(backend, {}).get("p50_ms", 0) for key in keys], width, label=backend)
+        ax.bar(
+            [k + i * width for k in range(len(keys))], [graphs[key].get(backend, {}).get("p50_ms", 0) for key in keys], width, label=backend
+        )
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], keys, rotation=30, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("p50 latency (ms)")
@@ -399,7 +470,10 @@ def bench_figure(report: dict[str, Any], plt: Any) -> Any:
         ax.set_xticks(ticks, labels, fontsize=8)
         ax.set_ylabel("request latency (s, axis from 0)")
         ax.set_title("latency per request: p50, p99")
-        fig.suptitle(f"mixed arrivals at {workload['rate_per_s']:g}/s: static vs continuous batching (max batch {workload['max_batch']})",
-                     x=0.7, fontsize=10)
+        fig.suptitle(
+            f"mixed arrivals at {workload['rate_per_s']:g}/s: static vs continuous batching (max batch {workload['max_batch']})",
+            x=0.7,
+            fontsize=10,
+        )
     fig.tight_layout()
     return fig

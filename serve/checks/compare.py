@@ -57,7 +57,11 @@ class Comparison:
             f"{status} {self.name}: max abs {self.max_abs:.3g}, p99 abs {self.p99_abs:.3g}, max rel {self.max_rel:.3g}, "
             f"cosine min {self.cosine_min:.6f}, {self.failed_elements}/{self.elements} elements over "
             f"atol {self.atol:g} and rtol {self.rtol:g}"
-            + (f", NaN/Inf {self.nonfinite_reference}/{self.nonfinite_candidate}" if self.nonfinite_reference or self.nonfinite_candidate else "")
+            + (
+                f", NaN/Inf {self.nonfinite_reference}/{self.nonfinite_candidate}"
+                if self.nonfinite_reference or self.nonfinite_candidate
+                else ""
+            )
         )
 
     def to_dict(self) -> dict[str, Any]:

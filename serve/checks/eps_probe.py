@@ -109,7 +109,11 @@ class LayerNormProbe:
         return "FAILED" if self.problems else "PASSED" if self.ran else "NOT RUN"
 
     def summary(self) -> str:
-        implied = "not run" if self.implied_eps is None else f"{self.implied_eps:.6g} (rel err {self.implied_eps_rel_error:.2g}, tol {self.eps_rtol:.2g})"
+        implied = (
+            "not run"
+            if self.implied_eps is None
+            else f"{self.implied_eps:.6g} (rel err {self.implied_eps_rel_error:.2g}, tol {self.eps_rtol:.2g})"
+        )
         line = f"{self.status} {self.graph}:{self.module} (node {self.node}): module eps {self.module_eps:g}, implied eps {implied}"
         return "\n  - ".join([line, *self.problems])
 
@@ -121,8 +125,9 @@ class LayerNormProbe:
         return cls(**{k: v for k, v in data.items() if k != "passed"})
 
 
-def analyse_outputs(probe: LayerNormProbe, rows: ProbeRows, y: np.ndarray, node_scale: np.ndarray | None,
-                    node_bias: np.ndarray | None, module: nn.LayerNorm) -> None:
+def analyse_outputs(
+    probe: LayerNormProbe, rows: ProbeRows, y: np.ndarray, node_scale: np.ndarray | None, node_bias: np.ndarray | None, module: nn.LayerNorm
+) -> None:
     """Fill ``probe`` from the backend's outputs ``y`` (rows, n): implied eps, errors, problems."""
     where = f"node {probe.node!r} (module {probe.module})"
     x64, y64 = rows.x.astype(np.float64), np.asarray(y, np.float64).reshape(rows.x.shape)
@@ -145,8 +150,10 @@ def analyse_outputs(probe: LayerNormProbe, rows: ProbeRows, y: np.ndarray, node_
         probe.implied_eps = float(np.median(s**2 - (centered**2).mean(axis=1)))
         probe.implied_eps_rel_error = abs(probe.implied_eps / probe.module_eps - 1)
         if probe.implied_eps_rel_error > probe.eps_rtol:
-            probe.problems.append(f"{where}: implied eps {probe.implied_eps:.6g} != module eps {probe.module_eps:g} "
-                                  f"(relative error {probe.implied_eps_rel_error:.3g} > {probe.eps_rtol:.2g}); node eps {_eps(probe.node_eps)}")
+            probe.problems.append(
+                f"{where}: implied eps {probe.implied_eps:.6g} != module eps {probe.module_eps:g} "
+                f"(relative error {probe.implied_eps_rel_error:.3g} > {probe.eps_rtol:.2g}); node eps {_eps(probe.node_eps)}"
+            )
     else:
         probe.problems.append(f"{where}: no finite sweep row: the implied eps cannot be solved")
     # Outputs against the module's own LayerNorm (weight, bias, eps from the checkpoint), in float64.
@@ -165,9 +172,11 @@ def analyse_outputs(probe: LayerNormProbe, rows: ProbeRows, y: np.ndarray, node_
         probe.max_abs_error[family] = float(error[families == family].max())
     if probe.worst_error_over_bound > 1:
         i, j = np.unravel_index(int(np.argmax(error / bound)), error.shape)
-        probe.problems.append(f"{where}: output differs from the module's LayerNorm in the {rows.family[i]} rows: "
-                              f"|y - y_ref| = {error[i, j]:.3g} > float32 bound {bound[i, j]:.3g} "
-                              f"(scale/bias not the module's, or eps {_eps(probe.node_eps)} != {probe.module_eps:g}?)")
+        probe.problems.append(
+            f"{where}: output differs from the module's LayerNorm in the {rows.family[i]} rows: "
+            f"|y - y_ref| = {error[i, j]:.3g} > float32 bound {bound[i, j]:.3g} "
+            f"(scale/bias not the module's, or eps {_eps(probe.node_eps)} != {probe.module_eps:g}?)"
+        )
 
 
 def _eps(value: float | None) -> str:
@@ -202,8 +211,10 @@ class EpsProbeReport:
     def summary(self) -> str:
         failed = [p for p in self.layer_norms if p.problems]
         cases_ok = sum(c.passed for c in self.cases)
-        line = (f"{self.status} eps probes {self.backend} ({self.runtime}): {len(self.layer_norms)} LayerNorm(s), "
-                f"{len(failed)} failing; fixed cases {cases_ok}/{len(self.cases)} passed; {self.seconds:.1f} s")
+        line = (
+            f"{self.status} eps probes {self.backend} ({self.runtime}): {len(self.layer_norms)} LayerNorm(s), "
+            f"{len(failed)} failing; fixed cases {cases_ok}/{len(self.cases)} passed; {self.seconds:.1f} s"
+        )
         if failed:
             line += "; failing: " + ", ".join(f"{p.graph}:{p.module} (node {p.node})" for p in failed[:5])
         return line
@@ -211,23 +222,40 @@ class EpsProbeReport:
     def table(self) -> str:
         """A Markdown table: one row per LayerNorm."""
         head = "| graph | module | node | module eps | node eps | implied eps | rel. error | tolerance | status |\n|---|---|---|---|---|---|---|---|---|"
-        rows = [f"| {p.graph} | {p.module} | {p.node} | {p.module_eps:g} | {_eps(p.node_eps)} | "
-                f"{'-' if p.implied_eps is None else f'{p.implied_eps:.8e}'} | "
-                f"{'-' if p.implied_eps_rel_error is None else f'{p.implied_eps_rel_error:.2g}'} | {p.eps_rtol:.2g} | {p.status} |"
-                for p in self.layer_norms]
+        rows = [
+            f"| {p.graph} | {p.module} | {p.node} | {p.module_eps:g} | {_eps(p.node_eps)} | "
+            f"{'-' if p.implied_eps is None else f'{p.implied_eps:.8e}'} | "
+            f"{'-' if p.implied_eps_rel_error is None else f'{p.implied_eps_rel_error:.2g}'} | {p.eps_rtol:.2g} | {p.status} |"
+            for p in self.layer_norms
+        ]
         return "\n".join([head, *rows])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "status": self.status, "backend": self.backend, "runtime": self.runtime,
-                "artifact": self.artifact, "layer_norms": [p.to_dict() for p in self.layer_norms],
-                "cases": [c.to_dict() for c in self.cases], "problems": self.problems,
-                "not_exercised": self.not_exercised, "seconds": self.seconds}
+        return {
+            "passed": self.passed,
+            "status": self.status,
+            "backend": self.backend,
+            "runtime": self.runtime,
+            "artifact": self.artifact,
+            "layer_norms": [p.to_dict() for p in self.layer_norms],
+            "cases": [c.to_dict() for c in self.cases],
+            "problems": self.problems,
+            "not_exercised": self.not_exercised,
+            "seconds": self.seconds,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EpsProbeReport:
-        return cls(data["backend"], data["runtime"], data["artifact"],
-                   [LayerNormProbe.from_dict(p) for p in data["layer_norms"]], [CaseProbe.from_dict(c) for c in data["cases"]],
-                   list(data["problems"]), list(data["not_exercised"]), float(data["seconds"]))
+        return cls(
+            data["backend"],
+            data["runtime"],
+            data["artifact"],
+            [LayerNormProbe.from_dict(p) for p in data["layer_norms"]],
+            [CaseProbe.from_dict(c) for c in data["cases"]],
+            list(data["problems"]),
+            list(data["not_exercised"]),
+            float(data["seconds"]),
+        )
 
 
 # A backend runs one LayerNorm: (x, axis, scale, bias, eps) -> y, or None when it cannot execute
@@ -252,8 +280,11 @@ def write_eps_report(report: EpsProbeReport, out: str | os.PathLike[str]) -> lis
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# {report.summary()}", "", report.table(), ""]
-    lines += [f"- fixed case {c.case} ({c.dtype}): {'PASSED' if c.passed else 'NOT RUN' if not c.ran else 'FAILED'}"
-              + (f", max abs {c.max_abs_error:.3g} (atol {c.atol:.2g})" if c.max_abs_error is not None else "") for c in report.cases]
+    lines += [
+        f"- fixed case {c.case} ({c.dtype}): {'PASSED' if c.passed else 'NOT RUN' if not c.ran else 'FAILED'}"
+        + (f", max abs {c.max_abs_error:.3g} (atol {c.atol:.2g})" if c.max_abs_error is not None else "")
+        for c in report.cases
+    ]
     lines += [f"- problem: {p}" for p in report.problems] + [f"- not exercised: {n}" for n in report.not_exercised]
     files = []
     for name, text in (("eps_probes.json", json.dumps(report.to_dict(), indent=2) + "\n"), ("eps_probes.md", "\n".join(lines) + "\n")):

@@ -46,5 +46,7 @@ def check_artifact(onnx_dir: str | os.PathLike[str] | None, engine_dir: str | os
         raise ValueError("an artifact is needed; allowed: --onnx-dir DIR (ONNX Runtime) or --engine-dir DIR (TensorRT)")
     for name, path in (("onnx_dir", onnx_dir), ("engine_dir", engine_dir)):
         if path is not None and not Path(path).is_dir():
-            raise ValueError(f"{name}={str(path)!r} is not a directory; allowed: a directory written by "
-                             f"{'`ldlm export`' if name == 'onnx_dir' else '`ldlm build-engine`'}")
+            raise ValueError(
+                f"{name}={str(path)!r} is not a directory; allowed: a directory written by "
+                f"{'`ldlm export`' if name == 'onnx_dir' else '`ldlm build-engine`'}"
+            )

@@ -24,16 +24,22 @@ from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
 
 
-def one_node_model(attributes: list[onnx.AttributeProto], x_shape: tuple[int, ...], scale: np.ndarray,
-                   bias: np.ndarray | None, opset: int, ir_version: int) -> onnx.ModelProto:
+def one_node_model(
+    attributes: list[onnx.AttributeProto], x_shape: tuple[int, ...], scale: np.ndarray, bias: np.ndarray | None, opset: int, ir_version: int
+) -> onnx.ModelProto:
     """x -> LayerNormalization(x, scale[, bias]) -> y, with ``attributes`` copied as they are."""
     elem = helper.np_dtype_to_tensor_dtype(scale.dtype)
     inputs = ["x", "scale"] + ([] if bias is None else ["bias"])
     node = helper.make_node(LAYER_NORM_OP, inputs, ["y"], name="eps_probe")
     node.attribute.extend(attributes)
     initializers = [numpy_helper.from_array(scale, "scale")] + ([] if bias is None else [numpy_helper.from_array(bias, "bias")])
-    graph = helper.make_graph([node], "eps_probe", [helper.make_tensor_value_info("x", elem, list(x_shape))],
-                              [helper.make_tensor_value_info("y", elem, list(x_shape))], initializers)
+    graph = helper.make_graph(
+        [node],
+        "eps_probe",
+        [helper.make_tensor_value_info("x", elem, list(x_shape))],
+        [helper.make_tensor_value_info("y", elem, list(x_shape))],
+        initializers,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = ir_version
     return model
@@ -98,17 +104,34 @@ def probe_onnx_export(model: LDLM, onnx_dir: Path, seed: int, providers: tuple[s
     return report
 
 
-def probe_node(runner: OrtNodeRunner, graph: str, node: onnx.NodeProto, module_name: str, model: LDLM,
-               tensors: dict[str, np.ndarray], opset: int, ir_version: int, seed: int) -> LayerNormProbe:
+def probe_node(
+    runner: OrtNodeRunner,
+    graph: str,
+    node: onnx.NodeProto,
+    module_name: str,
+    model: LDLM,
+    tensors: dict[str, np.ndarray],
+    opset: int,
+    ir_version: int,
+    seed: int,
+) -> LayerNormProbe:
     module = model.get_submodule(module_name.removeprefix("model."))
     attrs: dict[str, Any] = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     n = math.prod(module.normalized_shape)
-    probe = LayerNormProbe(graph, node.name or node.output[0], module_name, float(module.eps),
-                           float(attrs.get("epsilon", ONNX_DEFAULT_EPS)), eps_rtol(n, float(module.eps)))
+    probe = LayerNormProbe(
+        graph,
+        node.name or node.output[0],
+        module_name,
+        float(module.eps),
+        float(attrs.get("epsilon", ONNX_DEFAULT_EPS)),
+        eps_rtol(n, float(module.eps)),
+    )
     scale = tensors.get(node.input[1]) if len(node.input) > 1 else None
     bias = tensors.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     if scale is None or (len(node.input) > 2 and node.input[2] and bias is None):
-        probe.problems.append(f"node {probe.node!r} (module {module_name}): scale or bias is not an initializer or constant; cannot run it alone")
+        probe.problems.append(
+            f"node {probe.node!r} (module {module_name}): scale or bias is not an initializer or constant; cannot run it alone"
+        )
         return probe
     rows = probe_rows(n, seed)
     x = rows.x.reshape(1, len(rows.family), *module.normalized_shape).astype(scale.dtype)  # (1, rows, *normalized), rank of (B, L, D)

@@ -36,9 +36,11 @@ from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_
 from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
 from ldlm.serve.runtime.tensorrt_executor import bind
 
-NO_GPU = ("no CUDA GPU: the one-layer TensorRT engines were built and their INormalizationLayer eps read back, "
-          "but not executed (deserialize_cuda_engine, execute_async_v3), so no implied eps and no output check "
-          "for the LayerNorms, and the fixed cases did not run on TensorRT")
+NO_GPU = (
+    "no CUDA GPU: the one-layer TensorRT engines were built and their INormalizationLayer eps read back, "
+    "but not executed (deserialize_cuda_engine, execute_async_v3), so no implied eps and no output check "
+    "for the LayerNorms, and the fixed cases did not run on TensorRT"
+)
 
 
 def run_normalization_plan(flavor: Flavor, plan: NormalizationPlan, x: np.ndarray) -> np.ndarray:
@@ -78,8 +80,9 @@ def locate_plan_onnx(engine_dir: Path, manifest: dict[str, Any], onnx_dir: Path 
     return None, f"the ONNX {manifest['plan']} was built from is not found (looked at {where}); pass --onnx-dir"
 
 
-def probe_engines(model: LDLM, engine_dir: Path, onnx_dir: Path | None, seed: int, flavor_name: str | None,
-                  progress: bool = False) -> EpsProbeReport:
+def probe_engines(
+    model: LDLM, engine_dir: Path, onnx_dir: Path | None, seed: int, flavor_name: str | None, progress: bool = False
+) -> EpsProbeReport:
     graphs = [g for g in GRAPH_NAMES if (engine_dir / f"{g}.plan").is_file()]
     if not graphs:
         raise ValueError(f"{engine_dir} has no {', '.join(g + '.plan' for g in GRAPH_NAMES)}; make one with `ldlm build-engine`")
@@ -111,8 +114,9 @@ def probe_engines(model: LDLM, engine_dir: Path, onnx_dir: Path | None, seed: in
 
     def run_case(x: np.ndarray, axis: int, scale: np.ndarray | None, bias: np.ndarray | None, eps: float) -> np.ndarray | None:
         shape = x.shape[axis:]
-        plan = build_normalization_plan(flavor, x.shape, axes_mask(axis, x.ndim), eps,
-                                        np.ones(shape, np.float32) if scale is None else scale, bias)
+        plan = build_normalization_plan(
+            flavor, x.shape, axes_mask(axis, x.ndim), eps, np.ones(shape, np.float32) if scale is None else scale, bias
+        )
         return run_normalization_plan(flavor, plan, x) if can_run else None
 
     report.cases = run_cases(run_case, ("float32",))  # TensorRT takes no float64 (layernorm-cases.md)

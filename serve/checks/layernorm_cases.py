@@ -40,8 +40,9 @@ class LayerNormCase:
         return numpy_layer_norm(self.x, self.normalized_ndim, self.scale, self.bias, self.eps)
 
 
-def numpy_layer_norm(x: np.ndarray, normalized_ndim: int, scale: np.ndarray | None = None,
-                     bias: np.ndarray | None = None, eps: float = 1e-5) -> np.ndarray:
+def numpy_layer_norm(
+    x: np.ndarray, normalized_ndim: int, scale: np.ndarray | None = None, bias: np.ndarray | None = None, eps: float = 1e-5
+) -> np.ndarray:
     """LayerNorm over the last ``normalized_ndim`` axes with the population variance, in float64."""
     x = x.astype(np.float64)
     axes = tuple(range(x.ndim - normalized_ndim, x.ndim))
@@ -80,8 +81,14 @@ def layer_norm_cases() -> list[LayerNormCase]:
         # NHWC: the first pixel's two channels (values 0 and 6) come first.
         LayerNormCase("6-channels-nhwc", x6.transpose(0, 2, 3, 1), 1, np.ones(2), np.zeros(2), golden=(-0.999999, 0.999999)),
         LayerNormCase("7-hand-written", x7, 1, gamma7, beta7),
-        LayerNormCase("8-default-init", a([[8, -3, 0, 1, 5, -2]], float), 1, np.ones(6), np.zeros(6),
-                      golden=(1.6830, -1.1651, -0.3884, -0.1295, 0.9062, -0.9062)),
+        LayerNormCase(
+            "8-default-init",
+            a([[8, -3, 0, 1, 5, -2]], float),
+            1,
+            np.ones(6),
+            np.zeros(6),
+            golden=(1.6830, -1.1651, -0.3884, -0.1295, 0.9062, -0.9062),
+        ),
     ]
 
 
@@ -116,7 +123,7 @@ def case_atol(case: LayerNormCase, dtype: str) -> float:
     largest reference term, plus the input's own rounding to float32 amplified by 1/sigma."""
     if dtype == "float64":
         return 1e-12
-    n = int(np.prod(case.x.shape[-case.normalized_ndim:]))
+    n = int(np.prod(case.x.shape[-case.normalized_ndim :]))
     axes = tuple(range(case.x.ndim - case.normalized_ndim, case.x.ndim))
     sigma = np.sqrt(case.x.var(axis=axes) + case.eps).min()
     scale = 1.0 if case.scale is None else float(np.abs(case.scale).max())
@@ -129,10 +136,14 @@ def check_case(case: LayerNormCase, dtype: str, got: np.ndarray) -> CaseProbe:
     """Compare a backend's output against the NumPy reference; the reference sees the same
     (rounded) input as the backend, and eps as float32, the only way an ONNX attribute or a
     TensorRT layer can hold it (1e-5 becomes 9.99999975e-06). NaN or Inf always fails."""
-    rounded = LayerNormCase(case.name, case.x.astype(dtype).astype(np.float64), case.normalized_ndim,
-                            None if case.scale is None else case.scale.astype(dtype).astype(np.float64),
-                            None if case.bias is None else case.bias.astype(dtype).astype(np.float64),
-                            float(np.float32(case.eps)))
+    rounded = LayerNormCase(
+        case.name,
+        case.x.astype(dtype).astype(np.float64),
+        case.normalized_ndim,
+        None if case.scale is None else case.scale.astype(dtype).astype(np.float64),
+        None if case.bias is None else case.bias.astype(dtype).astype(np.float64),
+        float(np.float32(case.eps)),
+    )
     reference = rounded.reference()
     atol = case_atol(case, dtype)
     got64 = np.asarray(got, np.float64)

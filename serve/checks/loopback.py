@@ -54,8 +54,15 @@ def wait_ready(process: subprocess.Popen, url: str, timeout_s: float = 120.0, lo
         time.sleep(0.2)
 
 
-def start_server(source: str | Path, port: int, flags: list[str] | None = None, log: IO[Any] | None = None,
-                 log_path: Path | None = None, timeout_s: float = 120.0, **popen: Any) -> subprocess.Popen:
+def start_server(
+    source: str | Path,
+    port: int,
+    flags: list[str] | None = None,
+    log: IO[Any] | None = None,
+    log_path: Path | None = None,
+    timeout_s: float = 120.0,
+    **popen: Any,
+) -> subprocess.Popen:
     """``ldlm serve SOURCE --port PORT FLAGS`` started and ready; its output goes to ``log`` (none by default)."""
     output = log if log is not None else subprocess.DEVNULL
     process = subprocess.Popen(serve_command(source, port, flags), stdout=output, stderr=subprocess.STDOUT, **popen)

@@ -82,8 +82,10 @@ class ParityReport:
     def summary(self) -> str:
         failed = [c.name for c in [*self.graphs, *self.layer_norms] if not c.passed]
         status = "PASSED" if self.passed else "FAILED"
-        line = (f"{status} parity {self.backend} ({self.precision}) vs eager: {len(self.graphs)} graph outputs, "
-                f"{len(self.layer_norms)} LayerNorm outputs, token agreement {100 * (self.token_agreement or 0):.2f}%")
+        line = (
+            f"{status} parity {self.backend} ({self.precision}) vs eager: {len(self.graphs)} graph outputs, "
+            f"{len(self.layer_norms)} LayerNorm outputs, token agreement {100 * (self.token_agreement or 0):.2f}%"
+        )
         if failed:
             line += f"; failing: {', '.join(failed[:5])}{' ...' if len(failed) > 5 else ''}"
         if self.first_divergence:
@@ -99,11 +101,19 @@ class ParityReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "passed": self.passed, "backend": self.backend, "precision": self.precision, "providers": self.providers,
-            "atol": self.atol, "rtol": self.rtol, "graphs": [c.to_dict() for c in self.graphs],
-            "layer_norms": [c.to_dict() for c in self.layer_norms], "decoder_token_agreement": self.decoder_token_agreement,
-            "token_agreement": self.token_agreement, "token_agreement_required": self.token_agreement_required,
-            "first_divergence": self.first_divergence, "notes": self.notes,
+            "passed": self.passed,
+            "backend": self.backend,
+            "precision": self.precision,
+            "providers": self.providers,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "graphs": [c.to_dict() for c in self.graphs],
+            "layer_norms": [c.to_dict() for c in self.layer_norms],
+            "decoder_token_agreement": self.decoder_token_agreement,
+            "token_agreement": self.token_agreement,
+            "token_agreement_required": self.token_agreement_required,
+            "first_divergence": self.first_divergence,
+            "notes": self.notes,
             "verification": [v.to_dict() for v in self.verification],
             "eps_probes": None if self.eps_probes is None else self.eps_probes.to_dict(),
         }
@@ -156,8 +166,15 @@ def _masked(array: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return array * mask.reshape(mask.shape + (1,) * (array.ndim - 2)).astype(array.dtype) if array.ndim >= 2 else array
 
 
-def compare_graph(name: str, eager: GraphBackend, candidate: GraphBackend, sets: dict[str, dict[str, np.ndarray]],
-                  atol: float, rtol: float, report: ParityReport) -> None:
+def compare_graph(
+    name: str,
+    eager: GraphBackend,
+    candidate: GraphBackend,
+    sets: dict[str, dict[str, np.ndarray]],
+    atol: float,
+    rtol: float,
+    report: ParityReport,
+) -> None:
     for set_name, feed in sets.items():
         reference, got = eager.run(feed), candidate.run(feed)
         mask = feed["attention_mask"]
@@ -166,7 +183,9 @@ def compare_graph(name: str, eager: GraphBackend, candidate: GraphBackend, sets:
                 valid = mask.astype(bool)
                 report.decoder_token_agreement[set_name] = float((got[output][valid] == reference[output][valid]).mean())
                 continue
-            report.graphs.append(compare_outputs(f"{name}/{set_name}/{output}", _masked(reference[output], mask), _masked(got[output], mask), atol, rtol))
+            report.graphs.append(
+                compare_outputs(f"{name}/{set_name}/{output}", _masked(reference[output], mask), _masked(got[output], mask), atol, rtol)
+            )
 
 
 def layer_norm_debug_copy(src: Path, specs: list[LayerNormSpec], dst: Path) -> list[tuple[str, LayerNormSpec]]:
@@ -183,9 +202,18 @@ def layer_norm_debug_copy(src: Path, specs: list[LayerNormSpec], dst: Path) -> l
     return marked
 
 
-def compare_layer_norms(name: str, model: LDLM, eager: EagerBackend, onnx_path: Path, specs: list[LayerNormSpec],
-                        sets: dict[str, dict[str, np.ndarray]], atol: float, rtol: float, work: Path,
-                        report: ParityReport) -> None:
+def compare_layer_norms(
+    name: str,
+    model: LDLM,
+    eager: EagerBackend,
+    onnx_path: Path,
+    specs: list[LayerNormSpec],
+    sets: dict[str, dict[str, np.ndarray]],
+    atol: float,
+    rtol: float,
+    work: Path,
+    report: ParityReport,
+) -> None:
     debug = work / f"{name}.layernorms.onnx"
     marked = layer_norm_debug_copy(onnx_path, specs, debug)
     if not marked:
@@ -203,12 +231,15 @@ def compare_layer_norms(name: str, model: LDLM, eager: EagerBackend, onnx_path: 
         outputs = session.run([m[0] for m in marked], eager.check_inputs(feed))
         mask = feed["attention_mask"]
         for (_, spec), got in zip(marked, outputs):
-            report.layer_norms.append(compare_outputs(f"{name}:{spec.name}/{set_name}", _masked(captured[spec.name], mask), _masked(got, mask), atol, rtol))
+            report.layer_norms.append(
+                compare_outputs(f"{name}:{spec.name}/{set_name}", _masked(captured[spec.name], mask), _masked(got, mask), atol, rtol)
+            )
 
 
 def _capture(store: dict[str, np.ndarray], name: str) -> Callable[..., None]:
     def hook(module: Any, inputs: Any, output: torch.Tensor) -> None:
         store[name] = output.detach().cpu().numpy()
+
     return hook
 
 
@@ -230,8 +261,7 @@ def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResul
     return results
 
 
-def eager_tokens(model: LDLM, tokenizer: TextTokenizer, n: int, length: int, steps: int, seed: int,
-                 sampler: str = "ddim") -> torch.Tensor:
+def eager_tokens(model: LDLM, tokenizer: TextTokenizer, n: int, length: int, steps: int, seed: int, sampler: str = "ddim") -> torch.Tensor:
     """The reference samples: CPU fp32 eager, with ``sampler`` (its noise drawn on the CPU)."""
     return LDLMPipeline(model, tokenizer).generate(n, length, steps, seed, sampler).token_ids
 
@@ -257,8 +287,14 @@ def compare_with_eager(
     LayerNorms there, into ``report``); ``reference_tokens`` (from ``eager_tokens``) spares generating the reference again when
     several candidates are checked."""
     atol, rtol = tolerance(precision)
-    report = ParityReport(backend, precision, {g: b.provider for g, b in graphs.items()}, atol, rtol,
-                          token_agreement_required=TOKEN_AGREEMENT_REQUIRED[precision])
+    report = ParityReport(
+        backend,
+        precision,
+        {g: b.provider for g, b in graphs.items()},
+        atol,
+        rtol,
+        token_agreement_required=TOKEN_AGREEMENT_REQUIRED[precision],
+    )
     eager = {g: EagerBackend(model, g, with_logits="logits" in graphs[g].output_names) for g in GRAPH_NAMES}
     if "logits" not in graphs["decoder"].output_names:
         report.notes.append("the decoder has no logits output: only its token ids were compared")
@@ -327,8 +363,7 @@ def run_parity(
             bar.update()
 
         bar.set_postfix_str("graphs, then end-to-end generation")
-        report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms,
-                                    sampler=sampler)
+        report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms, sampler=sampler)
         report.verification = verification
         if manifest is None or precision != "fp32":
             report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 graphs only")
@@ -341,9 +376,13 @@ def run_parity(
             report.notes.append(f"{backend} has no artifact: no structural verifier and no eps probes ran")
         else:
             bar.set_postfix_str("eps probes")
-            report.eps_probes = probe_layer_norm_eps(model, onnx_dir=source if backend == "ort" else None,
-                                                     engine_dir=source if backend == "trt" else None, seed=seed,
-                                                     providers=ort_providers(provider))  # where the graphs ran
+            report.eps_probes = probe_layer_norm_eps(
+                model,
+                onnx_dir=source if backend == "ort" else None,
+                engine_dir=source if backend == "trt" else None,
+                seed=seed,
+                providers=ort_providers(provider),
+            )  # where the graphs ran
             if backend == "ort" and precision != "fp32":
                 report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
             bar.update()

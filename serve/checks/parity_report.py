@@ -47,11 +47,17 @@ def markdown(report: ParityReport) -> str:
     for title, rows in (("Graph outputs", report.graphs), ("LayerNorm outputs", report.layer_norms)):
         if not rows:
             continue
-        lines += [f"## {title}", "", "| output | result | max abs | p99 abs | max rel | cosine min | failed | min atol to pass | NaN/Inf |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        footnote = ("An element passes when its abs error is within atol or its rel error within rtol, so a passing row "
-                    "can show a large max rel: it comes from reference values near 0 (rel = abs / |reference|), where atol "
-                    "decides.")
+        lines += [
+            f"## {title}",
+            "",
+            "| output | result | max abs | p99 abs | max rel | cosine min | failed | min atol to pass | NaN/Inf |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        footnote = (
+            "An element passes when its abs error is within atol or its rel error within rtol, so a passing row "
+            "can show a large max rel: it comes from reference values near 0 (rel = abs / |reference|), where atol "
+            "decides."
+        )
         for c in rows:
             lines.append(
                 f"| `{c.name}` | {'pass' if c.passed else '**FAIL**'} | {c.max_abs:.3g} | {c.p99_abs:.3g} | {c.max_rel:.3g} | "
@@ -112,8 +118,14 @@ def _plot_graphs(report: ParityReport, plt: Any) -> Any:
         rows = [c for c in report.graphs if c.name.startswith(graph + "/")]
         for c, style in zip(rows, ["-", "--", ":", "-."] * len(rows)):  # the curves often coincide
             inputs, _, output = c.name.split("/", 1)[1].rpartition("/")  # graph/inputs/output
-            ax.step(range(len(c.abs_error_histogram)), c.abs_error_histogram, where="post", linestyle=style,
-                    linewidth=1.6, label=f"{inputs} inputs -> {output}")
+            ax.step(
+                range(len(c.abs_error_histogram)),
+                c.abs_error_histogram,
+                where="post",
+                linestyle=style,
+                linewidth=1.6,
+                label=f"{inputs} inputs -> {output}",
+            )
         ax.axvline(atol_bin, color="red", linestyle="--", label=f"atol {report.atol:g}")
         ax.set_xticks(range(0, len(labels), 3), labels[::3], fontsize=8)
         ax.set_yscale("symlog")
@@ -144,8 +156,11 @@ def _plot_layer_norms(report: ParityReport, plt: Any) -> Any:
     ax.set_ylim(len(rows) - 0.5, -0.5)  # execution order, top to bottom
     ax.set_xlabel("max abs error (log scale)")
     ax.set_title(f"{report.backend} {report.precision} vs eager PyTorch:\nmax abs error per LayerNorm output, in execution order")
-    handles = [Patch(color="tab:blue", label="passed"), Patch(color="tab:red", label="failed"),
-               Line2D([], [], color="red", linestyle="--", label=f"atol {report.atol:g}")]
+    handles = [
+        Patch(color="tab:blue", label="passed"),
+        Patch(color="tab:red", label="failed"),
+        Line2D([], [], color="red", linestyle="--", label=f"atol {report.atol:g}"),
+    ]
     if len(nonzero) < len(rows):
         handles.append(Line2D([], [], color="tab:gray", marker="$0$", linestyle="none", label="error exactly 0: no bar"))
     ax.legend(handles=handles, fontsize=8, loc="lower right")

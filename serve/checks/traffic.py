@@ -18,14 +18,22 @@ from ldlm.files import write_atomically
 
 def encoder_body(length: int, seed: int) -> dict:
     ids = np.random.default_rng(seed).integers(0, 50257, length).tolist()
-    return {"inputs": [{"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
-                       {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length}]}
+    return {
+        "inputs": [
+            {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
+            {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
+        ]
+    }
 
 
 def decoder_body(length: int, d: int, seed: int) -> dict:
     x = np.random.default_rng(seed).standard_normal(length * d).round(4).tolist()
-    return {"inputs": [{"name": "latents", "shape": [1, length, d], "datatype": "FP32", "data": x},
-                       {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length}]}
+    return {
+        "inputs": [
+            {"name": "latents", "shape": [1, length, d], "datatype": "FP32", "data": x},
+            {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
+        ]
+    }
 
 
 def latent_width(url: str, timeout_s: float = 10.0) -> int:
@@ -37,8 +45,16 @@ def generate_body(seed: int, length: int, steps: int) -> dict:
     return {"n": 1, "length": length, "steps": steps, "seed": seed, "sampler": "ddim"}
 
 
-def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixed", gen_length: int = 16, gen_steps: int = 10,
-                request_for: Callable[[int, int], tuple[str, dict | bytes]] | None = None) -> dict:
+def run_clients(
+    url: str,
+    clients: int,
+    seconds: float,
+    d: int,
+    mix: str = "mixed",
+    gen_length: int = 16,
+    gen_steps: int = 10,
+    request_for: Callable[[int, int], tuple[str, dict | bytes]] | None = None,
+) -> dict:
     """``mix``: "mixed" (70% encoder, 20% decoder, 10% /v1/generate) or "generate" (only
     /v1/generate, where the replicas' compute dominates over HTTP handling). ``request_for(client,
     i)``, when given, makes each request (path, JSON body as a dict or encoded bytes) instead
@@ -70,8 +86,11 @@ def run_clients(url: str, clients: int, seconds: float, d: int, mix: str = "mixe
                 try:
                     body = request[1]
                     # bytes: JSON encoded once ahead (large tensors: encoding them per request would load the client, not the server)
-                    response = (http.post(request[0], content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
-                                else http.post(request[0], json=body))
+                    response = (
+                        http.post(request[0], content=body, headers={"Content-Type": "application/json"})
+                        if isinstance(body, bytes)
+                        else http.post(request[0], json=body)
+                    )
                 except httpx.HTTPError:
                     with lock:
                         stats["lost"] += 1

@@ -53,17 +53,25 @@ class RayOptions:
     max_queued_requests: int = 1024
 
     def __post_init__(self) -> None:
-        checks = {"replicas": (self.replicas, 1, 4096), "max_ongoing_requests": (self.max_ongoing_requests, 1, 1 << 16),
-                  "max_queued_requests": (self.max_queued_requests, 1, 1 << 20)}
+        checks = {
+            "replicas": (self.replicas, 1, 4096),
+            "max_ongoing_requests": (self.max_ongoing_requests, 1, 1 << 16),
+            "max_queued_requests": (self.max_queued_requests, 1, 1 << 20),
+        }
         for name, (value, low, high) in checks.items():
             if not low <= value <= high:
                 raise ValueError(f"{name}={value} is out of range; allowed: {low}..{high}")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise ValueError("min_replicas and max_replicas go together (autoscaling); give both or neither")
-        if self.min_replicas is not None and self.max_replicas is not None:
-            if not 0 <= self.min_replicas <= self.replicas <= self.max_replicas or self.max_replicas < 1:
-                raise ValueError(f"autoscaling needs 0 <= min_replicas ({self.min_replicas}) <= replicas ({self.replicas}) "
-                                 f"<= max_replicas ({self.max_replicas}) and max_replicas >= 1")
+        if (
+            self.min_replicas is not None
+            and self.max_replicas is not None
+            and (not 0 <= self.min_replicas <= self.replicas <= self.max_replicas or self.max_replicas < 1)
+        ):
+            raise ValueError(
+                f"autoscaling needs 0 <= min_replicas ({self.min_replicas}) <= replicas ({self.replicas}) "
+                f"<= max_replicas ({self.max_replicas}) and max_replicas >= 1"
+            )
         if self.target_ongoing_requests <= 0:
             raise ValueError(f"target_ongoing_requests={self.target_ongoing_requests} is out of range; allowed: > 0")
         if self.num_cpus < 0 or self.num_gpus < 0:
@@ -81,9 +89,12 @@ class RayOptions:
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
         }
         if self.autoscaling:
-            options["autoscaling_config"] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                                             "initial_replicas": self.replicas,
-                                             "target_ongoing_requests": self.target_ongoing_requests}
+            options["autoscaling_config"] = {
+                "min_replicas": self.min_replicas,
+                "max_replicas": self.max_replicas,
+                "initial_replicas": self.replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+            }
         else:
             options["num_replicas"] = self.replicas
         return options
@@ -194,9 +205,12 @@ def run_on_ray(source: str, settings: ServerSettings, options: RayOptions, addre
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(build_app(source, settings, options), name=APP_NAME, route_prefix="/")
         url = f"http://{settings.host}:{settings.port}"
-        scale = (f"autoscaling {options.min_replicas}..{options.max_replicas}" if options.autoscaling else f"{options.replicas} replica(s)")
-        print(f"ldlm serving {source} on Ray Serve ({settings.backend}; {scale}, {options.num_cpus:g} CPU and "
-              f"{options.num_gpus:g} GPU each) on {url}", flush=True)
+        scale = f"autoscaling {options.min_replicas}..{options.max_replicas}" if options.autoscaling else f"{options.replicas} replica(s)"
+        print(
+            f"ldlm serving {source} on Ray Serve ({settings.backend}; {scale}, {options.num_cpus:g} CPU and "
+            f"{options.num_gpus:g} GPU each) on {url}",
+            flush=True,
+        )
         print(f"docs: {url}/docs   replicas: `serve status` (with RAY_ADDRESS set) or the Ray dashboard", flush=True)
         while not stop.wait(0.5):
             pass

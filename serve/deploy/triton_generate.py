@@ -43,8 +43,10 @@ class TritonPythonModel:
             expected = parameters.get("tokenizer_sha256", {}).get("string_value")
             found = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
             if found != expected:
-                raise RuntimeError(f"{tokenizer} has sha256 {found}, but config.pbtxt's tokenizer_sha256 is {expected}; "
-                                   "rewrite the repository with `ldlm triton-repo`")
+                raise RuntimeError(
+                    f"{tokenizer} has sha256 {found}, but config.pbtxt's tokenizer_sha256 is {expected}; "
+                    "rewrite the repository with `ldlm triton-repo`"
+                )
         self.tokenizer = TextTokenizer.from_directory(version_dir) if tokenizer.is_file() else TextTokenizer.gpt2()
         self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
 
@@ -53,10 +55,14 @@ class TritonPythonModel:
         for request in requests:
             try:
                 texts, token_ids = self.generate(request)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("TEXTS", np.array([t.encode() for t in texts], dtype=np.object_)),
-                    pb_utils.Tensor("TOKEN_IDS", token_ids.astype(np.int64)),
-                ]))
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[
+                            pb_utils.Tensor("TEXTS", np.array([t.encode() for t in texts], dtype=np.object_)),
+                            pb_utils.Tensor("TOKEN_IDS", token_ids.astype(np.int64)),
+                        ]
+                    )
+                )
             except Exception as error:  # one bad request never takes the others down
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
         return responses
@@ -92,8 +98,17 @@ class TritonPythonModel:
 
         def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor) -> torch.Tensor:
             # t is a per-sample scalar: config.pbtxt declares dims [1] (reshaped to [] for the model)
-            outputs = bls("denoiser", {"x_t": x_t.float().numpy(), "t": t.float().numpy().reshape(-1, 1),
-                                       "x0_prev": x0_prev.float().numpy(), "attention_mask": mask}, ["x0_hat"], chunk)
+            outputs = bls(
+                "denoiser",
+                {
+                    "x_t": x_t.float().numpy(),
+                    "t": t.float().numpy().reshape(-1, 1),
+                    "x0_prev": x0_prev.float().numpy(),
+                    "attention_mask": mask,
+                },
+                ["x0_hat"],
+                chunk,
+            )
             return torch.from_numpy(outputs["x0_hat"])
 
         latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final)

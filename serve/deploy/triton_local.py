@@ -41,10 +41,11 @@ import sys
 import tempfile
 import time
 import venv
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from ldlm.files import write_atomically
 
@@ -135,9 +136,11 @@ def check_libraries(env: TritonEnv) -> None:
         done = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, env=env.environ())
         missing = [line.split("=>")[0].strip() for line in done.stdout.splitlines() if "not found" in line]
         if done.returncode != 0 or missing:
-            raise TritonUnavailable(f"{binary.name} cannot load {', '.join(missing) or done.stderr.strip()}; "
-                                    f"the wheel's own are in {env.libs}, the system must provide the rest "
-                                    f"(the stub's libpython: Debian/Ubuntu apt-get install libpython{python_tag()})")
+            raise TritonUnavailable(
+                f"{binary.name} cannot load {', '.join(missing) or done.stderr.strip()}; "
+                f"the wheel's own are in {env.libs}, the system must provide the rest "
+                f"(the stub's libpython: Debian/Ubuntu apt-get install libpython{python_tag()})"
+            )
 
 
 READY = "READY.json"  # written last: a folder without it is unfinished
@@ -170,11 +173,18 @@ def _make_stub_env(env: TritonEnv, timeout_s: float) -> None:
     dirs = [d for d in site.getsitepackages() if Path(d).is_dir()]
     write_atomically(site_packages / "01-ldlm-env.pth", "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
     probe = "import numpy, onnxruntime, torch, ldlm.serve; print(numpy.__version__, ldlm.serve.__file__)"
-    check = subprocess.run([str(env.stub_env / "bin" / "python3"), "-I", "-c", probe], capture_output=True, text=True,
-                           timeout=timeout_s, cwd=tempfile.gettempdir())
+    check = subprocess.run(
+        [str(env.stub_env / "bin" / "python3"), "-I", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=tempfile.gettempdir(),
+    )
     if check.returncode != 0 or not check.stdout.startswith("1."):
-        raise TritonEnvError(f"the stub's environment {env.stub_env} (isolated, as the stub runs it) does not import NumPy 1.x "
-                             f"first, then onnxruntime, torch and ldlm: {check.stdout.strip()} {check.stderr.strip()[-1500:]}")
+        raise TritonEnvError(
+            f"the stub's environment {env.stub_env} (isolated, as the stub runs it) does not import NumPy 1.x "
+            f"first, then onnxruntime, torch and ldlm: {check.stdout.strip()} {check.stderr.strip()[-1500:]}"
+        )
     record = {"numpy_and_ldlm": check.stdout.strip(), "site_packages": dirs, "for_prefix": sys.prefix}
     write_atomically(env.stub_env / READY, json.dumps(record, indent=2) + "\n")
 
@@ -186,8 +196,10 @@ def _pip(args: list[str], timeout_s: float) -> None:
     except subprocess.TimeoutExpired as error:
         raise TritonUnavailable(f"`{' '.join(command)}` took over {timeout_s:g} s (the first set-up downloads ~60 MB)") from error
     if done.returncode != 0:
-        raise TritonUnavailable(f"`{' '.join(command)}` failed with exit code {done.returncode} (the first set-up needs "
-                             f"network and a manylinux_2_35 x86_64 host): {done.stderr.strip()[-1500:]}")
+        raise TritonUnavailable(
+            f"`{' '.join(command)}` failed with exit code {done.returncode} (the first set-up needs "
+            f"network and a manylinux_2_35 x86_64 host): {done.stderr.strip()[-1500:]}"
+        )
 
 
 @contextmanager
@@ -244,16 +256,26 @@ class TritonServer:
         return int(self.process.returncode)
 
 
-def server_command(env: TritonEnv, repo: Path, http_port: int, grpc_port: int, metrics_port: int, extra: list[str] | None = None) -> list[str]:
+def server_command(
+    env: TritonEnv, repo: Path, http_port: int, grpc_port: int, metrics_port: int, extra: list[str] | None = None
+) -> list[str]:
     return [
-        str(env.server_binary), f"--model-repository={repo}", f"--backend-directory={env.backends}",
-        "--http-address=127.0.0.1", f"--http-port={http_port}",
-        "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}",
-        "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}", "--allow-gpu-metrics=false",
+        str(env.server_binary),
+        f"--model-repository={repo}",
+        f"--backend-directory={env.backends}",
+        "--http-address=127.0.0.1",
+        f"--http-port={http_port}",
+        "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}",
+        "--metrics-address=127.0.0.1",
+        f"--metrics-port={metrics_port}",
+        "--allow-gpu-metrics=false",
         "--disable-auto-complete-config",  # the configs as written, nothing filled in by the backend
         # Python-backend shared-memory regions get a name of their own, so two servers never share one.
         f"--backend-config=python,shm-region-prefix-name=ldlm_triton_{os.getpid()}_{http_port}_",
-        "--exit-timeout-secs=30", "--log-verbose=0", *(extra or []),
+        "--exit-timeout-secs=30",
+        "--log-verbose=0",
+        *(extra or []),
     ]
 
 
@@ -263,9 +285,16 @@ def _terminate_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
-def start_server(repo: str | os.PathLike[str], env: TritonEnv, log: IO[Any] | Path | None = None, http_port: int | None = None,
-                 grpc_port: int | None = None, metrics_port: int | None = None, timeout_s: float = 300.0,
-                 extra: list[str] | None = None) -> TritonServer:
+def start_server(
+    repo: str | os.PathLike[str],
+    env: TritonEnv,
+    log: IO[Any] | Path | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    timeout_s: float = 300.0,
+    extra: list[str] | None = None,
+) -> TritonServer:
     """tritonserver on 127.0.0.1 (free ports unless given), returned once /v2/health/ready answers
     200 (every model loaded); an error with the log's end if it exits first or after ``timeout_s``."""
     import httpx  # optional (the [test] extra): only a local tritonserver needs it
@@ -278,9 +307,14 @@ def start_server(repo: str | os.PathLike[str], env: TritonEnv, log: IO[Any] | Pa
     handle = open(log, "w") if isinstance(log, Path) else log  # noqa: SIM115 (Popen keeps writing to it)
     # cwd: the log's folder, never a checkout (its ldlm/ would shadow the installed package)
     cwd = log_path.parent if log_path else Path(tempfile.gettempdir())
-    process = subprocess.Popen(server_command(env, Path(repo).absolute(), *ports, extra), env=env.environ(), cwd=cwd,
-                               stdout=handle if handle is not None else subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                               preexec_fn=_terminate_with_parent)
+    process = subprocess.Popen(
+        server_command(env, Path(repo).absolute(), *ports, extra),
+        env=env.environ(),
+        cwd=cwd,
+        stdout=handle if handle is not None else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_terminate_with_parent,
+    )
     if isinstance(log, Path) and handle is not None:
         handle.close()  # the child holds its own copy
     server = TritonServer(process, *ports, log_path)
@@ -300,8 +334,9 @@ def start_server(repo: str | os.PathLike[str], env: TritonEnv, log: IO[Any] | Pa
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -P -m ldlm.serve.deploy.triton_local", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -P -m ldlm.serve.deploy.triton_local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cache", default=str(DEFAULT_CACHE), help=f"where the environment is made (default: {DEFAULT_CACHE})")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="make the environment (network needed once) and print its folder")

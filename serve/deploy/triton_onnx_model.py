@@ -38,8 +38,10 @@ class TritonPythonModel:
         self.session = ort.InferenceSession(str(onnx), options, providers=providers)
         if kind == "GPU" and "CUDAExecutionProvider" not in self.session.get_providers():
             # onnxruntime (CPU build) or no CUDA: ONNX Runtime would quietly run on CPU
-            raise RuntimeError(f"instance_group kind GPU, but ONNX Runtime runs {self.session.get_providers()} here; "
-                               "write the repository with `ldlm triton-repo --cpu`, or install onnxruntime-gpu")
+            raise RuntimeError(
+                f"instance_group kind GPU, but ONNX Runtime runs {self.session.get_providers()} here; "
+                "write the repository with `ldlm triton-repo --cpu`, or install onnxruntime-gpu"
+            )
         self.input_names = [i["name"] for i in config["input"]]
         self.output_names = [o["name"] for o in config["output"]]
         missing = set(self.input_names) - {i.name for i in self.session.get_inputs()}
@@ -59,8 +61,11 @@ class TritonPythonModel:
                 start = 0
                 for i in members:
                     rows = len(feeds[i][self.input_names[0]])
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                        pb_utils.Tensor(name, np.ascontiguousarray(value[start : start + rows])) for name, value in outputs.items()])
+                    responses[i] = pb_utils.InferenceResponse(
+                        output_tensors=[
+                            pb_utils.Tensor(name, np.ascontiguousarray(value[start : start + rows])) for name, value in outputs.items()
+                        ]
+                    )
                     start += rows
             except Exception as error:  # one bad group never takes the others down
                 for i in members:

@@ -50,13 +50,24 @@ ORT_PRECISIONS = ("fp32", "fp16")  # ONNX Runtime's CPU provider has no bf16 ker
 class OrtBackend(GraphBackend):
     backend = "ort"
 
-    def __init__(self, path: Path, graph: str, max_seq_len: int, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-                 threads: int | None = None, memory_arena: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        graph: str,
+        max_seq_len: int,
+        providers: tuple[str, ...] = ("CPUExecutionProvider",),
+        threads: int | None = None,
+        memory_arena: bool = True,
+    ) -> None:
         ort = _import("onnxruntime", "ort", ".[cpu] (or .[gpu] for CUDA/TensorRT providers)")
         available = ort.get_available_providers()
         unknown = [p for p in providers if p not in available]
         if unknown:
-            hint = "; the CUDA and TensorRT providers need onnxruntime-gpu (pip install -e .[gpu])" if "CPUExecutionProvider" in available else ""
+            hint = (
+                "; the CUDA and TensorRT providers need onnxruntime-gpu (pip install -e .[gpu])"
+                if "CPUExecutionProvider" in available
+                else ""
+            )
             raise BackendError(f"ONNX Runtime providers {unknown} are not available here; allowed: {available}{hint}")
         options = ort.SessionOptions()
         if threads:
@@ -75,8 +86,10 @@ class OrtBackend(GraphBackend):
         super().__init__(graph, describe_io(graph_proto.input), describe_io(graph_proto.output), max_seq_len)
         self.provider = self.session.get_providers()[0]  # what really runs, not what was asked for
         if self.provider != providers[0]:  # onnxruntime-gpu falls back to CPU silently (no GPU, no CUDA libraries)
-            raise BackendError(f"ONNX Runtime could not start {providers[0]} for {graph} (it fell back to {self.provider}); "
-                               "check that a GPU is visible and that the CUDA/cuDNN (and TensorRT) libraries onnxruntime-gpu needs are installed")
+            raise BackendError(
+                f"ONNX Runtime could not start {providers[0]} for {graph} (it fell back to {self.provider}); "
+                "check that a GPU is visible and that the CUDA/cuDNN (and TensorRT) libraries onnxruntime-gpu needs are installed"
+            )
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, inputs)
@@ -106,7 +119,9 @@ class TensorRTBackend(GraphBackend):
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = self.engine.run({n: torch.from_numpy(a) for n, a in inputs.items()})
         # .cpu() waits for the caller's stream, which waits for the engine's
-        return {n: outputs[n].float().cpu().numpy() if outputs[n].is_floating_point() else outputs[n].cpu().numpy() for n in self.output_names}
+        return {
+            n: outputs[n].float().cpu().numpy() if outputs[n].is_floating_point() else outputs[n].cpu().numpy() for n in self.output_names
+        }
 
     def close(self) -> None:
         self.engine.close()
@@ -145,8 +160,10 @@ def open_graphs(
     if backend not in BACKENDS:
         raise BackendError(f"backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
     if cuda_graphs and backend != "trt":
-        raise BackendError(f"cuda_graphs applies to backend 'trt' only, not {backend!r}; "
-                           "the compiled backend captures CUDA graphs by itself on a CUDA device")
+        raise BackendError(
+            f"cuda_graphs applies to backend 'trt' only, not {backend!r}; "
+            "the compiled backend captures CUDA graphs by itself on a CUDA device"
+        )
     path = Path(path)
     if backend in TORCH_BACKENDS:
         check_precision(precision, backend)
@@ -158,11 +175,15 @@ def open_graphs(
         kind = EagerBackend if backend == "eager" else CompiledBackend
         return {g: kind(model, g, with_logits and g == "decoder") for g in GRAPH_NAMES}, model.config, tokenizer
     if device != "cpu":
-        raise BackendError(f"backend {backend!r} does not take device={device!r}; ort picks its device with providers "
-                           "(--provider cuda|tensorrt), trt runs on the GPU its engines were built for")
+        raise BackendError(
+            f"backend {backend!r} does not take device={device!r}; ort picks its device with providers "
+            "(--provider cuda|tensorrt), trt runs on the GPU its engines were built for"
+        )
     if not (path / "config.json").is_file():
-        raise BackendError(f"{path} has no config.json; backend {backend!r} needs a directory written by "
-                           f"{'`ldlm export`' if backend == 'ort' else '`ldlm build-engine`'}")
+        raise BackendError(
+            f"{path} has no config.json; backend {backend!r} needs a directory written by "
+            f"{'`ldlm export`' if backend == 'ort' else '`ldlm build-engine`'}"
+        )
     # Every file is checked against its record before any is read, the tokenizer included.
     if backend == "ort":
         if precision not in ORT_PRECISIONS:
@@ -172,8 +193,9 @@ def open_graphs(
     else:  # the plans themselves are hashed as TensorRTEngine reads them
         built = {m.get("precision") for m in check_engine_dir(path, GRAPH_NAMES, plans=False).values()}
         if built != {precision}:
-            raise BackendError(f"engines in {path} are {sorted(map(str, built))}; asked for precision={precision!r}; "
-                               f"rebuild with --precision {precision}")
+            raise BackendError(
+                f"engines in {path} are {sorted(map(str, built))}; asked for precision={precision!r}; rebuild with --precision {precision}"
+            )
     config = LDLMConfig.load(path / "config.json")
     tokenizer = TextTokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else TextTokenizer.gpt2()
     if backend == "ort":
@@ -186,8 +208,14 @@ def open_graphs(
             lowered = {g: Path(work) / f"{g}.fp16.onnx" for g in files}
             for g, source in files.items():
                 lower_precision(source, lowered[g], "fp16")
-            return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()}, config, tokenizer
-    graphs: dict[str, GraphBackend] = {g: TensorRTBackend(path / f"{g}{PLAN_SUFFIX}", g, config.max_seq_len, cuda_graphs) for g in GRAPH_NAMES}
+            return (
+                {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()},
+                config,
+                tokenizer,
+            )
+    graphs: dict[str, GraphBackend] = {
+        g: TensorRTBackend(path / f"{g}{PLAN_SUFFIX}", g, config.max_seq_len, cuda_graphs) for g in GRAPH_NAMES
+    }
     return graphs, config, tokenizer
 
 

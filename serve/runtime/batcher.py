@@ -65,8 +65,13 @@ class _Pending:
 
 class DynamicBatcher(QueueWorker):
     def __init__(
-        self, backend: GraphBackend, max_batch: int = 16, max_delay_ms: float = 2.0, max_queue: int = 256,
-        observer: BatchObserver | None = None, on_drop: DropObserver | None = None,
+        self,
+        backend: GraphBackend,
+        max_batch: int = 16,
+        max_delay_ms: float = 2.0,
+        max_queue: int = 256,
+        observer: BatchObserver | None = None,
+        on_drop: DropObserver | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
@@ -94,8 +99,10 @@ class DynamicBatcher(QueueWorker):
         lengths = {a.shape[self._seq_axes[n]] for n, a in arrays.items() if n in self._seq_axes}
         length = lengths.pop() if lengths else None
         batch = int(first.shape[0])
-        chunks = [_Pending({n: a[i : i + self.max_batch] for n, a in arrays.items()}, min(self.max_batch, batch - i), length)
-                  for i in range(0, batch, self.max_batch)]
+        chunks = [
+            _Pending({n: a[i : i + self.max_batch] for n, a in arrays.items()}, min(self.max_batch, batch - i), length)
+            for i in range(0, batch, self.max_batch)
+        ]
         with self._cond:
             self._check_open(f"the {self.backend.graph} batcher")
             if len(self._queue) + len(chunks) > self.max_queue:

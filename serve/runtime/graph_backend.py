@@ -83,10 +83,12 @@ class GraphBackend(ABC):
 
     def _check_sizes(self, sizes: dict[str, int]) -> None:
         if sizes.get("batch", 1) < 1 or not 1 <= sizes.get("seq", 1) <= self.max_seq_len:
-            raise BackendError(f"{self.graph}: batch {sizes.get('batch')} / seq {sizes.get('seq')} out of range; allowed: batch >= 1, 1 <= seq <= {self.max_seq_len}")
+            raise BackendError(
+                f"{self.graph}: batch {sizes.get('batch')} / seq {sizes.get('seq')} out of range; allowed: batch >= 1, 1 <= seq <= {self.max_seq_len}"
+            )
 
     @abstractmethod
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook with nothing to do for most backends, not abstract)
         """Release what the backend holds past its last call (TensorRT: save the runtime cache)."""

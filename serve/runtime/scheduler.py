@@ -117,8 +117,13 @@ class _Sample:
 
 class GenerationScheduler(QueueWorker):
     def __init__(
-        self, pipeline: LDLMPipeline, max_batch: int = 16, policy: Policy = "continuous", max_queue: int = 4096,
-        start: bool = True, observer: Callable[[int, float, float], None] | None = None,
+        self,
+        pipeline: LDLMPipeline,
+        max_batch: int = 16,
+        policy: Policy = "continuous",
+        max_queue: int = 4096,
+        start: bool = True,
+        observer: Callable[[int, float, float], None] | None = None,
         on_drop: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch < 1:
@@ -145,8 +150,14 @@ class GenerationScheduler(QueueWorker):
 
     # --- public API --------------------------------------------------------------------------
 
-    def submit(self, spec: GenerateRequest, prefix: Tensor | None = None, on_preview: PreviewHook | None = None,
-               preview_every: int = 0, deadline_s: float | None = None) -> Future[TextResult]:
+    def submit(
+        self,
+        spec: GenerateRequest,
+        prefix: Tensor | None = None,
+        on_preview: PreviewHook | None = None,
+        preview_every: int = 0,
+        deadline_s: float | None = None,
+    ) -> Future[TextResult]:
         """Queue a request; bad input raises here, at once, with the pipeline's messages.
 
         ``prefix`` (P, D), P < length: condition every sample on these latents at its first P
@@ -163,9 +174,15 @@ class GenerationScheduler(QueueWorker):
             raise ValueError(f"prefix has shape {tuple(prefix.shape)}; allowed: (P, {cfg.d_model}) with P < length={spec.length}")
         if preview_every < 0:
             raise ValueError(f"preview_every={preview_every} is out of range; allowed: >= 0 (0: no previews)")
-        request = _Request(spec, Future(), [None] * spec.n, spec.n,
-                           prefix=None if prefix is None else prefix.to(self.pipeline.device), on_preview=on_preview,
-                           preview_every=preview_every if on_preview is not None else 0)
+        request = _Request(
+            spec,
+            Future(),
+            [None] * spec.n,
+            spec.n,
+            prefix=None if prefix is None else prefix.to(self.pipeline.device),
+            on_preview=on_preview,
+            preview_every=preview_every if on_preview is not None else 0,
+        )
         samples = []
         for i, seed in enumerate(sample_seeds(spec.seed, spec.n)):
             stream = NoiseStream(seed, (spec.length, cfg.d_model), self.pipeline.noise_device)
@@ -342,13 +359,15 @@ class GenerationScheduler(QueueWorker):
         if request.solo_s > deadline_s:
             raise RequestTooLargeError(
                 f"this request ({what}) is estimated at {request.solo_s:.1f} s even on an idle server, and its deadline is "
-                f"{deadline_s:.1f} s; allowed: requests estimated within the deadline (fewer samples or steps)")
+                f"{deadline_s:.1f} s; allowed: requests estimated within the deadline (fewer samples or steps)"
+            )
         ahead, own = self._estimate(request.work, request.bucket, request.solo_s, request.submitted)  # type: ignore[misc]
         if ahead + own > deadline_s:
             raise DeadlineUnreachableError(
                 f"this request ({what}) is estimated at {ahead + own:.1f} s ({ahead:.1f} s of work queued ahead of it + "
                 f"{own:.1f} s of its own), beyond its deadline of {deadline_s:.1f} s; retry in {math.ceil(ahead)} s",
-                retry_after_s=max(1.0, ahead))
+                retry_after_s=max(1.0, ahead),
+            )
 
     def _estimate(self, work: int, bucket: int, solo_s: float | None, now: float) -> tuple[float, float] | None:
         """(seconds of the work that runs first, the request's own time): the work ahead is what every live
@@ -374,8 +393,9 @@ class GenerationScheduler(QueueWorker):
         padded = pipe.bucket_length(max(lengths))
         for sample in batch:
             if sample.request.prefix is not None:  # t stays a device tensor: no host round trip
-                sample.x = pipe.inpaint_prefix(sample.x, sample.grid[sample.step], sample.request.prefix,
-                                               sample.prefix_noise.draw().to(pipe.device))  # type: ignore[union-attr]
+                sample.x = pipe.inpaint_prefix(
+                    sample.x, sample.grid[sample.step], sample.request.prefix, sample.prefix_noise.draw().to(pipe.device)
+                )  # type: ignore[union-attr]
 
         def stack(tensors: list[Tensor]) -> Tensor:
             return torch.stack([F.pad(t, (0, 0, 0, padded - t.shape[0])) for t in tensors]).to(pipe.device)
@@ -412,15 +432,27 @@ class GenerationScheduler(QueueWorker):
                     resolve_future(sample.request.future, error=error)
         return finished
 
-    def _solver_step(self, group: list[_Sample], rows: Tensor | slice, x: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor,
-                     stack: Callable[[list[Tensor]], Tensor]) -> None:
+    def _solver_step(
+        self,
+        group: list[_Sample],
+        rows: Tensor | slice,
+        x: Tensor,
+        x0_hat: Tensor,
+        t: Tensor,
+        t_next: Tensor,
+        stack: Callable[[list[Tensor]], Tensor],
+    ) -> None:
         """The solver step of the samples in ``group`` (one solver; their rows of the batch)."""
         solver, schedule = group[0].solver, self.pipeline.schedule
         x_g, x0_g, t_g, t_next_g = x[rows], x0_hat[rows], t[rows], t_next[rows]
         past = []
         for k in range(solver.history):  # a sample with fewer past steps gets a missing (NaN) lambda there
-            past.append((stack([s.past[k][0] if k < len(s.past) else torch.zeros_like(s.x) for s in group]),
-                         torch.stack([s.past[k][1] if k < len(s.past) else self._missing for s in group])))
+            past.append(
+                (
+                    stack([s.past[k][0] if k < len(s.past) else torch.zeros_like(s.x) for s in group]),
+                    torch.stack([s.past[k][1] if k < len(s.past) else self._missing for s in group]),
+                )
+            )
         noise = stack([s.stream.draw() for s in group]) if solver.stochastic else None
         result = solver.step(schedule, x_g, x0_g, t_g, t_next_g, past, noise)
         lam = schedule.log_snr(t_g) if solver.history else None
@@ -440,7 +472,7 @@ class GenerationScheduler(QueueWorker):
             request = sample.request
             latent = sample.x_mean if final == "mean" else sample.x0_hat
             if request.prefix is not None:  # the prompt's positions end exactly at the prompt
-                latent = torch.cat([request.prefix.to(latent.dtype), latent[request.prefix.shape[0]:]])
+                latent = torch.cat([request.prefix.to(latent.dtype), latent[request.prefix.shape[0] :]])
             request.latents[sample.index] = latent
             request.remaining -= 1
             if request.remaining == 0 and not request.future.done():

@@ -44,7 +44,9 @@ def read_plan_manifest(plan: str | Path) -> dict[str, Any]:
 
 def check_plan_manifest(manifest: dict[str, Any], flavor: Flavor, gpu: GpuInfo) -> None:
     """Fail unless the running TensorRT (and GPU, for NVIDIA TensorRT) is the one the plan was built for."""
-    rebuild = f"rebuild it on this machine: ldlm build-engine ONNX_DIR OUT --flavor {flavor.name} --precision {manifest.get('precision', 'fp32')}"
+    rebuild = (
+        f"rebuild it on this machine: ldlm build-engine ONNX_DIR OUT --flavor {flavor.name} --precision {manifest.get('precision', 'fp32')}"
+    )
     built = f"{manifest.get('flavor')} {manifest.get('trt_version')}"
     plan = manifest.get("plan", "the plan")
     if manifest.get("flavor") != flavor.name or manifest.get("trt_version") != flavor.version:
@@ -109,7 +111,11 @@ class TensorRTEngine:
     """One deserialized plan. ``run`` takes named tensors (any device) and returns named CUDA tensors."""
 
     def __init__(
-        self, plan: str | Path, flavor: str | None = None, device: str = "cuda", cuda_graphs: bool = False,
+        self,
+        plan: str | Path,
+        flavor: str | None = None,
+        device: str = "cuda",
+        cuda_graphs: bool = False,
         runtime_cache: str | Path | None = None,
     ) -> None:
         self.plan = Path(plan)
@@ -138,11 +144,20 @@ class TensorRTEngine:
         context_args: tuple[Any, ...] = ()
         if self.flavor.is_rtx:
             context_args = (self._rtx_runtime_config(cuda_graphs),)
-        axes = {spec["name"]: {d: i for i, d in enumerate(spec["shape"]) if isinstance(d, str)}
-                for spec in self.manifest["inputs"] + self.manifest["outputs"]}
+        axes = {
+            spec["name"]: {d: i for i, d in enumerate(spec["shape"]) if isinstance(d, str)}
+            for spec in self.manifest["inputs"] + self.manifest["outputs"]
+        }
         # RTX captures graphs itself (runtime config); NVIDIA TensorRT through torch's stream capture.
-        self.executor = PlanExecutor(self.engine, trt, self.plan.name, axes, self.device,
-                                     capture_graphs=cuda_graphs and not self.flavor.is_rtx, context_args=context_args)
+        self.executor = PlanExecutor(
+            self.engine,
+            trt,
+            self.plan.name,
+            axes,
+            self.device,
+            capture_graphs=cuda_graphs and not self.flavor.is_rtx,
+            context_args=context_args,
+        )
         self.input_names, self.output_names, self.dtypes = self.executor.input_names, self.executor.output_names, self.executor.dtypes
         self._closed = False
 

@@ -31,15 +31,23 @@ class PlanMismatchError(ValueError):
 # TensorRT DataType name -> torch dtype. INT4, FP4 and E8M0 are packed or scale-only types with no
 # torch tensor of their own; an engine with such an I/O tensor is refused by name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64, "INT32": torch.int32,
-    "INT8": torch.int8, "UINT8": torch.uint8, "BOOL": torch.bool, "FP8": torch.float8_e4m3fn,
+    "FLOAT": torch.float32,
+    "HALF": torch.float16,
+    "BF16": torch.bfloat16,
+    "INT64": torch.int64,
+    "INT32": torch.int32,
+    "INT8": torch.int8,
+    "UINT8": torch.uint8,
+    "BOOL": torch.bool,
+    "FP8": torch.float8_e4m3fn,
 }
 
 
 def torch_dtype(trt_dtype: str, tensor: str) -> torch.dtype:
     if trt_dtype not in TORCH_DTYPES:
-        raise PlanMismatchError(f"I/O tensor {tensor} has TensorRT dtype {trt_dtype}, which has no torch dtype; "
-                                f"allowed: {', '.join(TORCH_DTYPES)}")
+        raise PlanMismatchError(
+            f"I/O tensor {tensor} has TensorRT dtype {trt_dtype}, which has no torch dtype; allowed: {', '.join(TORCH_DTYPES)}"
+        )
     return TORCH_DTYPES[trt_dtype]
 
 
@@ -55,8 +63,10 @@ def batch_chunks(batch: int, ranges: Sequence[tuple[int, int]]) -> list[int]:
             break
         fitting = [high for _, high in ranges if high < left]  # a chunk that leaves something to run
         if not fitting:
-            raise ValueError(f"batch {batch} cannot be split into the profiles' batch ranges {sorted(ranges)} "
-                             f"({left} left over); rebuild the engines with a profile that holds it")
+            raise ValueError(
+                f"batch {batch} cannot be split into the profiles' batch ranges {sorted(ranges)} "
+                f"({left} left over); rebuild the engines with a profile that holds it"
+            )
         chunks.append(max(fitting))
         left -= chunks[-1]
     return chunks
@@ -72,8 +82,9 @@ def set_tensor_address(context: Any, name: str, tensor: Tensor) -> None:
         raise RuntimeError(f"TensorRT rejected the address of tensor {name} (shape {tuple(tensor.shape)}, {tensor.dtype})")
 
 
-def bind(context: Any, inputs: dict[str, Tensor], output_names: Sequence[str], dtypes: dict[str, torch.dtype],
-         device: torch.device) -> dict[str, Tensor]:
+def bind(
+    context: Any, inputs: dict[str, Tensor], output_names: Sequence[str], dtypes: dict[str, torch.dtype], device: torch.device
+) -> dict[str, Tensor]:
     """Set every input's shape and address, allocate each output at the shape TensorRT infers."""
     for name, tensor in inputs.items():
         set_input_shape(context, name, tuple(tensor.shape))
@@ -104,8 +115,16 @@ class PlanExecutor:
     the runtime config).
     """
 
-    def __init__(self, engine: Any, trt: Any, name: str, axes: dict[str, dict[str, int]], device: torch.device,
-                 capture_graphs: bool = False, context_args: tuple[Any, ...] = ()) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        trt: Any,
+        name: str,
+        axes: dict[str, dict[str, int]],
+        device: torch.device,
+        capture_graphs: bool = False,
+        context_args: tuple[Any, ...] = (),
+    ) -> None:
         self.engine, self.trt, self.name, self.device = engine, trt, name, device
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.input_names = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
@@ -148,8 +167,10 @@ class PlanExecutor:
     def profile_for(self, shapes: dict[str, tuple[int, ...]]) -> int:
         """The first optimization profile whose min..max range holds every input shape."""
         for index, ranges in enumerate(self.ranges):
-            if all(len(shape) == len(ranges[n][0]) and all(a <= s <= b for a, s, b in zip(ranges[n][0], shape, ranges[n][1]))
-                   for n, shape in shapes.items()):
+            if all(
+                len(shape) == len(ranges[n][0]) and all(a <= s <= b for a, s, b in zip(ranges[n][0], shape, ranges[n][1]))
+                for n, shape in shapes.items()
+            ):
                 return index
         allowed = {n: [r[n] for r in self.ranges] for n in shapes}
         raise ValueError(f"input shapes {shapes} are outside every profile of {self.name}; allowed (min, max): {allowed}")
@@ -166,7 +187,9 @@ class PlanExecutor:
         if len(chunks) == 1:
             return self._execute_one(inputs, stream)
         if self.unbatched_outputs:
-            raise ValueError(f"{self.name}: outputs {self.unbatched_outputs} have no batch axis, so batch {batch} cannot run in chunks {chunks}")
+            raise ValueError(
+                f"{self.name}: outputs {self.unbatched_outputs} have no batch axis, so batch {batch} cannot run in chunks {chunks}"
+            )
         parts, start = [], 0
         for size in chunks:
             part = {n: t.narrow(self.batch_axes[n], start, size) if n in self.batch_axes else t for n, t in inputs.items()}
@@ -183,7 +206,9 @@ class PlanExecutor:
                 return self._replay(context, profile, inputs, shapes, stream)
             return self._execute_plain(context, profile, inputs, shapes, stream)
 
-    def _execute_plain(self, context: Any, profile: int, inputs: dict[str, Tensor], shapes: dict[str, Any], stream: int) -> dict[str, Tensor]:
+    def _execute_plain(
+        self, context: Any, profile: int, inputs: dict[str, Tensor], shapes: dict[str, Any], stream: int
+    ) -> dict[str, Tensor]:
         outputs = bind(context, {n: inputs[n] for n in self.input_names}, self.output_names, self.dtypes, self.device)
         self._bound[profile] = None
         if not context.execute_async_v3(stream):

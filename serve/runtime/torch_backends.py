@@ -82,6 +82,7 @@ def _upcast_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _cast_output(dtype: torch.dtype) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         return output.to(dtype)
+
     return hook
 
 
@@ -94,9 +95,14 @@ class EagerBackend(GraphBackend):
 
     def __init__(self, model: LDLM, graph: str, with_logits: bool = False) -> None:
         io = graph_io(model, graph, with_logits)
-        specs = [{"name": n, "dtype": "INT64" if t.dtype == torch.int64 else "FLOAT", "shape": list(s)}
-                 for n, t, s in zip(io.input_names, io.example_inputs, io.input_shapes)]
-        outs = [{"name": n, "dtype": "INT64" if n == "token_ids" else "FLOAT", "shape": list(s)} for n, s in zip(io.output_names, io.output_shapes)]
+        specs = [
+            {"name": n, "dtype": "INT64" if t.dtype == torch.int64 else "FLOAT", "shape": list(s)}
+            for n, t, s in zip(io.input_names, io.example_inputs, io.input_shapes)
+        ]
+        outs = [
+            {"name": n, "dtype": "INT64" if n == "token_ids" else "FLOAT", "shape": list(s)}
+            for n, s in zip(io.output_names, io.output_shapes)
+        ]
         super().__init__(graph, specs, outs, model.config.max_seq_len)
         self.module = io.module.eval()
         self.device = next(model.parameters()).device
@@ -152,8 +158,13 @@ class CompiledBackend(EagerBackend):
     backend = "compiled"
 
     def __init__(
-        self, model: LDLM, graph: str, with_logits: bool = False, batch_buckets: Sequence[int] = BATCH_BUCKETS,
-        seq_buckets: Sequence[int] | None = None, cuda_graphs: bool | None = None,
+        self,
+        model: LDLM,
+        graph: str,
+        with_logits: bool = False,
+        batch_buckets: Sequence[int] = BATCH_BUCKETS,
+        seq_buckets: Sequence[int] | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         super().__init__(model, graph, with_logits)
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -192,8 +203,10 @@ class CompiledBackend(EagerBackend):
                 outputs = self._module_outputs(buffers)
             # Cut back to the request's shape, float outputs as FP32; always a copy, since the next
             # replay overwrites the buffers.
-            return {n: _cut(o, batch, length, n in self.seq_outputs).to(torch.float32 if o.is_floating_point() else o.dtype, copy=True)
-                    for n, o in zip(self.output_names, outputs)}
+            return {
+                n: _cut(o, batch, length, n in self.seq_outputs).to(torch.float32 if o.is_floating_point() else o.dtype, copy=True)
+                for n, o in zip(self.output_names, outputs)
+            }
 
     def warm_up(self, batches: Sequence[int], lengths: Sequence[int]) -> None:
         """Capture the buckets of these shapes now rather than on the first request."""
@@ -203,13 +216,17 @@ class CompiledBackend(EagerBackend):
 
     def example_inputs(self, batch: int, length: int) -> dict[str, Tensor]:
         """Zeros of the contract's shapes (ones for the mask), on this backend's device."""
-        return {n: (torch.ones if n == "attention_mask" else torch.zeros)(shape, dtype=dtype, device=self.device)
-                for n, (shape, dtype) in self._shapes(batch, length).items()}
+        return {
+            n: (torch.ones if n == "attention_mask" else torch.zeros)(shape, dtype=dtype, device=self.device)
+            for n, (shape, dtype) in self._shapes(batch, length).items()
+        }
 
     def _shapes(self, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         sizes = {"batch": batch, "seq": length}
-        return {spec["name"]: (tuple(sizes[s] if isinstance(s, str) else s for s in spec["shape"]),
-                               self.input_dtype(spec)) for spec in self.inputs}
+        return {
+            spec["name"]: (tuple(sizes[s] if isinstance(s, str) else s for s in spec["shape"]), self.input_dtype(spec))
+            for spec in self.inputs
+        }
 
     def _blank_inputs(self, batch: int, length: int) -> dict[str, Tensor]:
         return {n: torch.zeros(shape, dtype=dtype, device=self.device) for n, (shape, dtype) in self._shapes(batch, length).items()}
