@@ -219,7 +219,7 @@ def BuildProgress(trt: Any, label: str) -> Any:  # noqa: N802 (a class per flavo
     (name, parent, steps) of every phase started, for the log and the tests.
     """
 
-    class Monitor(trt.IProgressMonitor):  # type: ignore[misc, name-defined]
+    class Monitor(trt.IProgressMonitor):
         def __init__(self) -> None:
             trt.IProgressMonitor.__init__(self)
             self.bar: tqdm | None = None

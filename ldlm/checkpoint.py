@@ -148,8 +148,9 @@ def randomize_norms(model: LDLM, seed: int, keep_feature_model: bool = False) ->
         if isinstance(module, (nn.LayerNorm, RMSNorm)):
             if module.weight is not None:
                 module.weight.copy_(1 + normal(module.weight, 0.1))
-            if getattr(module, "bias", None) is not None:
-                module.bias.copy_(normal(module.bias, 0.1))
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, Tensor):
+                bias.copy_(normal(bias, 0.1))
     for stats in ("feature", "latent"):
         mean, std = getattr(model, f"{stats}_mean"), getattr(model, f"{stats}_std")
         mean.copy_(normal(mean, 0.1))

@@ -176,12 +176,16 @@ def _flag(parameters: dict[str, Any], key: str, where: str) -> bool:
     return value
 
 
+# The JSON value types each kind of datatype takes (JSON true/false are Python bools, never integers here).
+JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}
+
+
 def _json_tensor(data: Any, datatype: str, dtype: np.dtype, where: str) -> np.ndarray:
     """JSON ``data`` (flat, or nested as the shape) -> an array of ``dtype``, refusing any value
     whose JSON type does not match the datatype or whose value does not fit it."""
     flat = _flatten(data, where)
     kinds = set(map(type, flat))
-    allowed = {"b": {bool}, "i": {int}, "f": {int, float}}[dtype.kind]
+    allowed = JSON_TYPES[dtype.kind]
     if not kinds <= allowed:
         names = {bool: "true/false", int: "integers", float: "numbers"}
         wrong = sorted(k.__name__ for k in kinds - allowed)

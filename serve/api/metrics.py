@@ -5,6 +5,8 @@ inference_count / execution_count is the average batch size, as in Triton.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -66,7 +68,7 @@ class Metrics:
         self.previews_skipped.inc(skipped)
         self.preview_seconds.inc(seconds)
 
-    def observer(self, model: str):  # type: ignore[no-untyped-def]
+    def observer(self, model: str) -> Callable[[int, float, float], None]:
         """A DynamicBatcher observer recording one execution of ``model``."""
 
         def observe(batch: int, queued_s: float, compute_s: float) -> None:

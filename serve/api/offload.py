@@ -55,7 +55,7 @@ async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float) -> 
     return await wait(asyncio.get_running_loop().run_in_executor(None, fn, *args), timeout_s)
 
 
-async def run_submit(fn: Callable[..., Any], *args: Any, cancel: Callable[[Any], None], timeout_s: float) -> Any:
+async def run_submit(fn: Callable[..., Any], *args: Any, cancel: Callable[[Any], object], timeout_s: float) -> Any:
     """``run_blocking`` for a call that queues work and returns a handle to it (a future, a stream):
     when this request is cancelled (its client left, its time ran out) while the call still runs in
     its thread, ``cancel`` is applied to the handle as soon as the call returns, or the work it queued

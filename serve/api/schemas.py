@@ -202,8 +202,8 @@ def validation_message(errors: list[dict[str, Any]], limits: dict[str, Range], f
     problems = []
     unknown = [field_name(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
-        allowed = f"; allowed: {', '.join(fields)}" if fields else ""
-        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}{allowed}")
+        known = f"; allowed: {', '.join(fields)}" if fields else ""
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}{known}")
     for e in errors:
         name, kind, given = field_name(e["loc"]), e["type"], e.get("input")
         allowed = limits.get(name)

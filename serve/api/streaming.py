@@ -194,7 +194,7 @@ class GenerationStream:
                     return
                 if now >= deadline:
                     raise TimeoutError(f"request timed out after {timeout_s:g} s")
-                woken = asyncio.ensure_future(self._wake.wait())
+                woken: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
                 # with the result in, wait only for the previews still owed, re-checking that nobody else waits
                 await asyncio.wait(
                     {woken} if result.done() else {result, woken},

@@ -57,7 +57,7 @@ def timed_call(backend: GraphBackend, feed: dict[str, np.ndarray]) -> Callable[[
     tensors = {n: torch.from_numpy(a).to(device) for n, a in feed.items()}
 
     def call() -> Any:
-        out = backend.run_tensors(tensors)  # type: ignore[attr-defined]
+        out = backend.run_tensors(tensors)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return out
@@ -338,12 +338,13 @@ def open_pipelines(
     for name in backends:
         if name not in sources:
             raise ValueError(f"backend={name!r} is unknown; allowed: {', '.join(sources)}")
-        if sources[name] is None:
+        source = sources[name]
+        if source is None:
             raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
         torch_backend = name in TORCH_BACKENDS
         graphs, config, tokenizer = open_graphs(
             name,
-            sources[name],
+            source,
             precision if torch_backend else "fp32",
             ort_providers(provider),
             threads,

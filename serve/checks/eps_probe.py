@@ -198,12 +198,12 @@ class EpsProbeReport:
 
     @property
     def passed(self) -> bool:
-        probes = [*self.layer_norms, *self.cases]
+        probes: list[LayerNormProbe | CaseProbe] = [*self.layer_norms, *self.cases]
         return bool(self.layer_norms) and not self.problems and all(p.passed for p in probes)
 
     @property
     def status(self) -> str:
-        probes = [*self.layer_norms, *self.cases]
+        probes: list[LayerNormProbe | CaseProbe] = [*self.layer_norms, *self.cases]
         if self.problems or any(p.problems for p in probes) or not self.layer_norms:
             return "FAILED"
         return "PASSED" if self.passed else "NOT RUN"

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from torch import nn
 from tqdm.auto import tqdm
 
 from ldlm.export.artifact import read_manifest
@@ -115,7 +116,7 @@ def probe_node(
     ir_version: int,
     seed: int,
 ) -> LayerNormProbe:
-    module = model.get_submodule(module_name.removeprefix("model."))
+    module = cast(nn.LayerNorm, model.get_submodule(module_name.removeprefix("model.")))  # the manifest lists nn.LayerNorm modules
     attrs: dict[str, Any] = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     n = math.prod(module.normalized_shape)
     probe = LayerNormProbe(

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from ldlm.export.artifact import sha256_file
@@ -124,7 +125,7 @@ def probe_engines(
 
 
 def probe_layer(flavor: Flavor, graph: str, layer: Any, module_name: str, model: LDLM, seed: int, can_run: bool) -> LayerNormProbe:
-    module = model.get_submodule(module_name.removeprefix("model."))
+    module = cast(nn.LayerNorm, model.get_submodule(module_name.removeprefix("model.")))  # the manifest lists nn.LayerNorm modules
     n = math.prod(module.normalized_shape)
     probe = LayerNormProbe(graph, layer.name, module_name, float(module.eps), layer.epsilon, eps_rtol(n, float(module.eps)))
     where = f"layer {layer.name!r} (module {module_name})"

@@ -300,6 +300,7 @@ def start_server(
     import httpx  # optional (the [test] extra): only a local tritonserver needs it
 
     ports = [p if p is not None else free_port() for p in (http_port, grpc_port, metrics_port)]
+    http, grpc, metrics = ports
     for port in ports:
         if not 1 <= port <= 65535:
             raise TritonEnvError(f"port {port} is out of range; allowed: 1..65535")
@@ -308,7 +309,7 @@ def start_server(
     # cwd: the log's folder, never a checkout (its ldlm/ would shadow the installed package)
     cwd = log_path.parent if log_path else Path(tempfile.gettempdir())
     process = subprocess.Popen(
-        server_command(env, Path(repo).absolute(), *ports, extra),
+        server_command(env, Path(repo).absolute(), http, grpc, metrics, extra),
         env=env.environ(),
         cwd=cwd,
         stdout=handle if handle is not None else subprocess.DEVNULL,
@@ -317,7 +318,7 @@ def start_server(
     )
     if isinstance(log, Path) and handle is not None:
         handle.close()  # the child holds its own copy
-    server = TritonServer(process, *ports, log_path)
+    server = TritonServer(process, http, grpc, metrics, log_path)
     started = time.perf_counter()
     while True:
         if process.poll() is not None:

@@ -262,9 +262,9 @@ class GenerationScheduler(QueueWorker):
             return
         now = time.perf_counter()
         if self.policy == "static":
-            for request, waiting in sorted(self._waiting.values(), key=lambda entry: entry[0].order):
-                while waiting and len(self._active) < self.max_batch:
-                    self._take(request, waiting, now)
+            for request, queued in sorted(self._waiting.values(), key=lambda entry: entry[0].order):
+                while queued and len(self._active) < self.max_batch:
+                    self._take(request, queued, now)
             return
         requests = {id(s.request): s.request for s in self._active}
         requests.update((key, request) for key, (request, _) in self._waiting.items())
@@ -394,8 +394,11 @@ class GenerationScheduler(QueueWorker):
         for sample in batch:
             if sample.request.prefix is not None:  # t stays a device tensor: no host round trip
                 sample.x = pipe.inpaint_prefix(
-                    sample.x, sample.grid[sample.step], sample.request.prefix, sample.prefix_noise.draw().to(pipe.device)
-                )  # type: ignore[union-attr]
+                    sample.x,
+                    sample.grid[sample.step],
+                    sample.request.prefix,
+                    sample.prefix_noise.draw().to(pipe.device),  # type: ignore[union-attr]
+                )
 
         def stack(tensors: list[Tensor]) -> Tensor:
             return torch.stack([F.pad(t, (0, 0, 0, padded - t.shape[0])) for t in tensors]).to(pipe.device)

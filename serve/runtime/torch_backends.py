@@ -109,7 +109,7 @@ class EagerBackend(GraphBackend):
         # The compute dtype: the latent bank is cast with the model and never on the FP32 list.
         self.dtype = model.latent_encoder.latent_bank.dtype
         self.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
-        self.seq_names = {s["name"] for s in specs if "seq" in s["shape"]}
+        self.seq_names: set[str] = {str(s["name"]) for s in specs if "seq" in s["shape"]}
         self.seq_outputs = {o["name"] for o in outs if "seq" in o["shape"]}
         self.provider = f"torch {torch.__version__} eager on {self.device}" + ("" if self.precision == "fp32" else f" ({self.precision})")
 
