@@ -855,8 +855,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "kserve-bool-as-int",
         "serve/api/kserve.py",
-        'allowed = {"b": {bool}, "i": {int}, "f": {int, float}}',
-        'allowed = {"b": {bool}, "i": {int, bool}, "f": {int, float}}',
+        'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}',
+        'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int, bool}, "f": {int, float}}',
         ("tests/test_guards_kserve.py",),
         "true/false accepted as token ids",
     ),
