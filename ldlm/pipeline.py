@@ -130,7 +130,15 @@ class LDLMPipeline:
             )
         if len(inputs) == 0:
             raise ValueError("no inputs given; allowed: at least one text or id list")
-        ids = self.tokenizer.encode(inputs) if isinstance(inputs[0], str) else [list(map(int, r)) for r in inputs]  # type: ignore[arg-type]
+        if isinstance(inputs[0], str):
+            ids = self.tokenizer.encode(inputs)  # type: ignore[arg-type]
+            for i, row in enumerate(ids):  # named as the caller knows them: texts, counted in tokens
+                if len(row) > self.config.max_seq_len:
+                    raise ValueError(
+                        f"texts[{i}] is {len(row)} tokens long; allowed: 1..{self.config.max_seq_len} tokens (config max_seq_len)"
+                    )
+        else:
+            ids = [list(map(int, r)) for r in inputs]
         self.check_token_ids(ids)
         length = max(len(row) for row in ids)
         padded = self.bucket_length(length)

@@ -76,7 +76,12 @@ def test_triton_repo(export_dir: Path, tmp_path: Path, capsys) -> None:
     pytest.importorskip("tritonclient.grpc", reason="config.pbtxt is validated with tritonclient's schema")
     out = tmp_path / "repo"
     assert run(["triton-repo", str(export_dir), str(out), "--cpu", "--max-batch", "4"]) == 0
-    assert "models decoder, denoiser, encoder, ldlm_generate" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "models decoder, denoiser, encoder, ldlm_generate" in printed
+    # KIND_CPU instances: the docker hint asks for no GPU (it said --gpus all whatever --cpu said)
+    assert "run: docker run --rm -p8000:8000" in printed and "--gpus" not in printed
+    assert run(["triton-repo", str(export_dir), str(tmp_path / "gpu"), "--max-batch", "4"]) == 0
+    assert "run: docker run --gpus all --rm" in capsys.readouterr().out
     assert "max_batch_size: 4" in (out / "encoder" / "config.pbtxt").read_text()
     assert run(["triton-repo", str(export_dir), str(tmp_path / "r2"), "--cc-plan", "nonsense"]) == 2
     assert "--cc-plan 'nonsense' is malformed" in capsys.readouterr().err

@@ -43,6 +43,15 @@ def test_encode_texts_equals_encode_ids(pipeline: LDLMPipeline) -> None:
     assert from_texts.attention_mask.sum(1).tolist() == [len(i) for i in pipeline.tokenizer.encode(texts)]
 
 
+def test_a_text_too_long_is_named_as_a_text_with_its_token_count(pipeline: LDLMPipeline) -> None:
+    """The caller gave texts: the message names texts[i] and its length in tokens (it said len(ids[1]))."""
+    limit = pipeline.config.max_seq_len
+    too_long = " a" * (limit + 3)  # GPT-2 encodes " a" as one token
+    with pytest.raises(ValueError, match=rf"^texts\[1\] is {limit + 3} tokens long; allowed: 1\.\.{limit} tokens \(config max_seq_len\)$"):
+        pipeline.reconstruct(["fine", too_long])
+    assert len(pipeline.encode([" a" * limit]).token_ids[0]) == limit  # the edge itself is allowed
+
+
 def test_reconstruct_keeps_lengths(pipeline: LDLMPipeline) -> None:
     texts = ["one two three four", "five"]
     result = pipeline.reconstruct(texts)

@@ -91,8 +91,9 @@ def _cmd_triton_repo(args: argparse.Namespace) -> None:
             )
         print(f"run on this machine: python -P -m ldlm.serve.deploy.triton_local serve {out}   (see docs/scale-out.md)")
         return
+    gpus = "" if args.cpu else "--gpus all "  # KIND_CPU instances need no GPU in the container
     print(
-        f"run: docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
+        f"run: docker run {gpus}--rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
         "nvcr.io/nvidia/tritonserver:<xx.yy>-py3 tritonserver --model-repository=/models   (see docs/scale-out.md)"
     )
 
