@@ -716,7 +716,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- OpenAI completions (lines identical on the http branch) ------------------------------------
     Mutation(
         "completion-eos-kept",
-        "serve/api/openai_api.py",
+        "serve/api/routes/openai.py",
         "ids = ids[: ids.index(eos)] if stop else ids",
         "ids = ids[: ids.index(eos) + 1] if stop else ids",
         ("tests/test_guards_http.py",),
@@ -724,7 +724,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-never-stops",
-        "serve/api/openai_api.py",
+        "serve/api/routes/openai.py",
         '"finish_reason": "stop" if stop else "length"',
         '"finish_reason": "length"',
         ("tests/test_guards_http.py",),
@@ -732,7 +732,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-choices-unbounded",
-        "serve/api/openai_api.py",
+        "serve/api/routes/openai.py",
         "if len(prompts) * body.n > settings.max_n:",
         "if body.n > settings.max_n:",
         ("tests/test_guards_http.py",),
@@ -740,7 +740,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-budget-off-by-one",
-        "serve/api/openai_api.py",
+        "serve/api/routes/openai.py",
         "if len(row) + body.max_tokens > config.max_seq_len:",
         "if len(row) + body.max_tokens >= config.max_seq_len:",
         ("tests/test_guards_http.py",),
@@ -748,7 +748,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-prompts-share-a-seed",
-        "serve/api/openai_api.py",
+        "serve/api/routes/openai.py",
         "(seed + i) % 2**63",
         "seed % 2**63",
         ("tests/test_guards_http.py",),
@@ -756,7 +756,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-index-restarts",
-        "serve/api/openai_api.py",
+        "serve/api/routes/openai.py",
         '"index": first_index + j',
         '"index": j',
         ("tests/test_guards_http.py",),

@@ -16,7 +16,7 @@ from ldlm.serve.api.errors import HTTPError, error_body, openai_error  # noqa: E
 from ldlm.serve.api.http_guard import GuardMiddleware, read_body  # noqa: E402
 from ldlm.serve.api.kserve import ProtocolError  # noqa: E402
 from ldlm.serve.api.metrics import Metrics  # noqa: E402
-from ldlm.serve.api.openai_api import stream_error_status  # noqa: E402
+from ldlm.serve.api.routes.openai import stream_error_status  # noqa: E402
 from ldlm.serve.api.service import ServerSettings  # noqa: E402
 from ldlm.serve.api.streaming import PreviewDecoder, sse  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402

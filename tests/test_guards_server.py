@@ -105,8 +105,8 @@ def test_playground_assets_are_a_fixed_list(monkeypatch) -> None:
     from fastapi import FastAPI, Request
     from fastapi.responses import Response
 
-    from ldlm.serve.api import playground
     from ldlm.serve.api.errors import HTTPError
+    from ldlm.serve.api.routes import playground
 
     def app_with(router) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None)  # as the server's: /docs is the playground router's

@@ -1,12 +1,12 @@
 """The inference server: the FastAPI app assembled from its routers, bound to a socket, shut down gracefully.
 
-  GET  /v2, /v2/health/live, /v2/health/ready      KServe v2 (kserve_api), one model per graph
+  GET  /v2, /v2/health/live, /v2/health/ready      KServe v2 (routes.kserve), one model per graph
   GET  /v2/models/{model}[/versions/{v}], .../ready
   POST /v2/models/{model}[/versions/{v}]/infer     JSON and binary tensors (tritonclient works as is)
-  POST /v1/generate, /v1/reconstruct, /v1/encode   text in, text / ids / latents out (text_api)
-  GET  /v1/models, POST /v1/completions            OpenAI-compatible (openai_api)
-  GET  /, /docs, /openapi.json                     the playground and OpenAPI (playground)
-  GET  /metrics                                    Prometheus (metrics_api)
+  POST /v1/generate, /v1/reconstruct, /v1/encode   text in, text / ids / latents out (routes.text)
+  GET  /v1/models, POST /v1/completions            OpenAI-compatible (routes.openai)
+  GET  /, /docs, /openapi.json                     the playground and OpenAPI (routes.playground)
+  GET  /metrics                                    Prometheus (routes.metrics)
 
 Graph requests go through one DynamicBatcher per graph; generation goes through the step-level
 continuous-batching scheduler (both held by ``service.LDLMService``). Queues are bounded (503 with
@@ -31,9 +31,10 @@ import uvicorn
 from fastapi import FastAPI
 
 import ldlm
-from ldlm.serve.api import kserve_api, metrics_api, openai_api, openai_schemas, playground, text_api
+from ldlm.serve.api import openai_schemas
 from ldlm.serve.api.errors import add_error_handlers
 from ldlm.serve.api.http_guard import GuardMiddleware, JsonLogFormatter, guarded_protocol
+from ldlm.serve.api.routes import kserve, metrics, openai, playground, text
 from ldlm.serve.api.schemas import ERROR_RESPONSES
 from ldlm.serve.api.service import LDLMService, ServerSettings
 
@@ -43,7 +44,7 @@ log = logging.getLogger("ldlm.serve")
 def create_app(service: LDLMService) -> FastAPI:
     """The app of one service: the guard around every route, the one error shape, and the routers."""
     settings = service.settings
-    text_models = text_api.text_request_models(service)
+    text_models = text.text_request_models(service)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,11 +67,11 @@ def create_app(service: LDLMService) -> FastAPI:
     app.state.service = service
     app.add_middleware(GuardMiddleware, service=service)
     add_error_handlers(app, text_models.limits, openai_schemas.openai_limits(settings, service.config.max_seq_len))
-    app.include_router(kserve_api.create_router(service))
-    app.include_router(text_api.create_router(service, text_models))
-    app.include_router(openai_api.create_router(service))
+    app.include_router(kserve.create_router(service))
+    app.include_router(text.create_router(service, text_models))
+    app.include_router(openai.create_router(service))
     app.include_router(playground.create_router())
-    app.include_router(metrics_api.create_router(service))
+    app.include_router(metrics.create_router(service))
     return app
 
 

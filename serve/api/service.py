@@ -2,8 +2,8 @@
 
 ``LDLMService`` opens the graphs of one artifact, puts a ``DynamicBatcher`` in front of each graph and a
 step-level ``GenerationScheduler`` in front of generation, and owns the metrics, the preview decoder and
-the JSON worker processes. It knows nothing of HTTP: the routers (``kserve_api``, ``text_api``,
-``openai_api``, ``metrics_api``) are built from it.
+the JSON worker processes. It knows nothing of HTTP: the routers (``routes.kserve``, ``routes.text``,
+``routes.openai``, ``routes.metrics``) are built from it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The playground page at ``/`` and the ``/docs`` Swagger UI, every asset served from this process.
 
-No CDN: the page is one static HTML file with inline script and style (serve/api/static/), and Swagger
+No CDN: the page is one static HTML file with inline script and style (serve/api/routes/static/), and Swagger
 UI's JavaScript and CSS (Swagger UI 5, which reads the OpenAPI 3.1 that FastAPI writes) come from the
 ``fastapi-offline`` package, so both work offline.
 """

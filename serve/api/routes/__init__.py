@@ -1,0 +1,2 @@
+"""The routers, one per API, each built from the service: ``kserve`` (/v2), ``text`` (/v1 texts),
+``openai`` (/v1/completions, /v1/models), ``playground`` (/, /docs, with ``static/``), ``metrics`` (/metrics)."""
