@@ -189,7 +189,9 @@ def _json_tensor(data: Any, datatype: str, dtype: np.dtype, where: str) -> np.nd
     if not kinds <= allowed:
         names = {bool: "true/false", int: "integers", float: "numbers"}
         wrong = sorted(k.__name__ for k in kinds - allowed)
-        raise ProtocolError(f"{where}: {datatype} data holds {', '.join(wrong)} values; allowed: {' or '.join(names[k] for k in allowed)}")
+        raise ProtocolError(
+            f"{where}: {datatype} data holds {', '.join(wrong)} values; allowed: {' or '.join(names[k] for k in names if k in allowed)}"
+        )
     if dtype.kind == "i":
         info = np.iinfo(dtype)
         if flat and (min(flat) < info.min or max(flat) > info.max):
@@ -218,8 +220,8 @@ def _flatten(data: Any, where: str) -> list[Any]:
     stack = [(data, 0)]
     while stack:  # iterative: the depth is the client's choice
         items, depth = stack.pop()
-        if depth > 8:
-            raise ProtocolError(f"{where}: 'data' is nested {depth} levels deep; allowed: at most 8 (the shape's rank)")
+        if depth >= 8:  # depth 0 is the outermost list: a rank-8 tensor's innermost lists are at depth 7
+            raise ProtocolError(f"{where}: 'data' has {depth + 1} levels of lists; allowed: at most 8 (the shape's rank)")
         if any(isinstance(x, list) for x in items):
             stack.extend((x, depth + 1) if isinstance(x, list) else ([x], depth + 1) for x in reversed(items))
         else:
