@@ -912,7 +912,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "eps-bound-without-mean-term",
         "serve/checks/eps_probe.py",
-        "(np.abs(z_ref) + np.abs(mean) / sigma)",
+        "(np.abs(z_ref) + mean_magnitude / sigma)",
         "np.abs(z_ref)",
         ("tests/test_eps_probe_math.py",),
         "every correct float32 LayerNorm fails the large-mean rows",
