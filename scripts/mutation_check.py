@@ -917,6 +917,38 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_eps_probe_math.py",),
         "every correct float32 LayerNorm fails the large-mean rows",
     ),
+    Mutation(
+        "eps-bound-mean-not-magnitude",
+        "serve/checks/eps_probe.py",
+        "mean_magnitude = np.abs(x64).mean(axis=1, keepdims=True)",
+        "mean_magnitude = np.abs(mean)",
+        ("tests/test_eps_probe_math.py",),
+        "a correct float32 LayerNorm (torch's) fails where z ~ 0 in rows of mean ~0",
+    ),
+    Mutation(
+        "kserve-unknown-field-ignored",
+        "serve/api/kserve.py",
+        "    refuse_unknown_fields(payload, REQUEST_FIELDS, \"the request\")\n",
+        "",
+        ("tests/test_guards_kserve.py",),
+        "a misspelled 'outputs' is ignored and the request runs without it",
+    ),
+    Mutation(
+        "stop-cut-re-encoded",
+        "serve/api/routes/openai.py",
+        "used += self.pipeline.tokenizer.count_tokens(text) if cut >= 0 else len(ids)",
+        "used += len(self.pipeline.tokenizer.encode([text])[0]) if cut >= 0 and text else len(ids)",
+        ("tests/test_strict_input.py",),
+        "a stop text leaving a blank completion answers 400",
+    ),
+    Mutation(
+        "text-too-long-named-as-ids",
+        "ldlm/pipeline.py",
+        "if len(row) > self.config.max_seq_len:",
+        "if False:",
+        ("tests/test_pipeline.py",),
+        "a text too long is named len(ids[i]), not texts[i] with its token count",
+    ),
     # --- deployment entry points ---------------------------------------------------------------------
     Mutation(
         "triton-n-max-refused",
