@@ -147,7 +147,7 @@ def test_json_data_nesting_is_bounded() -> None:
     for _ in range(8):
         data = [data]  # 9 lists, one inside the other: one more than a rank-8 shape has
     refused(
-        "inputs[0] (x): 'data' has 9 levels of lists; allowed: at most 8 (the shape's rank)", body_of({**tensor(shape=[1]), "data": data})
+        "inputs[0] (x): 'data' is nested 9 levels deep; allowed: at most 8 (the shape's rank)", body_of({**tensor(shape=[1]), "data": data})
     )
     rank_8 = [1] * 8  # 8 levels, the most a shape allows, parse
     assert parse_infer_request(body_of({**tensor(shape=rank_8), "data": data[0]}), None).inputs["x"].shape == tuple(rank_8)

@@ -221,7 +221,7 @@ def _flatten(data: Any, where: str) -> list[Any]:
     while stack:  # iterative: the depth is the client's choice
         items, depth = stack.pop()
         if depth >= 8:  # depth 0 is the outermost list: a rank-8 tensor's innermost lists are at depth 7
-            raise ProtocolError(f"{where}: 'data' has {depth + 1} levels of lists; allowed: at most 8 (the shape's rank)")
+            raise ProtocolError(f"{where}: 'data' is nested {depth + 1} levels deep; allowed: at most 8 (the shape's rank)")
         if any(isinstance(x, list) for x in items):
             stack.extend((x, depth + 1) if isinstance(x, list) else ([x], depth + 1) for x in reversed(items))
         else:
