@@ -928,7 +928,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "kserve-unknown-field-ignored",
         "serve/api/kserve.py",
-        "    refuse_unknown_fields(payload, REQUEST_FIELDS, \"the request\")\n",
+        '    refuse_unknown_fields(payload, REQUEST_FIELDS, "the request")\n',
         "",
         ("tests/test_guards_kserve.py",),
         "a misspelled 'outputs' is ignored and the request runs without it",

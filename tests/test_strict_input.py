@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip
 
 from ldlm.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.serve.api.schemas import request_models  # noqa: E402
+from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
@@ -177,8 +177,8 @@ def test_echo_puts_the_prompt_before_the_completion(client) -> None:
 
 def test_defaults_are_the_model_configs() -> None:
     """steps and sampler default to the config's default_steps and default_sampler, not to literals."""
-    models = request_models(4, 100, 2, 128, default_steps=7, default_sampler="ddim")
+    models = request_models(BodyLimits(4, 100, 2, 128, default_steps=7, default_sampler="ddim"))
     body = models.generate.model_validate({})
     assert (body.steps, body.sampler) == (7, "ddim")
     with pytest.raises(ValueError, match=r"default_steps=200 is out of range; allowed: 1..100 \(max_steps\)"):
-        request_models(4, 100, 2, 128, default_steps=200)
+        request_models(BodyLimits(4, 100, 2, 128, default_steps=200))

@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
-from ldlm.config import LDLMConfig
+from ldlm.config import SAMPLERS
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.limits import MAX_SEED
-from ldlm.serve.api.schemas import STRICT_BODY, Range, SamplerName, strict_int, timeout_field
+from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, Range, SamplerName, strict_int, timeout_field
 from ldlm.serve.api.service import ServerSettings
 
 MODEL_ID = "ldlm"
@@ -42,15 +42,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
 
 
-def completion_body(
-    max_n: int,
-    max_steps: int,
-    max_texts: int,
-    max_seq_len: int,
-    default_steps: int = LDLMConfig.default_steps,
-    default_sampler: str = LDLMConfig.default_sampler,
-    max_timeout_s: float = 60.0,
-) -> type[BaseModel]:
+def completion_body(limits: BodyLimits) -> type[BaseModel]:
     unsupported = {
         name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}"))
         for name, (allowed, why) in UNSUPPORTED.items()
@@ -61,15 +53,21 @@ def completion_body(
         model=(str, Field(..., description=f"the served model's id: {MODEL_ID!r} (see GET /v1/models)")),
         prompt=(
             str | list[str],
-            Field("", description=f"text to continue; '' generates unconditionally; a list of 1..{max_texts} prompts gives n choices each"),
+            Field(
+                "",
+                description=f"text to continue; '' generates unconditionally; a list of 1..{limits.max_texts} prompts gives n choices each",
+            ),
         ),
         max_tokens=(
             int,
             strict_int(
-                16, 1, max_seq_len, f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({max_seq_len})"
+                16,
+                1,
+                limits.max_seq_len,
+                f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({limits.max_seq_len})",
             ),
         ),
-        n=(int, strict_int(1, 1, max_n, f"choices per prompt (1..{max_n} in all)")),
+        n=(int, strict_int(1, 1, limits.max_n, f"choices per prompt (1..{limits.max_n} in all)")),
         seed=(
             int | None,
             Field(None, ge=0, le=MAX_SEED, strict=True, description="noise seed; with sampler ddim the same seed gives the same text"),
@@ -82,13 +80,18 @@ def completion_body(
         ),
         echo=(bool, Field(False, strict=True, description="the prompt, then the completion, in each choice's text")),
         user=(str | None, Field(None, description="an end-user id, as OpenAI's; it does not change the output")),
-        steps=(int, strict_int(default_steps, 1, max_steps, f"LDLM: denoising steps (1..{max_steps}; default: the model config's)")),
+        steps=(
+            int,
+            strict_int(
+                limits.default_steps, 1, limits.max_steps, f"LDLM: denoising steps (1..{limits.max_steps}; default: the model config's)"
+            ),
+        ),
         sampler=(
             SamplerName,
-            Field(default_sampler, description="LDLM: sde (Euler-Maruyama) or ddim (deterministic); default: the model config's"),
+            Field(limits.default_sampler, description=f"LDLM: one of {', '.join(SAMPLERS)}; default: the model config's"),
         ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
-        timeout_s=(float | None, timeout_field(max_timeout_s)),
+        timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
         **unsupported,
     )
 

@@ -111,31 +111,44 @@ def non_empty(text: str) -> str:
     return text
 
 
-def request_models(
-    max_n: int,
-    max_steps: int,
-    max_texts: int,
-    max_seq_len: int,
-    default_steps: int = LDLMConfig.default_steps,
-    default_sampler: str = LDLMConfig.default_sampler,
-    max_timeout_s: float = 60.0,
-) -> RequestModels:
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a request body may ask of this server (its settings and the model's max_seq_len) and what
+    it gets when it asks nothing (the model config's defaults): one value for the /v1 and OpenAI bodies."""
+
+    max_n: int
+    max_steps: int
+    max_texts: int
+    max_seq_len: int
+    default_steps: int = LDLMConfig.default_steps
+    default_sampler: str = LDLMConfig.default_sampler
+    max_timeout_s: float = 60.0
+
+
+def request_models(limits: BodyLimits) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
-    if not 1 <= default_steps <= max_steps:
-        raise ValueError(f"the model config's default_steps={default_steps} is out of range; allowed: 1..{max_steps} (max_steps)")
+    if not 1 <= limits.default_steps <= limits.max_steps:
+        raise ValueError(
+            f"the model config's default_steps={limits.default_steps} is out of range; allowed: 1..{limits.max_steps} (max_steps)"
+        )
     generate = create_model(
         "GenerateBody",
         __config__=STRICT_BODY,
-        n=(int, strict_int(1, 1, max_n, f"samples to generate (1..{max_n})")),
-        length=(int, strict_int(64, 1, max_seq_len, f"tokens per sample (1..{max_seq_len}, the model's max_seq_len)")),
+        n=(int, strict_int(1, 1, limits.max_n, f"samples to generate (1..{limits.max_n})")),
+        length=(int, strict_int(64, 1, limits.max_seq_len, f"tokens per sample (1..{limits.max_seq_len}, the model's max_seq_len)")),
         steps=(
             int,
-            strict_int(default_steps, 1, max_steps, f"denoising steps (1..{max_steps}; default: the model config's default_steps)"),
+            strict_int(
+                limits.default_steps,
+                1,
+                limits.max_steps,
+                f"denoising steps (1..{limits.max_steps}; default: the model config's default_steps)",
+            ),
         ),
         seed=(int, strict_int(0, 0, MAX_SEED, f"noise seed (0..{MAX_SEED})")),
         sampler=(
             SamplerName,
-            Field(default_sampler, description="sde: Euler-Maruyama; ddim: deterministic (default: the model config's default_sampler)"),
+            Field(limits.default_sampler, description=f"one of {', '.join(SAMPLERS)} (default: the model config's default_sampler)"),
         ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
         stream=(
@@ -147,8 +160,8 @@ def request_models(
                 "x0_hat decoded) every `preview_every` steps, then one `result` event",
             ),
         ),
-        preview_every=(int, strict_int(5, 1, max_steps, "steps between previews when streaming")),
-        timeout_s=(float | None, timeout_field(max_timeout_s)),
+        preview_every=(int, strict_int(5, 1, limits.max_steps, "steps between previews when streaming")),
+        timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
     )
     texts = create_model(
         "TextsBody",
@@ -158,22 +171,22 @@ def request_models(
             Field(
                 ...,
                 min_length=1,
-                max_length=max_texts,
-                description=f"1..{max_texts} non-empty texts, each at most {max_seq_len} GPT-2 tokens",
+                max_length=limits.max_texts,
+                description=f"1..{limits.max_texts} non-empty texts, each at most {limits.max_seq_len} GPT-2 tokens",
             ),
         ),
     )
-    limits = {
-        "n": Range(1, max_n),
-        "length": Range(1, max_seq_len),
-        "steps": Range(1, max_steps),
+    ranges = {
+        "n": Range(1, limits.max_n),
+        "length": Range(1, limits.max_seq_len),
+        "steps": Range(1, limits.max_steps),
         "seed": Range(0, MAX_SEED),
-        "texts": Range(1, max_texts, unit=" items"),
-        "preview_every": Range(1, max_steps),
+        "texts": Range(1, limits.max_texts, unit=" items"),
+        "preview_every": Range(1, limits.max_steps),
         "t_min": Range(0, 1, exclusive=True),
-        "timeout_s": Range(0, max_timeout_s, low_open=True),
+        "timeout_s": Range(0, limits.max_timeout_s, low_open=True),
     }
-    return RequestModels(generate, texts, limits)
+    return RequestModels(generate, texts, ranges)
 
 
 def field_name(loc: tuple[Any, ...] | list[Any]) -> str:

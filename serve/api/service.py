@@ -22,6 +22,7 @@ from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.api.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.serve.api.metrics import Metrics
+from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.api.streaming import PreviewDecoder
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
@@ -141,6 +142,11 @@ class LDLMService:
         self.previews = PreviewDecoder(generation, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
         self.ready = True
         say("ready")
+
+    def body_limits(self) -> BodyLimits:
+        """The request bodies' limits and defaults: this server's settings, the model's config."""
+        s, c = self.settings, self.config
+        return BodyLimits(s.max_n, s.max_steps, s.max_texts, c.max_seq_len, c.default_steps, c.default_sampler, s.request_timeout_s)
 
     def submit_generation(
         self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0, deadline_s: float | None = None

@@ -66,16 +66,8 @@ def stream_error_status(error: Exception) -> int:
 
 
 def create_router(service: LDLMService) -> APIRouter:
-    settings, config = service.settings, service.config
-    CompletionBody = completion_body(
-        settings.max_n,
-        settings.max_steps,
-        settings.max_texts,
-        config.max_seq_len,
-        config.default_steps,
-        config.default_sampler,
-        settings.request_timeout_s,
-    )
+    config = service.config
+    CompletionBody = completion_body(service.body_limits())
     completer = Completions(service)
     router = APIRouter()
     created = int(time.time())

@@ -31,16 +31,7 @@ from ldlm.serve.runtime.scheduler import GenerateRequest
 
 def text_request_models(service: LDLMService) -> RequestModels:
     """The /v1 bodies with this server's limits and the model config's defaults."""
-    settings, config = service.settings, service.config
-    return request_models(
-        settings.max_n,
-        settings.max_steps,
-        settings.max_texts,
-        config.max_seq_len,
-        config.default_steps,
-        config.default_sampler,
-        settings.request_timeout_s,
-    )
+    return request_models(service.body_limits())
 
 
 def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
