@@ -106,7 +106,7 @@ def flavor_logger(flavor: Flavor) -> Any:
 
 
 def _make_logger(trt: ModuleType) -> Any:
-    class RecordingLogger(trt.ILogger):  # type: ignore[name-defined]  # trt is a module chosen at run time
+    class RecordingLogger(trt.ILogger):  # type: ignore[name-defined, unused-ignore]  # trt is a module chosen at run time
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
             self.messages: deque[tuple[str, str]] = deque(maxlen=LOG_HISTORY)

@@ -216,7 +216,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
     """uvicorn's h11 protocol class with a header deadline and idle-first connection shedding."""
 
     class GuardedH11Protocol(H11Protocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override, unused-ignore]  # uvicorn's signature varies by release
             super().connection_made(transport)
             self.opened_at = time.monotonic()
             self.header_timer: asyncio.TimerHandle | None = None

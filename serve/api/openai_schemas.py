@@ -47,7 +47,7 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
         name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}"))
         for name, (allowed, why) in UNSUPPORTED.items()
     }
-    return create_model(  # type: ignore[call-overload]  # pydantic's stubs cannot type fields built in a dict
+    return create_model(  # type: ignore[call-overload, unused-ignore]  # pydantic's stubs cannot type fields built in a dict
         "CompletionBody",
         __config__=STRICT_BODY,
         model=(str, Field(..., description=f"the served model's id: {MODEL_ID!r} (see GET /v1/models)")),

@@ -106,7 +106,7 @@ def server_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
         log_level="warning",
         access_log=False,
         http=guarded_protocol(settings.header_timeout_s, settings.max_connections),
-        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]  # annotated int; its timer takes any seconds
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type, unused-ignore]  # uvicorn annotates int; its timer takes any seconds
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
         backlog=2048,
     )

@@ -114,7 +114,7 @@ def build_app(source: str, settings: ServerSettings, options: RayOptions = RayOp
         """One replica: the graphs, the batchers and the scheduler of one ``ldlm serve`` process."""
 
     deployment = serve.deployment(LDLMReplica, name=DEPLOYMENT_NAME, **options.deployment_options())
-    return deployment.bind()  # type: ignore[attr-defined]  # Ray's overloads lose the Deployment type of a class
+    return deployment.bind()  # type: ignore[attr-defined, unused-ignore]  # Ray's overloads lose the Deployment type of a class
 
 
 class OneRequestIdHeader:
