@@ -122,7 +122,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "serve/runtime/scheduler.py",
         "self._active = [s for s in self._active if not s.request.future.done()]",
         "self._active = list(self._active)",
-        ("tests/test_scheduler_values.py", "tests/test_scheduler.py"),
+        ("tests/test_scheduler_values.py", "tests/test_scheduler.py", "tests/test_cancellation.py"),
         "cancelled or failed requests keep their slots",
     ),
     # --- batcher --------------------------------------------------------------------------------

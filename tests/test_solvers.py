@@ -177,6 +177,9 @@ def test_mixed_solvers_share_denoiser_calls_and_match_single_runs(pipeline: LDLM
     requests = [
         GenerateRequest(n=2 if i % 2 else 1, length=8, steps=3 + 2 * i, seed=40 + i, sampler=name) for i, name in enumerate(SAMPLERS)
     ]
+    # a second request of each multistep solver, on another grid: samples of one solver at different
+    # times in one call, each with its own past (log-SNR and x0_hat)
+    requests += [GenerateRequest(n=1, length=8, steps=4, seed=60 + i, sampler=name) for i, name in enumerate(("dpm2m", "dpm3m"))]
     sizes: list[int] = []
     scheduler = GenerationScheduler(pipeline, max_batch=4, start=False, observer=lambda b, q, c: sizes.append(b))
     try:
