@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 
@@ -44,3 +47,12 @@ def infer_body(**overrides: object) -> dict[str, object]:
     }
     body.update(overrides)
     return body
+
+
+@contextmanager
+def openai_client(server: RunningServer) -> Iterator[Any]:
+    """The official OpenAI client on ``server``'s /v1, no retries (a refusal must show as it is)."""
+    import openai  # a test extra: the modules that use this skip first without it
+
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client

@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
 from ldlm.serve.api.kserve import HEADER_LENGTH  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port  # noqa: E402
+from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
 EOS = 50256  # GPT-2's <|endoftext|>
 HELLO = [18435, 612]  # " Hello there"
@@ -42,7 +42,7 @@ def server(export_dir: Path):
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(server) as client:
         yield client
 
 

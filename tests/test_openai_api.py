@@ -22,7 +22,7 @@ from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler  # noqa: E402
-from tests.servers import RunningServer, free_port  # noqa: E402
+from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
 STEPS = 4
 
@@ -39,7 +39,7 @@ def server(export_dir: Path):
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(server) as client:
         yield client
 
 

@@ -18,7 +18,7 @@ from ldlm.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
-from tests.servers import RunningServer, free_port  # noqa: E402
+from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
 GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, stream, preview_every, timeout_s"
 
@@ -33,7 +33,7 @@ def server(export_dir: Path):
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(server) as client:
         yield client
 
 
