@@ -119,6 +119,14 @@ class LDLMPipeline:
                 if not 0 <= int(token) < v:
                     raise ValueError(f"ids[{i}][{j}]={int(token)} is out of range; allowed: [0, {v}) (gpt2_vocab_size)")
 
+    def text_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Texts -> GPT-2 token ids, each at most max_seq_len long, named as the caller knows it (texts[i])."""
+        ids = self.tokenizer.encode(texts)
+        for i, row in enumerate(ids):
+            if len(row) > self.config.max_seq_len:
+                raise ValueError(f"texts[{i}] is {len(row)} tokens long; allowed: 1..{self.config.max_seq_len} tokens (config max_seq_len)")
+        return ids
+
     # --- the four jobs ----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -130,15 +138,7 @@ class LDLMPipeline:
             )
         if len(inputs) == 0:
             raise ValueError("no inputs given; allowed: at least one text or id list")
-        if isinstance(inputs[0], str):
-            ids = self.tokenizer.encode(inputs)  # type: ignore[arg-type]
-            for i, row in enumerate(ids):  # named as the caller knows them: texts, counted in tokens
-                if len(row) > self.config.max_seq_len:
-                    raise ValueError(
-                        f"texts[{i}] is {len(row)} tokens long; allowed: 1..{self.config.max_seq_len} tokens (config max_seq_len)"
-                    )
-        else:
-            ids = [list(map(int, r)) for r in inputs]
+        ids = self.text_ids(inputs) if isinstance(inputs[0], str) else [list(map(int, r)) for r in inputs]  # type: ignore[arg-type]
         self.check_token_ids(ids)
         length = max(len(row) for row in ids)
         padded = self.bucket_length(length)
@@ -181,8 +181,9 @@ class LDLMPipeline:
         noised = forward_noise(self.schedule, prefix[None], t, noise[None])[0]
         return torch.cat([noised.to(x_t.dtype), x_t[p:]])
 
-    def reconstruct(self, texts: Sequence[str]) -> TextResult:
-        """Texts -> latents -> texts: the autoencoder's round trip. ``texts`` is a list, even of one text."""
+    def reconstruct(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> TextResult:
+        """Texts (or their token ids) -> latents -> texts: the autoencoder's round trip. ``texts`` is a
+        list, even of one text."""
         encoded = self.encode(texts)
         return self.decode(encoded.latents, encoded.attention_mask)
 

@@ -105,7 +105,7 @@ def timeout_field(max_timeout_s: float) -> Any:
 def non_empty(text: str) -> str:
     """An empty text is a 422 like every other bad field. (A length constraint on the str would do this too,
     but pydantic then converts the text and refuses a lone surrogate with a parser message, where
-    ``routes.text.check_texts`` names it.)"""
+    ``LDLMPipeline.text_ids`` names it.)"""
     if text == "":
         raise PydanticCustomError("string_too_short", "empty text")
     return text

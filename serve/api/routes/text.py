@@ -57,13 +57,13 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
         return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
 
-    async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[str]], dict[str, Any]]) -> Response:
-        """Check the body's texts and compute ``payload`` of them, in one call off the loop; answer with its JSON."""
+    async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[list[int]]], dict[str, Any]]) -> Response:
+        """Check and tokenize the body's texts and compute ``payload`` of their ids, in one call off the
+        loop (each text is tokenized once); answer with its JSON."""
         texts = list(body.texts)
 
         def run() -> dict[str, Any]:
-            check_texts(texts, service.batched_pipeline)
-            return payload(service.batched_pipeline, texts)
+            return payload(service.batched_pipeline, checked_ids(texts, service.batched_pipeline))
 
         return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
 
@@ -85,9 +85,9 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
     return router
 
 
-def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:
-    """Each text as the request names it (``texts[3]``): valid Unicode, and at most max_seq_len tokens."""
-    limit = pipeline.config.max_seq_len
+def checked_ids(texts: list[str], pipeline: LDLMPipeline) -> list[list[int]]:
+    """Each text's token ids, its problems named as the request names it (``texts[3]``): valid Unicode,
+    and at most max_seq_len tokens (``LDLMPipeline.text_ids``; its ValueError answers 400)."""
     for i, text in enumerate(texts):
         try:
             text.encode("utf-8")
@@ -95,16 +95,14 @@ def check_texts(texts: list[str], pipeline: LDLMPipeline) -> None:
             raise HTTPError(
                 400, f"texts[{i}] is not valid Unicode ({error.reason} at character {error.start}); allowed: UTF-8 text"
             ) from None
-    for i, ids in enumerate(pipeline.tokenizer.encode(texts)):
-        if len(ids) > limit:
-            raise HTTPError(400, f"texts[{i}] is {len(ids)} tokens long; allowed: 1..{limit} tokens (the model's max_seq_len)")
+    return pipeline.text_ids(texts)
 
 
-def reconstruction(pipeline: LDLMPipeline, texts: list[str]) -> dict[str, Any]:
-    result = pipeline.reconstruct(texts)
+def reconstruction(pipeline: LDLMPipeline, ids: list[list[int]]) -> dict[str, Any]:
+    result = pipeline.reconstruct(ids)
     return {"texts": result.texts, "token_ids": result.ids()}  # each text's own ids, no padded positions
 
 
-def encoding(pipeline: LDLMPipeline, texts: list[str]) -> dict[str, Any]:
-    result = pipeline.encode(texts)
+def encoding(pipeline: LDLMPipeline, ids: list[list[int]]) -> dict[str, Any]:
+    result = pipeline.encode(ids)
     return {"shape": list(result.latents.shape), "latents": result.latents.numpy(), "attention_mask": result.attention_mask.long().numpy()}
