@@ -37,6 +37,7 @@ from ldlm.export.trt_flavor import (
 )
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
 from ldlm.files import atomic_directory, write_atomically
+from ldlm.interrupts import interrupted, raise_if_interrupted
 from ldlm.tokenizer import TOKENIZER_FILE
 
 
@@ -94,6 +95,7 @@ def build_engines(
         if (onnx_dir / TOKENIZER_FILE).is_file():
             shutil.copy(onnx_dir / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
         for name in tqdm(graphs, desc="build-engine", unit="graph", disable=not progress):
+            raise_if_interrupted()
             entry = manifest["graphs"][name]
             specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
             source = onnx_dir / entry["file"]
@@ -128,6 +130,7 @@ def build_plan(
     with logger.capture() as messages:  # this build's messages (the shared logger keeps only the last few)
         serialized, seconds, strongly_typed = _build(flavor, onnx_path, specs, entry, profiles, options, progress)
     if serialized is None:
+        raise_if_interrupted()  # the monitor cancelled the build for a Ctrl-C: report that, not a failure
         errors = "; ".join(m for s, m in messages if s in ("ERROR", "INTERNAL_ERROR"))
         raise EngineBuildError(f"TensorRT could not build {onnx_path}: {errors or 'see the log above'}")
     overflow = layernorm_overflow_warnings(messages)
@@ -239,7 +242,8 @@ def BuildProgress(trt: Any, label: str) -> Any:  # noqa: N802 (a class per flavo
         def step_complete(self, phase_name: str, step: int) -> bool:
             if self.bar is not None and phase_name == self.top:
                 self.bar.update(1)
-            return True  # False would cancel the build
+            # False cancels the build: a Ctrl-C whose KeyboardInterrupt TensorRT's callback dropped stops it here
+            return not interrupted()
 
         def phase_finish(self, phase_name: str) -> None:
             if phase_name == self.top and self.bar is not None:

@@ -34,6 +34,7 @@ from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, re
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
 from ldlm.files import atomic_directory
+from ldlm.interrupts import raise_if_interrupted
 from ldlm.model import LDLM
 from ldlm.tokenizer import TOKENIZER_FILE
 
@@ -145,16 +146,19 @@ def export_graphs(
             entries, results = {}, []
             with tqdm(total=2 * len(graphs), desc="export", unit="stage", disable=not progress) as bar:
                 for name in graphs:
+                    raise_if_interrupted()  # a Ctrl-C Python dropped during the last stage ends the export here
                     io = graph_io(model, name, with_logits)
                     bar.set_postfix_str(f"{name}: torch.onnx")
                     path = tmp / f"{name}.onnx"
                     export_graph(io, path, opset, config.max_seq_len, {**metadata, "ldlm.graph": name})
                     bar.update()
+                    raise_if_interrupted()
                     bar.set_postfix_str(f"{name}: verify")
                     specs = graph_layer_norm_specs(model, io)
                     results.append(verify_onnx(path, specs, name))
                     entries[name] = _manifest_entry(path, io, specs)
                     bar.update()
+            raise_if_interrupted()
             verify_all(results)  # raises before the rename: a failed export leaves nothing behind
             manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE)
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -998,6 +998,39 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_guards_deploy.py",),
         "a deployment of zero replicas is accepted and never answers",
     ),
+    # --- Ctrl-C that Python drops (ldlm.interrupts; CI saw `ldlm serve` start after one) ----------
+    Mutation(
+        "interrupt-not-remembered",
+        "ldlm/interrupts.py",
+        "    _received.set()  # first, so that a dropped KeyboardInterrupt is still known",
+        "    pass",
+        ("tests/test_interrupts.py",),
+        "a Ctrl-C dropped inside a weakref callback is forgotten: the export goes on and the server starts",
+    ),
+    Mutation(
+        "dropped-interrupt-printed",
+        "ldlm/interrupts.py",
+        "        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and interrupted()):",
+        "        if True:",
+        ("tests/test_interrupts.py",),
+        "Ctrl-C prints an 'Exception ignored' traceback before 'interrupted'",
+    ),
+    Mutation(
+        "serve-starts-after-dropped-interrupt",
+        "serve/api/server.py",
+        "        raise_if_interrupted()  # Ctrl-C while preparing, dropped by Python where it landed: do not start serving",
+        "        pass",
+        ("tests/test_interrupts.py",),
+        "Ctrl-C while `ldlm serve` exports is lost and the server starts anyway",
+    ),
+    Mutation(
+        "engine-monitor-ignores-interrupt",
+        "export/engine.py",
+        "            return not interrupted()",
+        "            return True",
+        ("tests/test_interrupts.py",),
+        "Ctrl-C during an engine build goes on building the whole graph",
+    ),
 )
 
 

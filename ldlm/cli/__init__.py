@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ldlm import __version__
 from ldlm.cli import artifacts, checks, model, serving
+from ldlm.interrupts import remembered_interrupts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +38,9 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report a command ended by Ctrl-C
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        refuse_existing_out(args)
-        args.func(args)
+        with remembered_interrupts():
+            refuse_existing_out(args)
+            args.func(args)
     except KeyboardInterrupt:
         # one line, however deep the interrupted stage was (an export, a build, a running server);
         # the stages write through temporary names, so an interrupted one leaves no partial output

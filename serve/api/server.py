@@ -31,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI
 
 import ldlm
+from ldlm.interrupts import raise_if_interrupted
 from ldlm.serve.api import openai_schemas
 from ldlm.serve.api.errors import add_error_handlers
 from ldlm.serve.api.http_guard import GuardMiddleware, JsonLogFormatter, guarded_protocol
@@ -122,6 +123,7 @@ def serve(source: str, settings: ServerSettings, log_level: str = "info") -> Non
     sock = bind_socket(settings.host, settings.port)
     try:
         service = LDLMService(source, settings, progress=lambda line: print(f"ldlm serve: {line}", file=sys.stderr, flush=True))
+        raise_if_interrupted()  # Ctrl-C while preparing, dropped by Python where it landed: do not start serving
         app = create_app(service)
         port = sock.getsockname()[1]
         url = f"http://{settings.host}:{port}"

@@ -1,0 +1,60 @@
+"""Ctrl-C that is not lost.
+
+Python turns SIGINT into a KeyboardInterrupt raised wherever the main thread happens to be. When that
+is a weakref callback or a ``__del__``, the exception is printed as "Exception ignored in ..." and
+dropped, and the interrupted command carries on. CI saw exactly this: `ldlm serve` exporting a
+checkpoint took Ctrl-C inside an import lock's weakref callback, finished the export and started
+serving. The handler here also remembers the signal, so the next stage boundary
+(``raise_if_interrupted``) raises it again; and the dropped one is not printed, since it is not lost.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+_received = threading.Event()
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    _received.set()  # first, so that a dropped KeyboardInterrupt is still known
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def remembered_interrupts() -> Iterator[None]:
+    """Within the block, SIGINT raises KeyboardInterrupt as usual and is also remembered for
+    ``raise_if_interrupted``. Elsewhere than in the main thread (where Python runs signal handlers,
+    and the only thread that may install one) the block runs with the handler it has."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _received.clear()
+    previous, previous_hook = signal.signal(signal.SIGINT, _on_sigint), sys.unraisablehook
+
+    def unraisable_hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and interrupted()):
+            previous_hook(unraisable)  # a remembered Ctrl-C is raised again later, not printed as "Exception ignored"
+
+    sys.unraisablehook = unraisable_hook
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+        _received.clear()
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C arrived inside ``remembered_interrupts`` (outside that block: never)."""
+    return _received.is_set()
+
+
+def raise_if_interrupted() -> None:
+    """Raise KeyboardInterrupt if ``interrupted()``: a long job calls this between its stages."""
+    if interrupted():
+        raise KeyboardInterrupt
