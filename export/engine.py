@@ -37,7 +37,7 @@ from ldlm.export.trt_flavor import (
 )
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
 from ldlm.files import atomic_directory, write_atomically
-from ldlm.interrupts import interrupted, raise_if_interrupted
+from ldlm.interrupts import deferred_interrupts, interrupted, raise_if_interrupted
 from ldlm.tokenizer import TOKENIZER_FILE
 
 
@@ -127,10 +127,12 @@ def build_plan(
     progress: bool = False,
 ) -> dict[str, Any]:
     logger = flavor_logger(flavor)
-    with logger.capture() as messages:  # this build's messages (the shared logger keeps only the last few)
+    # the messages are this build's (the shared logger keeps only the last few); a Ctrl-C is only recorded
+    # while TensorRT parses and builds (raised in its callbacks, it would be printed and lost)
+    with logger.capture() as messages, deferred_interrupts():
         serialized, seconds, strongly_typed = _build(flavor, onnx_path, specs, entry, profiles, options, progress)
+    raise_if_interrupted()  # a Ctrl-C recorded during the build (the monitor cancelled it): reported, not a failure
     if serialized is None:
-        raise_if_interrupted()  # the monitor cancelled the build for a Ctrl-C: report that, not a failure
         errors = "; ".join(m for s, m in messages if s in ("ERROR", "INTERNAL_ERROR"))
         raise EngineBuildError(f"TensorRT could not build {onnx_path}: {errors or 'see the log above'}")
     overflow = layernorm_overflow_warnings(messages)
@@ -193,7 +195,8 @@ def _build(
     if options.workspace_mb is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mb << 20)
     timing_cache = _attach_timing_cache(flavor, config, options.timing_cache)
-    monitor = BuildProgress(trt, onnx_path.stem) if progress and hasattr(trt, "IProgressMonitor") else None
+    # always attached: besides the bar (with ``progress``) it is what cancels a build at a Ctrl-C
+    monitor = BuildProgress(trt, onnx_path.stem, progress) if hasattr(trt, "IProgressMonitor") else None
     if monitor is not None:
         config.progress_monitor = monitor
     start = time.perf_counter()
@@ -214,12 +217,13 @@ def _attach_timing_cache(flavor: Flavor, config: Any, path: str | None) -> str |
     return str(path)
 
 
-def BuildProgress(trt: Any, label: str) -> Any:  # noqa: N802 (a class per flavour, built on its IProgressMonitor)
+def BuildProgress(trt: Any, label: str, show: bool = True) -> Any:  # noqa: N802 (a class per flavour, built on its IProgressMonitor)
     """A tqdm bar over TensorRT's top-level build phases (IProgressMonitor).
 
     TensorRT calls ``phase_start(phase_name, parent_phase, num_steps)``; a phase without a parent is
-    a top-level phase and gets the bar, nested phases show as its postfix. ``phases`` keeps the
-    (name, parent, steps) of every phase started, for the log and the tests.
+    a top-level phase and gets the bar (drawn when ``show``), nested phases show as its postfix.
+    ``phases`` keeps the (name, parent, steps) of every phase started, for the log and the tests.
+    A step after a Ctrl-C returns False, which cancels the build.
     """
 
     class Monitor(trt.IProgressMonitor):
@@ -235,15 +239,14 @@ def BuildProgress(trt: Any, label: str) -> Any:  # noqa: N802 (a class per flavo
                 if self.bar is not None:
                     self.bar.close()
                 self.top = phase_name
-                self.bar = tqdm(total=int(num_steps), desc=f"  {label}: {phase_name[:40]}", unit="step", leave=False)
+                self.bar = tqdm(total=int(num_steps), desc=f"  {label}: {phase_name[:40]}", unit="step", leave=False, disable=not show)
             elif self.bar is not None:
                 self.bar.set_postfix_str(phase_name[:40])
 
         def step_complete(self, phase_name: str, step: int) -> bool:
             if self.bar is not None and phase_name == self.top:
                 self.bar.update(1)
-            # False cancels the build: a Ctrl-C whose KeyboardInterrupt TensorRT's callback dropped stops it here
-            return not interrupted()
+            return not interrupted()  # False cancels the build (a Ctrl-C is only recorded while it runs)
 
         def phase_finish(self, phase_name: str) -> None:
             if phase_name == self.top and self.bar is not None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ldlm.export.trt_flavor import EngineBuildError, flavor_logger, network_flags
 from ldlm.export.verify import LayerNormSpec, eps_matches
+from ldlm.interrupts import deferred_interrupts, raise_if_interrupted
 
 
 def normalization_layers(trt: Any, network: Any) -> list[Any]:
@@ -147,8 +148,10 @@ def build_normalization_plan(
     layer.get_output(0).name = "y"
     network.mark_output(layer.get_output(0))
     read_back = normalization_layers(trt, network)[0]
-    with logger.capture() as messages:
+    # deferred: raised in TensorRT's logger, a Ctrl-C would be printed and lost; delivered after the build
+    with logger.capture() as messages, deferred_interrupts():
         serialized = builder.build_serialized_network(network, builder.create_builder_config())
+    raise_if_interrupted()
     if serialized is None:
         errors = "; ".join(m for s, m in messages if s in ("ERROR", "INTERNAL_ERROR"))
         raise EngineBuildError(f"TensorRT could not build a one-layer normalization engine: {errors or 'no details'}")

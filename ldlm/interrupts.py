@@ -6,6 +6,11 @@ dropped, and the interrupted command carries on. CI saw exactly this: `ldlm serv
 checkpoint took Ctrl-C inside an import lock's weakref callback, finished the export and started
 serving. The handler here also remembers the signal, so the next stage boundary
 (``raise_if_interrupted``) raises it again; and the dropped one is not printed, since it is not lost.
+
+While C++ runs code that calls back into Python (a TensorRT build, with its logger and progress
+monitor), SIGINT is only recorded (``deferred_interrupts``): raised, the KeyboardInterrupt would land
+in a callback, where the binding prints it as an error and loses it. The build's monitor cancels the
+build at its next step instead, and the code after the call delivers the interrupt.
 """
 
 from __future__ import annotations
@@ -49,12 +54,33 @@ def remembered_interrupts() -> Iterator[None]:
         _received.clear()
 
 
+def _record_sigint(signum: int, frame: FrameType | None) -> None:
+    _received.set()
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Within the block, SIGINT is recorded and not raised; ``raise_if_interrupted`` after it delivers
+    it. Also outside ``remembered_interrupts`` (from Python, a notebook). Off the main thread, or where
+    SIGINT is ignored or handled outside Python, the block runs with the handler it has."""
+    current = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or current in (signal.SIG_IGN, None):
+        yield
+        return
+    signal.signal(signal.SIGINT, _record_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, current)
+
+
 def interrupted() -> bool:
-    """Whether a Ctrl-C arrived inside ``remembered_interrupts`` (outside that block: never)."""
+    """Whether a Ctrl-C arrived, not yet delivered, inside ``remembered_interrupts`` or ``deferred_interrupts``."""
     return _received.is_set()
 
 
 def raise_if_interrupted() -> None:
-    """Raise KeyboardInterrupt if ``interrupted()``: a long job calls this between its stages."""
+    """Deliver a remembered Ctrl-C, once: a long job calls this between its stages."""
     if interrupted():
+        _received.clear()
         raise KeyboardInterrupt

@@ -1031,6 +1031,39 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_interrupts.py",),
         "Ctrl-C during an engine build goes on building the whole graph",
     ),
+    Mutation(
+        "build-interrupts-not-deferred",
+        "export/engine.py",
+        "    with logger.capture() as messages, deferred_interrupts():",
+        "    with logger.capture() as messages:",
+        ("tests/test_interrupts.py",),
+        "Ctrl-C during a build prints TensorRT's '[ERROR] Exception caught in log()' trace",
+    ),
+    Mutation(
+        "engine-monitor-only-with-progress",
+        "export/engine.py",
+        'BuildProgress(trt, onnx_path.stem, progress) if hasattr(trt, "IProgressMonitor") else None',
+        'BuildProgress(trt, onnx_path.stem, progress) if progress and hasattr(trt, "IProgressMonitor") else None',
+        ("tests/test_interrupts.py",),
+        "without a progress bar, Ctrl-C during an engine build waits for the whole build",
+    ),
+    Mutation(
+        "interrupt-delivered-forever",
+        "ldlm/interrupts.py",
+        """        _received.clear()
+        raise KeyboardInterrupt""",
+        "        raise KeyboardInterrupt",
+        ("tests/test_interrupts.py",),
+        "after one Ctrl-C in a notebook, every later engine build stops at once",
+    ),
+    Mutation(
+        "engine-interrupt-reported-as-failure",
+        "export/engine.py",
+        "    raise_if_interrupted()  # a Ctrl-C recorded during the build",
+        "    pass  # a Ctrl-C recorded during the build",
+        ("tests/test_interrupts.py",),
+        "Ctrl-C during an engine build is reported as 'TensorRT could not build ... BuildCanceled'",
+    ),
 )
 
 

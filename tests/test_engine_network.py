@@ -174,8 +174,8 @@ def test_build_progress_bar_follows_tensorrt_phases(flavor, tmp_path: Path, monk
     monitors = []
     real = engine.BuildProgress
 
-    def recorded(trt, label):
-        monitors.append(real(trt, label))
+    def recorded(trt, label, show):
+        monitors.append(real(trt, label, show))
         return monitors[-1]
 
     monkeypatch.setattr(engine, "BuildProgress", recorded)

@@ -7,6 +7,8 @@ the same way, inside a weakref callback, and check that the long jobs stop at th
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import signal
 import sys
 import weakref
@@ -71,31 +73,25 @@ def test_the_export_stops_at_its_next_stage_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []  # no output, no temporary directory
 
 
-@pytest.mark.parametrize("where", ["raised into TensorRT", "dropped by Python"])
-def test_an_engine_build_stops_at_a_ctrl_c_in_its_progress_callback(
-    where: str, export_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """TensorRT calls the progress monitor from C++. A KeyboardInterrupt raised into it fails the build
-    (it returns no plan), and one Python dropped leaves TensorRT building: the monitor's next step then
-    returns False, which cancels the build. Either way build_engines reports the Ctrl-C, not a failed
-    build, and leaves nothing."""
+def test_an_engine_build_is_cancelled_at_the_step_after_a_ctrl_c(export_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT while TensorRT builds (here: at its first progress step) is recorded, not raised into
+    TensorRT's callbacks: the monitor's next step returns False, which cancels the build, and
+    build_engines reports the Ctrl-C, not a failed build, and leaves nothing."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX builds engines without a GPU; it is not installed")
     from ldlm.export import engine
 
-    steps: list[str] = []
+    steps: list[bool] = []
     real_progress = engine.BuildProgress
 
-    def interrupting_progress(trt, label):  # type: ignore[no-untyped-def]
-        monitor = real_progress(trt, label)
+    def interrupting_progress(trt, label, show):  # type: ignore[no-untyped-def]
+        monitor = real_progress(trt, label, show)
         real_step = monitor.step_complete
 
         def step_complete(phase_name: str, step: int) -> bool:
-            steps.append(phase_name)
-            if len(steps) == 1 and where == "raised into TensorRT":
-                signal.raise_signal(signal.SIGINT)  # handled inside this callback, called from TensorRT
-            elif len(steps) == 1:
-                drop_a_ctrl_c()
-            return real_step(phase_name, step)
+            if not steps:
+                signal.raise_signal(signal.SIGINT)
+            steps.append(real_step(phase_name, step))
+            return steps[-1]
 
         monitor.step_complete = step_complete
         return monitor
@@ -104,8 +100,49 @@ def test_an_engine_build_stops_at_a_ctrl_c_in_its_progress_callback(
     out = tmp_path / "engines"
     with interrupts.remembered_interrupts(), pytest.raises(KeyboardInterrupt):
         engine.build_engines(export_dir, out, graphs=["encoder"], flavor="tensorrt_rtx", progress=True)
-    assert len(steps) <= 2  # TensorRT called the monitor, and stopped at the step that saw the Ctrl-C
+    assert steps == [False]  # the step that saw the Ctrl-C cancelled the build
     assert list(tmp_path.iterdir()) == []
+
+
+class InterruptingMessages(collections.deque):
+    """The history of TensorRT's logger, raising SIGINT at the first message it records: the Ctrl-C
+    lands in ``log()``, a callback TensorRT calls from C++."""
+
+    fired = False
+
+    def append(self, entry: tuple[str, str]) -> None:
+        if not self.fired:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+        super().append(entry)
+
+
+@pytest.mark.parametrize("cli", [True, False], ids=["the CLI's handler", "Python's own"])
+def test_a_ctrl_c_in_tensorrts_logger_cancels_the_build_and_is_delivered_once(
+    cli: bool, export_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Raised into TensorRT, it was printed ("[ERROR] Exception caught in log(): KeyboardInterrupt")
+    and lost. During the build it is only recorded, the monitor (attached without a progress bar too)
+    cancels the build, and build_engines raises it, once: the next build runs. The same from Python
+    without the CLI's handler."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX builds engines without a GPU; it is not installed")
+    from ldlm.export import engine
+    from ldlm.export.trt_flavor import flavor_logger, load_flavor
+
+    flavor = load_flavor("tensorrt_rtx")
+    logger = flavor_logger(flavor)
+    monkeypatch.setattr(logger, "threshold", flavor.trt.ILogger.Severity.VERBOSE)  # every message recorded
+    monkeypatch.setattr(logger, "messages", InterruptingMessages(maxlen=logger.messages.maxlen))
+    out = tmp_path / "engines"
+    with interrupts.remembered_interrupts() if cli else contextlib.nullcontext(), pytest.raises(KeyboardInterrupt):
+        engine.build_engines(export_dir, out, graphs=["encoder"], flavor="tensorrt_rtx")
+    assert logger.messages.fired
+    assert any("BuildCanceled" in message for _, message in logger.messages)  # cancelled, not built to the end
+    assert "Exception caught" not in capfd.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert not interrupts.interrupted()  # delivered once:
+    engine.build_engines(export_dir, out, graphs=["encoder"], flavor="tensorrt_rtx")
+    assert (out / "encoder.plan").is_file()
 
 
 def test_serve_does_not_start_after_a_ctrl_c_dropped_while_preparing(
