@@ -80,39 +80,38 @@ def test_tokenizer_inputs(tmp_path: Path) -> None:
 
 
 def hf_gpt2_dir(directory: Path, edit=None) -> Path:
-    """A Hugging Face-layout GPT-2 directory of the tiny config (config.json + model.safetensors),
-    written from our own feature model (Conv1D weights transposed back), optionally edited."""
-    from safetensors.torch import save_file
+    """A GPT-2 directory of the tiny config as Hugging Face writes it (GPT2LMHeadModel.save_pretrained:
+    config.json + model.safetensors, names prefixed with transformer.), its tensors optionally edited."""
+    from safetensors.torch import load_file, save_file
 
+    transformers = pytest.importorskip("transformers", reason="transformers writes the GPT-2 directory (pip install -e .[test])")
     config = preset("tiny")
-    directory.mkdir()
-    (directory / "config.json").write_text(
-        json.dumps(
-            {
-                "n_embd": config.d_model,
-                "n_head": config.n_heads,
-                "n_layer": config.gpt2_layers,
-                "vocab_size": config.gpt2_vocab_size,
-                "n_positions": config.gpt2_positions,
-                "layer_norm_epsilon": config.layer_norm_eps,
-            }
-        )
+    hf_config = transformers.GPT2Config(
+        n_layer=config.gpt2_layers,
+        n_embd=config.d_model,
+        n_head=config.n_heads,
+        vocab_size=config.gpt2_vocab_size,
+        n_positions=config.gpt2_positions,
     )
-    state = {}
-    for name, tensor in init_model(config, seed=1).feature_model.state_dict().items():
-        conv1d = name.endswith(("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"))
-        state[f"transformer.{name}"] = (tensor.t() if conv1d else tensor).contiguous()
+    torch.manual_seed(1)
+    transformers.GPT2LMHeadModel(hf_config).save_pretrained(directory)
+    weights = directory / "model.safetensors"
     if edit is not None:
+        state = load_file(str(weights))
         edit(state)
-    if state:
-        save_file(state, str(directory / "model.safetensors"))
+        weights.unlink()
+        if state:
+            save_file(state, str(weights))
     return directory
 
 
 def test_gpt2_weight_directories_are_checked_tensor_by_tensor(tmp_path: Path) -> None:
     tiny = preset("tiny")
-    loaded = init_model(tiny, seed=0, gpt2_dir=hf_gpt2_dir(tmp_path / "ok"))
-    assert torch.equal(loaded.feature_model.wpe.weight, init_model(tiny, seed=1).feature_model.wpe.weight)
+    from safetensors.torch import load_file
+
+    ok = hf_gpt2_dir(tmp_path / "ok")
+    loaded = init_model(tiny, seed=0, gpt2_dir=ok)
+    assert torch.equal(loaded.feature_model.wpe.weight, load_file(str(ok / "model.safetensors"))["transformer.wpe.weight"])
     empty = hf_gpt2_dir(tmp_path / "empty", lambda s: s.clear())
     with raises(CheckpointError, f"GPT-2 directory {empty} has no model.safetensors (pickle weights are never loaded)"):
         init_model(tiny, seed=0, gpt2_dir=empty)
