@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 DecodeFinal = Literal["mean", "x0"]
-# The samplers every generating path offers (ldlm/sampler.py implements them); listed here, with no
+# The samplers every generating path offers (ldlm/samplers.py implements them); listed here, with no
 # torch import, so the config, the CLI and the HTTP schemas all take the names from one place.
 SAMPLERS: tuple[str, ...] = ("sde", "ddim", "dpm2m", "dpm3m", "dpm3m-psc")
 
@@ -58,7 +58,7 @@ class LDLMConfig:
     # --- token decoder (known: 3 layers) ---
     token_decoder_layers: int = 3
 
-    # --- sampler (inferred or guessed, see ldlm/sampler.py) ---
+    # --- sampler (inferred or guessed, see ldlm/schedule.py and ldlm/samplers.py) ---
     schedule_d: float = 3.0  # tangent schedule's d
     beta_clip_t: float = 0.95  # beta(t) is evaluated at min(t, this): beta -> inf as t -> 1
     t_min: float = 0.05

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.sampler import NoiseStream, TangentSchedule, forward_noise, sample_seeds
-from ldlm.solvers import get_solver, run_sampler
+from ldlm.sampling import GenerateRequest, SamplingEngine, resolve, run_lockstep
+from ldlm.schedule import TangentSchedule
 from ldlm.tokenizer import TextTokenizer
 
 
@@ -84,10 +84,10 @@ class LDLMPipeline:
         self.tokenizer = tokenizer
         self.config: LDLMConfig = config if config is not None else graphs.config  # type: ignore[attr-defined]
         self.device = torch.device(device)
-        # Where noise is drawn: the pipeline's device by default (no copy per step); "cpu" makes a
-        # GPU run use exactly the CPU run's noise, for parity.
-        self.noise_device = self.device if noise_device is None else torch.device(noise_device)
         self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
+        # noise_device: where noise is drawn (default: ``device``; "cpu" gives a GPU run the CPU run's noise)
+        self.engine = SamplingEngine(self.schedule, self.config.decode_final, self.device, noise_device)
+        self.noise_device = self.engine.noise_device
         bad = [b for b in buckets if not 1 <= b <= self.config.max_seq_len]
         if bad:
             raise ValueError(f"buckets {bad} are out of range; allowed: 1..{self.config.max_seq_len} (config max_seq_len)")
@@ -171,16 +171,6 @@ class LDLMPipeline:
         texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, lengths)]
         return TextResult(token_ids=token_ids, texts=texts, lengths=lengths)
 
-    def inpaint_prefix(self, x_t: Tensor, t: Tensor | float, prefix: Tensor, noise: Tensor) -> Tensor:
-        """Prefix inpainting, the training-free conditioning of diffusion models: the first P
-        positions of one sample's x_t (L, D) are reset to the prompt's latents ``prefix`` (P, D),
-        forward-noised to time t with ``noise`` (P, D); the rest is left to the sampler. How well
-        the continuation follows the prompt depends on the trained model."""
-        p = prefix.shape[0]
-        t = torch.as_tensor(t, dtype=prefix.dtype, device=prefix.device).reshape(1)  # a device scalar stays on the device
-        noised = forward_noise(self.schedule, prefix[None], t, noise[None])[0]
-        return torch.cat([noised.to(x_t.dtype), x_t[p:]])
-
     def reconstruct(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> TextResult:
         """Texts (or their token ids) -> latents -> texts: the autoencoder's round trip. ``texts`` is a
         list, even of one text."""
@@ -197,15 +187,25 @@ class LDLMPipeline:
         sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
+        prompt: str | Sequence[int] | None = None,
     ) -> TextResult:
         """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
 
-        ``sampler`` is one of ``ldlm.solvers.SOLVERS`` (default: the config's ``default_sampler``).
-        Every solver but ``"sde"`` is deterministic given the seed (the prior is still seeded);
-        ``"sde"`` draws fresh noise every step, also from the seed.
+        ``sampler`` is one of ``ldlm.config.SAMPLERS`` (default: the config's ``default_sampler``).
+        Every sampler but ``"sde"`` is deterministic given the seed (the prior is still seeded);
+        ``"sde"`` draws fresh noise every step, also from the seed. ``prompt`` (a text or its token
+        ids, shorter than ``length``): every sample starts with it, by prefix inpainting
+        (ldlm/sampling/engine.py), and its text is the prompt's followed by the continuation.
         """
-        latents = self.sample_latents(n, length, steps, seed, sampler, t_min, progress)
-        return self.decode(latents)
+        prefix = None if prompt is None else self.prompt_latents(prompt, length)
+        return self.decode(self.sample_latents(n, length, steps, seed, sampler, t_min, progress, prefix))
+
+    def prompt_latents(self, prompt: str | Sequence[int], length: int) -> Tensor:
+        """A prompt's latents (P, D) to inpaint, P < ``length`` (the continuation needs a position)."""
+        ids = self.text_ids([prompt])[0] if isinstance(prompt, str) else [int(i) for i in prompt]
+        if not 1 <= len(ids) < length:
+            raise ValueError(f"the prompt is {len(ids)} tokens long; allowed: 1..{length - 1} tokens (fewer than length={length})")
+        return self.encode([ids]).latents[0]
 
     def sample_latents(
         self,
@@ -216,27 +216,10 @@ class LDLMPipeline:
         sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
+        prefix: Tensor | None = None,
     ) -> Tensor:
-        """The standardized latents (n, length, D) that ``generate`` decodes."""
-        cfg = self.config
-        steps = cfg.default_steps if steps is None else steps
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n={n!r} is out of range; allowed: an integer >= 1")
-        self.check_length(length)
-        solver = get_solver(cfg.default_sampler if sampler is None else sampler)
-        grid = solver.time_grid(steps, cfg.t_min if t_min is None else t_min, self.schedule)
-        streams = [NoiseStream(s, (length, cfg.d_model), self.noise_device) for s in sample_seeds(seed, n)]
-        padded = self.bucket_length(length)
-        mask = torch.zeros(n, padded, dtype=torch.bool, device=self.device)
-        mask[:, :length] = True
-
-        def draw_noise() -> Tensor:
-            noise = torch.stack([stream.draw() for stream in streams])  # (B, L, D)
-            return torch.nn.functional.pad(noise, (0, 0, 0, padded - length)).to(self.device)
-
-        def denoise(x_t: Tensor, t: Tensor, x0_prev: Tensor) -> Tensor:
-            return self.graphs.denoise(x_t, t, x0_prev, mask)
-
+        """The standardized latents (n, length, D) that ``generate`` decodes, all samples in lockstep."""
+        plan = resolve(GenerateRequest(n, length, steps, seed, sampler, t_min), self.config)
+        states = self.engine.start(plan, self.config.d_model, prefix)
         with torch.inference_mode():
-            latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, solver.name, cfg.decode_final, progress)
-        return latents[:, :length]
+            return run_lockstep(self.engine, states, self.graphs.denoise, self.bucket_length(length), progress)

@@ -34,11 +34,12 @@ from ldlm.checkpoint import init_model
 from ldlm.config import preset
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampler import TangentSchedule
-from ldlm.solvers import SOLVERS, run_sampler
+from ldlm.samplers import SAMPLERS_BY_NAME
+from ldlm.sampling import run_sampler
+from ldlm.schedule import TangentSchedule
 from ldlm.tokenizer import TextTokenizer
 
-DETERMINISTIC = [name for name, solver in SOLVERS.items() if not solver.stochastic]
+DETERMINISTIC = [name for name, solver in SAMPLERS_BY_NAME.items() if not solver.stochastic]
 SHAPES = {"tiny": (8, 64), "base": (2, 32)}  # (samples, tokens) per preset: base runs 2,000 steps on a CPU
 
 
@@ -114,7 +115,7 @@ def oracle(steps: list[int]) -> dict[str, Any]:
     exact = schedule.alpha(t) * mu + torch.sqrt(schedule.alpha(t) ** 2 * s**2 + schedule.sigma(t) ** 2) * prior
     out: dict[str, Any] = {}
     for name in DETERMINISTIC:
-        solver = SOLVERS[name]
+        solver = SAMPLERS_BY_NAME[name]
         errors = []
         for count in steps:
             x = run_sampler(denoise, prior, lambda: prior, solver.time_grid(count, t_min, schedule), schedule, name)

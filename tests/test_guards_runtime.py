@@ -41,8 +41,8 @@ def test_devices_are_named() -> None:
 
 
 def test_pipeline_sampler_and_solver_inputs(pipeline) -> None:
-    from ldlm.sampler import time_grid
-    from ldlm.solvers import get_solver
+    from ldlm.samplers import get_sampler
+    from ldlm.schedule import time_grid
 
     with raises(ValueError, "no sequences given; allowed: at least one"):
         pipeline.check_token_ids([])
@@ -56,8 +56,8 @@ def test_pipeline_sampler_and_solver_inputs(pipeline) -> None:
         time_grid(4, 0.1, "logsnr")
     x = torch.zeros(1, 2, 3)
     t = torch.tensor([1.0])
-    with raises(ValueError, "the sde solver draws noise every step; pass noise="):
-        get_solver("sde").step(pipeline.schedule, x, x, t, t * 0.5, [])
+    with raises(ValueError, "the sde sampler draws noise every step; pass noise="):
+        get_sampler("sde").step(pipeline.schedule, x, x, t, t * 0.5, [])
 
 
 def test_tokenizer_inputs(tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.sampler import NoiseStream, ddim_step, sample_seeds, time_grid  # noqa: E402
+from ldlm.samplers import ddim_step  # noqa: E402
+from ldlm.sampling import NoiseStream, sample_seeds  # noqa: E402
+from ldlm.schedule import time_grid  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler  # noqa: E402

@@ -64,7 +64,7 @@ def test_generate_equals_a_hand_written_ddim_loop(pipeline: LDLMPipeline, tiny_m
 
     cfg = pipeline.config
     n, length, steps, seed = 2, 6, 3, 8
-    from ldlm.sampler import NoiseStream, sample_seeds
+    from ldlm.sampling import NoiseStream, sample_seeds
 
     x = torch.stack([NoiseStream(s, (length, cfg.d_model)).draw() for s in sample_seeds(seed, n)]).double()
     ts = [1.0 + (cfg.t_min - 1.0) * i / steps for i in range(steps + 1)]
@@ -86,7 +86,7 @@ def test_generate_equals_a_hand_written_ddim_loop(pipeline: LDLMPipeline, tiny_m
 
 def test_samples_of_one_request_are_independent(pipeline: LDLMPipeline) -> None:
     """Each sample has its own seed: no two rows of a request share a prior or their noise."""
-    from ldlm.sampler import sample_seeds
+    from ldlm.sampling import sample_seeds
 
     seeds = sample_seeds(3, 4)
     assert len(set(seeds)) == 4 and sample_seeds(3, 4) == seeds and sample_seeds(4, 4) != seeds

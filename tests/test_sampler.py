@@ -7,14 +7,9 @@ import math
 import pytest
 import torch
 
-from ldlm.sampler import (
-    NoiseStream,
-    TangentSchedule,
-    ddim_step,
-    sample_seeds,
-    time_grid,
-)
-from ldlm.solvers import run_sampler
+from ldlm.samplers import ddim_step
+from ldlm.sampling import NoiseStream, run_sampler, sample_seeds
+from ldlm.schedule import TangentSchedule, time_grid
 
 SCHEDULE = TangentSchedule(d=3.0, beta_clip_t=0.95)
 F64 = torch.float64

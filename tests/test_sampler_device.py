@@ -24,7 +24,7 @@ from ldlm.checkpoint import init_model
 from ldlm.config import preset
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampler import NoiseStream
+from ldlm.sampling import NoiseStream
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.serve.runtime.torch_backends import EagerBackend

@@ -17,9 +17,10 @@ import torch
 
 from ldlm.config import SAMPLERS
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampler import TangentSchedule, ddim_step, time_grid
+from ldlm.samplers import SAMPLERS_BY_NAME, ddim_step, get_sampler
+from ldlm.sampling import run_sampler
+from ldlm.schedule import TangentSchedule, time_grid
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.solvers import SOLVERS, get_solver, run_sampler
 
 SCHEDULE = TangentSchedule(d=3.0, beta_clip_t=0.95)
 F64 = torch.float64
@@ -39,7 +40,7 @@ def exact_solution(t_min: float = T_MIN) -> torch.Tensor:
 
 
 def oracle_error(sampler: str, steps: int, grid: str | None = None) -> float:
-    solver = get_solver(sampler)
+    solver = get_sampler(sampler)
     times = time_grid(steps, T_MIN, grid or solver.grid, SCHEDULE)
     x = run_sampler(oracle_denoiser, PRIOR, lambda: torch.zeros_like(PRIOR), times, SCHEDULE, sampler)
     exact = exact_solution()
@@ -79,9 +80,11 @@ def test_first_step_and_one_step_runs_are_exactly_ddim() -> None:
     t, t_next = torch.ones(2, dtype=F64), torch.full((2,), 0.8, dtype=F64)
     expected = ddim_step(SCHEDULE, x, x0, t, t_next)
     for name in ("ddim", "dpm2m", "dpm3m", "dpm3m-psc"):
-        result = SOLVERS[name].step(SCHEDULE, x, x0, t, t_next, [])
+        result = SAMPLERS_BY_NAME[name].step(SCHEDULE, x, x0, t, t_next, [])
         assert torch.equal(result.x, expected), name
-        one_step = run_sampler(oracle_denoiser, PRIOR, lambda: None, time_grid(1, T_MIN, SOLVERS[name].grid, SCHEDULE), SCHEDULE, name)
+        one_step = run_sampler(
+            oracle_denoiser, PRIOR, lambda: None, time_grid(1, T_MIN, SAMPLERS_BY_NAME[name].grid, SCHEDULE), SCHEDULE, name
+        )
         hand = ddim_step(SCHEDULE, PRIOR, x0, t, torch.full((2,), T_MIN, dtype=F64))
         torch.testing.assert_close(one_step, hand, rtol=0, atol=0, msg=name)
 
@@ -104,7 +107,9 @@ def test_second_order_step_by_hand() -> None:
         return torch.full((1, 1, 1), v, dtype=F64)
 
     past = [(scalar(m1), torch.tensor([lam[0]], dtype=F64))]
-    result = SOLVERS["dpm2m"].step(SCHEDULE, scalar(x), scalar(m0), torch.tensor([t1], dtype=F64), torch.tensor([t2], dtype=F64), past)
+    result = SAMPLERS_BY_NAME["dpm2m"].step(
+        SCHEDULE, scalar(x), scalar(m0), torch.tensor([t1], dtype=F64), torch.tensor([t2], dtype=F64), past
+    )
     assert result.x.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -115,7 +120,7 @@ def test_missing_past_falls_back_per_sample() -> None:
     m0 = oracle_denoiser(x, t, x)
     m1 = oracle_denoiser(x, torch.tensor([0.7, 0.7], dtype=F64), x)
     lam1 = torch.tensor([SCHEDULE.log_snr(torch.tensor(0.7)).item(), math.nan], dtype=F64)
-    result = SOLVERS["dpm3m"].step(SCHEDULE, x, m0, t, t_next, [(m1, lam1)])
+    result = SAMPLERS_BY_NAME["dpm3m"].step(SCHEDULE, x, m0, t, t_next, [(m1, lam1)])
     ddim = ddim_step(SCHEDULE, x, m0, t, t_next)
     assert torch.equal(result.x[1], ddim[1])
     assert not torch.allclose(result.x[0], ddim[0])
@@ -125,7 +130,7 @@ def test_extreme_times_give_finite_outputs() -> None:
     """Steps next to t = 1 and down to a tiny t_min, with pasts at t = 1 (lambda = -inf): never NaN."""
     x = PRIOR[:, :4]
     for name in SAMPLERS:
-        solver = SOLVERS[name]
+        solver = SAMPLERS_BY_NAME[name]
         for grid in ("uniform", "power", "logsnr"):
             times = time_grid(6, 1e-4, grid, SCHEDULE)
             out = run_sampler(oracle_denoiser, x, lambda: torch.randn_like(x), times, SCHEDULE, name)
@@ -153,8 +158,8 @@ def test_grids() -> None:
 
 def test_unknown_solver_names_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match="sampler='dpm9m' is unknown; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc"):
-        get_solver("dpm9m")
-    assert tuple(SOLVERS) == SAMPLERS
+        get_sampler("dpm9m")
+    assert tuple(SAMPLERS_BY_NAME) == SAMPLERS
 
 
 def test_predicted_self_conditioning_keeps_the_limit(pipeline: LDLMPipeline) -> None:
@@ -198,9 +203,9 @@ def inpainted_by_hand(pipeline: LDLMPipeline, z: torch.Tensor, length: int, seed
     """Prefix inpainting under a multistep solver, written out: at every step the prompt's positions are
     reset to its latents z forward-noised to that step's time, then one step of the solver, which keeps
     its own past and self-conditioning input."""
-    from ldlm.sampler import NoiseStream, sample_seeds
+    from ldlm.sampling import NoiseStream, sample_seeds
 
-    model, schedule, solver = pipeline.graphs, pipeline.schedule, get_solver(sampler)
+    model, schedule, solver = pipeline.graphs, pipeline.schedule, get_sampler(sampler)
     p, d = z.shape[0], pipeline.config.d_model
     sample_seed = sample_seeds(seed, 1)[0]
     x = NoiseStream(sample_seed, (length, d)).draw()[None]
@@ -241,7 +246,7 @@ def test_config_default_sampler_is_checked() -> None:
 
     with pytest.raises(ValueError, match="default_sampler='euler' is invalid; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc"):
         LDLMConfig(default_sampler="euler")
-    assert LDLMConfig().default_sampler in SOLVERS
+    assert LDLMConfig().default_sampler in SAMPLERS_BY_NAME
 
 
 def test_onnx_runtime_gives_the_eager_tokens_under_every_solver(pipeline: LDLMPipeline, export_dir) -> None:

@@ -9,7 +9,7 @@ import time
 
 from ldlm.cli.options import capped_positive_int, open_unit_float, positive_int, seed_int
 from ldlm.config import SAMPLERS, LDLMConfig
-from ldlm.serve.api.limits import MAX_N, MAX_SEED, MAX_STEPS
+from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS
 
 
 def _cmd_init(args: argparse.Namespace) -> None:
@@ -103,7 +103,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         description="Sample N sequences by denoising latents from noise, then decode them to text.",
     )
     p.add_argument("checkpoint", help="checkpoint directory")
-    # the same caps as `ldlm serve` (ldlm.serve.api.limits): what the server refuses, the CLI refuses too
+    # the same caps as `ldlm serve` (ldlm.limits): what the server refuses, the CLI refuses too
     p.add_argument(
         "--n",
         type=capped_positive_int(MAX_N, " samples per run (as ldlm serve's max_n)"),

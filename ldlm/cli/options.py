@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ldlm.serve.api.limits import MAX_SEED
+from ldlm.limits import MAX_SEED
 
 
 def positive_int(text: str) -> int:
@@ -35,7 +35,7 @@ def int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
 
 
 def capped_positive_int(high: int, why: str) -> Callable[[str], int]:
-    """``positive_int`` with an upper limit: the same caps as the HTTP API (``ldlm.serve.api.limits``)."""
+    """``positive_int`` with an upper limit: the same caps as the HTTP API (``ldlm.limits``)."""
 
     def parse(text: str) -> int:
         value = positive_int(text)

@@ -13,8 +13,8 @@ from typing import Any
 from pydantic import BaseModel, Field, create_model
 
 from ldlm.config import SAMPLERS
+from ldlm.limits import MAX_SEED
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.limits import MAX_SEED
 from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, Range, SamplerName, strict_int, timeout_field
 from ldlm.serve.api.service import ServerSettings
 

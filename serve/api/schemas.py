@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
 from ldlm.config import SAMPLERS, LDLMConfig
-from ldlm.serve.api.limits import MAX_SEED
+from ldlm.limits import MAX_SEED
 
 
 class ErrorResponse(BaseModel):

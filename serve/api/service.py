@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ldlm.export.onnx_export import export_graphs
+from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.api.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.api.streaming import PreviewDecoder

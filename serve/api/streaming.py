@@ -32,7 +32,8 @@ from typing import Any
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.serve.runtime.scheduler import GenerateRequest, decode_ragged
+from ldlm.sampling import GenerateRequest
+from ldlm.serve.runtime.delivery import decode_ragged
 
 log = logging.getLogger("ldlm.serve")
 

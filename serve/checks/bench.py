@@ -25,10 +25,10 @@ from ldlm.checkpoint import load_config
 from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline, check_length
+from ldlm.samplers import get_sampler
 from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.solvers import get_solver
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -145,7 +145,7 @@ def parse_solver_specs(text: str) -> list[tuple[str, int]]:
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, steps = item.partition("@")
-        get_solver(name)
+        get_sampler(name)
         if not steps.isdigit() or int(steps) < 1:
             raise ValueError(f"solver spec {item!r} is invalid; allowed: NAME@STEPS with STEPS an integer >= 1")
         specs.append((name, int(steps)))

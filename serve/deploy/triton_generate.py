@@ -1,13 +1,14 @@
 """Triton Python-backend model ``ldlm_generate``: the sampling loop, calling the ``denoiser`` and
 ``decoder`` models of the same repository through BLS.
 
-``ldlm triton-repo`` copies this file to ``ldlm_generate/1/model.py``. The sampler is not copied:
-the loop is ``ldlm.solvers.run_sampler`` with the same per-sample noise streams as our runner,
-so a seed gives the runner's tokens. The ``ldlm`` package must be importable in Triton's Python
-environment (see docs/scale-out.md).
+``ldlm triton-repo`` copies this file to ``ldlm_generate/1/model.py``. The sampling is not copied:
+the request is resolved and run by ``ldlm.sampling`` (the lockstep driver of the one sampling
+engine, with the same per-sample noise streams as our runner), so a seed gives the runner's tokens.
+The ``ldlm`` package must be importable in Triton's Python environment (see docs/scale-out.md).
 
-Inputs (one request each): N (1..max_n), LENGTH, STEPS (1..max_steps), SEED (INT64 [1]), SAMPLER (BYTES [1], a name of ldlm.solvers.SOLVERS; default: the config's default_sampler),
-optional T_MIN (FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
+Inputs (one request each): N (1..max_n), LENGTH, STEPS (1..max_steps), SEED (INT64 [1]), SAMPLER
+(BYTES [1], a name of ldlm.config.SAMPLERS; default: the config's default_sampler), optional T_MIN
+(FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import torch
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
 
 from ldlm.config import LDLMConfig
-from ldlm.sampler import NoiseStream, TangentSchedule, sample_seeds
-from ldlm.solvers import SOLVERS, get_solver, run_sampler
+from ldlm.limits import MAX_N, MAX_STEPS
+from ldlm.sampling import GenerateRequest, RequestLimits, SamplingEngine, resolve, run_lockstep
+from ldlm.schedule import TangentSchedule
 from ldlm.tokenizer import TextTokenizer
+
+TRITON_NAMES = {"n": "N", "length": "LENGTH", "steps": "STEPS", "sampler": "SAMPLER", "seed": "SEED"}  # its inputs' names
 
 
 class TritonPythonModel:
@@ -32,9 +36,9 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         parameters = json.loads(args["model_config"]).get("parameters", {})
         limits = {key: parameters.get(key, {}).get("string_value") for key in ("max_n", "max_steps", "bls_max_batch")}
-        self.max_n, self.max_steps = int(limits["max_n"] or 64), int(limits["max_steps"] or 1000)
-        # The denoiser's and decoder's max_batch_size: larger N runs in BLS calls of this many samples.
-        # (A repository written before this parameter: one call per step, as before.)
+        self.max_n, self.max_steps = int(limits["max_n"] or MAX_N), int(limits["max_steps"] or MAX_STEPS)
+        # The denoiser's and decoder's max_batch_size: larger N runs in BLS calls of this many samples
+        # (without the parameter: one call per step).
         self.bls_max_batch = int(limits["bls_max_batch"]) if limits["bls_max_batch"] else None
         self.config = LDLMConfig.load(version_dir / "config.json")
         tokenizer = version_dir / "tokenizer.json"
@@ -48,7 +52,7 @@ class TritonPythonModel:
                     "rewrite the repository with `ldlm triton-repo`"
                 )
         self.tokenizer = TextTokenizer.from_directory(version_dir) if tokenizer.is_file() else TextTokenizer.gpt2()
-        self.schedule = TangentSchedule(self.config.schedule_d, self.config.beta_clip_t)
+        self.engine = SamplingEngine(TangentSchedule(self.config.schedule_d, self.config.beta_clip_t), self.config.decode_final)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -68,50 +72,38 @@ class TritonPythonModel:
         return responses
 
     def generate(self, request: Any) -> tuple[list[str], np.ndarray]:
-        def scalar(name: str, default: Any = None) -> Any:
+        def scalar(name: str, required: bool = True) -> Any:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is None:
-                if default is None:
+                if required:
                     raise ValueError(f"input {name} is required")
-                return default
+                return None  # the config's default
             value = tensor.as_numpy().reshape(-1)[0]
             return value.decode() if isinstance(value, bytes) else value.item()
 
-        cfg = self.config
-        n, length, steps, seed = int(scalar("N")), int(scalar("LENGTH")), int(scalar("STEPS")), int(scalar("SEED", 0))
-        sampler, t_min = scalar("SAMPLER", cfg.default_sampler), float(scalar("T_MIN", cfg.t_min))
-        if not 1 <= n <= self.max_n:
-            raise ValueError(f"N={n} is out of range; allowed: 1..{self.max_n}")
-        if not 1 <= length <= cfg.max_seq_len:
-            raise ValueError(f"LENGTH={length} is out of range; allowed: 1..{cfg.max_seq_len}")
-        if not 1 <= steps <= self.max_steps:
-            raise ValueError(f"STEPS={steps} is out of range; allowed: 1..{self.max_steps}")
-        if sampler not in SOLVERS:
-            raise ValueError(f"SAMPLER={sampler!r} is unknown; allowed: {', '.join(SOLVERS)}")
-        grid = get_solver(sampler).time_grid(steps, t_min, self.schedule)
-        streams = [NoiseStream(s, (length, cfg.d_model)) for s in sample_seeds(seed, n)]
-        mask = np.ones((n, length), dtype=np.int64)
-        chunk = self.bls_max_batch or n
+        request = GenerateRequest(
+            int(scalar("N")),
+            int(scalar("LENGTH")),
+            int(scalar("STEPS")),
+            int(scalar("SEED", False) or 0),
+            scalar("SAMPLER", False),
+            scalar("T_MIN", False),
+        )
+        plan = resolve(request, self.config, RequestLimits(self.max_n, self.max_steps), TRITON_NAMES)
+        mask = np.ones((plan.n, plan.length), dtype=np.int64)
+        chunk = self.bls_max_batch or plan.n
 
-        def draw_noise() -> torch.Tensor:
-            return torch.stack([stream.draw() for stream in streams])
-
-        def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor) -> torch.Tensor:
+        def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
             # t is a per-sample scalar: config.pbtxt declares dims [1] (reshaped to [] for the model)
-            outputs = bls(
-                "denoiser",
-                {
-                    "x_t": x_t.float().numpy(),
-                    "t": t.float().numpy().reshape(-1, 1),
-                    "x0_prev": x0_prev.float().numpy(),
-                    "attention_mask": mask,
-                },
-                ["x0_hat"],
-                chunk,
-            )
-            return torch.from_numpy(outputs["x0_hat"])
+            feed = {
+                "x_t": x_t.float().numpy(),
+                "t": t.float().numpy().reshape(-1, 1),
+                "x0_prev": x0_prev.float().numpy(),
+                "attention_mask": mask,
+            }
+            return torch.from_numpy(bls("denoiser", feed, ["x0_hat"], chunk)["x0_hat"])
 
-        latents = run_sampler(denoise, draw_noise(), draw_noise, grid, self.schedule, sampler, cfg.decode_final)
+        latents = run_lockstep(self.engine, self.engine.start(plan, self.config.d_model), denoise)
         token_ids = bls("decoder", {"latents": latents.float().numpy(), "attention_mask": mask}, ["token_ids"], chunk)["token_ids"]
         return [self.tokenizer.decode(row.tolist()) for row in token_ids], token_ids
 

@@ -35,6 +35,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from ldlm.pipeline import TextResult
+from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import HTTPError, openai_error
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
 from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_body
@@ -42,7 +43,6 @@ from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.queueing import QueueFullError
-from ldlm.serve.runtime.scheduler import GenerateRequest
 
 # One prompt's token ids and its scheduler request.
 Prepared = list[tuple[list[int], GenerateRequest]]

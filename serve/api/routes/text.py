@@ -21,12 +21,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
 from ldlm.serve.api.schemas import EncodeResponse, RequestModels, TextsResponse, request_models
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, generate_sse
-from ldlm.serve.runtime.scheduler import GenerateRequest
 
 
 def text_request_models(service: LDLMService) -> RequestModels:

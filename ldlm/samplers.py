@@ -1,11 +1,10 @@
-"""Solvers of the reverse process, one interface for every path that generates.
+"""The samplers of the reverse process: the math of one step, for every path that generates.
 
-A solver turns the denoiser's x0_hat at time t into the state at t_next. Each call is batched with
+A sampler turns the denoiser's x0_hat at time t into the state at t_next. Each call is batched with
 per-sample times (B,), and everything a method remembers of earlier steps (``Past``: the previous
-x0_hat and its log-SNR, most recent first) is passed in and handed back, never kept inside, so the
-continuous-batching scheduler can hold it per sample and batch samples of different solvers at
-different steps into one denoiser call. ``run_sampler`` is the loop for a batch that moves in
-lockstep (the pipeline, Triton's ``ldlm_generate``).
+x0_hat and its log-SNR, most recent first) is passed in and handed back, never kept inside, so one
+batch can hold samples of different samplers at different steps. ldlm/sampling.py holds that
+per-sample state and is the one caller of ``Sampler.step``.
 
 Methods (lambda = log(alpha / sigma), h = lambda(t_next) - lambda(t) > 0, ``ddim_step(x, D)`` =
 alpha' D + sigma' (x - alpha D) / sigma is the exact solution of the probability-flow ODE if x0_hat
@@ -36,19 +35,21 @@ stays D over the step):
 
 Every sampler ends with the state at t_min (``x_mean``, decoded when ``decode_final="mean"``) and the
 last x0_hat.
+
+The two first-order steps (``sde_step``, ``ddim_step``) are written out here too, as numbered
+equations; ldlm/schedule.py holds the schedule they step along.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ldlm.config import SAMPLERS
-from ldlm.sampler import TangentSchedule, ddim_step, sde_step, time_grid, to_device
+from ldlm.schedule import TangentSchedule, per_sample, predicted_noise, time_grid
 
 Past = Sequence[tuple[Tensor, Tensor]]  # (x0_hat (B, L, D), lambda (B,) float64), most recent first
 
@@ -56,23 +57,23 @@ Past = Sequence[tuple[Tensor, Tensor]]  # (x0_hat (B, L, D), lambda (B,) float64
 @dataclass(frozen=True)
 class StepResult:
     x: Tensor  # the state at t_next
-    x_mean: Tensor  # its noise-free part: what is decoded after the last step (x for the ODE solvers)
+    x_mean: Tensor  # its noise-free part: what is decoded after the last step (x for the ODE samplers)
     x0_prev: Tensor  # the self-conditioning input of the next denoiser call
 
 
 @dataclass(frozen=True)
-class Solver:
-    """One named method: how many past x0_hat it uses, its time grid, and its step."""
+class Sampler:
+    """One named method: how many past x0_hat it uses, its default time grid, and its step."""
 
     name: str
     order: int  # 1: first order (no past); 2 or 3: multistep, keeps order - 1 past x0_hat
-    grid: str = "uniform"  # ldlm.sampler.time_grid's kind
-    stochastic: bool = False  # draws noise each step (the sde solver)
+    grid: str = "uniform"  # ldlm.schedule.time_grid's kind
+    stochastic: bool = False  # draws noise each step (the sde sampler)
     predict_self_conditioning: bool = False
 
     @property
     def history(self) -> int:
-        """How many past x0_hat the step needs (the scheduler keeps this many per sample)."""
+        """How many past x0_hat the step needs (the engine keeps this many per sample)."""
         return max(self.order - 1, 2 if self.predict_self_conditioning else 0)
 
     def time_grid(self, steps: int, t_min: float, schedule: TangentSchedule) -> Tensor:
@@ -84,7 +85,7 @@ class Solver:
         """One step from t to t_next (B,) given this step's x0_hat and the past (most recent first)."""
         if self.stochastic:
             if noise is None:
-                raise ValueError(f"the {self.name} solver draws noise every step; pass noise=")
+                raise ValueError(f"the {self.name} sampler draws noise every step; pass noise=")
             x_next, x_mean = sde_step(schedule, x, x0_hat, t, t_next, noise)
             return StepResult(x_next, x_mean, x0_hat)
         if not self.history:  # ddim: no log-SNR needed
@@ -97,25 +98,25 @@ class Solver:
         return StepResult(x_next, x_next, x0_prev)
 
 
-SOLVERS: dict[str, Solver] = {
-    solver.name: solver
-    for solver in (
-        Solver("sde", 1, stochastic=True),
-        Solver("ddim", 1),
-        Solver("dpm2m", 2, grid="power"),
-        Solver("dpm3m", 3, grid="power"),
-        Solver("dpm3m-psc", 3, grid="power", predict_self_conditioning=True),
+SAMPLERS_BY_NAME: dict[str, Sampler] = {
+    sampler.name: sampler
+    for sampler in (
+        Sampler("sde", 1, stochastic=True),
+        Sampler("ddim", 1),
+        Sampler("dpm2m", 2, grid="power"),
+        Sampler("dpm3m", 3, grid="power"),
+        Sampler("dpm3m-psc", 3, grid="power", predict_self_conditioning=True),
     )
 }
-assert tuple(SOLVERS) == SAMPLERS, "ldlm.config.SAMPLERS must name exactly the solvers defined here"
+assert tuple(SAMPLERS_BY_NAME) == SAMPLERS, "ldlm.config.SAMPLERS must name exactly the samplers defined here"
 
 PSC_FRACTION = 0.75  # dpm3m-psc: share of the linear extrapolation fed back (1 diverged on random weights)
 
 
-def get_solver(name: str) -> Solver:
-    if name not in SOLVERS:
-        raise ValueError(f"sampler={name!r} is unknown; allowed: {', '.join(SOLVERS)}")
-    return SOLVERS[name]
+def get_sampler(name: str) -> Sampler:
+    if name not in SAMPLERS_BY_NAME:
+        raise ValueError(f"sampler={name!r} is unknown; allowed: {', '.join(SAMPLERS_BY_NAME)}")
+    return SAMPLERS_BY_NAME[name]
 
 
 def multistep_x0(m0: Tensor, lam: Tensor, lam_next: Tensor, past: Past) -> Tensor:
@@ -165,46 +166,30 @@ def push_past(past: Past, x0_hat: Tensor, lam: Tensor, keep: int) -> list[tuple[
     return [(x0_hat, lam), *past][:keep]
 
 
-def _bcast(per_sample: Tensor, like: Tensor) -> Tensor:
+def _bcast(values: Tensor, like: Tensor) -> Tensor:
     """(B,) float64 or bool -> (B, 1, 1) in ``like``'s dtype (bool stays bool)."""
-    out = per_sample[:, None, None]
+    out = per_sample(values)
     return out if out.dtype == torch.bool else out.to(like.dtype)
 
 
-DenoiseFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x_t, t, x0_prev) -> x0_hat
+def sde_step(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """One Euler-Maruyama step of the reverse SDE from t to t_next < t. Returns (x_next, x_mean).
 
-
-def run_sampler(
-    denoise: DenoiseFn,
-    prior: Tensor,
-    draw_noise: Callable[[], Tensor],
-    grid: Tensor,
-    schedule: TangentSchedule,
-    sampler: str = "sde",
-    decode_final: str = "mean",
-    progress: bool = False,
-) -> Tensor:
-    """Integrate from the prior x_1 (B, N, D) along ``grid`` and return the latent to decode.
-
-    1. x0_prev = 0 (self-conditioning starts empty), no past
-    2. for each (t, t_next) in the grid: x0_hat = denoise(x_t, t, x0_prev), then one solver step,
-       which also gives the next x0_prev; the past gains (x0_hat, lambda_t)
-    3. return the last mean x (``decode_final="mean"``) or the last x0_hat (``"x0"``)
-
-    ``grid`` is usually ``get_solver(sampler).time_grid(steps, t_min, schedule)``.
+    Reverse SDE:  dx = [-1/2 beta x - beta score] dt + sqrt(beta) dW_bar,  score = -eps_hat / sigma_t.
+    With h = t - t_next > 0:
+      1. eps_hat = (x_t - alpha_t x0_hat) / sigma_t
+      2. x_mean  = x_t + h beta (x_t / 2 - eps_hat / sigma_t)
+      3. x_next  = x_mean + sqrt(beta h) z,   z = noise ~ N(0, I)
     """
-    solver = get_solver(sampler)
-    b = prior.shape[0]
-    x = x_mean = prior
-    x0_prev = x0_hat = torch.zeros_like(prior)
-    past: list[tuple[Tensor, Tensor]] = []
-    times = to_device(grid.to(prior.dtype), prior.device)  # once: indexing it later needs no copy
-    for i in tqdm(range(len(grid) - 1), desc="denoising", unit="step", disable=not progress):
-        t = times[i].expand(b)
-        t_next = times[i + 1].expand(b)
-        x0_hat = denoise(x, t, x0_prev)
-        step = solver.step(schedule, x, x0_hat, t, t_next, past, draw_noise() if solver.stochastic else None)
-        x, x_mean, x0_prev = step.x, step.x_mean, step.x0_prev
-        if solver.history:
-            past = push_past(past, x0_hat, schedule.log_snr(t), solver.history)
-    return x_mean if decode_final == "mean" else x0_hat
+    h = per_sample(t - t_next)
+    beta = per_sample(schedule.beta(t))
+    eps_hat = predicted_noise(schedule, x_t, x0_hat, t)
+    x_mean = x_t + h * beta * (x_t / 2 - eps_hat / per_sample(schedule.sigma(t)))
+    return x_mean + torch.sqrt(beta * h) * noise, x_mean
+
+
+def ddim_step(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor) -> Tensor:
+    """Deterministic DDIM step (the probability-flow ODE's exponential-integrator form):
+    x_next = alpha_{t_next} x0_hat + sigma_{t_next} eps_hat."""
+    eps_hat = predicted_noise(schedule, x_t, x0_hat, t)
+    return per_sample(schedule.alpha(t_next)) * x0_hat + per_sample(schedule.sigma(t_next)) * eps_hat

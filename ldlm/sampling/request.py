@@ -1,0 +1,97 @@
+"""A generation request and its sampling plan: the one place where a request's settings (sampler,
+steps, t_min, grid, seed) are resolved against the config and checked, each refusal naming the
+value and the allowed range.
+
+Every generating path (``LDLMPipeline.generate``, the continuous-batching scheduler, Triton's
+``ldlm_generate``) resolves its request here; what a request leaves out (None) is the config's
+default. Per-request caps (``RequestLimits``) are those of the caller: the server's and Triton's
+come from ``ldlm.limits``; a Python caller of the pipeline has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.samplers import Sampler, get_sampler
+from ldlm.sampling.noise import check_seed
+from ldlm.schedule import GRIDS, TangentSchedule, time_grid
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What a caller asks for; None: the config's default (``default_steps``, ``default_sampler``,
+    ``t_min``; the grid is the sampler's own)."""
+
+    n: int
+    length: int
+    steps: int | None = None
+    seed: int = 0
+    sampler: str | None = None
+    t_min: float | None = None
+    grid: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """A caller's caps on one request (None: no cap beyond >= 1)."""
+
+    max_n: int | None = None
+    max_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """A request with every setting resolved and checked."""
+
+    n: int
+    length: int
+    steps: int
+    seed: int
+    sampler: Sampler
+    t_min: float
+    grid: str
+
+    def times(self, schedule: TangentSchedule) -> Tensor:
+        """The steps + 1 times from 1 down to t_min (float64)."""
+        return time_grid(self.steps, self.t_min, self.grid, schedule)
+
+
+def resolve(
+    request: GenerateRequest, config: LDLMConfig, limits: RequestLimits = RequestLimits(), names: Mapping[str, str] | None = None
+) -> SamplingPlan:
+    """``request`` against ``config`` and ``limits``; ``names``: how the caller names each field in
+    its messages (Triton's inputs are N, LENGTH, STEPS, SAMPLER)."""
+
+    def name(field: str) -> str:
+        return (names or {}).get(field, field)
+
+    n = _count(request.n, name("n"), limits.max_n, "is out of range")
+    length = request.length
+    if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= config.max_seq_len:
+        raise ValueError(f"{name('length')}={length!r} is out of range; allowed: 1..{config.max_seq_len} (config max_seq_len)")
+    steps = _count(config.default_steps if request.steps is None else request.steps, name("steps"), limits.max_steps, "is invalid")
+    sampler_name = config.default_sampler if request.sampler is None else request.sampler
+    try:
+        sampler = get_sampler(sampler_name)
+    except ValueError:
+        raise ValueError(f"{name('sampler')}={sampler_name!r} is unknown; allowed: {', '.join(SAMPLERS)}") from None
+    t_min = config.t_min if request.t_min is None else request.t_min
+    if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
+        raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
+    grid = sampler.grid if request.grid is None else request.grid
+    if grid not in GRIDS:
+        raise ValueError(f"grid={grid!r} is unknown; allowed: {', '.join(GRIDS)}")
+    return SamplingPlan(n, length, steps, check_seed(request.seed, name("seed")), sampler, float(t_min), grid)
+
+
+def _count(value: object, name: str, cap: int | None, uncapped_word: str) -> int:
+    """An integer >= 1 (and <= cap): refused as out of range (capped) or with ``uncapped_word``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (cap is not None and value > cap):
+        if cap is not None:
+            raise ValueError(f"{name}={value!r} is out of range; allowed: 1..{cap}")
+        raise ValueError(f"{name}={value!r} {uncapped_word}; allowed: an integer >= 1")
+    return value
