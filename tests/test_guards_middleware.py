@@ -12,11 +12,10 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
-from ldlm.serve.api.errors import HTTPError, error_body, openai_error  # noqa: E402
+from ldlm.serve.api.errors import HTTPError, error_body, error_status, openai_error  # noqa: E402
 from ldlm.serve.api.http_guard import GuardMiddleware, read_body  # noqa: E402
 from ldlm.serve.api.kserve import ProtocolError  # noqa: E402
 from ldlm.serve.api.metrics import Metrics  # noqa: E402
-from ldlm.serve.api.routes.openai import stream_error_status  # noqa: E402
 from ldlm.serve.api.service import ServerSettings  # noqa: E402
 from ldlm.serve.api.streaming import PreviewDecoder, sse  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
@@ -188,7 +187,7 @@ def test_error_shapes() -> None:
     assert {status: openai_error(status, "m")["error"]["type"] for status in kinds} == kinds
     assert openai_error(400, "m", "n") == {"error": {"message": "m", "type": "invalid_request_error", "param": "n", "code": None}}
     statuses = [
-        stream_error_status(e)
+        error_status(e)[0]
         for e in (HTTPError(413, "x"), QueueFullError("x"), TimeoutError("x"), BackendError("x"), ValueError("x"), RuntimeError("x"))
     ]
     assert statuses == [413, 503, 504, 400, 400, 500]

@@ -9,6 +9,7 @@ routers): each of them raises ``HTTPError`` and none of them is imported here.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ldlm.serve.api.kserve import ProtocolError, load_json
 from ldlm.serve.api.schemas import Range, field_name, validation_message
+from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
+from ldlm.serve.runtime.queueing import QueueFullError
 
 OPENAI_PATHS = ("/v1/completions", "/v1/models")
 
@@ -30,6 +33,28 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.headers, self.param = status, message, headers or {}, param
+
+
+# What a request can end with once its handler runs. The guard middleware answers each with
+# ``error_status``; a stream whose status line is already sent reports the same in-band.
+REQUEST_ERRORS = (HTTPError, TimeoutError, ValueError, RuntimeError)
+
+
+def error_status(error: Exception) -> tuple[int, str, dict[str, str]]:
+    """The one map from an error to (HTTP status, message, headers). 500 keeps the message for the log only."""
+    if isinstance(error, HTTPError):
+        return error.status, error.message, error.headers
+    if isinstance(error, QueueFullError):
+        return 503, str(error), {"Retry-After": "1"}
+    if isinstance(error, DeadlineUnreachableError):  # the work ahead would make it late: when to come back
+        return 503, str(error), {"Retry-After": str(math.ceil(error.retry_after_s))}
+    if isinstance(error, RequestTooLargeError):  # late even alone
+        return 413, str(error), {}
+    if isinstance(error, TimeoutError):
+        return 504, str(error), {}
+    if isinstance(error, ValueError):  # ProtocolError, BackendError and the sampling engine's refusals
+        return 400, str(error), {}
+    return 500, str(error), {}
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import asyncio
 import hmac
 import json
 import logging
-import math
 import time
 import uuid
 from typing import Any
@@ -27,12 +26,9 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ldlm.serve.api.errors import HTTPError, error_body
-from ldlm.serve.api.kserve import ProtocolError
+from ldlm.serve.api.errors import HTTPError, error_body, error_status
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
-from ldlm.serve.runtime.graph_backend import BackendError
-from ldlm.serve.runtime.queueing import QueueFullError
 
 log = logging.getLogger("ldlm.serve")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer": logs and metrics only
@@ -80,21 +76,15 @@ class GuardMiddleware:
                     return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}, scope["path"])
             body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
             await self._run_until_disconnect(scope, body, receive, send_wrapper, status)
-        except HTTPError as error:
-            await _reply(send_wrapper, error.status, error.message, error.headers, scope["path"], error.param)
-        except QueueFullError as error:
-            await _reply(send_wrapper, 503, str(error), {"Retry-After": "1"}, scope["path"])
-        except DeadlineUnreachableError as error:  # the work ahead would make it late: when to come back
-            self.service.metrics.request_refused.labels(model or "", "deadline").inc()
-            await _reply(send_wrapper, 503, str(error), {"Retry-After": str(math.ceil(error.retry_after_s))}, scope["path"])
-        except RequestTooLargeError as error:  # late even alone
-            self.service.metrics.request_refused.labels(model or "", "too_large").inc()
-            await _reply(send_wrapper, 413, str(error), path=scope["path"])
-        except (ProtocolError, BackendError, ValueError) as error:
-            await _reply(send_wrapper, 400, str(error), path=scope["path"])
-        except Exception as error:  # the process survives; the client learns nothing internal
-            log.exception("unhandled error", extra={"request_id": request_id})
-            await _reply(send_wrapper, 500, f"internal error ({type(error).__name__}); request id {request_id}", path=scope["path"])
+        except Exception as error:
+            code, message, extra = error_status(error)
+            if isinstance(error, (DeadlineUnreachableError, RequestTooLargeError)):
+                reason = "deadline" if isinstance(error, DeadlineUnreachableError) else "too_large"
+                self.service.metrics.request_refused.labels(model or "", reason).inc()
+            if code == 500:  # the process survives; the client learns nothing internal
+                log.exception("unhandled error", extra={"request_id": request_id})
+                message = f"internal error ({type(error).__name__}); request id {request_id}"
+            await _reply(send_wrapper, code, message, extra, scope["path"], getattr(error, "param", None))
         finally:
             elapsed = time.perf_counter() - started
             code = status["code"]

@@ -1,8 +1,8 @@
 """What a server process holds and how it is set: ``ServerSettings`` and ``LDLMService``.
 
-``LDLMService`` opens the graphs of one artifact, puts a ``DynamicBatcher`` in front of each graph and a
-step-level ``GenerationScheduler`` in front of generation, and owns the metrics, the preview decoder and
-the JSON worker processes. It knows nothing of HTTP: the routers (``routes.kserve``, ``routes.text``,
+``LDLMService`` opens the graphs of one artifact, puts a ``DynamicBatcher`` in front of each graph, one
+``LDLMPipeline`` over the batchers and a step-level ``GenerationScheduler`` in front of generation, and
+owns the metrics, the preview decoder and the JSON worker processes. It knows nothing of HTTP: the routers (``routes.kserve``, ``routes.text``,
 ``routes.openai``, ``routes.metrics``) are built from it.
 """
 
@@ -21,12 +21,13 @@ from typing import Any
 from ldlm.export.onnx_export import export_graphs
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling import GenerateRequest, SamplingEngine
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.api.streaming import PreviewDecoder
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
-from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from ldlm.serve.runtime.scheduler import GenerationScheduler
 from ldlm.serve.runtime.torch_backends import length_buckets
 
 
@@ -124,22 +125,26 @@ class LDLMService:
             )
             for name, graph in graphs.items()
         }
-        self.batched_pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config)
-        device = getattr(graphs["denoiser"], "device", "cpu")  # torch backends: the sampler runs on their device
-        generation = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+        # One pipeline: every encode and decode (prompts, finished generations, previews, /v1 texts) goes
+        # through the graphs' batchers. The scheduler batches the denoiser itself, step by step, on the
+        # graphs' own device (torch backends: the sampler's state stays there, no host round trip per step).
+        self.pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config, buckets=length_buckets(config.max_seq_len))
+        device = getattr(graphs["denoiser"], "device", "cpu")
         self.scheduler = GenerationScheduler(
-            generation,
+            self.pipeline,
             self.max_batch,
             "continuous",
             settings.max_queue * 16,
             observer=self.metrics.observer("generate"),
             on_drop=self.metrics.cancelled_samples.labels("generate").inc,
+            engine=SamplingEngine(self.pipeline.schedule, config.decode_final, device),
+            denoise=BackendGraphs(graphs).denoise,
         )
         self.json_workers = self._json_pool()
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
         self._in_flight_lock = threading.Lock()
         # its own thread, never the scheduler's; its time budget applies while other generations are in flight
-        self.previews = PreviewDecoder(generation, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
+        self.previews = PreviewDecoder(self.pipeline, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
         self.ready = True
         say("ready")
 

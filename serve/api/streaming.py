@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import GenerateRequest
+from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
 from ldlm.serve.runtime.delivery import decode_ragged
 
 log = logging.getLogger("ldlm.serve")
@@ -219,5 +220,5 @@ async def generate_sse(stream: GenerationStream, timeout_s: float) -> AsyncItera
                 yield sse({"steps": stream.spec.steps, "samples": payload}, "preview")
             else:
                 yield sse({"texts": payload.texts, "token_ids": payload.ids()}, "result")
-    except (TimeoutError, ValueError, RuntimeError) as error:  # the status line is sent: report in-band
-        yield sse({"error": str(error)}, "error")
+    except REQUEST_ERRORS as error:  # the status line is sent: report in-band
+        yield sse({"error": error_status(error)[1]}, "error")

@@ -36,33 +36,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest
-from ldlm.serve.api.errors import HTTPError, openai_error
+from ldlm.serve.api.errors import REQUEST_ERRORS, HTTPError, error_status, openai_error
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
 from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_body
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
-from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
-from ldlm.serve.runtime.queueing import QueueFullError
 
 # One prompt's token ids and its scheduler request.
 Prepared = list[tuple[list[int], GenerateRequest]]
-
-
-# What a generation can end with once a stream has started (as streaming.generate_sse reports).
-STREAM_ERRORS = (HTTPError, TimeoutError, ValueError, RuntimeError)
-
-
-def stream_error_status(error: Exception) -> int:
-    """The status an error would have had before the stream started (GuardMiddleware's mapping)."""
-    if isinstance(error, HTTPError):
-        return error.status
-    if isinstance(error, (QueueFullError, DeadlineUnreachableError)):
-        return 503
-    if isinstance(error, RequestTooLargeError):
-        return 413
-    if isinstance(error, TimeoutError):
-        return 504
-    return 400 if isinstance(error, ValueError) else 500  # BackendError is a ValueError
 
 
 def create_router(service: LDLMService) -> APIRouter:
@@ -97,7 +78,7 @@ class Completions:
 
     def __init__(self, service: LDLMService) -> None:
         self.service = service
-        self.settings, self.config, self.pipeline = service.settings, service.config, service.batched_pipeline
+        self.settings, self.config, self.pipeline = service.settings, service.config, service.pipeline
 
     def prepare(self, body: Any) -> Prepared:
         """Per prompt: its token ids and the scheduler request (off the loop: tokenizing is work)."""
@@ -219,8 +200,9 @@ class Completions:
                     yield sse({**head, "choices": got})
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, used)})
-        except STREAM_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape
-            yield sse(openai_error(stream_error_status(error), getattr(error, "message", str(error))))
+        except REQUEST_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape
+            status, message, _ = error_status(error)
+            yield sse(openai_error(status, message))
         finally:
             for future in futures:
                 future.cancel()

@@ -63,7 +63,7 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         texts = list(body.texts)
 
         def run() -> dict[str, Any]:
-            return payload(service.batched_pipeline, checked_ids(texts, service.batched_pipeline))
+            return payload(service.pipeline, checked_ids(texts, service.pipeline))
 
         return await json_response(service, await run_blocking(run, timeout_s=settings.request_timeout_s))
 
