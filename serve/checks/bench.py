@@ -25,6 +25,7 @@ from ldlm.checkpoint import load_config
 from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline, check_length
+from ldlm.serve.api.limits import MAX_STEPS
 from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
@@ -148,6 +149,8 @@ def parse_solver_specs(text: str) -> list[tuple[str, int]]:
         get_solver(name)
         if not steps.isdigit() or int(steps) < 1:
             raise ValueError(f"solver spec {item!r} is invalid; allowed: NAME@STEPS with STEPS an integer >= 1")
+        if int(steps) > MAX_STEPS:
+            raise ValueError(f"solver spec {item!r} has {steps} steps; allowed: 1..{MAX_STEPS} denoising steps (as ldlm serve's max_steps)")
         specs.append((name, int(steps)))
     return specs
 
