@@ -831,6 +831,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_guards_middleware.py",),
         "clients get no Retry-After on a full queue",
     ),
+    Mutation(
+        "deadline-retry-after-constant",
+        "ldlm.serve.api.http_guard:GuardMiddleware.__call__",
+        '{"Retry-After": str(math.ceil(error.retry_after_s))}',
+        '{"Retry-After": "1"}',
+        ("tests/test_retry_after.py",),
+        "a request refused behind queued work is told to retry in 1 s, however long the queue",
+    ),
+    Mutation(
+        "deadline-retry-after-rounded-down",
+        "ldlm.serve.api.http_guard:GuardMiddleware.__call__",
+        "str(math.ceil(error.retry_after_s))",
+        "str(int(error.retry_after_s))",
+        ("tests/test_retry_after.py",),
+        "a client that retries when told to comes back before the queued work is done, and is refused again",
+    ),
     # --- KServe parsing ------------------------------------------------------------------------------
     Mutation(
         "kserve-binary-nan-unchecked",
