@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from ldlm.cli.options import positive_int
+from ldlm.cli.options import int_in
+from ldlm.serve.api.setting_ranges import MAX_DELAY_MS
+
+OPSETS = (18, 20)  # ldlm.export.onnx_export.SUPPORTED_OPSETS, without importing torch to build the parser
+MAX_WORKSPACE_MB = 1 << 20  # 1 TiB, more than any GPU has
+MAX_QUEUE_DELAY_US = int(MAX_DELAY_MS * 1000)  # the same window as ldlm serve's --max-delay-ms
+TRITON_MAX = 1 << 16  # write_triton_repo's limit on max_batch and max_n
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
@@ -110,7 +116,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="checkpoint directory")
     p.add_argument("out", help="output directory to create")
-    p.add_argument("--opset", type=int, default=18, help="ONNX opset: 18 (default) or 20 (single Gelu node)")
+    p.add_argument("--opset", type=int, choices=OPSETS, default=18, help="ONNX opset: 18 (default) or 20 (single Gelu node)")
     p.add_argument("--graphs", default="encoder,denoiser,decoder", help="comma-separated subset (default: all three)")
     p.add_argument("--with-logits", action="store_true", help="the decoder also outputs logits (B, L, V), for parity checks")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -149,8 +155,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--graphs", help="comma-separated subset of the export's graphs (default: all)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls (off by default, for parity)")
-    p.add_argument("--optimization-level", type=int, default=3, help="builder optimization level 0..5 (default: 3)")
-    p.add_argument("--workspace-mb", type=int, help="workspace memory limit in MiB (default: TensorRT's)")
+    p.add_argument("--optimization-level", type=int_in(0, 5), default=3, help="builder optimization level 0..5 (default: 3)")
+    p.add_argument(
+        "--workspace-mb",
+        type=int_in(1, MAX_WORKSPACE_MB, " MiB"),
+        help=f"workspace memory limit in MiB, 1..{MAX_WORKSPACE_MB} (default: TensorRT's)",
+    )
     p.add_argument("--timing-cache", help="timing cache file to read and update (NVIDIA TensorRT; a no-op in TensorRT-RTX)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -166,11 +176,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("source", help="`ldlm build-engine` or `ldlm export` directory")
     p.add_argument("out", help="repository directory to create")
-    p.add_argument("--max-batch", type=positive_int, default=32, help="max_batch_size (default: 32)")
-    p.add_argument("--queue-delay-us", type=int, default=100, help="dynamic batching max_queue_delay_microseconds (default: 100)")
+    p.add_argument("--max-batch", type=int_in(1, TRITON_MAX), default=32, help=f"max_batch_size, 1..{TRITON_MAX} (default: 32)")
+    p.add_argument(
+        "--queue-delay-us",
+        type=int_in(0, MAX_QUEUE_DELAY_US, " microseconds"),
+        default=100,
+        help=f"dynamic batching max_queue_delay_microseconds, 0..{MAX_QUEUE_DELAY_US} (default: 100)",
+    )
     p.add_argument("--cpu", action="store_true", help="instance groups on CPU (default: GPU)")
     p.add_argument("--cc-plan", action="append", metavar="CC=ENGINE_DIR", help="extra plans per compute capability (cc_model_filenames)")
-    p.add_argument("--max-n", type=positive_int, default=64, help="largest N ldlm_generate accepts (default: 64)")
+    p.add_argument(
+        "--max-n", type=int_in(1, TRITON_MAX), default=64, help=f"largest N ldlm_generate accepts, 1..{TRITON_MAX} (default: 64)"
+    )
     p.add_argument(
         "--graph-backend",
         choices=["native", "python"],

@@ -7,8 +7,20 @@ import json
 import sys
 from pathlib import Path
 
-from ldlm.cli.options import device_options, positive_int, positive_int_list
-from ldlm.config import SAMPLERS
+from ldlm.cli.options import capped_positive_int, capped_positive_int_list, device_options, float_in, int_in, seed_int
+from ldlm.config import INT_RANGES, SAMPLERS
+from ldlm.serve.api.limits import MAX_N, MAX_STEPS
+from ldlm.serve.api.setting_ranges import MAX_THREADS, SETTING_RANGES
+
+# The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.
+# The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.
+# A length is checked against the checkpoint's max_seq_len before any work; here, against any config's.
+STEPS = capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)")
+MAX_LENGTH = INT_RANGES["max_seq_len"][1]
+TOKENS = " tokens (the largest max_seq_len a config may have)"
+MAX_RUNS = 10_000  # timed runs per cell: p99 is stable long before this
+MAX_WORKLOAD_REQUESTS = 10_000
+MAX_RATE_PER_S = 1e6
 
 
 def _cmd_parity(args: argparse.Namespace) -> None:
@@ -143,8 +155,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     device_options(p, precision=False)
     p.add_argument("--out", default="parity-report", help="report directory (default: parity-report)")
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
-    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the generation noise")
-    p.add_argument("--steps", type=positive_int, default=10, help="sampler steps of the end-to-end check (default: 10)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the inputs and the generation noise (default: 0)")
+    p.add_argument("--steps", type=STEPS, default=10, help=f"sampler steps of the end-to-end check, 1..{MAX_STEPS} (default: 10)")
     p.add_argument(
         "--sampler",
         choices=SAMPLERS,
@@ -171,7 +183,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--engine-dir", help="an `ldlm build-engine` directory (TensorRT; runs on a GPU)")
     p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="TensorRT flavour (default: the plans' own)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the probe rows (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the probe rows (default: 0)")
     p.add_argument("--out", help="also write eps_probes.json and eps_probes.md into this directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -189,30 +201,73 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, ort, trt (default: eager,ort)")
     p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="engines to use for trt")
-    p.add_argument("--batches", type=positive_int_list, default=[1, 8], help="comma-separated batch sizes (default: 1,8)")
-    p.add_argument("--length", type=positive_int, default=128, help="sequence length, at most the config's max_seq_len (default: 128)")
-    p.add_argument("--runs", type=positive_int, default=10, help="timed runs per cell (default: 10)")
-    p.add_argument("--threads", type=positive_int, default=2, help="threads for torch and ONNX Runtime (default: 2)")
-    p.add_argument("--gen-n", type=positive_int, default=4, help="samples per generation run (default: 4)")
-    p.add_argument("--gen-steps", type=positive_int, default=10, help="steps per generation run (default: 10)")
+    p.add_argument(
+        "--batches",
+        type=capped_positive_int_list(MAX_N, " samples per execution (as ldlm serve's max_n)"),
+        default=[1, 8],
+        help=f"comma-separated batch sizes, each 1..{MAX_N} (default: 1,8)",
+    )
+    p.add_argument(
+        "--length",
+        type=capped_positive_int(MAX_LENGTH, TOKENS),
+        default=128,
+        help="sequence length, at most the config's max_seq_len (default: 128)",
+    )
+    p.add_argument(
+        "--runs",
+        type=capped_positive_int(MAX_RUNS, " timed runs per cell"),
+        default=10,
+        help=f"timed runs per cell, 1..{MAX_RUNS} (default: 10)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int_in(1, MAX_THREADS, " threads"),
+        default=2,
+        help=f"threads for torch and ONNX Runtime, 1..{MAX_THREADS} (default: 2)",
+    )
+    p.add_argument(
+        "--gen-n",
+        type=capped_positive_int(MAX_N, " samples per run (as ldlm serve's max_n)"),
+        default=4,
+        help=f"samples per generation run, 1..{MAX_N} (default: 4)",
+    )
+    p.add_argument("--gen-steps", type=STEPS, default=10, help=f"steps per generation run, 1..{MAX_STEPS} (default: 10)")
     p.add_argument("--gen-sampler", choices=SAMPLERS, default="ddim", help="solver of the generation runs (default: ddim)")
     p.add_argument(
         "--solvers",
         default="ddim@50,dpm3m-psc@21,dpm3m-psc@15",
-        help="NAME@STEPS list: latency per sample beside token agreement and latent error against a long "
+        help=f"NAME@STEPS list (STEPS 1..{MAX_STEPS}): latency per sample beside token agreement and latent error against a long "
         "DDIM run, side by side on the workload backend; '' skips (default: ddim@50,dpm3m-psc@21,dpm3m-psc@15)",
     )
-    p.add_argument("--solver-reference-steps", type=positive_int, default=500, help="DDIM steps of the solvers' reference (default: 500)")
-    p.add_argument("--workload-requests", type=int, default=60, help="requests in the mixed-arrival workload; 0 skips it (default: 60)")
-    p.add_argument("--workload-rate", type=float, default=20.0, help="mean arrivals per second (default: 20)")
+    p.add_argument(
+        "--solver-reference-steps", type=STEPS, default=500, help=f"DDIM steps of the solvers' reference, 1..{MAX_STEPS} (default: 500)"
+    )
+    p.add_argument(
+        "--workload-requests",
+        type=int_in(0, MAX_WORKLOAD_REQUESTS, " requests (0 skips the workload)"),
+        default=60,
+        help=f"requests in the mixed-arrival workload, 0..{MAX_WORKLOAD_REQUESTS}; 0 skips it (default: 60)",
+    )
+    p.add_argument(
+        "--workload-rate",
+        type=float_in(0, MAX_RATE_PER_S, " arrivals per second", low_open=True),
+        default=20.0,
+        help="mean arrivals per second, in (0, 1000000] (default: 20)",
+    )
     p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")
     p.add_argument(
         "--workload-lengths",
-        type=positive_int_list,
+        type=capped_positive_int_list(MAX_LENGTH, TOKENS),
         default=[16, 32, 64, 128],
         help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)",
     )
-    p.add_argument("--max-batch", type=positive_int, default=8, help="scheduler batch size (default: 8)")
+    low, high = SETTING_RANGES["max_batch"]
+    p.add_argument(
+        "--max-batch",
+        type=int_in(low, high, " samples per execution (as ldlm serve's max_batch)"),
+        default=8,
+        help=f"scheduler batch size, {low}..{high} (default: 8)",
+    )
     device_options(p)
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -52,25 +52,58 @@ def seed_int(text: str) -> int:
     return int_in(0, MAX_SEED)(text)
 
 
-def open_unit_float(text: str) -> float:
-    """A number strictly between 0 and 1 (a time of the diffusion grid, such as --t-min)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0 < value < 1:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} is out of range; allowed: a number in (0, 1), both ends excluded")
-    return value
+def float_in(low: float, high: float, why: str = "", low_open: bool = False, high_open: bool = False) -> Callable[[str], float]:
+    """An argparse type for a finite number in the interval from ``low`` to ``high``; an open end is
+    excluded. ``why`` names the unit or where the limit comes from."""
+    interval = f"{'(' if low_open else '['}{_number(low)}, {_number(high)}{')' if high_open else ']'}"
+    excluded = {
+        (False, False): "",
+        (True, False): f", {_number(low)} excluded",
+        (False, True): f", {_number(high)} excluded",
+        (True, True): ", both ends excluded",
+    }[low_open, high_open]
+    allowed = f"a number in {interval}{why}{excluded}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        above_low = value > low if low_open else value >= low
+        below_high = value < high if high_open else value <= high
+        if not (above_low and below_high):  # also refuses nan, and inf beyond any finite end
+            raise argparse.ArgumentTypeError(f"{text} is out of range; allowed: {allowed}")
+        return value
+
+    parse.__name__ = "number"  # argparse names the type in some messages
+    return parse
 
 
-def positive_int_list(text: str) -> list[int]:
-    try:
-        values = [int(item) for item in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (e.g. 1,8), got {text!r}")
-    return values
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# A time of the diffusion grid, such as --t-min.
+open_unit_float = float_in(0, 1, low_open=True, high_open=True)
+
+
+def capped_positive_int_list(high: int, why: str) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each in ``1..high`` (batch sizes, lengths)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(item) for item in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (e.g. 1,8), got {text!r}")
+        for value in values:
+            if value > high:
+                raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 1..{high}{why}")
+        return values
+
+    parse.__name__ = "list of positive integers"
+    return parse
 
 
 def device_options(p: argparse.ArgumentParser, precision: bool = True) -> None:

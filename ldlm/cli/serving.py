@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
-from ldlm.cli.options import device_options, positive_int
+from ldlm.cli.options import capped_positive_int, device_options, float_in, int_in
+from ldlm.serve.api.setting_ranges import MAX_DELAY_MS, MAX_THREADS, MAX_TIMEOUT_S, SETTING_RANGES
+
+MAX_REPLICAS = 4096  # RayOptions' limit
+MAX_REPLICA_CPUS = 1024.0
+MAX_REPLICA_GPUS = 64.0
+SECONDS = float_in(0, MAX_TIMEOUT_S, " s", low_open=True)
+
+
+def setting(name: str, why: str = "") -> Callable[[str], int]:
+    """The argparse type of a ServerSettings field: its range is the server's own (SETTING_RANGES)."""
+    low, high = SETTING_RANGES[name]
+    return int_in(low, high, why)
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -86,17 +99,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     device_options(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="default: 8000")
-    p.add_argument("--max-batch", type=positive_int, default=16, help="samples per execution (default: 16)")
+    p.add_argument("--port", type=setting("port"), default=8000, help="0..65535; 0 lets the OS pick one (default: 8000)")
+    p.add_argument(
+        "--max-batch",
+        type=setting("max_batch", " samples per execution (as ldlm serve's max_batch)"),
+        default=16,
+        help="samples per execution (default: 16)",
+    )
     p.add_argument(
         "--max-delay-ms",
-        type=float,
+        type=float_in(0, MAX_DELAY_MS, " ms"),
         default=0.0,
-        help="dynamic batching window; 0 batches whatever queued during the last run (default: 0)",
+        help=f"dynamic batching window, 0..{MAX_DELAY_MS:g}; 0 batches whatever queued during the last run (default: 0)",
     )
     p.add_argument(
         "--preview-budget",
-        type=float,
+        type=float_in(0, 1, low_open=True),
         default=0.05,
         help="share of wall time that decoding streamed denoising "
         "previews may take; previews are skipped, never queued, beyond it (default: 0.05)",
@@ -107,20 +125,31 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="trt: replay CUDA graphs (TensorRT-RTX captures its own; "
         "NVIDIA TensorRT: one capture per profile and shape). The compiled backend uses CUDA graphs on cuda anyway",
     )
-    p.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests per graph before 503 (default: 256)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout, then 504 (default: 60)")
-    p.add_argument("--max-body-mb", type=positive_int, default=8, help="request body cap, then 413 (default: 8 MiB)")
+    p.add_argument("--max-queue", type=setting("max_queue"), default=256, help="waiting requests per graph before 503 (default: 256)")
+    p.add_argument("--timeout-s", type=SECONDS, default=60.0, help="per-request timeout, then 504 (default: 60)")
     p.add_argument(
-        "--max-request-samples", type=positive_int, default=64, help="batch size of one /v2 infer request, then 413 (default: 64)"
+        "--max-body-mb",
+        type=capped_positive_int(SETTING_RANGES["max_body_bytes"][1] >> 20, " MiB"),
+        default=8,
+        help="request body cap, then 413 (default: 8 MiB)",
     )
     p.add_argument(
-        "--max-request-tokens", type=positive_int, default=8192, help="batch x seq of one /v2 infer request, then 413 (default: 8192)"
+        "--max-request-samples",
+        type=setting("max_request_samples"),
+        default=64,
+        help="batch size of one /v2 infer request, then 413 (default: 64)",
     )
-    p.add_argument("--header-timeout-s", type=float, default=10.0, help="a request's headers must arrive within this (default: 10)")
-    p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request's body must arrive within this, then 408 (default: 30)")
+    p.add_argument(
+        "--max-request-tokens",
+        type=setting("max_request_tokens"),
+        default=8192,
+        help="batch x seq of one /v2 infer request, then 413 (default: 8192)",
+    )
+    p.add_argument("--header-timeout-s", type=SECONDS, default=10.0, help="a request's headers must arrive within this (default: 10)")
+    p.add_argument("--body-timeout-s", type=SECONDS, default=30.0, help="a request's body must arrive within this, then 408 (default: 30)")
     p.add_argument(
         "--max-connections",
-        type=positive_int,
+        type=setting("max_connections"),
         default=1024,
         help="open connections; above it the oldest idle one is closed, and if all are busy a new one gets 503 (default: 1024)",
     )
@@ -129,7 +158,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="require 'Authorization: Bearer KEY'. Prefer the LDLM_API_KEY environment variable: "
         "a command-line key is visible to every user in the process list. Off by default",
     )
-    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
+    p.add_argument(
+        "--threads",
+        type=int_in(1, MAX_THREADS, " threads"),
+        help=f"ONNX Runtime intra-op threads, 1..{MAX_THREADS} (default: its own)",
+    )
     p.add_argument(
         "--log-level",
         default="info",
@@ -144,8 +177,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "one full service (graphs, batching) with the options above",
     )
     ray.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` made here); default: start a local one")
-    ray.add_argument("--replicas", type=positive_int, help="replicas (default: 1; with --autoscale, the initial count)")
+    ray.add_argument(
+        "--replicas", type=capped_positive_int(MAX_REPLICAS, " replicas"), help="replicas (default: 1; with --autoscale, the initial count)"
+    )
     ray.add_argument("--autoscale", metavar="MIN:MAX", help="let Ray scale the replicas between MIN and MAX with the load")
-    ray.add_argument("--replica-cpus", type=float, help="CPUs reserved per replica, fractions allowed (default: 1)")
-    ray.add_argument("--replica-gpus", type=float, help="GPUs per replica, fractions allowed: 0.5 puts two on a GPU (default: 0)")
+    ray.add_argument(
+        "--replica-cpus",
+        type=float_in(0, MAX_REPLICA_CPUS, " CPUs per replica"),
+        help="CPUs reserved per replica, fractions allowed (default: 1)",
+    )
+    ray.add_argument(
+        "--replica-gpus",
+        type=float_in(0, MAX_REPLICA_GPUS, " GPUs per replica"),
+        help="GPUs per replica, fractions allowed: 0.5 puts two on a GPU (default: 0)",
+    )
     p.set_defaults(func=_cmd_serve)

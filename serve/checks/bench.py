@@ -24,6 +24,7 @@ import torch
 from ldlm.checkpoint import load_config
 from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
+from ldlm.limits import MAX_STEPS
 from ldlm.pipeline import LDLMPipeline, check_length
 from ldlm.samplers import get_sampler
 from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
@@ -148,6 +149,8 @@ def parse_solver_specs(text: str) -> list[tuple[str, int]]:
         get_sampler(name)
         if not steps.isdigit() or int(steps) < 1:
             raise ValueError(f"solver spec {item!r} is invalid; allowed: NAME@STEPS with STEPS an integer >= 1")
+        if int(steps) > MAX_STEPS:
+            raise ValueError(f"solver spec {item!r} has {steps} steps; allowed: 1..{MAX_STEPS} denoising steps (as ldlm serve's max_steps)")
         specs.append((name, int(steps)))
     return specs
 

@@ -1,6 +1,15 @@
 #!/usr/bin/env python3
 """Plant one-line bugs in the core modules, one at a time, and check that the test suite fails.
 
+Each mutation names its target by module and name, ``ldlm.serve.runtime.scheduler:GenerationScheduler._admit``:
+a function, a ``Class.method`` (nested definitions by their dotted path), a class, or a name a module or a
+class assigns (``ldlm.serve.runtime.scheduler:LEAD_SLOWDOWN``). The module's file follows pyproject's
+package-dir mapping (``ldlm.serve.api.kserve`` -> ``serve/api/kserve.py``). The ``old`` text must occur exactly
+once within the target's source (its lines, decorators included), and the bug replaces it there only, so
+the same text may occur elsewhere in the file, and the target may move within its file or to another
+module (then only its module name changes here) without the entry going stale. A file that is not
+Python is named by its path instead, and ``old`` must occur once in the whole file.
+
 Each mutation is applied to a scratch copy of the repository (never to this checkout), the tests
 most likely to catch it run first (``pytest -x``), and only if they all pass does the rest of the
 suite run. A mutation is *caught* when the run fails (a failing test, an import error, or a run
@@ -10,43 +19,46 @@ The scratch copy imports its own code: a scratch venv whose site-packages reache
 ``.venv`` site-packages (the dependencies) through a .pth line, with the copy installed editable
 into it (the package-dir mapping ldlm.export -> export/, ldlm.serve -> serve/ rules out PYTHONPATH).
 
-    .venv/bin/python scripts/mutation_check.py                   # every mutation, JSON + table
-    .venv/bin/python scripts/mutation_check.py --only batcher-pads-with-one --quick
-    .venv/bin/python scripts/mutation_check.py --list
+    .venv/bin/python tests/tools/mutation_check.py                   # every mutation, JSON + table
+    .venv/bin/python tests/tools/mutation_check.py --only batcher-pads-with-one --quick
+    .venv/bin/python tests/tools/mutation_check.py --list
 
-Not part of CI: it takes minutes (each pytest process pays the tiny model's fixtures again).
+Not part of CI: it takes minutes (each pytest process pays the tiny model's fixtures again). In CI,
+tests/tools/test_mutation_list.py checks that every entry still finds its target and its text.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
 class Mutation:
     id: str
-    path: str  # relative to the repository root
-    old: str  # must occur exactly once in the file
+    target: str  # "module:qualname" (see the module docs), or a non-Python file's path relative to the repository root
+    old: str  # must occur exactly once in the target's source
     new: str
     tests: tuple[str, ...]  # the test files most likely to catch it, run first
     bug: str  # what a user would see
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    # --- the five from issue 16 ---------------------------------------------------------------
+    # --- one in each core stage: scheduler, pipeline, batcher, precision, bench -----------------------
     Mutation(
         "scheduler-continuous-becomes-static",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._admit",
         'if not self._waiting or (self.policy == "static" and self._active):',
         "if not self._waiting or self._active:",
         ("tests/test_scheduler_values.py",),
@@ -54,7 +66,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "reconstruct-drops-mask",
-        "ldlm/pipeline.py",
+        "ldlm.pipeline:LDLMPipeline.reconstruct",
         "return self.decode(encoded.latents, encoded.attention_mask)",
         "return self.decode(encoded.latents)",
         ("tests/test_pipeline_values.py",),
@@ -62,7 +74,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "batcher-pads-with-one",
-        "serve/runtime/batcher.py",
+        "ldlm.serve.runtime.batcher:DynamicBatcher._concatenate",
         "array = np.pad(array, widths)",
         "array = np.pad(array, widths, constant_values=1)",
         ("tests/test_batcher_values.py",),
@@ -70,7 +82,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bf16-rounding-garbled",
-        "export/precision.py",
+        "ldlm.export.precision:_low_initializer",
         ">> 16).astype(np.uint16)",
         ">> 15).astype(np.uint16)",
         ("tests/test_precision_values.py",),
@@ -78,7 +90,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bench-speedup-inverted",
-        "serve/checks/bench.py",
+        "ldlm.serve.checks.bench:bench_graphs",
         'entry["eager"]["p50_ms"] / entry[name]["p50_ms"]',
         'entry[name]["p50_ms"] / entry["eager"]["p50_ms"]',
         ("tests/test_bench_values.py",),
@@ -87,7 +99,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- scheduler ------------------------------------------------------------------------------
     Mutation(
         "scheduler-step-mask-all-true",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._step",
         "mask[i, :n] = True",
         "mask[i, :] = True",
         ("tests/test_scheduler.py", "tests/test_scheduler_values.py"),
@@ -95,7 +107,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-decodes-wrong-latent",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._finish",
         'sample.x_mean if final == "mean" else sample.x0_hat',
         'sample.x0_hat if final == "mean" else sample.x_mean',
         ("tests/test_scheduler_values.py", "tests/test_scheduler.py"),
@@ -103,7 +115,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-batch-overflows",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._admit",
         "len(self._active) < self.max_batch",
         "len(self._active) <= self.max_batch",
         ("tests/test_scheduler_values.py",),
@@ -111,7 +123,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-drops-self-conditioning",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._step",
         "pipe.graphs.denoise(x, t, stack([s.x0_prev for s in batch]), mask)",
         "pipe.graphs.denoise(x, t, torch.zeros_like(x), mask)",
         ("tests/test_scheduler.py", "tests/test_scheduler_values.py"),
@@ -119,7 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-keeps-cancelled",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._drop_done",
         "self._active = [s for s in self._active if not s.request.future.done()]",
         "self._active = list(self._active)",
         ("tests/test_scheduler_values.py", "tests/test_scheduler.py", "tests/test_cancellation.py"),
@@ -128,7 +140,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- batcher --------------------------------------------------------------------------------
     Mutation(
         "batcher-takes-one-too-few",
-        "serve/runtime/batcher.py",
+        "ldlm.serve.runtime.batcher:DynamicBatcher._take",
         "size + self._queue[0].batch <= self.max_batch",
         "size + self._queue[0].batch < self.max_batch",
         ("tests/test_batcher_values.py",),
@@ -136,7 +148,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "batcher-output-not-cut",
-        "serve/runtime/batcher.py",
+        "ldlm.serve.runtime.batcher:DynamicBatcher._cut",
         "index[axis] = slice(0, length)",
         "index[axis] = slice(0, None)",
         ("tests/test_batcher_values.py",),
@@ -144,7 +156,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "batcher-rows-misrouted",
-        "serve/runtime/batcher.py",
+        "ldlm.serve.runtime.batcher:DynamicBatcher._run",
         "rows = slice(offset, offset + pending.batch)",
         "rows = slice(0, pending.batch)",
         ("tests/test_batcher_values.py",),
@@ -153,7 +165,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- pipeline -------------------------------------------------------------------------------
     Mutation(
         "encode-mask-all-true",
-        "ldlm/pipeline.py",
+        "ldlm.pipeline:LDLMPipeline.encode",
         "mask[i, : len(row)] = True",
         "mask[i, :] = True",
         ("tests/test_pipeline_values.py",),
@@ -161,7 +173,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decode-texts-not-cut",
-        "ldlm/pipeline.py",
+        "ldlm.pipeline:LDLMPipeline.decode",
         "self.tokenizer.decode(row[:n].tolist())",
         "self.tokenizer.decode(row.tolist())",
         ("tests/test_pipeline_values.py",),
@@ -169,7 +181,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "token-ids-keep-padding",
-        "ldlm/pipeline.py",
+        "ldlm.pipeline:TextResult.ids",
         "return [row[:n].tolist() for row, n in zip(self.token_ids, self.lengths)]",
         "return [row.tolist() for row, n in zip(self.token_ids, self.lengths)]",
         ("tests/test_reconstruct_ids.py",),
@@ -178,7 +190,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- sampler --------------------------------------------------------------------------------
     Mutation(
         "sde-drift-sign",
-        "ldlm/sampler.py",
+        "ldlm.sampler:sde_step",
         "x_mean = x_t + h * beta * (x_t / 2 - eps_hat",
         "x_mean = x_t + h * beta * (x_t / 2 + eps_hat",
         ("tests/test_sampler.py",),
@@ -186,7 +198,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ddim-alpha-at-t",
-        "ldlm/sampler.py",
+        "ldlm.sampler:ddim_step",
         "_bcast(schedule.alpha(t_next)) * x0_hat",
         "_bcast(schedule.alpha(t)) * x0_hat",
         ("tests/test_sampler.py", "tests/test_pipeline_values.py"),
@@ -194,7 +206,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "sample-seeds-shared",
-        "ldlm/sampler.py",
+        "ldlm.sampler:sample_seeds",
         "int(s) >> 1 for s in states",
         "int(states[0]) >> 1 for s in states",
         ("tests/test_pipeline_values.py",),
@@ -203,7 +215,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- precision ------------------------------------------------------------------------------
     Mutation(
         "head-lowered-to-fp16",
-        "export/precision.py",
+        "ldlm.export.precision:_fp32_nodes",
         'n.op_type == "ArgMax"]',
         'n.op_type == "ArgMin"]',
         ("tests/test_precision_values.py",),
@@ -211,7 +223,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "fp16-weights-stored-as-bf16",
-        "export/precision.py",
+        "ldlm.export.precision:_low_initializer",
         "if low == TensorProto.FLOAT16:",
         "if low == TensorProto.BFLOAT16:",
         ("tests/test_precision_values.py",),
@@ -220,7 +232,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- verify / layernorm_network ---------------------------------------------------------------
     Mutation(
         "verify-axis-one-sided",
-        "export/verify.py",
+        "ldlm.export.verify:_check_node",
         "if axis != spec.axis:",
         "if axis > spec.axis:",
         ("tests/test_verify_values.py", "tests/test_verify.py"),
@@ -228,7 +240,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "verify-count-one-sided",
-        "export/verify.py",
+        "ldlm.export.verify:check_layer_norms",
         "if len(nodes) != len(expected):",
         "if len(nodes) < len(expected):",
         ("tests/test_verify_values.py",),
@@ -236,7 +248,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "verify-compares-names-not-values",
-        "export/verify.py",
+        "ldlm.export.verify:_check_parameter",
         "if digest(value) == sha256:",
         "if input_name.endswith(('.weight', '.bias')) or digest(value) == sha256:",
         ("tests/test_verify_values.py",),
@@ -244,7 +256,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "network-num-groups-ignored",
-        "export/layernorm_network.py",
+        "ldlm.export.layernorm_network:check_network_layer_norms",
         'if getattr(layer, "num_groups", 1) != 1:',
         'if getattr(layer, "num_groups", 1) > 2:',
         ("tests/test_engine_network.py",),
@@ -252,7 +264,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "network-count-one-sided",
-        "export/layernorm_network.py",
+        "ldlm.export.layernorm_network:check_network_layer_norms",
         "if len(layers) != len(specs):",
         "if len(layers) < len(specs):",
         ("tests/test_engine_network.py",),
@@ -260,7 +272,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "network-axes-ignored",
-        "export/layernorm_network.py",
+        "ldlm.export.layernorm_network:check_network_layer_norms",
         "if layer.axes != expected:",
         "if layer.axes & expected != expected:",
         ("tests/test_engine_network.py",),
@@ -268,7 +280,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "strongly-typed-hard-coded",
-        "export/trt_flavor.py",
+        "ldlm.export.trt_flavor:is_strongly_typed",
         "return flag is not None and bool(network.get_flag(flag))",
         "return True",
         ("tests/test_engine_network.py",),
@@ -277,7 +289,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- kserve ---------------------------------------------------------------------------------
     Mutation(
         "kserve-limit-off-by-one",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:decompress",
         "if len(out) > limit or decoder.unconsumed_tail:",
         "if len(out) > limit + 1 or decoder.unconsumed_tail:",
         ("tests/test_kserve_values.py",),
@@ -285,7 +297,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-binary-offset-ignored",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:parse_infer_request",
         "binary[offset : offset + size]",
         "binary[0:size]",
         ("tests/test_kserve_values.py",),
@@ -294,7 +306,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- parity / compare -----------------------------------------------------------------------
     Mutation(
         "parity-ignores-decoder-tokens",
-        "serve/checks/parity.py",
+        "ldlm.serve.checks.parity:ParityReport.passed",
         "and e2e and structure and decoder",
         "and e2e and structure",
         ("tests/test_parity_rules.py",),
@@ -302,7 +314,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "parity-ignores-eps-probes",
-        "serve/checks/parity.py",
+        "ldlm.serve.checks.parity:ParityReport.passed",
         " and (self.eps_probes is None or self.eps_probes.passed)",
         "",
         ("tests/test_parity_rules.py", "tests/test_eps_probe.py"),
@@ -310,7 +322,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "artifact-sha256-unchecked",
-        "export/artifact.py",
+        "ldlm.export.artifact:check_file",
         'if sha256_file(path) != record["sha256"]:',
         "if False:",
         ("tests/test_artifact_trust.py",),
@@ -318,7 +330,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "prompt-not-inpainted",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._step",
         "if sample.request.prefix is not None:  # t stays a device tensor",
         "if False:  # t stays a device tensor",
         ("tests/test_openai_api.py",),
@@ -326,7 +338,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "parity-ignores-layer-norms",
-        "serve/checks/parity.py",
+        "ldlm.serve.checks.parity:ParityReport.passed",
         "ok = all(c.passed for c in self.graphs) and all(c.passed for c in self.layer_norms)",
         "ok = all(c.passed for c in self.graphs)",
         ("tests/test_parity_rules.py",),
@@ -334,7 +346,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "compare-atol-or-rtol",
-        "serve/checks/compare.py",
+        "ldlm.serve.checks.compare:compare_outputs",
         "failing = (diff > atol) & (rel > rtol)",
         "failing = (diff > atol) | (rel > rtol)",
         ("tests/test_parity.py", "tests/test_parity_rules.py"),
@@ -343,7 +355,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- bench ----------------------------------------------------------------------------------
     Mutation(
         "bench-samples-per-s-ignores-batch",
-        "serve/checks/bench.py",
+        "ldlm.serve.checks.bench:bench_graphs",
         "round(1000 * batch / p50, 2)",
         "round(1000 / p50, 2)",
         ("tests/test_bench_values.py",),
@@ -351,7 +363,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bench-tokens-per-s-ignores-n",
-        "serve/checks/bench.py",
+        "ldlm.serve.checks.bench:bench_generation",
         "round(n * length / p50, 2)",
         "round(length / p50, 2)",
         ("tests/test_bench_values.py",),
@@ -359,16 +371,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bench-throughput-ratio-inverted",
-        "serve/checks/bench.py",
+        "ldlm.serve.checks.bench:bench_batching",
         'batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"]',
         'batching["static"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"]',
         ("tests/test_bench.py",),
         "continuous batching's gain reported upside down",
     ),
-    # --- the TensorRT runtime (issue 17) ----------------------------------------------------------
+    # --- the TensorRT runtime, the service's limits, the tokenizer check, the Triton cap --------------
     Mutation(
         "trt-no-lock",
-        "serve/runtime/tensorrt_executor.py",
+        "ldlm.serve.runtime.tensorrt_executor:PlanExecutor._execute_one",
         "with self._lock:  # the context's shapes",
         "if True:  # the context's shapes",
         ("tests/test_tensorrt_runtime.py",),
@@ -376,7 +388,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-no-chunks",
-        "serve/runtime/tensorrt_executor.py",
+        "ldlm.serve.runtime.tensorrt_executor:PlanExecutor.execute",
         "        if len(chunks) == 1:\n",
         "        if True:\n",
         ("tests/test_tensorrt_runtime.py",),
@@ -384,7 +396,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-shape-result-ignored",
-        "serve/runtime/tensorrt_executor.py",
+        "ldlm.serve.runtime.tensorrt_executor:set_input_shape",
         "if not context.set_input_shape(name, shape):",
         "if context.set_input_shape(name, shape) is None:",
         ("tests/test_tensorrt_runtime.py",),
@@ -392,7 +404,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-address-result-ignored",
-        "serve/runtime/tensorrt_executor.py",
+        "ldlm.serve.runtime.tensorrt_executor:set_tensor_address",
         "if not context.set_tensor_address(name, tensor.data_ptr()):",
         "if context.set_tensor_address(name, tensor.data_ptr()) is None:",
         ("tests/test_tensorrt_runtime.py",),
@@ -400,7 +412,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-one-context-for-all-profiles",
-        "serve/runtime/tensorrt_executor.py",
+        "ldlm.serve.runtime.tensorrt_executor:PlanExecutor._context",
         "        if profile not in self._contexts:\n",
         "        if not self._contexts:\n",
         ("tests/test_tensorrt_runtime.py",),
@@ -408,7 +420,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-stale-cache-counted-as-loaded",
-        "serve/runtime/tensorrt_engine.py",
+        "ldlm.serve.runtime.tensorrt_engine:RuntimeCacheFile.attach",
         "self.loaded = bool(cache.deserialize(self.path.read_bytes()))",
         "cache.deserialize(self.path.read_bytes()); self.loaded = True",
         ("tests/test_tensorrt_runtime.py",),
@@ -416,7 +428,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-logger-history-unbounded",
-        "export/trt_flavor.py",
+        "ldlm.export.trt_flavor:_make_logger.RecordingLogger.__init__",
         "deque(maxlen=LOG_HISTORY)",
         "deque()",
         ("tests/test_engine_network.py",),
@@ -424,7 +436,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-progress-arguments-swapped",
-        "export/engine.py",
+        "ldlm.export.engine:BuildProgress.Monitor.phase_start",
         "def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int)",
         "def phase_start(self, parent_phase: str | None, phase_name: str, num_steps: int)",
         ("tests/test_engine_network.py",),
@@ -432,7 +444,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trt-service-ignores-profile-batch",
-        "serve/runtime/backends.py",
+        "ldlm.serve.runtime.backends:serving_limits",
         "return capped, min([max_batch, *limits])",
         "return capped, max_batch",
         ("tests/test_tensorrt_runtime.py",),
@@ -440,7 +452,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tokenizer-not-checked",
-        "export/artifact.py",
+        "ldlm.export.artifact:check_artifacts",
         '    check_tokenizer(directory, manifest.get("tokenizer"))',
         "    pass",
         ("tests/test_artifact_trust.py",),
@@ -448,16 +460,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "triton-max-batch-beyond-profiles",
-        "export/triton_repo.py",
+        "ldlm.export.triton_repo:model_config",
         'max_batch = min(max_batch, max(p["batch"][2] for p in profiles))',
         "pass",
         ("tests/test_triton_repo.py",),
         "Triton refuses the plans: max_batch_size above the profiles' largest batch",
     ),
-    # --- issue 25: the new solvers (verified caught by tests/test_solvers.py) -------------------------
+    # --- the solvers, and the solver state the scheduler keeps per sample -----------------------------
     Mutation(
         "dpm3m-c2-sign",
-        "ldlm/solvers.py",
+        "ldlm.solvers:multistep_x0",
         "c2 = (0.5 - (e - 1 + h) / h**2) / phi1",
         "c2 = (0.5 + (e - 1 + h) / h**2) / phi1",
         ("tests/test_solvers.py",),
@@ -465,7 +477,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dpm-r0-reversed",
-        "ldlm/solvers.py",
+        "ldlm.solvers:multistep_x0",
         "r0 = (lam - lam1) / h",
         "r0 = (lam1 - lam) / h",
         ("tests/test_solvers.py",),
@@ -473,7 +485,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "psc-fraction-zero",
-        "ldlm/solvers.py",
+        "ldlm.solvers:PSC_FRACTION",
         "PSC_FRACTION = 0.75",
         "PSC_FRACTION = 0.0",
         ("tests/test_solvers.py",),
@@ -481,7 +493,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-past-lambda-of-first-row",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._solver_step",
         "push_past(sample.past, sample.x0_hat, lam[i], solver.history)",
         "push_past(sample.past, sample.x0_hat, lam[0], solver.history)",
         ("tests/test_solvers.py",),
@@ -489,16 +501,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-psc-x0-prev-dropped",
-        "serve/runtime/scheduler.py",
+        "ldlm.serve.runtime.scheduler:GenerationScheduler._solver_step",
         "sample.x0_hat, sample.x0_prev = x0_g[i, :n], result.x0_prev[i, :n]",
         "sample.x0_hat, sample.x0_prev = x0_g[i, :n], x0_g[i, :n]",
         ("tests/test_solvers.py",),
         "served dpm3m-psc ignores the predicted self-conditioning",
     ),
-    # --- issue 25: the model's modules against NumPy (tests/test_layers_values.py) ----------------------
+    # --- the model's modules, checked against NumPy ---------------------------------------------------
     Mutation(
         "rmsnorm-eps-dropped",
-        "ldlm/layers.py",
+        "ldlm.layers:RMSNorm.forward",
         "return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight",
         "return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight",
         ("tests/test_layers_values.py",),
@@ -506,7 +518,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "mlp-gelu-tanh",
-        "ldlm/layers.py",
+        "ldlm.layers:MLP.forward",
         "return self.fc_out(self.dropout(F.gelu(self.fc_in(self.norm(x)))))",
         'return self.fc_out(self.dropout(F.gelu(self.fc_in(self.norm(x)), approximate="tanh")))',
         ("tests/test_layers_values.py",),
@@ -514,7 +526,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "position-scale-inverted",
-        "ldlm/layers.py",
+        "ldlm.layers:PositionTable.__init__",
         "self.scale = dim**-0.5",
         "self.scale = dim**0.5",
         ("tests/test_layers_values.py",),
@@ -522,7 +534,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "per-stream-kv-ignored",
-        "ldlm/layers.py",
+        "ldlm.layers:LatentAttention.forward",
         "kv_context = self.kv_context if self.kv_context is not None else self.kv",
         "kv_context = self.kv",
         ("tests/test_layers_values.py",),
@@ -530,7 +542,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "k-norm-skipped",
-        "ldlm/layers.py",
+        "ldlm.layers:LatentAttention.forward",
         "k = self.k_norm(split_heads(k, self.n_heads))  # (B, H, S, hd)",
         "k = split_heads(k, self.n_heads)  # (B, H, S, hd)",
         ("tests/test_layers_values.py",),
@@ -538,7 +550,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "causal-mask-upper",
-        "ldlm/layers.py",
+        "ldlm.layers:attention_bias",
         ".tril()[None, None]",
         ".triu()[None, None]",
         ("tests/test_layers_values.py", "tests/test_gpt2.py"),
@@ -546,7 +558,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "query-stream-padding-unmasked",
-        "ldlm/layers.py",
+        "ldlm.layers:stream_bias",
         "attention_bias(torch.cat([mask, mask], dim=1), dtype)",
         "attention_bias(torch.cat([mask, torch.ones_like(mask)], dim=1), dtype)",
         ("tests/test_layers_values.py",),
@@ -554,7 +566,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "time-embedding-cos-sin-swapped",
-        "ldlm/layers.py",
+        "ldlm.layers:sinusoidal_embedding",
         "return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)",
         "return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)",
         ("tests/test_layers_values.py",),
@@ -562,7 +574,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "context-normed-with-query-norm",
-        "ldlm/layers.py",
+        "ldlm.layers:LatentAttention.forward",
         "xq, xc = self.norm_query(query), self.norm_context(context)",
         "xq, xc = self.norm_query(query), self.norm_query(context)",
         ("tests/test_layers_values.py",),
@@ -570,7 +582,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "denoiser-norm-takes-layer-norm-eps",
-        "ldlm/denoiser.py",
+        "ldlm.denoiser:DenoiserBlock.__init__",
         "self.mlp_norm = RMSNorm(d, config.rms_norm_eps)",
         "self.mlp_norm = RMSNorm(d, config.layer_norm_eps)",
         ("tests/test_layers_values.py",),
@@ -578,7 +590,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "gpt2-gelu-exact",
-        "ldlm/gpt2.py",
+        "ldlm.gpt2:GPT2MLP.forward",
         'return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))',
         "return self.c_proj(F.gelu(self.c_fc(x)))",
         ("tests/test_layers_values.py", "tests/test_gpt2.py"),
@@ -586,7 +598,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "gpt2-ln2-reused",
-        "ldlm/gpt2.py",
+        "ldlm.gpt2:GPT2Block.forward",
         "return x + self.mlp(self.ln_2(x))",
         "return x + self.mlp(self.ln_1(x))",
         ("tests/test_layers_values.py", "tests/test_gpt2.py"),
@@ -594,7 +606,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "latent-bank-not-normed",
-        "ldlm/latent_encoder.py",
+        "ldlm.latent_encoder:LatentEncoder.forward",
         "latents = self.latent_norm(self.latent_bank[:length])[None]",
         "latents = self.latent_bank[:length][None]",
         ("tests/test_layers_values.py",),
@@ -602,7 +614,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "encoder-out-norm-skipped",
-        "ldlm/latent_encoder.py",
+        "ldlm.latent_encoder:LatentEncoder.forward",
         "return self.out_norm(latents)",
         "return latents",
         ("tests/test_layers_values.py",),
@@ -610,7 +622,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "query-scale-weight-dropped",
-        "ldlm/latent_decoder.py",
+        "ldlm.latent_decoder:LatentDecoder.forward",
         "scale = 1 + self.query_scale.weight[0, 0] + self.query_scale.bias[0]",
         "scale = 1 + self.query_scale.bias[0]",
         ("tests/test_layers_values.py",),
@@ -618,7 +630,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decoder-attn-scale-dropped",
-        "ldlm/latent_decoder.py",
+        "ldlm.latent_decoder:DecoderBlock.forward",
         "queries = queries + self.attn_scale * self.attn(queries, latents, attn_bias)",
         "queries = queries + self.attn(queries, latents, attn_bias)",
         ("tests/test_layers_values.py",),
@@ -626,7 +638,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "token-decoder-final-norm-skipped",
-        "ldlm/token_decoder.py",
+        "ldlm.token_decoder:TokenDecoder.forward",
         "return self.head(self.norm(h))",
         "return self.head(h)",
         ("tests/test_layers_values.py",),
@@ -634,7 +646,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "token-decoder-causal",
-        "ldlm/token_decoder.py",
+        "ldlm.token_decoder:TokenDecoder.forward",
         "bias = attention_bias(mask, h.dtype)  # bidirectional",
         "bias = attention_bias(mask, h.dtype, causal_len=h.shape[1])  # bidirectional",
         ("tests/test_layers_values.py",),
@@ -643,7 +655,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- config and checkpoint ------------------------------------------------------------------------
     Mutation(
         "config-int-range-top-refused",
-        "ldlm/config.py",
+        "ldlm.config:_validate",
         "type(value) is int and low <= value <= high",
         "type(value) is int and low <= value < high",
         ("tests/test_guards_config.py",),
@@ -651,7 +663,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "config-eps-zero-allowed",
-        "ldlm/config.py",
+        "ldlm.config:_validate",
         "math.isfinite(value) and above < value <= at_most",
         "math.isfinite(value) and above <= value <= at_most",
         ("tests/test_guards_config.py",),
@@ -659,7 +671,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "config-eos-off-by-one",
-        "ldlm/config.py",
+        "ldlm.config:_validate",
         "require(0 <= c.eos_token_id < c.vocab_size,",
         "require(0 <= c.eos_token_id <= c.vocab_size,",
         ("tests/test_guards_config.py",),
@@ -667,7 +679,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "config-dropout-one-allowed",
-        "ldlm/config.py",
+        "ldlm.config:_validate",
         "require(0.0 <= c.dropout < 1.0,",
         "require(0.0 <= c.dropout <= 1.0,",
         ("tests/test_guards_config.py",),
@@ -675,7 +687,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "feature-blocks-off-by-one",
-        "ldlm/config.py",
+        "ldlm.config:LDLMConfig.feature_blocks",
         "return self.gpt2_layers + 1 + self.feature_layer",
         "return self.gpt2_layers + self.feature_layer",
         ("tests/test_guards_config.py", "tests/test_gpt2.py"),
@@ -683,7 +695,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "checkpoint-unexpected-not-named",
-        "ldlm/checkpoint.py",
+        "ldlm.checkpoint:check_state_dict",
         "unexpected = sorted(set(found) - set(expected))",
         "unexpected = []",
         ("tests/test_checkpoint.py",),
@@ -691,7 +703,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "mask-embedding-off-by-one",
-        "ldlm/checkpoint.py",
+        "ldlm.checkpoint:load_gpt2_weights",
         "if config.mask_token_id < wte.shape[0] else",
         "if config.mask_token_id <= wte.shape[0] else",
         ("tests/test_gpt2.py",),
@@ -699,7 +711,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "random-std-negative",
-        "ldlm/checkpoint.py",
+        "ldlm.checkpoint:randomize_norms",
         "std.copy_(torch.exp(normal(std, 0.2)))",
         "std.copy_(normal(std, 0.2))",
         ("tests/test_eps_probe.py",),
@@ -707,16 +719,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "checkpoint-overwrite-inverted",
-        "ldlm/files.py",
+        "ldlm.files:refuse_existing",
         "if Path(out).exists() and not overwrite:",
         "if Path(out).exists() and overwrite:",
         ("tests/test_checkpoint.py",),
         "an existing checkpoint is replaced without --force",
     ),
-    # --- OpenAI completions (lines identical on the http branch) ------------------------------------
+    # --- OpenAI completions ---------------------------------------------------------------------------
     Mutation(
         "completion-eos-kept",
-        "serve/api/routes/openai.py",
+        "ldlm.serve.api.routes.openai:Completions.choices",
         "ids = ids[: ids.index(eos)] if stop else ids",
         "ids = ids[: ids.index(eos) + 1] if stop else ids",
         ("tests/test_guards_http.py",),
@@ -724,7 +736,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-never-stops",
-        "serve/api/routes/openai.py",
+        "ldlm.serve.api.routes.openai:Completions.choices",
         '"finish_reason": "stop" if stop else "length"',
         '"finish_reason": "length"',
         ("tests/test_guards_http.py",),
@@ -732,7 +744,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-choices-unbounded",
-        "serve/api/routes/openai.py",
+        "ldlm.serve.api.routes.openai:Completions.prepare",
         "if len(prompts) * body.n > settings.max_n:",
         "if body.n > settings.max_n:",
         ("tests/test_guards_http.py",),
@@ -740,7 +752,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-budget-off-by-one",
-        "serve/api/routes/openai.py",
+        "ldlm.serve.api.routes.openai:Completions.prepare",
         "if len(row) + body.max_tokens > config.max_seq_len:",
         "if len(row) + body.max_tokens >= config.max_seq_len:",
         ("tests/test_guards_http.py",),
@@ -748,7 +760,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-prompts-share-a-seed",
-        "serve/api/routes/openai.py",
+        "ldlm.serve.api.routes.openai:Completions.prepare",
         "(seed + i) % 2**63",
         "seed % 2**63",
         ("tests/test_guards_http.py",),
@@ -756,7 +768,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "completion-index-restarts",
-        "serve/api/routes/openai.py",
+        "ldlm.serve.api.routes.openai:Completions.choices",
         '"index": first_index + j',
         '"index": j',
         ("tests/test_guards_http.py",),
@@ -765,7 +777,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- streaming and the outer guard ---------------------------------------------------------------
     Mutation(
         "sse-single-newline",
-        "serve/api/streaming.py",
+        "ldlm.serve.api.streaming:sse",
         'f"data: {payload}\\n\\n".encode()',
         'f"data: {payload}\\n".encode()',
         ("tests/test_guards_middleware.py",),
@@ -773,7 +785,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "preview-budget-one-refused",
-        "serve/api/streaming.py",
+        "ldlm.serve.api.streaming:PreviewDecoder.__init__",
         "if not 0 < budget <= 1:",
         "if not 0 < budget < 1:",
         ("tests/test_guards_middleware.py",),
@@ -781,7 +793,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "preview-forget-drops-other-streams",
-        "serve/api/streaming.py",
+        "ldlm.serve.api.streaming:PreviewDecoder.forget",
         "for key in [k for k in self._pending if k[0] is stream]:",
         "for key in [k for k in self._pending if k[0] is not stream]:",
         ("tests/test_guards_middleware.py",),
@@ -789,7 +801,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "body-cap-off-by-one",
-        "serve/api/http_guard.py",
+        "ldlm.serve.api.http_guard:read_body",
         "if received > limit:  # chunked",
         "if received >= limit:  # chunked",
         ("tests/test_guards_middleware.py",),
@@ -797,7 +809,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "content-length-cap-off-by-one",
-        "serve/api/http_guard.py",
+        "ldlm.serve.api.http_guard:read_body",
         "int(content_length) > limit):",
         "int(content_length) >= limit):",
         ("tests/test_guards_middleware.py",),
@@ -805,7 +817,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "health-prefix-too-wide",
-        "serve/api/http_guard.py",
+        "ldlm.serve.api.http_guard:GuardMiddleware.OPEN_PREFIXES",
         'OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")',
         'OPEN_PREFIXES = ("/v2/health", "/static/swagger/")',
         ("tests/test_guards_middleware.py",),
@@ -813,16 +825,32 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "queue-full-without-retry-after",
-        "serve/api/http_guard.py",
+        "ldlm.serve.api.http_guard:GuardMiddleware.__call__",
         '503, str(error), {"Retry-After": "1"}, scope["path"])',
         '503, str(error), {}, scope["path"])',
         ("tests/test_guards_middleware.py",),
         "clients get no Retry-After on a full queue",
     ),
+    Mutation(
+        "deadline-retry-after-constant",
+        "ldlm.serve.api.http_guard:GuardMiddleware.__call__",
+        '{"Retry-After": str(math.ceil(error.retry_after_s))}',
+        '{"Retry-After": "1"}',
+        ("tests/test_retry_after.py",),
+        "a request refused behind queued work is told to retry in 1 s, however long the queue",
+    ),
+    Mutation(
+        "deadline-retry-after-rounded-down",
+        "ldlm.serve.api.http_guard:GuardMiddleware.__call__",
+        "str(math.ceil(error.retry_after_s))",
+        "str(int(error.retry_after_s))",
+        ("tests/test_retry_after.py",),
+        "a client that retries when told to comes back before the queued work is done, and is refused again",
+    ),
     # --- KServe parsing ------------------------------------------------------------------------------
     Mutation(
         "kserve-binary-nan-unchecked",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:parse_infer_request",
         'if dtype.kind == "f" and not np.isfinite(array).all():',
         'if dtype.kind == "f" and size is None and not np.isfinite(array).all():',
         ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
@@ -830,7 +858,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-json-inf-unchecked",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:_json_tensor",
         "if not np.isfinite(wide).all():",
         "if np.isnan(wide).any():",
         ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
@@ -838,7 +866,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-json-nonfinite-refusal-removed",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:_json_tensor",
         "if not np.isfinite(wide).all():",
         "if False:",
         ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
@@ -846,7 +874,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-int-max-off-by-one",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:_json_tensor",
         "or max(flat) > info.max):",
         "or max(flat) >= info.max):",
         ("tests/test_guards_kserve.py",),
@@ -854,7 +882,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-bool-as-int",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:JSON_TYPES",
         'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}',
         'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int, bool}, "f": {int, float}}',
         ("tests/test_guards_kserve.py",),
@@ -862,7 +890,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-header-length-equal-refused",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:parse_infer_request",
         "if not 0 < json_size <= len(body):",
         "if not 0 < json_size < len(body):",
         ("tests/test_guards_kserve.py",),
@@ -870,7 +898,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-rank-limit-off-by-one",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:parse_infer_request",
         "or len(shape) > 8:",
         "or len(shape) >= 8:",
         ("tests/test_guards_kserve.py",),
@@ -878,7 +906,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-duplicate-input-overwrites",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:parse_infer_request",
         "if name in inputs:",
         "if name in raw_inputs:",
         ("tests/test_guards_kserve.py",),
@@ -887,7 +915,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- the eps probe's math ------------------------------------------------------------------------
     Mutation(
         "eps-budget-halved",
-        "serve/checks/layernorm_cases.py",
+        "ldlm.serve.checks.layernorm_cases:float32_budget",
         "return 2 * math.ceil(math.log2(max(n, 2))) + 8",
         "return math.ceil(math.log2(max(n, 2))) + 8",
         ("tests/test_eps_probe_math.py",),
@@ -895,7 +923,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "implied-eps-without-variance",
-        "serve/checks/eps_probe.py",
+        "ldlm.serve.checks.eps_probe:analyse_outputs",
         "float(np.median(s**2 - (centered**2).mean(axis=1)))",
         "float(np.median(s**2))",
         ("tests/test_eps_probe_math.py", "tests/test_eps_probe.py"),
@@ -903,7 +931,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "probe-rows-not-centered",
-        "serve/checks/eps_probe.py",
+        "ldlm.serve.checks.eps_probe:probe_rows.unit_row",
         "return (r - r.mean()) / r.std()",
         "return r / r.std()",
         ("tests/test_eps_probe_math.py",),
@@ -911,7 +939,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "eps-bound-without-mean-term",
-        "serve/checks/eps_probe.py",
+        "ldlm.serve.checks.eps_probe:analyse_outputs",
         "(np.abs(z_ref) + mean_magnitude / sigma)",
         "np.abs(z_ref)",
         ("tests/test_eps_probe_math.py",),
@@ -919,7 +947,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "eps-bound-mean-not-magnitude",
-        "serve/checks/eps_probe.py",
+        "ldlm.serve.checks.eps_probe:analyse_outputs",
         "mean_magnitude = np.abs(x64).mean(axis=1, keepdims=True)",
         "mean_magnitude = np.abs(mean)",
         ("tests/test_eps_probe_math.py",),
@@ -927,7 +955,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-unknown-field-ignored",
-        "serve/api/kserve.py",
+        "ldlm.serve.api.kserve:parse_infer_request",
         '    refuse_unknown_fields(payload, REQUEST_FIELDS, "the request")\n',
         "",
         ("tests/test_guards_kserve.py",),
@@ -935,7 +963,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stop-cut-re-encoded",
-        "serve/api/routes/openai.py",
+        "ldlm.serve.api.routes.openai:Completions.choices",
         "used += self.pipeline.tokenizer.count_tokens(text) if cut >= 0 else len(ids)",
         "used += len(self.pipeline.tokenizer.encode([text])[0]) if cut >= 0 and text else len(ids)",
         ("tests/test_strict_input.py",),
@@ -943,7 +971,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "text-too-long-named-as-ids",
-        "ldlm/pipeline.py",
+        "ldlm.pipeline:LDLMPipeline.text_ids",
         "if len(row) > self.config.max_seq_len:",
         "if False:",
         ("tests/test_pipeline.py",),
@@ -952,7 +980,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- deployment entry points ---------------------------------------------------------------------
     Mutation(
         "triton-n-max-refused",
-        "serve/deploy/triton_generate.py",
+        "ldlm.serve.deploy.triton_generate:TritonPythonModel.generate",
         "if not 1 <= n <= self.max_n:",
         "if not 1 <= n < self.max_n:",
         ("tests/test_guards_deploy.py",),
@@ -960,7 +988,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "triton-bls-chunks-ignored",
-        "serve/deploy/triton_generate.py",
+        "ldlm.serve.deploy.triton_generate:TritonPythonModel.generate",
         "chunk = self.bls_max_batch or n",
         "chunk = n",
         ("tests/test_guards_deploy.py",),
@@ -968,7 +996,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "triton-t-not-reshaped",
-        "serve/deploy/triton_generate.py",
+        "ldlm.serve.deploy.triton_generate:TritonPythonModel.generate.denoise",
         '"t": t.float().numpy().reshape(-1, 1)',
         '"t": t.float().numpy()',
         ("tests/test_triton_repo.py",),
@@ -976,7 +1004,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ray-initial-replicas-from-min",
-        "serve/deploy/ray_app.py",
+        "ldlm.serve.deploy.ray_app:RayOptions.deployment_options",
         '"initial_replicas": self.replicas,',
         '"initial_replicas": self.min_replicas,',
         ("tests/test_guards_deploy.py",),
@@ -984,7 +1012,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ray-zero-is-true",
-        "serve/deploy/ray_app.py",
+        "ldlm.serve.deploy.ray_app:BOOL_WORDS",
         'BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}',
         'BOOL_WORDS = {"true": True, "false": False, "1": True, "0": True}',
         ("tests/test_guards_deploy.py",),
@@ -992,16 +1020,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ray-zero-replicas",
-        "serve/deploy/ray_app.py",
+        "ldlm.serve.deploy.ray_app:RayOptions.__post_init__",
         '"replicas": (self.replicas, 1, 4096)',
         '"replicas": (self.replicas, 0, 4096)',
         ("tests/test_guards_deploy.py",),
         "a deployment of zero replicas is accepted and never answers",
     ),
-    # --- Ctrl-C that Python drops (ldlm.interrupts; CI saw `ldlm serve` start after one) ----------
+    # --- Ctrl-C that Python drops (ldlm.interrupts), and the engine build it must stop ----------------
     Mutation(
         "interrupt-not-remembered",
-        "ldlm/interrupts.py",
+        "ldlm.interrupts:_on_sigint",
         "    _received.set()  # first, so that a dropped KeyboardInterrupt is still known",
         "    pass",
         ("tests/test_interrupts.py",),
@@ -1009,7 +1037,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dropped-interrupt-printed",
-        "ldlm/interrupts.py",
+        "ldlm.interrupts:remembered_interrupts.unraisable_hook",
         "        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and interrupted()):",
         "        if True:",
         ("tests/test_interrupts.py",),
@@ -1017,7 +1045,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "serve-starts-after-dropped-interrupt",
-        "serve/api/server.py",
+        "ldlm.serve.api.server:serve",
         "        raise_if_interrupted()  # Ctrl-C while preparing, dropped by Python where it landed: do not start serving",
         "        pass",
         ("tests/test_interrupts.py",),
@@ -1025,7 +1053,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "engine-monitor-ignores-interrupt",
-        "export/engine.py",
+        "ldlm.export.engine:BuildProgress.Monitor.step_complete",
         "            return not interrupted()",
         "            return True",
         ("tests/test_interrupts.py",),
@@ -1033,7 +1061,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "build-interrupts-not-deferred",
-        "export/engine.py",
+        "ldlm.export.engine:build_plan",
         "    with logger.capture() as messages, deferred_interrupts():",
         "    with logger.capture() as messages:",
         ("tests/test_interrupts.py",),
@@ -1041,7 +1069,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "engine-monitor-only-with-progress",
-        "export/engine.py",
+        "ldlm.export.engine:_build",
         'BuildProgress(trt, onnx_path.stem, progress) if hasattr(trt, "IProgressMonitor") else None',
         'BuildProgress(trt, onnx_path.stem, progress) if progress and hasattr(trt, "IProgressMonitor") else None',
         ("tests/test_interrupts.py",),
@@ -1049,7 +1077,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "interrupt-delivered-forever",
-        "ldlm/interrupts.py",
+        "ldlm.interrupts:raise_if_interrupted",
         """        _received.clear()
         raise KeyboardInterrupt""",
         "        raise KeyboardInterrupt",
@@ -1058,7 +1086,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "engine-interrupt-reported-as-failure",
-        "export/engine.py",
+        "ldlm.export.engine:build_plan",
         "    raise_if_interrupted()  # a Ctrl-C recorded during the build",
         "    pass  # a Ctrl-C recorded during the build",
         ("tests/test_interrupts.py",),
@@ -1132,17 +1160,135 @@ def run_pytest(python: Path, repo: Path, args: list[str], timeout_s: float) -> t
     return status, seconds, failing, output[-2000:]
 
 
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+# Statements whose bodies still belong to the scope around them (a definition under `if` or `try`).
+BLOCKS = (
+    ast.If,
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+    ast.With,
+    ast.AsyncWith,
+    ast.Try,
+    ast.TryStar,
+    ast.Match,
+    ast.ExceptHandler,
+    ast.match_case,
+)
+
+
+class StaleMutationError(Exception):
+    """A mutation whose target is gone, or whose ``old`` text does not occur exactly once in it."""
+
+
+def package_dirs(root: Path) -> dict[str, str]:
+    """pyproject's package-dir mapping (``ldlm.serve`` -> ``serve``): where the installed packages' sources lie."""
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file():
+        return {}
+    return dict(tomllib.loads(pyproject.read_text()).get("tool", {}).get("setuptools", {}).get("package-dir", {}))
+
+
+def module_file(root: Path, module: str) -> Path:
+    """``module``'s source file under ``root`` (``ldlm.serve.api.kserve`` -> ``serve/api/kserve.py``)."""
+    mapping = package_dirs(root)
+    parts = module.split(".")
+    base = root.joinpath(*parts)
+    for i in range(len(parts), 0, -1):  # the longest mapped package wins
+        if ".".join(parts[:i]) in mapping:
+            base = root.joinpath(mapping[".".join(parts[:i])], *parts[i:])
+            break
+    package = base / "__init__.py"
+    return package if package.is_file() else base.with_name(base.name + ".py")
+
+
+def assigned_names(node: ast.stmt) -> set[str]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    names = set()
+    for target in targets:
+        for part in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+            if isinstance(part, ast.Name):
+                names.add(part.id)
+    return names
+
+
+def named_in(scope: ast.AST, name: str) -> list[ast.stmt]:
+    """What ``scope`` defines as ``name``: functions and classes, and in a module or class body assignments too."""
+    found: list[ast.stmt] = []
+    pending = list(ast.iter_child_nodes(scope))
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, DEFINITIONS):
+            found += [node] if node.name == name else []
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            found += [node] if name in assigned_names(node) and isinstance(scope, (ast.Module, ast.ClassDef)) else []
+        elif isinstance(node, BLOCKS):
+            pending += list(ast.iter_child_nodes(node))
+    return found
+
+
+def target_span(root: Path, target: str) -> tuple[Path, str, int, int]:
+    """(file, its text, start, end): the characters of ``target``'s source, whole lines, decorators included."""
+    if ":" not in target:
+        if target.endswith(".py"):
+            raise StaleMutationError("a Python file is named by module and name (module:qualname), not by its path")
+        path = root / target
+        if not path.is_file():
+            raise StaleMutationError(f"{target} does not exist")
+        text = path.read_text()
+        return path, text, 0, len(text)
+    module, qualname = target.split(":", 1)
+    path = module_file(root, module)
+    where = path.relative_to(root)
+    if not path.is_file():
+        raise StaleMutationError(f"module file {where} does not exist")
+    text = path.read_text()
+    try:
+        scopes: list[ast.AST] = [ast.parse(text, str(where))]
+    except SyntaxError as error:
+        raise StaleMutationError(f"{where} does not parse: {error}") from None
+    found: list[ast.stmt] = []
+    for part in qualname.split("."):
+        found = [node for scope in scopes for node in named_in(scope, part)]
+        scopes = list(found)
+    if len(found) != 1:
+        raise StaleMutationError(f"{where} defines {qualname} {len(found)} times; it must define it once")
+    node = found[0]
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    lines = text.splitlines(keepends=True)
+    start = len("".join(lines[: first - 1]))
+    return path, text, start, start + len("".join(lines[first - 1 : node.end_lineno]))
+
+
+def locate(root: Path, m: Mutation) -> tuple[Path, str, int, int]:
+    """``target_span`` of ``m``'s target, checked: ``m.old`` occurs exactly once in it."""
+    path, text, start, end = target_span(root, m.target)
+    count = text.count(m.old, start, end)
+    if count != 1:
+        lines = f"lines {text.count(chr(10), 0, start) + 1}-{text.count(chr(10), 0, end)}"
+        raise StaleMutationError(f"{m.old!r} occurs {count} times in it ({path.relative_to(root)}, {lines}); it must occur once")
+    return path, text, start, end
+
+
+def mutated(text: str, start: int, end: int, m: Mutation) -> str:
+    """``text`` with ``m``'s bug planted inside its target's span only."""
+    return text[:start] + text[start:end].replace(m.old, m.new, 1) + text[end:]
+
+
 def check_mutations(root: Path, mutations: tuple[Mutation, ...]) -> None:
     problems = []
     for m in mutations:
-        text = (root / m.path).read_text()
-        if text.count(m.old) != 1:
-            problems.append(f"{m.id}: {m.old!r} occurs {text.count(m.old)} times in {m.path}; it must occur once")
+        try:
+            locate(root, m)
+        except StaleMutationError as error:
+            problems.append(f"{m.id}: {m.target}: {error}")
         for test in m.tests:
             if not (root / test).is_file():
                 problems.append(f"{m.id}: test file {test} does not exist")
-    if len({m.id for m in mutations}) != len(mutations):
-        problems.append("mutation ids are not unique")
+    ids = [m.id for m in mutations]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        problems.append(f"mutation ids are not unique: {', '.join(repeated)}")
     if problems:
         raise SystemExit("mutation list is stale:\n  " + "\n  ".join(problems))
 
@@ -1153,7 +1299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="run only each mutation's named test files, not the rest of the suite")
     parser.add_argument("--skip-baseline", action="store_true", help="do not first check that the named tests pass unmutated")
     parser.add_argument("--work", default="/tmp/ldlm-mutation-check", help="scratch directory (default: /tmp/ldlm-mutation-check)")
-    parser.add_argument("--out", default="runs/mutation_check.json", help="JSON report (default: runs/mutation_check.json)")
+    parser.add_argument(
+        "--out", default="runs/mutation_check.json", help="JSON report (default: runs/mutation_check.json, under the repository root)"
+    )
     parser.add_argument("--timeout-s", type=float, default=1800, help="per pytest run; a run past it counts as caught (default: 1800)")
     parser.add_argument("--list", action="store_true", help="print the mutations and exit")
     args = parser.parse_args(argv)
@@ -1167,7 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
         mutations = tuple(m for m in MUTATIONS if m.id in wanted)
     if args.list:
         for m in mutations:
-            print(f"{m.id:38s} {m.path:28s} {m.bug}")
+            print(f"{m.id:38s} {m.target:60s} {m.bug}")
         return 0
     check_mutations(ROOT, mutations)
 
@@ -1188,9 +1336,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for i, m in enumerate(mutations, 1):
-        target = repo / m.path
-        original = target.read_text()
-        target.write_text(original.replace(m.old, m.new, 1))
+        path, original, start, end = locate(repo, m)
+        path.write_text(mutated(original, start, end, m))
         try:
             status, seconds, failing, tail = run_pytest(python, repo, list(m.tests), args.timeout_s)
             stage = "named tests"
@@ -1200,11 +1347,12 @@ def main(argv: list[str] | None = None) -> int:
                 seconds += more
                 stage = "rest of the suite"
         finally:
-            target.write_text(original)
+            path.write_text(original)
         caught = status != "passed"
         results.append(
             {
                 **asdict(m),
+                "file": str(path.relative_to(repo)),
                 "caught": caught,
                 "status": status,
                 "stage": stage,
@@ -1216,20 +1364,20 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "caught" if caught else "SURVIVED"
         print(f"[{i}/{len(mutations)}] {m.id}: {verdict} ({status} in {stage}, {seconds:.0f} s) {failing[:1]}", flush=True)
 
-    caught = sum(r["caught"] for r in results)
-    report = {"mutations": len(results), "caught": caught, "survived": len(results) - caught, "quick": args.quick, "results": results}
+    total = sum(r["caught"] for r in results)
+    report = {"mutations": len(results), "caught": total, "survived": len(results) - total, "quick": args.quick, "results": results}
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, out)
 
-    print(f"\n{'mutation':38s} {'file':28s} {'result':9s} {'s':>6s}  caught by")
+    print(f"\n{'mutation':38s} {'target':60s} {'result':9s} {'s':>6s}  caught by")
     for r in results:
         by = r["failing_tests"][0] if r["failing_tests"] else r["status"]
-        print(f"{r['id']:38s} {r['path']:28s} {'caught' if r['caught'] else 'SURVIVED':9s} {r['seconds']:6.0f}  {by}")
-    print(f"\n{caught}/{len(results)} caught; report: {out}")
-    return 0 if caught == len(results) else 1
+        print(f"{r['id']:38s} {r['target']:60s} {'caught' if r['caught'] else 'SURVIVED':9s} {r['seconds']:6.0f}  {by}")
+    print(f"\n{total}/{len(results)} caught; report: {out}")
+    return 0 if total == len(results) else 1
 
 
 if __name__ == "__main__":
