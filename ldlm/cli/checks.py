@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ldlm.cli.options import capped_positive_int, capped_positive_int_list, device_options, float_in, int_in, seed_int
 from ldlm.config import INT_RANGES, SAMPLERS
-from ldlm.serve.api.limits import MAX_N, MAX_STEPS
+from ldlm.limits import MAX_N, MAX_STEPS
 from ldlm.serve.api.setting_ranges import MAX_THREADS, SETTING_RANGES
 
 # The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.
