@@ -69,19 +69,6 @@ def test_each_request_gets_its_own_answer_in_a_shared_batch(pipeline: LDLMPipeli
         assert result.texts == alone.texts
 
 
-def test_scheduler_latents_equal_the_samplers_own_loop(pipeline: LDLMPipeline) -> None:
-    """decode_final="x0" vs "mean" takes a different latent; the single run decides which."""
-    from dataclasses import replace
-
-    for final in ("mean", "x0"):
-        config = replace(pipeline.config, decode_final=final)
-        pipe = LDLMPipeline(pipeline.graphs, pipeline.tokenizer, config=config)
-        request = GenerateRequest(n=2, length=7, steps=3, seed=5, sampler="sde")
-        (result,), _, _ = run_schedule(pipe, "continuous", [request], max_batch=4)
-        latents = pipe.sample_latents(request.n, request.length, request.steps, request.seed, request.sampler)
-        assert torch.equal(result.token_ids, pipe.decode(latents).token_ids), final
-
-
 def test_a_cancelled_request_frees_its_slot_at_the_next_step(pipeline: LDLMPipeline) -> None:
     """max_batch=2; A and B run 6 steps. During the first denoiser call B is cancelled and C (one step) arrives:
     [A,B] (B cancelled, C queued) -> [A,C] (B dropped before admission: C takes its slot at once) -> [A] x 4."""

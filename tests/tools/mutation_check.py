@@ -110,7 +110,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.engine:SamplingEngine.latent",
         'state.x_mean if self.decode_final == "mean" else state.x0_hat',
         'state.x0_hat if self.decode_final == "mean" else state.x_mean',
-        ("tests/test_scheduler_values.py", "tests/test_scheduler.py"),
+        ("tests/test_sampling_engine.py", "tests/test_scheduler_values.py", "tests/test_scheduler.py"),
         "served generations differ from the pipeline's",
     ),
     Mutation(
@@ -496,7 +496,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.engine:SamplingEngine._step_group",
         "push_past(state.past, state.x0_hat, lam[i], sampler.history)",
         "push_past(state.past, state.x0_hat, lam[0], sampler.history)",
-        ("tests/test_solvers.py",),
+        (
+            "tests/test_sampling_engine.py",
+            "tests/test_solvers.py",
+        ),
         "in a continuous batch every sample's past carries the first sample's log-SNR",
     ),
     Mutation(
@@ -504,7 +507,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.engine:SamplingEngine._step_group",
         "state.x0_hat, state.x0_prev = x0_g[i, :n], result.x0_prev[i, :n]",
         "state.x0_hat, state.x0_prev = x0_g[i, :n], x0_g[i, :n]",
-        ("tests/test_solvers.py",),
+        (
+            "tests/test_sampling_engine.py",
+            "tests/test_solvers.py",
+        ),
         "served dpm3m-psc ignores the predicted self-conditioning",
     ),
     # --- the model's modules, checked against NumPy ---------------------------------------------------
@@ -983,7 +989,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.request:_count",
         "(cap is not None and value > cap)",
         "(cap is not None and value >= cap)",
-        ("tests/test_guards_deploy.py",),
+        (
+            "tests/test_sampling_engine.py",
+            "tests/test_guards_deploy.py",
+        ),
         "ldlm_generate refuses N = max_n",
     ),
     Mutation(
