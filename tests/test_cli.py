@@ -28,6 +28,22 @@ def test_init_generate_reconstruct(tmp_path: Path, capsys: pytest.CaptureFixture
     assert len(json.loads(capsys.readouterr().out)["texts"]) == 1
 
 
+def test_generate_with_a_prompt_conditions_every_sample(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--prompt``: the samples are those of ``LDLMPipeline.generate(prompt=...)`` (prefix inpainting), not the
+    unprompted ones of the same seed; a prompt as long as ``--length`` is refused with its token count."""
+    from ldlm.pipeline import LDLMPipeline
+
+    base = ["generate", str(tiny_checkpoint), "--n", "2", "--length", "10", "--steps", "3", "--json", "--quiet"]
+    assert main([*base, "--prompt", "Once upon a time"]) == 0
+    prompted = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    pipeline = LDLMPipeline.from_checkpoint(tiny_checkpoint)
+    assert prompted == pipeline.generate(2, 10, 3, prompt="Once upon a time").ids() and prompted != plain
+    assert main([*base[:4], "--length", "4", "--prompt", "Once upon a time", "--quiet"]) == 2
+    assert "the prompt is 4 tokens long; allowed: 1..3 tokens (fewer than length=4)" in capsys.readouterr().err
+
+
 def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tmp_path / "tiny"
     assert main(["init", str(ckpt), "--quiet"]) == 0

@@ -47,9 +47,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--length {args.length} is out of range; allowed: 1..{config.max_seq_len} (the checkpoint's max_seq_len)")
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     start = time.perf_counter()
-    steps = config.default_steps if args.steps is None else args.steps
-    sampler = config.default_sampler if args.sampler is None else args.sampler
-    result = pipeline.generate(args.n, args.length, steps, args.seed, sampler, args.t_min, progress=not args.quiet)
+    # steps, sampler and t_min left out (None) are the checkpoint config's, filled in by the sampling engine
+    result = pipeline.generate(args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, not args.quiet, args.prompt)
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "seconds": elapsed}))
@@ -127,6 +126,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--t-min", type=open_unit_float, default=None, help="last time of the grid, in (0, 1) (default: the config's t_min, 0.05)"
+    )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="text every sample starts with, conditioned by prefix inpainting; fewer tokens than --length, which counts "
+        "the prompt too (how well the rest follows depends on the trained model)",
     )
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
