@@ -39,7 +39,7 @@ from ldlm.schedule import TangentSchedule, forward_noise
 DenoiseFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (x_t, t, x0_prev, mask) -> x0_hat
 
 
-@dataclass
+@dataclass(eq=False)  # a sample is itself, not its values (and tensors have no truth value)
 class SampleState:
     sampler: Sampler
     times: Tensor  # (steps + 1,) on the engine's device, in the state's dtype
