@@ -2,9 +2,8 @@
 
 Python turns SIGINT into a KeyboardInterrupt raised wherever the main thread happens to be. When that
 is a weakref callback or a ``__del__``, the exception is printed as "Exception ignored in ..." and
-dropped, and the interrupted command carries on. CI saw exactly this: `ldlm serve` exporting a
-checkpoint took Ctrl-C inside an import lock's weakref callback, finished the export and started
-serving. The handler here also remembers the signal, so the next stage boundary
+dropped, and the interrupted command carries on: `ldlm serve` exporting a checkpoint can take Ctrl-C
+inside an import lock's weakref callback, finish the export and start serving. The handler here also remembers the signal, so the next stage boundary
 (``raise_if_interrupted``) raises it again; and the dropped one is not printed, since it is not lost.
 
 While C++ runs code that calls back into Python (a TensorRT build, with its logger and progress
