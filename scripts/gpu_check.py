@@ -46,7 +46,7 @@ from ldlm.serve.checks.bench import (
     run_workload,
     workload_lengths_used,
 )
-from ldlm.serve.checks.parity import compare_with_eager, eager_tokens
+from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler

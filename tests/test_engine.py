@@ -273,7 +273,7 @@ def test_engine_runs_on_gpu(engines, tiny_model, cuda_graphs: bool) -> None:
 )
 def test_trt_pipeline_samples_on_the_gpu(engines, pipeline) -> None:
     from ldlm.pipeline import LDLMPipeline
-    from ldlm.serve.checks.parity import TOKEN_AGREEMENT_REQUIRED
+    from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED
     from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 
     precision, out = engines

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.serve.checks.parity import TOKEN_AGREEMENT_REQUIRED, run_parity
+from ldlm.serve.checks.parity import run_parity
+from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED
 
 pytest.importorskip("onnxruntime", reason="ONNX Runtime runs the fp16 graphs (pip install -e .[cpu])")
 

@@ -9,7 +9,7 @@ import pytest
 from ldlm.export.verify import VerifyResult
 from ldlm.serve.checks.compare import compare_outputs
 from ldlm.serve.checks.eps_probe import EpsProbeReport
-from ldlm.serve.checks.parity import ParityReport, first_divergence
+from ldlm.serve.checks.parity_result import ParityReport, first_divergence
 
 REF = np.array([[1.0, 2.0, 3.0]])
 

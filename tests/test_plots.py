@@ -15,8 +15,8 @@ import pytest  # noqa: E402
 
 from ldlm.serve.checks.bench import bench_figure, plot_bench  # noqa: E402
 from ldlm.serve.checks.compare import Comparison, compare_outputs  # noqa: E402
-from ldlm.serve.checks.parity import ParityReport  # noqa: E402
 from ldlm.serve.checks.parity_report import _plot_graphs, _plot_layer_norms, plot  # noqa: E402
+from ldlm.serve.checks.parity_result import ParityReport  # noqa: E402
 
 ATOL = RTOL = 1e-4
 

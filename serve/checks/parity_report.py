@@ -16,7 +16,7 @@ from matplotlib.patches import Patch
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.files import write_atomically
 from ldlm.serve.checks.compare import HISTOGRAM_EDGES
-from ldlm.serve.checks.parity import ParityReport
+from ldlm.serve.checks.parity_result import ParityReport
 
 
 def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> list[Path]:

@@ -306,7 +306,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- parity / compare -----------------------------------------------------------------------
     Mutation(
         "parity-ignores-decoder-tokens",
-        "ldlm.serve.checks.parity:ParityReport.passed",
+        "ldlm.serve.checks.parity_result:ParityReport.passed",
         "and e2e and structure and decoder",
         "and e2e and structure",
         ("tests/test_parity_rules.py",),
@@ -314,7 +314,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "parity-ignores-eps-probes",
-        "ldlm.serve.checks.parity:ParityReport.passed",
+        "ldlm.serve.checks.parity_result:ParityReport.passed",
         " and (self.eps_probes is None or self.eps_probes.passed)",
         "",
         ("tests/test_parity_rules.py", "tests/test_eps_probe.py"),
@@ -338,7 +338,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "parity-ignores-layer-norms",
-        "ldlm.serve.checks.parity:ParityReport.passed",
+        "ldlm.serve.checks.parity_result:ParityReport.passed",
         "ok = all(c.passed for c in self.graphs) and all(c.passed for c in self.layer_norms)",
         "ok = all(c.passed for c in self.graphs)",
         ("tests/test_parity_rules.py",),

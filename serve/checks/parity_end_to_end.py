@@ -1,0 +1,75 @@
+"""Level 3 of the parity check (serve/checks/parity.py), with level 1 before it: the graphs against
+eager PyTorch output by output, then the same seed and noise through eager and candidate generation,
+scored as token agreement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.model import LDLM
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.checks.compare import tolerance
+from ldlm.serve.checks.parity_graphs import compare_graph, input_sets
+from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED, ParityReport
+from ldlm.serve.runtime.backends import BackendGraphs
+from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.torch_backends import EagerBackend
+from ldlm.tokenizer import TextTokenizer
+
+
+def eager_tokens(model: LDLM, tokenizer: TextTokenizer, n: int, length: int, steps: int, seed: int, sampler: str = "ddim") -> torch.Tensor:
+    """The reference samples: CPU fp32 eager, with ``sampler`` (its noise drawn on the CPU)."""
+    return LDLMPipeline(model, tokenizer).generate(n, length, steps, seed, sampler).token_ids
+
+
+def compare_with_eager(
+    model: LDLM,
+    tokenizer: TextTokenizer,
+    graphs: Mapping[str, GraphBackend],
+    backend: str,
+    precision: str,
+    seed: int = 0,
+    steps: int = 10,
+    n: int = 4,
+    length: int = 32,
+    reference_tokens: torch.Tensor | None = None,
+    after_graph: Callable[[ParityReport, str, EagerBackend, dict[str, dict[str, np.ndarray]]], None] | None = None,
+    sampler: str = "ddim",
+) -> ParityReport:
+    """Levels 1 and 3 against CPU fp32 eager on ``model``: every output of ``graphs`` on the input sets
+    of ``seed``, then the token agreement of ``n`` samples of ``length`` tokens (capped by the config)
+    after ``steps`` steps of ``sampler``, sampled on the graphs' device from the reference's CPU noise.
+    ``after_graph(report, name, eager, sets)`` runs after each graph (run_parity compares its
+    LayerNorms there, into ``report``); ``reference_tokens`` (from ``eager_tokens``) spares generating the reference again when
+    several candidates are checked."""
+    atol, rtol = tolerance(precision)
+    report = ParityReport(
+        backend,
+        precision,
+        {g: b.provider for g, b in graphs.items()},
+        atol,
+        rtol,
+        token_agreement_required=TOKEN_AGREEMENT_REQUIRED[precision],
+    )
+    eager = {g: EagerBackend(model, g, with_logits="logits" in graphs[g].output_names) for g in GRAPH_NAMES}
+    if "logits" not in graphs["decoder"].output_names:
+        report.notes.append("the decoder has no logits output: only its token ids were compared")
+    for name in GRAPH_NAMES:
+        sets = input_sets(model, name, seed)
+        compare_graph(name, eager[name], graphs[name], sets, atol, rtol, report)
+        if after_graph is not None:
+            after_graph(report, name, eager[name], sets)
+    length = min(length, model.config.max_seq_len)
+    if reference_tokens is None:
+        reference_tokens = eager_tokens(model, tokenizer, n, length, steps, seed, sampler)
+    # Sampled on the backend's device with the reference's CPU noise: only the graphs differ.
+    device = getattr(graphs["denoiser"], "device", "cpu")
+    pipe = LDLMPipeline(BackendGraphs(dict(graphs)), tokenizer, device, config=model.config, noise_device="cpu")
+    candidate = pipe.generate(n, length, steps, seed, sampler).token_ids
+    report.notes.append(f"end-to-end generation: {n} x {length} tokens, {steps} steps of the {sampler} sampler")
+    report.token_agreement = float((reference_tokens == candidate).float().mean())
+    return report
