@@ -37,15 +37,8 @@ from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.files import write_atomically
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.checks.bench import (
-    WORKLOAD_STEPS,
-    bench_generation,
-    bench_graphs,
-    graph_feed,
-    mixed_workload,
-    run_workload,
-    workload_lengths_used,
-)
+from ldlm.serve.checks.bench_latency import bench_generation, bench_graphs, graph_feed
+from ldlm.serve.checks.bench_workload import WORKLOAD_STEPS, mixed_workload, run_workload, workload_lengths_used
 from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.graph_backend import GraphBackend

@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-import ldlm.serve.checks.bench as bench
+import ldlm.serve.checks.bench_latency as bench
 from ldlm.config import preset
-from ldlm.serve.checks.bench import WORKLOAD_STEPS, bench_graphs, bench_summary, mixed_workload, percentile, workload_lengths_used
+from ldlm.serve.checks.bench_latency import bench_graphs, percentile
+from ldlm.serve.checks.bench_report import bench_summary
+from ldlm.serve.checks.bench_workload import WORKLOAD_STEPS, mixed_workload, workload_lengths_used
 
 
 class Clock:
@@ -115,7 +117,7 @@ def test_workload_step_range_and_lengths_used_are_what_mixed_workload_draws() ->
 
 
 def test_busy_machine_warning_names_the_load_and_a_thread_count() -> None:
-    from ldlm.serve.checks.bench import busy_machine_warning
+    from ldlm.serve.checks.bench_latency import busy_machine_warning
 
     assert busy_machine_warning(2, load_average=0.1, cpus=2) is None  # quiet: the bench's own 2 threads fit
     assert busy_machine_warning(1, load_average=1.2, cpus=2) is None

@@ -254,7 +254,8 @@ def test_tensorrt_files_and_binding_on_cpu(tmp_path: Path) -> None:
 
 
 def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Path) -> None:
-    from ldlm.serve.checks.bench import parse_solver_specs, run_bench
+    from ldlm.serve.checks.bench import run_bench
+    from ldlm.serve.checks.bench_latency import parse_solver_specs
     from ldlm.serve.checks.compare import tolerance
     from ldlm.serve.checks.eps_probe_ort import OrtNodeRunner
     from ldlm.serve.checks.eps_probe_trt import probe_engines, run_normalization_plan

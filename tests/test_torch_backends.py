@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline, bucket_for
-from ldlm.serve.checks.bench import graph_feed
+from ldlm.serve.checks.bench_latency import graph_feed
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import BackendError
 from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, fill_padded, length_buckets, prepare_model, resolve_device

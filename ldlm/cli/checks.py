@@ -89,7 +89,9 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.serve.checks.bench import bench_summary, busy_machine_warning, parse_solver_specs, plot_bench, run_bench
+    from ldlm.serve.checks.bench import run_bench
+    from ldlm.serve.checks.bench_latency import busy_machine_warning, parse_solver_specs
+    from ldlm.serve.checks.bench_report import bench_summary, plot_bench
 
     warning = busy_machine_warning(args.threads)
     if warning:

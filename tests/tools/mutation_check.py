@@ -90,7 +90,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bench-speedup-inverted",
-        "ldlm.serve.checks.bench:bench_graphs",
+        "ldlm.serve.checks.bench_latency:bench_graphs",
         'entry["eager"]["p50_ms"] / entry[name]["p50_ms"]',
         'entry[name]["p50_ms"] / entry["eager"]["p50_ms"]',
         ("tests/test_bench_values.py",),
@@ -355,7 +355,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- bench ----------------------------------------------------------------------------------
     Mutation(
         "bench-samples-per-s-ignores-batch",
-        "ldlm.serve.checks.bench:bench_graphs",
+        "ldlm.serve.checks.bench_latency:bench_graphs",
         "round(1000 * batch / p50, 2)",
         "round(1000 / p50, 2)",
         ("tests/test_bench_values.py",),
@@ -363,7 +363,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bench-tokens-per-s-ignores-n",
-        "ldlm.serve.checks.bench:bench_generation",
+        "ldlm.serve.checks.bench_latency:bench_generation",
         "round(n * length / p50, 2)",
         "round(length / p50, 2)",
         ("tests/test_bench_values.py",),
@@ -371,7 +371,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bench-throughput-ratio-inverted",
-        "ldlm.serve.checks.bench:bench_batching",
+        "ldlm.serve.checks.bench_workload:bench_batching",
         'batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"]',
         'batching["static"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"]',
         ("tests/test_bench.py",),

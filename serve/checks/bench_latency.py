@@ -1,0 +1,176 @@
+"""The latency half of ``ldlm bench``: each graph per backend (p50, p99, samples/s, speedup against
+eager), end-to-end generation tokens/s, and solvers side by side (latency per sample beside agreement).
+
+Backends alternate run by run so that noise on a shared machine hits them alike; every figure is a
+median (p50) or p99 over ``runs`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ldlm.config import LDLMConfig
+from ldlm.limits import MAX_STEPS
+from ldlm.pipeline import LDLMPipeline
+from ldlm.samplers import get_sampler
+from ldlm.serve.runtime.graph_backend import GraphBackend
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def graph_feed(config: LDLMConfig, graph: str, batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    gen = np.random.default_rng(seed)
+    mask = np.ones((batch, length), dtype=np.int64)
+    d = config.d_model
+    if graph == "encoder":
+        return {"input_ids": gen.integers(0, config.gpt2_vocab_size, (batch, length)), "attention_mask": mask}
+    if graph == "denoiser":
+        x = gen.standard_normal((batch, length, d)).astype(np.float32)
+        return {"x_t": x, "t": np.full(batch, 0.5, dtype=np.float32), "x0_prev": x, "attention_mask": mask}
+    return {"latents": gen.standard_normal((batch, length, d)).astype(np.float32), "attention_mask": mask}
+
+
+def timed_call(backend: GraphBackend, feed: dict[str, np.ndarray]) -> Callable[[], Any]:
+    """One graph call as a benchmark times it: backends that take device tensors (``run_tensors``:
+    eager, compiled and TensorRT) get them put there once and are waited for; ONNX Runtime takes
+    NumPy, as it is served."""
+    if not hasattr(backend, "run_tensors"):
+        return lambda: backend.run(feed)
+    device = backend.device  # type: ignore[attr-defined]
+    tensors = {n: torch.from_numpy(a).to(device) for n, a in feed.items()}
+
+    def call() -> Any:
+        out = backend.run_tensors(tensors)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
+    return call
+
+
+def bench_graphs(
+    backends: Mapping[str, Mapping[str, GraphBackend]], config: LDLMConfig, batches: Sequence[int], length: int, runs: int
+) -> dict[str, Any]:
+    """{graph/bN/LM: {backend: {p50_ms, p99_ms, samples_per_s}, speedup vs eager}}."""
+    results: dict[str, Any] = {}
+    for graph in ("encoder", "denoiser", "decoder"):
+        for batch in batches:
+            feed = graph_feed(config, graph, batch, length)
+            calls = {name: timed_call(graphs[graph], feed) for name, graphs in backends.items()}
+            times: dict[str, list[float]] = {name: [] for name in backends}
+            for call in calls.values():
+                call()  # warm-up (and, for the compiled backend, the capture of this bucket)
+            for _ in range(runs):
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    times[name].append((time.perf_counter() - start) * 1000)
+            entry: dict[str, Any] = {}
+            for name, values in times.items():
+                p50 = statistics.median(values)
+                entry[name] = {
+                    "p50_ms": round(p50, 3),
+                    "p99_ms": round(percentile(values, 99), 3),
+                    "samples_per_s": round(1000 * batch / p50, 2),
+                    "provider": backends[name][graph].provider,
+                }
+            if "eager" in entry:
+                for name in entry:
+                    if name != "eager":
+                        entry[name]["speedup_vs_eager"] = round(entry["eager"]["p50_ms"] / entry[name]["p50_ms"], 3)
+            results[f"{graph}/b{batch}/L{length}"] = entry
+    return results
+
+
+def busy_machine_warning(threads: int, load_average: float | None = None, cpus: int | None = None) -> str | None:
+    """A warning when other work already keeps the CPUs busy: then ``threads`` threads per backend
+    oversubscribe the machine and timings, and their ratios, are noise (eager slows far more than ONNX
+    Runtime). None on a quiet machine."""
+    load = os.getloadavg()[0] if load_average is None else load_average
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    if load + threads <= cpus + 0.5:
+        return None
+    fewer = max(1, cpus - round(load))
+    advice = f"try --threads {fewer} or a quiet machine" if fewer < threads else "run it on a quiet machine"
+    return (
+        f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} "
+        f"thread{'s' if threads > 1 else ''}; timings will be noisy and oversubscribed ({advice})"
+    )
+
+
+def bench_generation(
+    pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int, sampler: str = "ddim"
+) -> dict[str, Any]:
+    results = {}
+    times: dict[str, list[float]] = {name: [] for name in pipelines}
+    for pipe in pipelines.values():
+        pipe.generate(n, length, 2, 0, sampler)  # warm-up
+    for run in range(runs):
+        for name, pipe in pipelines.items():
+            start = time.perf_counter()
+            pipe.generate(n, length, steps, run, sampler)
+            times[name].append(time.perf_counter() - start)
+    for name, values in times.items():
+        p50 = statistics.median(values)
+        results[name] = {
+            "p50_s": round(p50, 6),
+            "tokens_per_s": round(n * length / p50, 2),
+            "n": n,
+            "length": length,
+            "steps": steps,
+            "sampler": sampler,
+        }
+    return results
+
+
+def parse_solver_specs(text: str) -> list[tuple[str, int]]:
+    """'ddim@50,dpm3m-psc@20' -> [('ddim', 50), ('dpm3m-psc', 20)], each name checked."""
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, steps = item.partition("@")
+        get_sampler(name)
+        if not steps.isdigit() or int(steps) < 1:
+            raise ValueError(f"solver spec {item!r} is invalid; allowed: NAME@STEPS with STEPS an integer >= 1")
+        if int(steps) > MAX_STEPS:
+            raise ValueError(f"solver spec {item!r} has {steps} steps; allowed: 1..{MAX_STEPS} denoising steps (as ldlm serve's max_steps)")
+        specs.append((name, int(steps)))
+    return specs
+
+
+def bench_solvers(
+    pipeline: LDLMPipeline, specs: Sequence[tuple[str, int]], n: int, length: int, runs: int, reference_steps: int
+) -> dict[str, Any]:
+    """Latency per sample beside agreement, solver by solver, in one run: each ``(sampler, steps)`` is
+    timed (p50 of ``runs``, specs alternating) and compared with DDIM at ``reference_steps`` from the same
+    seeds (token agreement and the final latent's relative L2 error). The cheapest spec that agrees as
+    well as the most expensive one is what a server should default to."""
+    reference = pipeline.sample_latents(n, length, reference_steps, 0, "ddim")
+    reference_tokens = pipeline.decode(reference).token_ids
+    entries: dict[str, dict[str, Any]] = {}
+    for sampler, steps in specs:  # quality, and the warm-up of the timing
+        latents = pipeline.sample_latents(n, length, steps, 0, sampler)
+        entries[f"{sampler}@{steps}"] = {
+            "sampler": sampler,
+            "steps": steps,
+            "token_agreement": round(float((pipeline.decode(latents).token_ids == reference_tokens).float().mean()), 4),
+            "latent_rel_error": round(float((latents - reference).norm() / reference.norm()), 5),
+        }
+    times: dict[str, list[float]] = {key: [] for key in entries}
+    for run in range(runs):
+        for sampler, steps in specs:
+            start = time.perf_counter()
+            pipeline.generate(n, length, steps, run, sampler)
+            times[f"{sampler}@{steps}"].append(time.perf_counter() - start)
+    for key, values in times.items():
+        p50 = statistics.median(values)
+        entries[key].update(p50_s=round(p50, 6), ms_per_sample=round(1000 * p50 / n, 3))
+    return {"reference": f"ddim@{reference_steps}", "n": n, "length": length, "runs": runs, "entries": entries}
