@@ -39,8 +39,8 @@ import numpy as np
 
 from ldlm.serve.checks.loopback import free_port, start_server, stop_server, tiny_export
 from ldlm.serve.checks.traffic import generate_body, run_clients, write_report
-from ldlm.serve.deploy.triton_local import DEFAULT_CACHE, prepare_env  # noqa: E402
-from ldlm.serve.deploy.triton_local import start_server as start_triton  # noqa: E402
+from ldlm.serve.deploy.triton_env import DEFAULT_CACHE, prepare_env  # noqa: E402
+from ldlm.serve.deploy.triton_server import start_server as start_triton  # noqa: E402
 
 MAX_BATCH = 16  # ldlm serve's default max_batch; Triton's max_batch_size is set to the same
 

@@ -24,7 +24,8 @@ import tritonclient.grpc as triton_grpc  # noqa: E402
 import tritonclient.http as triton_http  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from ldlm.serve.deploy.triton_local import TritonEnv, TritonServer, TritonUnavailable, prepare_env, start_server  # noqa: E402
+from ldlm.serve.deploy.triton_env import TritonEnv, TritonUnavailable, prepare_env  # noqa: E402
+from ldlm.serve.deploy.triton_server import TritonServer, start_server  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_env")  # first: where Triton cannot be installed, skip before exporting anything
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "triton-env"
