@@ -166,14 +166,35 @@ def open_graphs(
         )
     path = Path(path)
     if backend in TORCH_BACKENDS:
-        check_precision(precision, backend)
-        target = resolve_device(device)  # before loading: a missing device fails fast
-        if not (path / "model.safetensors").is_file():
-            raise BackendError(f"{path} is not a checkpoint (no model.safetensors); backend {backend!r} runs a checkpoint from `ldlm init`")
-        model, tokenizer = load_checkpoint(path)
-        model = prepare_model(model, target, precision)
-        kind = EagerBackend if backend == "eager" else CompiledBackend
-        return {g: kind(model, g, with_logits and g == "decoder") for g in GRAPH_NAMES}, model.config, tokenizer
+        return _open_checkpoint(backend, path, precision, device, with_logits)
+    manifest = _check_artifact_dir(backend, path, precision, device)
+    config = LDLMConfig.load(path / "config.json")
+    tokenizer = TextTokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else TextTokenizer.gpt2()
+    if manifest is not None:
+        return _open_export(path, manifest, config, precision, providers, threads, memory_arena), config, tokenizer
+    graphs: dict[str, GraphBackend] = {
+        g: TensorRTBackend(path / f"{g}{PLAN_SUFFIX}", g, config.max_seq_len, cuda_graphs) for g in GRAPH_NAMES
+    }
+    return graphs, config, tokenizer
+
+
+def _open_checkpoint(
+    backend: str, path: Path, precision: str, device: str, with_logits: bool
+) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
+    """The torch backends: the checkpoint's own modules on ``device`` in ``precision``."""
+    check_precision(precision, backend)
+    target = resolve_device(device)  # before loading: a missing device fails fast
+    if not (path / "model.safetensors").is_file():
+        raise BackendError(f"{path} is not a checkpoint (no model.safetensors); backend {backend!r} runs a checkpoint from `ldlm init`")
+    model, tokenizer = load_checkpoint(path)
+    model = prepare_model(model, target, precision)
+    kind = EagerBackend if backend == "eager" else CompiledBackend
+    return {g: kind(model, g, with_logits and g == "decoder") for g in GRAPH_NAMES}, model.config, tokenizer
+
+
+def _check_artifact_dir(backend: str, path: Path, precision: str, device: str) -> dict[str, Any] | None:
+    """An export (ort) or engine (trt) directory checked before any of it is read: the export's
+    manifest (None for engines), once every file it names matches its record."""
     if device != "cpu":
         raise BackendError(
             f"backend {backend!r} does not take device={device!r}; ort picks its device with providers "
@@ -190,33 +211,36 @@ def open_graphs(
             raise BackendError(f"backend 'ort' cannot run precision={precision!r}; allowed: {', '.join(ORT_PRECISIONS)}")
         manifest = read_manifest(path)
         check_artifacts(path, manifest)
-    else:  # the plans themselves are hashed as TensorRTEngine reads them
-        built = {m.get("precision") for m in check_engine_dir(path, GRAPH_NAMES, plans=False).values()}
-        if built != {precision}:
-            raise BackendError(
-                f"engines in {path} are {sorted(map(str, built))}; asked for precision={precision!r}; rebuild with --precision {precision}"
-            )
-    config = LDLMConfig.load(path / "config.json")
-    tokenizer = TextTokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else TextTokenizer.gpt2()
-    if backend == "ort":
-        files = {g: path / manifest["graphs"][g]["file"] for g in GRAPH_NAMES}
-        if precision != "fp16":
-            return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}, config, tokenizer
-        # The same cast pass the engines use, into a scratch directory that goes once the sessions hold
-        # the graphs (ONNX Runtime reads a model and its external data whole when a session is made).
-        with tempfile.TemporaryDirectory(prefix="ldlm-fp16-") as work:
-            lowered = {g: Path(work) / f"{g}.fp16.onnx" for g in files}
-            for g, source in files.items():
-                lower_precision(source, lowered[g], "fp16")
-            return (
-                {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()},
-                config,
-                tokenizer,
-            )
-    graphs: dict[str, GraphBackend] = {
-        g: TensorRTBackend(path / f"{g}{PLAN_SUFFIX}", g, config.max_seq_len, cuda_graphs) for g in GRAPH_NAMES
-    }
-    return graphs, config, tokenizer
+        return manifest
+    # the plans themselves are hashed as TensorRTEngine reads them
+    built = {m.get("precision") for m in check_engine_dir(path, GRAPH_NAMES, plans=False).values()}
+    if built != {precision}:
+        raise BackendError(
+            f"engines in {path} are {sorted(map(str, built))}; asked for precision={precision!r}; rebuild with --precision {precision}"
+        )
+    return None
+
+
+def _open_export(
+    path: Path,
+    manifest: dict[str, Any],
+    config: LDLMConfig,
+    precision: str,
+    providers: tuple[str, ...],
+    threads: int | None,
+    memory_arena: bool,
+) -> dict[str, GraphBackend]:
+    """An export's graphs on ONNX Runtime, cast to fp16 first when asked."""
+    files = {g: path / manifest["graphs"][g]["file"] for g in GRAPH_NAMES}
+    if precision != "fp16":
+        return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}
+    # The same cast pass the engines use, into a scratch directory that goes once the sessions hold
+    # the graphs (ONNX Runtime reads a model and its external data whole when a session is made).
+    with tempfile.TemporaryDirectory(prefix="ldlm-fp16-") as work:
+        lowered = {g: Path(work) / f"{g}.fp16.onnx" for g in files}
+        for g, source in files.items():
+            lower_precision(source, lowered[g], "fp16")
+        return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()}
 
 
 def serving_limits(graphs: Mapping[str, GraphBackend], config: LDLMConfig, max_batch: int) -> tuple[LDLMConfig, int]:
