@@ -45,6 +45,67 @@ def generate_body(seed: int, length: int, steps: int) -> dict:
     return {"n": 1, "length": length, "steps": steps, "seed": seed, "sampler": "ddim"}
 
 
+RequestFor = Callable[[int, int], tuple[str, dict | bytes]]
+
+
+def next_request(
+    rng: np.random.Generator, index: int, i: int, mix: str, d: int, gen_length: int, gen_steps: int, request_for: RequestFor | None
+) -> tuple[str, dict | bytes]:
+    """Request ``i`` of client ``index``: ``request_for``'s, else one drawn from ``mix``."""
+    kind = 1.0 if mix == "generate" else rng.random()
+    if request_for is not None:
+        return request_for(index, i)
+    if kind < 0.7:
+        return ("/v2/models/encoder/infer", encoder_body(int(rng.integers(8, 33)), index * 100000 + i))
+    if kind < 0.9:
+        return ("/v2/models/decoder/infer", decoder_body(int(rng.integers(8, 33)), d, i))
+    return ("/v1/generate", generate_body(i, gen_length, gen_steps))
+
+
+def post(http: httpx.Client, request: tuple[str, dict | bytes]) -> httpx.Response:
+    path, body = request
+    # bytes: JSON encoded once ahead (large tensors: encoding them per request would load the client, not the server)
+    if isinstance(body, bytes):
+        return http.post(path, content=body, headers={"Content-Type": "application/json"})
+    return http.post(path, json=body)
+
+
+class Tally:
+    """What every client saw, counted under one lock: requests sent, answered, refused (not 200) and
+    lost (no answer), answers by status, and the latency of each answer."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stats = {"sent": 0, "answered": 0, "errors": 0, "lost": 0}
+        self.by_status: dict[str, int] = {}
+        self.latencies: list[float] = []
+
+    def count(self, key: str) -> None:
+        with self.lock:
+            self.stats[key] += 1
+
+    def answered(self, status_code: int, elapsed: float) -> None:
+        with self.lock:
+            self.stats["answered"] += 1
+            self.by_status[str(status_code)] = self.by_status.get(str(status_code), 0) + 1
+            if status_code != 200:
+                self.stats["errors"] += 1
+            self.latencies.append(elapsed)
+
+    def report(self, mix: str, clients: int, wall: float) -> dict:
+        latencies = self.latencies
+        return {
+            **self.stats,
+            "by_status": self.by_status,
+            "mix": mix,
+            "clients": clients,
+            "seconds": round(wall, 2),
+            "throughput_rps": round(self.stats["answered"] / wall, 2),
+            "latency_p50_ms": round(1000 * float(np.percentile(latencies, 50)), 3) if latencies else None,
+            "latency_p99_ms": round(1000 * float(np.percentile(latencies, 99)), 3) if latencies else None,
+        }
+
+
 def run_clients(
     url: str,
     clients: int,
@@ -60,48 +121,23 @@ def run_clients(
     i)``, when given, makes each request (path, JSON body as a dict or encoded bytes) instead
     (scripts/triton_compare.py)."""
     stop_at = time.perf_counter() + seconds
-    lock = threading.Lock()
-    stats = {"sent": 0, "answered": 0, "errors": 0, "lost": 0}
-    by_status: dict[str, int] = {}
-    latencies: list[float] = []
+    tally = Tally()
 
     def client(index: int) -> None:
         rng = np.random.default_rng(index)
         with httpx.Client(base_url=url, timeout=30) as http:
             i = 0
             while time.perf_counter() < stop_at:
-                kind = 1.0 if mix == "generate" else rng.random()
-                if request_for is not None:
-                    request = request_for(index, i)
-                elif kind < 0.7:
-                    request = ("/v2/models/encoder/infer", encoder_body(int(rng.integers(8, 33)), index * 100000 + i))
-                elif kind < 0.9:
-                    request = ("/v2/models/decoder/infer", decoder_body(int(rng.integers(8, 33)), d, i))
-                else:
-                    request = ("/v1/generate", generate_body(i, gen_length, gen_steps))
+                request = next_request(rng, index, i, mix, d, gen_length, gen_steps, request_for)
                 i += 1
-                with lock:
-                    stats["sent"] += 1
+                tally.count("sent")
                 start = time.perf_counter()
                 try:
-                    body = request[1]
-                    # bytes: JSON encoded once ahead (large tensors: encoding them per request would load the client, not the server)
-                    response = (
-                        http.post(request[0], content=body, headers={"Content-Type": "application/json"})
-                        if isinstance(body, bytes)
-                        else http.post(request[0], json=body)
-                    )
+                    response = post(http, request)
                 except httpx.HTTPError:
-                    with lock:
-                        stats["lost"] += 1
+                    tally.count("lost")
                     continue
-                elapsed = time.perf_counter() - start
-                with lock:
-                    stats["answered"] += 1
-                    by_status[str(response.status_code)] = by_status.get(str(response.status_code), 0) + 1
-                    if response.status_code != 200:
-                        stats["errors"] += 1
-                    latencies.append(elapsed)
+                tally.answered(response.status_code, time.perf_counter() - start)
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -109,17 +145,7 @@ def run_clients(
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - started
-    return {
-        **stats,
-        "by_status": by_status,
-        "mix": mix,
-        "clients": clients,
-        "seconds": round(wall, 2),
-        "throughput_rps": round(stats["answered"] / wall, 2),
-        "latency_p50_ms": round(1000 * float(np.percentile(latencies, 50)), 3) if latencies else None,
-        "latency_p99_ms": round(1000 * float(np.percentile(latencies, 99)), 3) if latencies else None,
-    }
+    return tally.report(mix, clients, time.perf_counter() - started)
 
 
 def write_report(report: dict, path: str) -> None:
