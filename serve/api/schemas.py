@@ -131,7 +131,12 @@ def request_models(limits: BodyLimits) -> RequestModels:
         raise ValueError(
             f"the model config's default_steps={limits.default_steps} is out of range; allowed: 1..{limits.max_steps} (max_steps)"
         )
-    generate = create_model(
+    return RequestModels(generate_body_model(limits), texts_body_model(limits), body_ranges(limits))
+
+
+def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
+    """The /v1/generate body: its bounds from ``limits``, its steps and sampler defaulting to the model config's."""
+    return create_model(
         "GenerateBody",
         __config__=STRICT_BODY,
         n=(int, strict_int(1, 1, limits.max_n, f"samples to generate (1..{limits.max_n})")),
@@ -163,7 +168,11 @@ def request_models(limits: BodyLimits) -> RequestModels:
         preview_every=(int, strict_int(5, 1, limits.max_steps, "steps between previews when streaming")),
         timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
     )
-    texts = create_model(
+
+
+def texts_body_model(limits: BodyLimits) -> type[BaseModel]:
+    """The /v1/encode and /v1/reconstruct body: 1..max_texts non-empty texts."""
+    return create_model(
         "TextsBody",
         __config__=STRICT_BODY,
         texts=(
@@ -176,7 +185,11 @@ def request_models(limits: BodyLimits) -> RequestModels:
             ),
         ),
     )
-    ranges = {
+
+
+def body_ranges(limits: BodyLimits) -> dict[str, Range]:
+    """Each bounded field's allowed range, as validation messages name it."""
+    return {
         "n": Range(1, limits.max_n),
         "length": Range(1, limits.max_seq_len),
         "steps": Range(1, limits.max_steps),
@@ -186,7 +199,6 @@ def request_models(limits: BodyLimits) -> RequestModels:
         "t_min": Range(0, 1, exclusive=True),
         "timeout_s": Range(0, limits.max_timeout_s, low_open=True),
     }
-    return RequestModels(generate, texts, ranges)
 
 
 def field_name(loc: tuple[Any, ...] | list[Any]) -> str:
