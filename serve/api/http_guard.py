@@ -202,78 +202,81 @@ def raw_response(status: int, reason: str, message: str, extra: str = "") -> byt
     return head.encode() + body
 
 
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 connection with a header deadline and idle-first connection shedding; its two limits
+    are set per server by ``guarded_protocol``."""
+
+    header_timeout_s: float
+    max_connections: int
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override, unused-ignore]  # uvicorn's signature varies by release
+        super().connection_made(transport)
+        self.opened_at = time.monotonic()
+        self.header_timer: asyncio.TimerHandle | None = None
+        self.awaited_cycle = self.cycle
+        self._arm_header_deadline()
+        if len(self.connections) > self.max_connections and self._open_connections() > self.max_connections and not self._shed_idle():
+            message = f"the server holds {self.max_connections} busy connections (its limit); retry shortly"
+            transport.write(raw_response(503, "Service Unavailable", message, "retry-after: 1\r\n"))
+            transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and self.cycle is not self.awaited_cycle:
+            self._disarm()  # the headers of a new request are in; the body has its own timeout
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self.awaited_cycle = self.cycle
+            self._arm_header_deadline()  # the next request's headers get the same deadline
+
+    def shutdown(self) -> None:
+        if not self.is_idle() and self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()  # a body still arriving at shutdown will not be served: free its task now
+            return
+        super().shutdown()
+
+    def is_idle(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm()
+        self.header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _disarm(self) -> None:
+        if getattr(self, "header_timer", None) is not None:
+            self.header_timer.cancel()  # type: ignore[union-attr]
+            self.header_timer = None
+
+    def _header_timeout(self) -> None:
+        self.header_timer = None
+        if self.is_idle() and not self.transport.is_closing():  # headers incomplete: a slow or idle client
+            if self.conn.trailing_data[0]:  # part of a request came: say why it ends
+                message = f"the request headers did not arrive within {self.header_timeout_s:g} s"
+                self.transport.write(raw_response(408, "Request Timeout", message))
+            self.transport.close()
+
+    def _open_connections(self) -> int:
+        return sum(not c.transport.is_closing() for c in self.connections)  # closed ones leave the set a loop turn later
+
+    def _shed_idle(self) -> bool:
+        idle = [c for c in self.connections if c is not self and isinstance(c, type(self)) and c.is_idle() and not c.transport.is_closing()]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.opened_at)
+        oldest.transport.close()
+        return True
+
+
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol class with a header deadline and idle-first connection shedding."""
-
-    class GuardedH11Protocol(H11Protocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override, unused-ignore]  # uvicorn's signature varies by release
-            super().connection_made(transport)
-            self.opened_at = time.monotonic()
-            self.header_timer: asyncio.TimerHandle | None = None
-            self.awaited_cycle = self.cycle
-            self._arm_header_deadline()
-            if len(self.connections) > max_connections and self._open_connections() > max_connections and not self._shed_idle():
-                message = f"the server holds {max_connections} busy connections (its limit); retry shortly"
-                transport.write(raw_response(503, "Service Unavailable", message, "retry-after: 1\r\n"))
-                transport.close()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not None and self.cycle is not self.awaited_cycle:
-                self._disarm()  # the headers of a new request are in; the body has its own timeout
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self.awaited_cycle = self.cycle
-                self._arm_header_deadline()  # the next request's headers get the same deadline
-
-        def shutdown(self) -> None:
-            if not self.is_idle() and self.conn.their_state is h11.SEND_BODY:
-                self.transport.close()  # a body still arriving at shutdown will not be served: free its task now
-                return
-            super().shutdown()
-
-        def is_idle(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _arm_header_deadline(self) -> None:
-            self._disarm()
-            self.header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
-
-        def _disarm(self) -> None:
-            if getattr(self, "header_timer", None) is not None:
-                self.header_timer.cancel()  # type: ignore[union-attr]
-                self.header_timer = None
-
-        def _header_timeout(self) -> None:
-            self.header_timer = None
-            if self.is_idle() and not self.transport.is_closing():  # headers incomplete: a slow or idle client
-                if self.conn.trailing_data[0]:  # part of a request came: say why it ends
-                    message = f"the request headers did not arrive within {header_timeout_s:g} s"
-                    self.transport.write(raw_response(408, "Request Timeout", message))
-                self.transport.close()
-
-        def _open_connections(self) -> int:
-            return sum(not c.transport.is_closing() for c in self.connections)  # closed ones leave the set a loop turn later
-
-        def _shed_idle(self) -> bool:
-            idle = [
-                c
-                for c in self.connections
-                if c is not self and isinstance(c, GuardedH11Protocol) and c.is_idle() and not c.transport.is_closing()
-            ]
-            if not idle:
-                return False
-            oldest = min(idle, key=lambda c: c.opened_at)
-            oldest.transport.close()
-            return True
-
-    return GuardedH11Protocol
+    # a class per server, its limits as class attributes: uvicorn makes each connection from the class alone
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": header_timeout_s, "max_connections": max_connections})
 
 
 class JsonLogFormatter(logging.Formatter):
