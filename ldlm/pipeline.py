@@ -15,14 +15,16 @@ import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from ldlm.checkpoint import load_checkpoint
+from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
 from ldlm.sampling import GenerateRequest, SamplingEngine, resolve, run_lockstep
+from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.schedule import TangentSchedule
 from ldlm.tokenizer import TextTokenizer
 
@@ -77,7 +79,10 @@ class LDLMPipeline:
         config: LDLMConfig | None = None,
         buckets: Sequence[int] = (),
         noise_device: str | torch.device | None = None,
+        schedules: TunedSchedules | None = None,
     ) -> None:
+        """``schedules``: the checkpoint's tuned step grids (used by default where one is tuned; see
+        ldlm/sampling/schedules.py)."""
         if isinstance(graphs, nn.Module):
             graphs = graphs.to(device).eval()
         self.graphs = graphs
@@ -88,6 +93,7 @@ class LDLMPipeline:
         # noise_device: where noise is drawn (default: ``device``; "cpu" gives a GPU run the CPU run's noise)
         self.engine = SamplingEngine(self.schedule, self.config.decode_final, self.device, noise_device)
         self.noise_device = self.engine.noise_device
+        self.schedules = schedules
         bad = [b for b in buckets if not 1 <= b <= self.config.max_seq_len]
         if bad:
             raise ValueError(f"buckets {bad} are out of range; allowed: 1..{self.config.max_seq_len} (config max_seq_len)")
@@ -96,7 +102,7 @@ class LDLMPipeline:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], device: str | torch.device = "cpu") -> LDLMPipeline:
         model, tokenizer = load_checkpoint(path, device)
-        return cls(model, tokenizer, device)
+        return cls(model, tokenizer, device, schedules=load_schedules(path, weights=Path(path) / WEIGHTS_FILE))
 
     def bucket_length(self, length: int) -> int:
         """The padded length for a batch whose longest sequence has ``length`` positions."""
@@ -188,6 +194,7 @@ class LDLMPipeline:
         t_min: float | None = None,
         progress: bool = False,
         prompt: str | Sequence[int] | None = None,
+        grid: str | None = None,
     ) -> TextResult:
         """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
 
@@ -195,10 +202,12 @@ class LDLMPipeline:
         Every sampler but ``"sde"`` is deterministic given the seed (the prior is still seeded);
         ``"sde"`` draws fresh noise every step, also from the seed. ``prompt`` (a text or its token
         ids, shorter than ``length``): every sample starts with it, by prefix inpainting
-        (ldlm/sampling/engine.py), and its text is the prompt's followed by the continuation.
+        (ldlm/sampling/engine.py), and its text is the prompt's followed by the continuation. ``grid``:
+        a kind of ``ldlm.schedule.time_grid`` or ``"tuned"`` (default: the tuned grid where the checkpoint
+        has one for this sampler and step count, else the sampler's own).
         """
         prefix = None if prompt is None else self.prompt_latents(prompt, length)
-        return self.decode(self.sample_latents(n, length, steps, seed, sampler, t_min, progress, prefix))
+        return self.decode(self.sample_latents(n, length, steps, seed, sampler, t_min, progress, prefix, grid))
 
     def prompt_latents(self, prompt: str | Sequence[int], length: int) -> Tensor:
         """A prompt's latents (P, D) to inpaint, P < ``length`` (the continuation needs a position)."""
@@ -217,9 +226,10 @@ class LDLMPipeline:
         t_min: float | None = None,
         progress: bool = False,
         prefix: Tensor | None = None,
+        grid: str | None = None,
     ) -> Tensor:
         """The standardized latents (n, length, D) that ``generate`` decodes, all samples in lockstep."""
-        plan = resolve(GenerateRequest(n, length, steps, seed, sampler, t_min), self.config)
+        plan = resolve(GenerateRequest(n, length, steps, seed, sampler, t_min, grid), self.config, schedules=self.schedules)
         states = self.engine.start(plan, self.config.d_model, prefix)
         with torch.inference_mode():
             return run_lockstep(self.engine, states, self.graphs.denoise, self.bucket_length(length), progress)

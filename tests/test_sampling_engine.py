@@ -130,7 +130,7 @@ def test_resolve_fills_the_configs_defaults_and_the_samplers_grid() -> None:
         (GenerateRequest(1, 4, sampler="euler"), RequestLimits(), f"sampler='euler' is unknown; allowed: {', '.join(SAMPLERS)}"),
         (GenerateRequest(1, 4, t_min=1.0), RequestLimits(), "t_min=1.0 is invalid; allowed: (0, 1)"),
         (GenerateRequest(1, 4, t_min=float("nan")), RequestLimits(), "t_min=nan is invalid; allowed: (0, 1)"),
-        (GenerateRequest(1, 4, grid="cosine"), RequestLimits(), "grid='cosine' is unknown; allowed: uniform, power, logsnr"),
+        (GenerateRequest(1, 4, grid="cosine"), RequestLimits(), "grid='cosine' is unknown; allowed: uniform, power, logsnr, tuned"),
         (GenerateRequest(1, 4, seed=-1), RequestLimits(), "seed=-1 is invalid; allowed: an integer in [0, 2**63)"),
         (GenerateRequest(1, 4, seed=2**63), RequestLimits(), "seed=9223372036854775808 is invalid"),
     ],

@@ -4,7 +4,8 @@ value and the allowed range.
 
 Every generating path (``LDLMPipeline.generate``, the continuous-batching scheduler, Triton's
 ``ldlm_generate``) resolves its request here; what a request leaves out (None) is the config's
-default. Per-request caps (``RequestLimits``) are those of the caller: the server's and Triton's
+default, or, where the checkpoint has tuned step grids (``schedules``, ldlm/sampling/schedules.py),
+the tuned default: the sampler's tuned step count and its tuned grid (``grid="tuned"``). Per-request caps (``RequestLimits``) are those of the caller: the server's and Triton's
 come from ``ldlm.limits``; a Python caller of the pipeline has none.
 """
 
@@ -13,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from ldlm.config import SAMPLERS, LDLMConfig
 from ldlm.samplers import Sampler, get_sampler
 from ldlm.sampling.noise import check_seed
+from ldlm.sampling.schedules import TunedSchedules
 from ldlm.schedule import GRIDS, TangentSchedule, time_grid
 
 
@@ -53,18 +56,28 @@ class SamplingPlan:
     seed: int
     sampler: Sampler
     t_min: float
-    grid: str
+    grid: str  # a kind of ldlm.schedule.time_grid, or "tuned"
+    tuned_times: tuple[float, ...] | None = None  # the tuned grid's times (grid="tuned")
 
     def times(self, schedule: TangentSchedule) -> Tensor:
         """The steps + 1 times from 1 down to t_min (float64)."""
+        if self.tuned_times is not None:
+            return torch.tensor(self.tuned_times, dtype=torch.float64)
         return time_grid(self.steps, self.t_min, self.grid, schedule)
 
 
+TUNED = "tuned"  # the grid tuned for the checkpoint (ldlm tune-schedule)
+
+
 def resolve(
-    request: GenerateRequest, config: LDLMConfig, limits: RequestLimits = RequestLimits(), names: Mapping[str, str] | None = None
+    request: GenerateRequest,
+    config: LDLMConfig,
+    limits: RequestLimits = RequestLimits(),
+    names: Mapping[str, str] | None = None,
+    schedules: TunedSchedules | None = None,
 ) -> SamplingPlan:
-    """``request`` against ``config`` and ``limits``; ``names``: how the caller names each field in
-    its messages (Triton's inputs are N, LENGTH, STEPS, SAMPLER)."""
+    """``request`` against ``config``, ``limits`` and the checkpoint's tuned ``schedules``; ``names``: how
+    the caller names each field in its messages (Triton's inputs are N, LENGTH, STEPS, SAMPLER)."""
 
     def name(field: str) -> str:
         return (names or {}).get(field, field)
@@ -73,8 +86,11 @@ def resolve(
     length = request.length
     if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= config.max_seq_len:
         raise ValueError(f"{name('length')}={length!r} is out of range; allowed: 1..{config.max_seq_len} (config max_seq_len)")
-    steps = _count(config.default_steps if request.steps is None else request.steps, name("steps"), limits.max_steps, "is invalid")
     sampler_name = config.default_sampler if request.sampler is None else request.sampler
+    steps = request.steps
+    if steps is None:
+        steps = schedules.defaults.get(sampler_name, config.default_steps) if schedules is not None else config.default_steps
+    steps = _count(steps, name("steps"), limits.max_steps, "is invalid")
     try:
         sampler = get_sampler(sampler_name)
     except ValueError:
@@ -82,10 +98,24 @@ def resolve(
     t_min = config.t_min if request.t_min is None else request.t_min
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
         raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
+    seed = check_seed(request.seed, name("seed"))
+    tuned = schedules.grid(sampler.name, steps) if schedules is not None and t_min == schedules.t_min else None
+    if request.grid == TUNED and tuned is None:
+        raise ValueError(_no_tuned_grid(sampler.name, steps, float(t_min), schedules))
+    if request.grid is None and tuned is not None or request.grid == TUNED:
+        return SamplingPlan(n, length, steps, seed, sampler, float(t_min), TUNED, tuned.times)  # type: ignore[union-attr]
     grid = sampler.grid if request.grid is None else request.grid
     if grid not in GRIDS:
-        raise ValueError(f"grid={grid!r} is unknown; allowed: {', '.join(GRIDS)}")
-    return SamplingPlan(n, length, steps, check_seed(request.seed, name("seed")), sampler, float(t_min), grid)
+        raise ValueError(f"grid={grid!r} is unknown; allowed: {', '.join((*GRIDS, TUNED))}")
+    return SamplingPlan(n, length, steps, seed, sampler, float(t_min), grid)
+
+
+def _no_tuned_grid(sampler: str, steps: int, t_min: float, schedules: TunedSchedules | None) -> str:
+    if schedules is None:
+        return "grid='tuned' is unavailable: this checkpoint has no tuned schedules (run `ldlm tune-schedule`)"
+    if t_min != schedules.t_min:
+        return f"grid='tuned' is unavailable at t_min={t_min}: the grids were tuned for t_min={schedules.t_min}"
+    return f"grid='tuned' has no {sampler} grid of {steps} steps; tuned: {schedules.steps_tuned(sampler) or 'none for this sampler'}"
 
 
 def _count(value: object, name: str, cap: int | None, uncapped_word: str) -> int:

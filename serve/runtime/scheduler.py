@@ -91,7 +91,7 @@ class GenerationScheduler(QueueWorker):
         ``prefix`` (P, D), P < length: condition every sample on these latents at its first P
         positions. ``on_preview``: called every ``preview_every`` steps (not after the last).
         ``deadline_s``: refuse the request now if it is estimated to take longer (see ``admission``)."""
-        plan = resolve(spec, self.pipeline.config)
+        plan = resolve(spec, self.pipeline.config, schedules=self.pipeline.schedules)
         if preview_every < 0:
             raise ValueError(f"preview_every={preview_every} is out of range; allowed: >= 0 (0: no previews)")
         states = self.engine.start(plan, self.pipeline.config.d_model, prefix)
@@ -143,7 +143,7 @@ class GenerationScheduler(QueueWorker):
 
     def estimate_s(self, spec: GenerateRequest) -> tuple[float, float] | None:
         """(seconds of work that would run before ``spec``, ``spec``'s own time alone), or None before any step was measured."""
-        plan = resolve(spec, self.pipeline.config)
+        plan = resolve(spec, self.pipeline.config, schedules=self.pipeline.schedules)
         with self._cond:
             bucket = self.pipeline.bucket_length(plan.length)
             solo_s = self.cost.solo_s(plan.n, plan.steps, bucket)

@@ -1,0 +1,137 @@
+"""``ldlm tune-schedule``: search a checkpoint's step grids and write its schedules.json (ldlm/tuning.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ldlm.cli.options import capped_positive_int, capped_positive_int_list, int_in, seed_int
+from ldlm.config import SAMPLERS
+from ldlm.limits import MAX_N, MAX_STEPS
+
+MAX_EVALUATIONS = 100_000  # sampling runs per step count: hours even on tiny
+
+
+def _cmd_tune_schedule(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
+    import torch
+
+    from ldlm.checkpoint import WEIGHTS_FILE, load_config
+    from ldlm.sampling.schedules import SCHEDULES_FILE, TunedSchedules, load_schedules, weights_sha256
+    from ldlm.tuning import Tuner, TuningInterrupted, TuningSettings, schedules_of, tune_grid
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = load_config(args.checkpoint)
+    too_long = [n for n in (args.tune_length, *args.held_out_lengths) if n > config.max_seq_len]
+    if too_long:
+        raise ValueError(f"length {too_long[0]} is out of range; allowed: 1..{config.max_seq_len} (the checkpoint's max_seq_len)")
+    pipeline = _pipeline(args)
+    out = Path(args.out) if args.out else Path(args.checkpoint) / SCHEDULES_FILE
+    sha = weights_sha256(Path(args.checkpoint) / WEIGHTS_FILE)
+    earlier = load_schedules(out.parent, sha256=sha) if out.name == SCHEDULES_FILE and out.is_file() else None
+    sampler = args.sampler or config.default_sampler
+    settings = TuningSettings(
+        sampler, tuple(args.steps), args.reference_steps, args.tune_seed, args.tune_n, args.tune_length,
+        args.held_out_seed, args.held_out_n, tuple(args.held_out_lengths), args.evaluations,
+    )  # fmt: skip
+    tuner, grids = Tuner(pipeline, settings), []
+    schedules: TunedSchedules | None = earlier
+    for steps in settings.steps:
+        try:
+            grids.append(tune_grid(tuner, steps, progress=not args.quiet))
+        except TuningInterrupted as stop:  # keep the best grid found so far, then stop as Ctrl-C does
+            grids.append(stop.grid)
+            schedules_of(grids, sha, config.t_min, earlier).save(out)
+            print(f"interrupted: wrote the best grids so far to {out}", file=sys.stderr)
+            raise KeyboardInterrupt from None
+        schedules = schedules_of(grids, sha, config.t_min, earlier)
+        schedules.save(out)  # after every step count: an interrupted run keeps the finished ones
+        _report(grids[-1], args.json)
+    default = schedules.defaults.get(sampler) if schedules is not None else None
+    verdict = (
+        f"default {sampler} steps: {default} (the fewest that match DDIM@50 held out)"
+        if default
+        else "no step count matched DDIM@50 held out"
+    )
+    print(f"wrote {out}; {verdict}", file=sys.stderr)
+
+
+def _pipeline(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The checkpoint in eager PyTorch, or its export on ONNX Runtime (``--onnx-dir``)."""
+    from ldlm.checkpoint import load_config
+    from ldlm.pipeline import LDLMPipeline
+
+    if args.onnx_dir is None:
+        return LDLMPipeline.from_checkpoint(args.checkpoint)
+    from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+
+    graphs, config, tokenizer = open_graphs("ort", args.onnx_dir, threads=args.threads)
+    if config.config_hash() != load_config(args.checkpoint).config_hash():
+        raise ValueError(f"{args.onnx_dir} was exported from another config than {args.checkpoint}'s; export this checkpoint")
+    return LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config)
+
+
+def _report(grid, as_json: bool) -> None:  # type: ignore[no-untyped-def]
+    m = grid.measured
+    if as_json:
+        print(json.dumps({"sampler": grid.sampler, "steps": grid.steps, "times": grid.times, **m}))
+        return
+    held = ", ".join(
+        f"L{n}: {s['error']:.4f} / {100 * s['tokens']:.1f}% (DDIM@50 {m['ddim50_held_out'][n]['error']:.4f} / "
+        f"{100 * m['ddim50_held_out'][n]['tokens']:.1f}%, default grid {m['default_grid_held_out'][n]['error']:.4f})"
+        for n, s in m["held_out"].items()
+    )
+    print(f"{grid.sampler}@{grid.steps}: held-out error / tokens {held}")
+    print(f"  grid: {', '.join(f'{t:.4f}' for t in grid.times)}")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune-schedule",
+        help="search step grids for a checkpoint (writes its schedules.json)",
+        description="For each step count, search the times a sampler steps through so that its output lands where "
+        "a fine DDIM reference lands, on seeded tuning samples; score the result on held-out seeds and lengths beside "
+        "DDIM@50 and the default grid. Writes schedules.json beside the checkpoint (after every step count, so Ctrl-C "
+        "keeps what is done, and the best grid so far of the one interrupted). Generation then uses the tuned grid "
+        "where one exists, and the fewest tuned steps that match DDIM@50 as the default step count.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    steps_cap = " steps (as ldlm serve's max_steps)"
+    p.add_argument(
+        "--steps",
+        type=capped_positive_int_list(MAX_STEPS, steps_cap),
+        default=[6, 8, 10, 12],
+        help="step counts to tune (default: 6,8,10,12)",
+    )
+    p.add_argument("--sampler", choices=SAMPLERS, default=None, help="sampler to tune (default: the checkpoint config's default_sampler)")
+    p.add_argument(
+        "--reference-steps", type=capped_positive_int(100_000, " steps"), default=1000, help="DDIM steps of the reference (default: 1000)"
+    )
+    p.add_argument(
+        "--evaluations",
+        type=int_in(1, MAX_EVALUATIONS),
+        default=600,
+        help=f"sampling runs per step count, 1..{MAX_EVALUATIONS} (default: 600)",
+    )
+    p.add_argument("--tune-seed", type=seed_int, default=101, help="seed of the tuning samples (default: 101)")
+    p.add_argument("--tune-n", type=capped_positive_int(MAX_N, " samples"), default=4, help=f"tuning samples, 1..{MAX_N} (default: 4)")
+    p.add_argument("--tune-length", type=capped_positive_int(65536, " tokens"), default=64, help="tokens per tuning sample (default: 64)")
+    p.add_argument("--held-out-seed", type=seed_int, default=202, help="seed of the held-out samples (default: 202)")
+    p.add_argument(
+        "--held-out-n", type=capped_positive_int(MAX_N, " samples"), default=8, help=f"held-out samples per length, 1..{MAX_N} (default: 8)"
+    )
+    p.add_argument(
+        "--held-out-lengths",
+        type=capped_positive_int_list(65536, " tokens"),
+        default=[32, 64, 128],
+        help="held-out lengths (default: 32,64,128)",
+    )
+    p.add_argument("--onnx-dir", default=None, help="tune on this export of the checkpoint, on ONNX Runtime (default: eager PyTorch)")
+    p.add_argument("--threads", type=int_in(1, 1024), default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--out", default=None, help="where to write (default: CHECKPOINT/schedules.json)")
+    p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_tune_schedule)

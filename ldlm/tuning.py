@@ -1,0 +1,227 @@
+"""Tuning a checkpoint's step grids: the times a sampler steps through, searched so that N steps land
+where a fine reference run lands (``ldlm tune-schedule``; the result is ldlm/sampling/schedules.py's
+``schedules.json``).
+
+For each step count N:
+  1. the reference: DDIM at ``reference_steps`` (1000) on the tuning samples (seeded priors);
+  2. the grid is parametrized by N free numbers z: the step sizes are (1 - t_min) softmax(z), so every
+     z gives a strictly decreasing grid from 1 to t_min (no constraint to enforce);
+  3. Nelder-Mead over z from the sampler's default grid, minimizing the final latent's relative error
+     ||x - x_ref|| / ||x_ref|| on the tuning samples, within ``evaluations`` runs of N denoiser calls;
+  4. the best grid is scored on held-out samples (other seeds, and other lengths), beside DDIM@50 and
+     the sampler's default grid: relative latent error and token agreement with the reference.
+The default step count is the fewest N whose held-out error and token agreement, at every held-out
+length, are at least DDIM@50's. Derivative-free, as in image-diffusion grid searches (DM-NonUniform,
+Optimal Stepsize): each evaluation is a whole sampling run, which the engine gives without gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ldlm.pipeline import LDLMPipeline
+from ldlm.samplers import get_sampler
+from ldlm.sampling import GenerateRequest, SamplingPlan, resolve, run_lockstep
+from ldlm.sampling.schedules import TunedGrid, TunedSchedules, check_times
+
+
+@dataclass(frozen=True)
+class TuningSettings:
+    sampler: str
+    steps: tuple[int, ...] = (6, 8, 10, 12)
+    reference_steps: int = 1000
+    tune_seed: int = 101
+    tune_n: int = 4
+    tune_length: int = 64
+    held_out_seed: int = 202
+    held_out_n: int = 8
+    held_out_lengths: tuple[int, ...] = (32, 64, 128)
+    evaluations: int = 600  # per step count
+
+
+@dataclass
+class Samples:
+    """One fixed set of samples (seed, n, length) with its reference latents and tokens."""
+
+    seed: int
+    n: int
+    length: int
+    reference: Tensor  # (n, length, D)
+    tokens: Tensor  # (n, length)
+
+
+@dataclass
+class Score:
+    error: float  # relative latent error against the reference, all samples pooled
+    tokens: float  # share of positions whose token equals the reference's
+
+    def to_dict(self) -> dict[str, float]:
+        return {"error": round(self.error, 6), "tokens": round(self.tokens, 6)}
+
+
+@dataclass
+class Tuner:
+    pipeline: LDLMPipeline
+    settings: TuningSettings
+    references: dict[tuple[int, int, int], Samples] = field(default_factory=dict)
+
+    def samples(self, seed: int, n: int, length: int) -> Samples:
+        key = (seed, n, length)
+        if key not in self.references:
+            ref = self.latents(seed, n, length, "ddim", self.settings.reference_steps, None)
+            self.references[key] = Samples(seed, n, length, ref, self.pipeline.decode(ref).token_ids)
+        return self.references[key]
+
+    def latents(self, seed: int, n: int, length: int, sampler: str, steps: int, times: Sequence[float] | None) -> Tensor:
+        """The final latents of one run; ``times`` None: the sampler's default grid."""
+        plan = resolve(GenerateRequest(n, length, steps, seed, sampler, self.pipeline.config.t_min), self.pipeline.config)
+        if times is not None:
+            plan = SamplingPlan(plan.n, plan.length, plan.steps, plan.seed, plan.sampler, plan.t_min, "tuned", tuple(times))
+        engine = self.pipeline.engine
+        states = engine.start(plan, self.pipeline.config.d_model)
+        with torch.inference_mode():
+            return run_lockstep(engine, states, self.pipeline.graphs.denoise, self.pipeline.bucket_length(length))
+
+    def score(self, samples: Samples, sampler: str, steps: int, times: Sequence[float] | None, tokens: bool = True) -> Score:
+        x = self.latents(samples.seed, samples.n, samples.length, sampler, steps, times)
+        error = float((x - samples.reference).norm() / samples.reference.norm())
+        agree = float((self.pipeline.decode(x).token_ids == samples.tokens).double().mean()) if tokens else math.nan
+        return Score(error, agree)
+
+    def held_out(self, sampler: str, steps: int, times: Sequence[float] | None) -> dict[str, dict[str, float]]:
+        s = self.settings
+        return {
+            str(n): self.score(self.samples(s.held_out_seed, s.held_out_n, n), sampler, steps, times).to_dict() for n in s.held_out_lengths
+        }
+
+
+def grid_of(z: np.ndarray, t_min: float) -> tuple[float, ...]:
+    """The grid whose step sizes are (1 - t_min) softmax(z): 1, decreasing strictly, to t_min exactly."""
+    w = np.exp(z - z.max())
+    w /= w.sum()
+    times = 1.0 - (1.0 - t_min) * np.cumsum(w)
+    return (1.0, *[float(t) for t in times[:-1]], t_min)
+
+
+def logits_of(times: Sequence[float]) -> np.ndarray:
+    """The z of ``grid_of`` for a given grid (its step sizes' logarithms)."""
+    return np.log(-np.diff(np.asarray(times, dtype=np.float64)))
+
+
+def nelder_mead(
+    f: Callable[[np.ndarray], float], x0: np.ndarray, budget: int, step: float = 0.5, on_eval: Callable[[], None] | None = None
+) -> tuple[np.ndarray, float]:
+    """Minimize ``f`` from ``x0`` within ``budget`` evaluations (Nelder & Mead 1965; the standard
+    coefficients: reflect 1, expand 2, contract 1/2, shrink 1/2). Returns the best point and value."""
+    calls = 0
+
+    def value(x: np.ndarray) -> float:
+        nonlocal calls
+        calls += 1
+        if on_eval is not None:
+            on_eval()
+        return f(x)
+
+    simplex = [x0] + [x0 + step * np.eye(len(x0))[i] for i in range(len(x0))]
+    values = [value(x) for x in simplex]
+    while calls < budget:
+        order = np.argsort(values)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        fr = value(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - simplex[-1])
+            fe = value(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = value(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:  # shrink toward the best point
+                simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex[1:]]
+                values = [values[0]] + [value(x) for x in simplex[1:]]
+    best = int(np.argmin(values))
+    return simplex[best], values[best]
+
+
+def tune_grid(tuner: Tuner, steps: int, progress: bool = False) -> TunedGrid:
+    """The searched grid of ``steps`` steps, with its held-out scores beside DDIM@50's and the default grid's."""
+    s, t_min = tuner.settings, tuner.pipeline.config.t_min
+    sampler = get_sampler(s.sampler)
+    if steps < sampler.order:
+        raise ValueError(f"steps={steps} is below the {sampler.name} sampler's order {sampler.order}; allowed: >= {sampler.order}")
+    tuning = tuner.samples(s.tune_seed, s.tune_n, s.tune_length)
+    start = resolve(GenerateRequest(1, 1, steps, 0, s.sampler, t_min), tuner.pipeline.config).times(tuner.pipeline.schedule).tolist()
+    best: dict[str, object] = {"error": math.inf, "times": tuple(start)}
+
+    def objective(z: np.ndarray) -> float:
+        times = grid_of(z, t_min)
+        error = tuner.score(tuning, s.sampler, steps, times, tokens=False).error
+        if error < best["error"]:  # type: ignore[operator]
+            best.update(error=error, times=times)  # kept as it improves: an interrupted search keeps it
+        return error
+
+    with tqdm(total=s.evaluations, desc=f"tuning {s.sampler}@{steps}", unit="run", disable=not progress) as bar:
+        try:
+            nelder_mead(objective, logits_of(start), s.evaluations, on_eval=bar.update)
+        except KeyboardInterrupt:
+            if best["error"] == math.inf:
+                raise
+            bar.set_postfix_str("interrupted: the best grid so far is kept")
+            raise TuningInterrupted(grid_with_scores(tuner, steps, best["times"], float(best["error"]))) from None  # type: ignore[arg-type]
+    return grid_with_scores(tuner, steps, best["times"], float(best["error"]))  # type: ignore[arg-type]
+
+
+class TuningInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a search: ``grid`` is the best found so far, scored."""
+
+    def __init__(self, grid: TunedGrid) -> None:
+        super().__init__()
+        self.grid = grid
+
+
+def grid_with_scores(tuner: Tuner, steps: int, times: tuple[float, ...], train_error: float) -> TunedGrid:
+    s, t_min = tuner.settings, tuner.pipeline.config.t_min
+    check_times(times, steps, t_min, f"the searched {s.sampler} grid of {steps} steps")
+    tuning = tuner.samples(s.tune_seed, s.tune_n, s.tune_length)
+    measured = {
+        "reference": f"ddim@{s.reference_steps}",
+        "tuning": {"seed": s.tune_seed, "n": s.tune_n, "length": s.tune_length, "evaluations": s.evaluations},
+        "held_out_samples": {"seed": s.held_out_seed, "n": s.held_out_n, "lengths": list(s.held_out_lengths)},
+        "train": {**tuner.score(tuning, s.sampler, steps, times).to_dict(), "search_error": round(train_error, 6)},
+        "held_out": tuner.held_out(s.sampler, steps, times),
+        "default_grid_held_out": tuner.held_out(s.sampler, steps, None),
+        "ddim50_held_out": tuner.held_out("ddim", 50, None),
+    }
+    return TunedGrid(s.sampler, steps, times, measured)
+
+
+def matches_ddim50(grid: TunedGrid) -> bool:
+    """Held-out error no larger and tokens no fewer than DDIM@50's, at every held-out length."""
+    ours, ddim = grid.measured["held_out"], grid.measured["ddim50_held_out"]
+    return all(ours[n]["error"] <= ddim[n]["error"] and ours[n]["tokens"] >= ddim[n]["tokens"] for n in ours)
+
+
+def schedules_of(grids: Sequence[TunedGrid], weights_sha256: str, t_min: float, earlier: TunedSchedules | None = None) -> TunedSchedules:
+    """``grids`` (replacing any of ``earlier``'s for the same sampler and steps), with each sampler's default:
+    the fewest tuned steps that match DDIM@50."""
+    kept = [
+        g for g in (earlier.grids if earlier is not None else ()) if not any(g.sampler == n.sampler and g.steps == n.steps for n in grids)
+    ]
+    every = tuple(sorted((*kept, *grids), key=lambda g: (g.sampler, g.steps)))
+    defaults: dict[str, int] = {}
+    for g in every:
+        if g.sampler not in defaults and matches_ddim50(g):
+            defaults[g.sampler] = g.steps
+    return TunedSchedules(weights_sha256, t_min, every, defaults)

@@ -1,0 +1,203 @@
+"""Tuned step grids: the search against a Gaussian oracle's exact ODE solution, schedules.json's checks,
+and the tuned grid as every generation's default."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ldlm.cli import main
+from ldlm.config import preset
+from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling import GenerateRequest, NoiseStream, resolve, sample_seeds
+from ldlm.sampling.schedules import ScheduleError, TunedGrid, TunedSchedules, load_schedules, weights_sha256
+from ldlm.tokenizer import TextTokenizer
+from ldlm.tuning import Tuner, TuningSettings, grid_of, logits_of, nelder_mead, tune_grid
+
+MU, S = 0.3, 0.5
+CONFIG = preset("tiny")
+
+
+class OracleGraphs:
+    """The ideal denoiser of data x0 ~ N(MU, S^2 I): E[x0 | x_t] = MU + a S^2 (x_t - a MU) / (a^2 S^2 + sigma^2)."""
+
+    def __init__(self, pipeline_schedule) -> None:
+        self.schedule = pipeline_schedule
+
+    def denoise(self, x_t, t, x0_prev, mask):
+        a, sg = self.schedule.alpha(t)[:, None, None], self.schedule.sigma(t)[:, None, None]
+        return MU + a * S**2 * (x_t - a * MU) / (a**2 * S**2 + sg**2)
+
+    def decode_tokens(self, latents, mask):
+        return latents.argmax(dim=-1)
+
+
+def oracle_pipeline() -> LDLMPipeline:
+    pipe = LDLMPipeline(OracleGraphs(None), TextTokenizer.gpt2(), config=CONFIG)
+    pipe.graphs.schedule = pipe.schedule  # type: ignore[attr-defined]
+    return pipe
+
+
+def exact_error(pipe: LDLMPipeline, times, sampler: str, seed: int, n: int, length: int) -> float:
+    """The run's relative distance from the exact solution alpha MU + sqrt(alpha^2 S^2 + sigma^2) x_1."""
+    tuner = Tuner(pipe, TuningSettings(sampler))
+    x = tuner.latents(seed, n, length, sampler, len(times) - 1, times)
+    prior = torch.stack([NoiseStream(s, (length, CONFIG.d_model)).draw() for s in sample_seeds(seed, n)])
+    t = torch.tensor(CONFIG.t_min, dtype=torch.float64)
+    alpha, sigma = pipe.schedule.alpha(t), pipe.schedule.sigma(t)
+    exact = (alpha * MU + torch.sqrt(alpha**2 * S**2 + sigma**2) * prior).float()
+    return float((x - exact).norm() / exact.norm())
+
+
+def test_the_tuned_grid_is_no_worse_than_the_default_one_against_the_exact_solution() -> None:
+    """Tuned on some seeds against DDIM@1000, scored on others against the closed form: the searched 4-step
+    dpm2m grid's error is at most the power grid's (and clearly below it)."""
+    pipe = oracle_pipeline()
+    tuner = Tuner(pipe, TuningSettings("dpm2m", (4,), 1000, tune_seed=1, tune_n=2, tune_length=16, held_out_lengths=(16,), evaluations=60))
+    grid = tune_grid(tuner, 4)
+    power = resolve(GenerateRequest(1, 1, 4, sampler="dpm2m"), CONFIG).times(pipe.schedule).tolist()
+    tuned_error, power_error = (exact_error(pipe, times, "dpm2m", seed=7, n=2, length=32) for times in (grid.times, power))
+    assert tuned_error <= power_error and tuned_error < 0.9 * power_error, (tuned_error, power_error)
+    assert grid.measured["held_out"]["16"]["error"] <= grid.measured["default_grid_held_out"]["16"]["error"]
+
+
+def test_nelder_mead_finds_the_minimum_of_a_quadratic() -> None:
+    import numpy as np
+
+    target = np.array([1.0, -2.0, 0.5])
+    x, value = nelder_mead(lambda x: float(((x - target) ** 2).sum()), np.zeros(3), budget=400)
+    assert value < 1e-6 and np.allclose(x, target, atol=1e-3)
+
+
+def test_every_parameter_gives_a_grid_from_one_to_t_min() -> None:
+    import numpy as np
+
+    for z in (np.zeros(5), np.array([30.0, -30.0, 0.0, 5.0]), np.random.default_rng(0).normal(size=9) * 10):
+        times = grid_of(z, 0.05)
+        assert times[0] == 1.0 and times[-1] == 0.05 and len(times) == len(z) + 1
+        assert all(b < a for a, b in zip(times, times[1:])) or np.abs(z).max() >= 30  # softmax may round a step to 0
+    start = (1.0, 0.7, 0.3, 0.05)
+    assert grid_of(logits_of(start), 0.05) == pytest.approx(start)
+
+
+def schedules(times=(1.0, 0.5, 0.05), steps=2, sha="a" * 64, defaults=None) -> TunedSchedules:
+    return TunedSchedules(sha, 0.05, (TunedGrid("ddim", steps, tuple(times)),), {"ddim": steps} if defaults is None else defaults)
+
+
+@pytest.mark.parametrize(
+    ("steps", "times", "message"),
+    [
+        (3, (1.0, 0.3, 0.5, 0.05), "is not strictly decreasing: times[1]=0.3, times[2]=0.5"),
+        (3, (1.0, 0.5, 0.5, 0.05), "is not strictly decreasing: times[1]=0.5, times[2]=0.5"),
+        (2, (1.0, 1.5, 0.05), "has the time 1.5; allowed: finite times in [t_min=0.05, 1]"),
+        (2, (1.0, 0.01, 0.05), "has the time 0.01"),
+        (2, (1.0, math.nan, 0.05), "has the time nan"),
+        (2, (1.0, 0.05), "has 2 times; allowed: steps + 1 = 3"),
+        (2, (0.9, 0.5, 0.05), "runs from 0.9 to 0.05; allowed: from 1 to t_min=0.05"),
+    ],
+)
+def test_a_grid_edited_by_hand_is_refused_naming_what_is_wrong(steps: int, times, message: str) -> None:
+    body = json.loads(schedules().to_json())
+    body["grids"][0]["times"], body["grids"][0]["steps"], body["defaults"] = list(times), steps, {}
+    with pytest.raises(ScheduleError, match=re.escape(f"the ddim grid of {steps} steps {message}")):
+        TunedSchedules.from_json(json.dumps(body))
+
+
+def test_schedules_of_other_weights_are_refused_naming_both_hashes(tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"these weights")
+    schedules(sha="b" * 64).save(tmp_path / "schedules.json")
+    with pytest.raises(
+        ScheduleError, match=f"tuned for weights with sha256 {'b' * 64}, but these weights have sha256 {weights_sha256(weights)}"
+    ):
+        load_schedules(tmp_path, weights=weights)
+    schedules(sha=weights_sha256(weights)).save(tmp_path / "schedules.json")
+    assert load_schedules(tmp_path, weights=weights) == schedules(sha=weights_sha256(weights))
+    (tmp_path / "schedules.json").write_text("{not json")
+    with pytest.raises(ScheduleError, match="is not a schedules file"):
+        load_schedules(tmp_path)
+
+
+def test_the_tuned_grid_and_steps_are_the_default_where_tuned() -> None:
+    tuned = schedules(times=(1.0, 0.4, 0.05), steps=2)
+    plan = resolve(GenerateRequest(1, 4, sampler="ddim"), CONFIG, schedules=tuned)
+    assert (plan.steps, plan.grid, plan.tuned_times) == (2, "tuned", (1.0, 0.4, 0.05))
+    assert plan.times(None).tolist() == [1.0, 0.4, 0.05]  # type: ignore[arg-type]
+    other = resolve(GenerateRequest(1, 4, 3, sampler="ddim"), CONFIG, schedules=tuned)  # 3 steps are not tuned
+    assert (other.steps, other.grid) == (3, "uniform")
+    assert resolve(GenerateRequest(1, 4, 2, sampler="ddim", grid="power"), CONFIG, schedules=tuned).grid == "power"
+    assert resolve(GenerateRequest(1, 4, 2, sampler="ddim", t_min=0.1), CONFIG, schedules=tuned).grid == "uniform"
+    assert resolve(GenerateRequest(1, 4, sampler="dpm2m"), CONFIG, schedules=tuned).steps == CONFIG.default_steps
+    for request, message in (
+        (GenerateRequest(1, 4, 3, sampler="ddim", grid="tuned"), "grid='tuned' has no ddim grid of 3 steps; tuned: [2]"),
+        (GenerateRequest(1, 4, 2, sampler="ddim", grid="tuned", t_min=0.1), "grid='tuned' is unavailable at t_min=0.1"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            resolve(request, CONFIG, schedules=tuned)
+    with pytest.raises(ValueError, match=re.escape("this checkpoint has no tuned schedules")):
+        resolve(GenerateRequest(1, 4, 2, grid="tuned"), CONFIG)
+
+
+def test_tune_schedule_writes_a_grid_that_generation_then_uses(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    ckpt = tmp_path / "ckpt"
+    import shutil
+
+    shutil.copytree(tiny_checkpoint, ckpt)
+    args = ["tune-schedule", str(ckpt), "--steps", "3", "--sampler", "ddim", "--evaluations", "6", "--reference-steps", "50"]
+    args += ["--tune-n", "1", "--tune-length", "8", "--held-out-n", "1", "--held-out-lengths", "8", "--quiet", "--json"]
+    assert main(args) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert line["steps"] == 3 and line["times"][0] == 1.0 and set(line["held_out"]) == {"8"}
+    pipe = LDLMPipeline.from_checkpoint(ckpt)
+    assert pipe.schedules is not None and pipe.schedules.grid("ddim", 3).times == tuple(line["times"])
+    tuned = pipe.generate(2, 8, 3, 5, "ddim")
+    assert torch.equal(tuned.token_ids, pipe.generate(2, 8, 3, 5, "ddim", grid="tuned").token_ids)
+    uniform = pipe.sample_latents(2, 8, 3, 5, "ddim", grid="uniform")
+    assert not torch.equal(pipe.sample_latents(2, 8, 3, 5, "ddim"), uniform)
+    (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:-1] + b"\0")  # other weights
+    with pytest.raises(ScheduleError, match="was tuned for weights with sha256"):
+        LDLMPipeline.from_checkpoint(ckpt)
+
+
+def test_an_interrupted_search_keeps_its_best_grid(tiny_checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C in the middle of the second step count: the first is written whole, the second as far as it got."""
+    import shutil
+
+    import ldlm.tuning as tuning
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    calls = {"n": 0}
+    real = tuning.nelder_mead
+
+    def interrupting(f, x0, budget, step=0.5, on_eval=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            f(x0)
+            raise KeyboardInterrupt
+        return real(f, x0, budget, step, on_eval)
+
+    monkeypatch.setattr(tuning, "nelder_mead", interrupting)
+    args = ["tune-schedule", str(ckpt), "--steps", "2,3", "--sampler", "ddim", "--evaluations", "4", "--reference-steps", "20"]
+    args += ["--tune-n", "1", "--tune-length", "6", "--held-out-n", "1", "--held-out-lengths", "6", "--quiet"]
+    assert main(args) == 130
+    written = load_schedules(ckpt, weights=ckpt / "model.safetensors")
+    assert written is not None and written.steps_tuned("ddim") == [2, 3]
+
+
+def test_steps_below_the_samplers_order_are_refused() -> None:
+    tuner = Tuner(oracle_pipeline(), TuningSettings("dpm3m", (2,)))
+    with pytest.raises(ValueError, match=re.escape("steps=2 is below the dpm3m sampler's order 3; allowed: >= 3")):
+        tune_grid(tuner, 2)
+
+
+def test_a_default_without_its_grid_is_refused() -> None:
+    bad = dataclasses.replace(schedules(), defaults={"ddim": 5})
+    with pytest.raises(ScheduleError, match=re.escape("the default of ddim is 5 steps, but no such grid is tuned; tuned: [2]")):
+        bad.check()
