@@ -36,7 +36,7 @@ from ldlm.export.trt_flavor import (
     load_flavor,
 )
 from ldlm.export.verify import LayerNormSpec, verify_all, verify_onnx
-from ldlm.files import atomic_directory, write_atomically
+from ldlm.files import atomic_directory, refuse_existing, write_atomically
 from ldlm.interrupts import deferred_interrupts, interrupted, raise_if_interrupted
 from ldlm.tokenizer import TOKENIZER_FILE
 
@@ -75,6 +75,7 @@ def build_engines(
     progress: bool = False,
 ) -> EngineBuildResult:
     """Build one plan per graph of the export in ``onnx_dir`` into ``out`` (atomically)."""
+    refuse_existing(out, overwrite, {"export": onnx_dir})  # before the export is hashed
     onnx_dir = Path(onnx_dir)
     if not onnx_dir.is_dir():
         raise ValueError(f"ONNX directory {onnx_dir} does not exist; make one with `ldlm export`")

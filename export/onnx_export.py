@@ -33,7 +33,7 @@ from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
-from ldlm.files import atomic_directory
+from ldlm.files import atomic_directory, refuse_existing
 from ldlm.interrupts import raise_if_interrupted
 from ldlm.model import LDLM
 from ldlm.tokenizer import TOKENIZER_FILE
@@ -129,6 +129,7 @@ def export_graphs(
 ) -> ExportResult:
     """Export and verify ``graphs`` of ``checkpoint`` into ``out``; nothing is left there on failure."""
     check_opset(opset)
+    refuse_existing(out, overwrite, {"checkpoint": checkpoint})  # before the checkpoint loads
     unknown = [g for g in graphs if g not in GRAPH_NAMES]
     if unknown or not graphs:
         raise ValueError(f"graphs={list(graphs)!r} is invalid; allowed: a non-empty subset of {', '.join(GRAPH_NAMES)}")

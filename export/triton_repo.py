@@ -31,7 +31,7 @@ from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.files import atomic_directory
+from ldlm.files import atomic_directory, refuse_existing
 from ldlm.tokenizer import TOKENIZER_FILE
 
 TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
@@ -225,6 +225,7 @@ def write_triton_repo(
     engine directory built on such a GPU (used as cc_model_filenames). ``max_n`` and ``max_steps``
     bound ldlm_generate's N and STEPS (as ``ldlm serve`` bounds n and steps). ``graph_backend``
     "python" makes the graphs Python-backend models running ONNX Runtime (an export only)."""
+    refuse_existing(out, overwrite, {"source": source, **{f"--cc-plan {cc}": d for cc, d in (cc_plans or {}).items()}})
     source = Path(source)
     if graph_backend not in GRAPH_BACKENDS:
         raise RepositoryError(f"graph_backend={graph_backend!r} is unknown; allowed: {', '.join(GRAPH_BACKENDS)}")

@@ -16,17 +16,23 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+FIX = f"replace it with the {TOKENIZER_FILE} of the checkpoint it came from, or point at the directory that holds the right one"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used; the message names the file, what is wrong and the fix."""
 
 
 class TextTokenizer:
     """Text <-> GPT-2 token ids. Decoding stops at the first end-of-text token."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, source: str = "tokenizer") -> None:
+        """``source``: where ``tokenizer`` was read from, named when it cannot be used."""
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         eos = tokenizer.token_to_id(END_OF_TEXT)
         if eos is None:
-            raise ValueError(f"tokenizer has no {END_OF_TEXT!r} token; a GPT-2 BPE vocabulary is required")
+            raise TokenizerError(f"{source} has no {END_OF_TEXT!r} token; a GPT-2 BPE vocabulary is required")
         self.eos_token_id: int = eos
 
     @classmethod
@@ -39,19 +45,30 @@ class TextTokenizer:
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> TextTokenizer:
         directory = Path(path)
-        if (directory / TOKENIZER_FILE).is_file():
-            return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)))
+        file = directory / TOKENIZER_FILE
+        if file.is_file():
+            try:
+                tokenizer = Tokenizer.from_file(str(file))
+            except Exception as error:  # the tokenizers library raises a bare Exception for any bad file
+                raise TokenizerError(f"{file} is not valid tokenizer JSON ({error}); {FIX}") from None
+            return cls(tokenizer, str(file))
         if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
             return cls._from_bpe_files(directory / "vocab.json", directory / "merges.txt")
         raise ValueError(f"{directory}: no tokenizer found; expected {TOKENIZER_FILE} or vocab.json + merges.txt")
 
     @classmethod
     def _from_bpe_files(cls, vocab: Path, merges: Path) -> TextTokenizer:
-        tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        try:
+            tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        except Exception as error:  # as Tokenizer.from_file: a bare Exception
+            raise TokenizerError(
+                f"{vocab} + {merges} are not a readable GPT-2 BPE vocabulary ({error}); replace them with the files the "
+                "tokenizer came with, or point at the directory that holds the right ones"
+            ) from None
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens([END_OF_TEXT])
-        return cls(tokenizer)
+        return cls(tokenizer, f"{vocab} + {merges}")
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         self.tokenizer.save(str(Path(directory) / TOKENIZER_FILE))

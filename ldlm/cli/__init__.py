@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ldlm import __version__
 from ldlm.cli import artifacts, checks, model, serving, tuning
+from ldlm.files import refuse_existing, refuse_unsafe_target
 from ldlm.interrupts import remembered_interrupts
 
 
@@ -58,11 +59,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+# What a writer reads, in the words an error names it by; its output may neither be nor hold one.
+INPUT_ARGUMENTS = {
+    "checkpoint": "checkpoint",
+    "source": "source",
+    "onnx_dir": "export",
+    "engine_dir": "engine directory",
+    "gpt2_dir": "GPT-2 directory",
+    "tokenizer_dir": "tokenizer directory",
+}
+
+
 def refuse_existing_out(args: argparse.Namespace) -> None:
-    """A command that writes OUT and has --force refuses an existing OUT before any work, in CLI words."""
+    """Before any work, in CLI words: a command that writes OUT and has --force refuses an OUT that it may
+    not replace (ldlm.files.refuse_existing); one that writes reports into --out refuses a file there."""
     out = getattr(args, "out", None)
-    if out is not None and hasattr(args, "force") and not args.force and Path(out).exists():
+    if out is None:
+        return
+    if not hasattr(args, "force"):  # parity, probe-eps, bench: their own files into a new or existing directory
+        if Path(out).exists() and not Path(out).is_dir():
+            raise ValueError(f"--out {out} is a file; allowed: a directory (new or existing) for the reports")
+        return
+    inputs = {words: getattr(args, name) for name, words in INPUT_ARGUMENTS.items() if isinstance(getattr(args, name, None), str)}
+    refuse_unsafe_target(out, inputs)
+    if not args.force and Path(out).exists():
         raise FileExistsError(f"{out} already exists; pass --force to replace it, or choose another output directory")
+    refuse_existing(out, args.force, inputs)
 
 
 def os_error_message(error: OSError, args: argparse.Namespace) -> str:

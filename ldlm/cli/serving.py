@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ldlm.cli.options import capped_positive_int, device_options, float_in, int_in
 from ldlm.serve.api.setting_ranges import MAX_DELAY_MS, MAX_THREADS, MAX_TIMEOUT_S, SETTING_RANGES
@@ -21,7 +21,22 @@ def setting(name: str, why: str = "") -> Callable[[str], int]:
     return int_in(low, high, why)
 
 
+def api_key(option: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key --api-key or LDLM_API_KEY gives, or None for no auth. An empty one is refused: taken as
+    "no key" it would start the server with auth off, which its user asked not to."""
+    allowed = "allowed: a key of at least one non-space character. To serve without a key"
+    if option is not None:
+        if not option.strip():
+            raise ValueError(f"--api-key {option!r} is empty; {allowed}, leave --api-key out (and LDLM_API_KEY unset)")
+        return option
+    key = environ.get("LDLM_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError(f"LDLM_API_KEY={key!r} is empty; {allowed}, unset it (unset LDLM_API_KEY)")
+    return key
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
+    key = api_key(args.api_key, os.environ)  # before anything loads
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.serve.api.server import serve
     from ldlm.serve.api.service import ServerSettings
@@ -35,7 +50,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         request_timeout_s=args.timeout_s,
         max_body_bytes=args.max_body_mb << 20,
-        api_key=args.api_key or os.environ.get("LDLM_API_KEY") or None,
+        api_key=key,
         threads=args.threads,
         device=args.device,
         precision=args.precision,

@@ -1,0 +1,164 @@
+"""--force replaces only what ldlm wrote: a directory of someone's own files, a plain file, the current
+directory, a parent of the input or a path without a name of its own is refused before any work,
+naming what is there. Expected messages are written out by hand."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import ldlm.export.onnx_export
+from ldlm.cli import main
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Records any checkpoint load or export: a refusal must come before either."""
+    done: list[object] = []
+
+    def record(*args: object, **kwargs: object) -> None:
+        done.append(args)
+        raise AssertionError("work started before the output was refused")
+
+    monkeypatch.setattr(ldlm.export.onnx_export, "load_checkpoint", record)
+    monkeypatch.setattr(ldlm.export.onnx_export, "export_graphs", record)
+    return done
+
+
+def export(checkpoint: Path | str, out: Path | str, *extra: str) -> int:
+    return main(["export", str(checkpoint), str(out), "--graphs", "decoder", "--quiet", *extra])
+
+
+def test_a_directory_of_the_users_files_is_not_replaced(
+    tiny_checkpoint: Path, tmp_path: Path, no_work: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "thesis.txt").write_text("three years of work")
+    for name in ("a.txt", "b.txt", "c.txt", "d.txt", "e.txt"):
+        (out / name).write_text("")
+    assert export(tiny_checkpoint, out, "--force") == 2
+    err = capsys.readouterr().err
+    assert (
+        f"ldlm export: error: {out} was not written by ldlm (it holds a.txt, b.txt, c.txt, d.txt, e.txt and 1 more); "
+        "--force replaces only a checkpoint, an export, an engine directory or a Triton repository that ldlm wrote; "
+        "remove it yourself, or choose another output directory" in err
+    ), err
+    assert (out / "thesis.txt").read_text() == "three years of work"
+    assert no_work == []
+
+
+def test_a_plain_file_is_not_replaced_and_no_old_copy_is_left(
+    tiny_checkpoint: Path, tmp_path: Path, no_work: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "notes.md"
+    out.write_text("mine")
+    assert export(tiny_checkpoint, out, "--force") == 2
+    assert f"ldlm export: error: {out} is a file, not a directory that ldlm wrote;" in capsys.readouterr().err
+    assert out.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
+
+
+@pytest.mark.parametrize(
+    "out, problem",
+    [
+        (".", "has no name of its own; allowed: a path ending in the new directory's name, e.g. ./onnx"),
+        ("", "has no name of its own; allowed: a path ending in the new directory's name, e.g. ./onnx"),
+        ("/", "has no name of its own; allowed: a path ending in the new directory's name, e.g. ./onnx"),
+        ("work/..", "has no name of its own; allowed: a path ending in the new directory's name, e.g. ./onnx"),
+        ("../here", "is the current directory or holds it; allowed: a new directory, e.g. ./onnx"),
+        ("ckpt-parent", "holds the checkpoint ckpt-parent/ckpt; allowed: a directory outside it, e.g. ./onnx"),
+        ("ckpt-parent/ckpt", "is the checkpoint ckpt-parent/ckpt; allowed: a directory outside it, e.g. ./onnx"),
+    ],
+)
+def test_paths_that_would_remove_the_input_or_the_cwd_fail_before_any_work(
+    tiny_checkpoint: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    no_work: list[object],
+    capsys: pytest.CaptureFixture[str],
+    out: str,
+    problem: str,
+) -> None:
+    here = tmp_path / "here"
+    (here / "work").mkdir(parents=True)
+    (here / "ckpt-parent").mkdir()
+    shutil.copytree(tiny_checkpoint, here / "ckpt-parent" / "ckpt")
+    monkeypatch.chdir(here)
+    assert export("ckpt-parent/ckpt", out, "--force") == 2
+    err = capsys.readouterr().err
+    assert f"ldlm export: error: output directory {out!r} {problem}" in err, err
+    assert "empty name" not in err
+    assert no_work == []
+    assert sorted(p.name for p in (here / "ckpt-parent" / "ckpt").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_an_export_is_replaced_and_nothing_is_left_beside_it(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "onnx"
+    assert export(tiny_checkpoint, out) == 0
+    (tmp_path / ".onnx.old").write_text("left by an older ldlm that replaced a plain file")
+    assert export(tiny_checkpoint, out, "--force") == 0
+    assert (out / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["onnx"]
+
+
+def test_an_empty_directory_is_replaced(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "made-by-mkdir"
+    out.mkdir()
+    assert export(tiny_checkpoint, out, "--force") == 0
+    assert (out / "decoder.onnx").is_file()
+
+
+@pytest.mark.parametrize("command", ["build-engine", "triton-repo"])
+def test_the_other_writers_refuse_the_same(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No export is needed: the output is refused before the source is read."""
+    source = tmp_path / "onnx"
+    source.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "onnx", ".", "--force"]) == 2
+    assert f"ldlm {command}: error: output directory '.' has no name of its own" in capsys.readouterr().err
+    assert main([command, "onnx", "onnx", "--force"]) == 2
+    named = "the source" if command == "triton-repo" else "the export"
+    assert f"ldlm {command}: error: output directory 'onnx' is {named} onnx; allowed: a directory outside it" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.txt").write_text("")
+    assert main([command, "onnx", "mine", "--force"]) == 2
+    assert f"ldlm {command}: error: mine was not written by ldlm (it holds thesis.txt);" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "thesis.txt").is_file()
+
+
+@pytest.mark.parametrize("command", ["parity", "probe-eps", "bench"])
+def test_report_directories_that_are_files_fail_before_any_work(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The checks write their reports into --out (new or existing); a file there is named before the run."""
+    blocker = tmp_path / "report"
+    blocker.write_text("mine")
+    assert main([command, str(tmp_path / "no-checkpoint"), "--out", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert f"ldlm {command}: error: --out {blocker} is a file; allowed: a directory (new or existing) for the reports" in err, err
+    assert blocker.read_text() == "mine"
+
+
+def test_the_python_api_refuses_before_loading(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ldlm.export.onnx_export import export_graphs
+    from ldlm.files import atomic_directory
+
+    loads: list[object] = []
+    monkeypatch.setattr(ldlm.export.onnx_export, "load_checkpoint", lambda *args: loads.append(args))
+    parent = tiny_checkpoint.parent
+    with pytest.raises(ValueError) as refused:
+        export_graphs(tiny_checkpoint, parent, overwrite=True)
+    assert f"output directory {str(parent)!r} holds the checkpoint {tiny_checkpoint}; allowed: a directory outside it" in str(refused.value)
+    assert loads == []
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("")
+    with (
+        pytest.raises(FileExistsError, match=r"mine was not written by ldlm \(it holds thesis\.txt\)"),
+        atomic_directory(mine, overwrite=True),
+    ):
+        pass
+    assert (mine / "thesis.txt").is_file()
