@@ -726,8 +726,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "checkpoint-overwrite-inverted",
         "ldlm.files:refuse_existing",
-        "if Path(out).exists() and not overwrite:",
-        "if Path(out).exists() and overwrite:",
+        "    if not overwrite:\n        raise FileExistsError",
+        "    if overwrite:\n        raise FileExistsError",
         ("tests/test_checkpoint.py",),
         "an existing checkpoint is replaced without --force",
     ),
