@@ -13,7 +13,6 @@ import pytest
 
 from ldlm.serve.api.kserve import (
     InferRequest,
-    ProtocolError,
     json_bytes,
     load_json,
     parse_body,
@@ -21,6 +20,7 @@ from ldlm.serve.api.kserve import (
     requested_outputs,
     tensor_metadata,
 )
+from ldlm.serve.api.kserve_tensors import ProtocolError
 
 
 def body_of(*inputs: dict, **fields) -> bytes:

@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.serve.api.errors import HTTPError, error_body, error_status, openai_error  # noqa: E402
 from ldlm.serve.api.http_guard import GuardMiddleware, read_body  # noqa: E402
-from ldlm.serve.api.kserve import ProtocolError  # noqa: E402
+from ldlm.serve.api.kserve_tensors import ProtocolError  # noqa: E402
 from ldlm.serve.api.metrics import Metrics  # noqa: E402
 from ldlm.serve.api.service import ServerSettings  # noqa: E402
 from ldlm.serve.api.streaming import PreviewDecoder, sse  # noqa: E402

@@ -10,7 +10,8 @@ import zlib
 import numpy as np
 import pytest
 
-from ldlm.serve.api.kserve import HEADER_LENGTH, InferRequest, ProtocolError, decompress, encode_infer_response, parse_infer_request
+from ldlm.serve.api.kserve import HEADER_LENGTH, InferRequest, decompress, encode_infer_response, parse_infer_request
+from ldlm.serve.api.kserve_tensors import ProtocolError
 
 
 def binary_body(arrays: dict[str, tuple[str, np.ndarray]], json_inputs: dict[str, tuple[str, list]] | None = None) -> tuple[bytes, str]:

@@ -16,20 +16,10 @@ from typing import Any
 
 import numpy as np
 
-DATATYPES: dict[str, Any] = {
-    "FP32": np.float32,
-    "FP16": np.float16,
-    "FP64": np.float64,
-    "INT64": np.int64,
-    "INT32": np.int32,
-    "BOOL": np.bool_,
-}
+from ldlm.serve.api.kserve_tensors import DATATYPES, ProtocolError, json_tensor
+
 KSERVE_NAMES = {"FLOAT": "FP32", "FLOAT16": "FP16", "INT64": "INT64", "INT32": "INT32", "BOOL": "BOOL"}
 HEADER_LENGTH = "Inference-Header-Content-Length"
-
-
-class ProtocolError(ValueError):
-    """A request that does not follow the protocol; answered with 400 and this message."""
 
 
 @dataclass
@@ -72,15 +62,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     """Decode a KServe v2 infer body. Every value is checked before it becomes an array: types are
     exact (no bool for an integer, no float silently cast to an int), integers fit their datatype,
     floats are finite, and the tensor names its place in the request (``inputs[1] (attention_mask)``)."""
-    if header_length is not None:
-        try:
-            json_size = int(header_length)
-        except ValueError:
-            raise ProtocolError(f"{HEADER_LENGTH}={header_length!r} is not an integer") from None
-        if not 0 < json_size <= len(body):
-            raise ProtocolError(f"{HEADER_LENGTH}={json_size} is out of range; allowed: 1..{len(body)} (the body size)")
-    else:
-        json_size = len(body)
+    json_size = _json_header_size(body, header_length)
     payload = load_json(body[:json_size])
     if not isinstance(payload, dict):
         raise ProtocolError("the request must be a JSON object with an 'inputs' list")
@@ -94,58 +76,88 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     offset = 0
     inputs: dict[str, np.ndarray] = {}
     for i, spec in enumerate(raw_inputs):
-        where = f"inputs[{i}]"
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise ProtocolError(f"{where} must be an object with a string 'name'")
-        name = spec["name"]
-        where = f"{where} ({name})"
-        refuse_unknown_fields(spec, INPUT_FIELDS, where)
+        name, where = _input_name(spec, i)
         if name in inputs:
             raise ProtocolError(f"{where}: input {name!r} is given twice")
-        datatype = spec.get("datatype")
-        if datatype not in DATATYPES:
-            raise ProtocolError(f"{where}: datatype {datatype!r} is unsupported; allowed: {', '.join(DATATYPES)}")
-        shape = spec.get("shape")
-        # type() is int: JSON true/false are Python bools, which isinstance(..., int) accepts
-        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**31 for d in shape) or len(shape) > 8:
-            raise ProtocolError(f"{where}: shape {shape!r} is invalid; allowed: a list of at most 8 integers in 0..2**31-1")
-        dtype = np.dtype(DATATYPES[datatype])
-        count = math.prod(shape)
-        size = _parameters(spec, where).get("binary_data_size")
-        if size is not None:
-            if type(size) is not int or size != count * dtype.itemsize:
-                raise ProtocolError(
-                    f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes "
-                    f"= {count * dtype.itemsize}"
-                )
-            if offset + size > len(binary):
-                raise ProtocolError(f"{where}: binary data is shorter than its binary_data_size {size}")
-            array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
-            offset += size
-        else:
-            if "data" not in spec:
-                raise ProtocolError(f"{where}: has neither 'data' nor parameters.binary_data_size")
-            array = _json_tensor(spec["data"], datatype, dtype, where)
-            if array.size != count:
-                raise ProtocolError(f"{where}: {array.size} data elements but shape {shape} needs {count}")
-            array = array.reshape(shape)
-        if dtype.kind == "f" and not np.isfinite(array).all():
-            raise ProtocolError(f"{where}: data holds NaN or Infinity; allowed: finite numbers")
-        inputs[name] = array
+        inputs[name], offset = _input_tensor(spec, where, binary, offset)
     if offset != len(binary):
         raise ProtocolError(f"{len(binary) - offset} trailing bytes after the binary inputs")
     parameters = _parameters(payload, "the request")
-    outputs = None
-    if payload.get("outputs") is not None:
-        if not isinstance(payload["outputs"], list):
-            raise ProtocolError("field 'outputs' must be a list")
-        outputs = []
-        for i, out in enumerate(payload["outputs"]):
-            if not isinstance(out, dict) or not isinstance(out.get("name"), str):
-                raise ProtocolError(f"outputs[{i}] must be an object with a string 'name'")
-            refuse_unknown_fields(out, OUTPUT_FIELDS, f"outputs[{i}] ({out['name']})")
-            outputs.append((out["name"], _flag(_parameters(out, f"outputs[{i}]"), "binary_data", f"outputs[{i}]")))
-    return InferRequest(payload.get("id"), inputs, outputs, _flag(parameters, "binary_data_output", "the request"))
+    return InferRequest(payload.get("id"), inputs, _output_requests(payload), _flag(parameters, "binary_data_output", "the request"))
+
+
+def _json_header_size(body: bytes, header_length: str | None) -> int:
+    """The JSON header's length: the whole body, or Inference-Header-Content-Length bytes of it."""
+    if header_length is None:
+        return len(body)
+    try:
+        json_size = int(header_length)
+    except ValueError:
+        raise ProtocolError(f"{HEADER_LENGTH}={header_length!r} is not an integer") from None
+    if not 0 < json_size <= len(body):
+        raise ProtocolError(f"{HEADER_LENGTH}={json_size} is out of range; allowed: 1..{len(body)} (the body size)")
+    return json_size
+
+
+def _input_name(spec: Any, i: int) -> tuple[str, str]:
+    """Input ``i``'s name, and where it is in the request for messages, once its fields are known ones."""
+    where = f"inputs[{i}]"
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ProtocolError(f"{where} must be an object with a string 'name'")
+    name = spec["name"]
+    where = f"{where} ({name})"
+    refuse_unknown_fields(spec, INPUT_FIELDS, where)
+    return name, where
+
+
+def _input_tensor(spec: dict[str, Any], where: str, binary: memoryview, offset: int) -> tuple[np.ndarray, int]:
+    """One input as an array, from its JSON data or from the binary section at ``offset``, and the
+    offset of the next binary input."""
+    datatype = spec.get("datatype")
+    if datatype not in DATATYPES:
+        raise ProtocolError(f"{where}: datatype {datatype!r} is unsupported; allowed: {', '.join(DATATYPES)}")
+    shape = spec.get("shape")
+    # type() is int: JSON true/false are Python bools, which isinstance(..., int) accepts
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**31 for d in shape) or len(shape) > 8:
+        raise ProtocolError(f"{where}: shape {shape!r} is invalid; allowed: a list of at most 8 integers in 0..2**31-1")
+    dtype = np.dtype(DATATYPES[datatype])
+    count = math.prod(shape)
+    size = _parameters(spec, where).get("binary_data_size")
+    if size is not None:
+        if type(size) is not int or size != count * dtype.itemsize:
+            raise ProtocolError(
+                f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes "
+                f"= {count * dtype.itemsize}"
+            )
+        if offset + size > len(binary):
+            raise ProtocolError(f"{where}: binary data is shorter than its binary_data_size {size}")
+        array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
+        offset += size
+    else:
+        if "data" not in spec:
+            raise ProtocolError(f"{where}: has neither 'data' nor parameters.binary_data_size")
+        array = json_tensor(spec["data"], datatype, dtype, where)
+        if array.size != count:
+            raise ProtocolError(f"{where}: {array.size} data elements but shape {shape} needs {count}")
+        array = array.reshape(shape)
+    if dtype.kind == "f" and not np.isfinite(array).all():
+        raise ProtocolError(f"{where}: data holds NaN or Infinity; allowed: finite numbers")
+    return array, offset
+
+
+def _output_requests(payload: dict[str, Any]) -> list[tuple[str, bool]] | None:
+    """(name, binary) of each output the request lists, or None when it lists none (every output)."""
+    if payload.get("outputs") is None:
+        return None
+    if not isinstance(payload["outputs"], list):
+        raise ProtocolError("field 'outputs' must be a list")
+    outputs = []
+    for i, out in enumerate(payload["outputs"]):
+        if not isinstance(out, dict) or not isinstance(out.get("name"), str):
+            raise ProtocolError(f"outputs[{i}] must be an object with a string 'name'")
+        refuse_unknown_fields(out, OUTPUT_FIELDS, f"outputs[{i}] ({out['name']})")
+        outputs.append((out["name"], _flag(_parameters(out, f"outputs[{i}]"), "binary_data", f"outputs[{i}]")))
+    return outputs
 
 
 def load_json(text: bytes | str) -> Any:
@@ -174,59 +186,6 @@ def _flag(parameters: dict[str, Any], key: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise ProtocolError(f"{where}: parameters.{key}={value!r} is invalid; allowed: true or false")
     return value
-
-
-# The JSON value types each kind of datatype takes (JSON true/false are Python bools, never integers here).
-JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}
-
-
-def _json_tensor(data: Any, datatype: str, dtype: np.dtype, where: str) -> np.ndarray:
-    """JSON ``data`` (flat, or nested as the shape) -> an array of ``dtype``, refusing any value
-    whose JSON type does not match the datatype or whose value does not fit it."""
-    flat = _flatten(data, where)
-    kinds = set(map(type, flat))
-    allowed = JSON_TYPES[dtype.kind]
-    if not kinds <= allowed:
-        names = {bool: "true/false", int: "integers", float: "numbers"}
-        wrong = sorted(k.__name__ for k in kinds - allowed)
-        raise ProtocolError(
-            f"{where}: {datatype} data holds {', '.join(wrong)} values; allowed: {' or '.join(names[k] for k in names if k in allowed)}"
-        )
-    if dtype.kind == "i":
-        info = np.iinfo(dtype)
-        if flat and (min(flat) < info.min or max(flat) > info.max):
-            bad = min(flat) if min(flat) < info.min else max(flat)
-            shown = bad if abs(bad) < 10**30 else f"an integer of {len(str(abs(bad)))} digits"
-            raise ProtocolError(f"{where}: {datatype} data holds {shown}; allowed: {info.min}..{info.max}")
-        return np.array(flat, dtype=dtype)
-    if dtype.kind == "f":
-        try:
-            wide = np.array(flat, dtype=np.float64)
-        except OverflowError:  # an integer beyond float64's range
-            raise ProtocolError(f"{where}: {datatype} data holds an integer beyond the float range") from None
-        if not np.isfinite(wide).all():
-            raise ProtocolError(f"{where}: data holds NaN or Infinity; allowed: finite numbers")
-        limit = float(np.finfo(dtype).max)
-        if wide.size and np.abs(wide).max() > limit:
-            raise ProtocolError(f"{where}: {datatype} data holds {np.abs(wide).max():g}; allowed: magnitudes up to {limit:g}")
-        return wide.astype(dtype)
-    return np.array(flat, dtype=dtype)
-
-
-def _flatten(data: Any, where: str) -> list[Any]:
-    if not isinstance(data, list):
-        raise ProtocolError(f"{where}: 'data' must be a list, not {type(data).__name__}")
-    flat: list[Any] = []
-    stack = [(data, 0)]
-    while stack:  # iterative: the depth is the client's choice
-        items, depth = stack.pop()
-        if depth >= 8:  # depth 0 is the outermost list: a rank-8 tensor's innermost lists are at depth 7
-            raise ProtocolError(f"{where}: 'data' is nested {depth + 1} levels deep; allowed: at most 8 (the shape's rank)")
-        if any(isinstance(x, list) for x in items):
-            stack.extend((x, depth + 1) if isinstance(x, list) else ([x], depth + 1) for x in reversed(items))
-        else:
-            flat.extend(items)
-    return flat
 
 
 def encode_infer_response(model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:

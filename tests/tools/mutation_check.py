@@ -297,7 +297,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-binary-offset-ignored",
-        "ldlm.serve.api.kserve:parse_infer_request",
+        "ldlm.serve.api.kserve:_input_tensor",
         "binary[offset : offset + size]",
         "binary[0:size]",
         ("tests/test_kserve_values.py",),
@@ -856,7 +856,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- KServe parsing ------------------------------------------------------------------------------
     Mutation(
         "kserve-binary-nan-unchecked",
-        "ldlm.serve.api.kserve:parse_infer_request",
+        "ldlm.serve.api.kserve:_input_tensor",
         'if dtype.kind == "f" and not np.isfinite(array).all():',
         'if dtype.kind == "f" and size is None and not np.isfinite(array).all():',
         ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
@@ -864,7 +864,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-json-inf-unchecked",
-        "ldlm.serve.api.kserve:_json_tensor",
+        "ldlm.serve.api.kserve_tensors:json_tensor",
         "if not np.isfinite(wide).all():",
         "if np.isnan(wide).any():",
         ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
@@ -872,7 +872,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-json-nonfinite-refusal-removed",
-        "ldlm.serve.api.kserve:_json_tensor",
+        "ldlm.serve.api.kserve_tensors:json_tensor",
         "if not np.isfinite(wide).all():",
         "if False:",
         ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
@@ -880,7 +880,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-int-max-off-by-one",
-        "ldlm.serve.api.kserve:_json_tensor",
+        "ldlm.serve.api.kserve_tensors:json_tensor",
         "or max(flat) > info.max):",
         "or max(flat) >= info.max):",
         ("tests/test_guards_kserve.py",),
@@ -888,7 +888,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-bool-as-int",
-        "ldlm.serve.api.kserve:JSON_TYPES",
+        "ldlm.serve.api.kserve_tensors:JSON_TYPES",
         'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}',
         'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int, bool}, "f": {int, float}}',
         ("tests/test_guards_kserve.py",),
@@ -896,7 +896,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-header-length-equal-refused",
-        "ldlm.serve.api.kserve:parse_infer_request",
+        "ldlm.serve.api.kserve:_json_header_size",
         "if not 0 < json_size <= len(body):",
         "if not 0 < json_size < len(body):",
         ("tests/test_guards_kserve.py",),
@@ -904,7 +904,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-rank-limit-off-by-one",
-        "ldlm.serve.api.kserve:parse_infer_request",
+        "ldlm.serve.api.kserve:_input_tensor",
         "or len(shape) > 8:",
         "or len(shape) >= 8:",
         ("tests/test_guards_kserve.py",),
