@@ -25,6 +25,7 @@ import onnx
 
 from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
+from ldlm.sampling.schedules import SCHEDULES_FILE, TunedSchedules, load_schedules
 from ldlm.tokenizer import TOKENIZER_FILE
 
 MANIFEST_FILE = "manifest.json"  # written by ldlm.export.onnx_export beside the ONNX files
@@ -131,6 +132,20 @@ def check_tokenizer(directory: Path, record: object, manifest: str = MANIFEST_FI
             f"{directory / manifest}: tokenizer entry {record!r} is invalid; allowed: {{'file': '{TOKENIZER_FILE}', 'sha256': ...}}"
         )
     check_file(directory, TOKENIZER_FILE, record, manifest)
+
+
+def read_schedules(directory: str | os.PathLike[str]) -> TunedSchedules | None:
+    """An export's tuned step grids (copied from its checkpoint), trusted only with their sha256 on record
+    and bound to the weights the manifest names; None when the export has none."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    record = manifest.get("schedules")
+    if record is None:
+        if (directory / SCHEDULES_FILE).exists():
+            raise ArtifactError(f"{directory / SCHEDULES_FILE} is not in {directory / MANIFEST_FILE}; re-export with `ldlm export`")
+        return None
+    check_file(directory, record.get("file") if isinstance(record, dict) else None, record)
+    return load_schedules(directory, sha256=manifest.get("weights_sha256"))
 
 
 def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], plans: bool = True) -> dict[str, dict[str, Any]]:

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 import ldlm
-from ldlm.checkpoint import CONFIG_FILE, load_checkpoint
+from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
@@ -36,6 +36,7 @@ from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, ve
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.interrupts import raise_if_interrupted
 from ldlm.model import LDLM
+from ldlm.sampling.schedules import SCHEDULES_FILE, load_schedules, weights_sha256
 from ldlm.tokenizer import TOKENIZER_FILE
 
 SUPPORTED_OPSETS: tuple[int, ...] = (18, 20)  # 17 comes out as 18 from dynamo; 23 has Attention, unknown to TensorRT 10
@@ -144,6 +145,10 @@ def export_graphs(
         with atomic_directory(out, overwrite) as tmp:
             config.save(tmp / CONFIG_FILE)
             tokenizer.save(tmp)  # servers of this directory need the checkpoint's own tokenizer
+            weights = weights_sha256(Path(checkpoint) / WEIGHTS_FILE)
+            schedules = load_schedules(checkpoint, sha256=weights)  # tuned grids travel with the graphs (t is an input)
+            if schedules is not None:
+                schedules.save(tmp / SCHEDULES_FILE)
             entries, results = {}, []
             with tqdm(total=2 * len(graphs), desc="export", unit="stage", disable=not progress) as bar:
                 for name in graphs:
@@ -161,7 +166,7 @@ def export_graphs(
                     bar.update()
             raise_if_interrupted()
             verify_all(results)  # raises before the rename: a failed export leaves nothing behind
-            manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE)
+            manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE, weights, tmp / SCHEDULES_FILE)
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     except PermissionError as error:
         raise ValueError(f"cannot write to {out}: {error}") from error
@@ -187,7 +192,8 @@ def _manifest_entry(path: Path, io: GraphIO, specs: list[LayerNormSpec]) -> dict
     }
 
 
-def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer: Path) -> dict[str, Any]:
+def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer: Path, weights: str, schedules: Path) -> dict[str, Any]:
+    tuned = {"schedules": {"file": schedules.name, "sha256": sha256_file(schedules)}} if schedules.is_file() else {}
     return {
         "ldlm_version": ldlm.__version__,
         "torch_version": torch.__version__,
@@ -195,7 +201,9 @@ def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer
         "exporter": "torch.onnx.export(dynamo=True)",
         "opset": opset,
         "config_sha256": config.config_hash(),
+        "weights_sha256": weights,  # the checkpoint's model.safetensors: what its tuned grids are bound to
         "tokenizer": tokenizer_record(tokenizer),
+        **tuned,
         "graphs": entries,
     }
 

@@ -4,7 +4,7 @@ OUT/
   encoder/config.pbtxt, encoder/1/model.plan            (tensorrt_plan, where engines exist)
   encoder/1/model.onnx/{model.onnx, encoder.onnx.data}  (onnxruntime_onnx: external data needs a directory)
   denoiser/..., decoder/...
-  ldlm_generate/config.pbtxt, ldlm_generate/1/{model.py, config.json, tokenizer.json}   (python backend, BLS)
+  ldlm_generate/config.pbtxt, ldlm_generate/1/{model.py, config.json, tokenizer.json[, schedules.json]}   (python backend, BLS)
 
 With ``graph_backend="python"`` (an ONNX export only) each graph model is a Python-backend model:
 the same config with ``backend: "python"`` in place of the platform line, and ``<graph>/1/model.py``
@@ -29,9 +29,11 @@ from google.protobuf import text_format
 
 from ldlm.checkpoint import CONFIG_FILE
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir, sha256_file
+from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir, read_schedules, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.files import atomic_directory, refuse_existing
+from ldlm.limits import MAX_N, MAX_STEPS
+from ldlm.sampling.schedules import SCHEDULES_FILE
 from ldlm.tokenizer import TOKENIZER_FILE
 
 TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
@@ -152,7 +154,7 @@ def check_source(source: Path, kind: str, cc_dirs: Sequence[Path] = ()) -> None:
         check_engine_dir(directory, GRAPH_NAMES)
 
 
-def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: int = 1000, bls_max_batch: int | None = None) -> str:
+def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: int = MAX_STEPS, bls_max_batch: int | None = None) -> str:
     """ldlm_generate's config.pbtxt. Its parameters carry the limits the model enforces (max_n,
     max_steps: the server's defaults) and ``bls_max_batch``, the largest batch its denoiser and
     decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples."""
@@ -216,9 +218,9 @@ def write_triton_repo(
     queue_delay_us: int = 100,
     gpu: bool = True,
     cc_plans: dict[str, str | os.PathLike[str]] | None = None,
-    max_n: int = 64,
+    max_n: int = MAX_N,
     overwrite: bool = False,
-    max_steps: int = 1000,
+    max_steps: int = MAX_STEPS,
     graph_backend: str = "native",
 ) -> Path:
     """Write and validate the repository; ``cc_plans`` maps a compute capability ("8.6") to an
@@ -278,6 +280,9 @@ def write_triton_repo(
         if (source / TOKENIZER_FILE).is_file():
             shutil.copy(source / TOKENIZER_FILE, generate / TOKENIZER_FILE)
             tokenizer_sha256 = sha256_file(generate / TOKENIZER_FILE)
+        schedules = read_schedules(source) if kind == "onnx" else None  # an engine directory carries no tuned grids
+        if schedules is not None:
+            schedules.save(generate / SCHEDULES_FILE)
         text = generate_config(max_n, tokenizer_sha256, max_steps, min(batch_sizes["denoiser"], batch_sizes["decoder"]))
         validate_config(text, None, f"{GENERATE_MODEL}/config.pbtxt")
         (tmp / GENERATE_MODEL / "config.pbtxt").write_text(text)

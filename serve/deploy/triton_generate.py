@@ -25,6 +25,7 @@ import triton_python_backend_utils as pb_utils  # provided by Triton's Python ba
 from ldlm.config import LDLMConfig
 from ldlm.limits import MAX_N, MAX_STEPS
 from ldlm.sampling import GenerateRequest, RequestLimits, SamplingEngine, resolve, run_lockstep
+from ldlm.sampling.schedules import load_schedules
 from ldlm.schedule import TangentSchedule
 from ldlm.tokenizer import TextTokenizer
 
@@ -52,6 +53,8 @@ class TritonPythonModel:
                     "rewrite the repository with `ldlm triton-repo`"
                 )
         self.tokenizer = TextTokenizer.from_directory(version_dir) if tokenizer.is_file() else TextTokenizer.gpt2()
+        # the export's tuned grids, copied by `ldlm triton-repo`: the defaults where tuned, as in ldlm serve
+        self.schedules = load_schedules(version_dir)
         self.engine = SamplingEngine(TangentSchedule(self.config.schedule_d, self.config.beta_clip_t), self.config.decode_final)
 
     def execute(self, requests: list[Any]) -> list[Any]:
@@ -89,7 +92,7 @@ class TritonPythonModel:
             scalar("SAMPLER", False),
             scalar("T_MIN", False),
         )
-        plan = resolve(request, self.config, RequestLimits(self.max_n, self.max_steps), TRITON_NAMES)
+        plan = resolve(request, self.config, RequestLimits(self.max_n, self.max_steps), TRITON_NAMES, self.schedules)
         mask = np.ones((plan.n, plan.length), dtype=np.int64)
         chunk = self.bls_max_batch or plan.n
 
