@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Tuned step grids against the default grid and DDIM, on held-out samples: the measurement behind
+``ldlm tune-schedule``'s defaults.
+
+For each preset (a random-init checkpoint with random norms, as ``ldlm init --norm-init random``), the
+grids of ``--steps`` are tuned (ldlm/tuning.py: tuning seed and length, DDIM@--reference-steps as the
+reference), then every grid is scored on held-out seeds at every held-out length: the relative error of
+the final latent and the token agreement with the reference, beside the sampler's default grid at the
+same step count and DDIM at 10..100 steps. The tuning time is recorded per step count.
+
+    python scripts/schedule_accuracy.py --presets tiny --out docs/measurements/schedules-tiny-2026-12-01.json
+
+Writes the JSON and, beside it, a PNG (held-out error against denoiser calls: DDIM, default grid, tuned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ldlm.checkpoint import init_model
+from ldlm.config import preset
+from ldlm.files import write_atomically
+from ldlm.pipeline import LDLMPipeline
+from ldlm.tokenizer import TextTokenizer
+from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
+
+DDIM_STEPS = (10, 20, 50, 100)
+
+
+def measure(name: str, settings: TuningSettings, seed: int) -> dict[str, Any]:
+    pipe = LDLMPipeline(init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2())
+    tuner = Tuner(pipe, settings)
+    started = time.perf_counter()
+    tuner.samples(settings.tune_seed, settings.tune_n, settings.tune_length)  # the references, timed apart
+    for length in settings.held_out_lengths:
+        tuner.samples(settings.held_out_seed, settings.held_out_n, length)
+    reference_s = time.perf_counter() - started
+    grids = []
+    for steps in settings.steps:
+        started = time.perf_counter()
+        grid = tune_grid(tuner, steps, progress=True)
+        grids.append({"steps": steps, "times": grid.times, "tuning_s": round(time.perf_counter() - started, 1), **grid.measured})
+        grids[-1]["matches_ddim50"] = matches_ddim50(grid)
+        print(
+            f"{name} {settings.sampler}@{steps}: held out {grid.measured['held_out']} vs DDIM@50 {grid.measured['ddim50_held_out']}",
+            flush=True,
+        )
+    ddim = {str(s): tuner.held_out("ddim", s, None) for s in DDIM_STEPS}
+    return {"preset": name, "sampler": settings.sampler, "references_s": round(reference_s, 1), "grids": grids, "ddim_held_out": ddim}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = report["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        lengths = list(model["ddim_held_out"]["10"])
+        for length in lengths:
+            ax.plot(
+                DDIM_STEPS,
+                [model["ddim_held_out"][str(s)][length]["error"] for s in DDIM_STEPS],
+                "o-",
+                color="grey",
+                alpha=0.6,
+                label=f"DDIM L{length}",
+            )
+            steps = [g["steps"] for g in model["grids"]]
+            ax.plot(steps, [g["default_grid_held_out"][length]["error"] for g in model["grids"]], "s--", label=f"default grid L{length}")
+            ax.plot(steps, [g["held_out"][length]["error"] for g in model["grids"]], "^-", label=f"tuned L{length}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="denoiser calls",
+            ylabel="held-out relative latent error",
+            title=f"{model['preset']} ({model['sampler']})",
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="tiny", help="comma-separated presets (default: tiny)")
+    parser.add_argument("--sampler", default="dpm3m-psc", help="sampler to tune (default: dpm3m-psc)")
+    parser.add_argument("--steps", default="6,8,10,12", help="step counts (default: 6,8,10,12)")
+    parser.add_argument("--evaluations", type=int, default=600, help="sampling runs per step count (default: 600)")
+    parser.add_argument("--reference-steps", type=int, default=1000, help="DDIM steps of the reference (default: 1000)")
+    parser.add_argument("--tune", default="4x64", help="tuning samples NxLENGTH (default: 4x64)")
+    parser.add_argument("--held-out", default="8x32,64,128", help="held-out samples Nxlengths (default: 8x32,64,128)")
+    parser.add_argument("--seed", type=int, default=0, help="init seed of the random checkpoints (default: 0)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument("--out", default="runs/schedules.json", help="JSON path; the PNG goes beside it")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tune_n, tune_length = (int(v) for v in args.tune.split("x"))
+    held_n, held_lengths = args.held_out.split("x")
+    settings = TuningSettings(
+        args.sampler, tuple(int(s) for s in args.steps.split(",")), args.reference_steps, 101, tune_n, tune_length,
+        202, int(held_n), tuple(int(n) for n in held_lengths.split(",")), args.evaluations,
+    )  # fmt: skip
+    models = [measure(name, settings, args.seed) for name in args.presets.split(",")]
+    report = {
+        "settings": vars(args),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
+        "models": models,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(out, json.dumps(report, indent=1) + "\n")
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
