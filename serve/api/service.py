@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.pipeline import LDLMPipeline
@@ -27,8 +28,10 @@ from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.api.streaming import PreviewDecoder
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
+from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerationScheduler
 from ldlm.serve.runtime.torch_backends import length_buckets
+from ldlm.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -89,17 +92,43 @@ class LDLMService:
     def __init__(self, source: str, settings: ServerSettings, progress: Callable[[str], None] | None = None) -> None:
         """``progress``: told (one line each) what preparing the service is doing, for a person waiting on ``ldlm serve``."""
         self.settings = settings
-        self._scratch = None
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
         say = progress or (lambda line: None)
+        graphs, config, tokenizer = self._open_graphs(source, say, progress is not None)
+        # Engines built with narrower profiles narrow what the service accepts (lengths) and how
+        # many samples one execution takes; a larger request still runs, in chunks.
+        config, self.max_batch = serving_limits(graphs, config, settings.max_batch)
+        self.graphs, self.config = graphs, config
+        self.metrics = Metrics()
+        self.batchers = self._make_batchers(graphs)
+        # One pipeline: every encode and decode (prompts, finished generations, previews, /v1 texts) goes
+        # through the graphs' batchers. The scheduler batches the denoiser itself, step by step, on the
+        # graphs' own device (torch backends: the sampler's state stays there, no host round trip per step).
+        self.pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config, buckets=length_buckets(config.max_seq_len))
+        self.scheduler = self._make_scheduler(graphs, config)
+        self.json_workers = self._json_pool()
+        self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
+        self._in_flight_lock = threading.Lock()
+        # its own thread, never the scheduler's; its time budget applies while other generations are in flight
+        self.previews = PreviewDecoder(self.pipeline, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
+        self.ready = True
+        say("ready")
+
+    def _open_graphs(
+        self, source: str, say: Callable[[str], None], progress: bool
+    ) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
+        """The graphs of ``source`` on the settings' backend; a checkpoint served on ort is exported first,
+        into a scratch directory removed at close."""
+        settings = self.settings
         if settings.backend == "ort" and is_checkpoint(source):
             say(
                 f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
                 "directory to skip this at every start)"
             )
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")
-            source = export_checkpoint_for_serving(source, Path(self._scratch.name), progress=progress is not None)
+            source = export_checkpoint_for_serving(source, Path(self._scratch.name), progress=progress)
         say(f"loading the graphs of {source} ({settings.backend})")
-        graphs, config, tokenizer = open_graphs(
+        return open_graphs(
             settings.backend,
             source,
             settings.precision,
@@ -109,12 +138,11 @@ class LDLMService:
             memory_arena=False,
             cuda_graphs=settings.trt_cuda_graphs,
         )
-        # Engines built with narrower profiles narrow what the service accepts (lengths) and how
-        # many samples one execution takes; a larger request still runs, in chunks.
-        config, self.max_batch = serving_limits(graphs, config, settings.max_batch)
-        self.graphs, self.config = graphs, config
-        self.metrics = Metrics()
-        self.batchers = {
+
+    def _make_batchers(self, graphs: dict[str, GraphBackend]) -> dict[str, DynamicBatcher]:
+        """A DynamicBatcher in front of each graph, reporting to the metrics."""
+        settings = self.settings
+        return {
             name: DynamicBatcher(
                 graph,
                 self.max_batch,
@@ -125,28 +153,20 @@ class LDLMService:
             )
             for name, graph in graphs.items()
         }
-        # One pipeline: every encode and decode (prompts, finished generations, previews, /v1 texts) goes
-        # through the graphs' batchers. The scheduler batches the denoiser itself, step by step, on the
-        # graphs' own device (torch backends: the sampler's state stays there, no host round trip per step).
-        self.pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config, buckets=length_buckets(config.max_seq_len))
+
+    def _make_scheduler(self, graphs: dict[str, GraphBackend], config: LDLMConfig) -> GenerationScheduler:
+        """The step-level scheduler in front of generation, stepping the denoiser on the graphs' device."""
         device = getattr(graphs["denoiser"], "device", "cpu")
-        self.scheduler = GenerationScheduler(
+        return GenerationScheduler(
             self.pipeline,
             self.max_batch,
             "continuous",
-            settings.max_queue * 16,
+            self.settings.max_queue * 16,
             observer=self.metrics.observer("generate"),
             on_drop=self.metrics.cancelled_samples.labels("generate").inc,
             engine=SamplingEngine(self.pipeline.schedule, config.decode_final, device),
             denoise=BackendGraphs(graphs).denoise,
         )
-        self.json_workers = self._json_pool()
-        self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
-        self._in_flight_lock = threading.Lock()
-        # its own thread, never the scheduler's; its time budget applies while other generations are in flight
-        self.previews = PreviewDecoder(self.pipeline, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
-        self.ready = True
-        say("ready")
 
     def body_limits(self) -> BodyLimits:
         """The request bodies' limits and defaults: this server's settings, the model's config."""
