@@ -71,6 +71,39 @@ def _cmd_reconstruct(args: argparse.Namespace) -> None:
         print(f"{source!r} -> {text!r}")
 
 
+def _cmd_import_checkpoint(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
+    from ldlm.config import preset
+    from ldlm.import_config import parse_assignments
+    from ldlm.import_report import ImportCheckpointError
+    from ldlm.importing import import_checkpoint
+
+    overrides = parse_assignments(args.set or [])
+    try:
+        report = import_checkpoint(
+            args.source,
+            args.out,
+            args.mapping,
+            preset(args.preset),
+            overrides,
+            args.allow_missing or [],
+            args.seed,
+            args.tokenizer_dir,
+            parity=not args.skip_parity,
+            overwrite=args.force,
+            progress=not args.quiet,
+        )
+    except ImportCheckpointError as error:
+        if args.json:  # the whole report on stdout; the error line (every problem) follows on stderr
+            print(json.dumps(error.report.to_dict()))
+        raise
+    if args.json:
+        print(json.dumps(report.to_dict()))
+        return
+    print("\n".join(report.lines()))
+    print(f"wrote {args.out}" + (" (parity skipped)" if args.skip_parity else ""))
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "init",
@@ -148,3 +181,51 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
     p.set_defaults(func=_cmd_reconstruct)
+
+    p = sub.add_parser(
+        "import-checkpoint",
+        help="convert a trained model's weights into a checkpoint directory",
+        description="Convert a safetensors file or a torch.save state dict (read with weights_only=True; pickle is never "
+        "run) into a checkpoint directory (config.json, model.safetensors, tokenizer.json). Source keys are renamed by "
+        "the mapping's rules (regex -> our parameter name, first match wins); the config starts from --preset, takes what "
+        "the tensor shapes show (d_model, layer counts, vocabulary and position sizes) and then --set. Every unmatched "
+        "key, missing parameter and shape mismatch is reported, and fails the import. Before OUT is written, one parity "
+        "round (ONNX Runtime vs eager) runs on the imported weights.",
+    )
+    p.add_argument("source", help="a .safetensors file, a torch.save state dict, or a directory holding model.safetensors")
+    p.add_argument("out", help="checkpoint directory to create")
+    p.add_argument(
+        "--mapping",
+        default="hf-gpt2",
+        help="JSON file of key-mapping rules, or the name of a shipped one (default: hf-gpt2, a Hugging Face GPT-2 into the feature model)",
+    )
+    p.add_argument("--preset", choices=["tiny", "base"], default="base", help="config the weights' shapes and --set update (default: base)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=None,
+        metavar="FIELD=VALUE",
+        help="set a config field (repeatable), e.g. --set n_heads=12; wins over the preset and the weights' shapes",
+    )
+    p.add_argument(
+        "--allow-missing",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="regex matched at the start of our parameter names (repeatable): parameters it covers that the source lacks keep "
+        "the random init of --seed instead of failing the import, e.g. '(?!feature_model\\.)' for all but the feature model",
+    )
+    p.add_argument(
+        "--seed", type=seed_int, default=0, help=f"seed of the random init the --allow-missing parameters keep, 0..{MAX_SEED} (default: 0)"
+    )
+    p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
+    p.add_argument(
+        "--skip-parity",
+        action="store_true",
+        help="write OUT without the parity round; it exports the three graphs to ONNX and probes every LayerNorm, "
+        "about a minute at tiny size and many at base size (run `ldlm parity OUT` later)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object (also on failure)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_import_checkpoint)
