@@ -231,3 +231,36 @@ def test_the_tuned_grid_travels_with_the_export_and_runs_on_onnx_runtime(tiny_ch
     (tmp_path / "after" / "schedules.json").write_text((tmp_path / "after" / "schedules.json").read_text().replace("0.6", "0.7"))
     with pytest.raises(ArtifactError, match="schedules.json does not match the sha256"):
         read_schedules(tmp_path / "after")
+
+
+def test_the_server_says_which_grids_it_uses_and_defaults_to_the_tuned_ones(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Served eager from a checkpoint whose default sampler is tuned: /v1/generate without steps runs the tuned
+    default (3 steps on the tuned grid) and gets its tokens; the start says so, and says when there are no tuned grids."""
+    import shutil
+
+    import httpx
+
+    from ldlm.serve.api.service import LDLMService, ServerSettings
+    from tests.servers import RunningServer, free_port
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    said: list[str] = []
+    settings = ServerSettings(port=free_port(), backend="eager")
+    LDLMService(str(ckpt), settings, progress=said.append).close()
+    assert any("no tuned step grids" in line for line in said)
+    weights = weights_sha256(ckpt / "model.safetensors")
+    TunedSchedules(weights, CONFIG.t_min, (TunedGrid(CONFIG.default_sampler, 3, (1.0, 0.6, 0.2, 0.05)),), {CONFIG.default_sampler: 3}).save(
+        ckpt / "schedules.json"
+    )
+    said.clear()
+    service = LDLMService(str(ckpt), dataclasses.replace(settings, port=free_port()), progress=said.append)
+    assert any(f"defaults: {CONFIG.default_sampler} at 3 steps" in line for line in said)
+    running = RunningServer(service)
+    try:
+        got = httpx.post(f"{running.url}/v1/generate", json={"n": 2, "length": 8, "seed": 4}, timeout=60).json()
+    finally:
+        running.stop()
+        service.close()
+    expected = LDLMPipeline.from_checkpoint(ckpt).generate(2, 8, 3, 4, grid="tuned")
+    assert got["token_ids"] == expected.ids()

@@ -18,11 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ldlm.checkpoint import WEIGHTS_FILE
 from ldlm.config import LDLMConfig
+from ldlm.export.artifact import MANIFEST_FILE, read_schedules
 from ldlm.export.onnx_export import export_graphs
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, SamplingEngine
+from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.api.streaming import PreviewDecoder
@@ -104,7 +107,9 @@ class LDLMService:
         # One pipeline: every encode and decode (prompts, finished generations, previews, /v1 texts) goes
         # through the graphs' batchers. The scheduler batches the denoiser itself, step by step, on the
         # graphs' own device (torch backends: the sampler's state stays there, no host round trip per step).
-        self.pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config, buckets=length_buckets(config.max_seq_len))
+        self.schedules = self._schedules(source, say)
+        buckets = length_buckets(config.max_seq_len)
+        self.pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config, buckets=buckets, schedules=self.schedules)
         self.scheduler = self._make_scheduler(graphs, config)
         self.json_workers = self._json_pool()
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
@@ -139,6 +144,20 @@ class LDLMService:
             cuda_graphs=settings.trt_cuda_graphs,
         )
 
+    @staticmethod
+    def _schedules(source: str, say: Callable[[str], None]) -> TunedSchedules | None:
+        """The tuned step grids of ``source`` (a checkpoint's schedules.json, or an export's), said at start."""
+        if is_checkpoint(source):
+            schedules = load_schedules(source, weights=Path(source) / WEIGHTS_FILE)
+        else:
+            schedules = read_schedules(source) if (Path(source) / MANIFEST_FILE).is_file() else None
+        if schedules is None:
+            say("no tuned step grids (no schedules.json; `ldlm tune-schedule` makes one): each sampler's default grid")
+        else:
+            tuned = ", ".join(f"{s} at {n} steps" for s, n in schedules.defaults.items()) or "none matched DDIM@50"
+            say(f"tuned step grids for {len(schedules.grids)} sampler/step counts; defaults: {tuned}")
+        return schedules
+
     def _make_batchers(self, graphs: dict[str, GraphBackend]) -> dict[str, DynamicBatcher]:
         """A DynamicBatcher in front of each graph, reporting to the metrics."""
         settings = self.settings
@@ -171,7 +190,8 @@ class LDLMService:
     def body_limits(self) -> BodyLimits:
         """The request bodies' limits and defaults: this server's settings, the model's config."""
         s, c = self.settings, self.config
-        return BodyLimits(s.max_n, s.max_steps, s.max_texts, c.max_seq_len, c.default_steps, c.default_sampler, s.request_timeout_s)
+        steps = self.schedules.defaults.get(c.default_sampler, c.default_steps) if self.schedules is not None else c.default_steps
+        return BodyLimits(s.max_n, s.max_steps, s.max_texts, c.max_seq_len, min(steps, s.max_steps), c.default_sampler, s.request_timeout_s)
 
     def submit_generation(
         self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0, deadline_s: float | None = None
