@@ -8,11 +8,31 @@
 # Random weights give gibberish text: this exercises the whole tool chain, not text quality.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh cpu
 ldlm=.venv/bin/ldlm
 runs="${LDLM_RUNS:-runs}"
 ckpt="${LDLM_CHECKPOINT:-$runs/tiny}"
 port="${LDLM_PORT:-8000}"
+
+# Which TensorRT flavour .venv holds decides stage 3. bootstrap.sh cpu (below) installs neither, so
+# the answer before it is the answer after; scripts/test.sh (or bootstrap.sh cpu,rtx) adds TensorRT-RTX.
+trt=""
+if .venv/bin/python -c "import tensorrt_rtx" 2>/dev/null; then
+  trt="TensorRT-RTX found in .venv: building engines too (installed by scripts/test.sh or bootstrap.sh cpu,rtx)"
+elif .venv/bin/python -c "import tensorrt" 2>/dev/null; then
+  trt="NVIDIA TensorRT found in .venv: building engines too"
+fi
+echo "scripts/demo.sh runs these stages (everything under $runs/):"
+echo "  0 setup: scripts/bootstrap.sh cpu (.venv, CPU torch if missing, ldlm with ONNX Runtime)"
+if [ -d "$ckpt" ]; then
+  echo "  1 checkpoint: $ckpt exists, reused; a short generation"
+else
+  echo "  1 checkpoint: $ckpt made with ldlm init --preset tiny (random weights); a short generation"
+fi
+echo "  2 export to ONNX + verify + probe every LayerNorm's eps: $runs/onnx"
+echo "  3 engines: ${trt:-no TensorRT in .venv: engines skipped (bash scripts/bootstrap.sh cpu,rtx adds TensorRT-RTX)}"
+echo "  4 parity, ONNX Runtime vs eager: $runs/parity"
+echo "  5 serve $runs/onnx on 127.0.0.1:$port until Ctrl-C"
+bash scripts/bootstrap.sh cpu
 
 echo "== 1/5 checkpoint: $ckpt"
 if [ ! -d "$ckpt" ]; then
@@ -29,7 +49,7 @@ echo "== 2/5 export + verify: $runs/onnx"
 "$ldlm" probe-eps "$ckpt" --onnx-dir "$runs/onnx" --quiet  # every LayerNorm alone, where eps decides
 
 echo "== 3/5 engines"
-if .venv/bin/python -c "import tensorrt" 2>/dev/null || .venv/bin/python -c "import tensorrt_rtx" 2>/dev/null; then
+if [ -n "$trt" ]; then
   "$ldlm" build-engine "$runs/onnx" "$runs/engines" --force --quiet
 else
   echo "no TensorRT flavour installed: skipped (pip install -e .[rtx] builds engines even without a GPU)"
