@@ -6,10 +6,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ldlm.cli.options import capped_positive_int, capped_positive_int_list, int_in, seed_int
 from ldlm.config import SAMPLERS
 from ldlm.limits import MAX_N, MAX_STEPS
+
+if TYPE_CHECKING:  # for the annotations only: the CLI loads torch per command
+    from ldlm.pipeline import LDLMPipeline
+    from ldlm.sampling.schedules import TunedGrid
 
 MAX_EVALUATIONS = 100_000  # sampling runs per step count: hours even on tiny
 
@@ -59,14 +64,15 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     print(f"wrote {out}; {verdict}", file=sys.stderr)
 
 
-def _pipeline(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _pipeline(args: argparse.Namespace) -> LDLMPipeline:
     """The checkpoint in eager PyTorch, or its export on ONNX Runtime (``--onnx-dir``)."""
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.checkpoint import load_config
     from ldlm.pipeline import LDLMPipeline
+    from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 
     if args.onnx_dir is None:
         return LDLMPipeline.from_checkpoint(args.checkpoint)
-    from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 
     graphs, config, tokenizer = open_graphs("ort", args.onnx_dir, threads=args.threads)
     if config.config_hash() != load_config(args.checkpoint).config_hash():
@@ -74,7 +80,7 @@ def _pipeline(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config)
 
 
-def _report(grid, as_json: bool) -> None:  # type: ignore[no-untyped-def]
+def _report(grid: TunedGrid, as_json: bool) -> None:
     m = grid.measured
     if as_json:
         print(json.dumps({"sampler": grid.sampler, "steps": grid.steps, "times": grid.times, **m}))

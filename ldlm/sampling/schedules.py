@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ldlm.files import write_atomically
+
 SCHEDULES_FILE = "schedules.json"
 FORMAT = 1
 
@@ -95,8 +97,6 @@ class TunedSchedules:
                 )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        from ldlm.files import write_atomically
-
         return write_atomically(path, self.to_json())
 
 
