@@ -2,9 +2,9 @@
 
 1. Read the source: a safetensors file, or a ``torch.save`` state dict read with
    ``torch.load(weights_only=True)``. Pickle is never run: a file that needs it is refused.
-2. Rename every tensor by the mapping (a JSON file of rules, regex -> our parameter name, tried in
-   order; the first that matches the whole key wins). A rule may transpose its tensor (Hugging
-   Face's Conv1D stores (in, out), nn.Linear (out, in)) or drop the key on purpose ("target": null).
+2. Rename every tensor by the mapping (``ldlm.key_mapping``: JSON rules, regex -> our parameter name,
+   tried in order; the first that matches the whole key wins). A rule may transpose its tensor
+   (Hugging Face's Conv1D stores (in, out), nn.Linear (out, in)) or drop the key on purpose.
 3. Infer the config from the renamed tensors' shapes (``ldlm.import_config``).
 4. Match every tensor against the model built from that config: see ``ldlm.import_report`` for what
    is a problem. Parameters no rule provides are a problem unless an ``allow_missing`` pattern
@@ -12,25 +12,16 @@
 5. Write the checkpoint to a temporary directory, run one parity round on it (ONNX Runtime against
    eager, ``run_parity``), and only then rename it to ``out``. On any problem nothing is left at ``out``.
 
-A mapping file (``gpt2_blocks``: "all" when the source holds every GPT-2 block, the default, or
-"until_feature_layer" when it holds only those that run, as our own checkpoints do)::
-
-    {"description": "...",
-     "gpt2_blocks": "all",
-     "rules": [{"pattern": "(?:transformer\\.)?h\\.(\\d+)\\.attn\\.c_attn\\.weight",
-                "target": "feature_model.h.\\1.attn.c_attn.weight", "transpose": true},
-               {"pattern": "lm_head\\.weight", "target": null, "why": "tied to wte"}]}
+The mapping format is in ``ldlm.key_mapping``; the shipped one for a Hugging Face GPT-2 is
+``ldlm/mappings/hf-gpt2.json``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -42,69 +33,10 @@ from ldlm.config import LDLMConfig, preset
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.import_config import resolve_config
 from ldlm.import_report import ImportCheckpointError, ImportReport, Mismatch
+from ldlm.key_mapping import Renamed, load_mapping, rename
 from ldlm.tokenizer import TextTokenizer
 
-MAPPING_KEYS = {"description", "rules", "gpt2_blocks"}
-RULE_KEYS = {"pattern", "target", "transpose", "why"}
 PICKLE_FILE = "pytorch_model.bin"  # what a Hugging Face directory holds when it has no safetensors
-
-
-@dataclass(frozen=True)
-class Rule:
-    pattern: re.Pattern[str]
-    target: str | None  # None drops the key on purpose
-    transpose: bool = False
-
-
-def shipped_mappings() -> list[str]:
-    return sorted(p.name.removesuffix(".json") for p in (resources.files("ldlm") / "mappings").iterdir() if p.name.endswith(".json"))
-
-
-@dataclass(frozen=True)
-class KeyMapping:
-    """A mapping file: its rules in order, and which of GPT-2's blocks the source holds (see resolve_config)."""
-
-    rules: list[Rule]
-    gpt2_blocks: str = "all"
-
-
-def load_mapping(mapping: str | os.PathLike[str]) -> KeyMapping:
-    """A mapping file, or a shipped mapping named without its folder and suffix (``hf-gpt2``)."""
-    path = Path(mapping)
-    if path.is_file():
-        text = path.read_text()
-    else:
-        shipped = resources.files("ldlm") / "mappings" / f"{mapping}.json"
-        if not shipped.is_file():
-            raise CheckpointError(f"mapping {mapping}: no such file, nor a shipped mapping (shipped: {', '.join(shipped_mappings())})")
-        text = shipped.read_text()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"mapping {mapping} is not valid JSON: {error}") from None
-    if not isinstance(data, dict) or set(data) - MAPPING_KEYS:
-        raise CheckpointError(f"mapping {mapping}: expected an object with keys from {sorted(MAPPING_KEYS)}")
-    return KeyMapping(parse_rules(data.get("rules"), str(mapping)), data.get("gpt2_blocks", "all"))
-
-
-def parse_rules(rules: Any, where: str) -> list[Rule]:
-    if not isinstance(rules, list) or not rules:
-        raise CheckpointError(f'mapping {where}: expected "rules": [{{"pattern": REGEX, "target": NAME or null}}, ...]')
-    parsed = []
-    for i, raw in enumerate(rules):
-        where_rule = f"mapping {where}: rules[{i}]"
-        if not isinstance(raw, dict) or not isinstance(raw.get("pattern"), str) or "target" not in raw:
-            raise CheckpointError(f'{where_rule} needs "pattern" (a regex) and "target" (a parameter name, or null to drop)')
-        if set(raw) - RULE_KEYS:
-            raise CheckpointError(f"{where_rule} has unknown key(s) {sorted(set(raw) - RULE_KEYS)}; allowed: {sorted(RULE_KEYS)}")
-        if not (raw["target"] is None or isinstance(raw["target"], str)) or not isinstance(raw.get("transpose", False), bool):
-            raise CheckpointError(f'{where_rule}: "target" must be a string or null, "transpose" true or false')
-        try:
-            pattern = re.compile(raw["pattern"])
-        except re.error as error:
-            raise CheckpointError(f"{where_rule}: pattern {raw['pattern']!r} is not a regular expression: {error}") from None
-        parsed.append(Rule(pattern, raw["target"], raw.get("transpose", False)))
-    return parsed
 
 
 def read_source(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], list[str]]:
@@ -147,39 +79,6 @@ def _flatten(data: Mapping[Any, Any], prefix: str, tensors: dict[str, Tensor], o
             _flatten(value, f"{name}.", tensors, others)
         else:
             others.append(name)
-
-
-@dataclass
-class Renamed:
-    """The source under our names: ``tensors[target]`` (transposed where a rule says), from ``sources[target]``."""
-
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-    sources: dict[str, str] = field(default_factory=dict)
-    unmatched: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-    duplicates: list[str] = field(default_factory=list)
-
-
-def rename(tensors: Mapping[str, Tensor], rules: Sequence[Rule]) -> Renamed:
-    """Apply the first rule whose pattern matches the whole key to every source tensor."""
-    out = Renamed()
-    for key in sorted(tensors):
-        rule, match = next(((r, m) for r in rules if (m := r.pattern.fullmatch(key))), (None, None))
-        if rule is None or match is None:
-            out.unmatched.append(key)
-            continue
-        if rule.target is None:
-            out.dropped.append(key)
-            continue
-        target = match.expand(rule.target)
-        if target in out.sources:
-            out.duplicates.append(f"{target} <- {out.sources[target]}, {key}")
-            continue
-        tensor = tensors[key]
-        # Conv1D keeps (in, out); a 1-D tensor under a transposing rule is left as it is and shows as mis-shaped.
-        out.tensors[target] = tensor.t() if rule.transpose and tensor.dim() == 2 else tensor
-        out.sources[target] = key
-    return out
 
 
 def match_model(

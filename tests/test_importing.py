@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from ldlm import key_mapping
 from ldlm.checkpoint import CheckpointError, init_model, load_checkpoint
 from ldlm.cli import main
 from ldlm.config import LDLMConfig, preset
@@ -200,6 +201,14 @@ def test_a_field_the_weights_cannot_tell_is_asked_for_by_name(hf_sources: dict, 
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["config"]["n_heads"] == 4 and report["config"]["d_model"] == 64
     assert report["overrides"] == {"n_heads": 4, "max_seq_len": 128} and report["inferred"]["gpt2_positions"]["value"] == 128
+
+
+def test_the_documented_mapping_example_is_a_mapping() -> None:
+    doc = key_mapping.__doc__ or ""
+    example = json.loads(doc[doc.index('{"description"') : doc.index("\n\nNothing")])
+    rules = key_mapping.parse_rules(example["rules"], "the docstring")
+    renamed = key_mapping.rename({"transformer.h.3.attn.c_attn.weight": torch.zeros(2, 6), "lm_head.weight": torch.zeros(1)}, rules)
+    assert renamed.dropped == ["lm_head.weight"] and renamed.tensors["feature_model.h.3.attn.c_attn.weight"].shape == (6, 2)
 
 
 def test_a_full_checkpoint_tells_its_whole_config(tiny_checkpoint: Path, tmp_path: Path) -> None:
