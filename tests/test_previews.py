@@ -5,15 +5,22 @@ real httpx streams; the preview texts are checked against the plain answer's mod
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
+from ldlm.pipeline import TextResult  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.api.streaming import GenerationStream, PreviewDecoder  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 from tests.test_openai_api import read_events  # noqa: E402
@@ -93,3 +100,78 @@ def test_beside_other_work_previews_keep_within_the_budget(server: RunningServer
     assert len(previews) <= sent and sent + skipped <= 299
     one_decode = seconds / max(sent, 1)
     assert seconds <= BUDGET * wall * 1.2 + 2 * one_decode, f"previews took {seconds:.3f} s of {wall:.2f} s"
+
+
+class GatedDecodes:
+    """The service's pipeline for previews, each decode held until ``gate`` opens (the previews stay owed)."""
+
+    def __init__(self, pipeline: Any) -> None:
+        self.pipeline, self.gate = pipeline, threading.Event()
+
+    def decode(self, latents: Any, mask: Any) -> Any:
+        self.gate.wait(60)
+        return self.pipeline.decode(latents, mask)
+
+
+def test_a_stream_whose_result_is_in_does_not_hold_it_for_previews_beside_other_work(server: RunningServer) -> None:
+    """Once its result is in, a stream no longer counts itself in flight: one other generation running
+    is other work, so the stream owes no previews (it sends its result); alone, it owes them."""
+    service = server.service
+    previews, real = service.previews, service.previews.pipeline
+    other = service.submit_generation(GenerateRequest(8, 64, 1000, 0, "ddim"))
+    loop = asyncio.new_event_loop()  # never run: the stream is checked, not read
+    gated = GatedDecodes(real)
+    previews.pipeline = gated
+    try:
+        stream = GenerationStream(service.submit_generation, previews, GenerateRequest(1, 8, 4, 3, "ddim"), 1, loop=loop)
+        stream.future.result(60)  # 4 steps beside the other's 1000: its previews of steps 1..3 are offered, none decoded
+        assert not other.done(), "the other work ended before the stream: make it longer"
+        assert stream._offered == 3 and stream._settled == 0
+        assert not stream._previews_owed()  # the other generation waits: the result goes out now
+        other.cancel()
+        assert stream._previews_owed()  # nothing else in flight: its previews are worth waiting for
+    finally:
+        other.cancel()
+        gated.gate.set()
+        previews.pipeline = real
+        previews.forget(stream)
+        loop.close()
+
+
+class CountingDecodes:
+    """A pipeline stand-in that counts the rows it decodes."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def decode(self, latents: Any, mask: Any) -> TextResult:
+        self.rows += latents.shape[0]
+        return TextResult(torch.zeros(latents.shape[:2], dtype=torch.long), ["x"] * latents.shape[0], [latents.shape[1]] * latents.shape[0])
+
+
+class FakeStream:
+    """What the decoder needs of a GenerationStream: its request's future and a deliver that records."""
+
+    def __init__(self) -> None:
+        self.future: Future[Any] = Future()
+        self.delivered = threading.Event()
+
+    def deliver(self, previews: list[dict[str, Any]], skipped: int = 0) -> None:
+        if previews:
+            self.delivered.set()
+
+
+def test_previews_offered_for_a_cancelled_request_are_not_decoded() -> None:
+    """The step running as a client leaves still offers its previews: nobody reads them, so no decoder call."""
+    pipeline = CountingDecodes()
+    decoder = PreviewDecoder(pipeline, 1.0, lambda: 1)  # type: ignore[arg-type]
+    try:
+        gone, live = FakeStream(), FakeStream()
+        gone.future.cancel()
+        x0 = torch.zeros(4, 8)
+        decoder.offer(gone, 0, 5, x0)  # type: ignore[arg-type]
+        decoder.offer(live, 0, 5, x0)  # type: ignore[arg-type]
+        assert live.delivered.wait(30)  # offered after the gone one: any call that took the gone one is over
+        assert pipeline.rows == 1
+    finally:
+        decoder.close()

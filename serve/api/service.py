@@ -115,7 +115,7 @@ class LDLMService:
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
         self._in_flight_lock = threading.Lock()
         # its own thread, never the scheduler's; its time budget applies while other generations are in flight
-        self.previews = PreviewDecoder(self.pipeline, settings.preview_budget, lambda: self._in_flight > 1, self.metrics.observe_previews)
+        self.previews = PreviewDecoder(self.pipeline, settings.preview_budget, lambda: self._in_flight, self.metrics.observe_previews)
         self.ready = True
         say("ready")
 

@@ -3,18 +3,27 @@
 A ``GenerationStream`` submits one request to the scheduler with a preview hook. The hook runs on
 the scheduler's worker thread and only hands each sample's x0_hat to the ``PreviewDecoder``; that
 one thread decodes every pending preview of every stream in one decoder call. What a preview may
-cost depends on who else is waiting:
+cost depends on whether a generation other than the stream's own is in flight (its own counts until
+its result is in; ``PreviewDecoder.others_waiting``):
 
-- nothing else in flight (``others_waiting()`` is false): every preview asked for is decoded and
-  sent, in step order, and the stream's result waits for its last previews. The only request a
-  decode can slow down is the one that asked for it;
-- other work in flight: previews take at most ``budget`` of the wall time. After each decode the
-  thread rests (busy x (1 - budget) / budget), and a sample's newest x0_hat replaces one not yet
+- none: every preview asked for is decoded and sent, in step order, and the stream's result waits
+  for its last previews. The only request a decode can slow down is the one that asked for it, and
+  it pays one decoder call per preview: beside its denoiser steps where a core is free, on top of
+  them where none is. On the tiny model a 64-token decode costs about ten denoiser steps, so previews
+  every 5 of 21 steps cost a lone stream about half its plain run on two busy cores;
+- one or more: previews take at most ``budget`` of the wall time, plus one call. After each call the
+  thread rests busy x (1 - budget) / budget, and a sample's newest x0_hat replaces one not yet
   decoded (that preview is skipped, and counted), so nothing backs up and generation keeps its pace
-  whatever the number of streams.
+  whatever the number of streams. A call takes the newest preview of every sample waiting, so the
+  streams in flight share the calls: beside others for T seconds a stream gets about
+  T x budget / busy previews (busy: one call's seconds, which grow with the samples in it), and the
+  first call, with no rest before it, may add one. At the default 5% that is one preview per twenty
+  calls' time: three tiny-model streams of 21 steps, each done within a second or two, get about one
+  each until the last left is alone. Their results do not wait for previews not yet sent.
 
 When the client goes away the response's generator is cancelled; its ``finally`` cancels the
-request's future, and the scheduler drops the request's samples at its next step.
+request's future, the scheduler drops the request's samples at its next step, and a preview its
+last step offers meanwhile is not decoded.
 """
 
 from __future__ import annotations
@@ -48,23 +57,39 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
 
 
 PreviewObserver = Callable[[int, int, float], None]  # (previews decoded, previews skipped, decode seconds)
+InFlight = Callable[[], int]  # generations submitted and not yet answered, streams included
+PendingPreview = tuple["GenerationStream", int, int, Tensor]  # (stream, sample index, step, x0_hat)
+
+
+def answered(stream: object) -> bool:
+    """Whether ``stream``'s request has its result (or was cancelled). False until ``submit`` has
+    returned: the scheduler's thread may run the first steps, and call the hook, before that."""
+    future = getattr(stream, "future", None)
+    return future is not None and future.done()
+
+
+def abandoned(stream: object) -> bool:
+    """Whether ``stream``'s request was cancelled: its client left or its time ran out (nobody reads it)."""
+    future = getattr(stream, "future", None)
+    return future is not None and future.cancelled()
 
 
 class PreviewDecoder:
     """One thread that decodes the pending previews of all streams, in one call; within ``budget`` of
-    the wall time while ``others_waiting()`` (see the module docs)."""
+    the wall time while another generation is in flight (see the module docs). ``in_flight``: the
+    number of generations submitted and not yet answered; without it every stream counts as beside others."""
 
     def __init__(
         self,
         pipeline: LDLMPipeline,
         budget: float = 0.05,
-        others_waiting: Callable[[], bool] = lambda: True,
+        in_flight: InFlight | None = None,
         observer: PreviewObserver | None = None,
     ) -> None:
         if not 0 < budget <= 1:
             raise ValueError(f"budget={budget} is out of range; allowed: (0, 1]")
         self.pipeline, self.budget = pipeline, budget
-        self.others_waiting = others_waiting
+        self.in_flight = in_flight
         self.observer = observer
         self._pending: dict[tuple[GenerationStream, int], list[tuple[int, Tensor]]] = {}
         self._skipped: dict[GenerationStream, int] = {}
@@ -73,10 +98,17 @@ class PreviewDecoder:
         self._thread = threading.Thread(target=self._loop, name="ldlm-previews", daemon=True)
         self._thread.start()
 
+    def others_waiting(self, stream: GenerationStream) -> bool:
+        """Whether a generation other than ``stream``'s own is in flight. Its own counts in ``in_flight``
+        until its result is in, and no longer once it is (while it still waits for previews)."""
+        if self.in_flight is None:
+            return True
+        return self.in_flight() > (0 if answered(stream) else 1)
+
     def offer(self, stream: GenerationStream, index: int, step: int, x0_hat: Tensor) -> None:
         with self._cond:
             queued = self._pending.setdefault((stream, index), [])
-            if queued and self.others_waiting():  # under load only the newest of a sample is decoded
+            if queued and self.others_waiting(stream):  # beside others only the newest of a sample is decoded
                 self._skipped[stream] = self._skipped.get(stream, 0) + len(queued)
                 queued.clear()
             queued.append((step, x0_hat))
@@ -100,40 +132,61 @@ class PreviewDecoder:
         self._thread.join(10)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._skipped and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                pending, self._pending = self._pending, {}
-                skipped, self._skipped = self._skipped, {}
-            if self.others_waiting():  # offers queued while the server was idle: under load, the newest only
-                for key, queued in pending.items():
-                    skipped[key[0]] = skipped.get(key[0], 0) + len(queued) - 1
-                    del queued[:-1]
-            items = [(stream, index, step, x0) for (stream, index), queued in pending.items() for step, x0 in queued]
+        while (taken := self._take()) is not None:
+            items, skipped = taken
             started = time.perf_counter()
-            try:
-                texts = decode_ragged(self.pipeline, [x0 for *_, x0 in items]).texts if items else []
-            except Exception:  # a preview is a nicety: never let it end a stream or this thread
-                log.exception("decoding previews failed; they are skipped")
-                texts = []
-                for stream, *_ in items:
-                    skipped[stream] = skipped.get(stream, 0) + 1
-                items = []
-            by_stream: dict[GenerationStream, list[dict[str, Any]]] = {stream: [] for stream in skipped}
-            for (stream, index, step, _), text in zip(items, texts):
-                by_stream.setdefault(stream, []).append({"index": index, "step": step, "text": text})
-            for stream, previews in by_stream.items():
-                with contextlib.suppress(RuntimeError):  # its event loop is gone (shutdown): nobody to tell
-                    stream.deliver(sorted(previews, key=lambda p: (p["step"], p["index"])), skipped.get(stream, 0))
+            items = self._decode(items, skipped)
             busy = time.perf_counter() - started
             if self.observer is not None:
                 self.observer(len(items), sum(skipped.values()), busy)
-            with self._cond:  # rest while others wait: decoding takes at most `budget` of the time
-                if items and self.others_waiting():
-                    self._cond.wait_for(lambda: self._stopping or not self.others_waiting(), timeout=busy * (1 - self.budget) / self.budget)
+            self._rest({stream for stream, *_ in items}, busy)
+
+    def _take(self) -> tuple[list[PendingPreview], dict[GenerationStream, int]] | None:
+        """Wait for offers; take every pending preview (the newest only of a stream beside others) and
+        the skipped counts. None once closing."""
+        with self._cond:
+            while not self._pending and not self._skipped and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            pending, self._pending = self._pending, {}
+            skipped, self._skipped = self._skipped, {}
+        for (stream, _), queued in pending.items():  # offered while alone, decoded beside others: the newest only
+            if len(queued) > 1 and self.others_waiting(stream):
+                skipped[stream] = skipped.get(stream, 0) + len(queued) - 1
+                del queued[:-1]
+        # a request cancelled (its client left) after its step offered a preview: nobody to show it to
+        items = [(stream, i, step, x0) for (stream, i), queued in pending.items() for step, x0 in queued if not abandoned(stream)]
+        return items, skipped
+
+    def _rest(self, streams: set[GenerationStream], busy: float) -> None:
+        """While another generation is in flight beside a stream just served, rest so that decoding takes
+        at most ``budget`` of the time; the rest ends early when none is left (``nudge``)."""
+        with self._cond:
+            if any(self.others_waiting(s) for s in streams):
+                self._cond.wait_for(
+                    lambda: self._stopping or not any(self.others_waiting(s) for s in streams),
+                    timeout=busy * (1 - self.budget) / self.budget,
+                )
+
+    def _decode(self, items: list[PendingPreview], skipped: dict[GenerationStream, int]) -> list[PendingPreview]:
+        """Decode ``items`` in one call and hand each stream its previews, in step order, with its skipped
+        count; the items decoded (none when the call failed: then they count as skipped)."""
+        try:
+            texts = decode_ragged(self.pipeline, [x0 for *_, x0 in items]).texts if items else []
+        except Exception:  # a preview is a nicety: never let it end a stream or this thread
+            log.exception("decoding previews failed; they are skipped")
+            texts = []
+            for stream, *_ in items:
+                skipped[stream] = skipped.get(stream, 0) + 1
+            items = []
+        by_stream: dict[GenerationStream, list[dict[str, Any]]] = {stream: [] for stream in skipped}
+        for (stream, index, step, _), text in zip(items, texts):
+            by_stream.setdefault(stream, []).append({"index": index, "step": step, "text": text})
+        for stream, previews in by_stream.items():
+            with contextlib.suppress(RuntimeError):  # its event loop is gone (shutdown): nobody to tell
+                stream.deliver(sorted(previews, key=lambda p: (p["step"], p["index"])), skipped.get(stream, 0))
+        return items
 
 
 class GenerationStream:
@@ -176,7 +229,7 @@ class GenerationStream:
 
     def _previews_owed(self) -> bool:
         """Previews offered but not yet sent or skipped, while nothing else waits (then they are worth waiting for)."""
-        return self._settled < self._offered and self.previews is not None and not self.previews.others_waiting()
+        return self._settled < self._offered and self.previews is not None and not self.previews.others_waiting(self)
 
     async def events(self, timeout_s: float) -> AsyncIterator[tuple[str, Any]]:
         """("preview", [{index, step, text}, ...] of one step) any number of times, then ("result", TextResult).
