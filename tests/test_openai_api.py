@@ -136,6 +136,14 @@ def test_errors_in_openai_shape(client, server: RunningServer) -> None:
     assert raw.json()["error"]["message"] == "max_tokens: 500 is out of range; allowed: 1..128"
 
 
+def test_a_chat_route_is_404_in_openai_shape_naming_completions(client) -> None:
+    """A chat client pointed at this base model learns, in the shape it parses, which route to use."""
+    with pytest.raises(openai.NotFoundError) as error:
+        client.chat.completions.create(model="ldlm", messages=[{"role": "user", "content": "hi"}])
+    assert error.value.status_code == 404 and error.value.body["type"] == "not_found_error"  # type: ignore[index]
+    assert "not a chat model; use POST /v1/completions" in error.value.message
+
+
 def test_submits_run_off_the_event_loop(client, server: RunningServer, monkeypatch) -> None:
     """Submitting draws every sample's prior noise: that work must not hold the event loop."""
     scheduler = server.service.scheduler

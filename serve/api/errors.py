@@ -25,6 +25,7 @@ from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeErr
 from ldlm.serve.runtime.queueing import QueueFullError
 
 OPENAI_PATHS = ("/v1/completions", "/v1/models")
+OPENAI_ROUTES = ("/v1/chat/", "/v1/embeddings", "/v1/engines", "/v1/edits", "/v1/moderations", "/v1/responses")  # what OpenAI clients call
 
 
 class HTTPError(Exception):
@@ -65,8 +66,9 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict[st
 
 
 def error_body(message: str, status: int = 400, path: str = "", param: str | None = None) -> bytes:
-    """``{"error": message}``; on the OpenAI routes, OpenAI's shape (its client parses that), with ``param``."""
-    if path.startswith(OPENAI_PATHS):
+    """``{"error": message}``; on the OpenAI routes (and the OpenAI routes we do not serve), OpenAI's shape
+    (its client parses that), with ``param``."""
+    if path.startswith(OPENAI_PATHS + OPENAI_ROUTES):
         return json.dumps(openai_error(status, message, param)).encode()
     return json.dumps({"error": message}).encode()
 
@@ -88,6 +90,11 @@ def add_error_handlers(app: FastAPI, text_limits: dict[str, Range], openai_limit
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, error: StarletteHTTPException) -> Response:  # unknown route, 405, ...
         message = f"no route {request.method} {request.url.path}; see /docs" if error.status_code == 404 else str(error.detail)
+        if error.status_code == 404 and request.url.path.startswith(OPENAI_ROUTES):
+            message = (
+                f"no route {request.method} {request.url.path}: this server has a base model, not a chat model; "
+                "use POST /v1/completions (and GET /v1/models)"
+            )
         if error.status_code == 400 and error.detail == FASTAPI_PARSE_FAILURE:
             message = await body_problem(request)
         return error_response(request, error.status_code, message, error.headers)
