@@ -23,7 +23,7 @@ from typing import Any
 
 import onnx
 
-from ldlm.checkpoint import CONFIG_FILE
+from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from ldlm.config import LDLMConfig
 from ldlm.tokenizer import TOKENIZER_FILE
 
@@ -157,6 +157,37 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
             "before configs were recorded); rebuild with `ldlm build-engine`"
         )
     return manifests
+
+
+def check_from_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.PathLike[str]) -> None:
+    """Refuse an export or engine directory made from other weights than ``checkpoint``'s: comparing
+    against it measures nothing (token agreement near 0%, no hint why). The record is the export
+    manifest's ``checkpoint_weights_sha256``, or each plan manifest's; an artifact made before it was
+    recorded, or a checkpoint without weights (its loader names that), is not checked here."""
+    directory, weights = Path(directory), Path(checkpoint) / WEIGHTS_FILE
+    engines = not (directory / MANIFEST_FILE).is_file()
+    records = sorted(directory.glob(f"*{MANIFEST_SUFFIX}")) if engines else [directory / MANIFEST_FILE]
+    recorded = {}
+    for record in records:
+        try:
+            value = json.loads(record.read_text()).get("checkpoint_weights_sha256")
+        except (OSError, ValueError, AttributeError):
+            continue  # an unreadable record is the artifact checks' to name
+        if isinstance(value, str):
+            recorded[record] = value
+    if not recorded or not weights.is_file():
+        return
+    actual = sha256_file(weights)
+    for record, value in recorded.items():
+        if value == actual:
+            continue
+        what, fix = ("this export is", f"re-export it from this checkpoint: ldlm export {checkpoint} {directory} --force")
+        if engines:
+            what = "these engines are"
+            fix = f"re-export and rebuild: ldlm export {checkpoint} ONNX_DIR, then ldlm build-engine ONNX_DIR {directory} --force"
+        raise ArtifactError(
+            f"{what} not from this checkpoint: {record} records weights sha256 {value}, but {weights} has sha256 {actual}; {fix}"
+        )
 
 
 def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> None:

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 import ldlm
-from ldlm.checkpoint import CONFIG_FILE, load_checkpoint
+from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
@@ -161,7 +161,7 @@ def export_graphs(
                     bar.update()
             raise_if_interrupted()
             verify_all(results)  # raises before the rename: a failed export leaves nothing behind
-            manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE)
+            manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE, sha256_file(Path(checkpoint) / WEIGHTS_FILE))
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     except PermissionError as error:
         raise ValueError(f"cannot write to {out}: {error}") from error
@@ -187,7 +187,7 @@ def _manifest_entry(path: Path, io: GraphIO, specs: list[LayerNormSpec]) -> dict
     }
 
 
-def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer: Path) -> dict[str, Any]:
+def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer: Path, weights_sha256: str) -> dict[str, Any]:
     return {
         "ldlm_version": ldlm.__version__,
         "torch_version": torch.__version__,
@@ -195,6 +195,8 @@ def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer
         "exporter": "torch.onnx.export(dynamo=True)",
         "opset": opset,
         "config_sha256": config.config_hash(),
+        # the checkpoint's model.safetensors: a check against a checkpoint names one it was not made from
+        "checkpoint_weights_sha256": weights_sha256,
         "tokenizer": tokenizer_record(tokenizer),
         "graphs": entries,
     }
