@@ -14,7 +14,6 @@ for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -23,8 +22,9 @@ from typing import Any
 
 import onnx
 
-from ldlm.checkpoint import CONFIG_FILE
+from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from ldlm.config import LDLMConfig
+from ldlm.files import sha256_file
 from ldlm.sampling.schedules import SCHEDULES_FILE, TunedSchedules, load_schedules
 from ldlm.tokenizer import TOKENIZER_FILE
 
@@ -42,14 +42,6 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{directory} has no {MANIFEST_FILE}; is it a directory written by `ldlm export`?")
     return json.loads(path.read_text())
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def describe_io(values: Sequence[onnx.ValueInfoProto]) -> list[dict[str, Any]]:
@@ -145,7 +137,7 @@ def read_schedules(directory: str | os.PathLike[str]) -> TunedSchedules | None:
             raise ArtifactError(f"{directory / SCHEDULES_FILE} is not in {directory / MANIFEST_FILE}; re-export with `ldlm export`")
         return None
     check_file(directory, record.get("file") if isinstance(record, dict) else None, record)
-    return load_schedules(directory, sha256=manifest.get("weights_sha256"))
+    return load_schedules(directory, sha256=manifest.get("checkpoint_weights_sha256"))
 
 
 def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], plans: bool = True) -> dict[str, dict[str, Any]]:
@@ -172,6 +164,37 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
             "before configs were recorded); rebuild with `ldlm build-engine`"
         )
     return manifests
+
+
+def check_from_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.PathLike[str]) -> None:
+    """Refuse an export or engine directory made from other weights than ``checkpoint``'s: comparing
+    against it measures nothing (token agreement near 0%, no hint why). The record is the export
+    manifest's ``checkpoint_weights_sha256``, or each plan manifest's; an artifact made before it was
+    recorded, or a checkpoint without weights (its loader names that), is not checked here."""
+    directory, weights = Path(directory), Path(checkpoint) / WEIGHTS_FILE
+    engines = not (directory / MANIFEST_FILE).is_file()
+    records = sorted(directory.glob(f"*{MANIFEST_SUFFIX}")) if engines else [directory / MANIFEST_FILE]
+    recorded = {}
+    for record in records:
+        try:
+            value = json.loads(record.read_text()).get("checkpoint_weights_sha256")
+        except (OSError, ValueError, AttributeError):
+            continue  # an unreadable record is the artifact checks' to name
+        if isinstance(value, str):
+            recorded[record] = value
+    if not recorded or not weights.is_file():
+        return
+    actual = sha256_file(weights)
+    for record, value in recorded.items():
+        if value == actual:
+            continue
+        what, fix = ("this export is", f"re-export it from this checkpoint: ldlm export {checkpoint} {directory} --force")
+        if engines:
+            what = "these engines are"
+            fix = f"re-export and rebuild: ldlm export {checkpoint} ONNX_DIR, then ldlm build-engine ONNX_DIR {directory} --force"
+        raise ArtifactError(
+            f"{what} not from this checkpoint: {record} records weights sha256 {value}, but {weights} has sha256 {actual}; {fix}"
+        )
 
 
 def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> None:

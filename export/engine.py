@@ -112,6 +112,7 @@ def build_engines(
             # the copies beside the plans are checked against these (artifact.check_engine_dir)
             plan_manifest["tokenizer"] = manifest.get("tokenizer")
             plan_manifest["config_sha256"] = manifest["config_sha256"]
+            plan_manifest["checkpoint_weights_sha256"] = manifest.get("checkpoint_weights_sha256")
             (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(plan_manifest, indent=2) + "\n")
             result.plans[name] = plan_manifest
     return result

@@ -201,7 +201,9 @@ def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer
         "exporter": "torch.onnx.export(dynamo=True)",
         "opset": opset,
         "config_sha256": config.config_hash(),
-        "weights_sha256": weights,  # the checkpoint's model.safetensors: what its tuned grids are bound to
+        # the checkpoint's model.safetensors: a check against a checkpoint names one it was not made from, and
+        # the tuned grids (schedules.json) are bound to it
+        "checkpoint_weights_sha256": weights,
         "tokenizer": tokenizer_record(tokenizer),
         **tuned,
         "graphs": entries,

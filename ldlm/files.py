@@ -6,6 +6,7 @@ directory or the input being read."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -174,3 +175,12 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # another user's live process
     return True
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """A file's sha256, read in 1 MiB blocks (weights files are gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

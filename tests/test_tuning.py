@@ -220,7 +220,7 @@ def test_the_tuned_grid_travels_with_the_export_and_runs_on_onnx_runtime(tiny_ch
     TunedSchedules(weights, CONFIG.t_min, (TunedGrid("ddim", 3, (1.0, 0.6, 0.2, 0.05)),), {"ddim": 3}).save(ckpt / "schedules.json")
     after = export_graphs(ckpt, tmp_path / "after").manifest
     assert {g: e["files"] for g, e in after["graphs"].items()} == {g: e["files"] for g, e in before["graphs"].items()}
-    assert after["weights_sha256"] == weights and read_manifest(tmp_path / "after")["schedules"]["file"] == "schedules.json"
+    assert after["checkpoint_weights_sha256"] == weights and read_manifest(tmp_path / "after")["schedules"]["file"] == "schedules.json"
     tuned = read_schedules(tmp_path / "after")
     assert tuned is not None and tuned.defaults == {"ddim": 3} and read_schedules(tmp_path / "before") is None
     graphs, config, tokenizer = open_graphs("ort", tmp_path / "after")

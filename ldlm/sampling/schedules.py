@@ -15,7 +15,6 @@ time outside [t_min, 1], NaN, the wrong length).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ldlm.files import write_atomically
+from ldlm.files import sha256_file, write_atomically
 
 SCHEDULES_FILE = "schedules.json"
 FORMAT = 1
@@ -35,11 +34,7 @@ class ScheduleError(ValueError):
 
 def weights_sha256(path: str | os.PathLike[str]) -> str:
     """sha256 of a weights file, the identity a tuned grid is bound to."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return sha256_file(path)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ldlm.checkpoint import load_checkpoint
+from ldlm.export.artifact import check_from_checkpoint
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport
 from ldlm.serve.checks.eps_probe_ort import probe_onnx_export
@@ -30,6 +31,10 @@ def probe_layer_norm_eps(
     it is not where the plan manifests say) against the checkpoint's modules. ``checkpoint`` may be
     a model already loaded from one (parity has it at hand)."""
     check_artifact(onnx_dir, engine_dir)  # before the checkpoint is loaded
+    if not isinstance(checkpoint, LDLM):
+        for directory in (onnx_dir, engine_dir):
+            if directory is not None:
+                check_from_checkpoint(checkpoint, directory)
     model = checkpoint if isinstance(checkpoint, LDLM) else load_checkpoint(checkpoint)[0]
     start = time.perf_counter()
     if engine_dir is not None:

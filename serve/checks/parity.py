@@ -29,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ldlm.checkpoint import load_checkpoint
-from ldlm.export.artifact import read_manifest
+from ldlm.export.artifact import check_from_checkpoint, read_manifest
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
 from ldlm.export.verify import LayerNormSpec, VerifyResult, verify_onnx
@@ -131,6 +131,8 @@ def run_parity(
         source = checkpoint  # the checkpoint's own modules: no artifact, so no verifier and no eps probes
     if source is None and backend != "ort":
         raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
+    if given and source is not None:
+        check_from_checkpoint(checkpoint, source)  # before the checkpoint loads
     model, tokenizer = load_checkpoint(checkpoint)
     bar = tqdm(total=len(GRAPH_NAMES) + 1 + (not torch_backend) + given, desc="parity", unit="stage", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:

@@ -84,7 +84,8 @@ def create_router(service: LDLMService) -> APIRouter:
 
 def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.ndarray], settings: ServerSettings, vocab: int) -> None:
     """What the service needs beyond the graph's contract: exact datatypes (no BOOL for INT64),
-    masks of 0 and 1, ids in the vocabulary, and the per-request memory caps."""
+    masks of 0 and 1 with a real position in every row, times in [0, 1], ids in the vocabulary, and the
+    per-request memory caps. Every backend's requests pass here; the graphs' internal calls do not."""
     for spec in graph.inputs:
         name, array = spec["name"], inputs.get(spec["name"])
         if array is None:
@@ -110,7 +111,29 @@ def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.nda
             outside = (array != 0) & (array != 1)
             if outside.any():
                 raise HTTPError(400, f"{model}: attention_mask holds {int(array[outside].flat[0])}; allowed: 0 or 1")
+        check_values(model, name, array)
     ids = inputs.get("input_ids")
     if model == "encoder" and ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
         bad = int(ids.max() if ids.max() >= vocab else ids.min())
         raise HTTPError(400, f"input_ids contains {bad}; allowed: [0, {vocab}) (gpt2_vocab_size)")
+
+
+def check_values(model: str, name: str, array: np.ndarray) -> None:
+    """Values no graph can mean anything with, answered 400 rather than with zeros or latents from
+    outside what the model knows: a diffusion time outside the schedule's domain [0, 1], and a row of
+    attention_mask that is padding alone (its attention has no key to attend to)."""
+    if name == "t" and array.size:
+        times = array.reshape(-1)  # (B,): one time per sample
+        outside = np.flatnonzero((times < 0) | (times > 1))
+        if outside.size:
+            row = int(outside[0])
+            raise HTTPError(
+                400, f"{model}: input t holds {float(times[row]):g} at row {row}; allowed: a number in [0, 1] (the diffusion time)"
+            )
+    if name == "attention_mask" and array.ndim == 2 and array.size:
+        empty = np.flatnonzero(~array.any(axis=1))  # (B, L) -> rows without a 1
+        if empty.size:
+            raise HTTPError(
+                400,
+                f"{model}: input attention_mask row {int(empty[0])} is all zeros; allowed: at least one 1 (a real position) in every row",
+            )
