@@ -139,26 +139,35 @@ def test_a_stream_whose_result_is_in_does_not_hold_it_for_previews_beside_other_
 
 
 class CountingDecodes:
-    """A pipeline stand-in that counts the rows it decodes."""
+    """A pipeline stand-in that records the rows of each decode call, each held until ``gate`` opens."""
 
     def __init__(self) -> None:
-        self.rows = 0
+        self.calls: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
 
     def decode(self, latents: Any, mask: Any) -> TextResult:
-        self.rows += latents.shape[0]
+        self.gate.wait(60)
+        self.calls.append(latents.shape[0])
         return TextResult(torch.zeros(latents.shape[:2], dtype=torch.long), ["x"] * latents.shape[0], [latents.shape[1]] * latents.shape[0])
 
 
 class FakeStream:
-    """What the decoder needs of a GenerationStream: its request's future and a deliver that records."""
+    """What the decoder needs of a GenerationStream: its request's future and a deliver that records the steps."""
 
     def __init__(self) -> None:
         self.future: Future[Any] = Future()
-        self.delivered = threading.Event()
+        self.steps: list[int] = []
+        self.changed = threading.Condition()
 
     def deliver(self, previews: list[dict[str, Any]], skipped: int = 0) -> None:
-        if previews:
-            self.delivered.set()
+        with self.changed:
+            self.steps += [p["step"] for p in previews]
+            self.changed.notify_all()
+
+    def wait_for_previews(self, count: int) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: len(self.steps) >= count, 30)
 
 
 def test_previews_offered_for_a_cancelled_request_are_not_decoded() -> None:
@@ -171,7 +180,26 @@ def test_previews_offered_for_a_cancelled_request_are_not_decoded() -> None:
         x0 = torch.zeros(4, 8)
         decoder.offer(gone, 0, 5, x0)  # type: ignore[arg-type]
         decoder.offer(live, 0, 5, x0)  # type: ignore[arg-type]
-        assert live.delivered.wait(30)  # offered after the gone one: any call that took the gone one is over
-        assert pipeline.rows == 1
+        assert live.wait_for_previews(1)  # offered after the gone one: any call that took the gone one is over
+        assert sum(pipeline.calls) == 1 and gone.steps == []
+    finally:
+        decoder.close()
+
+
+def test_an_idle_backlog_is_decoded_a_step_at_a_time() -> None:
+    """A lone stream whose previews come faster than they decode gets every one, in order, one decoder
+    call per step (a call costs per row: one call for the whole backlog would hold every preview back
+    until the slowest is done, and decode a cancelled stream's backlog to the end)."""
+    pipeline = CountingDecodes()
+    decoder = PreviewDecoder(pipeline, BUDGET, lambda: 1)  # type: ignore[arg-type]  # the stream's own request only
+    try:
+        stream = FakeStream()
+        pipeline.gate.clear()
+        x0 = torch.zeros(4, 8)
+        for step in (1, 2, 3, 4):  # the first call is held: the others queue behind it
+            decoder.offer(stream, 0, step, x0)  # type: ignore[arg-type]
+        pipeline.gate.set()
+        assert stream.wait_for_previews(4)
+        assert stream.steps == [1, 2, 3, 4] and pipeline.calls == [1, 1, 1, 1]
     finally:
         decoder.close()

@@ -2,7 +2,7 @@
 
 A ``GenerationStream`` submits one request to the scheduler with a preview hook. The hook runs on
 the scheduler's worker thread and only hands each sample's x0_hat to the ``PreviewDecoder``; that
-one thread decodes every pending preview of every stream in one decoder call. What a preview may
+one thread decodes a preview of every sample of every stream in one decoder call. What a preview may
 cost depends on whether a generation other than the stream's own is in flight (its own counts until
 its result is in; ``PreviewDecoder.others_waiting``):
 
@@ -75,7 +75,7 @@ def abandoned(stream: object) -> bool:
 
 
 class PreviewDecoder:
-    """One thread that decodes the pending previews of all streams, in one call; within ``budget`` of
+    """One thread that decodes a pending preview of every sample of all streams, in one call; within ``budget`` of
     the wall time while another generation is in flight (see the module docs). ``in_flight``: the
     number of generations submitted and not yet answered; without it every stream counts as beside others."""
 
@@ -142,21 +142,28 @@ class PreviewDecoder:
             self._rest({stream for stream, *_ in items}, busy)
 
     def _take(self) -> tuple[list[PendingPreview], dict[GenerationStream, int]] | None:
-        """Wait for offers; take every pending preview (the newest only of a stream beside others) and
-        the skipped counts. None once closing."""
+        """Wait for offers; take one preview of each sample that has one (its oldest, or beside others its
+        newest, the older ones skipped) and the skipped counts. None once closing. One per sample: a call
+        costs in proportion to its rows, so a backlog (previews offered faster than decoded) goes out a
+        step at a time, and a cancel, or company, is seen before each call, not after the whole backlog."""
         with self._cond:
             while not self._pending and not self._skipped and not self._stopping:
                 self._cond.wait()
             if self._stopping:
                 return None
-            pending, self._pending = self._pending, {}
             skipped, self._skipped = self._skipped, {}
-        for (stream, _), queued in pending.items():  # offered while alone, decoded beside others: the newest only
-            if len(queued) > 1 and self.others_waiting(stream):
-                skipped[stream] = skipped.get(stream, 0) + len(queued) - 1
-                del queued[:-1]
-        # a request cancelled (its client left) after its step offered a preview: nobody to show it to
-        items = [(stream, i, step, x0) for (stream, i), queued in pending.items() for step, x0 in queued if not abandoned(stream)]
+            items: list[PendingPreview] = []
+            for (stream, index), queued in list(self._pending.items()):
+                if abandoned(stream):  # its request was cancelled (its client left) after it offered: nobody to show it to
+                    del self._pending[stream, index]
+                    continue
+                if len(queued) > 1 and self.others_waiting(stream):  # offered while alone, decoded beside others
+                    skipped[stream] = skipped.get(stream, 0) + len(queued) - 1
+                    del queued[:-1]
+                step, x0 = queued.pop(0)
+                items.append((stream, index, step, x0))
+                if not queued:
+                    del self._pending[stream, index]
         return items, skipped
 
     def _rest(self, streams: set[GenerationStream], busy: float) -> None:
