@@ -1,14 +1,21 @@
 #!/usr/bin/env python
-"""What denoising previews cost: generation throughput with and without `stream: true` previews,
-measured side by side on one server, and the time to the first preview event at batch 1.
+"""What denoising previews cost, measured side by side on one server, in four parts:
 
-Each round runs both modes back to back (their order alternates), with the same concurrent load:
-`--clients` clients, each sending `--requests` /v1/generate requests one after another. Throughput
-is denoising work done (samples x steps) per second of wall time; the report gives per-mode
-medians over the rounds and the cost, 1 - previews / plain. The machine may be shared: side by side
-rounds and medians keep other load from landing on one mode only.
+- lone: one request at a time on an otherwise idle server, plain and streamed with previews every
+  `--every` steps alternating (`--lone-length` tokens, `--lone-steps` steps, the server's default
+  sampler): per-mode median seconds and their ratio, streamed / plain, and the previews each stream
+  got against the steps k, 2k, ... below its last that an idle server promises;
+- concurrent: `--streams` streams of that body sent at once, `--concurrent-rounds` times: the
+  previews each got while all were in flight (before the first result) against what the preview
+  budget promises for that time (streaming.py: about T x budget / busy, busy being one decoder call,
+  which takes the newest preview of every stream), and in all;
+- throughput: `--clients` clients, each sending `--requests` requests one after another, plain and
+  streamed rounds alternating: denoising work (samples x steps) per second and the cost,
+  1 - previews / plain (`--rounds 0` skips it);
+- the time to the first preview event of a lone stream of the lone body, every 1 and `--every` steps.
 
-Without --url the script serves a fresh tiny random-init checkpoint on a free 127.0.0.1 port.
+The machine may be shared: alternating modes and medians keep other load off one mode only. Without
+--url the script serves --source (default: a fresh tiny random-init export) on a free loopback port.
 
     python scripts/preview_cost.py --rounds 5 --out runs/preview_cost.json
 """
@@ -17,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -28,6 +37,15 @@ import httpx
 
 from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export
 from ldlm.serve.checks.traffic import write_report
+
+
+def run_threads(target: Callable[[int], None], count: int) -> None:
+    """``target(0)`` .. ``target(count - 1)``, each on its own thread, all at once; back when all are done."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, int]:
@@ -50,12 +68,8 @@ def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, 
                 if not ok:
                     errors.append(f"{response.status_code}")
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(client, clients)
     elapsed = time.perf_counter() - started
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[:5]}")
@@ -90,65 +104,187 @@ def first_preview_seconds(url: str, body: dict, repeats: int) -> dict:
     }
 
 
-def main() -> None:
+def timed_events(http: httpx.Client, body: dict, since: float) -> list[tuple[str, float]]:
+    """(event, seconds after ``since``) of one /v1/generate request read to its end; a plain answer is one "result"."""
+    with http.stream("POST", "/v1/generate", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/generate answered {response.status_code}: {response.read()[:300]!r}")
+        if not body.get("stream"):
+            response.read()
+            return [("result", time.perf_counter() - since)]
+        events = [(line[7:], time.perf_counter() - since) for line in response.iter_lines() if line.startswith("event: ")]
+    if [kind for kind, _ in events[-1:]] != ["result"]:
+        raise RuntimeError(f"a stream ended without its result: {[kind for kind, _ in events]}")
+    return events
+
+
+def preview_metrics(http: httpx.Client) -> dict[str, float]:
+    """The server's preview counters: sent, skipped, decode seconds."""
+    names = {"sent": "ldlm_previews_sent_total", "skipped": "ldlm_previews_skipped_total", "seconds": "ldlm_preview_decode_seconds_total"}
+    text = http.get("/metrics").text
+    return {key: float(m.group(1)) if (m := re.search(rf"^{name} (\S+)$", text, re.M)) else 0.0 for key, name in names.items()}
+
+
+def lone_cost(url: str, plain: dict, streamed: dict, repeats: int, nominal: int) -> dict:
+    """One request at a time, plain and streamed alternating (the same seeds): median seconds per mode,
+    their ratio, the previews of each stream, and one preview's decode seconds (for ``concurrent_previews``)."""
+    seconds: dict[str, list[float]] = {"plain": [], "streamed": []}
+    previews = []
+    with httpx.Client(base_url=url, timeout=300) as http:
+        timed_events(http, plain, time.perf_counter())  # warm up both paths
+        timed_events(http, streamed, time.perf_counter())
+        before = preview_metrics(http)
+        for i in range(repeats):
+            for mode in ("plain", "streamed") if i % 2 == 0 else ("streamed", "plain"):
+                started = time.perf_counter()
+                events = timed_events(http, {**(plain if mode == "plain" else streamed), "seed": i}, started)
+                seconds[mode].append(events[-1][1])
+                if mode == "streamed":
+                    previews.append(sum(kind == "preview" for kind, _ in events))
+        after = preview_metrics(http)
+    medians = {mode: statistics.median(v) for mode, v in seconds.items()}
+    sent = after["sent"] - before["sent"]
+    return {
+        "seconds": {mode: [round(x, 4) for x in v] for mode, v in seconds.items()},
+        "median_seconds": {mode: round(v, 4) for mode, v in medians.items()},
+        "ratio_streamed_to_plain": round(medians["streamed"] / medians["plain"], 3),
+        "previews_per_stream": previews,
+        "previews_promised": nominal,
+        "every_preview_sent": all(p == nominal for p in previews),
+        "decode_seconds_per_preview": round((after["seconds"] - before["seconds"]) / sent, 5) if sent else None,
+    }
+
+
+def concurrent_round(url: str, streamed: dict, streams: int, seed: int) -> list[list[tuple[str, float]]]:
+    """``streams`` streams sent at once; each one's events, timed from a common start."""
+    events: list[list[tuple[str, float]]] = [[] for _ in range(streams)]
+    barrier = threading.Barrier(streams)
+    started = [0.0]
+
+    def client(index: int) -> None:
+        with httpx.Client(base_url=url, timeout=300) as http:
+            http.get("/v2/health/live")  # connected before the barrier: the streams start together
+            if barrier.wait() == 0:
+                started[0] = time.perf_counter()
+            barrier.wait()
+            events[index] = timed_events(http, {**streamed, "seed": seed * 100 + index}, started[0])
+
+    run_threads(client, streams)
+    if not all(events):
+        raise RuntimeError("a concurrent stream failed (see its traceback above)")
+    return events
+
+
+def concurrent_previews(url: str, streamed: dict, streams: int, rounds: int, budget: float, preview_s: float | None, nominal: int) -> dict:
+    """Previews of ``streams`` concurrent streams while all are in flight (T s, to the first result) against
+    the budget's promise: a call (the newest preview of each) lasts about streams x ``preview_s``; the
+    budget allows one per call / budget seconds, the first (no rest before it) may add one."""
+    per_round = []
+    for r in range(rounds):
+        events = concurrent_round(url, streamed, streams, r)
+        overlap_s = min(e[-1][1] for e in events)
+        during = [sum(kind == "preview" and at < overlap_s for kind, at in e) for e in events]
+        promised = int(overlap_s * budget / (streams * preview_s)) if preview_s else 0
+        per_round.append(
+            {
+                "overlap_seconds": round(overlap_s, 3),
+                "previews_while_all_in_flight": during,
+                "previews_in_all": [sum(kind == "preview" for kind, _ in e) for e in events],
+                "promised_while_all_in_flight": [min(promised, nominal), min(promised + 1, nominal)],
+                "got_the_promised": all(d >= min(promised, nominal) for d in during),
+            }
+        )
+        print(f"concurrent round {r + 1}/{rounds}: {per_round[-1]}", flush=True)
+    return {"streams": streams, "rounds": per_round, "all_got_the_promised": all(r["got_the_promised"] for r in per_round)}
+
+
+def throughput_cost(url: str, args: argparse.Namespace) -> dict:
+    """The throughput rounds: plain and streamed loads alternating, medians and the cost."""
+    plain = {"n": 1, "length": args.length, "steps": args.steps, "sampler": "sde"}
+    streamed = {**plain, "stream": True, "preview_every": args.every}
+    run_load(url, args.clients, 1, plain)  # warm up both paths
+    run_load(url, args.clients, 1, streamed)
+    rates: dict[str, list[float]] = {"plain": [], "previews": []}
+    received = 0
+    for r in range(args.rounds):
+        for mode in ("plain", "previews") if r % 2 == 0 else ("previews", "plain"):
+            rate, events = run_load(url, args.clients, args.requests, plain if mode == "plain" else streamed)
+            rates[mode].append(rate)
+            received += events
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {v[-1]:.0f}" for m, v in rates.items()), flush=True)
+    medians = {m: statistics.median(v) for m, v in rates.items()}
+    return {
+        **{name: getattr(args, name) for name in ("clients", "requests", "length", "steps", "rounds")},
+        "sample_steps_per_s": {m: [round(x, 1) for x in v] for m, v in rates.items()},
+        "median_sample_steps_per_s": {m: round(v, 1) for m, v in medians.items()},
+        "throughput_cost": round(1 - medians["previews"] / medians["plain"], 4),
+        # previews are skipped, never queued, when decoding them would exceed the budget
+        "preview_events_per_request": round(received / (args.rounds * args.clients * args.requests), 2),
+        "preview_events_per_request_nominal": (args.steps - 1) // args.every,
+    }
+
+
+def measure(url: str, args: argparse.Namespace) -> dict:
+    """Every part of the report against the server at ``url``."""
+    schema = httpx.get(f"{url}/openapi.json", timeout=30).json()["components"]["schemas"]["GenerateBody"]
+    lone_steps = args.lone_steps or schema["properties"]["steps"]["default"]  # the server's default
+    plain = {"n": 1, "length": args.lone_length, "steps": lone_steps}
+    streamed = {**plain, "stream": True, "preview_every": args.every}
+    nominal = (lone_steps - 1) // args.every
+    lone = lone_cost(url, plain, streamed, args.lone_repeats, nominal)
+    print(f"lone: {lone['median_seconds']}, ratio {lone['ratio_streamed_to_plain']}, previews {lone['previews_per_stream']}", flush=True)
+    steps = args.concurrent_steps or lone_steps
+    body, preview_s = {**streamed, "steps": steps}, lone["decode_seconds_per_preview"]
+    concurrent = concurrent_previews(url, body, args.streams, args.concurrent_rounds, args.budget, preview_s, (steps - 1) // args.every)
+    report = {"url": url, "preview_every": args.every, "preview_budget": args.budget, "lone_body": plain, "lone": lone}
+    report["concurrent"] = {"steps": steps, **concurrent}
+    if args.rounds:
+        report["throughput"] = throughput_cost(url, args)
+    report["first_preview_batch1"] = {
+        f"preview_every_{k}": first_preview_seconds(url, {**streamed, "preview_every": k}, 10) for k in sorted({1, args.every})
+    }
+    return report
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running server on loopback (default: start one on a tiny model)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
-    parser.add_argument("--requests", type=int, default=4, help="requests per client per round (default 4)")
-    parser.add_argument("--length", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--url", help="a running server on loopback (default: start one)")
+    parser.add_argument("--source", help="what to serve without --url: an export or checkpoint (default: a fresh tiny export)")
     parser.add_argument("--every", type=int, default=5, help="steps between previews (default 5)")
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.05, help="the server's --preview-budget (default 0.05)")
+    parser.add_argument("--lone-length", type=int, default=64, help="tokens of the lone and concurrent requests (default 64)")
+    parser.add_argument("--lone-steps", type=int, default=0, help="their steps (default 0: the server's default)")
+    parser.add_argument("--lone-repeats", type=int, default=10, help="lone requests per mode (default 10)")
+    parser.add_argument("--streams", type=int, default=3, help="concurrent streams (default 3)")
+    parser.add_argument("--concurrent-steps", type=int, default=0, help="their steps (default 0: as the lone ones)")
+    parser.add_argument("--concurrent-rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=8, help="throughput: concurrent clients (default 8)")
+    parser.add_argument("--requests", type=int, default=4, help="throughput: requests per client per round (default 4)")
+    parser.add_argument("--length", type=int, default=32, help="throughput: tokens per request (default 32)")
+    parser.add_argument("--steps", type=int, default=50, help="throughput: steps per request (default 50)")
+    parser.add_argument("--rounds", type=int, default=5, help="throughput rounds (default 5; 0 skips them)")
     parser.add_argument("--out", default="runs/preview_cost.json")
     args = parser.parse_args()
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error(f"--url {args.url} is not on loopback; this script sends traffic to 127.0.0.1 only")
-    for name in ("clients", "requests", "length", "steps", "every", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
+    at_least_one = ("every", "lone_length", "lone_repeats", "streams", "concurrent_rounds", "clients", "requests", "length", "steps")
+    for name, low in {**dict.fromkeys(at_least_one, 1), "lone_steps": 0, "concurrent_steps": 0, "rounds": 0}.items():
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     with tempfile.TemporaryDirectory(prefix="ldlm-preview-") as work:
         process, url = None, args.url
         if url is None:
-            source = str(tiny_export(Path(work)))
+            source = args.source or str(tiny_export(Path(work)))
             port = free_port()
             process = start_server(source, port, ["--preview-budget", str(args.budget)])
             url = f"http://127.0.0.1:{port}"
         try:
-            plain = {"n": 1, "length": args.length, "steps": args.steps, "sampler": "sde"}
-            streamed = {**plain, "stream": True, "preview_every": args.every}
-            run_load(url, args.clients, 1, plain)  # warm up both paths
-            run_load(url, args.clients, 1, streamed)
-            rates: dict[str, list[float]] = {"plain": [], "previews": []}
-            received = 0
-            for r in range(args.rounds):
-                order = ("plain", "previews") if r % 2 == 0 else ("previews", "plain")
-                for mode in order:
-                    rate, events = run_load(url, args.clients, args.requests, plain if mode == "plain" else streamed)
-                    rates[mode].append(rate)
-                    received += events
-                print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {v[-1]:.0f}" for m, v in rates.items()), flush=True)
-            medians = {m: statistics.median(v) for m, v in rates.items()}
-            report = {
-                "url": url,
-                "clients": args.clients,
-                "requests_per_client": args.requests,
-                "length": args.length,
-                "steps": args.steps,
-                "preview_every": args.every,
-                "rounds": args.rounds,
-                "preview_budget": args.budget,
-                "sample_steps_per_s": {m: [round(x, 1) for x in v] for m, v in rates.items()},
-                "median_sample_steps_per_s": {m: round(v, 1) for m, v in medians.items()},
-                "throughput_cost": round(1 - medians["previews"] / medians["plain"], 4),
-                # previews are skipped, never queued, when decoding them would exceed the budget
-                "preview_events_per_request": round(received / (args.rounds * args.clients * args.requests), 2),
-                "preview_events_per_request_nominal": (args.steps - 1) // args.every,
-                "first_preview_batch1": {
-                    f"preview_every_{k}": first_preview_seconds(url, {**streamed, "preview_every": k}, 10) for k in sorted({1, args.every})
-                },
-            }
+            report = measure(url, args)
         finally:
             if process is not None:
                 stop_server(process)
