@@ -105,6 +105,13 @@ def _cmd_triton_repo(args: argparse.Namespace) -> None:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    _add_export(sub)
+    _add_verify_onnx(sub)
+    _add_build_engine(sub)
+    _add_triton_repo(sub)
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
         help="export the inference graphs to ONNX and verify them",
@@ -123,6 +130,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_export)
 
+
+def _add_verify_onnx(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify-onnx",
         help="check the LayerNormalization nodes of an export",
@@ -134,6 +143,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=_cmd_verify_onnx)
 
+
+def _add_build_engine(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "build-engine",
         help="compile an export to TensorRT plans",
@@ -166,6 +177,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_build_engine)
 
+
+def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "triton-repo",
         help="write a Triton Inference Server model repository",

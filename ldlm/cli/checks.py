@@ -129,6 +129,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    _add_parity(sub)
+    _add_probe_eps(sub)
+    _add_bench(sub)
+
+
+def _add_parity(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "parity",
         help="check an engine against eager PyTorch",
@@ -169,6 +175,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_parity)
 
+
+def _add_probe_eps(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "probe-eps",
         help="run every LayerNorm alone where eps decides, and report its implied eps",
@@ -191,6 +199,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_probe_eps)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="latency and throughput: eager, ONNX Runtime and TensorRT side by side",
@@ -233,6 +243,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=4,
         help=f"samples per generation run, 1..{MAX_N} (default: 4)",
     )
+    _bench_generation_options(p)
+    device_options(p)
+    p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _bench_generation_options(p: argparse.ArgumentParser) -> None:
+    """bench's generation runs, solver comparison and mixed-arrival workload."""
     p.add_argument("--gen-steps", type=STEPS, default=10, help=f"steps per generation run, 1..{MAX_STEPS} (default: 10)")
     p.add_argument("--gen-sampler", choices=SAMPLERS, default="ddim", help="solver of the generation runs (default: ddim)")
     p.add_argument(
@@ -270,7 +289,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=8,
         help=f"scheduler batch size, {low}..{high} (default: 8)",
     )
-    device_options(p)
-    p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_bench)

@@ -105,6 +105,13 @@ def _cmd_import_checkpoint(args: argparse.Namespace) -> None:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    _add_init(sub)
+    _add_generate(sub)
+    _add_reconstruct(sub)
+    _add_import_checkpoint(sub)
+
+
+def _add_init(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "init",
         help="write a seeded random-init checkpoint",
@@ -129,6 +136,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_init)
 
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="sample texts from a checkpoint",
@@ -171,6 +180,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_generate)
 
+
+def _add_reconstruct(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "reconstruct",
         help="encode texts to latents and decode them back",
@@ -182,6 +193,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
     p.set_defaults(func=_cmd_reconstruct)
 
+
+def _add_import_checkpoint(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "import-checkpoint",
         help="convert a trained model's weights into a checkpoint directory",

@@ -140,6 +140,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="trt: replay CUDA graphs (TensorRT-RTX captures its own; "
         "NVIDIA TensorRT: one capture per profile and shape). The compiled backend uses CUDA graphs on cuda anyway",
     )
+    _serve_limit_options(p)
+    _serve_ray_options(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _serve_limit_options(p: argparse.ArgumentParser) -> None:
+    """What one request may ask and how long it may take: the limits of ServerSettings."""
     p.add_argument("--max-queue", type=setting("max_queue"), default=256, help="waiting requests per graph before 503 (default: 256)")
     p.add_argument("--timeout-s", type=SECONDS, default=60.0, help="per-request timeout, then 504 (default: 60)")
     p.add_argument(
@@ -184,6 +191,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error"],
         help="level of the JSON request log on stderr; info logs one line per request (default: info)",
     )
+
+
+def _serve_ray_options(p: argparse.ArgumentParser) -> None:
     ray = p.add_argument_group("Ray Serve (pip install 'ldlm[ray]'; see docs/scale-out.md)")
     ray.add_argument(
         "--ray",
@@ -206,4 +216,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=float_in(0, MAX_REPLICA_GPUS, " GPUs per replica"),
         help="GPUs per replica, fractions allowed: 0.5 puts two on a GPU (default: 0)",
     )
-    p.set_defaults(func=_cmd_serve)
