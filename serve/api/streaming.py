@@ -10,7 +10,7 @@ its result is in; ``PreviewDecoder.others_waiting``):
   for its last previews. The only request a decode can slow down is the one that asked for it, and
   it pays one decoder call per preview: beside its denoiser steps where a core is free, on top of
   them where none is. On the tiny model a 64-token decode costs about ten denoiser steps, so previews
-  every 5 of 21 steps cost a lone stream about half its plain run on two busy cores;
+  every 5 of 21 steps make a lone stream take 1.7 to 2 times its plain run on two shared cores;
 - one or more: previews take at most ``budget`` of the wall time, plus one call. After each call the
   thread rests busy x (1 - budget) / budget, and a sample's newest x0_hat replaces one not yet
   decoded (that preview is skipped, and counted), so nothing backs up and generation keeps its pace
@@ -18,8 +18,9 @@ its result is in; ``PreviewDecoder.others_waiting``):
   streams in flight share the calls: beside others for T seconds a stream gets about
   T x budget / busy previews (busy: one call's seconds, which grow with the samples in it), and the
   first call, with no rest before it, may add one. At the default 5% that is one preview per twenty
-  calls' time: three tiny-model streams of 21 steps, each done within a second or two, get about one
-  each until the last left is alone. Their results do not wait for previews not yet sent.
+  calls' time: three tiny-model streams of 21 steps sent together, all done within a second, get none
+  or one each, and the last one left, alone then, the rest of its own. A stream's result does not
+  wait for previews not yet sent while another generation is in flight.
 
 When the client goes away the response's generator is cancelled; its ``finally`` cancels the
 request's future, the scheduler drops the request's samples at its next step, and a preview its
