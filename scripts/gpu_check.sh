@@ -8,7 +8,7 @@
 #   PYTHON                   the interpreter (default: python3)
 #   GPU_CHECK_SITE           where the packages are installed (default: /tmp/ldlm-site)
 #   GPU_CHECK_FORCE_INSTALL  1: install even when the packages are importable already (the GPU
-#                            machine's path; tests/test_gpu_check.py runs it offline this way)
+#                            machine's path; tests/tools/test_gpu_check.py runs it offline this way)
 #   GPU_CHECK_TIMEOUT_S      stop gpu_check.py after this many seconds (default: 330)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -16,7 +16,7 @@ they are reported apart. Whatever remains unexecuted is a gap to close with a te
 
     flock /tmp/ldlm-cpu.lock .venv/bin/python scripts/guard_coverage.py --run      # the suite under coverage, then the report
     .venv/bin/python scripts/guard_coverage.py --data runs/guard-coverage/.coverage  # report from an earlier run
-    .venv/bin/python scripts/guard_coverage.py --run -- tests/test_kserve_values.py  # part of the suite
+    .venv/bin/python scripts/guard_coverage.py --run -- tests/serve/api/test_kserve_values.py  # part of the suite
 
 Writes ``--out`` (JSON) and the same path with ``.md`` (the summary). Not part of CI: it runs the
 whole suite under coverage's tracer (589 s on the project's 2-core machine, 2026-12-01), and needs

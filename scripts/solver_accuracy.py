@@ -9,7 +9,7 @@ on the decoded tokens' agreement. Self-conditioning is on, as the model is train
 stochastic ``sde`` solver samples another path by design and is left out.
 
 A Gaussian oracle section gives the same errors against the exact ODE solution, and each solver's
-observed order (log-log slope over 50..200 steps); see tests/test_solvers.py.
+observed order (log-log slope over 50..200 steps); see tests/ldlm/test_samplers.py.
 
     python scripts/solver_accuracy.py --out docs/measurements/solvers-2026-12-01.json
 

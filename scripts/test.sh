@@ -41,7 +41,7 @@ else
   chromium_plan=skip
   echo "  not installed: chromium (no apt-get as root); tests/test_playground.py will skip"
 fi
-echo "  .cache/triton-env, on first use by tests/test_triton_server.py: nvidia-pytriton's tritonserver (network once; it skips without)"
+echo "  .cache/triton-env, on first use by tests/serve/deploy/test_triton_server.py: nvidia-pytriton's tritonserver (network once; it skips without)"
 
 bash scripts/bootstrap.sh "$extras"
 bash scripts/lint.sh

@@ -61,7 +61,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.policy:LeastWorkFirst.select",
         "if not waiting:",
         "if not waiting or active:",
-        ("tests/test_scheduler_values.py",),
+        ("tests/serve/runtime/test_scheduler_values.py",),
         "continuous batching silently admits nothing until the batch drains",
     ),
     Mutation(
@@ -69,7 +69,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.pipeline:LDLMPipeline.reconstruct",
         "return self.decode(encoded.latents, encoded.attention_mask)",
         "return self.decode(encoded.latents)",
-        ("tests/test_pipeline_values.py",),
+        ("tests/ldlm/test_pipeline_values.py",),
         "padded rows of a batch decode their padding",
     ),
     Mutation(
@@ -77,7 +77,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.batcher:DynamicBatcher._concatenate",
         "array = np.pad(array, widths)",
         "array = np.pad(array, widths, constant_values=1)",
-        ("tests/test_batcher_values.py",),
+        ("tests/serve/runtime/test_batcher_values.py",),
         "a short request batched with a long one attends its padding",
     ),
     Mutation(
@@ -85,7 +85,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.precision:_low_initializer",
         ">> 16).astype(np.uint16)",
         ">> 15).astype(np.uint16)",
-        ("tests/test_precision_values.py",),
+        ("tests/export/test_precision_values.py",),
         "every bf16 weight garbled",
     ),
     Mutation(
@@ -93,7 +93,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.bench_latency:bench_graphs",
         'entry["eager"]["p50_ms"] / entry[name]["p50_ms"]',
         'entry[name]["p50_ms"] / entry["eager"]["p50_ms"]',
-        ("tests/test_bench_values.py",),
+        ("tests/serve/checks/test_bench_values.py",),
         "a 4x faster backend reported as x0.25",
     ),
     # --- scheduler ------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.engine:SamplingEngine.batch",
         "mask[i, : state.length] = True",
         "mask[i, :] = True",
-        ("tests/test_scheduler.py", "tests/test_scheduler_values.py"),
+        ("tests/serve/runtime/test_scheduler.py", "tests/serve/runtime/test_scheduler_values.py"),
         "samples in a padded bucket attend the padding",
     ),
     Mutation(
@@ -110,7 +110,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.engine:SamplingEngine.latent",
         'state.x_mean if self.decode_final == "mean" else state.x0_hat',
         'state.x0_hat if self.decode_final == "mean" else state.x_mean',
-        ("tests/test_sampling_engine.py", "tests/test_scheduler_values.py", "tests/test_scheduler.py"),
+        ("tests/ldlm/sampling/test_engine.py", "tests/serve/runtime/test_scheduler_values.py", "tests/serve/runtime/test_scheduler.py"),
         "served generations differ from the pipeline's",
     ),
     Mutation(
@@ -118,7 +118,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.policy:FirstComeFirstServed.select",
         "len(chosen) < self.max_batch",
         "len(chosen) <= self.max_batch",
-        ("tests/test_scheduler_values.py",),
+        ("tests/serve/runtime/test_scheduler_values.py",),
         "denoiser batches one larger than max_batch (past the engine profile)",
     ),
     Mutation(
@@ -126,7 +126,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.executor:StepExecutor.execute",
         "self.denoise(batch.x, batch.t, batch.x0_prev, batch.mask)",
         "self.denoise(batch.x, batch.t, torch.zeros_like(batch.x), batch.mask)",
-        ("tests/test_scheduler.py", "tests/test_scheduler_values.py"),
+        ("tests/serve/runtime/test_scheduler.py", "tests/serve/runtime/test_scheduler_values.py"),
         "self-conditioning input always zero",
     ),
     Mutation(
@@ -134,7 +134,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.scheduler:GenerationScheduler._drop_done",
         "self._active = [s for s in self._active if not s.request.future.done()]",
         "self._active = list(self._active)",
-        ("tests/test_scheduler_values.py", "tests/test_scheduler.py", "tests/test_cancellation.py"),
+        (
+            "tests/serve/runtime/test_scheduler_values.py",
+            "tests/serve/runtime/test_scheduler.py",
+            "tests/serve/runtime/test_scheduler_cancellation.py",
+        ),
         "cancelled or failed requests keep their slots",
     ),
     # --- batcher --------------------------------------------------------------------------------
@@ -143,7 +147,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.batcher:DynamicBatcher._take",
         "size + self._queue[0].batch <= self.max_batch",
         "size + self._queue[0].batch < self.max_batch",
-        ("tests/test_batcher_values.py",),
+        ("tests/serve/runtime/test_batcher_values.py",),
         "batches never reach max_batch",
     ),
     Mutation(
@@ -151,7 +155,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.batcher:DynamicBatcher._cut",
         "index[axis] = slice(0, length)",
         "index[axis] = slice(0, None)",
-        ("tests/test_batcher_values.py",),
+        ("tests/serve/runtime/test_batcher_values.py",),
         "answers carry the batch's padding",
     ),
     Mutation(
@@ -159,7 +163,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.batcher:DynamicBatcher._run",
         "rows = slice(offset, offset + pending.batch)",
         "rows = slice(0, pending.batch)",
-        ("tests/test_batcher_values.py",),
+        ("tests/serve/runtime/test_batcher_values.py",),
         "every request gets the first request's rows",
     ),
     # --- pipeline -------------------------------------------------------------------------------
@@ -168,7 +172,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.pipeline:LDLMPipeline.encode",
         "mask[i, : len(row)] = True",
         "mask[i, :] = True",
-        ("tests/test_pipeline_values.py",),
+        ("tests/ldlm/test_pipeline_values.py",),
         "short texts in a batch attend their padding",
     ),
     Mutation(
@@ -176,7 +180,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.pipeline:LDLMPipeline.decode",
         "self.tokenizer.decode(row[:n].tolist())",
         "self.tokenizer.decode(row.tolist())",
-        ("tests/test_pipeline_values.py",),
+        ("tests/ldlm/test_pipeline_values.py",),
         "texts include the decoded padding",
     ),
     Mutation(
@@ -184,7 +188,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.pipeline:TextResult.ids",
         "return [row[:n].tolist() for row, n in zip(self.token_ids, self.lengths)]",
         "return [row.tolist() for row, n in zip(self.token_ids, self.lengths)]",
-        ("tests/test_reconstruct_ids.py",),
+        ("tests/ldlm/test_pipeline_reconstruct_ids.py",),
         "a batched text's ids include the padded positions",
     ),
     # --- sampler --------------------------------------------------------------------------------
@@ -193,7 +197,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.samplers:sde_step",
         "x_mean = x_t + h * beta * (x_t / 2 - eps_hat",
         "x_mean = x_t + h * beta * (x_t / 2 + eps_hat",
-        ("tests/test_sampler.py",),
+        ("tests/ldlm/test_schedule.py",),
         "the reverse SDE pushes away from the data",
     ),
     Mutation(
@@ -201,7 +205,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.samplers:ddim_step",
         "per_sample(schedule.alpha(t_next)) * x0_hat",
         "per_sample(schedule.alpha(t)) * x0_hat",
-        ("tests/test_sampler.py", "tests/test_pipeline_values.py"),
+        ("tests/ldlm/test_schedule.py", "tests/ldlm/test_pipeline_values.py"),
         "DDIM steps to the wrong noise level",
     ),
     Mutation(
@@ -209,7 +213,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.noise:sample_seeds",
         "int(s) >> 1 for s in states",
         "int(states[0]) >> 1 for s in states",
-        ("tests/test_pipeline_values.py",),
+        ("tests/ldlm/test_pipeline_values.py",),
         "every sample of a request is the same text",
     ),
     # --- precision ------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.precision:_fp32_nodes",
         'n.op_type == "ArgMax"]',
         'n.op_type == "ArgMin"]',
-        ("tests/test_precision_values.py",),
+        ("tests/export/test_precision_values.py",),
         "the vocabulary head runs in FP16 (argmax flips)",
     ),
     Mutation(
@@ -226,7 +230,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.precision:_low_initializer",
         "if low == TensorProto.FLOAT16:",
         "if low == TensorProto.BFLOAT16:",
-        ("tests/test_precision_values.py",),
+        ("tests/export/test_precision_values.py",),
         "fp16 weights written in the bf16 layout",
     ),
     # --- verify / layernorm_network ---------------------------------------------------------------
@@ -235,7 +239,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.verify:_check_node",
         "if axis != spec.axis:",
         "if axis > spec.axis:",
-        ("tests/test_verify_values.py", "tests/test_verify.py"),
+        ("tests/export/test_verify_values.py", "tests/export/test_verify.py"),
         "a LayerNorm over two axes passes verification",
     ),
     Mutation(
@@ -243,7 +247,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.verify:check_layer_norms",
         "if len(nodes) != len(expected):",
         "if len(nodes) < len(expected):",
-        ("tests/test_verify_values.py",),
+        ("tests/export/test_verify_values.py",),
         "an extra LayerNormalization node passes verification",
     ),
     Mutation(
@@ -251,7 +255,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.verify:_check_parameter",
         "if digest(value) == sha256:",
         "if input_name.endswith(('.weight', '.bias')) or digest(value) == sha256:",
-        ("tests/test_verify_values.py",),
+        ("tests/export/test_verify_values.py",),
         "a weight with the right name and the wrong values passes",
     ),
     Mutation(
@@ -259,7 +263,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.layernorm_network:check_network_layer_norms",
         'if getattr(layer, "num_groups", 1) != 1:',
         'if getattr(layer, "num_groups", 1) > 2:',
-        ("tests/test_engine_network.py",),
+        ("tests/export/test_layernorm_network.py",),
         "a GroupNorm taken for a LayerNorm",
     ),
     Mutation(
@@ -267,7 +271,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.layernorm_network:check_network_layer_norms",
         "if len(layers) != len(specs):",
         "if len(layers) < len(specs):",
-        ("tests/test_engine_network.py",),
+        ("tests/export/test_layernorm_network.py",),
         "extra INormalizationLayers pass the check",
     ),
     Mutation(
@@ -275,7 +279,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.layernorm_network:check_network_layer_norms",
         "if layer.axes != expected:",
         "if layer.axes & expected != expected:",
-        ("tests/test_engine_network.py",),
+        ("tests/export/test_layernorm_network.py",),
         "a layer normalizing extra axes passes the check",
     ),
     Mutation(
@@ -283,7 +287,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.trt_flavor:is_strongly_typed",
         "return flag is not None and bool(network.get_flag(flag))",
         "return True",
-        ("tests/test_engine_network.py",),
+        ("tests/export/test_layernorm_network.py",),
         "the manifest claims strong typing it did not read",
     ),
     # --- kserve ---------------------------------------------------------------------------------
@@ -292,7 +296,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve:decompress",
         "if len(out) > limit or decoder.unconsumed_tail:",
         "if len(out) > limit + 1 or decoder.unconsumed_tail:",
-        ("tests/test_kserve_values.py",),
+        ("tests/serve/api/test_kserve_values.py",),
         "a compressed body one byte over the cap is accepted",
     ),
     Mutation(
@@ -300,7 +304,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve:_input_tensor",
         "binary[offset : offset + size]",
         "binary[0:size]",
-        ("tests/test_kserve_values.py",),
+        ("tests/serve/api/test_kserve_values.py",),
         "every binary input reads the first tensor's bytes",
     ),
     # --- parity / compare -----------------------------------------------------------------------
@@ -309,7 +313,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.parity_result:ParityReport.passed",
         "and e2e and structure and decoder",
         "and e2e and structure",
-        ("tests/test_parity_rules.py",),
+        ("tests/serve/checks/test_parity_rules.py",),
         "a decoder whose argmax disagrees passes parity",
     ),
     Mutation(
@@ -317,7 +321,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.parity_result:ParityReport.passed",
         " and (self.eps_probes is None or self.eps_probes.passed)",
         "",
-        ("tests/test_parity_rules.py", "tests/test_eps_probe.py"),
+        ("tests/serve/checks/test_parity_rules.py", "tests/serve/checks/test_eps_probe.py"),
         "a LayerNorm whose eps is off passes parity",
     ),
     Mutation(
@@ -325,7 +329,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.artifact:check_file",
         'if sha256_file(path) != record["sha256"]:',
         "if False:",
-        ("tests/test_artifact_trust.py",),
+        ("tests/export/test_artifact_trust.py",),
         "edited weights of the same size are served",
     ),
     Mutation(
@@ -333,7 +337,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.engine:SamplingEngine.batch",
         "if state.prefix is not None:",
         "if False:",
-        ("tests/test_openai_api.py",),
+        ("tests/serve/api/routes/test_openai.py",),
         "a completion ignores its prompt",
     ),
     Mutation(
@@ -341,7 +345,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.parity_result:ParityReport.passed",
         "ok = all(c.passed for c in self.graphs) and all(c.passed for c in self.layer_norms)",
         "ok = all(c.passed for c in self.graphs)",
-        ("tests/test_parity_rules.py",),
+        ("tests/serve/checks/test_parity_rules.py",),
         "a diverging LayerNorm output passes parity",
     ),
     Mutation(
@@ -349,7 +353,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.compare:compare_outputs",
         "failing = (diff > atol) & (rel > rtol)",
         "failing = (diff > atol) | (rel > rtol)",
-        ("tests/test_parity.py", "tests/test_parity_rules.py"),
+        ("tests/serve/checks/test_parity.py", "tests/serve/checks/test_parity_rules.py"),
         "elements within rtol fail on atol alone",
     ),
     # --- bench ----------------------------------------------------------------------------------
@@ -358,7 +362,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.bench_latency:bench_graphs",
         "round(1000 * batch / p50, 2)",
         "round(1000 / p50, 2)",
-        ("tests/test_bench_values.py",),
+        ("tests/serve/checks/test_bench_values.py",),
         "throughput of batch 8 reported as batch 1's",
     ),
     Mutation(
@@ -366,7 +370,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.bench_latency:bench_generation",
         "round(n * length / p50, 2)",
         "round(length / p50, 2)",
-        ("tests/test_bench_values.py",),
+        ("tests/serve/checks/test_bench_values.py",),
         "generation tokens/s n times too low",
     ),
     Mutation(
@@ -374,7 +378,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.bench_workload:bench_batching",
         'batching["continuous"]["tokens_per_s"] / batching["static"]["tokens_per_s"]',
         'batching["static"]["tokens_per_s"] / batching["continuous"]["tokens_per_s"]',
-        ("tests/test_bench.py",),
+        ("tests/serve/checks/test_bench.py",),
         "continuous batching's gain reported upside down",
     ),
     # --- the TensorRT runtime, the service's limits, the tokenizer check, the Triton cap --------------
@@ -383,7 +387,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.tensorrt_executor:PlanExecutor._execute_one",
         "with self._lock:  # the context's shapes",
         "if True:  # the context's shapes",
-        ("tests/test_tensorrt_runtime.py",),
+        ("tests/serve/runtime/test_tensorrt_executor.py",),
         "two server threads rebind one context: a call reads another call's inputs",
     ),
     Mutation(
@@ -391,7 +395,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.tensorrt_executor:PlanExecutor.execute",
         "        if len(chunks) == 1:\n",
         "        if True:\n",
-        ("tests/test_tensorrt_runtime.py",),
+        ("tests/serve/runtime/test_tensorrt_executor.py",),
         "n > 32 on /v1/generate fails the whole batch with 'outside every profile'",
     ),
     Mutation(
@@ -399,7 +403,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.tensorrt_executor:set_input_shape",
         "if not context.set_input_shape(name, shape):",
         "if context.set_input_shape(name, shape) is None:",
-        ("tests/test_tensorrt_runtime.py",),
+        ("tests/serve/runtime/test_tensorrt_executor.py",),
         "a shape TensorRT rejected runs anyway, on stale shapes",
     ),
     Mutation(
@@ -407,7 +411,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.tensorrt_executor:set_tensor_address",
         "if not context.set_tensor_address(name, tensor.data_ptr()):",
         "if context.set_tensor_address(name, tensor.data_ptr()) is None:",
-        ("tests/test_tensorrt_runtime.py",),
+        ("tests/serve/runtime/test_tensorrt_executor.py",),
         "a rejected address runs anyway, reading or writing stale memory",
     ),
     Mutation(
@@ -415,7 +419,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.tensorrt_executor:PlanExecutor._context",
         "        if profile not in self._contexts:\n",
         "        if not self._contexts:\n",
-        ("tests/test_tensorrt_runtime.py",),
+        ("tests/serve/runtime/test_tensorrt_executor.py",),
         "a batch of the second profile runs on the first profile's context",
     ),
     Mutation(
@@ -423,7 +427,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.tensorrt_engine:RuntimeCacheFile.attach",
         "self.loaded = bool(cache.deserialize(self.path.read_bytes()))",
         "cache.deserialize(self.path.read_bytes()); self.loaded = True",
-        ("tests/test_tensorrt_runtime.py",),
+        ("tests/serve/runtime/test_tensorrt_executor.py",),
         "a runtime cache from another driver is reported as loaded",
     ),
     Mutation(
@@ -431,7 +435,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.trt_flavor:_make_logger.RecordingLogger.__init__",
         "deque(maxlen=LOG_HISTORY)",
         "deque()",
-        ("tests/test_engine_network.py",),
+        ("tests/export/test_layernorm_network.py",),
         "a long-running server's TensorRT message list grows without bound",
     ),
     Mutation(
@@ -439,7 +443,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.engine:BuildProgress.Monitor.phase_start",
         "def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int)",
         "def phase_start(self, parent_phase: str | None, phase_name: str, num_steps: int)",
-        ("tests/test_engine_network.py",),
+        ("tests/export/test_layernorm_network.py",),
         "build-engine shows no progress bar",
     ),
     Mutation(
@@ -447,7 +451,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.runtime.backends:serving_limits",
         "return capped, min([max_batch, *limits])",
         "return capped, max_batch",
-        ("tests/test_tensorrt_runtime.py",),
+        ("tests/serve/runtime/test_tensorrt_executor.py",),
         "the server batches more samples per execution than the engine's profiles hold",
     ),
     Mutation(
@@ -455,7 +459,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.artifact:check_artifacts",
         '    check_tokenizer(directory, manifest.get("tokenizer"))',
         "    pass",
-        ("tests/test_artifact_trust.py",),
+        ("tests/export/test_artifact_trust.py",),
         "an edited tokenizer.json changes every answer of a server, unnoticed",
     ),
     Mutation(
@@ -463,7 +467,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.triton_repo:model_config",
         'max_batch = min(max_batch, max(p["batch"][2] for p in profiles))',
         "pass",
-        ("tests/test_triton_repo.py",),
+        ("tests/export/test_triton_repo.py",),
         "Triton refuses the plans: max_batch_size above the profiles' largest batch",
     ),
     # --- the solvers, and the solver state the scheduler keeps per sample -----------------------------
@@ -472,7 +476,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.samplers:multistep_x0",
         "c2 = (0.5 - (e - 1 + h) / h**2) / phi1",
         "c2 = (0.5 + (e - 1 + h) / h**2) / phi1",
-        ("tests/test_solvers.py",),
+        ("tests/ldlm/test_samplers.py",),
         "dpm3m's third-order coefficient has the wrong sign: third order lost",
     ),
     Mutation(
@@ -480,7 +484,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.samplers:multistep_x0",
         "r0 = (lam - lam1) / h",
         "r0 = (lam1 - lam) / h",
-        ("tests/test_solvers.py",),
+        ("tests/ldlm/test_samplers.py",),
         "the multistep solvers extrapolate backwards",
     ),
     Mutation(
@@ -488,7 +492,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.samplers:PSC_FRACTION",
         "PSC_FRACTION = 0.75",
         "PSC_FRACTION = 0.0",
-        ("tests/test_solvers.py",),
+        ("tests/ldlm/test_samplers.py",),
         "dpm3m-psc silently becomes dpm3m",
     ),
     Mutation(
@@ -497,8 +501,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "push_past(state.past, state.x0_hat, lam[i], sampler.history)",
         "push_past(state.past, state.x0_hat, lam[0], sampler.history)",
         (
-            "tests/test_sampling_engine.py",
-            "tests/test_solvers.py",
+            "tests/ldlm/sampling/test_engine.py",
+            "tests/ldlm/test_samplers.py",
         ),
         "in a continuous batch every sample's past carries the first sample's log-SNR",
     ),
@@ -508,8 +512,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "state.x0_hat, state.x0_prev = x0_g[i, :n], result.x0_prev[i, :n]",
         "state.x0_hat, state.x0_prev = x0_g[i, :n], x0_g[i, :n]",
         (
-            "tests/test_sampling_engine.py",
-            "tests/test_solvers.py",
+            "tests/ldlm/sampling/test_engine.py",
+            "tests/ldlm/test_samplers.py",
         ),
         "served dpm3m-psc ignores the predicted self-conditioning",
     ),
@@ -519,7 +523,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:RMSNorm.forward",
         "return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight",
         "return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "RMSNorm divides by zero on a zero row and ignores the config's eps",
     ),
     Mutation(
@@ -527,7 +531,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:MLP.forward",
         "return self.fc_out(self.dropout(F.gelu(self.fc_in(self.norm(x)))))",
         'return self.fc_out(self.dropout(F.gelu(self.fc_in(self.norm(x)), approximate="tanh")))',
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the Perceivers' MLPs use GPT-2's approximate GELU, not the exact one",
     ),
     Mutation(
@@ -535,7 +539,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:PositionTable.__init__",
         "self.scale = dim**-0.5",
         "self.scale = dim**0.5",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "position tables scaled by sqrt(D) instead of 1/sqrt(D)",
     ),
     Mutation(
@@ -543,7 +547,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:LatentAttention.forward",
         "kv_context = self.kv_context if self.kv_context is not None else self.kv",
         "kv_context = self.kv",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the context's own key/value projection is loaded but never used",
     ),
     Mutation(
@@ -551,7 +555,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:LatentAttention.forward",
         "k = self.k_norm(split_heads(k, self.n_heads))  # (B, H, S, hd)",
         "k = split_heads(k, self.n_heads)  # (B, H, S, hd)",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "Perceiver keys are not RMS-normed per head",
     ),
     Mutation(
@@ -559,7 +563,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:attention_bias",
         ".tril()[None, None]",
         ".triu()[None, None]",
-        ("tests/test_layers_values.py", "tests/test_gpt2.py"),
+        ("tests/ldlm/test_layers_values.py", "tests/ldlm/test_gpt2.py"),
         "GPT-2 features attend the future instead of the past",
     ),
     Mutation(
@@ -567,7 +571,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:stream_bias",
         "attention_bias(torch.cat([mask, mask], dim=1), dtype)",
         "attention_bias(torch.cat([mask, torch.ones_like(mask)], dim=1), dtype)",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "padded positions' latents leak into the real positions",
     ),
     Mutation(
@@ -575,7 +579,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:sinusoidal_embedding",
         "return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)",
         "return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the denoiser reads its time embedding in the wrong order (a trained checkpoint denoises at the wrong t)",
     ),
     Mutation(
@@ -583,7 +587,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.layers:LatentAttention.forward",
         "xq, xc = self.norm_query(query), self.norm_context(context)",
         "xq, xc = self.norm_query(query), self.norm_query(context)",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the context stream is normed with the query stream's gain",
     ),
     Mutation(
@@ -591,7 +595,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.denoiser:DenoiserBlock.__init__",
         "self.mlp_norm = RMSNorm(d, config.rms_norm_eps)",
         "self.mlp_norm = RMSNorm(d, config.layer_norm_eps)",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the denoiser's MLP norms use the LayerNorm eps (equal in every preset, not in a trained config)",
     ),
     Mutation(
@@ -599,7 +603,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.gpt2:GPT2MLP.forward",
         'return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))',
         "return self.c_proj(F.gelu(self.c_fc(x)))",
-        ("tests/test_layers_values.py", "tests/test_gpt2.py"),
+        ("tests/ldlm/test_layers_values.py", "tests/ldlm/test_gpt2.py"),
         "features differ from Hugging Face's GPT-2 (gelu_new)",
     ),
     Mutation(
@@ -607,7 +611,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.gpt2:GPT2Block.forward",
         "return x + self.mlp(self.ln_2(x))",
         "return x + self.mlp(self.ln_1(x))",
-        ("tests/test_layers_values.py", "tests/test_gpt2.py"),
+        ("tests/ldlm/test_layers_values.py", "tests/ldlm/test_gpt2.py"),
         "GPT-2's MLP reads the attention's LayerNorm",
     ),
     Mutation(
@@ -615,7 +619,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.latent_encoder:LatentEncoder.forward",
         "latents = self.latent_norm(self.latent_bank[:length])[None]",
         "latents = self.latent_bank[:length][None]",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the encoder's initial latents skip their RMSNorm",
     ),
     Mutation(
@@ -623,7 +627,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.latent_encoder:LatentEncoder.forward",
         "return self.out_norm(latents)",
         "return latents",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "latents leave the encoder un-normed",
     ),
     Mutation(
@@ -631,7 +635,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.latent_decoder:LatentDecoder.forward",
         "scale = 1 + self.query_scale.weight[0, 0] + self.query_scale.bias[0]",
         "scale = 1 + self.query_scale.bias[0]",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "a trained query scale's weight is ignored",
     ),
     Mutation(
@@ -639,7 +643,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.latent_decoder:DecoderBlock.forward",
         "queries = queries + self.attn_scale * self.attn(queries, latents, attn_bias)",
         "queries = queries + self.attn(queries, latents, attn_bias)",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the decoder blocks' learned attention scale is ignored",
     ),
     Mutation(
@@ -647,7 +651,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.token_decoder:TokenDecoder.forward",
         "return self.head(self.norm(h))",
         "return self.head(h)",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the vocabulary head reads un-normed features",
     ),
     Mutation(
@@ -655,7 +659,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.token_decoder:TokenDecoder.forward",
         "bias = attention_bias(mask, h.dtype)  # bidirectional",
         "bias = attention_bias(mask, h.dtype, causal_len=h.shape[1])  # bidirectional",
-        ("tests/test_layers_values.py",),
+        ("tests/ldlm/test_layers_values.py",),
         "the token decoder only looks left",
     ),
     # --- config and checkpoint ------------------------------------------------------------------------
@@ -664,7 +668,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.config:_validate",
         "type(value) is int and low <= value <= high",
         "type(value) is int and low <= value < high",
-        ("tests/test_guards_config.py",),
+        ("tests/ldlm/test_config_guards.py",),
         "the documented top of every integer range (256 denoiser layers, ...) refused",
     ),
     Mutation(
@@ -672,7 +676,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.config:_validate",
         "math.isfinite(value) and above < value <= at_most",
         "math.isfinite(value) and above <= value <= at_most",
-        ("tests/test_guards_config.py",),
+        ("tests/ldlm/test_config_guards.py",),
         "a config with eps 0 loads: a zero row normalizes to NaN",
     ),
     Mutation(
@@ -680,7 +684,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.config:_validate",
         "require(0 <= c.eos_token_id < c.vocab_size,",
         "require(0 <= c.eos_token_id <= c.vocab_size,",
-        ("tests/test_guards_config.py",),
+        ("tests/ldlm/test_config_guards.py",),
         "an end-of-text id past the vocabulary loads",
     ),
     Mutation(
@@ -688,7 +692,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.config:_validate",
         "require(0.0 <= c.dropout < 1.0,",
         "require(0.0 <= c.dropout <= 1.0,",
-        ("tests/test_guards_config.py",),
+        ("tests/ldlm/test_config_guards.py",),
         "dropout 1 (every activation zeroed in training) loads",
     ),
     Mutation(
@@ -696,7 +700,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.config:LDLMConfig.feature_blocks",
         "return self.gpt2_layers + 1 + self.feature_layer",
         "return self.gpt2_layers + self.feature_layer",
-        ("tests/test_guards_config.py", "tests/test_gpt2.py"),
+        ("tests/ldlm/test_config_guards.py", "tests/ldlm/test_gpt2.py"),
         "features read one GPT-2 block too early",
     ),
     Mutation(
@@ -704,7 +708,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.checkpoint:check_state_dict",
         "unexpected = sorted(set(found) - set(expected))",
         "unexpected = []",
-        ("tests/test_checkpoint.py",),
+        ("tests/ldlm/test_checkpoint.py",),
         "a checkpoint with extra tensors fails with torch's error, not ours",
     ),
     Mutation(
@@ -712,7 +716,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.checkpoint:load_gpt2_weights",
         "if config.mask_token_id < wte.shape[0] else",
         "if config.mask_token_id <= wte.shape[0] else",
-        ("tests/test_gpt2.py",),
+        ("tests/ldlm/test_gpt2.py",),
         "ldlm init --gpt2-dir fails with an IndexError for the mask token",
     ),
     Mutation(
@@ -720,7 +724,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.checkpoint:randomize_norms",
         "std.copy_(torch.exp(normal(std, 0.2)))",
         "std.copy_(normal(std, 0.2))",
-        ("tests/test_eps_probe.py",),
+        ("tests/serve/checks/test_eps_probe.py",),
         "norm_init=random draws negative standard deviations",
     ),
     Mutation(
@@ -728,7 +732,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.files:refuse_existing",
         "    if not overwrite:\n        raise FileExistsError",
         "    if overwrite:\n        raise FileExistsError",
-        ("tests/test_checkpoint.py",),
+        ("tests/ldlm/test_checkpoint.py",),
         "an existing checkpoint is replaced without --force",
     ),
     # --- OpenAI completions ---------------------------------------------------------------------------
@@ -737,7 +741,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.routes.openai:Completions.choices",
         "ids = ids[: ids.index(eos)] if stop else ids",
         "ids = ids[: ids.index(eos) + 1] if stop else ids",
-        ("tests/test_guards_http.py",),
+        ("tests/serve/api/test_http_guard.py",),
         "usage counts the end-of-text token as a completion token",
     ),
     Mutation(
@@ -745,7 +749,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.routes.openai:Completions.choices",
         '"finish_reason": "stop" if stop else "length"',
         '"finish_reason": "length"',
-        ("tests/test_guards_http.py",),
+        ("tests/serve/api/test_http_guard.py",),
         'finish_reason is never "stop"',
     ),
     Mutation(
@@ -753,7 +757,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.routes.openai:Completions.prepare",
         "if len(prompts) * body.n > settings.max_n:",
         "if body.n > settings.max_n:",
-        ("tests/test_guards_http.py",),
+        ("tests/serve/api/test_http_guard.py",),
         "4 prompts x n=64 runs 256 samples on a server capped at 64",
     ),
     Mutation(
@@ -761,7 +765,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.routes.openai:Completions.prepare",
         "if len(row) + body.max_tokens > config.max_seq_len:",
         "if len(row) + body.max_tokens >= config.max_seq_len:",
-        ("tests/test_guards_http.py",),
+        ("tests/serve/api/test_http_guard.py",),
         "a prompt that exactly fills max_seq_len with max_tokens is refused",
     ),
     Mutation(
@@ -769,7 +773,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.routes.openai:Completions.prepare",
         "(seed + i) % 2**63",
         "seed % 2**63",
-        ("tests/test_guards_http.py",),
+        ("tests/serve/api/test_http_guard.py",),
         "two identical prompts of one request get identical completions",
     ),
     Mutation(
@@ -777,7 +781,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.routes.openai:Completions.choices",
         '"index": first_index + j',
         '"index": j',
-        ("tests/test_guards_http.py",),
+        ("tests/serve/api/test_http_guard.py",),
         "choices of the second prompt reuse the first prompt's indices",
     ),
     # --- streaming and the outer guard ---------------------------------------------------------------
@@ -786,7 +790,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.streaming:sse",
         'f"data: {payload}\\n\\n".encode()',
         'f"data: {payload}\\n".encode()',
-        ("tests/test_guards_middleware.py",),
+        ("tests/serve/api/test_http_guard_middleware.py",),
         "events never end: clients see one endless event",
     ),
     Mutation(
@@ -794,7 +798,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.streaming:PreviewDecoder.__init__",
         "if not 0 < budget <= 1:",
         "if not 0 < budget < 1:",
-        ("tests/test_guards_middleware.py",),
+        ("tests/serve/api/test_http_guard_middleware.py",),
         "--preview-budget 1 (unthrottled previews) refused",
     ),
     Mutation(
@@ -802,7 +806,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.streaming:PreviewDecoder.forget",
         "for key in [k for k in self._pending if k[0] is stream]:",
         "for key in [k for k in self._pending if k[0] is not stream]:",
-        ("tests/test_guards_middleware.py",),
+        ("tests/serve/api/test_http_guard_middleware.py",),
         "a client leaving drops everyone else's pending previews",
     ),
     Mutation(
@@ -810,7 +814,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.http_guard:read_body",
         "if received > limit:  # chunked",
         "if received >= limit:  # chunked",
-        ("tests/test_guards_middleware.py",),
+        ("tests/serve/api/test_http_guard_middleware.py",),
         "a chunked body of exactly --max-body-mb is refused",
     ),
     Mutation(
@@ -818,7 +822,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.http_guard:read_body",
         "int(content_length) > limit):",
         "int(content_length) >= limit):",
-        ("tests/test_guards_middleware.py",),
+        ("tests/serve/api/test_http_guard_middleware.py",),
         "a body of exactly --max-body-mb is refused",
     ),
     Mutation(
@@ -826,7 +830,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.http_guard:GuardMiddleware.OPEN_PREFIXES",
         'OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")',
         'OPEN_PREFIXES = ("/v2/health", "/static/swagger/")',
-        ("tests/test_guards_middleware.py",),
+        ("tests/serve/api/test_http_guard_middleware.py",),
         "paths that merely start with /v2/health skip the bearer check",
     ),
     Mutation(
@@ -834,7 +838,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.errors:error_status",
         'return 503, str(error), {"Retry-After": "1"}',
         "return 503, str(error), {}",
-        ("tests/test_guards_middleware.py",),
+        ("tests/serve/api/test_http_guard_middleware.py",),
         "clients get no Retry-After on a full queue",
     ),
     Mutation(
@@ -842,7 +846,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.errors:error_status",
         '{"Retry-After": str(math.ceil(error.retry_after_s))}',
         '{"Retry-After": "1"}',
-        ("tests/test_retry_after.py",),
+        ("tests/serve/api/test_errors_retry_after.py",),
         "a request refused behind queued work is told to retry in 1 s, however long the queue",
     ),
     Mutation(
@@ -850,7 +854,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.errors:error_status",
         "str(math.ceil(error.retry_after_s))",
         "str(int(error.retry_after_s))",
-        ("tests/test_retry_after.py",),
+        ("tests/serve/api/test_errors_retry_after.py",),
         "a client that retries when told to comes back before the queued work is done, and is refused again",
     ),
     # --- KServe parsing ------------------------------------------------------------------------------
@@ -859,7 +863,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve:_input_tensor",
         'if dtype.kind == "f" and not np.isfinite(array).all():',
         'if dtype.kind == "f" and size is None and not np.isfinite(array).all():',
-        ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
+        ("tests/serve/api/test_kserve_guards.py", "tests/serve/api/test_http_guard.py"),
         "NaN and Infinity in binary tensors reach the graphs",
     ),
     Mutation(
@@ -867,7 +871,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve_tensors:json_tensor",
         "if not np.isfinite(wide).all():",
         "if np.isnan(wide).any():",
-        ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
+        ("tests/serve/api/test_kserve_guards.py", "tests/serve/api/test_http_guard.py"),
         "JSON Infinity is refused as an over-large number, not as Infinity",
     ),
     Mutation(
@@ -875,7 +879,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve_tensors:json_tensor",
         "if not np.isfinite(wide).all():",
         "if False:",
-        ("tests/test_guards_kserve.py", "tests/test_guards_http.py"),
+        ("tests/serve/api/test_kserve_guards.py", "tests/serve/api/test_http_guard.py"),
         "issue 25's survivor: JSON Infinity gets another message, NaN only a later check",
     ),
     Mutation(
@@ -883,7 +887,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve_tensors:json_tensor",
         "or max(flat) > info.max):",
         "or max(flat) >= info.max):",
-        ("tests/test_guards_kserve.py",),
+        ("tests/serve/api/test_kserve_guards.py",),
         "INT32 2**31-1 refused",
     ),
     Mutation(
@@ -891,7 +895,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve_tensors:JSON_TYPES",
         'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}',
         'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int, bool}, "f": {int, float}}',
-        ("tests/test_guards_kserve.py",),
+        ("tests/serve/api/test_kserve_guards.py",),
         "true/false accepted as token ids",
     ),
     Mutation(
@@ -899,7 +903,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve:_json_header_size",
         "if not 0 < json_size <= len(body):",
         "if not 0 < json_size < len(body):",
-        ("tests/test_guards_kserve.py",),
+        ("tests/serve/api/test_kserve_guards.py",),
         "a JSON-only body that sends its Inference-Header-Content-Length is refused",
     ),
     Mutation(
@@ -907,7 +911,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve:_input_tensor",
         "or len(shape) > 8:",
         "or len(shape) >= 8:",
-        ("tests/test_guards_kserve.py",),
+        ("tests/serve/api/test_kserve_guards.py",),
         "rank-8 tensors refused",
     ),
     Mutation(
@@ -915,7 +919,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve:parse_infer_request",
         "if name in inputs:",
         "if name in raw_inputs:",
-        ("tests/test_guards_kserve.py",),
+        ("tests/serve/api/test_kserve_guards.py",),
         "an input given twice silently keeps the second",
     ),
     # --- the eps probe's math ------------------------------------------------------------------------
@@ -924,7 +928,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.layernorm_cases:float32_budget",
         "return 2 * math.ceil(math.log2(max(n, 2))) + 8",
         "return math.ceil(math.log2(max(n, 2))) + 8",
-        ("tests/test_eps_probe_math.py",),
+        ("tests/serve/checks/test_eps_probe_math.py",),
         "the float32 bound is too tight: correct backends fail the probes",
     ),
     Mutation(
@@ -932,7 +936,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.eps_probe:analyse_outputs",
         "float(np.median(s**2 - (centered**2).mean(axis=1)))",
         "float(np.median(s**2))",
-        ("tests/test_eps_probe_math.py", "tests/test_eps_probe.py"),
+        ("tests/serve/checks/test_eps_probe_math.py", "tests/serve/checks/test_eps_probe.py"),
         "the implied eps includes the rows' variance",
     ),
     Mutation(
@@ -940,7 +944,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.eps_probe:probe_rows.unit_row",
         "return (r - r.mean()) / r.std()",
         "return r / r.std()",
-        ("tests/test_eps_probe_math.py",),
+        ("tests/serve/checks/test_eps_probe_math.py",),
         "sweep rows are not zero-mean: the implied eps is off",
     ),
     Mutation(
@@ -948,7 +952,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.eps_probe:analyse_outputs",
         "(np.abs(z_ref) + mean_magnitude / sigma)",
         "np.abs(z_ref)",
-        ("tests/test_eps_probe_math.py",),
+        ("tests/serve/checks/test_eps_probe_math.py",),
         "every correct float32 LayerNorm fails the large-mean rows",
     ),
     Mutation(
@@ -956,7 +960,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.checks.eps_probe:analyse_outputs",
         "mean_magnitude = np.abs(x64).mean(axis=1, keepdims=True)",
         "mean_magnitude = np.abs(mean)",
-        ("tests/test_eps_probe_math.py",),
+        ("tests/serve/checks/test_eps_probe_math.py",),
         "a correct float32 LayerNorm (torch's) fails where z ~ 0 in rows of mean ~0",
     ),
     Mutation(
@@ -964,7 +968,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.kserve:parse_infer_request",
         '    refuse_unknown_fields(payload, REQUEST_FIELDS, "the request")\n',
         "",
-        ("tests/test_guards_kserve.py",),
+        ("tests/serve/api/test_kserve_guards.py",),
         "a misspelled 'outputs' is ignored and the request runs without it",
     ),
     Mutation(
@@ -972,7 +976,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.routes.openai:Completions.choices",
         "used += self.pipeline.tokenizer.count_tokens(text) if cut >= 0 else len(ids)",
         "used += len(self.pipeline.tokenizer.encode([text])[0]) if cut >= 0 and text else len(ids)",
-        ("tests/test_strict_input.py",),
+        ("tests/serve/api/test_schemas_strict_input.py",),
         "a stop text leaving a blank completion answers 400",
     ),
     Mutation(
@@ -980,7 +984,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.pipeline:LDLMPipeline.text_ids",
         "if len(row) > self.config.max_seq_len:",
         "if False:",
-        ("tests/test_pipeline.py",),
+        ("tests/ldlm/test_pipeline.py",),
         "a text too long is named len(ids[i]), not texts[i] with its token count",
     ),
     # --- deployment entry points ---------------------------------------------------------------------
@@ -990,8 +994,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "(cap is not None and value > cap)",
         "(cap is not None and value >= cap)",
         (
-            "tests/test_sampling_engine.py",
-            "tests/test_guards_deploy.py",
+            "tests/ldlm/sampling/test_engine.py",
+            "tests/serve/deploy/test_triton_generate_guards.py",
         ),
         "ldlm_generate refuses N = max_n",
     ),
@@ -1000,7 +1004,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.deploy.triton_generate:TritonPythonModel.generate",
         "chunk = self.bls_max_batch or plan.n",
         "chunk = plan.n",
-        ("tests/test_guards_deploy.py",),
+        ("tests/serve/deploy/test_triton_generate_guards.py",),
         "N above the graphs' max_batch_size fails every BLS call",
     ),
     Mutation(
@@ -1008,7 +1012,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.deploy.triton_generate:TritonPythonModel.generate.denoise",
         '"t": t.float().numpy().reshape(-1, 1)',
         '"t": t.float().numpy()',
-        ("tests/test_triton_repo.py",),
+        ("tests/export/test_triton_repo.py",),
         "Triton refuses t: config.pbtxt declares dims [1]",
     ),
     Mutation(
@@ -1016,7 +1020,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.deploy.ray_app:RayOptions.deployment_options",
         '"initial_replicas": self.replicas,',
         '"initial_replicas": self.min_replicas,',
-        ("tests/test_guards_deploy.py",),
+        ("tests/serve/deploy/test_triton_generate_guards.py",),
         "an autoscaled deployment starts at min_replicas, not --replicas",
     ),
     Mutation(
@@ -1024,7 +1028,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.deploy.ray_app:BOOL_WORDS",
         'BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}',
         'BOOL_WORDS = {"true": True, "false": False, "1": True, "0": True}',
-        ("tests/test_guards_deploy.py",),
+        ("tests/serve/deploy/test_triton_generate_guards.py",),
         "serve run ... trt_cuda_graphs=0 turns CUDA graphs on",
     ),
     Mutation(
@@ -1032,7 +1036,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.deploy.ray_app:RayOptions.__post_init__",
         '"replicas": (self.replicas, 1, 4096)',
         '"replicas": (self.replicas, 0, 4096)',
-        ("tests/test_guards_deploy.py",),
+        ("tests/serve/deploy/test_triton_generate_guards.py",),
         "a deployment of zero replicas is accepted and never answers",
     ),
     # --- Ctrl-C that Python drops (ldlm.interrupts), and the engine build it must stop ----------------
@@ -1041,7 +1045,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.interrupts:_on_sigint",
         "    _received.set()  # first, so that a dropped KeyboardInterrupt is still known",
         "    pass",
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "a Ctrl-C dropped inside a weakref callback is forgotten: the export goes on and the server starts",
     ),
     Mutation(
@@ -1049,7 +1053,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.interrupts:remembered_interrupts.unraisable_hook",
         "        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and interrupted()):",
         "        if True:",
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "Ctrl-C prints an 'Exception ignored' traceback before 'interrupted'",
     ),
     Mutation(
@@ -1057,7 +1061,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.serve.api.server:serve",
         "        raise_if_interrupted()  # Ctrl-C while preparing, dropped by Python where it landed: do not start serving",
         "        pass",
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "Ctrl-C while `ldlm serve` exports is lost and the server starts anyway",
     ),
     Mutation(
@@ -1065,7 +1069,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.engine:BuildProgress.Monitor.step_complete",
         "            return not interrupted()",
         "            return True",
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "Ctrl-C during an engine build goes on building the whole graph",
     ),
     Mutation(
@@ -1073,7 +1077,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.engine:build_plan",
         "    with logger.capture() as messages, deferred_interrupts():",
         "    with logger.capture() as messages:",
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "Ctrl-C during a build prints TensorRT's '[ERROR] Exception caught in log()' trace",
     ),
     Mutation(
@@ -1081,7 +1085,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.engine:_build",
         'BuildProgress(trt, onnx_path.stem, progress) if hasattr(trt, "IProgressMonitor") else None',
         'BuildProgress(trt, onnx_path.stem, progress) if progress and hasattr(trt, "IProgressMonitor") else None',
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "without a progress bar, Ctrl-C during an engine build waits for the whole build",
     ),
     Mutation(
@@ -1090,7 +1094,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         """        _received.clear()
         raise KeyboardInterrupt""",
         "        raise KeyboardInterrupt",
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "after one Ctrl-C in a notebook, every later engine build stops at once",
     ),
     Mutation(
@@ -1098,7 +1102,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.export.engine:build_plan",
         "    raise_if_interrupted()  # a Ctrl-C recorded during the build",
         "    pass  # a Ctrl-C recorded during the build",
-        ("tests/test_interrupts.py",),
+        ("tests/ldlm/test_interrupts.py",),
         "Ctrl-C during an engine build is reported as 'TensorRT could not build ... BuildCanceled'",
     ),
     # --- importing a checkpoint ------------------------------------------------------------------------
@@ -1107,7 +1111,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.key_mapping:rename",
         "out.tensors[target] = tensor.t() if rule.transpose and tensor.dim() == 2 else tensor",
         "out.tensors[target] = tensor",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "Hugging Face's Conv1D weights imported untransposed",
     ),
     Mutation(
@@ -1115,7 +1119,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.key_mapping:rename",
         "for r in rules if (m := r.pattern.fullmatch(key))",
         "for r in reversed(rules) if (m := r.pattern.fullmatch(key))",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "a mapping's catch-all rule overrides its specific ones",
     ),
     Mutation(
@@ -1123,7 +1127,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.importing:match_model",
         "any(p.match(name) for p in allow_missing)",
         "True",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "an import missing whole components reports success",
     ),
     Mutation(
@@ -1131,7 +1135,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.importing:match_model",
         "if tensor.shape != want.shape or not tensor.is_floating_point():",
         "if not tensor.is_floating_point():",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "a tensor of the wrong shape is imported",
     ),
     Mutation(
@@ -1139,7 +1143,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.importing:read_source",
         'map_location="cpu", weights_only=True',
         'map_location="cpu", weights_only=False',
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "a state dict's pickle runs code on import",
     ),
     Mutation(
@@ -1147,7 +1151,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.importing:check_parity",
         "if not result.passed:",
         "if False:",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "an import whose parity fails reports success",
     ),
     Mutation(
@@ -1155,7 +1159,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.import_config:resolve_config",
         'if "n_heads" not in inferred and "n_heads" not in overrides and values["d_model"] != start.d_model:',
         "if False:",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "n_heads silently taken from a preset of another width",
     ),
     Mutation(
@@ -1163,7 +1167,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.import_config:resolve_config",
         "Inferred(counted.value - 1 - feature_layer,",
         "Inferred(counted.value,",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "a truncated GPT-2 is read as a shallower one: the wrong feature layer",
     ),
     Mutation(
@@ -1171,7 +1175,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.import_config:infer_fields",
         '_derive(found, "n_heads", HEAD_NORMS, shapes, lambda n: d_model.value // n)',
         "pass",
-        ("tests/test_importing.py",),
+        ("tests/ldlm/test_importing.py",),
         "our own checkpoints' n_heads is not read from their weights",
     ),
 )

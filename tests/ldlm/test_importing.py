@@ -19,11 +19,12 @@ from ldlm.import_report import ImportCheckpointError
 from ldlm.importing import import_checkpoint
 from ldlm.serve.checks import parity
 from ldlm.serve.checks.parity_result import ParityReport
+from tests import REPO
 
 transformers = pytest.importorskip("transformers", reason="transformers is the GPT-2 oracle (pip install -e .[test])")
 
 ALL_BUT_FEATURES = r"(?!feature_model\.)"  # the parts a GPT-2 does not hold keep their random init
-SHIPPED = Path(__file__).resolve().parents[1] / "ldlm" / "mappings" / "hf-gpt2.json"
+SHIPPED = REPO / "ldlm" / "mappings" / "hf-gpt2.json"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ ICudaEngine (``StandInEngine``): it answers the same calls, and its ``execute_as
 the inputs at the addresses bound and writes y = 2x + mask at the output's address (host memory,
 through ctypes), so a wrong address, a wrong shape or another thread's binding gives wrong numbers.
 What it does not exercise: real TensorRT kernels, CUDA streams, CUDA graph capture and replay
-(``tests/test_engine.py::test_engine_runs_on_gpu`` covers those on a GPU).
+(``tests/export/test_engine.py::test_engine_runs_on_gpu`` covers those on a GPU).
 """
 
 from __future__ import annotations

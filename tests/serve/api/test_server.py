@@ -54,6 +54,7 @@ from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.queueing import QueueFullError  # noqa: E402
+from tests import REPO  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402
 
 
@@ -385,7 +386,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(export_dir: Path) -> None
 
 def test_load_test_script_smoke(export_dir: Path, tmp_path: Path) -> None:
     """scripts/load_test.py end to end, briefly: its own server, 2 clients, 2 s, overhead probe."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+    script = REPO / "scripts" / "load_test.py"
     out = tmp_path / "load.json"
     subprocess.run(
         [

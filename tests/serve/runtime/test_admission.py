@@ -16,8 +16,8 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest  # noqa: E402
+from tests.serve.api.test_server_values import metric  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
-from tests.test_server_values import metric  # noqa: E402
 
 LENGTH = 64
 

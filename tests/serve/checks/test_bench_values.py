@@ -1,6 +1,6 @@
 """The bench's arithmetic against hand-computed figures.
 
-Timing itself is measured by real runs (tests/test_bench.py, `ldlm bench`); here the clock is a
+Timing itself is measured by real runs (tests/serve/checks/test_bench.py, `ldlm bench`); here the clock is a
 counter that each stand-in backend advances by a known amount per run, so every percentile, rate
 and ratio has one right value."""
 

@@ -58,7 +58,7 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     for policy in ("static", "continuous"):
         assert report["batching"][policy]["requests"] == 6 and report["batching"][policy]["errors"] == 0
     assert report["batching"]["lengths"] == [16]  # the lengths used: 4096 is above the tiny config's max_seq_len (128)
-    # The derived figures follow from the measured ones (the arithmetic itself: tests/test_bench_values.py).
+    # The derived figures follow from the measured ones (the arithmetic itself: tests/serve/checks/test_bench_values.py).
     for key, entry in report["graphs"].items():
         batch = int(key.split("/")[1][1:])
         assert entry["ort"]["speedup_vs_eager"] == pytest.approx(entry["eager"]["p50_ms"] / entry["ort"]["p50_ms"], rel=1e-2, abs=2e-3)

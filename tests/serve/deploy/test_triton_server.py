@@ -26,9 +26,10 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from ldlm.serve.deploy.triton_env import TritonEnv, TritonUnavailable, prepare_env  # noqa: E402
 from ldlm.serve.deploy.triton_server import TritonServer, start_server  # noqa: E402
+from tests import REPO  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_env")  # first: where Triton cannot be installed, skip before exporting anything
-CACHE = Path(__file__).resolve().parents[1] / ".cache" / "triton-env"
+CACHE = REPO / ".cache" / "triton-env"
 GRAPHS = ("encoder", "denoiser", "decoder")
 MODELS = ("decoder", "denoiser", "encoder", "ldlm_generate")
 MAX_BATCH, MAX_N, MAX_STEPS = 4, 8, 20  # small limits, so N above the BLS batch and the bounds are cheap to reach

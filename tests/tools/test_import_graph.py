@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO
+
+ROOT = REPO
 # the fixed layout installs export/ and serve/ under the ldlm namespace (pyproject's package-dir)
 PACKAGE_DIRS = {"ldlm": "ldlm", "export": "ldlm.export", "serve": "ldlm.serve"}
 

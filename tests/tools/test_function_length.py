@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO
+
+ROOT = REPO
 FUNCTION_LIMITS = {"ldlm": 60, "serve": 60, "export": 80}  # lines per function, by top-level folder
 MODULE_LIMIT = 300  # lines per module in ldlm/ and serve/
 MODULE_CHECKED = ("ldlm", "serve")

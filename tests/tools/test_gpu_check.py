@@ -17,7 +17,8 @@ import time
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import REPO
+
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from gpu_targets import target_rows, targets_markdown  # noqa: E402

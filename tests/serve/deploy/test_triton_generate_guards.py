@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from ldlm.config import preset
+from tests import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 class PbUtils(types.ModuleType):

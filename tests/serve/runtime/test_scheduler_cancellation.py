@@ -18,8 +18,8 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerationScheduler  # noqa: E402
+from tests.serve.api.test_server_values import metric  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body  # noqa: E402
-from tests.test_server_values import metric  # noqa: E402
 
 LONG = {"n": 64, "length": 128, "steps": 1000, "seed": 0, "sampler": "ddim"}  # 64,000 sample-steps: tens of seconds here
 SHORT = {"n": 1, "length": 8, "steps": 2, "seed": 1, "sampler": "ddim"}

@@ -13,7 +13,6 @@ would turn into a failure on a CI machine without AVX-512.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,8 +28,9 @@ from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.serve.runtime.torch_backends import EagerBackend
 from ldlm.tokenizer import TextTokenizer
+from tests import REPO
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "sampler_golden_cpu.json").read_text())
+GOLDEN = json.loads((REPO / "tests" / "data" / "sampler_golden_cpu.json").read_text())
 CASES = [k for k in GOLDEN if k != "scheduler"]
 LATENT_TOL = 1e-4  # abs and rel; any change to the seeds, noise order or maths moves latents by O(1)
 

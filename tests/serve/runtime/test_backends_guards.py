@@ -2,7 +2,7 @@
 user sees: devices, the pipeline's and sampler's inputs, the tokenizer, GPT-2 weight directories,
 the scheduler, the dynamic batcher, the torch and ONNX Runtime backends, TensorRT's plan files and
 binding (on CPU: what raises before any GPU work), and the checks' options. The server's own are in
-tests/test_guards_server.py."""
+tests/serve/api/test_server_guards.py."""
 
 from __future__ import annotations
 
@@ -299,9 +299,9 @@ def test_parity_refuses_an_export_of_another_config(tiny_checkpoint: Path, expor
 
 def test_an_engine_output_without_a_batch_axis_is_not_chunked() -> None:
     """A batch beyond every profile runs in chunks only if every output can be put back together
-    along a batch axis; the stand-in engine of tests/test_tensorrt_runtime.py with y unbatched."""
+    along a batch axis; the stand-in engine of tests/serve/runtime/test_tensorrt_executor.py with y unbatched."""
     from ldlm.serve.runtime.tensorrt_executor import PlanExecutor
-    from tests.test_tensorrt_runtime import AXES, STAND_IN_TRT, StandInEngine, feed
+    from tests.serve.runtime.test_tensorrt_executor import AXES, STAND_IN_TRT, StandInEngine, feed
 
     axes = {**AXES, "y": {"seq": 1}}
     executor = PlanExecutor(StandInEngine([((1, 4), (1, 16))]), STAND_IN_TRT, "stand-in.plan", axes, torch.device("cpu"))
