@@ -8,8 +8,8 @@ Measures, for the server code of any checkout (run it with that checkout's inter
    200 slow-header clients stay connected; how long shutdown takes with a client stalled mid-body;
 4. abandoned work (issue 22): a small generation's time right after a client gave up on a big one.
 
-    python scripts/attack_check.py --source ONNX_DIR --out after.json
-    python scripts/attack_check.py --source ONNX_DIR --python /other/.venv/bin/python --cwd /other/checkout --out before.json
+    python tests/e2e/attack_check.py --source ONNX_DIR --out after.json
+    python tests/e2e/attack_check.py --source ONNX_DIR --python /other/.venv/bin/python --cwd /other/checkout --out before.json
 
 Without --source a tiny checkpoint is made and exported to a scratch folder.
 """
@@ -351,7 +351,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", type=Path, help="an `ldlm export` directory (default: export a tiny checkpoint)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs the server (default: this one)")
-    parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[1]), help="checkout the server runs from")
+    parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[2]), help="checkout the server runs from")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--idle", type=int, default=1100, help="idle connections to open (default: 1100)")
     parser.add_argument(

@@ -25,7 +25,7 @@ Every HTTP answer must also have a status other than 500 and no "Traceback" in i
 run no "Traceback" on stderr. Each case is written to --out (JSON, atomically) with what was sent,
 what was expected, what came back, and whether it passed; exit status 1 when any case failed.
 
-    flock /tmp/ldlm-cpu.lock .venv/bin/python scripts/replay_cases.py --out docs/measurements/replay-cases-2026-12-01.json
+    flock /tmp/ldlm-cpu.lock .venv/bin/python tests/e2e/replay_cases.py --out docs/measurements/replay-cases-2026-12-01.json
 """
 
 from __future__ import annotations

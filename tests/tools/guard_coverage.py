@@ -14,9 +14,9 @@ Raises that cannot run on this machine (a GPU, TensorRT, Triton's Python backend
 internal invariant rather than user input or an artifact are listed in ``NOT_HERE`` with the reason;
 they are reported apart. Whatever remains unexecuted is a gap to close with a test.
 
-    flock /tmp/ldlm-cpu.lock .venv/bin/python scripts/guard_coverage.py --run      # the suite under coverage, then the report
-    .venv/bin/python scripts/guard_coverage.py --data runs/guard-coverage/.coverage  # report from an earlier run
-    .venv/bin/python scripts/guard_coverage.py --run -- tests/serve/api/test_kserve_values.py  # part of the suite
+    flock /tmp/ldlm-cpu.lock .venv/bin/python tests/tools/guard_coverage.py --run      # the suite under coverage, then the report
+    .venv/bin/python tests/tools/guard_coverage.py --data runs/guard-coverage/.coverage  # report from an earlier run
+    .venv/bin/python tests/tools/guard_coverage.py --run -- tests/serve/api/test_kserve_values.py  # part of the suite
 
 Writes ``--out`` (JSON) and the same path with ``.md`` (the summary). Not part of CI: it runs the
 whole suite under coverage's tracer (589 s on the project's 2-core machine, 2026-12-01), and needs
@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("ldlm", "export", "serve")
 ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
@@ -279,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": args.date,
         "suite_seconds": seconds,
-        "command": "scripts/guard_coverage.py --run " + " ".join(args.pytest_args)
+        "command": "tests/tools/guard_coverage.py --run " + " ".join(args.pytest_args)
         if args.run
-        else f"scripts/guard_coverage.py --data {args.data}",
+        else f"tests/tools/guard_coverage.py --data {args.data}",
         "raises": len(raises),
         "raises_executed": sum(s.executed for s in raises),
         "untested": [asdict(s) for s in untested],
