@@ -40,8 +40,20 @@ class ArtifactError(ValueError):
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory) / MANIFEST_FILE
     if not path.is_file():
+        plans = built_plans(Path(directory))
+        if plans:  # the engines of the export, given where the export belongs
+            raise ValueError(
+                f"{directory} holds TensorRT plans ({', '.join(plans)}) written by `ldlm build-engine`, not an ONNX export "
+                f"(it has no {MANIFEST_FILE}); serve it with --backend trt (parity, probe-eps and bench take it as --engine-dir), "
+                "or give ONNX Runtime the export the plans were built from"
+            )
         raise ValueError(f"{directory} has no {MANIFEST_FILE}; is it a directory written by `ldlm export`?")
     return json.loads(path.read_text())
+
+
+def built_plans(directory: Path) -> list[str]:
+    """The plans of an ``ldlm build-engine`` directory: each ``<graph>.plan`` with its ``<graph>.plan.json``."""
+    return sorted(p.name for p in directory.glob(f"*{PLAN_SUFFIX}") if p.with_name(p.name + ".json").is_file())
 
 
 def describe_io(values: Sequence[onnx.ValueInfoProto]) -> list[dict[str, Any]]:
@@ -150,6 +162,11 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
     for graph in graphs:
         plan, record = directory / f"{graph}{PLAN_SUFFIX}", directory / f"{graph}{MANIFEST_SUFFIX}"
         if not plan.is_file() or not record.is_file():
+            if (directory / MANIFEST_FILE).is_file() and not built_plans(directory):
+                raise ArtifactError(
+                    f"{directory} is an ONNX export written by `ldlm export` (it has a {MANIFEST_FILE}), not TensorRT plans; "
+                    f"serve it with --backend ort, or build engines from it: ldlm build-engine {directory} ENGINE_DIR"
+                )
             raise ArtifactError(f"{directory} has no {plan.name} with its {record.name}; build it with `ldlm build-engine`")
         manifests[graph] = json.loads(record.read_text())
         if plans:
