@@ -50,3 +50,20 @@ def export_dir(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
     out = tmp_path_factory.mktemp("export") / "onnx"
     export_graphs(tiny_checkpoint, out, with_logits=True)
     return out
+
+
+# --- groups: `pytest -m "not slow"` for a quick loop, `-m e2e` for the whole-product runs, `-m gpu` on a GPU ---
+SLOW_MODULES = ("serve/deploy/test_triton_server.py", "serve/deploy/test_ray_app.py", "e2e/test_base_smoke.py")  # real servers, base size
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        where = Path(str(item.fspath)).relative_to(tests).as_posix()
+        if where.startswith("e2e/"):
+            item.add_marker(pytest.mark.e2e)
+        if where in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
+        if any(("CUDA" in r or "GPU" in r) and "is available" not in r for r in reasons):  # need a device to run at all
+            item.add_marker(pytest.mark.gpu)
