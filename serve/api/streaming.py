@@ -44,7 +44,9 @@ from torch import Tensor
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
+from ldlm.serve.api.prompted import after_prompt, texts_after
 from ldlm.serve.runtime.delivery import decode_ragged
+from ldlm.tokenizer import TextTokenizer
 
 log = logging.getLogger("ldlm.serve")
 
@@ -181,7 +183,8 @@ class PreviewDecoder:
         """Decode ``items`` in one call and hand each stream its previews, in step order, with its skipped
         count; the items decoded (none when the call failed: then they count as skipped)."""
         try:
-            texts = decode_ragged(self.pipeline, [x0 for *_, x0 in items]).texts if items else []
+            kept = [getattr(stream, "kept", 0) for stream, *_ in items]  # a prompted stream's previews: what follows its prompt
+            texts = texts_after(decode_ragged(self.pipeline, [x0 for *_, x0 in items]), kept, self.pipeline.tokenizer) if items else []
         except Exception:  # a preview is a nicety: never let it end a stream or this thread
             log.exception("decoding previews failed; they are skipped")
             texts = []
@@ -209,13 +212,16 @@ class GenerationStream:
         prefix: Tensor | None = None,
         *,
         loop: asyncio.AbstractEventLoop,
+        kept: int = 0,
     ) -> None:
         """Submits at once, with ``submit`` (``GenerationScheduler.submit``'s signature). ``loop`` is the
         event loop that reads the events: construct this off that loop (submitting draws every sample's
-        prior noise, work that scales with n x length)."""
+        prior noise, work that scales with n x length). ``kept``: the prompt's P tokens at the start of
+        ``prefix``; previews are of what follows them (serve/api/prompted.py)."""
         self.loop = loop
         self.previews = previews
         self.spec = spec
+        self.kept = kept
         self._decoded: list[dict[str, Any]] = []
         self._offered = 0  # previews handed to the decoder (scheduler thread)
         self._settled = 0  # of those, sent or skipped (event loop)
@@ -272,14 +278,16 @@ class GenerationStream:
                 self.previews.forget(self)
 
 
-async def generate_sse(stream: GenerationStream, timeout_s: float) -> AsyncIterator[bytes]:
+async def generate_sse(stream: GenerationStream, timeout_s: float, tokenizer: TextTokenizer | None = None) -> AsyncIterator[bytes]:
     """/v1/generate with ``stream: true``: ``event: preview`` every k steps, then ``event: result``
-    (the same JSON as the plain answer), or ``event: error`` with the one error shape."""
+    (the same JSON as the plain answer), or ``event: error`` with the one error shape. ``tokenizer``
+    cuts a prompted stream's result after its prompt (``stream.kept``)."""
     try:
         async for kind, payload in stream.events(timeout_s):
             if kind == "preview":
                 yield sse({"steps": stream.spec.steps, "samples": payload}, "preview")
             else:
-                yield sse({"texts": payload.texts, "token_ids": payload.ids()}, "result")
+                shown = after_prompt(payload, stream.kept, tokenizer) if stream.kept and tokenizer is not None else payload
+                yield sse({"texts": shown.texts, "token_ids": shown.ids()}, "result")
     except REQUEST_ERRORS as error:  # the status line is sent: report in-band
         yield sse({"error": error_status(error)[1]}, "error")

@@ -1,6 +1,7 @@
 """The text API: texts in, texts, token ids or latents out.
 
-  POST /v1/generate      sample texts (``stream: true``: Server-Sent Events with denoising previews)
+  POST /v1/generate      sample texts (``stream: true``: Server-Sent Events with denoising previews;
+                         ``prompt``, where the body has it: continue it, as in serve/api/prompted.py)
   POST /v1/reconstruct   texts -> latents -> texts
   POST /v1/encode        texts -> standardized latents and their attention mask
 
@@ -24,6 +25,7 @@ from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
+from ldlm.serve.api.prompted import after_prompt, prompt_prefix
 from ldlm.serve.api.schemas import EncodeResponse, RequestModels, TextsResponse, request_models
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, generate_sse
@@ -45,17 +47,23 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
     async def generate(body: GenerateBody) -> Response:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
         deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
-        spec = GenerateRequest(body.n, body.length, body.steps, body.seed, body.sampler, body.t_min)
+        prompt, tokenizer = getattr(body, "prompt", ""), service.pipeline.tokenizer  # a body model without the field: none
+        prefix, kept = None, 0
+        if prompt:  # its tokens are encoded (the encoder runs): off the event loop
+            prefix, kept = await run_blocking(prompt_prefix, service.pipeline, prompt, body.length, timeout_s=deadline.left())
+        spec = GenerateRequest(body.n, kept + body.length, body.steps, body.seed, body.sampler, body.t_min)
         # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
         # scheduler refuses at once what it estimates cannot finish in the time left.
         submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
         if body.stream:
-            start = functools.partial(GenerationStream, submit, service.previews, spec, body.preview_every, loop=asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            start = functools.partial(GenerationStream, submit, service.previews, spec, body.preview_every, prefix, loop=loop, kept=kept)
             stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
-            return StreamingResponse(generate_sse(stream, deadline.left()), headers=SSE_HEADERS, media_type="text/event-stream")
-        future = await run_submit(submit, spec, cancel=Future.cancel, timeout_s=deadline.left())
+            return StreamingResponse(generate_sse(stream, deadline.left(), tokenizer), headers=SSE_HEADERS, media_type="text/event-stream")
+        future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
         result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
-        return await json_response(service, {"texts": result.texts, "token_ids": result.ids()})
+        shown = after_prompt(result, kept, tokenizer)
+        return await json_response(service, {"texts": shown.texts, "token_ids": shown.ids()})
 
     async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[list[int]]], dict[str, Any]]) -> Response:
         """Check and tokenize the body's texts and compute ``payload`` of their ids, in one call off the

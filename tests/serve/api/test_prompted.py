@@ -1,0 +1,101 @@
+"""/v1/generate with a prompt (serve/api/prompted.py): the prompt is inpainted, and the answer, plain
+or streamed with its previews, is of what follows it, checked against the eager PyTorch pipeline of
+the checkpoint the served graphs were exported from. The served body model gets the ``prompt``
+field here as ``with_prompt`` writes it (the one field ``schemas.generate_body_model`` would add);
+real server on 127.0.0.1, real httpx streams."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field, create_model
+
+pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
+httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
+
+from ldlm.pipeline import LDLMPipeline  # noqa: E402
+from ldlm.serve.api import schemas  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
+
+PROMPT = "Once upon a time"
+
+
+def with_prompt(build: Any) -> Any:
+    """``build`` (schemas.generate_body_model) with the optional ``prompt`` field added."""
+
+    def model(limits: schemas.BodyLimits) -> type[BaseModel]:
+        description = "text to continue (prefix inpainting); the answer and previews are of what follows it"
+        return create_model("GenerateBody", __base__=build(limits), prompt=(str, Field("", description=description)))
+
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(export_dir: Path):
+    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=4, max_steps=200)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(schemas, "generate_body_model", with_prompt(schemas.generate_body_model))
+        running = RunningServer(LDLMService(str(export_dir), settings))  # the app (its body models) is built here
+    yield running
+    running.stop()
+
+
+def reference(pipeline: LDLMPipeline, length: int, steps: int, seed: int) -> tuple[list[int], str]:
+    """The continuation's token ids and text from the eager pipeline, the prompt's positions cut off."""
+    ids = pipeline.tokenizer.encode([PROMPT])[0]
+    row = pipeline.generate(1, len(ids) + length, steps, seed, "ddim", prompt=ids).token_ids[0, len(ids) :].tolist()
+    return row, pipeline.tokenizer.decode(row)
+
+
+def read_events(response: Any) -> list[tuple[str, dict]]:
+    """(event name, its data's JSON) of each Server-Sent Event."""
+    events, name = [], ""
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[6:])))
+    return events
+
+
+def test_a_prompted_generation_answers_what_follows_the_prompt(server: RunningServer, pipeline: LDLMPipeline) -> None:
+    body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT}
+    answer = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
+    ids, text = reference(pipeline, 12, 20, 7)
+    assert answer == {"texts": [text], "token_ids": [ids]}
+    unprompted = httpx.post(f"{server.url}/v1/generate", json={**body, "prompt": ""}, timeout=60).json()
+    assert len(unprompted["token_ids"][0]) == 12 and unprompted != answer  # "" is no prompt: 12 tokens, unconditioned
+
+
+def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServer, pipeline: LDLMPipeline, monkeypatch) -> None:
+    offered: dict[int, Any] = {}  # step -> the x0_hat the scheduler handed over, decoded below by the eager pipeline
+    offer = server.service.previews.offer
+    monkeypatch.setattr(server.service.previews, "offer", lambda s, i, step, x0: (offered.__setitem__(step, x0), offer(s, i, step, x0)))
+    body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT, "stream": True, "preview_every": 5}
+    with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        events = read_events(response)
+    assert [k for k, _ in events] == ["preview"] * 3 + ["result"]  # an idle server: steps 5, 10, 15, then the result
+    assert [e["samples"][0]["step"] for _, e in events[:-1]] == [5, 10, 15]
+    ids, text = reference(pipeline, 12, 20, 7)
+    assert events[-1][1] == {"texts": [text], "token_ids": [ids]}
+    kept = len(pipeline.tokenizer.encode([PROMPT])[0])
+    for _, event in events[:-1]:
+        sample = event["samples"][0]
+        whole = pipeline.decode(offered[sample["step"]][None].float()).token_ids[0].tolist()
+        assert sample["text"] == pipeline.tokenizer.decode(whole[kept:]), sample  # the positions after the prompt
+
+
+def test_a_prompt_too_long_for_the_length_is_refused_naming_both(server: RunningServer) -> None:
+    body = {"n": 1, "length": 126, "steps": 4, "prompt": PROMPT}  # 4 prompt tokens + 126 > 128
+    response = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"] == (
+        "prompt has 4 tokens and length is 126: 130 tokens in all; allowed: up to 128 (the model's max_seq_len)"
+    )
+    blank = httpx.post(f"{server.url}/v1/generate", json={**body, "length": 8, "prompt": "  "}, timeout=60)
+    assert blank.status_code == 400 and "is blank" in blank.json()["error"]
