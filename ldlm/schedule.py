@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ldlm.config import GRIDS
+
 
 @dataclass(frozen=True)
 class TangentSchedule:
@@ -52,7 +54,6 @@ class TangentSchedule:
         return math.pi * self.d**2 * u * (1 + u**2) / (1 + self.d**2 * u**2)
 
 
-GRIDS: tuple[str, ...] = ("uniform", "power", "logsnr")
 POWER_GRID_EXPONENT = 1.5  # the "power" grid's rho: measured best of 0.7, 1, 1.5, 2 (docs/measurements/solvers-*.json)
 LOGSNR_GRID_T_MAX = 0.999  # the "logsnr" grid's first point after t = 1: lambda(1) = -inf cannot be spaced uniformly
 

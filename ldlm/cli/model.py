@@ -8,7 +8,7 @@ import sys
 import time
 
 from ldlm.cli.options import capped_positive_int, open_unit_float, positive_int, seed_int
-from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS
 
 
@@ -48,7 +48,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     start = time.perf_counter()
     # steps, sampler and t_min left out (None) are the checkpoint config's, filled in by the sampling engine
-    result = pipeline.generate(args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, not args.quiet, args.prompt)
+    result = pipeline.generate(args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, not args.quiet, args.prompt, args.grid)
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "seconds": elapsed}))
@@ -168,6 +168,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--t-min", type=open_unit_float, default=None, help="last time of the grid, in (0, 1) (default: the config's t_min, 0.05)"
+    )
+    p.add_argument(
+        "--grid",
+        choices=(TUNED_GRID, *GRIDS),
+        default=None,
+        help="the times the sampler steps through: tuned (the checkpoint's schedules.json, see tune-schedule), or uniform, "
+        "power, logsnr (default: tuned where the checkpoint has one for this sampler and step count, else the sampler's own)",
     )
     p.add_argument(
         "--prompt",

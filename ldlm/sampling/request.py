@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.config import SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.samplers import Sampler, get_sampler
 from ldlm.sampling.noise import check_seed
 from ldlm.sampling.schedules import TunedSchedules
@@ -66,7 +66,7 @@ class SamplingPlan:
         return time_grid(self.steps, self.t_min, self.grid, schedule)
 
 
-TUNED = "tuned"  # the grid tuned for the checkpoint (ldlm tune-schedule)
+TUNED = TUNED_GRID  # the grid tuned for the checkpoint (ldlm tune-schedule)
 
 
 def resolve(

@@ -160,6 +160,10 @@ def test_tune_schedule_writes_a_grid_that_generation_then_uses(tiny_checkpoint: 
     assert torch.equal(tuned.token_ids, pipe.generate(2, 8, 3, 5, "ddim", grid="tuned").token_ids)
     uniform = pipe.sample_latents(2, 8, 3, 5, "ddim", grid="uniform")
     assert not torch.equal(pipe.sample_latents(2, 8, 3, 5, "ddim"), uniform)
+    base = ["generate", str(ckpt), "--n", "2", "--length", "8", "--steps", "3", "--seed", "5", "--sampler", "ddim", "--json", "--quiet"]
+    for grid, expected in ((None, tuned), ("uniform", pipe.decode(uniform))):
+        assert main(base + (["--grid", grid] if grid else [])) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == expected.ids(), grid
     (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:-1] + b"\0")  # other weights
     with pytest.raises(ScheduleError, match="was tuned for weights with sha256"):
         LDLMPipeline.from_checkpoint(ckpt)
