@@ -227,10 +227,12 @@ def keyed_server(export_dir: Path):
     running.stop()
 
 
-def run_page(browser: Browser, key: str) -> str:
-    """Fill the form (length 12, 20 steps, seed 5, the API key field), generate, and wait for the end: the final state."""
+def run_page(browser: Browser, key: str, sampler: str | None = None) -> str:
+    """Fill the form (length 12, 20 steps, seed 5, the API key field, the sampler if given), generate, and
+    wait for the end: the final state."""
+    choose = f"set('sampler', {json.dumps(sampler)});" if sampler else ""
     browser.evaluate(f"""(() => {{ const set = (id, v) => document.getElementById(id).value = v;
-                        set('length', 12); set('steps', 20); set('seed', 5); set('every', 5); set('key', {json.dumps(key)});
+                        set('length', 12); set('steps', 20); set('seed', 5); set('every', 5); set('key', {json.dumps(key)}); {choose}
                         document.getElementById('go').click(); }})()""")
     browser.wait_for("['done', 'error'].includes(document.body.dataset.state)", 60)
     return browser.evaluate("document.body.dataset.state")

@@ -1,0 +1,96 @@
+"""The playground's form in a real headless browser (tests/test_playground.py's Browser), against the
+real server on 127.0.0.1: the sampler select is the server's own list with its default chosen, and a
+prompt streams previews of the continuation where /v1/generate takes one, else the page says why
+there are none. Without chromium these tests skip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
+
+from ldlm.config import SAMPLERS  # noqa: E402
+from ldlm.pipeline import LDLMPipeline  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
+from tests.test_playground import CHROMIUM, Browser, run_page  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no chromium on PATH (scripts/test.sh installs it: apt-get install -y chromium); the sampler select and "
+    "prompted previews were not exercised in a browser",
+)
+PROMPT = "Once upon a time"
+
+
+def serve(export_dir: Path, prompted: bool) -> RunningServer:
+    """The tiny export behind the production app; ``prompted``: its /v1/generate body has the ``prompt``
+    field, as tests/serve/api/test_prompted.py adds it. Previews may take half the time (the run is short)."""
+    from ldlm.serve.api import schemas
+    from tests.serve.api.test_prompted import with_prompt
+
+    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=1000, preview_budget=0.5)
+    with pytest.MonkeyPatch.context() as patch:
+        if prompted:
+            patch.setattr(schemas, "generate_body_model", with_prompt(schemas.generate_body_model))
+        return RunningServer(LDLMService(str(export_dir), settings))
+
+
+@pytest.fixture(scope="module")
+def server(export_dir: Path):
+    running = serve(export_dir, prompted=False)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def prompted_server(export_dir: Path):
+    running = serve(export_dir, prompted=True)
+    yield running
+    running.stop()
+
+
+@pytest.fixture()
+def browser():
+    opened = Browser()
+    yield opened
+    opened.close()
+
+
+def test_the_sampler_select_lists_the_servers_samplers_and_its_choice_is_sent(
+    server: RunningServer, browser: Browser, pipeline: LDLMPipeline
+) -> None:
+    browser.open(server.url + "/")
+    browser.wait_for("document.body.dataset.schema === 'ready'")
+    options = browser.evaluate("[...document.getElementById('sampler').options].map(o => o.value)")
+    assert options == list(SAMPLERS)  # the server's own list, from its OpenAPI schema
+    assert browser.evaluate("document.getElementById('sampler').value") == pipeline.config.default_sampler
+    assert run_page(browser, "", sampler="ddim") == "done"
+    # the independent reference: the eager pipeline with the sampler chosen on the page
+    assert (
+        browser.evaluate("document.getElementById('preview').textContent") == pipeline.generate(1, 12, 20, seed=5, sampler="ddim").texts[0]
+    )
+
+
+def test_with_a_prompt_the_page_shows_previews_of_the_continuation(
+    prompted_server: RunningServer, browser: Browser, pipeline: LDLMPipeline
+) -> None:
+    browser.open(prompted_server.url + "/")
+    browser.wait_for("document.body.dataset.schema === 'ready'")
+    browser.evaluate(f"document.getElementById('prompt').value = {json.dumps(PROMPT)}")
+    assert run_page(browser, "", sampler="ddim") == "done"
+    # an idle server sends every preview asked for: steps 5, 10 and 15 of 20
+    assert browser.evaluate("document.getElementById('status').textContent") == "Done: 20 steps, 3 previews."
+    ids = pipeline.tokenizer.encode([PROMPT])[0]
+    continuation = pipeline.generate(1, len(ids) + 12, 20, seed=5, sampler="ddim", prompt=ids).token_ids[0, len(ids) :].tolist()
+    assert browser.evaluate("document.getElementById('preview').textContent") == PROMPT + pipeline.tokenizer.decode(continuation)
+
+
+def test_with_a_prompt_on_a_server_without_prompted_previews_the_page_says_so(server: RunningServer, browser: Browser) -> None:
+    browser.open(server.url + "/")
+    browser.evaluate(f"document.getElementById('prompt').value = {json.dumps(PROMPT)}")
+    assert run_page(browser, "") == "done"
+    assert "its /v1/generate takes no prompt" in browser.evaluate("document.getElementById('status').textContent")
