@@ -26,6 +26,7 @@ from ldlm.config import LDLMConfig
 from ldlm.sampling import GenerateRequest, SamplingEngine, resolve, run_lockstep
 from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.schedule import TangentSchedule
+from ldlm.token_sampling import TokenLogprobs, TokenSampling, choose_tokens
 from ldlm.tokenizer import TextTokenizer
 
 
@@ -56,6 +57,7 @@ class TextResult:
     token_ids: Tensor  # (B, L) int64; row i is real up to lengths[i], what the decoder made of padding after it
     texts: list[str]  # detokenized, cut at the first end-of-text token
     lengths: list[int]  # real (unpadded) positions per row
+    logprobs: TokenLogprobs | None = None  # when decoded with TokenSampling.top_logprobs set
 
     def ids(self) -> list[list[int]]:
         """The token ids of each text without its padded positions: what a caller should return."""
@@ -68,6 +70,8 @@ class InferenceGraphs(Protocol):
     def encode_latents(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor: ...
     def denoise(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor) -> Tensor: ...
     def decode_tokens(self, latents: Tensor, mask: Tensor) -> Tensor: ...
+
+    # optional: ``decode_logits(latents, mask) -> (B, L, V)``, for ``decode(..., sampling=...)``
 
 
 class LDLMPipeline:
@@ -158,8 +162,12 @@ class LDLMPipeline:
         return EncodeResult(latents=latents[:, :length], attention_mask=mask[:, :length], token_ids=token_ids[:, :length])
 
     @torch.inference_mode()
-    def decode(self, latents: Tensor, attention_mask: Tensor | None = None) -> TextResult:
-        """Standardized latents (B, L, D) -> token ids and texts. Padded positions are dropped."""
+    def decode(self, latents: Tensor, attention_mask: Tensor | None = None, sampling: TokenSampling | None = None) -> TextResult:
+        """Standardized latents (B, L, D) -> token ids and texts. Padded positions are dropped.
+
+        ``sampling`` (default: argmax, as the decoder graph's own ``token_ids``): a temperature, nucleus
+        and seed to draw the tokens from the decoder's logits, and log-probabilities to report; it needs
+        graphs with ``decode_logits`` (an export with ``ldlm export --with-logits``)."""
         d = self.config.d_model
         if latents.ndim != 3 or latents.shape[-1] != d:
             raise ValueError(f"latents have shape {tuple(latents.shape)}; allowed: (B, L, {d})")
@@ -172,10 +180,21 @@ class LDLMPipeline:
         padded = self.bucket_length(length)
         latents = torch.nn.functional.pad(latents.to(self.device), (0, 0, 0, padded - length))
         mask = torch.nn.functional.pad(attention_mask.to(self.device).bool(), (0, padded - length))
-        token_ids = self.graphs.decode_tokens(latents, mask).cpu()[:, :length]
+        logprobs = None
+        if sampling is None or not sampling.needs_logits:
+            token_ids = self.graphs.decode_tokens(latents, mask).cpu()[:, :length]
+        else:
+            decode_logits = getattr(self.graphs, "decode_logits", None)
+            if decode_logits is None or not getattr(self.graphs, "has_logits", True):
+                raise ValueError(
+                    f"sampling={sampling} needs the decoder's logits, which these graphs do not output; "
+                    "export with `ldlm export --with-logits` (or serve a checkpoint on a torch backend)"
+                )
+            # cut before drawing: the draws (and so the text) must not depend on the bucket
+            token_ids, logprobs = choose_tokens(decode_logits(latents, mask)[:, :length], sampling)
         lengths = mask.sum(dim=1).tolist()
         texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, lengths)]
-        return TextResult(token_ids=token_ids, texts=texts, lengths=lengths)
+        return TextResult(token_ids=token_ids, texts=texts, lengths=lengths, logprobs=logprobs)
 
     def reconstruct(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> TextResult:
         """Texts (or their token ids) -> latents -> texts: the autoencoder's round trip. ``texts`` is a
