@@ -257,8 +257,9 @@ def _bench_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--solvers",
         default="ddim@50,dpm3m-psc@21,dpm3m-psc@15",
-        help=f"NAME@STEPS list (STEPS 1..{MAX_STEPS}): latency per sample beside token agreement and latent error against a long "
-        "DDIM run, side by side on the workload backend; '' skips (default: ddim@50,dpm3m-psc@21,dpm3m-psc@15)",
+        help=f"NAME@STEPS[:GRID] list (STEPS 1..{MAX_STEPS}; GRID tuned, uniform, power or logsnr): latency per sample beside "
+        "token agreement and latent error against a long DDIM run, side by side on the workload backend; '' skips "
+        "(default: ddim@50,dpm3m-psc@21,dpm3m-psc@15)",
     )
     p.add_argument(
         "--solver-reference-steps", type=STEPS, default=500, help=f"DDIM steps of the solvers' reference, 1..{MAX_STEPS} (default: 500)"

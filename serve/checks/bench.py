@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from ldlm.checkpoint import load_config
+from ldlm.checkpoint import WEIGHTS_FILE, load_config
 from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline, check_length
+from ldlm.sampling.schedules import load_schedules
 from ldlm.serve.checks.bench_latency import bench_generation, bench_graphs, bench_solvers
 from ldlm.serve.checks.bench_workload import bench_batching
 from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
@@ -48,7 +49,7 @@ def run_bench(
     precision: str = "fp32",
     provider: str = "cpu",
     gen_sampler: str = "ddim",
-    solver_specs: Sequence[tuple[str, int]] = (),
+    solver_specs: Sequence[tuple[str, int, str | None]] = (),
     solver_reference_steps: int = 500,
 ) -> dict[str, Any]:
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
@@ -60,6 +61,9 @@ def run_bench(
         if "ort" in backends and onnx_dir is None:
             sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress).out)
         graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device)
+        schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)  # tuned grids, where tuned
+        for pipeline in pipelines.values():
+            pipeline.schedules = schedules
         report: dict[str, Any] = {
             "checkpoint": str(checkpoint),
             "threads": threads,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ldlm.config import LDLMConfig
+from ldlm.config import GRIDS, TUNED_GRID, LDLMConfig
 from ldlm.limits import MAX_STEPS
 from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import get_sampler
@@ -132,22 +132,26 @@ def bench_generation(
     return results
 
 
-def parse_solver_specs(text: str) -> list[tuple[str, int]]:
-    """'ddim@50,dpm3m-psc@20' -> [('ddim', 50), ('dpm3m-psc', 20)], each name checked."""
+def parse_solver_specs(text: str) -> list[tuple[str, int, str | None]]:
+    """'ddim@50,dpm3m-psc@10:tuned' -> [('ddim', 50, None), ('dpm3m-psc', 10, 'tuned')], each name checked
+    (a grid after ':' is one of ldlm.config's GRIDS or 'tuned'; None: the default for that sampler and step count)."""
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, steps = item.partition("@")
+        spec, _, grid = item.partition(":")
+        name, _, steps = spec.partition("@")
         get_sampler(name)
+        if grid and grid not in (TUNED_GRID, *GRIDS):
+            raise ValueError(f"solver spec {item!r} names the grid {grid!r}; allowed: {', '.join((TUNED_GRID, *GRIDS))}")
         if not steps.isdigit() or int(steps) < 1:
             raise ValueError(f"solver spec {item!r} is invalid; allowed: NAME@STEPS with STEPS an integer >= 1")
         if int(steps) > MAX_STEPS:
             raise ValueError(f"solver spec {item!r} has {steps} steps; allowed: 1..{MAX_STEPS} denoising steps (as ldlm serve's max_steps)")
-        specs.append((name, int(steps)))
+        specs.append((name, int(steps), grid or None))
     return specs
 
 
 def bench_solvers(
-    pipeline: LDLMPipeline, specs: Sequence[tuple[str, int]], n: int, length: int, runs: int, reference_steps: int
+    pipeline: LDLMPipeline, specs: Sequence[tuple[str, int, str | None]], n: int, length: int, runs: int, reference_steps: int
 ) -> dict[str, Any]:
     """Latency per sample beside agreement, solver by solver, in one run: each ``(sampler, steps)`` is
     timed (p50 of ``runs``, specs alternating) and compared with DDIM at ``reference_steps`` from the same
@@ -156,21 +160,26 @@ def bench_solvers(
     reference = pipeline.sample_latents(n, length, reference_steps, 0, "ddim")
     reference_tokens = pipeline.decode(reference).token_ids
     entries: dict[str, dict[str, Any]] = {}
-    for sampler, steps in specs:  # quality, and the warm-up of the timing
-        latents = pipeline.sample_latents(n, length, steps, 0, sampler)
-        entries[f"{sampler}@{steps}"] = {
+    for sampler, steps, grid in specs:  # quality, and the warm-up of the timing
+        latents = pipeline.sample_latents(n, length, steps, 0, sampler, grid=grid)
+        entries[spec_name(sampler, steps, grid)] = {
             "sampler": sampler,
             "steps": steps,
+            "grid": grid or "default",
             "token_agreement": round(float((pipeline.decode(latents).token_ids == reference_tokens).float().mean()), 4),
             "latent_rel_error": round(float((latents - reference).norm() / reference.norm()), 5),
         }
     times: dict[str, list[float]] = {key: [] for key in entries}
     for run in range(runs):
-        for sampler, steps in specs:
+        for sampler, steps, grid in specs:
             start = time.perf_counter()
-            pipeline.generate(n, length, steps, run, sampler)
-            times[f"{sampler}@{steps}"].append(time.perf_counter() - start)
+            pipeline.generate(n, length, steps, run, sampler, grid=grid)
+            times[spec_name(sampler, steps, grid)].append(time.perf_counter() - start)
     for key, values in times.items():
         p50 = statistics.median(values)
         entries[key].update(p50_s=round(p50, 6), ms_per_sample=round(1000 * p50 / n, 3))
     return {"reference": f"ddim@{reference_steps}", "n": n, "length": length, "runs": runs, "entries": entries}
+
+
+def spec_name(sampler: str, steps: int, grid: str | None) -> str:
+    return f"{sampler}@{steps}" + (f":{grid}" if grid else "")

@@ -260,7 +260,10 @@ def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Pa
     from ldlm.serve.checks.eps_probe_ort import OrtNodeRunner
     from ldlm.serve.checks.eps_probe_trt import probe_engines, run_normalization_plan
 
-    assert parse_solver_specs("ddim@50, dpm3m-psc@1,") == [("ddim", 50), ("dpm3m-psc", 1)]
+    assert parse_solver_specs("ddim@50, dpm3m-psc@1,") == [("ddim", 50, None), ("dpm3m-psc", 1, None)]
+    assert parse_solver_specs("dpm3m-psc@10:tuned,ddim@5:power") == [("dpm3m-psc", 10, "tuned"), ("ddim", 5, "power")]
+    with raises(ValueError, "solver spec 'ddim@5:cosine' names the grid 'cosine'; allowed: tuned, uniform, power, logsnr"):
+        parse_solver_specs("ddim@5:cosine")
     for spec in ("ddim@0", "ddim", "ddim@x", "ddim@-2"):
         with raises(ValueError, f"solver spec {spec!r} is invalid; allowed: NAME@STEPS with STEPS an integer >= 1"):
             parse_solver_specs(spec)
