@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 22's fairness measurement: how long short generations take alone and beside a stream of
+"""The fairness measurement: how long short generations take alone and beside a stream of
 long ones, and what the short ones cost the long ones' throughput. Real `ldlm serve` processes on
 127.0.0.1; with --baseline-python/--baseline-cwd the code before a change is measured too,
 interleaved round by round (the machine may be shared: neither server gets all the quiet minutes).
@@ -15,7 +15,7 @@ Short latencies are client wall times, pooled over the rounds (p50, p99). Long t
 from the server's own count of samples stepped (/metrics ldlm_inference_count{model="generate"}),
 less the short requests' known work, over the phase's wall time and over the server process's CPU
 time (the latter holds still when other jobs share the machine); medians over the rounds.
-Targets (issue 22): short p99 beside <= 3 x alone; long throughput beside within 10% of the code
+Targets: short p99 beside <= 3 x alone; long throughput beside within 10% of the code
 before the change (beside).
 
     python scripts/fairness.py --baseline-python BASE/.venv/bin/python --baseline-cwd BASE \
@@ -187,7 +187,7 @@ def run_phase(phase: str, python: str, cwd: str, source: Path, args: argparse.Na
         try:
             wait_until_busy(server.url, args.max_batch * 20)
             before, started, cpu = samples_stepped(server.url), time.perf_counter(), cpu_seconds(server.process.pid)
-            if phase == "beside":  # before issue 22 a short request waited for a long one to finish: capped at 2 x --seconds
+            if phase == "beside":  # a server without fair scheduling makes a short request wait for a long one: capped at 2 x --seconds
                 out["short_s"], out["errors"], out["cut"] = run_shorts(server.url, args.short_requests, short, 2 * args.seconds)
             left = args.seconds - (time.perf_counter() - started)
             if left > 0:

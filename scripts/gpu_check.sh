@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU run of issue 10 (see docs/gpu-run.md): no network there. Installs the wheels
+# The prepared GPU run (see scripts/gpu_check.py's docstring): no network there. Installs the wheels
 # carried in .whl/ (made here by scripts/gpu_bundle.sh) and this tree into /tmp/ldlm-site, unless
 # the packages are importable already, then runs scripts/gpu_check.py, which writes
 # OUT/gpu_check.json and OUT/gpu_check.md (and server.log, setup.log).

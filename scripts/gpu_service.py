@@ -83,7 +83,7 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
 
 
 def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Issue 13 on the GPU: what streamed previews every 5 steps cost. ``ldlm serve`` (compiled bf16)
+    """On the GPU: what streamed previews every 5 steps cost. ``ldlm serve`` (compiled bf16)
     runs with ``--preview-budget 1``, so no preview is skipped to save time; the same concurrent
     load of /v1/generate requests runs with and without ``stream: true``, side by side in
     alternating order; then the time to the first preview event at batch 1."""

@@ -1,4 +1,4 @@
-"""Issue 10's targets (and issue 13's preview cost), read off a gpu_check report: one row per target with the measured figure
+"""The GPU targets (and the preview cost), read off a gpu_check report: one row per target with the measured figure
 and a verdict (met, missed, or not measured and why), and the Markdown summary of a report.
 Used by scripts/gpu_check.py."""
 
@@ -72,7 +72,7 @@ def _bf16_agreement(r: dict[str, Any]) -> tuple[float, str]:
 def _preview_cost(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "previews")
     return s["throughput_cost"], (
-        f"issue 13: {s['preview_events_per_request']} of {s['preview_events_per_request_nominal']} previews per request, "
+        f"previews: {s['preview_events_per_request']} of {s['preview_events_per_request_nominal']} previews per request, "
         f"{s['clients']} clients, length {s['length']}, {s['steps']} steps; first preview at batch 1 "
         f"{s['first_preview_batch1']['median_ms']} ms"
     )

@@ -1,4 +1,4 @@
-"""Send issue 12's and issue 22's attacks to a real `ldlm serve` on 127.0.0.1 and write what happened as JSON.
+"""Send the hardening and fair-scheduling attacks to a real `ldlm serve` on 127.0.0.1 and write what happened as JSON.
 
 Measures, for the server code of any checkout (run it with that checkout's interpreter):
 1. memory: RSS warm (each route run once, small), after one huge /v2 request ([520000, 1] input_ids),
@@ -6,7 +6,7 @@ Measures, for the server code of any checkout (run it with that checkout's inter
 2. event loop: the worst /v2/health/live latency while a maximum-size JSON request is processed;
 3. slow clients: a well-behaved client's latency while 1,100 idle connections are open; how long
    200 slow-header clients stay connected; how long shutdown takes with a client stalled mid-body;
-4. abandoned work (issue 22): a small generation's time right after a client gave up on a big one.
+4. abandoned work: a small generation's time right after a client gave up on a big one.
 
     python tests/e2e/attack_check.py --source ONNX_DIR --out after.json
     python tests/e2e/attack_check.py --source ONNX_DIR --python /other/.venv/bin/python --cwd /other/checkout --out before.json
@@ -308,7 +308,7 @@ def slow_headers(server: Server, count: int, cap_s: float) -> dict[str, Any]:
 
 
 def abandoned_generation(server: Server) -> dict[str, Any]:
-    """Issue 22: a client gives up on a big plain generation after 1 s (curl -m 1); how long the next small
+    """A client gives up on a big plain generation after 1 s (curl -m 1); how long the next small
     request takes, and whether the server counted the cancelled work."""
     big = {"n": 64, "length": 128, "steps": 1000, "seed": 0, "sampler": "ddim"}
     started = time.perf_counter()

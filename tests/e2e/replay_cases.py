@@ -1,6 +1,6 @@
-"""Replay issue 22's cases, and more of the same kind, against a real `ldlm serve` and the `ldlm` CLI.
+"""Replay the cases a new user hit, and more of the same kind, against a real `ldlm serve` and the `ldlm` CLI.
 
-Issue 22 ("Done when"): a script that replays the cases found on a fresh clone, and more of the
+A script that replays the cases found on a fresh clone, and more of the
 same kind, gets no 500, no traceback, no silent acceptance of an unknown field, and no request
 slowed by abandoned work. This is that script; it stays as a regression tool.
 
@@ -464,7 +464,7 @@ HttpCaseSpec = tuple[str, str, str, Any, Expect] | tuple[str, str, str, Any, Exp
 
 
 def loose_input_cases() -> list[HttpCaseSpec]:
-    """Issue 22's loose input and messages: refused, naming the field, the value and the range."""
+    """Loose input and messages: refused, naming the field, the value and the range."""
     small = {"n": 1, "length": 8, "steps": 2}
     completion = {"model": "ldlm", "prompt": "Hello", "max_tokens": 8, "steps": 2}
     return [

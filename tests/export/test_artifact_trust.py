@@ -1,4 +1,4 @@
-"""Issue 12 items 6 and 7: configs bounded at load, and export directories trusted only after their
+"""Configs bounded at load, and export directories trusted only after their
 manifest checks out (paths inside, sha256 of every file) in every consumer: verify-onnx, serve,
 parity, build-engine's reader; load errors named; leftovers of a killed export removed."""
 

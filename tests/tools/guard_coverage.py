@@ -2,7 +2,7 @@
 """Which guards does no test trigger? Every ``raise`` and every bound/limit branch of ldlm/, export/
 and serve/, against the lines and branches the test suite executes (coverage.py, branch coverage).
 
-A guard that no test triggers can be deleted and every test still passes (issue 25: RMSNorm's eps,
+A guard that no test triggers can be deleted and every test still passes (e.g. RMSNorm's eps,
 the end-of-text cut, the NaN refusal). This script finds them:
 
   raises     every ``ast.Raise`` node: executed or not (coverage's executed lines), with the

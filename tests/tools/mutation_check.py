@@ -880,7 +880,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if not np.isfinite(wide).all():",
         "if False:",
         ("tests/serve/api/test_kserve_guards.py", "tests/serve/api/test_http_guard.py"),
-        "issue 25's survivor: JSON Infinity gets another message, NaN only a later check",
+        "JSON Infinity gets another message, NaN only a later check",
     ),
     Mutation(
         "kserve-int-max-off-by-one",

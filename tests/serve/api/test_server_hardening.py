@@ -1,6 +1,6 @@
-"""Issue 12's attacks, each sent to a real server on 127.0.0.1: per-request memory caps, JSON off
+"""The attacks a server must survive, each sent to a real server on 127.0.0.1: per-request memory caps, JSON off
 the event loop, slow and idle clients, malformed bodies (a battery and a Hypothesis fuzz), auth,
-a busy port, and the one error shape and typed OpenAPI of issue 15."""
+a busy port, and the one error shape and typed OpenAPI."""
 
 from __future__ import annotations
 
