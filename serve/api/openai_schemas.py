@@ -1,6 +1,8 @@
 """The request body of OpenAI's completions, as this diffusion model can honour it.
 
-OpenAI parameters that mean nothing to a diffusion sampler are accepted only at the value that asks
+``temperature``, ``top_p`` and ``logprobs`` act at the token decoder, which gives a distribution over
+tokens at every position (ldlm/token_sampling.py); temperature 0, the default, is its argmax. OpenAI
+parameters that mean nothing to a diffusion sampler are accepted only at the value that asks
 for nothing, else refused (400) naming the parameter; LDLM's own (steps, sampler, t_min, timeout_s)
 are extra body fields. The body carries this server's limits, so ``completion_body`` builds it per app.
 """
@@ -17,6 +19,7 @@ from ldlm.limits import MAX_SEED
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, Range, SamplerName, strict_int, timeout_field
 from ldlm.serve.api.service import ServerSettings
+from ldlm.token_sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, TokenSampling
 
 MODEL_ID = "ldlm"
 
@@ -30,10 +33,7 @@ class StreamOptions(BaseModel):
 # for nothing (OpenAI's own default), so a client that leaves them alone works; any other value is
 # refused with OpenAI's error shape naming the parameter, never silently ignored.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "temperature": ((None, 1, 1.0), 'there is no next-token distribution to sharpen; sampler "ddim" with a seed is deterministic'),
-    "top_p": ((None, 1, 1.0), "there is no next-token distribution to truncate"),
     "best_of": ((None, 1), "completions are not scored; ask for n choices instead"),
-    "logprobs": ((None,), "a diffusion sample has no per-token log-probabilities"),
     "frequency_penalty": ((None, 0, 0.0), "tokens are not sampled one at a time"),
     "presence_penalty": ((None, 0, 0.0), "tokens are not sampled one at a time"),
     "logit_bias": ((None, {}), "tokens are not sampled from logits one at a time"),
@@ -42,11 +42,43 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
 
 
+# The token decoder's own: how each token is chosen from its distribution (ldlm/token_sampling.py).
+DECODING_FIELDS: dict[str, Any] = {
+    "temperature": (
+        float | None,
+        Field(
+            None,
+            ge=0,
+            le=MAX_TEMPERATURE,
+            strict=True,
+            description="0 (the default): each token is the decoder's argmax; > 0: drawn from softmax(logits / temperature), seeded by seed",
+        ),
+    ),
+    "top_p": (
+        float | None,
+        Field(None, gt=0, le=1, strict=True, description="with temperature > 0: draw from the smallest set of tokens holding this mass"),
+    ),
+    "logprobs": (
+        int | None,
+        Field(
+            None,
+            ge=0,
+            le=MAX_TOP_LOGPROBS,
+            strict=True,
+            description="each completion token's log-probability under the decoder, and this many most likely alternatives",
+        ),
+    ),
+}
+OPENAI_ORDER = ("temperature", "top_p", "best_of", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "suffix")
+
+
 def completion_body(limits: BodyLimits) -> type[BaseModel]:
     unsupported = {
         name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}"))
         for name, (allowed, why) in UNSUPPORTED.items()
     }
+    openai_fields = {**DECODING_FIELDS, **unsupported}
+    openai_fields = {name: openai_fields[name] for name in OPENAI_ORDER}  # as OpenAI's reference lists them
     return create_model(  # type: ignore[call-overload, unused-ignore]  # pydantic's stubs cannot type fields built in a dict
         "CompletionBody",
         __config__=STRICT_BODY,
@@ -92,7 +124,7 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
         ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
         timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
-        **unsupported,
+        **openai_fields,
     )
 
 
@@ -124,6 +156,23 @@ def check_supported(body: Any) -> None:
         )
 
 
+def token_sampling(body: Any, seed: int, has_logits: bool) -> TokenSampling | None:
+    """The body's temperature, top_p and logprobs for the token decoder (None: argmax, as without them).
+    Drawing needs the decoder's logits: an export without them is refused here, naming the fix."""
+    temperature = 0.0 if body.temperature is None else float(body.temperature)
+    top_p = 1.0 if body.top_p is None else float(body.top_p)
+    sampling = TokenSampling(temperature, top_p, body.logprobs, seed)
+    if sampling.needs_logits and not has_logits:
+        name = "temperature" if temperature > 0 else "logprobs"
+        raise HTTPError(
+            400,
+            f"{name}={json.dumps(getattr(body, name))} needs the token decoder's logits, and this server's export has no logits "
+            "output; re-export with `ldlm export --with-logits` and serve that directory (or serve the checkpoint itself)",
+            param=name,
+        )
+    return sampling if sampling.needs_logits else None
+
+
 def openai_limits(settings: ServerSettings, max_seq_len: int) -> dict[str, Range]:
     """The ranges that validation messages name, field by field."""
     return {
@@ -132,5 +181,8 @@ def openai_limits(settings: ServerSettings, max_seq_len: int) -> dict[str, Range
         "steps": Range(1, settings.max_steps),
         "seed": Range(0, MAX_SEED),
         "t_min": Range(0, 1, exclusive=True),
+        "temperature": Range(0, MAX_TEMPERATURE),
+        "top_p": Range(0, 1, low_open=True),
+        "logprobs": Range(0, MAX_TOP_LOGPROBS),
         "timeout_s": Range(0, settings.request_timeout_s, low_open=True),
     }

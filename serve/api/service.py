@@ -140,6 +140,7 @@ class LDLMService:
             ort_providers(settings.provider),
             settings.threads,
             settings.device,
+            with_logits=True,  # torch backends: the decoder's logits, for temperature, top_p and logprobs
             memory_arena=False,
             cuda_graphs=settings.trt_cuda_graphs,
         )
@@ -194,11 +195,18 @@ class LDLMService:
         return BodyLimits(s.max_n, s.max_steps, s.max_texts, c.max_seq_len, min(steps, s.max_steps), c.default_sampler, s.request_timeout_s)
 
     def submit_generation(
-        self, spec: GenerateRequest, prefix: Any = None, on_preview: Any = None, preview_every: int = 0, deadline_s: float | None = None
+        self,
+        spec: GenerateRequest,
+        prefix: Any = None,
+        on_preview: Any = None,
+        preview_every: int = 0,
+        deadline_s: float | None = None,
+        decoding: Any = None,
     ) -> Future[Any]:
         """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight: a
-        streamed request's previews are free of the preview budget only while it is the one generation in flight."""
-        future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s)
+        streamed request's previews are free of the preview budget only while it is the one generation in flight.
+        ``decoding``: its ``TokenSampling`` (None: argmax)."""
+        future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s, decoding)
         with self._in_flight_lock:
             self._in_flight += 1
         future.add_done_callback(self._generation_done)
@@ -243,5 +251,6 @@ def is_checkpoint(source: str) -> bool:
 
 def export_checkpoint_for_serving(checkpoint: str, scratch: Path, progress: bool) -> str:
     """ONNX Runtime serves an export, not a checkpoint: export ``checkpoint``'s graphs under ``scratch``
-    (a directory the service removes at close) and return the export's directory, for ``open_graphs``."""
-    return str(export_graphs(checkpoint, scratch / "onnx", progress=progress).out)
+    (a directory the service removes at close) and return the export's directory, for ``open_graphs``.
+    The decoder keeps its logits output, which temperature, top_p and logprobs draw from."""
+    return str(export_graphs(checkpoint, scratch / "onnx", with_logits=True, progress=progress).out)

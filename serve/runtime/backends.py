@@ -283,3 +283,15 @@ class BackendGraphs:
 
     def decode_tokens(self, latents: Tensor, mask: Tensor) -> Tensor:
         return self._run("decoder", {"latents": latents.float(), "attention_mask": mask.long()}, "token_ids", latents)
+
+    @property
+    def has_logits(self) -> bool:
+        """Whether the decoder outputs ``logits`` (a GraphBackend's output names, or those behind a DynamicBatcher)."""
+        runner: Any = self.graphs["decoder"]
+        return "logits" in (getattr(runner, "output_names", None) or getattr(getattr(runner, "backend", None), "output_names", []))
+
+    def decode_logits(self, latents: Tensor, mask: Tensor) -> Tensor:
+        """latents (B, L, D) -> the decoder's logits (B, L, V), FP32; a BackendError where it has none."""
+        if not self.has_logits:
+            raise BackendError("the decoder has no logits output; export it with `ldlm export --with-logits`")
+        return self._run("decoder", {"latents": latents.float(), "attention_mask": mask.long()}, "logits", latents)

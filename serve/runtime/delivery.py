@@ -1,5 +1,6 @@
 """Delivering what a generation step produced: previews of running samples, and the answers of
-requests whose samples have all finished (decoded together, in one decoder call)."""
+requests whose samples have all finished (the argmax ones decoded together, in one decoder call;
+one that draws its tokens at a temperature decoded alone, since its settings and seed are its own)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class Delivery:
                 resolve_future(request.future, error=error)
 
     def finish(self, finished: list[Sample]) -> None:
-        """Record finished samples; decode every request they complete in one decoder call."""
+        """Record finished samples; decode the argmax requests they complete in one decoder call, and
+        each request that samples its tokens (its own temperature, nucleus and seed) on its own."""
         complete: list[Generation] = []
         for sample in finished:
             request = sample.request
@@ -44,16 +46,29 @@ class Delivery:
             request.remaining -= 1
             if request.remaining == 0 and not request.future.done():
                 complete.append(request)
-        if not complete:
+        argmax = [r for r in complete if r.decoding is None or not r.decoding.needs_logits]
+        for request in complete:
+            if request.decoding is not None and request.decoding.needs_logits:
+                self._decode_sampled(request)
+        if not argmax:
             return
-        latents = [z for r in complete for z in r.latents]
+        latents = [z for r in argmax for z in r.latents]
         decoded = decode_ragged(self.pipeline, latents)  # type: ignore[arg-type]
         start = 0
-        for request in complete:
+        for request in argmax:
             n, length = request.plan.n, request.plan.length
             rows = slice(start, start + n)
             resolve_future(request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows]))
             start += n
+
+    def _decode_sampled(self, request: Generation) -> None:
+        """One request whose tokens are drawn from the logits; its error (e.g. no logits output) is its own."""
+        try:
+            result = self.pipeline.decode(torch.stack(request.latents), sampling=request.decoding)  # type: ignore[arg-type]
+        except Exception as error:
+            resolve_future(request.future, error=error)
+            return
+        resolve_future(request.future, result)
 
 
 def decode_ragged(pipeline: LDLMPipeline, latents: list[Tensor]) -> TextResult:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest, SampleState, SamplingPlan
+from ldlm.token_sampling import TokenSampling
 
 PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x0_hat (L, D)); must not block
 
@@ -31,6 +32,7 @@ class Generation:
     started: float | None = None
     on_preview: PreviewHook | None = None
     preview_every: int = 0
+    decoding: TokenSampling | None = None  # how its tokens are chosen from the decoder's logits (None: argmax)
     order: int = 0  # submission order: ties, and first come first served
     bucket: int = 0  # the length bucket its samples run in
     work: int = 0  # sample-steps left (n x steps at submit)

@@ -37,6 +37,7 @@ from ldlm.serve.runtime.executor import StepExecutor, StepObserver
 from ldlm.serve.runtime.generation import Generation, PreviewHook, Sample, WaitingQueue
 from ldlm.serve.runtime.policy import make_policy
 from ldlm.serve.runtime.queueing import QueueFullError, QueueWorker, resolve_future
+from ldlm.token_sampling import TokenSampling
 
 Policy = Literal["continuous", "static"]
 __all__ = ["GenerateRequest", "GenerationScheduler", "Policy", "PreviewHook", "decode_ragged"]
@@ -85,18 +86,27 @@ class GenerationScheduler(QueueWorker):
         on_preview: PreviewHook | None = None,
         preview_every: int = 0,
         deadline_s: float | None = None,
+        decoding: TokenSampling | None = None,
     ) -> Future[TextResult]:
         """Queue a request; bad input raises here, at once, with the sampling engine's messages.
 
         ``prefix`` (P, D), P < length: condition every sample on these latents at its first P
         positions. ``on_preview``: called every ``preview_every`` steps (not after the last).
-        ``deadline_s``: refuse the request now if it is estimated to take longer (see ``admission``)."""
+        ``deadline_s``: refuse the request now if it is estimated to take longer (see ``admission``).
+        ``decoding``: a temperature, nucleus, seed and log-probabilities for its tokens (default: argmax)."""
         plan = resolve(spec, self.pipeline.config, schedules=self.pipeline.schedules)
         if preview_every < 0:
             raise ValueError(f"preview_every={preview_every} is out of range; allowed: >= 0 (0: no previews)")
         states = self.engine.start(plan, self.pipeline.config.d_model, prefix)
         request = Generation(
-            spec, plan, Future(), [None] * plan.n, plan.n, on_preview=on_preview, preview_every=preview_every if on_preview else 0
+            spec,
+            plan,
+            Future(),
+            [None] * plan.n,
+            plan.n,
+            on_preview=on_preview,
+            preview_every=preview_every if on_preview else 0,
+            decoding=decoding,
         )
         samples = [Sample(request, i, state) for i, state in enumerate(states)]
         with self._cond:

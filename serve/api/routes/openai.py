@@ -11,9 +11,13 @@ their positions are reset to those latents forward-noised to the step's time
 (``LDLMPipeline.inpaint_prefix``). The completion is the text decoded after the prompt, at most
 ``max_tokens`` tokens, cut at the first end-of-text token (``finish_reason: "stop"``; else
 ``"length"``); ``stop`` ends it before the first of up to 4 texts (``"stop"``), and ``echo`` puts
-the prompt before it. OpenAI parameters that mean nothing to a diffusion sampler (temperature,
-top_p, best_of, logprobs, the penalties, logit_bias, suffix) are accepted only at the value that
-asks for nothing, else refused (400) naming the parameter; unknown fields are refused too. How
+the prompt before it. ``temperature`` (0, the default: the token decoder's argmax), ``top_p`` and
+``logprobs`` act where the model has a distribution over tokens, at the token decoder: each token
+is drawn from softmax(logits / temperature) within the nucleus, seeded by ``seed``, and ``logprobs``
+gives each completion token's log-probability and its top alternatives in OpenAI's legacy shape
+(ldlm/token_sampling.py). OpenAI parameters that mean nothing to a diffusion sampler (best_of, the
+penalties, logit_bias, suffix) are accepted only at the value that asks for nothing, else refused
+(400) naming the parameter; unknown fields are refused too. How
 well a completion follows its prompt depends on the trained model: a random-init checkpoint gives
 gibberish. With ``stream: true`` every choice comes as one OpenAI
 chunk once its text is final (diffusion has no left-to-right deltas), then ``data: [DONE]``.
@@ -38,12 +42,14 @@ from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, HTTPError, error_status, openai_error
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
-from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_body
+from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_body, token_sampling
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
+from ldlm.token_sampling import TokenLogprobs, TokenSampling
+from ldlm.tokenizer import TextTokenizer
 
-# One prompt's token ids and its scheduler request.
-Prepared = list[tuple[list[int], GenerateRequest]]
+# One prompt's token ids, its scheduler request, and how its tokens are chosen (None: argmax).
+Prepared = list[tuple[list[int], GenerateRequest, TokenSampling | None]]
 
 
 def create_router(service: LDLMService) -> APIRouter:
@@ -95,6 +101,7 @@ class Completions:
             )
         ids = [[] if p == "" else self.pipeline.tokenizer.encode([p])[0] for p in prompts]
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
+        has_logits = getattr(self.pipeline.graphs, "has_logits", True)
         prepared = []
         for i, row in enumerate(ids):
             if len(row) + body.max_tokens > config.max_seq_len:
@@ -104,9 +111,8 @@ class Completions:
                     f"{name} has {len(row)} tokens and max_tokens is {body.max_tokens}: {len(row) + body.max_tokens} "
                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)",
                 )
-            prepared.append(
-                (row, GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63, body.sampler, body.t_min))
-            )
+            spec = GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63, body.sampler, body.t_min)
+            prepared.append((row, spec, token_sampling(body, spec.seed, has_logits)))
         return prepared
 
     def prefix_latents(self, rows: list[list[int]]) -> list[torch.Tensor | None]:
@@ -126,11 +132,15 @@ class Completions:
             if cut >= 0:  # the tokens counted are those of the text returned (which may be blank)
                 text, stop = text[:cut], True
             used += self.pipeline.tokenizer.count_tokens(text) if cut >= 0 else len(ids)
+            logprobs = None
+            if body.logprobs is not None and result.logprobs is not None:
+                start = len(prompt) if body.echo else 0
+                logprobs = choice_logprobs(self.pipeline.tokenizer, ids, result.logprobs, (j, len(row)), start, cut if cut >= 0 else None)
             out.append(
                 {
                     "text": prompt + text if body.echo else text,
                     "index": first_index + j,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": "stop" if stop else "length",
                 }
             )
@@ -142,8 +152,8 @@ class Completions:
         or they would run for nobody."""
         futures: list[Future[TextResult]] = []
         try:
-            for (_, spec), prefix in zip(prepared, prefixes):
-                futures.append(self.service.submit_generation(spec, prefix, deadline_s=deadline.left()))
+            for (_, spec, decoding), prefix in zip(prepared, prefixes):
+                futures.append(self.service.submit_generation(spec, prefix, deadline_s=deadline.left(), decoding=decoding))
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -153,7 +163,7 @@ class Completions:
     async def start(self, body: Any, deadline: Deadline) -> tuple[Prepared, list[Future[TextResult]]]:
         try:
             prepared = await run_blocking(self.prepare, body, timeout_s=deadline.left())
-            prefixes = await run_blocking(self.prefix_latents, [row for row, _ in prepared], timeout_s=deadline.left())
+            prefixes = await run_blocking(self.prefix_latents, [row for row, _, _ in prepared], timeout_s=deadline.left())
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
         futures = await run_submit(
@@ -166,7 +176,7 @@ class Completions:
         deadline = Deadline(self.settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
         prepared, futures = await self.start(body, deadline)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
-        prompt_tokens = sum(len(row) for row, _ in prepared) * body.n
+        prompt_tokens = sum(len(row) for row, _, _ in prepared) * body.n
         if body.stream:
             return StreamingResponse(
                 self.stream_chunks(head, prepared, futures, prompt_tokens, body, deadline),
@@ -179,7 +189,7 @@ class Completions:
             for future in futures:
                 future.cancel()  # no-op when finished; frees the slots when the client left or time ran out
         every, used = [], 0
-        for i, ((row, _), result) in enumerate(zip(prepared, results)):
+        for i, ((row, _, _), result) in enumerate(zip(prepared, results)):
             got, n_used = self.choices(row, result, i * body.n, body, prompt_text(body, i))
             every += got
             used += n_used
@@ -213,3 +223,36 @@ class Completions:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice_logprobs(
+    tokenizer: TextTokenizer, ids: list[int], logprobs: TokenLogprobs, at: tuple[int, int], start: int, cut: int | None
+) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` of one choice: per completion token its text, its log-probability, the
+    top alternatives (with the chosen token, as OpenAI gives it) and where it starts in the choice's text.
+    ``at``: (row, first completion position) in ``logprobs``; ``start``: the echoed prompt's length;
+    ``cut``: where a stop text cut the completion (tokens starting at or after it are not returned)."""
+    row, first = at
+    tokens, chosen, top, offsets = [], [], [], []
+    offset = 0
+    for t, token in enumerate(ids):
+        if cut is not None and offset >= cut:
+            break
+        text = token_text(tokenizer, token)
+        alternatives = {
+            token_text(tokenizer, int(i)): float(v) for i, v in zip(logprobs.top_ids[row, first + t], logprobs.top[row, first + t])
+        }
+        chosen.append(float(logprobs.chosen[row, first + t]))
+        alternatives.setdefault(text, chosen[-1])
+        tokens.append(text)
+        top.append(alternatives)
+        offsets.append(start + offset)
+        offset += len(tokenizer.decode([token]))  # the mask token is named but adds no text
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": top, "text_offset": offsets}
+
+
+def token_text(tokenizer: TextTokenizer, token: int) -> str:
+    """A token as ``logprobs`` names it: its text; end-of-text and the mask token (which decode to "") by name."""
+    if token == tokenizer.eos_token_id:
+        return "<|endoftext|>"
+    return tokenizer.decode([token]) if token < tokenizer.vocab_size else "<|mask|>"

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -274,3 +275,127 @@ def test_disconnect_mid_stream_frees_the_slot(server: RunningServer) -> None:
     stepped = scheduler.samples_stepped - before
     time.sleep(0.3)
     assert scheduler.samples_stepped - before == stepped < 2000  # it stopped, long before its 2000 steps
+
+
+# --- temperature, top_p and logprobs at the token decoder -------------------------------------------
+
+
+def eager_logits(pipeline: LDLMPipeline, n: int, length: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """The eager run's latents and its decoder's logits (n, length, V): what the served request draws from."""
+    latents = pipeline.sample_latents(n, length, STEPS, seed, "ddim")
+    with torch.no_grad():
+        return latents, pipeline.graphs.decode_logits(latents, torch.ones(n, length, dtype=torch.bool)).numpy()  # type: ignore[attr-defined]
+
+
+def np_log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def np_nucleus(logits: np.ndarray, temperature: float, top_p: float) -> set[int]:
+    """The tokens a draw may give at one position: the most likely ones of softmax(l / T) until top_p is reached."""
+    p = np.exp(np_log_softmax(logits / temperature))
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    return {int(t) for t, b in zip(order, before) if b < top_p} | {int(order[0])}
+
+
+def test_temperature_zero_or_omitted_is_todays_argmax_text(client) -> None:
+    plain = [c.text for c in complete(client, prompt="", max_tokens=10, n=2, seed=5).choices]
+    zero = [c.text for c in complete(client, prompt="", max_tokens=10, n=2, seed=5, temperature=0, top_p=0.5).choices]
+    assert zero == plain
+
+
+def test_logprobs_are_the_decoders_log_softmax_in_openais_shape(client, pipeline: LDLMPipeline) -> None:
+    result = complete(client, prompt="", max_tokens=10, n=1, seed=5, logprobs=3)
+    _, logits = eager_logits(pipeline, 1, 10, 5)
+    reference = np_log_softmax(logits[0])  # (10, V)
+    eos = pipeline.config.eos_token_id
+    ids = np.argmax(logits[0], axis=-1).tolist()
+    ids = ids[: ids.index(eos)] if eos in ids else ids
+    choice = result.choices[0]
+    lp = choice.logprobs  # parsed by the client into its Logprobs model
+    assert isinstance(lp, openai.types.completion_choice.Logprobs)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.tokens == [pipeline.tokenizer.decode([i]) for i in ids]
+    np.testing.assert_allclose(lp.token_logprobs, reference[np.arange(len(ids)), ids], atol=1e-3, rtol=0)
+    for position, alternatives in enumerate(lp.top_logprobs):
+        best = np.sort(reference[position])[::-1][:3]
+        assert len(alternatives) <= 4 and sorted(alternatives.values(), reverse=True)[:3] == pytest.approx(best, abs=1e-3)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+
+
+def test_sampled_completions_draw_from_the_nucleus_seeded(client, pipeline: LDLMPipeline) -> None:
+    """The served draw equals the eager one for the same seed, every drawn token lies in NumPy's nucleus of
+    the eager logits, and its reported logprob is NumPy's log_softmax there."""
+    from ldlm.token_sampling import TokenSampling
+
+    args = {"prompt": "", "max_tokens": 10, "n": 2, "seed": 5, "temperature": 1.5, "top_p": 0.6}
+    result = complete(client, **args, logprobs=1)
+    latents, logits = eager_logits(pipeline, 2, 10, 5)
+    drawn = pipeline.decode(latents, sampling=TokenSampling(1.5, 0.6, seed=5)).token_ids.tolist()
+    argmax = np.argmax(logits, axis=-1).tolist()
+    eos = pipeline.config.eos_token_id
+    assert drawn != argmax  # a draw at T=1.5 from the tiny model's flat distribution is not its argmax
+    for choice, ids, row, reference in zip(result.choices, drawn, logits, np_log_softmax(logits)):
+        text, reason, n = expected_choice(ids, eos, pipeline.tokenizer.decode)
+        assert (choice.text, choice.finish_reason) == (text, reason)
+        assert all(ids[j] in np_nucleus(row[j], 1.5, 0.6) for j in range(len(ids)))
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, reference[np.arange(n), ids[:n]], atol=1e-3, rtol=0)
+    again = complete(client, **args)
+    other = complete(client, **{**args, "seed": 6})
+    assert [c.text for c in again.choices] == [c.text for c in result.choices] != [c.text for c in other.choices]
+    assert all(c.logprobs is None for c in again.choices)  # only asked for, never sent unasked
+
+
+def test_argmax_and_sampled_requests_in_flight_together_each_get_their_own(client, pipeline: LDLMPipeline) -> None:
+    """Argmax requests are decoded together, a sampled one alone: neither takes the other's settings."""
+    plain = complete(client, prompt="", max_tokens=8, n=2, seed=7)
+    sampled = complete(client, prompt="", max_tokens=8, n=2, seed=8, temperature=1.0)
+    answers: dict[str, list[str]] = {}
+
+    def run(name: str, **kwargs) -> None:
+        answers[name] = [c.text for c in complete(client, prompt="", max_tokens=8, n=2, **kwargs).choices]
+
+    threads = [
+        threading.Thread(target=run, args=("plain",), kwargs={"seed": 7}),
+        threading.Thread(target=run, args=("sampled",), kwargs={"seed": 8, "temperature": 1.0}),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert answers == {"plain": [c.text for c in plain.choices], "sampled": [c.text for c in sampled.choices]}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"best_of": 2}, "best_of"),
+    ],
+)
+def test_decoding_parameters_out_of_range_are_refused_in_openai_shape(client, kwargs: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        complete(client, prompt="", max_tokens=4, **kwargs)
+    assert raised.value.body["param"] == param and raised.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_an_export_without_logits_refuses_sampling_naming_the_fix(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from ldlm.export.onnx_export import export_graphs
+
+    out = export_graphs(tiny_checkpoint, tmp_path / "onnx").out  # the decoder's token_ids only
+    running = RunningServer(LDLMService(str(out), ServerSettings(port=free_port(), max_steps=100)))
+    try:
+        with openai_client(running) as client:
+            assert complete(client, prompt="", max_tokens=4, seed=1, temperature=0).choices[0].finish_reason
+            for kwargs, param in (({"temperature": 0.7}, "temperature"), ({"logprobs": 1}, "logprobs")):
+                with pytest.raises(openai.BadRequestError, match="ldlm export --with-logits") as raised:
+                    complete(client, prompt="", max_tokens=4, **kwargs)
+                assert raised.value.body["param"] == param  # type: ignore[index]
+    finally:
+        running.stop()
