@@ -184,7 +184,8 @@ class PreviewDecoder:
         count; the items decoded (none when the call failed: then they count as skipped)."""
         try:
             kept = [getattr(stream, "kept", 0) for stream, *_ in items]  # a prompted stream's previews: what follows its prompt
-            texts = texts_after(decode_ragged(self.pipeline, [x0 for *_, x0 in items]), kept, self.pipeline.tokenizer) if items else []
+            decoded = decode_ragged(self.pipeline, [x0 for *_, x0 in items]) if items else None
+            texts = [] if decoded is None else texts_after(decoded, kept, self.pipeline.tokenizer) if any(kept) else decoded.texts
         except Exception:  # a preview is a nicety: never let it end a stream or this thread
             log.exception("decoding previews failed; they are skipped")
             texts = []
