@@ -38,6 +38,7 @@ def api_key(option: str | None, environ: Mapping[str, str]) -> str | None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     key = api_key(args.api_key, os.environ)  # before anything loads
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
+    from ldlm.serve.api.export_cache import cache_root
     from ldlm.serve.api.server import serve
     from ldlm.serve.api.service import ServerSettings
 
@@ -58,6 +59,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         max_request_samples=args.max_request_samples,
         max_request_tokens=args.max_request_tokens,
         header_timeout_s=args.header_timeout_s,
+        export_cache=None if args.no_export_cache else str(cache_root()),
         body_timeout_s=args.body_timeout_s,
         max_connections=args.max_connections,
         preview_budget=args.preview_budget,
@@ -111,6 +113,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         choices=["eager", "compiled", "ort", "trt"],
         default="ort",
         help="eager or compiled (shape buckets + CUDA graphs) torch on --device, ort on --provider, trt (default: ort)",
+    )
+    p.add_argument(
+        "--no-export-cache",
+        action="store_true",
+        help="ort serving a checkpoint: export it into a scratch directory, not the cache of verified exports reused at the "
+        "next start ($LDLM_CACHE_DIR, else $XDG_CACHE_HOME/ldlm, else ~/.cache/ldlm; under exports/)",
     )
     device_options(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")

@@ -26,6 +26,7 @@ from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, SamplingEngine
 from ldlm.sampling.schedules import TunedSchedules, load_schedules
+from ldlm.serve.api.export_cache import cached_export
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.api.streaming import PreviewDecoder
@@ -63,6 +64,7 @@ class ServerSettings:
     provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
     preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take
     trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
+    export_cache: str | None = None  # a checkpoint on ort: where its verified export is kept (None: a scratch export)
 
     def __post_init__(self) -> None:
         checks = {
@@ -123,9 +125,11 @@ class LDLMService:
         self, source: str, say: Callable[[str], None], progress: bool
     ) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
         """The graphs of ``source`` on the settings' backend; a checkpoint served on ort is exported first,
-        into a scratch directory removed at close."""
+        into the settings' export cache (reused at the next start) or a scratch directory removed at close."""
         settings = self.settings
-        if settings.backend == "ort" and is_checkpoint(source):
+        if settings.backend == "ort" and is_checkpoint(source) and settings.export_cache is not None:
+            source = str(cached_export(source, settings.export_cache, say, progress=progress).directory)
+        elif settings.backend == "ort" and is_checkpoint(source):
             say(
                 f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
                 "directory to skip this at every start)"

@@ -248,12 +248,14 @@ def test_ctrl_c_during_a_real_export(tiny_checkpoint: Path, tmp_path: Path) -> N
     assert not out.exists()
 
 
-def serve_process(source: Path, port: int) -> subprocess.Popen:
+def serve_process(source: Path, port: int, cache: Path | None = None) -> subprocess.Popen:
+    """``ldlm serve source``; a checkpoint's export is cached under ``cache`` (never the user's own cache)."""
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1"} | ({"LDLM_CACHE_DIR": str(cache)} if cache is not None else {})
     return subprocess.Popen(
         [sys.executable, "-P", "-m", "ldlm.cli", "serve", str(source), "--port", str(port), "--log-level", "warning"],
         stderr=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=environ,
         text=True,
     )
 
@@ -266,18 +268,20 @@ def first_line(stream, timeout_s: float) -> str:
     return stream.readline() if ready else ""
 
 
-def test_serve_says_what_it_prepares_and_ctrl_c_stops_it_in_one_line(tiny_checkpoint: Path) -> None:
+def test_serve_says_what_it_prepares_and_ctrl_c_stops_it_in_one_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """A checkpoint served by ONNX Runtime is exported first (tens of seconds): the person waiting is told
-    so while it happens (nothing listens yet), and Ctrl-C then ends it with one line and 130."""
+    so while it happens (nothing listens yet), and Ctrl-C then ends it with one line and 130, leaving
+    no cache entry behind."""
     import httpx
 
     from tests.servers import free_port
 
     port = free_port()
-    process = serve_process(tiny_checkpoint, port)
+    process = serve_process(tiny_checkpoint, port, tmp_path)
     try:
         first = first_line(process.stderr, 60)
-        assert first.startswith(f"ldlm serve: exporting the checkpoint {tiny_checkpoint} to ONNX first"), first
+        assert first.startswith(f"ldlm serve: exporting the checkpoint {tiny_checkpoint} to ONNX in {tmp_path / 'exports'}/"), first
+        assert first.endswith(" (cached for the next start)\n"), first
         with pytest.raises(httpx.TransportError):  # told while preparing: not serving yet
             httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=2)
         process.send_signal(signal.SIGINT)
@@ -288,6 +292,7 @@ def test_serve_says_what_it_prepares_and_ctrl_c_stops_it_in_one_line(tiny_checkp
             process.kill()
     lines = [line for line in rest.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
     assert lines == ["ldlm serve: interrupted"], rest[-3000:]
+    assert [p.name for p in (tmp_path / "exports").iterdir() if not p.name.endswith(".lock")] == []  # an interrupted export is not cached
 
 
 def test_serve_reports_loading_then_ready(export_dir: Path) -> None:

@@ -1,0 +1,170 @@
+"""A checkpoint served on ONNX Runtime is exported once: the verified export is cached, keyed by the
+weights (and config, tokenizer, versions), re-verified at every start and re-made when it fails.
+Exports are counted by wrapping the export function, never timed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("onnxruntime", reason="the service serves the export on ONNX Runtime (pip install -e .[cpu])")
+
+from ldlm.checkpoint import init_model, save_checkpoint  # noqa: E402
+from ldlm.config import LDLMConfig  # noqa: E402
+from ldlm.files import atomic_directory  # noqa: E402
+from ldlm.serve.api import export_cache  # noqa: E402
+from ldlm.serve.api.export_cache import cache_root, cached_export, entry_problem  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from ldlm.tokenizer import TextTokenizer  # noqa: E402
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class CountedExports:
+    """The real export function, counted: which checkpoints were exported, into which entries."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, Path]] = []
+        real = export_cache.export_graphs
+
+        def counted(checkpoint: str, out: Path, **kwargs: Any) -> Any:
+            self.calls.append((str(checkpoint), Path(out)))
+            return real(checkpoint, out, **kwargs)
+
+        monkeypatch.setattr(export_cache, "export_graphs", counted)
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache entry of the tiny checkpoint, made once; tests copy it rather than export again."""
+    root = tmp_path_factory.mktemp("cache")
+    return cached_export(str(tiny_checkpoint), root, lambda line: None).directory
+
+
+def copy_of(entry: Path, root: Path) -> Path:
+    """``entry`` under another cache root (the key does not depend on the root)."""
+    copy = root / "exports" / entry.name
+    shutil.copytree(entry, copy)
+    return copy
+
+
+def test_a_second_start_reuses_the_verified_export(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exports = CountedExports(monkeypatch)
+    settings = ServerSettings(port=0, export_cache=str(tmp_path))
+    starts: list[list[str]] = []
+    for _ in range(2):
+        lines: list[str] = []
+        LDLMService(str(tiny_checkpoint), settings, progress=lines.append).close()
+        starts.append(lines)
+    assert len(exports.calls) == 1, exports.calls
+    entry = exports.calls[0][1]
+    assert entry.parent == tmp_path / "exports"
+    assert starts[0][0] == f"exporting the checkpoint {tiny_checkpoint} to ONNX in {entry} (cached for the next start)"
+    weights = sha256(tiny_checkpoint / "model.safetensors")
+    assert starts[1][0] == f"reusing the verified export in {entry}, made from these weights (sha256 {weights[:16]})"
+    assert starts[1][1] == f"loading the graphs of {entry} (ort)"
+    assert (entry / "manifest.json").is_file()  # kept after close, for the next start
+
+
+def test_a_checkpoint_with_other_weights_gets_its_own_entry(
+    cached: Path, tiny_config: LDLMConfig, tokenizer: TextTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = save_checkpoint(init_model(tiny_config, seed=1), tokenizer, tmp_path / "other")
+    root = tmp_path / "cache"
+    first = copy_of(cached, root)
+    exports = CountedExports(monkeypatch)
+    lines: list[str] = []
+    made = cached_export(str(other), root, lines.append)
+    assert len(exports.calls) == 1 and not made.reused
+    assert made.directory != first and made.directory.parent == first.parent
+    assert json.loads((made.directory / "manifest.json").read_text())["checkpoint_weights_sha256"] == sha256(other / "model.safetensors")
+    assert lines == [f"exporting the checkpoint {other} to ONNX in {made.directory} (cached for the next start)"]
+    assert entry_problem(first, json.loads((first / "manifest.json").read_text())["checkpoint_weights_sha256"]) is None  # kept
+
+
+def test_a_tampered_cached_file_is_exported_again(tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = copy_of(cached, tmp_path)
+    graph = json.loads((entry / "manifest.json").read_text())["graphs"]["decoder"]["file"]
+    original = sha256(entry / graph)
+    data = bytearray((entry / graph).read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes
+    (entry / graph).write_bytes(bytes(data))
+    exports = CountedExports(monkeypatch)
+    lines: list[str] = []
+    made = cached_export(str(tiny_checkpoint), tmp_path, lines.append)
+    assert len(exports.calls) == 1 and not made.reused and made.directory == entry
+    assert made.remade is not None and "does not match the sha256" in made.remade
+    assert lines == [
+        f"the cached export in {entry} failed its check ({made.remade}); exporting the checkpoint {tiny_checkpoint} to ONNX in {entry} "
+        "(cached for the next start)"
+    ]
+    assert sha256(entry / graph) == original  # re-made, not served as it was
+
+
+def test_an_entry_whose_manifest_names_other_weights_is_not_served(
+    tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entry = copy_of(cached, tmp_path)
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["checkpoint_weights_sha256"] = "0" * 64
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    exports = CountedExports(monkeypatch)
+    made = cached_export(str(tiny_checkpoint), tmp_path, lambda line: None)
+    assert len(exports.calls) == 1 and made.remade == f"made from weights with sha256 {'0' * 64}, not {sha256(tiny_checkpoint / 'model.safetensors')}"
+
+
+def test_two_servers_starting_at_once_export_once(tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both have computed the key (and, without the lock, would both find no entry) before the first
+    export writes anything: the second waits for the first's export and reuses it."""
+    keyed, both_keyed = [], threading.Event()
+    real_key = export_cache.export_key
+
+    def key(*args: Any) -> tuple[str, str]:
+        keyed.append(1)
+        if len(keyed) == 2:
+            both_keyed.set()
+        return real_key(*args)
+
+    made: list[Path] = []
+
+    def export(checkpoint: str, out: Path, **kwargs: Any) -> None:  # a copy of the real export, once both have their key
+        assert both_keyed.wait(120)
+        made.append(out)
+        with atomic_directory(out, overwrite=True) as tmp:
+            shutil.copytree(cached, tmp, dirs_exist_ok=True)
+
+    monkeypatch.setattr(export_cache, "export_key", key)
+    monkeypatch.setattr(export_cache, "export_graphs", export)
+    results: list[export_cache.CachedExport] = []
+    threads = [threading.Thread(target=lambda: results.append(cached_export(str(tiny_checkpoint), tmp_path, lambda line: None))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert len(made) == 1 and sorted(r.reused for r in results) == [False, True]
+    assert {r.directory for r in results} == {made[0]}
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    for name in ("LDLM_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    yield monkeypatch
+
+
+def test_the_cache_is_under_xdg_cache_home_unless_ldlm_cache_dir_says(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    clean_env.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "ldlm"
+    clean_env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "ldlm"
+    clean_env.setenv("LDLM_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
