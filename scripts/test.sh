@@ -36,10 +36,10 @@ if command -v chromium >/dev/null 2>&1; then
   chromium_plan=present
 elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   chromium_plan=install
-  echo "  system (apt-get, as root): chromium, for the playground's browser test (tests/test_playground.py)"
+  echo "  system (apt-get, as root): chromium, for the playground's browser test (tests/serve/api/routes/test_playground.py)"
 else
   chromium_plan=skip
-  echo "  not installed: chromium (no apt-get as root); tests/test_playground.py will skip"
+  echo "  not installed: chromium (no apt-get as root); tests/serve/api/routes/test_playground.py will skip"
 fi
 echo "  .cache/triton-env, on first use by tests/serve/deploy/test_triton_server.py: nvidia-pytriton's tritonserver (network once; it skips without)"
 
@@ -49,8 +49,8 @@ bash scripts/lint.sh
 # (no root, no network) the test skips and says so.
 if [ "$chromium_plan" = install ]; then
   { apt-get install -y --no-install-recommends chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }; } \
-    >/dev/null 2>&1 || echo "chromium could not be installed; tests/test_playground.py will skip" >&2
+    >/dev/null 2>&1 || echo "chromium could not be installed; tests/serve/api/routes/test_playground.py will skip" >&2
 elif [ "$chromium_plan" = skip ]; then
-  echo "no chromium and no apt-get as root; tests/test_playground.py will skip" >&2
+  echo "no chromium and no apt-get as root; tests/serve/api/routes/test_playground.py will skip" >&2
 fi
 exec .venv/bin/python -m pytest "$@"

@@ -166,6 +166,7 @@ def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
             ),
         ),
         preview_every=(int, strict_int(5, 1, limits.max_steps, "steps between previews when streaming")),
+        prompt=(str, Field("", description="text to continue (prefix inpainting); the answer and previews are of what follows it")),
         timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
     )
 

@@ -1,8 +1,6 @@
 """/v1/generate with a prompt (serve/api/prompted.py): the prompt is inpainted, and the answer, plain
 or streamed with its previews, is of what follows it, checked against the eager PyTorch pipeline of
-the checkpoint the served graphs were exported from. The served body model gets the ``prompt``
-field here as ``with_prompt`` writes it (the one field ``schemas.generate_body_model`` would add);
-real server on 127.0.0.1, real httpx streams."""
+the checkpoint the served graphs were exported from; real server on 127.0.0.1, real httpx streams."""
 
 from __future__ import annotations
 
@@ -11,35 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, Field, create_model
 
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.serve.api import schemas  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 PROMPT = "Once upon a time"
 
 
-def with_prompt(build: Any) -> Any:
-    """``build`` (schemas.generate_body_model) with the optional ``prompt`` field added."""
-
-    def model(limits: schemas.BodyLimits) -> type[BaseModel]:
-        description = "text to continue (prefix inpainting); the answer and previews are of what follows it"
-        return create_model("GenerateBody", __base__=build(limits), prompt=(str, Field("", description=description)))
-
-    return model
-
-
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
     settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=4, max_steps=200)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(schemas, "generate_body_model", with_prompt(schemas.generate_body_model))
-        running = RunningServer(LDLMService(str(export_dir), settings))  # the app (its body models) is built here
+    running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()
 

@@ -20,7 +20,7 @@ from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
-GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, stream, preview_every, timeout_s"
+GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, stream, preview_every, prompt, timeout_s"
 
 
 @pytest.fixture(scope="module")

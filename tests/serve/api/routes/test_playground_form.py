@@ -1,4 +1,4 @@
-"""The playground's form in a real headless browser (tests/test_playground.py's Browser), against the
+"""The playground's form in a real headless browser (tests/serve/api/routes/test_playground.py's Browser), against the
 real server on 127.0.0.1: the sampler select is the server's own list with its default chosen, and a
 prompt streams previews of the continuation where /v1/generate takes one, else the page says why
 there are none. Without chromium these tests skip."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,8 +16,8 @@ pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime
 from ldlm.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from tests.serve.api.routes.test_playground import CHROMIUM, Browser, run_page  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
-from tests.test_playground import CHROMIUM, Browser, run_page  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None,
@@ -27,16 +28,28 @@ PROMPT = "Once upon a time"
 
 
 def serve(export_dir: Path, prompted: bool) -> RunningServer:
-    """The tiny export behind the production app; ``prompted``: its /v1/generate body has the ``prompt``
-    field, as tests/serve/api/test_prompted.py adds it. Previews may take half the time (the run is short)."""
+    """The tiny export behind the production app; ``prompted`` False: a server whose /v1/generate body has no
+    ``prompt`` field (an older server), for the page's fallback. Previews may take half the time (the run is short)."""
     from ldlm.serve.api import schemas
-    from tests.serve.api.test_prompted import with_prompt
 
     settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=1000, preview_budget=0.5)
     with pytest.MonkeyPatch.context() as patch:
-        if prompted:
-            patch.setattr(schemas, "generate_body_model", with_prompt(schemas.generate_body_model))
+        if not prompted:
+            patch.setattr(schemas, "generate_body_model", without_prompt(schemas.generate_body_model))
         return RunningServer(LDLMService(str(export_dir), settings))
+
+
+def without_prompt(build: Any) -> Any:
+    """``build`` (schemas.generate_body_model) without its ``prompt`` field."""
+    from pydantic import create_model
+
+    from ldlm.serve.api import schemas
+
+    def model(limits: Any) -> Any:
+        fields = {name: (info.annotation, info) for name, info in build(limits).model_fields.items() if name != "prompt"}
+        return create_model("GenerateBody", __config__=schemas.STRICT_BODY, **fields)
+
+    return model
 
 
 @pytest.fixture(scope="module")

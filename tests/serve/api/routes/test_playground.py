@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests import REPO
+
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.skipif(
     reason="no chromium on PATH (scripts/test.sh installs it: apt-get install -y "
     "chromium); the page and /docs were not exercised in a browser",
 )
-SCREENSHOT = Path(os.environ.get("LDLM_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts")) / "playground.png"
+SCREENSHOT = Path(os.environ.get("LDLM_TEST_ARTIFACTS", REPO / "test-artifacts")) / "playground.png"
 
 
 class Browser:

@@ -22,9 +22,9 @@ from ldlm.pipeline import TextResult  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.api.streaming import GenerationStream, PreviewDecoder  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest  # noqa: E402
+from tests.serve.api.routes.test_openai import read_events  # noqa: E402
+from tests.serve.api.test_server_values import metric  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
-from tests.test_openai_api import read_events  # noqa: E402
-from tests.test_server_values import metric  # noqa: E402
 
 BUDGET = 0.05  # the default share of wall time that previews may take while others wait
 
