@@ -91,7 +91,9 @@ def test_a_checkpoint_with_other_weights_gets_its_own_entry(
     assert entry_problem(first, json.loads((first / "manifest.json").read_text())["checkpoint_weights_sha256"]) is None  # kept
 
 
-def test_a_tampered_cached_file_is_exported_again(tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tampered_cached_file_is_exported_again(
+    tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     entry = copy_of(cached, tmp_path)
     graph = json.loads((entry / "manifest.json").read_text())["graphs"]["decoder"]["file"]
     original = sha256(entry / graph)
@@ -119,10 +121,15 @@ def test_an_entry_whose_manifest_names_other_weights_is_not_served(
     (entry / "manifest.json").write_text(json.dumps(manifest))
     exports = CountedExports(monkeypatch)
     made = cached_export(str(tiny_checkpoint), tmp_path, lambda line: None)
-    assert len(exports.calls) == 1 and made.remade == f"made from weights with sha256 {'0' * 64}, not {sha256(tiny_checkpoint / 'model.safetensors')}"
+    assert (
+        len(exports.calls) == 1
+        and made.remade == f"made from weights with sha256 {'0' * 64}, not {sha256(tiny_checkpoint / 'model.safetensors')}"
+    )
 
 
-def test_two_servers_starting_at_once_export_once(tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_servers_starting_at_once_export_once(
+    tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both have computed the key (and, without the lock, would both find no entry) before the first
     export writes anything: the second waits for the first's export and reuses it."""
     keyed, both_keyed = [], threading.Event()
@@ -145,7 +152,9 @@ def test_two_servers_starting_at_once_export_once(tiny_checkpoint: Path, cached:
     monkeypatch.setattr(export_cache, "export_key", key)
     monkeypatch.setattr(export_cache, "export_graphs", export)
     results: list[export_cache.CachedExport] = []
-    threads = [threading.Thread(target=lambda: results.append(cached_export(str(tiny_checkpoint), tmp_path, lambda line: None))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(cached_export(str(tiny_checkpoint), tmp_path, lambda line: None))) for _ in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

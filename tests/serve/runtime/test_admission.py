@@ -72,7 +72,7 @@ def test_requests_past_their_deadline_are_refused_up_front_naming_the_estimate(s
     # 0.12 s a full-batch step: the longest deadline below (2 x 1100 steps) stays within the server's 300 s,
     # and is still far beyond what 1100 real steps of the tiny model take on a loaded machine
     step = 0.12
-    service, url = server.service, server.url
+    service = server.service
     measured, service.scheduler.cost = service.scheduler.cost, FixedStepCost(4, step)
     try:
         refusals(server, step)
