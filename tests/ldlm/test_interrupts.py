@@ -11,6 +11,7 @@ import collections
 import contextlib
 import signal
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -105,13 +106,15 @@ def test_an_engine_build_is_cancelled_at_the_step_after_a_ctrl_c(export_dir: Pat
 
 
 class InterruptingMessages(collections.deque):
-    """The history of TensorRT's logger, raising SIGINT at the first message it records: the Ctrl-C
-    lands in ``log()``, a callback TensorRT calls from C++."""
+    """The history of TensorRT's logger, raising SIGINT at the first message it records on the main
+    thread: the Ctrl-C lands in ``log()``, a callback TensorRT calls from C++. Not from TensorRT's own
+    threads: raised there, the signal waits until the main thread next runs Python, which, on a loaded
+    machine, can be after the build has finished."""
 
     fired = False
 
     def append(self, entry: tuple[str, str]) -> None:
-        if not self.fired:
+        if not self.fired and threading.current_thread() is threading.main_thread():
             self.fired = True
             signal.raise_signal(signal.SIGINT)
         super().append(entry)

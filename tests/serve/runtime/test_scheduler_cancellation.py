@@ -2,12 +2,19 @@
 disconnected or whose deadline passed leaves the batch at the next step, and a /v2 graph request
 cancelled while it waits for company leaves the dynamic batcher's queue before it runs. Real
 clients (httpx) against the real server on 127.0.0.1; what is checked is the scheduler's and the
-batcher's own counts of work done, and the metrics."""
+batcher's own counts of work done, and the metrics. A client leaves once the server holds its request
+(a raw connection, closed when the test has seen the work start), not after a client timeout, which
+on a loaded machine can pass before the server has read the request at all; the waits are liveness
+bounds (60 s), never the assertion."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -42,6 +49,18 @@ def wait_until(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
+@contextlib.contextmanager
+def client_that_leaves(url: str, path: str, body: dict) -> Iterator[None]:
+    """A client that sends its request, stays connected through the block, then closes its connection
+    without reading the answer."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(head.encode() + data)
+        yield
+
+
 def idle(scheduler: GenerationScheduler) -> bool:
     return not scheduler._active and scheduler.queued_samples == 0
 
@@ -55,18 +74,16 @@ def test_a_plain_generation_whose_client_left_frees_its_slots(server: RunningSer
     assert idle(scheduler)
     before = metric(metrics(server), "ldlm_request_cancelled_total", model="generate", reason="disconnect")
     stepped = scheduler.samples_stepped
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes its connection
-        httpx.post(f"{server.url}/v1/generate", json=LONG, timeout=1)
-    wait_until(lambda: idle(scheduler), 10, "the abandoned generation leaving the batch")
+    with client_that_leaves(server.url, "/v1/generate", LONG):  # it leaves once its generation has started
+        wait_until(lambda: scheduler.samples_stepped > stepped, 60, "the long generation starting")
+    wait_until(lambda: idle(scheduler), 60, "the abandoned generation leaving the batch")
     done_for_nobody = scheduler.samples_stepped - stepped
     assert 0 < done_for_nobody < LONG["n"] * LONG["steps"] // 4, done_for_nobody  # it started, and stopped long before its end
-    started = time.monotonic()
     answer = httpx.post(f"{server.url}/v1/generate", json=SHORT, timeout=60)
-    took = time.monotonic() - started
     assert answer.status_code == 200, answer.text
-    # the slots were free: only the short request's own 2 steps ran since (none of the 64 x 1000)
+    # the slots were free, so the short one did not wait behind the abandoned one: only its own 2 steps ran
+    # since (none of the 64 x 1000)
     assert scheduler.samples_stepped - stepped - done_for_nobody == SHORT["n"] * SHORT["steps"]
-    assert took < 5, f"the short request took {took:.1f} s"
     assert metric(metrics(server), "ldlm_request_cancelled_total", model="generate", reason="disconnect") == before + 1
 
 
@@ -75,12 +92,12 @@ def test_a_generation_past_its_deadline_frees_its_slots(export_dir: Path) -> Non
     running = RunningServer(LDLMService(str(export_dir), settings))
     try:
         scheduler = running.service.scheduler
-        started = time.monotonic()
-        response = httpx.post(f"{running.url}/v1/generate", json=LONG, timeout=60)
+        before = scheduler.samples_stepped
+        response = httpx.post(f"{running.url}/v1/generate", json=LONG, timeout=600)
         assert response.status_code == 504 and "timed out after 1 s" in response.json()["error"]
-        assert time.monotonic() - started < 10
         stepped = scheduler.samples_stepped
-        wait_until(lambda: idle(scheduler), 10, "the timed-out generation leaving the batch")
+        assert stepped - before < LONG["n"] * LONG["steps"]  # answered at its deadline, not after running to its end
+        wait_until(lambda: idle(scheduler), 60, "the timed-out generation leaving the batch")
         assert scheduler.samples_stepped - stepped <= settings.max_batch  # at most the one step under way
         assert httpx.post(f"{running.url}/v1/generate", json=SHORT, timeout=60).status_code == 200
         assert metric(metrics(running), "ldlm_request_cancelled_total", model="generate", reason="timeout") == 1
@@ -94,7 +111,7 @@ def test_a_completion_whose_client_left_frees_its_slots(server: RunningServer) -
     stepped = scheduler.samples_stepped
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1)
-    wait_until(lambda: idle(scheduler), 10, "the abandoned completion leaving the batch")
+    wait_until(lambda: idle(scheduler), 60, "the abandoned completion leaving the batch")
     assert scheduler.samples_stepped - stepped < 64 * 1000 // 4
 
 
@@ -115,12 +132,12 @@ def test_a_client_that_leaves_while_its_request_is_being_queued_leaves_nothing_q
         httpx.post(f"{server.url}/v1/generate", json=LONG, timeout=0.5)
     wait_until(
         lambda: metric(metrics(server), "ldlm_request_cancelled_total", model="generate", reason="disconnect") == before + 1,
-        10,
+        60,
         "the server noticing the disconnect",
     )
     release.set()
-    wait_until(lambda: bool(queued) and queued[0].cancelled(), 10, "the late-queued request being cancelled")
-    wait_until(lambda: idle(scheduler), 10, "the late-queued samples leaving")
+    wait_until(lambda: bool(queued) and queued[0].cancelled(), 60, "the late-queued request being cancelled")
+    wait_until(lambda: idle(scheduler), 60, "the late-queued samples leaving")
 
 
 def test_a_graph_request_cancelled_while_it_waits_never_runs(export_dir: Path) -> None:
@@ -130,20 +147,20 @@ def test_a_graph_request_cancelled_while_it_waits_never_runs(export_dir: Path) -
     running = RunningServer(LDLMService(str(export_dir), settings))
     try:
         batcher = running.service.batchers["encoder"]
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{running.url}/v2/models/encoder/infer", json=infer_body(), timeout=1)
-        wait_until(lambda: batcher.queued == 0, 10, "the abandoned request leaving the queue")
+        with client_that_leaves(running.url, "/v2/models/encoder/infer", infer_body()):  # it leaves once A is queued
+            wait_until(lambda: batcher.queued == 1, 60, "request A waiting for company")
+        wait_until(lambda: batcher.queued == 0, 60, "the abandoned request leaving the queue")
         answers: list[httpx.Response] = []
         threads = [
             threading.Thread(
-                target=lambda: answers.append(httpx.post(f"{running.url}/v2/models/encoder/infer", json=infer_body(), timeout=20))
+                target=lambda: answers.append(httpx.post(f"{running.url}/v2/models/encoder/infer", json=infer_body(), timeout=60))
             )
             for _ in range(2)
         ]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(30)
+            thread.join(120)
         assert [a.status_code for a in answers] == [200, 200]
         text = metrics(running)
         assert metric(text, "ldlm_execution_count_total", model="encoder") == 1
