@@ -1355,6 +1355,47 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/export/test_artifact_kind.py",),
         "an export given as engines is not named as one",
     ),
+    # --- streamed previews and prompted generation ------------------------------------------------------
+    Mutation(
+        "preview-stream-counts-itself",
+        "ldlm.serve.api.streaming:PreviewDecoder.others_waiting",
+        "return self.in_flight() > (0 if answered(stream) else 1)",
+        "return self.in_flight() > 1",
+        ("tests/serve/api/test_streaming_previews.py",),
+        "a stream whose result is in waits for previews decoded without the budget",
+    ),
+    Mutation(
+        "preview-in-flight-as-bool",
+        "ldlm.serve.api.service:LDLMService.__init__",
+        "lambda: self._in_flight,",
+        "lambda: self._in_flight > 1,",
+        ("tests/serve/api/test_streaming_previews.py",),
+        "previews beside other work exceed the budget",
+    ),
+    Mutation(
+        "preview-cancelled-decoded",
+        "ldlm.serve.api.streaming:PreviewDecoder._take",
+        "if abandoned(stream):",
+        "if False:",
+        ("tests/serve/api/test_streaming_previews.py",),
+        "previews of a cancelled request are still decoded",
+    ),
+    Mutation(
+        "preview-prompt-not-cut",
+        "ldlm.serve.api.streaming:PreviewDecoder._decode",
+        'kept = [getattr(stream, "kept", 0) for stream, *_ in items]',
+        "kept = [0 for stream, *_ in items]",
+        ("tests/serve/api/test_prompted.py",),
+        "a prompted stream's previews repeat the prompt",
+    ),
+    Mutation(
+        "prompted-answer-not-cut",
+        "ldlm.serve.api.routes.text:create_router",
+        "shown = after_prompt(result, kept, tokenizer)",
+        "shown = result",
+        ("tests/serve/api/test_prompted.py",),
+        "a prompted generation answers with the prompt's own tokens",
+    ),
 )
 
 
