@@ -69,8 +69,8 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float, generator: t
     probs = torch.softmax(logits.float().reshape(b * length, v) / temperature, dim=-1)  # (B*L, V), step 2
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B*L, V)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly before each token
-    kept = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))  # step 3
-    kept[:, 0] = sorted_probs[:, 0]  # the most likely token, even when rounding put top_p below it
+    # step 3; the most likely token has exactly 0 before it, so any top_p > 0 keeps it
+    kept = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
     draws = torch.multinomial(kept, 1, generator=generator)  # (B*L, 1), step 4 (renormalizes)
     return order.gather(-1, draws).reshape(b, length)
 
