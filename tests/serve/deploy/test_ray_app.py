@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +79,17 @@ def replica_states() -> dict[str, int]:
     return dict(serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states)
 
 
-def busy_replica(names: list[str], deadline: float) -> tuple[str, int]:
-    """A replica with requests in flight, and how many (Ray's own count, as its routers probe it),
-    so that the kill lands on accepted requests: Ray retries those that no replica accepted yet."""
+def kill_a_busy_replica(names: list[str], deadline: float) -> tuple[str, int]:
+    """Kill a replica with requests in flight; its name and how many (Ray's own count, as its routers
+    probe it), so that the kill lands on accepted requests: Ray retries those that no replica accepted
+    yet. The handles are looked up first, so that nothing but the probe's answer stands between the
+    count and the kill (a lookup there gave the requests time to finish on a loaded machine)."""
+    handles = {name: ray.get_actor(name, namespace="serve") for name in names}
     while time.monotonic() < deadline:
-        for name in names:
-            ongoing = ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote(), timeout=10)
+        for name, handle in handles.items():
+            ongoing = ray.get(handle.get_num_ongoing_requests.remote(), timeout=60)
             if ongoing >= 2:
+                ray.kill(handle, no_restart=True)
                 return name, ongoing
         time.sleep(0.01)
     raise AssertionError("no replica had 2 requests in flight")
@@ -247,14 +252,25 @@ def test_answers_equal_the_single_process_references(
 
 def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: LDLM, expected: dict[int, list[list[int]]]) -> None:
     clients = Clients()
-    per_client, kill_after = 25, 20
+    # each client sends until the kill is done, then `after_kill` more: the load cannot run out before the
+    # kill, however long the main thread takes to find a busy replica
+    after_kill, kill_after = 10, 20
+    kill_done = threading.Event()
     reference = {seed: eager_latents(tiny_model, encoder_ids(seed)) for seed in range(3)}
     failures: list[str] = []
     killed: dict[str, Any] = {}
 
+    def requests() -> Iterator[int]:
+        i = 0
+        while not kill_done.is_set():
+            yield i
+            i += 1
+        yield from range(i, i + after_kill)
+
     def generate_client(index: int) -> None:
         with httpx.Client(base_url=cluster, timeout=60) as http:
-            for i in range(per_client):
+            for i in requests():
+                sent[index] += 1
                 seed = SEEDS[(index + i) % len(SEEDS)]
                 if clients.generate(http, seed) != expected[seed]:
                     failures.append(f"generate seed={seed}: tokens differ from the eager pipeline")
@@ -262,7 +278,8 @@ def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: L
     def triton_client(index: int) -> None:
         client = triton.InferenceServerClient(cluster.removeprefix("http://"), connection_timeout=60, network_timeout=60)
         try:
-            for i in range(per_client):
+            for i in requests():
+                sent[index] += 1
                 seed = (index + i) % 3
                 if np.abs(clients.encode(client, encoder_ids(seed)) - reference[seed]).max() >= 1e-5:
                     failures.append(f"encoder seed={seed}: latents differ from the eager model")
@@ -276,20 +293,23 @@ def test_replica_killed_during_load_loses_no_request(cluster: str, tiny_model: L
             failures.append(f"{target.__name__}[{index}]: {type(error).__name__}: {error}")
 
     threads = [threading.Thread(target=guarded, args=(target, i)) for i, target in enumerate([generate_client] * 3 + [triton_client])]
+    sent = [0] * len(threads)
     before = replica_names()
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 60
-    while clients.answered < kill_after and time.monotonic() < deadline:
-        time.sleep(0.01)
-    victim, in_flight = busy_replica(before, deadline + 30)
-    killed["answered_before"] = clients.answered
-    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    try:
+        deadline = time.monotonic() + 300
+        while clients.answered < kill_after and time.monotonic() < deadline:
+            time.sleep(0.01)
+        victim, in_flight = kill_a_busy_replica(before, deadline + 300)
+        killed["answered_before"] = clients.answered
+    finally:
+        kill_done.set()
     for thread in threads:
-        thread.join(180)
+        thread.join(300)
     assert not any(thread.is_alive() for thread in threads), "a client hung"
     assert not failures, failures
-    total = 4 * per_client
+    total = sum(sent)
     assert clients.answered == total, f"{total - clients.answered} requests lost"
     assert killed["answered_before"] < total, "the kill came after the load"
     # The kill landed on requests in flight: without the retries those requests would be lost.
