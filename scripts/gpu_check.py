@@ -4,7 +4,7 @@ scripts/gpu_check.sh): parity of every GPU backend against CPU fp32 eager, laten
 1024-token sample, tokens/s, continuous against static batching, the HTTP service on loopback, and
 what streamed previews cost there. Writes OUT/gpu_check.json (rewritten after every stage, so a
 run cut short keeps what it measured) and OUT/gpu_check.md (every figure against the targets in
-scripts/gpu_targets.py, each met, missed, or not measured and why). Stages that cannot run say why;
+ldlm/serve/checks/gpu_targets.py, each met, missed, or not measured and why). Stages that cannot run say why;
 a stage that fails records its error and the run goes on. Nothing is downloaded: the GPU machine
 has no network, so the packages its image lacks travel as wheels.
 
@@ -156,7 +156,8 @@ from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_service import http_stage, previews_stage, probe_eps_stage  # noqa: E402
-from gpu_targets import summary_markdown  # noqa: E402
+
+from ldlm.serve.checks.gpu_targets import summary_markdown  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(

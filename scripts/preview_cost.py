@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 import httpx
 
 from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export
-from ldlm.serve.checks.traffic import write_report
+from ldlm.serve.checks.traffic import first_preview_seconds, write_report
 
 
 def run_threads(target: Callable[[int], None], count: int) -> None:
@@ -74,34 +74,6 @@ def run_load(url: str, clients: int, requests: int, body: dict) -> tuple[float, 
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[:5]}")
     return clients * requests * body["n"] * body["steps"] / elapsed, sum(previews)
-
-
-def first_preview_seconds(url: str, body: dict, repeats: int) -> dict:
-    """Batch 1, idle server: seconds from sending the request to the end of its first ``event: preview``
-    (that event's data line). A stream with no preview before its result (the server skips previews
-    over its --preview-budget) is not timed: it is counted in ``runs_without_preview``."""
-    times = []
-    with httpx.Client(base_url=url, timeout=300) as http:
-        for i in range(repeats):
-            started = time.perf_counter()
-            with http.stream("POST", "/v1/generate", json={**body, "seed": i}) as response:
-                if response.status_code != 200:
-                    raise RuntimeError(f"/v1/generate answered {response.status_code}: {response.read()[:300]!r}")
-                event = None
-                for line in response.iter_lines():
-                    if line.startswith("event: "):
-                        event = line[7:]
-                    elif line.startswith("data: ") and event == "preview":
-                        times.append(time.perf_counter() - started)
-                        break
-                    elif not line:
-                        event = None  # a blank line ends the event
-    return {
-        "median_ms": round(1000 * statistics.median(times), 2) if times else None,
-        "min_ms": round(1000 * min(times), 2) if times else None,
-        "runs": repeats,
-        "runs_without_preview": repeats - len(times),
-    }
 
 
 def timed_events(http: httpx.Client, body: dict, since: float) -> list[tuple[str, float]]:

@@ -21,7 +21,7 @@ from ldlm.checkpoint import WEIGHTS_FILE, load_config
 from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline, check_length
-from ldlm.sampling.schedules import load_schedules
+from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.serve.checks.bench_latency import bench_generation, bench_graphs, bench_solvers
 from ldlm.serve.checks.bench_workload import bench_batching
 from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
@@ -60,10 +60,8 @@ def run_bench(
         sources = {"eager": checkpoint, "compiled": checkpoint, "ort": onnx_dir, "trt": engine_dir}
         if "ort" in backends and onnx_dir is None:
             sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress).out)
-        graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device)
         schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)  # tuned grids, where tuned
-        for pipeline in pipelines.values():
-            pipeline.schedules = schedules
+        graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device, schedules)
         report: dict[str, Any] = {
             "checkpoint": str(checkpoint),
             "threads": threads,
@@ -98,6 +96,7 @@ def open_pipelines(
     provider: str,
     threads: int,
     device: str,
+    schedules: TunedSchedules | None = None,
 ) -> tuple[dict[str, dict[str, GraphBackend]], dict[str, LDLMPipeline], LDLMConfig]:
     """Each backend's graphs (from its source) and a pipeline on them; the config of the last one opened."""
     graphs_by_backend, pipelines = {}, {}
@@ -124,5 +123,6 @@ def open_pipelines(
             getattr(graphs["denoiser"], "device", "cpu"),
             config=config,
             buckets=[b for b in buckets if b <= config.max_seq_len],
+            schedules=schedules,
         )
     return graphs_by_backend, pipelines, config

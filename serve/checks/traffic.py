@@ -5,6 +5,7 @@ the JSON report they write. Traffic goes to loopback only (the scripts check the
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -153,3 +154,31 @@ def write_report(report: dict, path: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, json.dumps(report, indent=2) + "\n")  # no half-written report if interrupted
     print(json.dumps(report, indent=2))
+
+
+def first_preview_seconds(url: str, body: dict, repeats: int) -> dict:
+    """Batch 1, idle server: seconds from sending the request to the end of its first ``event: preview``
+    (that event's data line). A stream with no preview before its result (the server skips previews
+    over its --preview-budget) is not timed: it is counted in ``runs_without_preview``."""
+    times = []
+    with httpx.Client(base_url=url, timeout=300) as http:
+        for i in range(repeats):
+            started = time.perf_counter()
+            with http.stream("POST", "/v1/generate", json={**body, "seed": i}) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"/v1/generate answered {response.status_code}: {response.read()[:300]!r}")
+                event = None
+                for line in response.iter_lines():
+                    if line.startswith("event: "):
+                        event = line[7:]
+                    elif line.startswith("data: ") and event == "preview":
+                        times.append(time.perf_counter() - started)
+                        break
+                    elif not line:
+                        event = None  # a blank line ends the event
+    return {
+        "median_ms": round(1000 * statistics.median(times), 2) if times else None,
+        "min_ms": round(1000 * min(times), 2) if times else None,
+        "runs": repeats,
+        "runs_without_preview": repeats - len(times),
+    }

@@ -20,8 +20,7 @@ from pathlib import Path
 from tests import REPO
 
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-from gpu_targets import target_rows, targets_markdown  # noqa: E402
+from ldlm.serve.checks.gpu_targets import target_rows, targets_markdown  # noqa: E402
 
 
 def report(**overrides: object) -> dict:
@@ -121,13 +120,13 @@ def test_unknown_stage_is_refused(tmp_path: Path) -> None:
 
 
 def test_first_preview_is_timed_on_preview_events_only() -> None:
-    """scripts/preview_cost.first_preview_seconds against a real HTTP server on loopback that streams
+    """ldlm.serve.checks.traffic.first_preview_seconds (scripts/preview_cost.py's first-preview timing) against a real HTTP server on loopback that streams
     server-sent events: seed 0 gets its result after 0.4 s and no preview, seed 1 a preview at once
     and its result 0.4 s later. Only seed 1 is timed, at its preview, well before 0.4 s."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    import preview_cost
+    from ldlm.serve.checks.traffic import first_preview_seconds
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -148,7 +147,7 @@ def test_first_preview_is_timed_on_preview_events_only() -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        result = preview_cost.first_preview_seconds(f"http://127.0.0.1:{server.server_port}", {"stream": True}, 2)
+        result = first_preview_seconds(f"http://127.0.0.1:{server.server_port}", {"stream": True}, 2)
     finally:
         server.shutdown()
         server.server_close()

@@ -173,27 +173,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
             dec = ", ".join(f"{k} {100 * v:.2f}%" for k, v in parity[name]["decoder_token_agreement"].items())
             lines.append(f"| {name} | {100 * parity[name]['token_agreement']:.2f}% | {dec} |")
         lines.append("")
-    latency = stages.get("latency", {}).get("graphs", {})
-    if latency:
-        backends = sorted({b for cell in latency.values() for b in cell})
-        lines += [
-            "## Latency per graph, p50 ms (speed-up against eager fp32)",
-            "",
-            "| graph | " + " | ".join(backends) + " |",
-            "|---|" + "---|" * len(backends),
-        ]
-        for key, cell in latency.items():
-            lines.append(
-                f"| {key} | "
-                + " | ".join(
-                    f"{cell[b]['p50_ms']:.3f}" + (f" (x{cell[b]['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in cell[b] else "")
-                    if b in cell
-                    else "-"
-                    for b in backends
-                )
-                + " |"
-            )
-        lines.append("")
+    lines += _latency_markdown(stages.get("latency", {}).get("graphs", {}))
     for name in ("device_loop", "long_sample", "throughput", "batching", "http", "probe_eps", "ort_gpu"):
         if name in stages:
             lines += [f"## {name}", "", "```", json.dumps(_brief(stages[name]), indent=1, default=str)[:4000], "```", ""]
@@ -207,3 +187,30 @@ def _brief(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _brief(v) for k, v in value.items() if k not in ("traceback", "comparisons")}
     return value
+
+
+def _latency_markdown(latency: dict[str, Any]) -> list[str]:
+    """The latency table: p50 ms per graph and backend, with the speed-up against eager fp32."""
+    if not latency:
+        return []
+    lines: list[str] = []
+    backends = sorted({b for cell in latency.values() for b in cell})
+    lines += [
+        "## Latency per graph, p50 ms (speed-up against eager fp32)",
+        "",
+        "| graph | " + " | ".join(backends) + " |",
+        "|---|" + "---|" * len(backends),
+    ]
+    for key, cell in latency.items():
+        lines.append(
+            f"| {key} | "
+            + " | ".join(
+                f"{cell[b]['p50_ms']:.3f}" + (f" (x{cell[b]['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in cell[b] else "")
+                if b in cell
+                else "-"
+                for b in backends
+            )
+            + " |"
+        )
+    lines.append("")
+    return lines
