@@ -489,10 +489,10 @@ def loose_input_cases() -> list[HttpCaseSpec]:
             Expect((400,), ("include_usgae",)),
         ),
         (
-            "completions: logprobs",
+            "completions: logprobs out of range",
             "POST",
             "/v1/completions",
-            {**completion, "logprobs": 1},
+            {**completion, "logprobs": 6},
             Expect((400,), ("logprobs",), openai_param="logprobs"),
         ),
         (
@@ -503,10 +503,10 @@ def loose_input_cases() -> list[HttpCaseSpec]:
             Expect((400,), ("best_of",), openai_param="best_of"),
         ),
         (
-            "completions: temperature",
+            "completions: temperature out of range",
             "POST",
             "/v1/completions",
-            {**completion, "temperature": 0.7},
+            {**completion, "temperature": 2.5},
             Expect((400,), ("temperature",), openai_param="temperature"),
         ),
         (
