@@ -175,15 +175,18 @@ def test_generate_length_above_the_checkpoints_limit_in_cli_words(tiny_checkpoin
 def test_generate_defaults_come_from_the_checkpoint_config(
     tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ldlm.pipeline import LDLMPipeline
+    import ldlm.pipeline
+    from ldlm.sampling import resolve
 
-    calls: list[tuple] = []
-    monkeypatch.setattr(
-        LDLMPipeline, "generate", lambda self, *args, **kwargs: calls.append(args) or (_ for _ in ()).throw(ValueError("stop"))
-    )
+    plans: list = []
+
+    def resolved(*args, **kwargs):  # the real resolution, recorded, then the run stops
+        plans.append(resolve(*args, **kwargs))
+        raise ValueError("stop")
+
+    monkeypatch.setattr(ldlm.pipeline, "resolve", resolved)
     assert main(["generate", str(tiny_checkpoint), "--quiet"]) == 2
-    n, length, steps, seed, sampler, t_min = calls[0]
-    assert (steps, sampler) == (21, "dpm3m-psc")  # the tiny preset's default_steps and default_sampler
+    assert (plans[0].steps, plans[0].sampler.name) == (21, "dpm3m-psc")  # the tiny preset's default_steps and default_sampler
 
 
 def test_an_os_error_names_the_users_path_not_a_temporary_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -307,5 +310,9 @@ def test_serve_reports_loading_then_ready(export_dir: Path) -> None:
     finally:
         if process.poll() is None:
             process.kill()
-    assert err.splitlines()[:2] == [f"ldlm serve: loading the graphs of {export_dir} (ort)", "ldlm serve: ready"], err
+    assert err.splitlines()[:3] == [
+        f"ldlm serve: loading the graphs of {export_dir} (ort)",
+        "ldlm serve: no tuned step grids (no schedules.json; `ldlm tune-schedule` makes one): each sampler's default grid",
+        "ldlm serve: ready",
+    ], err
     assert out.startswith(f"ldlm serving {export_dir} (ort;")
