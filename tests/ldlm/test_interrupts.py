@@ -151,7 +151,7 @@ def test_a_ctrl_c_in_tensorrts_logger_cancels_the_build_and_is_delivered_once(
 def test_serve_does_not_start_after_a_ctrl_c_dropped_while_preparing(
     export_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The case CI saw: Ctrl-C while `ldlm serve` prepared the service, dropped by Python. Preparing
+    """Ctrl-C while `ldlm serve` prepares the service, dropped by Python (in a weakref callback). Preparing
     ends, and the server must not then start."""
     from ldlm.serve.api import server
     from ldlm.serve.api.service import LDLMService, ServerSettings
