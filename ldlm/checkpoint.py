@@ -1,6 +1,8 @@
 """Checkpoints: a directory with ``config.json``, ``model.safetensors`` and ``tokenizer.json``.
 
-Weights are only ever read from safetensors, never from pickle. Loading checks every tensor's name
+Weights are only ever read from safetensors, never from pickle. A checkpoint may carry
+``SHA256SUMS`` (``sha256sum`` format; the reference checkpoint does): every file it lists is
+checked before use, so a truncated or corrupted copy is refused by name. Loading checks every tensor's name
 and shape first and names what is missing, unexpected or mis-shaped. Writing goes to a temporary
 directory next to the target, renamed into place when complete, so no partial checkpoint is left.
 """
@@ -19,13 +21,14 @@ from torch import Tensor, nn
 
 from ldlm.config import LDLMConfig
 from ldlm.device import resolve_device
-from ldlm.files import atomic_directory
+from ldlm.files import atomic_directory, sha256_file
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
 from ldlm.tokenizer import TextTokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+CHECKSUMS_FILE = "SHA256SUMS"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
@@ -53,10 +56,38 @@ def load_config(path: str | os.PathLike[str]) -> LDLMConfig:
     return LDLMConfig.load(config_path)
 
 
+def write_checksums(directory: Path, names: list[str]) -> None:
+    """``SHA256SUMS`` for ``names`` in ``directory``, in ``sha256sum``'s format (``sha256sum -c`` reads it)."""
+    lines = [f"{sha256_file(directory / name)}  {name}\n" for name in sorted(names)]
+    (directory / CHECKSUMS_FILE).write_text("".join(lines))
+
+
+def check_checksums(directory: Path) -> None:
+    """Every file ``SHA256SUMS`` lists must be there with that sha256 (nothing to check without the file)."""
+    sums = directory / CHECKSUMS_FILE
+    if not sums.is_file():
+        return
+    for number, line in enumerate(sums.read_text().splitlines(), 1):
+        expected, _, name = line.partition("  ")
+        if len(expected) != 64 or not name or "/" in name or name.startswith("."):
+            raise CheckpointError(f"{sums}:{number}: {line!r} is not a 'SHA256  NAME' line of a file in the checkpoint")
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory}: {name} is listed in {CHECKSUMS_FILE} but missing")
+        found = sha256_file(path)
+        if found != expected:
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} has sha256 {found}, {CHECKSUMS_FILE} says {expected}: the file is truncated "
+                "or corrupted; copy it again from its source"
+            )
+
+
 def load_checkpoint(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[LDLM, TextTokenizer]:
     """Load a checkpoint directory; the model comes back in eval mode on ``device``."""
     device = resolve_device(device)  # an absent GPU is named before any file is read
     directory = Path(path)
+    if directory.is_dir():
+        check_checksums(directory)
     config = load_config(directory)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():

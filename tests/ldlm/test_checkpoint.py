@@ -112,3 +112,44 @@ def test_leftovers_of_other_targets_and_live_writers_are_kept(tmp_path: Path) ->
     with atomic_directory(bracketed) as tmp:
         (tmp / "done").write_text("ok")
     assert all(folder.is_dir() for folder in others) and not mine.exists()
+
+
+def test_sha256sums_refuse_a_truncated_or_corrupted_copy(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    import hashlib
+
+    from ldlm.checkpoint import write_checksums
+
+    good = copy_checkpoint(tiny_checkpoint, tmp_path / "good")
+    write_checksums(good, ["config.json", "model.safetensors", "tokenizer.json"])
+    lines = (good / "SHA256SUMS").read_text().splitlines()
+    assert lines == [
+        f"{hashlib.sha256((good / n).read_bytes()).hexdigest()}  {n}" for n in ("config.json", "model.safetensors", "tokenizer.json")
+    ]
+    load_checkpoint(good)  # matches: loads
+    weights = good / "model.safetensors"
+    recorded = lines[1].split()[0]
+
+    corrupted = copy_checkpoint(good, tmp_path / "corrupted")
+    data = bytearray((corrupted / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit inside a tensor: safetensors itself would load it
+    (corrupted / "model.safetensors").write_bytes(bytes(data))
+    found = hashlib.sha256(bytes(data)).hexdigest()
+    with pytest.raises(
+        CheckpointError, match=f"model.safetensors has sha256 {found}, SHA256SUMS says {recorded}: the file is truncated or corrupted"
+    ):
+        load_checkpoint(corrupted)
+
+    truncated = copy_checkpoint(good, tmp_path / "truncated")
+    (truncated / "model.safetensors").write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"SHA256SUMS says {recorded}"):
+        load_checkpoint(truncated)
+
+    missing = copy_checkpoint(good, tmp_path / "missing")
+    (missing / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json is listed in SHA256SUMS but missing"):
+        load_checkpoint(missing)
+
+    escaping = copy_checkpoint(good, tmp_path / "escaping")
+    (escaping / "SHA256SUMS").write_text(f"{'0' * 64}  ../good/model.safetensors\n")
+    with pytest.raises(CheckpointError, match="is not a 'SHA256  NAME' line of a file in the checkpoint"):
+        load_checkpoint(escaping)

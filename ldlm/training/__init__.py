@@ -1,0 +1,11 @@
+"""Training a small LDLM on the reference corpus (``scripts/train_reference.py`` is the recipe).
+
+- ``objectives``: batches, the autoencoder and denoiser losses, the standardization statistics;
+- ``run``: the stages in order, saved as they go and resumable;
+- ``evaluation``: held-out reconstruction, denoising loss and the text a model generates.
+"""
+
+from ldlm.training.objectives import TrainingPlan
+from ldlm.training.run import train
+
+__all__ = ["TrainingPlan", "train"]

@@ -1,0 +1,216 @@
+"""What the reference model is trained on and against: batches, the two objectives, the statistics.
+
+- autoencoder: token cross-entropy + ``feature_weight`` x the latent decoder's MSE to the
+  standardized GPT-2 features (the spec's objective). Gaussian noise of a per-sample scale in
+  [0, ``latent_noise``] x the latents' RMS is added to the latents first, so the decoders learn to
+  read latents that a denoiser only gets close to.
+- denoiser: x_t = alpha_t z + sigma_t eps at t ~ U(0, 1), predicting z with an MSE loss; a
+  ``self_condition`` share of the batches first runs the denoiser once without gradient and feeds
+  that x0_hat back as x0_prev, as the sampler does at every step but the first.
+
+The vocabulary head is trained on the corpus's token ids only (the softmax over the other ~30k
+GPT-2 ids costs most of a step and teaches nothing: they never occur). Those rows end with weight 0
+and bias ``UNSEEN_LOGIT``, so argmax over the whole vocabulary never picks them.
+
+Every random draw is a function of (seed, stage, step), so a resumed run makes the batches the
+uninterrupted run would have made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ldlm.layers import attention_bias
+from ldlm.model import LDLM
+from ldlm.schedule import TangentSchedule, forward_noise
+
+STAGES = ("features", "autoencoder", "latents", "denoiser", "done")
+UNSEEN_LOGIT = -30.0  # logit of every id the corpus never has: far below any trained logit, exact in fp16 too
+DENOISER_LENGTHS = (16, 32, 64, 128)  # the latent cache's window lengths, equal in tokens
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    seed: int = 0
+    autoencoder_steps: int = 6000
+    denoiser_steps: int = 6000
+    tokens_per_batch: int = 2048  # batch size = tokens_per_batch // length
+    min_length: int = 8
+    max_length: int = 128
+    autoencoder_lr: float = 2e-3
+    denoiser_lr: float = 1e-3
+    warmup_steps: int = 200
+    weight_decay: float = 0.01
+    feature_weight: float = 1.0
+    latent_noise: float = 0.3
+    self_condition: float = 0.5  # fraction of denoiser batches trained with x0_prev from a first pass
+    short_fraction: float = 0.25  # samples in a batch cut shorter than the batch's length (padding)
+    cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
+
+    def check(self) -> None:
+        problems = []
+        for name in ("autoencoder_steps", "denoiser_steps"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} (allowed: >= 0)")
+        if not 1 <= self.min_length <= self.max_length:
+            problems.append(f"min_length={self.min_length}, max_length={self.max_length} (allowed: 1 <= min_length <= max_length)")
+        if self.tokens_per_batch < self.max_length:
+            problems.append(f"tokens_per_batch={self.tokens_per_batch} (allowed: >= max_length {self.max_length})")
+        for name in ("latent_noise", "feature_weight"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} (allowed: >= 0)")
+        for name in ("self_condition", "short_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                problems.append(f"{name}={getattr(self, name)} (allowed: 0..1)")
+        if problems:
+            raise ValueError("training plan out of range: " + "; ".join(problems))
+
+
+def draw(seed: int, stage: str, step: int) -> tuple[np.random.Generator, torch.Generator]:
+    """The random streams of one step: the same (seed, stage, step) always draws the same."""
+    key = [seed, STAGES.index(stage), step]
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0] >> np.uint64(1)))
+    return np.random.default_rng(key), gen
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def windows(ids: np.ndarray, starts: np.ndarray, length: int) -> Tensor:
+    return torch.from_numpy(ids[starts[:, None] + np.arange(length)[None]])
+
+
+def text_batch(ids: np.ndarray, plan: TrainingPlan, rng: np.random.Generator) -> tuple[Tensor, Tensor]:
+    """(input_ids, mask): one length for the batch, log-uniform in [min_length, max_length], and a
+    ``short_fraction`` of its samples cut shorter (padding after them)."""
+    length = int(round(math.exp(rng.uniform(math.log(plan.min_length), math.log(plan.max_length)))))
+    batch = plan.tokens_per_batch // length
+    input_ids = windows(ids, rng.integers(0, len(ids) - length, batch), length)
+    valid = np.full(batch, length)
+    short = rng.random(batch) < plan.short_fraction
+    valid[short] = rng.integers(1, length + 1, int(short.sum()))
+    mask = torch.from_numpy(np.arange(length)[None] < valid[:, None]).long()
+    return input_ids, mask
+
+
+@torch.no_grad()
+def feature_statistics(model: LDLM, ids: np.ndarray, windows_count: int = 256, length: int = 128, seed: int = 0) -> None:
+    """Per-dimension mean and std of GPT-2's features over training windows, into the model."""
+    rng, _ = draw(seed, "features", 0)
+    feats = model.feature_model(windows(ids, rng.integers(0, len(ids) - length, windows_count), length)).flatten(0, 1)
+    model.feature_mean.copy_(feats.mean(0))
+    model.feature_std.copy_(feats.std(0).clamp_min(1e-4))
+
+
+class VocabularyHead(nn.Module):
+    """The token decoder's head restricted to the corpus's ids, trained as its own (V', D) weight:
+    gathering rows of the full (V, D) head every step would scatter a full-size gradient back."""
+
+    def __init__(self, vocabulary: np.ndarray, model: LDLM) -> None:
+        super().__init__()
+        self.ids = torch.from_numpy(vocabulary).long()
+        self.index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+        self.index[self.ids] = torch.arange(len(self.ids))
+        full = model.token_decoder.head
+        self.weight = nn.Parameter(full.weight.detach()[self.ids].clone())
+        self.bias = nn.Parameter(full.bias.detach()[self.ids].clone())
+
+    def logits(self, model: LDLM, h: Tensor, mask: Tensor) -> Tensor:
+        """Logits (real positions, V') of the real positions only: the head never runs on padding."""
+        decoder = model.token_decoder
+        bias = attention_bias(mask, h.dtype)
+        for block in decoder.blocks:
+            h = block(h, bias)
+        return F.linear(decoder.norm(h)[mask.bool()], self.weight, self.bias)
+
+    @torch.no_grad()
+    def seal(self, model: LDLM) -> None:
+        """Write the trained rows into the full head; every id outside the corpus gets weight 0 and
+        bias UNSEEN_LOGIT."""
+        full = model.token_decoder.head
+        unseen = self.index < 0
+        full.weight[unseen] = 0.0
+        full.bias[unseen] = UNSEEN_LOGIT
+        full.weight[self.ids] = self.weight
+        full.bias[self.ids] = self.bias
+
+
+def autoencoder_loss(
+    model: LDLM,
+    head: VocabularyHead,
+    input_ids: Tensor,
+    mask: Tensor,
+    plan: TrainingPlan,
+    gen: torch.Generator,
+    measure: bool = True,
+) -> tuple[Tensor, dict[str, float]]:
+    with torch.no_grad():
+        features = (model.feature_model(input_ids, mask) - model.feature_mean) / model.feature_std
+    latents = model.latent_encoder(features, mask)
+    rms = latents.detach().pow(2).mean().sqrt()
+    scale = plan.latent_noise * torch.rand(latents.shape[0], 1, 1, generator=gen)
+    noisy = latents + scale * rms * torch.randn(latents.shape, generator=gen)
+    h = model.latent_decoder(noisy, mask)
+    real = mask.bool()
+    logits = head.logits(model, h, mask)
+    targets = head.index[input_ids[real]]
+    token_loss = F.cross_entropy(logits, targets)
+    feature_loss = F.mse_loss(h[real], features[real])
+    stats = {"token_loss": token_loss.item(), "feature_mse": feature_loss.item()}
+    if measure:  # an argmax over (tokens, V') costs a tenth of a step: only when it is logged
+        stats["accuracy"] = (logits.detach().argmax(-1) == targets).float().mean().item()
+    return token_loss + plan.feature_weight * feature_loss, stats
+
+
+@torch.no_grad()
+def cache_latents(model: LDLM, ids: np.ndarray, tokens: int, seed: int, lengths: tuple[int, ...] = DENOISER_LENGTHS) -> dict[int, Tensor]:
+    """Raw (unstandardized) latents of random training windows, per window length, equal in tokens."""
+    rng, _ = draw(seed, "latents", 0)
+    out = {}
+    for length in lengths:
+        starts = rng.integers(0, len(ids) - length, tokens // len(lengths) // length)
+        parts = []
+        for chunk in np.array_split(starts, max(1, len(starts) // 64)):
+            features = (model.feature_model(windows(ids, chunk, length)) - model.feature_mean) / model.feature_std
+            parts.append(model.latent_encoder(features))
+        out[length] = torch.cat(parts)
+    return out
+
+
+@torch.no_grad()
+def latent_statistics(model: LDLM, cache: dict[int, Tensor]) -> None:
+    """Per-dimension mean and std of the latents, into the model (the cache holds raw latents)."""
+    flat = torch.cat([z.flatten(0, 1) for z in cache.values()])
+    model.latent_mean.copy_(flat.mean(0))
+    model.latent_std.copy_(flat.std(0).clamp_min(1e-4))
+
+
+def latent_batch(cache: dict[int, Tensor], plan: TrainingPlan, model: LDLM, rng: np.random.Generator) -> Tensor:
+    """A batch of standardized latents at one cached length."""
+    length = list(cache)[rng.integers(len(cache))]
+    z = cache[length][rng.integers(0, len(cache[length]), max(1, plan.tokens_per_batch // length))]
+    return (z - model.latent_mean) / model.latent_std
+
+
+def denoiser_loss(
+    model: LDLM, schedule: TangentSchedule, z: Tensor, self_condition: bool, gen: torch.Generator
+) -> tuple[Tensor, dict[str, float]]:
+    t = torch.rand(z.shape[0], generator=gen)
+    x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen))
+    x0_prev = torch.zeros_like(z)
+    if self_condition:
+        with torch.no_grad():
+            x0_prev = model.denoise(x_t, t, x0_prev)
+    loss = F.mse_loss(model.denoise(x_t, t, x0_prev), z)
+    return loss, {"mse": loss.item()}

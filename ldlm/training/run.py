@@ -1,0 +1,207 @@
+"""A training run: the stages in order, saved as it goes, resumable.
+
+1. ``features``: GPT-2's (frozen) feature statistics, which standardize the features.
+2. ``autoencoder``: latent encoder, latent decoder and token decoder, end to end.
+3. ``latents``: the frozen encoder's latent statistics (the cache of latents is rebuilt on resume).
+4. ``denoiser``: on the cached latents.
+
+The state (``state_dir``: the model as a checkpoint, the optimizer's tensors in safetensors, and
+``state.json``) is written whole every ``save_every_s`` seconds and after every stage; a run started
+again on the same directory resumes at the saved step and makes the batches the uninterrupted run
+would have made.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_state_dict, read_safetensors
+from ldlm.corpus import Corpus
+from ldlm.files import atomic_directory
+from ldlm.model import LDLM
+from ldlm.schedule import TangentSchedule
+from ldlm.training.evaluation import denoiser_evaluation, reconstruction_accuracy
+from ldlm.training.objectives import (
+    DENOISER_LENGTHS,
+    STAGES,
+    TrainingPlan,
+    VocabularyHead,
+    autoencoder_loss,
+    cache_latents,
+    denoiser_loss,
+    draw,
+    feature_statistics,
+    latent_batch,
+    latent_statistics,
+    learning_rate,
+    text_batch,
+)
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+RECONSTRUCTION_LENGTHS = (16, 32, 64, 128)
+
+
+@dataclass
+class Progress:
+    """Where a run stands: the stage, the step within it, and the log of losses and evaluations."""
+
+    stage: str = STAGES[0]
+    step: int = 0
+    log: dict[str, Any] = field(default_factory=dict)
+
+
+def optimizer_for(model: LDLM, head: VocabularyHead, stage: str, plan: TrainingPlan) -> torch.optim.AdamW:
+    if stage == "denoiser":
+        params, lr = list(model.denoiser.parameters()), plan.denoiser_lr
+    else:  # the full head is trained through its restricted copy
+        full_head = {id(p) for p in model.token_decoder.head.parameters()}
+        modules = (model.latent_encoder, model.latent_decoder, model.token_decoder)
+        params = [p for module in modules for p in module.parameters() if id(p) not in full_head] + list(head.parameters())
+        lr = plan.autoencoder_lr
+    return torch.optim.AdamW(params, lr=lr, weight_decay=plan.weight_decay)
+
+
+def save_state(directory: Path, model: LDLM, optimizer: torch.optim.Optimizer | None, progress: Progress) -> None:
+    """The run's state, written whole or not at all (the previous state stays until the new one is complete)."""
+    with atomic_directory(directory, overwrite=True) as tmp:
+        model.config.save(tmp / CONFIG_FILE)
+        state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "config_sha256": model.config.config_hash()})
+        groups: list[dict[str, Any]] = []
+        if optimizer is not None:
+            saved = optimizer.state_dict()
+            tensors = {f"{index}.{key}": value.contiguous() for index, per in saved["state"].items() for key, value in per.items()}
+            save_file(tensors, str(tmp / OPTIMIZER_FILE))
+            groups = saved["param_groups"]
+        meta = {"stage": progress.stage, "step": progress.step, "log": progress.log, "param_groups": groups}
+        (tmp / STATE_FILE).write_text(json.dumps(meta))
+
+
+def load_state(directory: Path, model: LDLM) -> tuple[Progress, dict[str, Any] | None]:
+    """Restore the model from a saved state; returns the progress and the optimizer's state dict."""
+    meta = json.loads((directory / STATE_FILE).read_text())
+    state = read_safetensors(directory / WEIGHTS_FILE)
+    check_state_dict(model.state_dict(), state, directory / WEIGHTS_FILE)
+    model.load_state_dict(state)
+    optimizer_state = None
+    if (directory / OPTIMIZER_FILE).is_file():
+        per: dict[int, dict[str, Tensor]] = {}
+        for name, tensor in read_safetensors(directory / OPTIMIZER_FILE).items():
+            index, key = name.split(".", 1)
+            per.setdefault(int(index), {})[key] = tensor
+        optimizer_state = {"state": per, "param_groups": meta["param_groups"]}
+    return Progress(meta["stage"], meta["step"], meta["log"]), optimizer_state
+
+
+class Run:
+    """One training run over ``corpus`` with ``plan``, its state in ``state_dir``."""
+
+    def __init__(self, model: LDLM, corpus: Corpus, plan: TrainingPlan, state_dir: Path, save_every_s: float, progress_bar: bool) -> None:
+        plan.check()
+        if plan.max_length > model.config.max_seq_len:
+            raise ValueError(f"max_length={plan.max_length} is out of range: at most the config's max_seq_len {model.config.max_seq_len}")
+        self.model, self.corpus, self.plan, self.state_dir = model, corpus, plan, state_dir
+        self.save_every_s, self.progress_bar = save_every_s, progress_bar
+        self.schedule = TangentSchedule(model.config.schedule_d, model.config.beta_clip_t)
+        resumed = (state_dir / STATE_FILE).is_file()
+        self.progress, self.optimizer_state = load_state(state_dir, model) if resumed else (Progress(), None)
+        self.head = VocabularyHead(corpus.vocabulary, model)  # after loading: a saved state holds the sealed full head
+        self.cache: dict[int, Tensor] | None = None
+        model.feature_model.requires_grad_(False)
+
+    def train(self) -> dict[str, Any]:
+        while self.progress.stage != "done":
+            stage = self.progress.stage
+            if stage == "features":
+                feature_statistics(self.model, self.corpus.train, length=self.plan.max_length, seed=self.plan.seed)
+            elif stage == "latents":
+                latent_statistics(self.model, self.latent_cache())
+            else:
+                self.optimize(stage)
+            self.evaluate(stage)
+            self.progress = Progress(STAGES[STAGES.index(stage) + 1], 0, self.progress.log)
+            save_state(self.state_dir, self.model, None, self.progress)
+        return self.progress.log
+
+    def latent_cache(self) -> dict[int, Tensor]:
+        if self.cache is None:  # also rebuilt when resumed inside the denoiser stage: it is not saved
+            lengths = tuple(n for n in DENOISER_LENGTHS if n <= self.plan.max_length) or (self.plan.max_length,)
+            self.cache = cache_latents(self.model.eval(), self.corpus.train, self.plan.cache_tokens, self.plan.seed, lengths)
+        return self.cache
+
+    def optimize(self, stage: str) -> None:
+        model, plan = self.model, self.plan
+        total, peak = (plan.autoencoder_steps, plan.autoencoder_lr) if stage == "autoencoder" else (plan.denoiser_steps, plan.denoiser_lr)
+        cache = self.latent_cache() if stage == "denoiser" else None
+        optimizer = optimizer_for(model, self.head, stage, plan)
+        if self.optimizer_state is not None:
+            optimizer.load_state_dict(self.optimizer_state)
+            self.optimizer_state = None
+        history = self.progress.log.setdefault(f"{stage}_history", [])
+        last_save = time.monotonic()
+        bar = tqdm(
+            range(self.progress.step, total),
+            desc=stage,
+            initial=self.progress.step,
+            total=total,
+            disable=not self.progress_bar,
+            unit="step",
+        )
+        model.train()
+        for step in bar:
+            rng, gen = draw(plan.seed, stage, step)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, total, peak, plan.warmup_steps)
+            if cache is None:
+                loss, stats = autoencoder_loss(model, self.head, *text_batch(self.corpus.train, plan, rng), plan, gen, step % 100 == 0)
+            else:
+                loss, stats = denoiser_loss(
+                    model, self.schedule, latent_batch(cache, plan, model, rng), bool(rng.random() < plan.self_condition), gen
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+            optimizer.step()
+            bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items() if k != "accuracy"})
+            if step % 100 == 0:
+                history.append({"step": step, **stats})
+            if time.monotonic() - last_save > self.save_every_s:
+                self.save(stage, step + 1, optimizer)
+                last_save = time.monotonic()
+        model.eval()
+
+    def save(self, stage: str, step: int, optimizer: torch.optim.Optimizer) -> None:
+        self.model.eval()
+        if stage == "autoencoder":
+            self.head.seal(self.model)  # the restricted head's rows go into the full head that is saved
+        save_state(self.state_dir, self.model, optimizer, Progress(stage, step, self.progress.log))
+        self.model.train()
+
+    def evaluate(self, stage: str) -> None:
+        log = self.progress.log
+        if stage == "autoencoder":
+            self.head.seal(self.model)
+            log["reconstruction_held_out"] = {
+                str(n): reconstruction_accuracy(self.model, self.corpus.held_out, n)
+                for n in RECONSTRUCTION_LENGTHS
+                if n <= self.plan.max_length
+            }
+        elif stage == "denoiser":
+            log["denoiser_held_out"] = denoiser_evaluation(self.model, self.schedule, self.corpus.held_out, min(64, self.plan.max_length))
+
+
+def train(
+    model: LDLM, corpus: Corpus, plan: TrainingPlan, state_dir: Path, save_every_s: float = 120.0, progress_bar: bool = True
+) -> dict[str, Any]:
+    """Run (or resume, from ``state_dir``) every stage; returns the log of losses and evaluations."""
+    return Run(model, corpus, plan, state_dir, save_every_s, progress_bar).train()

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""The recipe of the reference checkpoint: a tiny LDLM trained on Austen's six novels and Moby Dick.
+
+    python scripts/train_reference.py --corpus DIR_WITH_DEBS --out models/ldlm-austen-tiny
+
+The texts come from Debian's r-cran-janeaustenr and r-cran-tokenizers (installed, or their .deb files
+in --corpus: `apt-get download r-cran-janeaustenr r-cran-tokenizers`); nothing is downloaded. The
+stages (ldlm/training/) run in order: feature statistics, the autoencoder, the latent cache, the
+denoiser. The state is saved to --state-dir every --save-every seconds and after each stage, so an
+interrupted run started again with the same arguments resumes where it stopped. At the end the
+checkpoint is evaluated on the held-out text (reconstruction, denoising loss, generated words) and
+written whole to --out with SHA256SUMS, a model card (README.md) and training.json.
+
+Why the tiny preset: every step's cost is dominated by the token decoder and GPT-2 at D=64, and
+the whole recipe must finish in about 90 minutes on 2 CPU cores; the base preset would need days.
+GPT-2 itself stays at its seeded random initialization (frozen): no GPT-2 weights can be had
+offline, and a random transformer's features still carry every token's identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ldlm.checkpoint import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, init_model, save_checkpoint, write_checksums
+from ldlm.config import preset
+from ldlm.corpus import Corpus, CorpusError, load_corpus, load_documents
+from ldlm.files import atomic_directory, refuse_existing
+from ldlm.model import LDLM, count_parameters
+from ldlm.tokenizer import TextTokenizer
+from ldlm.training import TrainingPlan, train
+from ldlm.training.evaluation import text_statistics, unigram_entropy_bits, words
+
+
+def model_card(log: dict[str, Any], corpus: Corpus, plan: TrainingPlan, model: LDLM, minutes: float) -> str:
+    rec = log["reconstruction_held_out"]
+    den = log["denoiser_held_out"]
+    trained, random = log["generated_text"], log["generated_text_random_weights"]
+    examples = "\n".join(f"    {text[:160]!r}" for text in trained["examples"])
+    return f"""# ldlm-austen-tiny: the reference checkpoint
+
+**What it is:** a small reference of a learned distribution, for checking the tool chain on a model
+that has learned something. It is **not a good language model**: its samples are Austen's and
+Melville's words, names and punctuation, with little syntax.
+
+- Architecture: the `tiny` preset (D {model.config.d_model}, {count_parameters(model):,} parameters with GPT-2's), V {model.config.vocab_size}.
+- GPT-2 (the feature model) is its seeded random initialization, frozen: no GPT-2 weights can be had offline.
+- Trained on: Jane Austen's six novels (Debian `r-cran-janeaustenr`) and Moby Dick (`r-cran-tokenizers`'
+  `mobydick`, without Project Gutenberg's header and licence): {len(corpus.train):,} training tokens,
+  {len(corpus.held_out):,} held out (the last 5% of every novel), {len(corpus.vocabulary):,} distinct token ids.
+  The other GPT-2 ids never occur; their logits are fixed at -30 (weight 0), so they are never decoded.
+- Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes on {torch.get_num_threads()} CPU threads:
+  - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens at lengths {plan.min_length}..{plan.max_length} with padding,
+    token cross-entropy + {plan.feature_weight} x feature MSE, latent noise up to {plan.latent_noise} x RMS;
+  - denoiser: {plan.denoiser_steps} steps of {plan.tokens_per_batch} tokens on the frozen encoder's latents
+    (lengths 16/32/64/128), x0-prediction MSE, self-conditioning on {plan.self_condition:.0%} of the batches.
+
+## Held-out results
+
+| measure | value |
+|---|---|
+| reconstruction token accuracy, L16 / 32 / 64 / 128 | {rec["16"]:.4f} / {rec["32"]:.4f} / {rec["64"]:.4f} / {rec["128"]:.4f} |
+| denoiser MSE (standardized latents, 16 t in (0, 1), self-conditioned) | {den["denoiser_mse"]:.4f} |
+| MSE of predicting the latent mean | {den["mean_prediction_mse"]:.4f} |
+| generated words found in the corpus (default sampler, {trained["samples"]} x {trained["length"]} tokens) | {trained["words_in_corpus_vocabulary"]:.3f} (random weights: {random["words_in_corpus_vocabulary"]:.3f}) |
+| unigram entropy, bits per token: generated / held-out text | {trained["unigram_entropy_bits"]:.2f} / {log["corpus_unigram_entropy_bits"]:.2f} (random weights: {random["unigram_entropy_bits"]:.2f}) |
+
+Samples (seed 0):
+
+{examples}
+
+`training.json` holds the loss curves, every figure above and the plan. `SHA256SUMS` lists every
+file's sha256; `ldlm` refuses a copy whose files do not match it.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        help="a directory with the corpus packages' .deb files or their unpacked tree (default: the installed packages)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("models/ldlm-austen-tiny"), help="the checkpoint to write (default: %(default)s)")
+    parser.add_argument("--state-dir", type=Path, default=Path("runs/train-reference"), help="the resumable state (default: %(default)s)")
+    parser.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--autoencoder-steps", type=int, default=TrainingPlan.autoencoder_steps)
+    parser.add_argument("--denoiser-steps", type=int, default=TrainingPlan.denoiser_steps)
+    parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core, %(default)s)")
+    parser.add_argument("--save-every", type=float, default=120.0, help="seconds between saved states (default: %(default)s)")
+    parser.add_argument(
+        "--samples", type=int, default=32, help="generated samples for the word and entropy measures (default: %(default)s)"
+    )
+    parser.add_argument("--force", action="store_true", help="replace --out if ldlm wrote it")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads} is out of range: 1 or more")
+    refuse_existing(args.out, args.force)
+    plan = TrainingPlan(
+        seed=args.seed, autoencoder_steps=args.autoencoder_steps, denoiser_steps=args.denoiser_steps, tokens_per_batch=args.tokens_per_batch
+    )
+    try:
+        plan.check()
+    except ValueError as error:
+        parser.error(str(error))
+    torch.set_num_threads(args.threads)
+    tokenizer = TextTokenizer.gpt2()
+    try:
+        corpus = load_corpus(tokenizer, args.corpus)
+        vocabulary = {w for text in load_documents(args.corpus).values() for w in words(text)}
+    except CorpusError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    config = preset(args.preset)
+    model = init_model(config, seed=args.seed)
+    random_model = init_model(config, seed=args.seed)
+    started = time.monotonic()
+    log = train(model, corpus, plan, args.state_dir, save_every_s=args.save_every, progress_bar=not args.quiet)
+    minutes = (time.monotonic() - started) / 60 + log.get("minutes_before_resume", 0.0)
+    log["generated_text"] = text_statistics(model, tokenizer, vocabulary, args.samples, 64, args.seed)
+    log["generated_text_random_weights"] = text_statistics(random_model, tokenizer, vocabulary, args.samples, 64, args.seed)
+    log["corpus_unigram_entropy_bits"] = unigram_entropy_bits(corpus.held_out)
+    log["plan"] = plan.__dict__
+    log["host"] = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    with atomic_directory(args.out, args.force) as tmp:
+        staged = save_checkpoint(model, tokenizer, tmp / "checkpoint")  # a directory of its own: its files move up
+        for item in staged.iterdir():
+            item.rename(tmp / item.name)
+        staged.rmdir()
+        (tmp / "training.json").write_text(json.dumps(log, indent=1))
+        (tmp / "README.md").write_text(model_card(log, corpus, plan, model, minutes))
+        write_checksums(tmp, [CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json"])
+    rec = log["reconstruction_held_out"]
+    print(f"wrote {args.out} ({CHECKSUMS_FILE}, README.md, training.json) after {minutes:.1f} min")
+    print(f"held-out reconstruction: {', '.join(f'L{k} {v:.4f}' for k, v in rec.items())}")
+    den = log["denoiser_held_out"]
+    print(f"held-out denoiser MSE {den['denoiser_mse']:.4f} (latent mean: {den['mean_prediction_mse']:.4f})")
+    print(f"generated words in the corpus vocabulary: {log['generated_text']['words_in_corpus_vocabulary']:.3f}")
+    return 0 if math.isfinite(den["denoiser_mse"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""A whole training run on the micro model: it learns, it resumes to the same weights, it leaves no partial state."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ldlm.training.run as run_module
+from ldlm.checkpoint import init_model
+from ldlm.corpus import Corpus
+from ldlm.training import train
+from ldlm.training.evaluation import reconstruction_accuracy
+from ldlm.training.run import STATE_FILE
+from tests.ldlm.training.conftest import MICRO, MICRO_PLAN
+
+
+def test_the_autoencoder_learns_the_corpus(micro_corpus: Corpus, tmp_path: Path) -> None:
+    model = init_model(MICRO, seed=0)
+    before = reconstruction_accuracy(model, micro_corpus.held_out, 16)
+    plan = dataclasses.replace(MICRO_PLAN, autoencoder_steps=150, denoiser_steps=0, latent_noise=0.0, autoencoder_lr=5e-3, warmup_steps=10)
+    log = train(model, micro_corpus, plan, tmp_path / "state", progress_bar=False)
+    after = log["reconstruction_held_out"]["16"]
+    assert before < 0.1 and after > 0.3, (before, after)  # chance is 1/40: the autoencoder is learning to copy
+    assert after == pytest.approx(reconstruction_accuracy(model, micro_corpus.held_out, 16))
+    assert set(log) >= {"autoencoder_history", "reconstruction_held_out", "denoiser_held_out"}
+    assert json.loads((tmp_path / "state" / STATE_FILE).read_text())["stage"] == "done"
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(
+    micro_corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uninterrupted = init_model(MICRO, seed=0)
+    train(uninterrupted, micro_corpus, MICRO_PLAN, tmp_path / "a", progress_bar=False)
+
+    calls = {"n": 0}
+    real_loss = run_module.denoiser_loss
+
+    def interrupted_loss(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 4:  # Ctrl-C in the middle of the denoiser stage, after 3 steps were saved
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(run_module, "denoiser_loss", interrupted_loss)
+    first = init_model(MICRO, seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        train(first, micro_corpus, MICRO_PLAN, tmp_path / "b", save_every_s=0.0, progress_bar=False)
+    saved = json.loads((tmp_path / "b" / STATE_FILE).read_text())
+    assert (saved["stage"], saved["step"]) == ("denoiser", 3)
+    monkeypatch.setattr(run_module, "denoiser_loss", real_loss)
+
+    resumed = init_model(MICRO, seed=1)  # other initial weights: everything must come from the saved state
+    train(resumed, micro_corpus, MICRO_PLAN, tmp_path / "b", progress_bar=False)
+    expected, found = uninterrupted.state_dict(), resumed.state_dict()
+    assert all(torch.equal(expected[name], found[name]) for name in expected), [
+        n for n in expected if not torch.equal(expected[n], found[n])
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no temporary state directory left beside
+
+
+def test_a_plan_longer_than_the_model_is_refused(micro_corpus: Corpus, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_length=128 is out of range: at most the config's max_seq_len 32"):
+        train(init_model(MICRO, seed=0), micro_corpus, dataclasses.replace(MICRO_PLAN, max_length=128, tokens_per_batch=256), tmp_path)
