@@ -97,9 +97,20 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any])
         resolve_inside(directory, entry.get("file"))
         if entry.get("file") not in entry["files"]:
             raise ArtifactError(f"{directory / MANIFEST_FILE}: graph {graph!r} file {entry.get('file')!r} has no sha256 entry")
+        variants = entry.get("variants", {})
+        if variants and not resolve_inside(directory, entry["file"]).is_file():
+            kinds = ", ".join(f"{p} ({v.get('file')})" for p, v in variants.items() if isinstance(v, dict))
+            raise ArtifactError(
+                f"{directory / entry['file']} is missing: the variant(s) {kinds} are kept only beside their fp32 sibling "
+                "(parity and the eps probes compare against it); re-export with `ldlm export --quantize int8`"
+            )
         for name, record in entry["files"].items():
             check_file(directory, name, record)
         check_external_data(directory, entry["file"], set(entry["files"]))
+        for variant in variants.values():
+            resolve_inside(directory, variant.get("file"))
+            for name, record in variant.get("files", {}).items():
+                check_file(directory, name, record)
     check_tokenizer(directory, manifest.get("tokenizer"))
     config_path = directory / CONFIG_FILE
     if config_path.is_file() and "config_sha256" in manifest and LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:

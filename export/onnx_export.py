@@ -32,6 +32,7 @@ from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
+from ldlm.export.quantize import QUANTIZE_CHOICES, QUANTIZED_GRAPHS, quantize_int8, require_quantizer, variant_file
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.interrupts import raise_if_interrupted
@@ -127,9 +128,15 @@ def export_graphs(
     with_logits: bool = False,
     overwrite: bool = False,
     progress: bool = False,
+    quantize: str | None = None,
 ) -> ExportResult:
-    """Export and verify ``graphs`` of ``checkpoint`` into ``out``; nothing is left there on failure."""
+    """Export and verify ``graphs`` of ``checkpoint`` into ``out``; nothing is left there on failure.
+    ``quantize="int8"`` adds an INT8 variant beside each fp32 graph of QUANTIZED_GRAPHS (export/quantize.py)."""
     check_opset(opset)
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize={quantize!r} is unknown; allowed: {', '.join(QUANTIZE_CHOICES)} (or none)")
+    if quantize is not None:
+        require_quantizer()  # before any work: a missing ONNX Runtime is named first
     refuse_existing(out, overwrite, {"checkpoint": checkpoint})  # before the checkpoint loads
     unknown = [g for g in graphs if g not in GRAPH_NAMES]
     if unknown or not graphs:
@@ -150,7 +157,8 @@ def export_graphs(
             if schedules is not None:
                 schedules.save(tmp / SCHEDULES_FILE)
             entries, results = {}, []
-            with tqdm(total=2 * len(graphs), desc="export", unit="stage", disable=not progress) as bar:
+            variants = [g for g in graphs if quantize is not None and g in QUANTIZED_GRAPHS]
+            with tqdm(total=2 * len(graphs) + len(variants), desc="export", unit="stage", disable=not progress) as bar:
                 for name in graphs:
                     raise_if_interrupted()  # a Ctrl-C Python dropped during the last stage ends the export here
                     io = graph_io(model, name, with_logits)
@@ -164,6 +172,10 @@ def export_graphs(
                     results.append(verify_onnx(path, specs, name))
                     entries[name] = _manifest_entry(path, io, specs)
                     bar.update()
+                    if name in variants and quantize is not None:
+                        bar.set_postfix_str(f"{name}: {quantize}")
+                        results.append(add_variant(tmp, name, entries[name], specs, quantize))
+                        bar.update()
             raise_if_interrupted()
             verify_all(results)  # raises before the rename: a failed export leaves nothing behind
             manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE, weights, tmp / SCHEDULES_FILE)
@@ -177,6 +189,20 @@ def export_graphs(
     # verified in the temporary directory, which is gone now: point at the files where they are
     results = [dataclasses.replace(r, path=str(Path(out) / Path(r.path).name)) for r in results]
     return ExportResult(Path(out), manifest, results)
+
+
+def add_variant(directory: Path, graph: str, entry: dict[str, Any], specs: list[LayerNormSpec], precision: str) -> VerifyResult:
+    """Quantize ``graph``'s fp32 file into its ``precision`` variant, verify it, and record it in ``entry``."""
+    path = directory / variant_file(graph, precision)
+    report = quantize_int8(directory / entry["file"], path)
+    entry.setdefault("variants", {})[precision] = {
+        "file": path.name,
+        "files": {path.name: {"sha256": sha256_file(path), "bytes": path.stat().st_size}},
+        "method": "onnxruntime.quantization.quantize_dynamic (MatMul/Gemm weights int8, MatMulConstBOnly)",
+        "quantized_nodes": report.quantized,
+        "kept_float_nodes": report.kept_float,
+    }
+    return verify_onnx(path, specs, f"{graph}.{precision}", precision)
 
 
 def _manifest_entry(path: Path, io: GraphIO, specs: list[LayerNormSpec]) -> dict[str, Any]:
@@ -245,4 +271,6 @@ def verify_export(path: str | os.PathLike[str], checkpoint: str | os.PathLike[st
         else:
             specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
         results.append(verify_onnx(directory / entry["file"], specs, name))
+        for precision, variant in entry.get("variants", {}).items():
+            results.append(verify_onnx(directory / variant["file"], specs, f"{name}.{precision}", precision))
     return results

@@ -8,6 +8,8 @@ graph is checked structurally against the modules it was exported from:
   - scale and bias initializers equal the module's weight and bias, and are absent (bias) or
     all ones (scale, which ONNX requires) where the module has none;
   - no decomposed LayerNorm (ReduceMean -> Sub -> Pow/Mul -> ReduceMean -> ...) appears;
+  - no Q/DQ node feeds a LayerNorm, every LayerNorm reads and writes float32, and the graph is the
+    precision its manifest says (``verify_quantized``);
   - onnx.checker's full check passes.
 Nodes are paired with modules by name (the module path torch.onnx records on each node), never by
 position, so a node reading another module's scale or bias fails.
@@ -28,7 +30,8 @@ import onnx
 from onnx import numpy_helper
 from torch import nn
 
-LAYER_NORM_OP = "LayerNormalization"
+from ldlm.export.verify_quantized import LAYER_NORM_OP, check_precision_claim, check_quantized_layer_norms
+
 ONNX_DEFAULT_EPS = 1e-5
 ONNX_DEFAULT_AXIS = -1
 
@@ -117,8 +120,11 @@ class VerifyResult:
             raise VerificationError(f"{self.path}: " + self.summary())
 
 
-def verify_onnx(path: str | os.PathLike[str], expected: Sequence[LayerNormSpec], graph: str | None = None) -> VerifyResult:
-    """Check the ONNX file at ``path`` against the LayerNorm modules it was exported from."""
+def verify_onnx(
+    path: str | os.PathLike[str], expected: Sequence[LayerNormSpec], graph: str | None = None, precision: str = "fp32"
+) -> VerifyResult:
+    """Check the ONNX file at ``path`` against the LayerNorm modules it was exported from; ``precision``
+    is what its manifest says it is (fp32, or int8 for a quantized variant)."""
     path = Path(path)
     name = graph or path.stem
     try:
@@ -127,6 +133,9 @@ def verify_onnx(path: str | os.PathLike[str], expected: Sequence[LayerNormSpec],
         return VerifyResult(name, str(path), 0, len(expected), [f"cannot load {path}: {error}"])
     problems = check_layer_norms(model.graph, expected)
     problems += find_decomposed_layer_norms(model.graph)
+    # types by shape inference, on the graph without its weights (cheap at any size)
+    problems += check_quantized_layer_norms(onnx.load(str(path), load_external_data=False))
+    problems += check_precision_claim(model.graph, precision)
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as error:  # ValidationError, InferenceError

@@ -27,6 +27,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
         with_logits=args.with_logits,
         overwrite=args.force,
         progress=not args.quiet,
+        quantize=args.quantize,
     )
     for verification in result.verification:
         print(verification.summary())
@@ -126,6 +127,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--opset", type=int, choices=OPSETS, default=18, help="ONNX opset: 18 (default) or 20 (single Gelu node)")
     p.add_argument("--graphs", default="encoder,denoiser,decoder", help="comma-separated subset (default: all three)")
     p.add_argument("--with-logits", action="store_true", help="the decoder also outputs logits (B, L, V), for parity checks")
+    p.add_argument(
+        "--quantize",
+        choices=("int8",),
+        help="also write an INT8 variant of the denoiser and the decoder (ONNX Runtime dynamic quantization of the MatMul "
+        "weights; every LayerNorm, RMSNorm, softmax, the time embedding and the logits stay float32), verified like the "
+        "fp32 graphs; serve it with --precision int8",
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_export)

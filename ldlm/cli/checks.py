@@ -119,6 +119,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         gen_sampler=args.gen_sampler,
         solver_specs=parse_solver_specs(args.solvers),
         solver_reference_steps=args.solver_reference_steps,
+        ort_precisions=args.precisions.split(","),
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,9 +155,10 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=["fp32", "fp16", "bf16"],
+        choices=["fp32", "fp16", "bf16", "int8"],
         default="fp32",
-        help="sets atol/rtol, and the dtype of the torch backends (default: fp32)",
+        help="sets atol/rtol, and the dtype of the torch backends (default: fp32); int8: ort on the export's INT8 "
+        "variants, judged by cosine and token agreement (thresholds in the report)",
     )
     p.add_argument("--onnx-dir", help="ort: an `ldlm export` directory (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")
@@ -212,6 +214,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="checkpoint directory")
     p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, ort, trt (default: eager,ort)")
     p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
+    p.add_argument(
+        "--precisions",
+        default="fp32",
+        help="comma-separated ort precisions, each its own column side by side: fp32 (ort), int8 (ort-int8: the INT8 "
+        "variants, exported with them when no --onnx-dir is given), fp16 (default: fp32)",
+    )
     p.add_argument("--engine-dir", help="engines to use for trt")
     p.add_argument(
         "--batches",

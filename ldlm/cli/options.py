@@ -112,9 +112,10 @@ def device_options(p: argparse.ArgumentParser, precision: bool = True) -> None:
     if precision:
         p.add_argument(
             "--precision",
-            choices=["fp32", "bf16", "fp16"],
+            choices=["fp32", "bf16", "fp16", "int8"],
             default="fp32",
-            help="torch backends' dtype; LayerNorm, RMSNorm, softmax and logits stay FP32 (default: fp32)",
+            help="torch backends' dtype; LayerNorm, RMSNorm, softmax and logits stay FP32 (default: fp32). "
+            "int8: ort only, the export's INT8 variants (ldlm export --quantize int8; a checkpoint is exported with them)",
         )
     p.add_argument(
         "--provider",

@@ -52,7 +52,7 @@ class CachedExport:
     remade: str | None = None
 
 
-def export_key(checkpoint: Path, with_logits: bool) -> tuple[str, str]:
+def export_key(checkpoint: Path, with_logits: bool, quantize: str | None = None) -> tuple[str, str]:
     """(the cache key, the weights' sha256): a change to anything the export is made from is another key."""
     weights = sha256_file(checkpoint / WEIGHTS_FILE)
     record = {
@@ -64,6 +64,7 @@ def export_key(checkpoint: Path, with_logits: bool) -> tuple[str, str]:
         "torch_version": torch.__version__,
         "onnx_version": onnx.__version__,
         "with_logits": with_logits,
+        **({"quantize": quantize} if quantize is not None else {}),  # without: the keys of exports made before quantizing
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32], weights
 
@@ -94,11 +95,16 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def cached_export(
-    checkpoint: str, root: str | os.PathLike[str], say: Callable[[str], None], progress: bool = False, with_logits: bool = True
+    checkpoint: str,
+    root: str | os.PathLike[str],
+    say: Callable[[str], None],
+    progress: bool = False,
+    with_logits: bool = True,
+    quantize: str | None = None,
 ) -> CachedExport:
-    """The verified export of ``checkpoint`` under ``root``, reused if its entry checks, else made there;
-    ``say`` is told which, in one line."""
-    key, weights = export_key(Path(checkpoint), with_logits)
+    """The verified export of ``checkpoint`` under ``root`` (with ``quantize``'s variants), reused if its
+    entry checks, else made there; ``say`` is told which, in one line."""
+    key, weights = export_key(Path(checkpoint), with_logits, quantize)
     entry = Path(root) / "exports" / key
     entry.parent.mkdir(parents=True, exist_ok=True)
     with _locked(entry.parent / f".{key}.lock"):
@@ -108,5 +114,5 @@ def cached_export(
             return CachedExport(entry, weights, reused=True)
         failed = "" if remade is None else f"the cached export in {entry} failed its check ({remade}); "
         say(f"{failed}exporting the checkpoint {checkpoint} to ONNX in {entry} (cached for the next start)")
-        export_graphs(checkpoint, entry, with_logits=with_logits, overwrite=True, progress=progress)
+        export_graphs(checkpoint, entry, with_logits=with_logits, overwrite=True, progress=progress, quantize=quantize)
     return CachedExport(entry, weights, reused=False, remade=remade)

@@ -58,6 +58,9 @@ class Metrics:
             ["bucket"],
             registry=r,
         )
+        self.graph_info = Gauge(
+            "ldlm_graph_info", "1 per served graph, labelled with what runs it", ["model", "backend", "provider", "precision"], registry=r
+        )
         self.cancelled_samples = Counter(
             "ldlm_cancelled_samples", "Samples dropped unfinished because their request was cancelled (or failed)", ["model"], registry=r
         )

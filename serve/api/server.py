@@ -128,7 +128,7 @@ def serve(source: str, settings: ServerSettings, log_level: str = "info") -> Non
         port = sock.getsockname()[1]
         url = f"http://{settings.host}:{port}"
         auth = ' -H "Authorization: Bearer $LDLM_API_KEY"' if settings.api_key else ""  # the key itself is never printed
-        providers = ", ".join(f"{g}: {b.provider}" for g, b in service.graphs.items())
+        providers = ", ".join(f"{g}: {b.provider} [{b.precision}]" for g, b in service.graphs.items())
         print(f"ldlm serving {source} ({settings.backend}; {providers}) on {url}", flush=True)
         print(
             f"try: curl -s {url}/v1/generate -H 'Content-Type: application/json'{auth} "

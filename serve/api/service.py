@@ -105,6 +105,8 @@ class LDLMService:
         config, self.max_batch = serving_limits(graphs, config, settings.max_batch)
         self.graphs, self.config = graphs, config
         self.metrics = Metrics()
+        for name, graph in graphs.items():
+            self.metrics.graph_info.labels(name, graph.backend, graph.provider, graph.precision).set(1)
         self.batchers = self._make_batchers(graphs)
         # One pipeline: every encode and decode (prompts, finished generations, previews, /v1 texts) goes
         # through the graphs' batchers. The scheduler batches the denoiser itself, step by step, on the
@@ -127,15 +129,16 @@ class LDLMService:
         """The graphs of ``source`` on the settings' backend; a checkpoint served on ort is exported first,
         into the settings' export cache (reused at the next start) or a scratch directory removed at close."""
         settings = self.settings
+        quantize = "int8" if settings.precision == "int8" else None  # a checkpoint served in int8 is exported with its variants
         if settings.backend == "ort" and is_checkpoint(source) and settings.export_cache is not None:
-            source = str(cached_export(source, settings.export_cache, say, progress=progress).directory)
+            source = str(cached_export(source, settings.export_cache, say, progress=progress, quantize=quantize).directory)
         elif settings.backend == "ort" and is_checkpoint(source):
             say(
                 f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
                 "directory to skip this at every start)"
             )
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")
-            source = export_checkpoint_for_serving(source, Path(self._scratch.name), progress=progress)
+            source = export_checkpoint_for_serving(source, Path(self._scratch.name), progress=progress, quantize=quantize)
         say(f"loading the graphs of {source} ({settings.backend})")
         return open_graphs(
             settings.backend,
@@ -253,8 +256,8 @@ def is_checkpoint(source: str) -> bool:
     return (Path(source) / "model.safetensors").is_file()
 
 
-def export_checkpoint_for_serving(checkpoint: str, scratch: Path, progress: bool) -> str:
+def export_checkpoint_for_serving(checkpoint: str, scratch: Path, progress: bool, quantize: str | None = None) -> str:
     """ONNX Runtime serves an export, not a checkpoint: export ``checkpoint``'s graphs under ``scratch``
     (a directory the service removes at close) and return the export's directory, for ``open_graphs``.
     The decoder keeps its logits output, which temperature, top_p and logprobs draw from."""
-    return str(export_graphs(checkpoint, scratch / "onnx", with_logits=True, progress=progress).out)
+    return str(export_graphs(checkpoint, scratch / "onnx", with_logits=True, progress=progress, quantize=quantize).out)

@@ -24,7 +24,7 @@ from ldlm.pipeline import LDLMPipeline, check_length
 from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.serve.checks.bench_latency import bench_generation, bench_graphs, bench_solvers
 from ldlm.serve.checks.bench_workload import bench_batching
-from ldlm.serve.runtime.backends import TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
+from ldlm.serve.runtime.backends import ORT_PRECISIONS, TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
 
 
@@ -51,15 +51,25 @@ def run_bench(
     gen_sampler: str = "ddim",
     solver_specs: Sequence[tuple[str, int, str | None]] = (),
     solver_reference_steps: int = 500,
+    ort_precisions: Sequence[str] = ("fp32",),
 ) -> dict[str, Any]:
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
-    The torch backends (eager, compiled) run on ``device`` in ``precision``; ort on ``provider``."""
+    The torch backends (eager, compiled) run on ``device`` in ``precision``; ort on ``provider``, once
+    per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants)."""
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
+    bad = [p for p in ort_precisions if p not in ORT_PRECISIONS]
+    if bad or not ort_precisions:
+        raise ValueError(
+            f"precisions {list(ort_precisions)} are invalid for ort; allowed: a non-empty subset of {', '.join(ORT_PRECISIONS)}"
+        )
+    backends = ort_columns(backends, ort_precisions)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
         sources = {"eager": checkpoint, "compiled": checkpoint, "ort": onnx_dir, "trt": engine_dir}
-        if "ort" in backends and onnx_dir is None:
-            sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress).out)
+        if any(b.startswith("ort") for b in backends) and onnx_dir is None:
+            quantize = "int8" if "int8" in ort_precisions else None
+            sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress, quantize=quantize).out)
+        sources.update({f"ort-{p}": sources["ort"] for p in ort_precisions if p != "fp32"})
         schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)  # tuned grids, where tuned
         graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device, schedules)
         report: dict[str, Any] = {
@@ -70,9 +80,11 @@ def run_bench(
             "config_sha256": config.config_hash(),
             "load_average_1m": round(os.getloadavg()[0], 2),
             "cpus": os.cpu_count(),
+            "host": host_isa(),
         }
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
         report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler)
+        report["precision_speedups"] = precision_speedups(report)
         chosen = workload_backend if workload_backend in pipelines else backends[-1]
         if solver_specs:
             report["solvers"] = bench_solvers(
@@ -107,10 +119,11 @@ def open_pipelines(
         if source is None:
             raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
         torch_backend = name in TORCH_BACKENDS
+        backend, _, ort_precision = name.partition("-")  # "ort-int8": backend ort, precision int8
         graphs, config, tokenizer = open_graphs(
-            name,
+            backend,
             source,
-            precision if torch_backend else "fp32",
+            precision if torch_backend else ort_precision or "fp32",
             ort_providers(provider),
             threads,
             device if torch_backend else "cpu",
@@ -126,3 +139,36 @@ def open_pipelines(
             schedules=schedules,
         )
     return graphs_by_backend, pipelines, config
+
+
+def ort_columns(backends: Sequence[str], ort_precisions: Sequence[str]) -> list[str]:
+    """``backends`` with ``ort`` replaced by one column per precision: ort (fp32), ort-int8, ..."""
+    out: list[str] = []
+    for name in backends:
+        out += [name if p == "fp32" else f"{name}-{p}" for p in ort_precisions] if name == "ort" else [name]
+    return out
+
+
+def precision_speedups(report: dict[str, Any]) -> dict[str, float]:
+    """fp32 ONNX Runtime's median over each other ort precision's, per graph cell and for generation,
+    measured side by side in this run."""
+    out = {}
+    for key, entry in [*report["graphs"].items(), ("generation", report["generation"])]:
+        for name, cell in entry.items():
+            if name.startswith("ort-") and "ort" in entry and isinstance(cell, dict):
+                unit = "p50_ms" if "p50_ms" in cell else "p50_s"
+                if unit in cell and unit in entry["ort"]:
+                    out[f"{key}:{name}"] = round(entry["ort"][unit] / cell[unit], 3)
+    return out
+
+
+def host_isa() -> dict[str, Any]:
+    """The CPU and the vector extensions INT8 and fp32 speed depend on (Linux /proc/cpuinfo; {} elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    return {"cpu": model, **{flag: flag in flags for flag in wanted}}

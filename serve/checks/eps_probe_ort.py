@@ -87,20 +87,28 @@ def _tensors(proto: onnx.ModelProto, names: set[str], base_dir: Path) -> dict[st
 
 
 def probe_onnx_export(model: LDLM, onnx_dir: Path, seed: int, providers: tuple[str, ...], progress: bool = False) -> EpsProbeReport:
+    """Every LayerNormalization node of every graph file of the export: the fp32 graphs and their
+    quantized variants (``decoder.int8`` ...), each node probed alone."""
     manifest = read_manifest(onnx_dir)
     runner = OrtNodeRunner(providers)
     report = EpsProbeReport("ort", runner.runtime, str(onnx_dir))
-    for graph, entry in manifest["graphs"].items():
-        path = onnx_dir / entry["file"]
+    files = [(graph, graph, entry["file"]) for graph, entry in manifest["graphs"].items()]
+    files += [
+        (graph, f"{graph}.{precision}", variant["file"])
+        for graph, entry in manifest["graphs"].items()
+        for precision, variant in entry.get("variants", {}).items()
+    ]
+    for graph, label, file in files:
+        path = onnx_dir / file
         proto = onnx.load(str(path), load_external_data=False)
         opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 18)
         nodes = [n for n in proto.graph.node if n.op_type == LAYER_NORM_OP]
         specs = graph_layer_norm_specs(model, graph_io(model, graph))
         if len(nodes) != len(specs):
-            report.problems.append(f"{graph}: {len(nodes)} LayerNormalization node(s) but {len(specs)} nn.LayerNorm module(s)")
+            report.problems.append(f"{label}: {len(nodes)} LayerNormalization node(s) but {len(specs)} nn.LayerNorm module(s)")
         tensors = _tensors(proto, {name for n in nodes for name in n.input[1:] if name}, path.parent)
-        for node, spec in tqdm(pair_layer_norm_nodes(nodes, specs), desc=f"eps probes {graph}", unit="LayerNorm", disable=not progress):
-            report.layer_norms.append(probe_node(runner, graph, node, spec.name, model, tensors, opset, proto.ir_version, seed))
+        for node, spec in tqdm(pair_layer_norm_nodes(nodes, specs), desc=f"eps probes {label}", unit="LayerNorm", disable=not progress):
+            report.layer_norms.append(probe_node(runner, label, node, spec.name, model, tensors, opset, proto.ir_version, seed))
     report.cases = run_cases(runner.run_case, ("float32", "float64"))
     return report
 

@@ -34,12 +34,12 @@ from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
 from ldlm.export.verify import LayerNormSpec, VerifyResult, verify_onnx
 from ldlm.model import LDLM
-from ldlm.serve.checks.compare import tolerance
+from ldlm.serve.checks.compare import min_cosine, tolerance
 from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
 from ldlm.serve.checks.parity_end_to_end import compare_with_eager
 from ldlm.serve.checks.parity_graphs import compare_layer_norms
-from ldlm.serve.checks.parity_result import ParityReport, first_divergence
+from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED, ParityReport, first_divergence
 from ldlm.serve.runtime.backends import TORCH_BACKENDS, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
@@ -83,9 +83,11 @@ def layer_norm_stage(
     ONNX Runtime export in fp32 only, ``manifest`` being its manifest), then one step of ``bar``."""
 
     def layer_norms(report: ParityReport, name: str, eager: EagerBackend, sets: dict[str, dict[str, np.ndarray]]) -> None:
-        if manifest is not None and precision == "fp32":
-            specs = [LayerNormSpec.from_dict(d) for d in manifest["graphs"][name]["layer_norms"]]
-            compare_layer_norms(name, model, eager, source / manifest["graphs"][name]["file"], specs, sets, atol, rtol, work, report)
+        if manifest is not None and precision in ("fp32", "int8"):
+            entry = manifest["graphs"][name]
+            file = entry.get("variants", {}).get(precision, entry)["file"] if precision == "int8" else entry["file"]
+            specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
+            compare_layer_norms(name, model, eager, source / file, specs, sets, atol, rtol, work, report)
         bar.update()
 
     return layer_norms
@@ -103,7 +105,7 @@ def eps_probe_stage(
         seed=seed,
         providers=ort_providers(provider),
     )  # where the graphs ran
-    if backend == "ort" and precision != "fp32":
+    if backend == "ort" and precision == "fp16":
         report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
     bar.update()
 
@@ -152,8 +154,13 @@ def run_parity(
         bar.set_postfix_str("graphs, then end-to-end generation")
         report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms, sampler=sampler)
         report.verification = verification
-        if manifest is None or precision != "fp32":
-            report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 graphs only")
+        if manifest is None or precision not in ("fp32", "int8"):
+            report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 and int8 graphs only")
+        if precision == "int8":
+            report.notes.append(
+                f"int8 is judged by cosine per sample >= {min_cosine('int8')} on every output and LayerNorm output, and "
+                f"token agreement >= {TOKEN_AGREEMENT_REQUIRED['int8']:.0%}; graphs without an int8 variant ran fp32"
+            )
         if torch_backend:
             report.notes.append(f"{backend} ran the checkpoint on {device} in {precision}; the reference is eager fp32 on CPU")
         for graph in graphs.values():

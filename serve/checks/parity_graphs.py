@@ -14,10 +14,10 @@ import torch
 
 from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
 from ldlm.model import LDLM
-from ldlm.serve.checks.compare import compare_outputs
+from ldlm.serve.checks.compare import compare_outputs, min_cosine
 from ldlm.serve.checks.parity_result import ParityReport
-from ldlm.serve.runtime.backends import OrtBackend
 from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.ort_backend import OrtBackend
 from ldlm.serve.runtime.torch_backends import EagerBackend
 from ldlm.tokenizer import TextTokenizer
 
@@ -93,7 +93,14 @@ def compare_graph(
                 report.decoder_token_agreement[set_name] = float((got[output][valid] == reference[output][valid]).mean())
                 continue
             report.graphs.append(
-                compare_outputs(f"{name}/{set_name}/{output}", _masked(reference[output], mask), _masked(got[output], mask), atol, rtol)
+                compare_outputs(
+                    f"{name}/{set_name}/{output}",
+                    _masked(reference[output], mask),
+                    _masked(got[output], mask),
+                    atol,
+                    rtol,
+                    min_cosine(report.precision),
+                )
             )
 
 
@@ -141,7 +148,14 @@ def compare_layer_norms(
         mask = feed["attention_mask"]
         for (_, spec), got in zip(marked, outputs):
             report.layer_norms.append(
-                compare_outputs(f"{name}:{spec.name}/{set_name}", _masked(captured[spec.name], mask), _masked(got, mask), atol, rtol)
+                compare_outputs(
+                    f"{name}:{spec.name}/{set_name}",
+                    _masked(captured[spec.name], mask),
+                    _masked(got, mask),
+                    atol,
+                    rtol,
+                    min_cosine(report.precision),
+                )
             )
 
 

@@ -113,7 +113,8 @@ def _plot_graphs(report: ParityReport, plt: Any) -> Any:
     graphs = graphs_in_pipeline_order(report)
     fig, axes = plt.subplots(1, len(graphs), figsize=(5 * len(graphs), 4.6), squeeze=False)
     labels = ["0"] + [f"{e:.0e}" for e in HISTOGRAM_EDGES[1:-1]]
-    atol_bin = HISTOGRAM_EDGES.index(min(e for e in HISTOGRAM_EDGES[1:] if e >= report.atol))
+    bounded = math.isfinite(report.atol)  # int8 has no elementwise bound (it is judged by cosine): no atol line
+    atol_bin = HISTOGRAM_EDGES.index(min(e for e in HISTOGRAM_EDGES[1:] if e >= report.atol)) if bounded else 0
     for ax, graph in zip(axes[0], graphs):
         rows = [c for c in report.graphs if c.name.startswith(graph + "/")]
         for c, style in zip(rows, ["-", "--", ":", "-."] * len(rows)):  # the curves often coincide
@@ -126,7 +127,8 @@ def _plot_graphs(report: ParityReport, plt: Any) -> Any:
                 linewidth=1.6,
                 label=f"{inputs} inputs -> {output}",
             )
-        ax.axvline(atol_bin, color="red", linestyle="--", label=f"atol {report.atol:g}")
+        if bounded:
+            ax.axvline(atol_bin, color="red", linestyle="--", label=f"atol {report.atol:g}")
         ax.set_xticks(range(0, len(labels), 3), labels[::3], fontsize=8)
         ax.set_yscale("symlog")
         ax.set_ylim(0, 4 * max(max(c.abs_error_histogram) for c in rows))  # headroom above the highest bin
@@ -142,16 +144,18 @@ def _plot_graphs(report: ParityReport, plt: Any) -> Any:
 def _plot_layer_norms(report: ParityReport, plt: Any) -> Any:
     rows = report.layer_norms
     nonzero = [c.max_abs for c in rows if c.max_abs > 0]
-    floor = 10.0 ** (math.floor(math.log10(min(nonzero or [report.atol]))) - 1)  # a decade below the smallest error
+    bounds = [report.atol] if math.isfinite(report.atol) else []  # int8: no elementwise bound to draw
+    floor = 10.0 ** (math.floor(math.log10(min(nonzero or bounds or [1.0]))) - 1)  # a decade below the smallest error
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.3 * len(rows)))
     for y, c in enumerate(rows):
         if c.max_abs == 0:  # no bar on a log axis: say it
             ax.text(floor * 1.3, y, "0 (exactly equal)", va="center", fontsize=8, color="tab:gray")
         else:
             ax.barh(y, c.max_abs - floor, left=floor, color="tab:blue" if c.passed else "tab:red")
-    ax.axvline(report.atol, color="red", linestyle="--")
+    for bound in bounds:
+        ax.axvline(bound, color="red", linestyle="--")
     ax.set_xscale("log")
-    ax.set_xlim(left=floor, right=max([report.atol, *nonzero]) * 10)
+    ax.set_xlim(left=floor, right=max([*bounds, *nonzero, floor * 10]) * 10)
     ax.set_yticks(range(len(rows)), [layer_norm_label(c.name) for c in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # execution order, top to bottom
     ax.set_xlabel("max abs error (log scale)")

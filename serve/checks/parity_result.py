@@ -11,7 +11,7 @@ from ldlm.export.verify import VerifyResult
 from ldlm.serve.checks.compare import Comparison
 from ldlm.serve.checks.eps_probe import EpsProbeReport
 
-TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8}
+TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8, "int8": 0.99}
 
 
 @dataclass

@@ -3,8 +3,8 @@
 A ``GraphBackend`` (``graph_backend``) runs one graph: named arrays (NumPy or torch) in, named NumPy
 arrays out, its inputs checked once against the graph's I/O contract from the export manifest.
 ``provider`` says what really ran (ONNX Runtime silently falls back to CPU when a GPU provider
-cannot start, so it is read back from the session). The ONNX Runtime and TensorRT backends live
-here; the torch ones (``eager``, ``compiled``) and their device/precision helpers in ``torch_backends``.
+cannot start, so it is read back from the session). The TensorRT backend lives here,
+ONNX Runtime's in ``ort_backend``; the torch ones (``eager``, ``compiled``) and their device/precision helpers in ``torch_backends``.
 
 ``BackendGraphs`` puts three GraphBackends behind the ``InferenceGraphs`` methods, so the one
 ``LDLMPipeline`` (and the batching scheduler) runs on any backend. Torch and TensorRT backends also
@@ -14,23 +14,22 @@ take and give device tensors (``run_tensors``), so a GPU pipeline makes no host 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import onnx
 import torch
 from torch import Tensor
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.export.artifact import PLAN_SUFFIX, check_artifacts, check_engine_dir, describe_io, read_manifest
+from ldlm.export.artifact import PLAN_SUFFIX, check_artifacts, check_engine_dir, read_manifest
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.export.precision import lower_precision
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.ort_backend import OrtBackend
 from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
 from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, check_precision, prepare_model, resolve_device
 from ldlm.tokenizer import TextTokenizer
@@ -44,56 +43,7 @@ ORT_PROVIDERS: dict[str, tuple[str, ...]] = {
     "cuda": ("CUDAExecutionProvider", "CPUExecutionProvider"),
     "tensorrt": ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
 }
-ORT_PRECISIONS = ("fp32", "fp16")  # ONNX Runtime's CPU provider has no bf16 kernels
-
-
-class OrtBackend(GraphBackend):
-    backend = "ort"
-
-    def __init__(
-        self,
-        path: Path,
-        graph: str,
-        max_seq_len: int,
-        providers: tuple[str, ...] = ("CPUExecutionProvider",),
-        threads: int | None = None,
-        memory_arena: bool = True,
-    ) -> None:
-        ort = _import("onnxruntime", "ort", ".[cpu] (or .[gpu] for CUDA/TensorRT providers)")
-        available = ort.get_available_providers()
-        unknown = [p for p in providers if p not in available]
-        if unknown:
-            hint = (
-                "; the CUDA and TensorRT providers need onnxruntime-gpu (pip install -e .[gpu])"
-                if "CPUExecutionProvider" in available
-                else ""
-            )
-            raise BackendError(f"ONNX Runtime providers {unknown} are not available here; allowed: {available}{hint}")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        # ONNX Runtime's workers spin after each run; on a small machine that starves the torch
-        # sampler math between denoiser calls, so they sleep instead.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # The CPU arena keeps its peak for the life of the session: one large request would pin
-        # gigabytes. A server turns it off (memory_arena=False) so a peak is given back.
-        options.enable_cpu_mem_arena = memory_arena
-        try:
-            self.session = ort.InferenceSession(str(path), options, providers=list(providers))
-        except Exception as error:  # ONNX Runtime raises its own types (Fail, InvalidGraph, ...)
-            raise BackendError(f"ONNX Runtime cannot load {path}: {str(error).splitlines()[0][:300]}") from error
-        graph_proto = onnx.load(str(path), load_external_data=False).graph
-        super().__init__(graph, describe_io(graph_proto.input), describe_io(graph_proto.output), max_seq_len)
-        self.provider = self.session.get_providers()[0]  # what really runs, not what was asked for
-        if self.provider != providers[0]:  # onnxruntime-gpu falls back to CPU silently (no GPU, no CUDA libraries)
-            raise BackendError(
-                f"ONNX Runtime could not start {providers[0]} for {graph} (it fell back to {self.provider}); "
-                "check that a GPU is visible and that the CUDA/cuDNN (and TensorRT) libraries onnxruntime-gpu needs are installed"
-            )
-
-    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        values = self.session.run(self.output_names, inputs)
-        return dict(zip(self.output_names, values))
+ORT_PRECISIONS = ("fp32", "fp16", "int8")  # ONNX Runtime's CPU provider has no bf16 kernels; int8: an export's variants
 
 
 class TensorRTBackend(GraphBackend):
@@ -109,6 +59,7 @@ class TensorRTBackend(GraphBackend):
         self.batch_limit = self.engine.max_batch
         self.device = self.engine.device  # the pipeline samples here: no host copy per denoiser call
         self.provider = f"{manifest['flavor']} {manifest['trt_version']} ({manifest['precision']})"
+        self.precision = manifest["precision"]
 
     def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Tensors in (any device; checked on their shapes alone), tensors out on the GPU, float outputs as FP32."""
@@ -125,13 +76,6 @@ class TensorRTBackend(GraphBackend):
 
     def close(self) -> None:
         self.engine.close()
-
-
-def _import(module: str, backend: str, extra: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise BackendError(f"backend {backend!r} is not installed ({error}); install it with pip install -e {extra}") from error
 
 
 def ort_providers(name: str) -> tuple[str, ...]:
@@ -230,8 +174,21 @@ def _open_export(
     threads: int | None,
     memory_arena: bool,
 ) -> dict[str, GraphBackend]:
-    """An export's graphs on ONNX Runtime, cast to fp16 first when asked."""
+    """An export's graphs on ONNX Runtime: int8 runs each graph's INT8 variant where the export has one
+    (fp32 elsewhere), fp16 casts the graphs first."""
     files = {g: path / manifest["graphs"][g]["file"] for g in GRAPH_NAMES}
+    if precision == "int8":
+        variants = {g: manifest["graphs"][g].get("variants", {}).get("int8") for g in GRAPH_NAMES}
+        if not any(variants.values()):
+            raise BackendError(
+                f"{path} has no int8 variants (exported without --quantize); re-export with `ldlm export CKPT OUT --quantize int8`"
+            )
+        return {
+            g: OrtBackend(
+                path / v["file"] if v else files[g], g, config.max_seq_len, providers, threads, memory_arena, "int8" if v else "fp32"
+            )
+            for g, v in variants.items()
+        }
     if precision != "fp16":
         return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in files.items()}
     # The same cast pass the engines use, into a scratch directory that goes once the sessions hold
@@ -240,7 +197,7 @@ def _open_export(
         lowered = {g: Path(work) / f"{g}.fp16.onnx" for g in files}
         for g, source in files.items():
             lower_precision(source, lowered[g], "fp16")
-        return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena) for g, f in lowered.items()}
+        return {g: OrtBackend(f, g, config.max_seq_len, providers, threads, memory_arena, "fp16") for g, f in lowered.items()}
 
 
 def serving_limits(graphs: Mapping[str, GraphBackend], config: LDLMConfig, max_batch: int) -> tuple[LDLMConfig, int]:

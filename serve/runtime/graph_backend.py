@@ -24,6 +24,7 @@ class BackendError(ValueError):
 class GraphBackend(ABC):
     backend: str
     provider: str
+    precision: str = "fp32"  # what runs: fp32, fp16, bf16 or int8 (an export's quantized variant)
     batch_limit: int | None = None  # the largest batch one execution takes (TensorRT profiles); None: any
 
     def __init__(self, graph: str, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], max_seq_len: int) -> None:

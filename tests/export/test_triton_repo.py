@@ -136,7 +136,7 @@ class StandInPbUtils(types.ModuleType):
 
     def __init__(self, repo: Path) -> None:
         super().__init__("triton_python_backend_utils")
-        from ldlm.serve.runtime.backends import OrtBackend
+        from ldlm.serve.runtime.ort_backend import OrtBackend
 
         config = json.loads((repo / "ldlm_generate" / "1" / "config.json").read_text())
         self.models = {

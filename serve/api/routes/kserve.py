@@ -54,6 +54,7 @@ def create_router(service: LDLMService) -> APIRouter:
             "name": model,
             "versions": [MODEL_VERSION],
             "platform": f"ldlm_{graph.backend}",
+            "precision": graph.precision,  # beside KServe's fields: an int8 variant or a cast graph is named as such
             "inputs": tensor_metadata(graph.inputs),
             "outputs": tensor_metadata(graph.outputs),
         }

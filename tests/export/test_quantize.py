@@ -1,0 +1,179 @@
+"""INT8 variants: made beside the fp32 graphs, every LayerNorm still one float32 LayerNormalization with
+its module's eps, and every way a quantized artifact can be wrong refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from ldlm.export.artifact import MANIFEST_FILE, ArtifactError, check_artifacts, read_manifest, sha256_file
+from ldlm.export.onnx_export import export_graphs, verify_export
+from ldlm.export.quantize import FLOAT_MODULES, QUANTIZED_GRAPHS
+from ldlm.export.verify import LayerNormSpec, VerificationError, node_name_scopes, verify_onnx
+from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
+from ldlm.serve.runtime.backends import open_graphs
+from ldlm.serve.runtime.graph_backend import BackendError
+from tests.artifacts import node_of
+
+DECODER_LN = "model.token_decoder.blocks.0.mlp.norm"
+
+
+@pytest.fixture(scope="module")
+def int8_export(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_graphs(tiny_checkpoint, tmp_path_factory.mktemp("int8") / "onnx", quantize="int8").out
+
+
+def reseal_variant(directory: Path, graph: str, precision: str = "int8") -> None:
+    """The manifest made to agree with an edited variant file, as whoever edits both could."""
+    manifest = read_manifest(directory)
+    variant = manifest["graphs"][graph]["variants"][precision]
+    for name in variant["files"]:
+        variant["files"][name] = {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def test_variants_sit_beside_the_fp32_graphs_with_their_own_sha256(int8_export: Path) -> None:
+    manifest = read_manifest(int8_export)
+    assert QUANTIZED_GRAPHS == ("denoiser", "decoder")
+    assert "variants" not in manifest["graphs"]["encoder"]  # GPT-2's outlier channels stay float
+    for graph in QUANTIZED_GRAPHS:
+        entry = manifest["graphs"][graph]
+        variant = entry["variants"]["int8"]
+        assert variant["file"] == f"{graph}.int8.onnx" and (int8_export / entry["file"]).is_file()
+        assert variant["files"][variant["file"]]["sha256"] == sha256_file(int8_export / variant["file"])
+        model = onnx.load(str(int8_export / variant["file"]))
+        quantized = [n for n in model.graph.node if n.op_type == "MatMulInteger"]
+        assert len(quantized) == len(variant["quantized_nodes"]) > 0
+        # what stays float: the kept nodes are still float MatMuls, made from the fp32 graph's time embedding or head
+        by_name = {n.name: n for n in model.graph.node}
+        source = {n.name: n for n in onnx.load(str(int8_export / entry["file"]), load_external_data=False).graph.node}
+        for name in variant["kept_float_nodes"]:
+            assert by_name[name].op_type == "MatMul"
+            origin = source[name.removesuffix("_MatMul")]  # a Gemm is split into <name>_MatMul + <name>_Add
+            assert any(scope.endswith(FLOAT_MODULES) for scope in node_name_scopes(origin))
+    kept = {n for g in QUANTIZED_GRAPHS for n in manifest["graphs"][g]["variants"]["int8"]["kept_float_nodes"]}
+    assert len(kept) >= 3  # time_mlp's two Linears, the time projections, the vocabulary head
+
+
+def test_every_layer_norm_of_the_int8_decoder_is_one_float32_node_with_the_modules_eps(int8_export: Path, tiny_model) -> None:
+    model = onnx.load(str(int8_export / "decoder.int8.onnx"))
+    nodes = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
+    spec_names = [d["name"] for d in read_manifest(int8_export)["graphs"]["decoder"]["layer_norms"]]
+    assert len(nodes) == len(spec_names) == 6
+    for node in nodes:
+        eps = next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon")
+        assert np.float32(eps) == np.float32(1e-5)
+    results = verify_export(int8_export, None)
+    assert [r.graph for r in results] == ["encoder", "denoiser", "denoiser.int8", "decoder", "decoder.int8"]
+    assert all(r.passed for r in results), [r.summary() for r in results]
+
+
+def test_onnx_runtimes_default_static_qdq_is_refused_naming_the_node(export_dir: Path, tmp_path: Path) -> None:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    class Latents(CalibrationDataReader):
+        def __init__(self) -> None:
+            rng = np.random.default_rng(0)
+            self.feeds = iter(
+                [{"latents": rng.standard_normal((1, 8, 64)).astype(np.float32), "attention_mask": np.ones((1, 8), np.int64)}]
+            )
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.feeds, None)
+
+    qdq = tmp_path / "decoder.qdq.onnx"
+    quantize_static(str(export_dir / "decoder.onnx"), str(qdq), Latents(), quant_format=QuantFormat.QDQ)  # its default op list
+    specs = [LayerNormSpec.from_dict(d) for d in read_manifest(export_dir)["graphs"]["decoder"]["layer_norms"]]
+    result = verify_onnx(qdq, specs, "decoder", "int8")
+    assert not result.passed
+    node = node_of(onnx.load(str(qdq)).graph, DECODER_LN)
+    assert any(
+        p.startswith(f"LayerNormalization {node.name!r}: its scale ") and "comes from DequantizeLinear" in p for p in result.problems
+    ), result.problems
+
+
+def test_a_manifest_claiming_int8_for_an_fp32_file_is_refused(int8_export: Path, tmp_path: Path) -> None:
+    out = tmp_path / "onnx"
+    shutil.copytree(int8_export, out)
+    onnx.save(onnx.load(str(out / "denoiser.onnx")), str(out / "denoiser.int8.onnx"))  # fp32 weights, one file
+    reseal_variant(out, "denoiser")
+    with pytest.raises(VerificationError, match="the manifest says int8, but the graph has no quantized op"):
+        export_result = verify_export(out, None)
+        bad = [r for r in export_result if not r.passed]
+        raise VerificationError("\n".join(p for r in bad for p in r.problems))
+
+
+def test_an_eps_resealed_into_the_int8_variant_fails_verification_and_the_probe(
+    int8_export: Path, tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    out = tmp_path / "onnx"
+    shutil.copytree(int8_export, out)
+    model = onnx.load(str(out / "decoder.int8.onnx"))
+    node = node_of(model.graph, DECODER_LN)
+    kept = [a for a in node.attribute if a.name != "epsilon"]
+    del node.attribute[:]
+    node.attribute.extend([*kept, onnx.helper.make_attribute("epsilon", 1e-6)])
+    onnx.save(model, str(out / "decoder.int8.onnx"))
+    reseal_variant(out, "decoder")
+    failed = [r for r in verify_export(out, None) if not r.passed]
+    assert [r.graph for r in failed] == ["decoder.int8"]
+    assert any(f"node {node.name!r} (module {DECODER_LN}): epsilon 1e-06 != module eps 1e-05" in p for p in failed[0].problems)
+    report = probe_layer_norm_eps(str(tiny_checkpoint), onnx_dir=out)
+    failing = [p for p in report.layer_norms if p.problems]
+    assert [(p.graph, p.module) for p in failing] == [("decoder.int8", DECODER_LN)]
+    assert not report.passed
+
+
+def test_a_variant_without_its_fp32_sibling_is_refused(int8_export: Path, tmp_path: Path) -> None:
+    out = tmp_path / "onnx"
+    shutil.copytree(int8_export, out)
+    (out / "decoder.onnx").unlink()
+    with pytest.raises(
+        ArtifactError, match=r"decoder.onnx is missing: the variant\(s\) int8 \(decoder.int8.onnx\) are kept only beside their fp32 sibling"
+    ):
+        check_artifacts(out, read_manifest(out))
+
+
+def test_the_int8_backend_runs_the_variants_close_to_fp32(int8_export: Path) -> None:
+    fp32, _, _ = open_graphs("ort", int8_export)
+    int8, _, _ = open_graphs("ort", int8_export, "int8")
+    assert {g: b.precision for g, b in int8.items()} == {"encoder": "fp32", "denoiser": "int8", "decoder": "int8"}
+    rng = np.random.default_rng(0)
+    feed = {
+        "x_t": rng.standard_normal((2, 16, 64)).astype(np.float32),
+        "t": np.array([0.3, 0.9], np.float32),
+        "x0_prev": rng.standard_normal((2, 16, 64)).astype(np.float32),
+        "attention_mask": np.ones((2, 16), np.int64),
+    }
+    a, b = fp32["denoiser"].run(feed)["x0_hat"], int8["denoiser"].run(feed)["x0_hat"]
+    cosine = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
+    assert 0.999 < cosine < 1.0  # another computation, in the same direction
+
+
+def test_int8_where_there_is_no_int8_path_is_refused(export_dir: Path, tiny_checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(
+        BackendError, match="has no int8 variants .exported without --quantize.; re-export with `ldlm export CKPT OUT --quantize int8`"
+    ):
+        open_graphs("ort", export_dir, "int8")
+    with pytest.raises(BackendError, match="backend 'eager' cannot run precision='int8'"):
+        open_graphs("eager", tiny_checkpoint, "int8")
+    with pytest.raises(ValueError, match="quantize='int4' is unknown; allowed: int8"):
+        export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int4")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_quantization_leaves_no_partial_export(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ldlm.export.onnx_export as onnx_export
+
+    def broken(src: object, dst: object) -> None:
+        raise RuntimeError("quantizer crashed")
+
+    monkeypatch.setattr(onnx_export, "quantize_int8", broken)
+    with pytest.raises(RuntimeError, match="quantizer crashed"):
+        export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int8")
+    assert list(tmp_path.iterdir()) == []
