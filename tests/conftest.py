@@ -52,6 +52,14 @@ def export_dir(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
     return out
 
 
+@pytest.fixture(scope="session")
+def int8_export_dir(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint exported with its INT8 variants (denoiser, decoder)."""
+    from ldlm.export.onnx_export import export_graphs
+
+    return export_graphs(tiny_checkpoint, tmp_path_factory.mktemp("int8") / "onnx", quantize="int8").out
+
+
 # --- groups: `pytest -m "not slow"` for a quick loop, `-m e2e` for the whole-product runs, `-m gpu` on a GPU ---
 SLOW_MODULES = ("serve/deploy/test_triton_server.py", "serve/deploy/test_ray_app.py", "e2e/test_base_smoke.py")  # real servers, base size
 

@@ -166,12 +166,11 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="parity-report", help="report directory (default: parity-report)")
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the inputs and the generation noise (default: 0)")
-    p.add_argument("--steps", type=STEPS, default=10, help=f"sampler steps of the end-to-end check, 1..{MAX_STEPS} (default: 10)")
+    p.add_argument("--steps", type=STEPS, help=f"end-to-end sampler steps, 1..{MAX_STEPS} (default: 10; int8: the config's default)")
     p.add_argument(
         "--sampler",
         choices=SAMPLERS,
-        default="ddim",
-        help="solver of the end-to-end check; both sides draw the same CPU noise (default: ddim)",
+        help="solver of the end-to-end check; both sides draw the same CPU noise (default: ddim; int8: the config's default sampler)",
     )
     p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -117,15 +117,17 @@ def run_parity(
     source: str | Path | None = None,
     bisect: bool = False,
     seed: int = 0,
-    steps: int = 10,
+    steps: int | None = None,
     progress: bool = False,
     device: str = "cpu",
     provider: str = "cpu",
-    sampler: str = "ddim",
+    sampler: str | None = None,
 ) -> ParityReport:
     """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
     checkpoint itself when ``source`` is None; eager and compiled run the checkpoint on ``device``
-    in ``precision``) against CPU fp32 eager on the checkpoint."""
+    in ``precision``) against CPU fp32 eager on the checkpoint. The end-to-end generation runs ``steps``
+    of ``sampler``: by default DDIM@10 (deterministic), and for int8 the config's default sampler and
+    steps, which is what a quantized engine will serve."""
     atol, rtol = tolerance(precision)
     torch_backend = backend in TORCH_BACKENDS
     given = source is not None and not torch_backend  # an artifact made beforehand: the structural verifier checks it
@@ -136,6 +138,9 @@ def run_parity(
     if given and source is not None:
         check_from_checkpoint(checkpoint, source)  # before the checkpoint loads
     model, tokenizer = load_checkpoint(checkpoint)
+    served = precision == "int8"
+    sampler = sampler or (model.config.default_sampler if served else "ddim")
+    steps = steps or (model.config.default_steps if served else 10)
     bar = tqdm(total=len(GRAPH_NAMES) + 1 + (not torch_backend) + given, desc="parity", unit="stage", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:
         work = Path(tmp)

@@ -23,9 +23,9 @@ from tests.artifacts import node_of
 DECODER_LN = "model.token_decoder.blocks.0.mlp.norm"
 
 
-@pytest.fixture(scope="module")
-def int8_export(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_graphs(tiny_checkpoint, tmp_path_factory.mktemp("int8") / "onnx", quantize="int8").out
+@pytest.fixture
+def int8_export(int8_export_dir: Path) -> Path:
+    return int8_export_dir
 
 
 def reseal_variant(directory: Path, graph: str, precision: str = "int8") -> None:

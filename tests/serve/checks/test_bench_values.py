@@ -126,3 +126,30 @@ def test_busy_machine_warning_names_the_load_and_a_thread_count() -> None:
     assert busy_machine_warning(4, load_average=3.0, cpus=8) is None
     assert "run it on a quiet machine" in busy_machine_warning(1, load_average=2.7, cpus=2)  # type: ignore[operator]
     assert "--threads 5" in busy_machine_warning(8, load_average=3.0, cpus=8)  # type: ignore[operator]
+
+
+def test_ort_precisions_become_columns_and_their_speedups_are_fp32_over_them() -> None:
+    from ldlm.serve.checks.bench import ort_columns, precision_speedups
+
+    assert ort_columns(["eager", "ort"], ["fp32", "int8"]) == ["eager", "ort", "ort-int8"]
+    assert ort_columns(["ort", "trt"], ["int8"]) == ["ort-int8", "trt"]
+    report = {
+        "graphs": {
+            "denoiser/b8/L128": {"ort": {"p50_ms": 30.0}, "ort-int8": {"p50_ms": 12.0}, "eager": {"p50_ms": 50.0}},
+            "encoder/b8/L128": {"ort": {"p50_ms": 10.0}},
+        },
+        "generation": {"ort": {"p50_s": 2.0}, "ort-int8": {"p50_s": 1.6}},
+    }
+    assert precision_speedups(report) == {"denoiser/b8/L128:ort-int8": 2.5, "generation:ort-int8": 1.25}
+
+
+def test_the_host_isa_names_the_flags_int8_speed_depends_on(tmp_path, monkeypatch) -> None:
+    import ldlm.serve.checks.bench as bench_module
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 fma avx512f avx512_vnni\n")
+    real_path = bench_module.Path
+    monkeypatch.setattr(bench_module, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    isa = bench_module.host_isa()
+    assert isa["cpu"] == "AMD EPYC 9R14"
+    assert (isa["avx2"], isa["avx512f"], isa["avx512_vnni"], isa["amx_int8"], isa["avx_vnni"]) == (True, True, True, False, False)
