@@ -229,3 +229,13 @@ def load_gpt2_weights(model: LDLM, gpt2_dir: Path) -> None:
     # default mean_resizing, without its sampled noise).
     mask = wte[config.mask_token_id] if config.mask_token_id < wte.shape[0] else wte.mean(dim=0)
     model.latent_decoder.mask_embedding.copy_(mask)
+
+
+def preset_or_checkpoint(name: str, seed: int = 0) -> tuple[LDLM, TextTokenizer]:
+    """What the measurement scripts call a model: a checkpoint directory (a trained one, such as the
+    reference checkpoint), or a preset's seeded random init with random norms."""
+    if Path(name).is_dir():
+        return load_checkpoint(name)
+    from ldlm.config import preset  # a preset name: checked there, naming the allowed ones
+
+    return init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2()

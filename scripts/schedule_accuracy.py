@@ -25,18 +25,16 @@ from typing import Any
 
 import torch
 
-from ldlm.checkpoint import init_model
-from ldlm.config import preset
+from ldlm.checkpoint import preset_or_checkpoint
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
 from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
 
 DDIM_STEPS = (10, 20, 50, 100)
 
 
 def measure(name: str, settings: TuningSettings, seed: int) -> dict[str, Any]:
-    pipe = LDLMPipeline(init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2())
+    pipe = LDLMPipeline(*preset_or_checkpoint(name, seed))
     tuner = Tuner(pipe, settings)
     started = time.perf_counter()
     tuner.samples(settings.tune_seed, settings.tune_n, settings.tune_length)  # the references, timed apart
@@ -94,7 +92,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="tiny", help="comma-separated presets (default: tiny)")
+    parser.add_argument("--presets", default="tiny", help="comma-separated presets (random init, random norms) or checkpoint directories (default: tiny)")
     parser.add_argument("--sampler", default="dpm3m-psc", help="sampler to tune (default: dpm3m-psc)")
     parser.add_argument("--steps", default="6,8,10,12", help="step counts (default: 6,8,10,12)")
     parser.add_argument("--evaluations", type=int, default=600, help="sampling runs per step count (default: 600)")

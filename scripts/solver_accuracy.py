@@ -30,14 +30,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ldlm.checkpoint import init_model
-from ldlm.config import preset
+from ldlm.checkpoint import preset_or_checkpoint
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import SAMPLERS_BY_NAME
 from ldlm.sampling import run_sampler
 from ldlm.schedule import TangentSchedule
-from ldlm.tokenizer import TextTokenizer
 
 DETERMINISTIC = [name for name, solver in SAMPLERS_BY_NAME.items() if not solver.stochastic]
 SHAPES = {"tiny": (8, 64), "base": (2, 32)}  # (samples, tokens) per preset: base runs 2,000 steps on a CPU
@@ -46,10 +44,10 @@ SHAPES = {"tiny": (8, 64), "base": (2, 32)}  # (samples, tokens) per preset: bas
 def compare_on_model(
     name: str, steps: list[int], reference_steps: int, seed: int, cache: Path | None = None, solvers: list[str] = DETERMINISTIC
 ) -> dict[str, Any]:
-    n, length = SHAPES.get(name, (2, 32))
-    pipe = LDLMPipeline(init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2())
+    pipe = LDLMPipeline(*preset_or_checkpoint(name, seed))
+    n, length = SHAPES["base" if pipe.config.d_model >= 768 else "tiny"]
     started = time.perf_counter()
-    cached = None if cache is None else cache / f"{name}-n{n}-L{length}-ddim{reference_steps}-seed{seed}.safetensors"
+    cached = None if cache is None else cache / f"{Path(name).name}-n{n}-L{length}-ddim{reference_steps}-seed{seed}.safetensors"
     if cached is not None and cached.is_file():  # the reference of an earlier run (base: 20 minutes on 2 cores)
         reference = load_file(cached)["latents"]
     else:
@@ -166,7 +164,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="tiny,base", help="comma-separated presets (default: tiny,base)")
+    parser.add_argument("--presets", default="tiny,base", help="comma-separated presets (random init, random norms) or checkpoint directories (default: tiny,base)")
     parser.add_argument("--steps", default="5,10,15,20,30,50,100", help="step counts (default: 5,10,15,20,30,50,100)")
     parser.add_argument("--reference-steps", type=int, default=2000, help="DDIM steps of the reference (default: 2000)")
     parser.add_argument("--seed", type=int, default=0, help="checkpoint and noise seed (default: 0)")

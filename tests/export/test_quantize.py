@@ -177,3 +177,13 @@ def test_a_failed_quantization_leaves_no_partial_export(tiny_checkpoint: Path, t
     with pytest.raises(RuntimeError, match="quantizer crashed"):
         export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int8")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_edited_variant_file_is_refused_by_its_sha256(int8_export: Path, tmp_path: Path) -> None:
+    out = tmp_path / "onnx"
+    shutil.copytree(int8_export, out)
+    data = bytearray((out / "denoiser.int8.onnx").read_bytes())
+    data[-10] ^= 0x01
+    (out / "denoiser.int8.onnx").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"denoiser.int8.onnx does not match the sha256 in .*manifest.json \(edited or replaced\)"):
+        check_artifacts(out, read_manifest(out))
