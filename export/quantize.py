@@ -61,6 +61,7 @@ def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Q
     """Write the dynamic INT8 variant of the ONNX file ``src`` to ``dst`` (one file: int8 weights are a
     quarter of fp32's, far below protobuf's 2 GB)."""
     require_quantizer()
+    # an optional dependency (the cpu extra), imported when a variant is asked for
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     source = onnx.load(str(src), load_external_data=False)

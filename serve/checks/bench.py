@@ -57,31 +57,16 @@ def run_bench(
     The torch backends (eager, compiled) run on ``device`` in ``precision``; ort on ``provider``, once
     per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants)."""
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
-    bad = [p for p in ort_precisions if p not in ORT_PRECISIONS]
-    if bad or not ort_precisions:
-        raise ValueError(
-            f"precisions {list(ort_precisions)} are invalid for ort; allowed: a non-empty subset of {', '.join(ORT_PRECISIONS)}"
-        )
     backends = ort_columns(backends, ort_precisions)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
-        sources = {"eager": checkpoint, "compiled": checkpoint, "ort": onnx_dir, "trt": engine_dir}
-        if any(b.startswith("ort") for b in backends) and onnx_dir is None:
-            quantize = "int8" if "int8" in ort_precisions else None
-            sources["ort"] = str(export_graphs(checkpoint, Path(tmp) / "onnx", progress=progress, quantize=quantize).out)
-        sources.update({f"ort-{p}": sources["ort"] for p in ort_precisions if p != "fp32"})
+        sources = bench_sources(checkpoint, backends, onnx_dir, engine_dir, ort_precisions, Path(tmp), progress)
         schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)  # tuned grids, where tuned
         graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device, schedules)
-        report: dict[str, Any] = {
-            "checkpoint": str(checkpoint),
-            "threads": threads,
-            "runs": runs,
-            "torch": torch.__version__,
-            "config_sha256": config.config_hash(),
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "cpus": os.cpu_count(),
-            "host": host_isa(),
-        }
+        report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__}
+        report.update(
+            config_sha256=config.config_hash(), load_average_1m=round(os.getloadavg()[0], 2), cpus=os.cpu_count(), host=host_isa()
+        )
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
         report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler)
         report["precision_speedups"] = precision_speedups(report)
@@ -141,8 +126,30 @@ def open_pipelines(
     return graphs_by_backend, pipelines, config
 
 
+def bench_sources(
+    checkpoint: str,
+    backends: Sequence[str],
+    onnx_dir: str | None,
+    engine_dir: str | None,
+    ort_precisions: Sequence[str],
+    scratch: Path,
+    progress: bool,
+) -> dict[str, str | None]:
+    """What each column opens: the checkpoint (torch), an export (every ort precision: exported into
+    ``scratch``, with the INT8 variants when asked, if no ``onnx_dir`` is given), the engines (trt)."""
+    sources: dict[str, str | None] = {"eager": checkpoint, "compiled": checkpoint, "ort": onnx_dir, "trt": engine_dir}
+    if any(b.startswith("ort") for b in backends) and onnx_dir is None:
+        quantize = "int8" if "int8" in ort_precisions else None
+        sources["ort"] = str(export_graphs(checkpoint, scratch / "onnx", progress=progress, quantize=quantize).out)
+    sources.update({f"ort-{p}": sources["ort"] for p in ort_precisions if p != "fp32"})
+    return sources
+
+
 def ort_columns(backends: Sequence[str], ort_precisions: Sequence[str]) -> list[str]:
     """``backends`` with ``ort`` replaced by one column per precision: ort (fp32), ort-int8, ..."""
+    if not ort_precisions or any(p not in ORT_PRECISIONS for p in ort_precisions):
+        allowed = ", ".join(ORT_PRECISIONS)
+        raise ValueError(f"precisions {list(ort_precisions)} are invalid for ort; allowed: a non-empty subset of {allowed}")
     out: list[str] = []
     for name in backends:
         out += [name if p == "fp32" else f"{name}-{p}" for p in ort_precisions] if name == "ort" else [name]

@@ -110,6 +110,21 @@ def eps_probe_stage(
     bar.update()
 
 
+def parity_notes(backend: str, precision: str, device: str, has_manifest: bool) -> list[str]:
+    """What the report says about what was and was not compared, and how."""
+    notes = []
+    if not has_manifest or precision not in ("fp32", "int8"):
+        notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 and int8 graphs only")
+    if precision == "int8":
+        notes.append(
+            f"int8 is judged by cosine per sample >= {min_cosine('int8')} on every output and LayerNorm output, and "
+            f"token agreement >= {TOKEN_AGREEMENT_REQUIRED['int8']:.0%}; graphs without an int8 variant ran fp32"
+        )
+    if backend in TORCH_BACKENDS:
+        notes.append(f"{backend} ran the checkpoint on {device} in {precision}; the reference is eager fp32 on CPU")
+    return notes
+
+
 def run_parity(
     checkpoint: str | Path,
     backend: str = "ort",
@@ -159,15 +174,7 @@ def run_parity(
         bar.set_postfix_str("graphs, then end-to-end generation")
         report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms, sampler=sampler)
         report.verification = verification
-        if manifest is None or precision not in ("fp32", "int8"):
-            report.notes.append("per-LayerNorm outputs are compared on ONNX Runtime fp32 and int8 graphs only")
-        if precision == "int8":
-            report.notes.append(
-                f"int8 is judged by cosine per sample >= {min_cosine('int8')} on every output and LayerNorm output, and "
-                f"token agreement >= {TOKEN_AGREEMENT_REQUIRED['int8']:.0%}; graphs without an int8 variant ran fp32"
-            )
-        if torch_backend:
-            report.notes.append(f"{backend} ran the checkpoint on {device} in {precision}; the reference is eager fp32 on CPU")
+        report.notes += parity_notes(backend, precision, device, has_manifest=manifest is not None)
         for graph in graphs.values():
             graph.close()  # TensorRT-RTX keeps the kernels it compiled (runtime cache) for the next run
         bar.update()
