@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
-from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.limits import MAX_SEED
 
 
@@ -80,6 +80,11 @@ class RequestModels:
 # The sampler names a request may give: ldlm.config.SAMPLERS, the one list, as a type that pydantic
 # validates and /openapi.json lists.
 SamplerName = Literal[SAMPLERS]  # type: ignore[valid-type]
+GridName = Literal[(TUNED_GRID, *GRIDS)]  # type: ignore[valid-type]
+GRID_HELP = (
+    f"step grid: {TUNED_GRID} (the checkpoint's, from `ldlm tune-schedule`), {', '.join(GRIDS)} "
+    "(default: the tuned grid where one is tuned for the sampler and steps, else the sampler's own)"
+)
 
 # Request bodies are strict: an unknown (misspelled) field is an error naming it, not ignored, and a
 # boolean or a float is not an integer ({"n": true} would otherwise run as n=1).
@@ -156,6 +161,7 @@ def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
             Field(limits.default_sampler, description=f"one of {', '.join(SAMPLERS)} (default: the model config's default_sampler)"),
         ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
+        grid=(GridName | None, Field(None, description=GRID_HELP)),
         stream=(
             bool,
             Field(

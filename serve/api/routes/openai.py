@@ -111,7 +111,7 @@ class Completions:
                     f"{name} has {len(row)} tokens and max_tokens is {body.max_tokens}: {len(row) + body.max_tokens} "
                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)",
                 )
-            spec = GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63, body.sampler, body.t_min)
+            spec = GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63, body.sampler, body.t_min, body.grid)
             prepared.append((row, spec, token_sampling(body, spec.seed, has_logits)))
         return prepared
 

@@ -225,3 +225,20 @@ def test_a_request_past_its_timeout_gets_504_and_is_cancelled(impatient_server: 
     assert response.status_code == 504 and "timed out after 0.5 s" in response.json()["error"]
     assert 0.5 <= waited < 20
     assert len(pending) == 1 and pending[0].cancelled()  # the scheduler may drop it
+
+
+def test_a_request_names_its_step_grid(limits_server: RunningServer, pipeline) -> None:
+    """grid travels to the sampling engine: "power" gives the pipeline's power-grid tokens, "tuned" on a
+    checkpoint with no tuned schedules is refused naming why (a dropped grid would run it), an unknown grid
+    names the allowed ones."""
+    body = {"n": 1, "length": 8, "steps": 6, "seed": 3, "sampler": "ddim"}
+    with httpx.Client(base_url=limits_server.url, timeout=60) as http:
+        power = http.post("/v1/generate", json={**body, "grid": "power"})
+        uniform = http.post("/v1/generate", json={**body, "grid": "uniform"})
+        tuned = http.post("/v1/generate", json={**body, "grid": "tuned"})
+        unknown = http.post("/v1/generate", json={**body, "grid": "cosine"})
+    expected = pipeline.generate(1, 8, 6, 3, "ddim", grid="power").ids()
+    assert power.status_code == 200 and power.json()["token_ids"] == expected, power.text
+    assert uniform.json()["token_ids"] == pipeline.generate(1, 8, 6, 3, "ddim", grid="uniform").ids()
+    assert tuned.status_code == 400 and "grid='tuned' is unavailable: this checkpoint has no tuned schedules" in tuned.json()["error"]
+    assert unknown.status_code == 422 and "grid" in unknown.json()["error"] and "logsnr" in unknown.json()["error"], unknown.text

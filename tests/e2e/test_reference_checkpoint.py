@@ -1,0 +1,64 @@
+"""The trained reference checkpoint (models/ldlm-austen-tiny) through the whole tool chain: it loads only
+whole, it reconstructs text it never saw, it writes the corpus's words, and ONNX Runtime matches eager on it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ldlm.checkpoint import CheckpointError, load_checkpoint
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.checks.parity import run_parity
+from ldlm.training.evaluation import words
+from tests import REPO
+
+REFERENCE = REPO / "models" / "ldlm-austen-tiny"
+WORDS = set((REPO / "tests" / "data" / "reference-corpus-words.txt").read_text().split())
+# From the held-out end of Persuasion: the model was never trained on it.
+HELD_OUT = (
+    "She was their earliest visitor in their settled life; and Captain Wentworth, by putting her in the way of "
+    "recovering her husband's property in the West Indies, by writing for her, acting for her, and seeing her "
+    "through all the petty difficulties of the case with the activity and exertion of a fearless man"
+)
+
+
+def test_the_reference_reconstructs_held_out_text() -> None:
+    pipe = LDLMPipeline.from_checkpoint(REFERENCE)
+    ids = pipe.tokenizer.encode([HELD_OUT])[0]
+    result = pipe.reconstruct([HELD_OUT])
+    got = result.ids()[0]
+    accuracy = sum(a == b for a, b in zip(got, ids)) / len(ids)
+    assert accuracy >= 0.9, (accuracy, result.texts[0])
+
+
+def test_the_reference_writes_the_corpus_words_and_random_weights_do_not() -> None:
+    from ldlm.checkpoint import init_model
+
+    model, tokenizer = load_checkpoint(REFERENCE)
+    texts = LDLMPipeline(model, tokenizer).generate(8, 32, seed=0).texts
+    generated = [w for t in texts for w in words(t)]
+    share = sum(w in WORDS for w in generated) / len(generated)
+    random_texts = LDLMPipeline(init_model(model.config, seed=0), tokenizer).generate(8, 32, seed=0).texts
+    random_words = [w for t in random_texts for w in words(t)]
+    random_share = sum(w in WORDS for w in random_words) / max(1, len(random_words))
+    assert share >= 0.8 and random_share < 0.5, (share, random_share, texts[:2])
+
+
+def test_onnx_runtime_matches_eager_on_the_reference() -> None:
+    report = run_parity(REFERENCE, "ort")
+    assert report.passed, report.summary()
+    assert report.token_agreement == 1.0
+    assert max(c.max_abs for c in report.graphs) <= 1e-5, [(c.name, c.max_abs) for c in report.graphs if c.max_abs > 1e-5]
+    assert report.eps_probes is not None and report.eps_probes.passed
+
+
+def test_a_corrupted_copy_of_the_reference_is_refused(tmp_path: Path) -> None:
+    copy = tmp_path / "reference"
+    shutil.copytree(REFERENCE, copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[len(data) // 3] ^= 0x10
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors has sha256 .*, SHA256SUMS says .*: the file is truncated or corrupted"):
+        load_checkpoint(copy)
