@@ -104,7 +104,9 @@ def add_error_handlers(app: FastAPI, text_limits: dict[str, Range], openai_limit
         errors = list(error.errors())
         openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
         status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
-        message = validation_message(errors, openai_limits if openai else text_limits, body_fields(request))
+        message = validation_message(
+            errors, openai_limits if openai else text_limits, body_fields(request), request.headers.get("content-type")
+        )
         param = field_name(errors[0]["loc"]) if errors and errors[0]["type"] != "json_invalid" else None
         return error_response(request, status, message, param=param)
 

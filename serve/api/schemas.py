@@ -229,19 +229,35 @@ def shown(value: Any) -> str:
 RANGE_ERRORS = ("less_than_equal", "greater_than_equal", "less_than", "greater_than", "too_long", "too_short")
 
 
-def validation_message(errors: list[dict[str, Any]], limits: dict[str, Range], fields: Sequence[str] = ()) -> str:
-    """pydantic errors -> one readable line per problem, naming the field, the value and what is allowed."""
+UNKNOWN_FIELDS_SHOWN = 10  # a body of 200k unknown keys is answered with a short error, not a 2 MB one
+
+
+def validation_message(
+    errors: list[dict[str, Any]], limits: dict[str, Range], fields: Sequence[str] = (), content_type: str | None = None
+) -> str:
+    """pydantic errors -> one readable line per problem, naming the field, the value and what is allowed.
+    ``content_type``: the request's, named when a body that is not a JSON object came without JSON's."""
     problems = []
     unknown = [field_name(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         known = f"; allowed: {', '.join(fields)}" if fields else ""
-        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}{known}")
+        shown_names = ", ".join(repr(u) for u in unknown[:UNKNOWN_FIELDS_SHOWN])
+        more = f" and {len(unknown) - UNKNOWN_FIELDS_SHOWN} more" if len(unknown) > UNKNOWN_FIELDS_SHOWN else ""
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {shown_names}{more}{known}")
     for e in errors:
         name, kind, given = field_name(e["loc"]), e["type"], e.get("input")
         allowed = limits.get(name)
         if kind == "extra_forbidden":
             continue
-        if kind == "json_invalid":
+        if kind in ("dict_type", "model_attributes_type") and tuple(e["loc"]) == ("body",):
+            sent = (content_type or "").split(";")[0].strip().lower()
+            hint = (
+                "" if sent == "application/json" else f" (it was sent as {sent or 'no Content-Type'}: send Content-Type: application/json)"
+            )
+            problems.append(
+                f"the body is not a JSON object{hint}; allowed: a JSON object of {', '.join(fields) or 'the documented fields'}"
+            )
+        elif kind == "json_invalid":
             problems.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')} at character {e['loc'][-1]})")
         elif kind == "missing":
             problems.append(f"{name} is required")

@@ -242,3 +242,18 @@ def test_a_request_names_its_step_grid(limits_server: RunningServer, pipeline) -
     assert uniform.json()["token_ids"] == pipeline.generate(1, 8, 6, 3, "ddim", grid="uniform").ids()
     assert tuned.status_code == 400 and "grid='tuned' is unavailable: this checkpoint has no tuned schedules" in tuned.json()["error"]
     assert unknown.status_code == 422 and "grid" in unknown.json()["error"] and "logsnr" in unknown.json()["error"], unknown.text
+
+
+def test_a_body_without_json_content_type_and_a_flood_of_unknown_keys_get_short_useful_errors(limits_server: RunningServer) -> None:
+    with httpx.Client(base_url=limits_server.url, timeout=60) as http:
+        form = http.post("/v1/generate", content=b'{"n": 1, "length": 4}', headers={"Content-Type": "text/plain"})
+        flood = http.post(
+            "/v1/generate",
+            content=json.dumps({f"k{i}": 0 for i in range(20_000)}).encode()[: 60 << 10].rsplit(b",", 1)[0] + b"}",
+            headers={"Content-Type": "application/json"},
+        )
+    assert form.status_code == 422, form.text
+    assert "the body is not a JSON object (it was sent as text/plain: send Content-Type: application/json)" in form.json()["error"]
+    assert flood.status_code == 422, flood.text
+    message = flood.json()["error"]
+    assert message.startswith("unknown fields 'k0', 'k1', 'k2'") and " more; allowed: " in message and len(message) < 1000
