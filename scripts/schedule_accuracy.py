@@ -92,7 +92,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="tiny", help="comma-separated presets (random init, random norms) or checkpoint directories (default: tiny)")
+    parser.add_argument(
+        "--presets", default="tiny", help="comma-separated presets (random init, random norms) or checkpoint directories (default: tiny)"
+    )
     parser.add_argument("--sampler", default="dpm3m-psc", help="sampler to tune (default: dpm3m-psc)")
     parser.add_argument("--steps", default="6,8,10,12", help="step counts (default: 6,8,10,12)")
     parser.add_argument("--evaluations", type=int, default=600, help="sampling runs per step count (default: 600)")

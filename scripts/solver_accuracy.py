@@ -164,7 +164,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="tiny,base", help="comma-separated presets (random init, random norms) or checkpoint directories (default: tiny,base)")
+    parser.add_argument(
+        "--presets",
+        default="tiny,base",
+        help="comma-separated presets (random init, random norms) or checkpoint directories (default: tiny,base)",
+    )
     parser.add_argument("--steps", default="5,10,15,20,30,50,100", help="step counts (default: 5,10,15,20,30,50,100)")
     parser.add_argument("--reference-steps", type=int, default=2000, help="DDIM steps of the reference (default: 2000)")
     parser.add_argument("--seed", type=int, default=0, help="checkpoint and noise seed (default: 0)")
