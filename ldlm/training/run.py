@@ -2,8 +2,9 @@
 
 1. ``features``: GPT-2's (frozen) feature statistics, which standardize the features.
 2. ``autoencoder``: latent encoder, latent decoder and token decoder, end to end.
-3. ``latents``: the frozen encoder's latent statistics (the cache of latents is rebuilt on resume).
-4. ``denoiser``: on the cached latents.
+3. ``autoencoder_long``: the same at full-length windows (with padding), at a lower learning rate.
+4. ``latents``: the frozen encoder's latent statistics (the cache of latents is rebuilt on resume).
+5. ``denoiser``: on the cached latents.
 
 The state (``state_dir``: the model as a checkpoint, the optimizer's tensors in safetensors, and
 ``state.json``) is written whole every ``save_every_s`` seconds and after every stage; a run started
@@ -117,6 +118,7 @@ class Run:
         self.progress, self.optimizer_state = load_state(state_dir, model) if resumed else (Progress(), None)
         self.head = VocabularyHead(corpus.vocabulary, model)  # after loading: a saved state holds the sealed full head
         self.cache: dict[int, Tensor] | None = None
+        self.started, self.seconds_before = time.monotonic(), float(self.progress.log.get("train_seconds", 0.0))
         model.feature_model.requires_grad_(False)
 
     def train(self) -> dict[str, Any]:
@@ -130,6 +132,7 @@ class Run:
                 self.optimize(stage)
             self.evaluate(stage)
             self.progress = Progress(STAGES[STAGES.index(stage) + 1], 0, self.progress.log)
+            self.clock()
             save_state(self.state_dir, self.model, None, self.progress)
         return self.progress.log
 
@@ -141,7 +144,12 @@ class Run:
 
     def optimize(self, stage: str) -> None:
         model, plan = self.model, self.plan
-        total, peak = (plan.autoencoder_steps, plan.autoencoder_lr) if stage == "autoencoder" else (plan.denoiser_steps, plan.denoiser_lr)
+        total, peak = {
+            "autoencoder": (plan.autoencoder_steps, plan.autoencoder_lr),
+            "autoencoder_long": (plan.long_steps, plan.long_lr),
+            "denoiser": (plan.denoiser_steps, plan.denoiser_lr),
+        }[stage]
+        warmup = min(plan.warmup_steps, total // 10)  # a short stage warms up for a tenth of it
         cache = self.latent_cache() if stage == "denoiser" else None
         optimizer = optimizer_for(model, self.head, stage, plan)
         if self.optimizer_state is not None:
@@ -161,9 +169,10 @@ class Run:
         for step in bar:
             rng, gen = draw(plan.seed, stage, step)
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, total, peak, plan.warmup_steps)
+                group["lr"] = learning_rate(step, total, peak, warmup)
             if cache is None:
-                loss, stats = autoencoder_loss(model, self.head, *text_batch(self.corpus.train, plan, rng), plan, gen, step % 100 == 0)
+                batch = text_batch(self.corpus.train, plan, rng, full_length=stage == "autoencoder_long")
+                loss, stats = autoencoder_loss(model, self.head, *batch, plan, gen, step % 100 == 0)
             else:
                 loss, stats = denoiser_loss(
                     model, self.schedule, latent_batch(cache, plan, model, rng), bool(rng.random() < plan.self_condition), gen
@@ -180,18 +189,23 @@ class Run:
                 last_save = time.monotonic()
         model.eval()
 
+    def clock(self) -> None:
+        """The run's training time so far, resumed runs included, into the log."""
+        self.progress.log["train_seconds"] = round(self.seconds_before + time.monotonic() - self.started, 1)
+
     def save(self, stage: str, step: int, optimizer: torch.optim.Optimizer) -> None:
+        self.clock()
         self.model.eval()
-        if stage == "autoencoder":
+        if stage.startswith("autoencoder"):
             self.head.seal(self.model)  # the restricted head's rows go into the full head that is saved
         save_state(self.state_dir, self.model, optimizer, Progress(stage, step, self.progress.log))
         self.model.train()
 
     def evaluate(self, stage: str) -> None:
         log = self.progress.log
-        if stage == "autoencoder":
+        if stage.startswith("autoencoder"):
             self.head.seal(self.model)
-            log["reconstruction_held_out"] = {
+            log["reconstruction_held_out" if stage == "autoencoder_long" else "reconstruction_held_out_first_stage"] = {
                 str(n): reconstruction_accuracy(self.model, self.corpus.held_out, n)
                 for n in RECONSTRUCTION_LENGTHS
                 if n <= self.plan.max_length

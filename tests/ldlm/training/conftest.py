@@ -47,5 +47,12 @@ def micro_corpus() -> Corpus:
 
 
 MICRO_PLAN = TrainingPlan(
-    autoencoder_steps=6, denoiser_steps=6, tokens_per_batch=128, min_length=4, max_length=32, warmup_steps=2, cache_tokens=4096
+    autoencoder_steps=6,
+    long_steps=3,
+    denoiser_steps=6,
+    tokens_per_batch=128,
+    min_length=4,
+    max_length=32,
+    warmup_steps=2,
+    cache_tokens=4096,
 )

@@ -21,12 +21,14 @@ from tests.ldlm.training.conftest import MICRO, MICRO_PLAN
 def test_the_autoencoder_learns_the_corpus(micro_corpus: Corpus, tmp_path: Path) -> None:
     model = init_model(MICRO, seed=0)
     before = reconstruction_accuracy(model, micro_corpus.held_out, 16)
-    plan = dataclasses.replace(MICRO_PLAN, autoencoder_steps=150, denoiser_steps=0, latent_noise=0.0, autoencoder_lr=5e-3, warmup_steps=10)
+    plan = dataclasses.replace(
+        MICRO_PLAN, autoencoder_steps=150, long_steps=0, denoiser_steps=0, latent_noise=0.0, autoencoder_lr=5e-3, warmup_steps=10
+    )
     log = train(model, micro_corpus, plan, tmp_path / "state", progress_bar=False)
     after = log["reconstruction_held_out"]["16"]
     assert before < 0.1 and after > 0.3, (before, after)  # chance is 1/40: the autoencoder is learning to copy
     assert after == pytest.approx(reconstruction_accuracy(model, micro_corpus.held_out, 16))
-    assert set(log) >= {"autoencoder_history", "reconstruction_held_out", "denoiser_held_out"}
+    assert set(log) >= {"autoencoder_history", "reconstruction_held_out_first_stage", "reconstruction_held_out", "denoiser_held_out"}
     assert json.loads((tmp_path / "state" / STATE_FILE).read_text())["stage"] == "done"
 
 
