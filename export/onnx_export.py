@@ -32,7 +32,14 @@ from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
-from ldlm.export.quantize import QUANTIZE_CHOICES, QUANTIZED_GRAPHS, quantize_int8, require_quantizer, variant_file
+from ldlm.export.quantize import (
+    DEFAULT_QUANTIZED_GRAPHS,
+    QUANTIZABLE_GRAPHS,
+    QUANTIZE_CHOICES,
+    quantize_int8,
+    require_quantizer,
+    variant_file,
+)
 from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.interrupts import raise_if_interrupted
@@ -129,13 +136,19 @@ def export_graphs(
     overwrite: bool = False,
     progress: bool = False,
     quantize: str | None = None,
+    quantize_graphs: Sequence[str] = DEFAULT_QUANTIZED_GRAPHS,
 ) -> ExportResult:
     """Export and verify ``graphs`` of ``checkpoint`` into ``out``; nothing is left there on failure.
-    ``quantize="int8"`` adds an INT8 variant beside each fp32 graph of QUANTIZED_GRAPHS (export/quantize.py)."""
+    ``quantize="int8"`` adds an INT8 variant beside the fp32 file of each of ``quantize_graphs`` (export/quantize.py)."""
     check_opset(opset)
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize={quantize!r} is unknown; allowed: {', '.join(QUANTIZE_CHOICES)} (or none)")
     if quantize is not None:
+        bad = [g for g in quantize_graphs if g not in QUANTIZABLE_GRAPHS]
+        if bad or not quantize_graphs:
+            raise ValueError(
+                f"quantize_graphs={list(quantize_graphs)!r} is invalid; allowed: a non-empty subset of {', '.join(QUANTIZABLE_GRAPHS)}"
+            )
         require_quantizer()  # before any work: a missing ONNX Runtime is named first
     refuse_existing(out, overwrite, {"checkpoint": checkpoint})  # before the checkpoint loads
     unknown = [g for g in graphs if g not in GRAPH_NAMES]
@@ -157,7 +170,7 @@ def export_graphs(
             if schedules is not None:
                 schedules.save(tmp / SCHEDULES_FILE)
             entries, results = {}, []
-            variants = [g for g in graphs if quantize is not None and g in QUANTIZED_GRAPHS]
+            variants = [g for g in graphs if quantize is not None and g in quantize_graphs]
             with tqdm(total=2 * len(graphs) + len(variants), desc="export", unit="stage", disable=not progress) as bar:
                 for name in graphs:
                     raise_if_interrupted()  # a Ctrl-C Python dropped during the last stage ends the export here

@@ -12,9 +12,15 @@ float, and why:
   time is saved, and an error there shifts every position at every step.
 - The vocabulary head (``token_decoder.head``): the argmax margins between tokens are small.
 
-Which graphs get a variant (``QUANTIZED_GRAPHS``): the denoiser (it runs at every step) and the
-decoder. The encoder stays float: GPT-2's middle layers have a few channels of very large magnitude,
-where reduced precision breaks first, and it runs once per prompt.
+Which graphs get a variant: by default the denoiser (``DEFAULT_QUANTIZED_GRAPHS``: it runs at every
+step, and is where the time goes); the decoder on request (``QUANTIZABLE_GRAPHS``). Measured on base
+with random norms (default sampler and steps, 8 x 32 tokens against eager fp32): the int8 denoiser
+keeps 99.2% of the tokens, the int8 decoder beside it brings that to 95.3% (its argmax margins are
+small), for 1.76x on the decoder alone. The encoder stays float: GPT-2's middle layers have a few
+channels of very large magnitude, where reduced precision breaks first, and it runs once per prompt.
+
+Weights are quantized per output channel: on the trained reference checkpoint the int8 denoiser kept
+89.8% of the tokens per channel against 80.9% per tensor, at the same speed on base.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import onnx
 from ldlm.export.verify import node_name_scopes
 
 QUANTIZE_CHOICES: tuple[str, ...] = ("int8",)
-QUANTIZED_GRAPHS: tuple[str, ...] = ("denoiser", "decoder")
+QUANTIZABLE_GRAPHS: tuple[str, ...] = ("denoiser", "decoder")
+DEFAULT_QUANTIZED_GRAPHS: tuple[str, ...] = ("denoiser",)
 FLOAT_MODULES: tuple[str, ...] = ("time_mlp", "time_proj", "token_decoder.head")  # module paths end with these
 
 

@@ -28,6 +28,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
         overwrite=args.force,
         progress=not args.quiet,
         quantize=args.quantize,
+        quantize_graphs=tuple(args.quantize_graphs.split(",")),
     )
     for verification in result.verification:
         print(verification.summary())
@@ -130,9 +131,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quantize",
         choices=("int8",),
-        help="also write an INT8 variant of the denoiser and the decoder (ONNX Runtime dynamic quantization of the MatMul "
-        "weights; every LayerNorm, RMSNorm, softmax, the time embedding and the logits stay float32), verified like the "
-        "fp32 graphs; serve it with --precision int8",
+        help="also write an INT8 variant of the graphs of --quantize-graphs (ONNX Runtime dynamic quantization of the MatMul "
+        "weights, per channel; every LayerNorm, RMSNorm, softmax, the time embedding and the logits stay float32), verified "
+        "like the fp32 graphs; serve it with --precision int8",
+    )
+    p.add_argument(
+        "--quantize-graphs",
+        default="denoiser",
+        help="with --quantize: denoiser (default) or denoiser,decoder (the int8 decoder costs tokens: its argmax margins are small)",
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

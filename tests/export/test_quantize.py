@@ -13,7 +13,7 @@ import pytest
 
 from ldlm.export.artifact import MANIFEST_FILE, ArtifactError, check_artifacts, read_manifest, sha256_file
 from ldlm.export.onnx_export import export_graphs, verify_export
-from ldlm.export.quantize import FLOAT_MODULES, QUANTIZED_GRAPHS
+from ldlm.export.quantize import DEFAULT_QUANTIZED_GRAPHS, FLOAT_MODULES, QUANTIZABLE_GRAPHS
 from ldlm.export.verify import LayerNormSpec, VerificationError, node_name_scopes, verify_onnx
 from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.runtime.backends import open_graphs
@@ -39,9 +39,9 @@ def reseal_variant(directory: Path, graph: str, precision: str = "int8") -> None
 
 def test_variants_sit_beside_the_fp32_graphs_with_their_own_sha256(int8_export: Path) -> None:
     manifest = read_manifest(int8_export)
-    assert QUANTIZED_GRAPHS == ("denoiser", "decoder")
+    assert QUANTIZABLE_GRAPHS == ("denoiser", "decoder") and DEFAULT_QUANTIZED_GRAPHS == ("denoiser",)
     assert "variants" not in manifest["graphs"]["encoder"]  # GPT-2's outlier channels stay float
-    for graph in QUANTIZED_GRAPHS:
+    for graph in QUANTIZABLE_GRAPHS:
         entry = manifest["graphs"][graph]
         variant = entry["variants"]["int8"]
         assert variant["file"] == f"{graph}.int8.onnx" and (int8_export / entry["file"]).is_file()
@@ -56,7 +56,7 @@ def test_variants_sit_beside_the_fp32_graphs_with_their_own_sha256(int8_export: 
             assert by_name[name].op_type == "MatMul"
             origin = source[name.removesuffix("_MatMul")]  # a Gemm is split into <name>_MatMul + <name>_Add
             assert any(scope.endswith(FLOAT_MODULES) for scope in node_name_scopes(origin))
-    kept = {n for g in QUANTIZED_GRAPHS for n in manifest["graphs"][g]["variants"]["int8"]["kept_float_nodes"]}
+    kept = {n for g in QUANTIZABLE_GRAPHS for n in manifest["graphs"][g]["variants"]["int8"]["kept_float_nodes"]}
     assert len(kept) >= 3  # time_mlp's two Linears, the time projections, the vocabulary head
 
 
@@ -164,6 +164,8 @@ def test_int8_where_there_is_no_int8_path_is_refused(export_dir: Path, tiny_chec
         open_graphs("eager", tiny_checkpoint, "int8")
     with pytest.raises(ValueError, match="quantize='int4' is unknown; allowed: int8"):
         export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int4")
+    with pytest.raises(ValueError, match=r"quantize_graphs=\['encoder'\] is invalid; allowed: a non-empty subset of denoiser, decoder"):
+        export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int8", quantize_graphs=("encoder",))
     assert not (tmp_path / "out").exists()
 
 
