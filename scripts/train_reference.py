@@ -48,8 +48,8 @@ def model_card(log: dict[str, Any], corpus: Corpus, plan: TrainingPlan, model: L
     return f"""# ldlm-austen-tiny: the reference checkpoint
 
 **What it is:** a small reference of a learned distribution, for checking the tool chain on a model
-that has learned something. It is **not a good language model**: its samples are Austen's and
-Melville's words, names and punctuation, with little syntax.
+that has learned something. It is **not a good language model**: its samples are mostly Austen's and
+Melville's words, with word pieces, names and punctuation between them, and no syntax.
 
 - Architecture: the `tiny` preset (D {model.config.d_model}, {count_parameters(model):,} parameters with GPT-2's), V {model.config.vocab_size}.
 - GPT-2 (the feature model) is its seeded random initialization, frozen: no GPT-2 weights can be had offline.
@@ -57,7 +57,7 @@ Melville's words, names and punctuation, with little syntax.
   `mobydick`, without Project Gutenberg's header and licence): {len(corpus.train):,} training tokens,
   {len(corpus.held_out):,} held out (the last 5% of every novel), {len(corpus.vocabulary):,} distinct token ids.
   The other GPT-2 ids never occur; their logits are fixed at -30 (weight 0), so they are never decoded.
-- Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes on {torch.get_num_threads()} CPU threads:
+- Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes of training on {torch.get_num_threads()} CPU threads:
   - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens at lengths {plan.min_length}..{plan.max_length} (log-uniform) with padding,
     token cross-entropy + {plan.feature_weight} x feature MSE, latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps
     at {plan.max_length} tokens (lr {plan.long_lr:g}): after the first part alone, held-out accuracy at 128 tokens was {first["128"]:.3f};
