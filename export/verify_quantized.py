@@ -14,6 +14,8 @@ QUANTIZED_OPS = frozenset(
 )
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 LAYER_NORM_INPUTS = ("X", "scale", "bias")
+# what a LayerNorm may compute in: float32, or float64 where the module is double (never fp16, bf16, fp8)
+WIDE_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
 
 
 def quantized_ops(graph: onnx.GraphProto) -> list[str]:
@@ -21,7 +23,7 @@ def quantized_ops(graph: onnx.GraphProto) -> list[str]:
 
 
 def check_quantized_layer_norms(model: onnx.ModelProto) -> list[str]:
-    """Every LayerNormalization reads float32 tensors that no Q/DQ node made, and writes float32.
+    """Every LayerNormalization reads float32 (or float64) tensors that no Q/DQ node made, and writes the same.
 
     A Q/DQ pair on a LayerNorm's input, scale or bias (ONNX Runtime's static QDQ path with its default
     op list puts DequantizeLinear on all three) means the norm no longer sees the module's values."""
@@ -35,12 +37,14 @@ def check_quantized_layer_norms(model: onnx.ModelProto) -> list[str]:
             made_by = producer.get(name)
             if made_by is not None and made_by.op_type in QDQ_OPS:
                 problems.append(f"{where}: its {role} {name!r} comes from {made_by.op_type} {made_by.name!r} (a Q/DQ pair on a LayerNorm)")
-            elif types.get(name, onnx.TensorProto.FLOAT) != onnx.TensorProto.FLOAT:
+            elif types.get(name, onnx.TensorProto.FLOAT) not in WIDE_FLOATS:
                 type_name = onnx.TensorProto.DataType.Name(types[name])
-                problems.append(f"{where}: its {role} {name!r} is {type_name}; a LayerNorm computes in float32")
+                problems.append(f"{where}: its {role} {name!r} is {type_name}; a LayerNorm computes in float32 (or float64)")
         out_type = types.get(node.output[0], onnx.TensorProto.FLOAT)
-        if out_type != onnx.TensorProto.FLOAT:
-            problems.append(f"{where}: its output is {onnx.TensorProto.DataType.Name(out_type)}; a LayerNorm computes in float32")
+        if out_type not in WIDE_FLOATS:
+            problems.append(
+                f"{where}: its output is {onnx.TensorProto.DataType.Name(out_type)}; a LayerNorm computes in float32 (or float64)"
+            )
     return problems
 
 

@@ -189,3 +189,25 @@ def test_an_edited_variant_file_is_refused_by_its_sha256(int8_export: Path, tmp_
     (out / "denoiser.int8.onnx").write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match=r"denoiser.int8.onnx does not match the sha256 in .*manifest.json \(edited or replaced\)"):
         check_artifacts(out, read_manifest(out))
+
+
+def test_a_layer_norm_computing_in_fp16_is_named_and_fp64_is_allowed() -> None:
+    from onnx import TensorProto, helper
+
+    from ldlm.export.verify_quantized import check_quantized_layer_norms
+
+    def one_node(dtype: int) -> onnx.ModelProto:
+        node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], name="ln", axis=-1, epsilon=1e-5)
+        graph = helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("x", dtype, [2, 4])],
+            [helper.make_tensor_value_info("y", dtype, [2, 4])],
+            [helper.make_tensor("scale", dtype, [4], [1.0] * 4), helper.make_tensor("bias", dtype, [4], [0.0] * 4)],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    problems = check_quantized_layer_norms(one_node(TensorProto.FLOAT16))
+    assert "LayerNormalization 'ln': its X 'x' is FLOAT16; a LayerNorm computes in float32 (or float64)" in problems
+    assert "LayerNormalization 'ln': its output is FLOAT16; a LayerNorm computes in float32 (or float64)" in problems
+    assert check_quantized_layer_norms(one_node(TensorProto.DOUBLE)) == check_quantized_layer_norms(one_node(TensorProto.FLOAT)) == []
