@@ -20,7 +20,7 @@ from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
-GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, stream, preview_every, prompt, timeout_s"
+GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, grid, stream, preview_every, prompt, timeout_s"
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: 
             {"extra_body": {"temprature": 1}},
             "temprature",
             "unknown field 'temprature'; allowed: model, prompt, max_tokens, n, seed, "
-            "stream, stream_options, stop, echo, user, steps, sampler, t_min, timeout_s, temperature, "
+            "stream, stream_options, stop, echo, user, steps, sampler, t_min, grid, timeout_s, temperature, "
             "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix",
         ),
         ({"n": True}, "n", "n: true is a boolean; allowed: an integer in 1..4"),

@@ -274,8 +274,8 @@ def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Pa
     with raises(ValueError, "backend 'trt' needs an engine directory (--engine-dir)"):
         run_bench(str(tiny_checkpoint), ["trt"])
     assert tolerance("fp16") == (2e-2, 2e-2)
-    with raises(ValueError, "precision='int8' has no tolerances; allowed: fp32, fp16, bf16"):
-        tolerance("int8")
+    with raises(ValueError, "precision='int4' has no tolerances; allowed: fp32, fp16, bf16, int8"):
+        tolerance("int4")
     with pytest.raises(
         ValueError, match=re.escape("ONNX Runtime providers ['NoSuchExecutionProvider'] are not available here; allowed: [")
     ):
