@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from ldlm.config import LDLMConfig
+from ldlm.config import LDLMConfig, preset
 from ldlm.device import resolve_device
 from ldlm.files import atomic_directory, sha256_file
 from ldlm.layers import RMSNorm
@@ -236,6 +236,4 @@ def preset_or_checkpoint(name: str, seed: int = 0) -> tuple[LDLM, TextTokenizer]
     reference checkpoint), or a preset's seeded random init with random norms."""
     if Path(name).is_dir():
         return load_checkpoint(name)
-    from ldlm.config import preset  # a preset name: checked there, naming the allowed ones
-
     return init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2()
