@@ -31,12 +31,14 @@ MAX_TOP_LOGPROBS = 5  # OpenAI's legacy completions: logprobs 0..5
 class TokenSampling:
     """How one request's tokens are chosen: ``temperature`` 0 is argmax; ``top_p`` the nucleus mass;
     ``top_logprobs`` (None: no log-probabilities) how many alternatives to report per position;
-    ``seed`` the draw's generator seed."""
+    ``seed`` the draw's generator seed; ``given``: the tokens of the first positions, a prompt the
+    sample was inpainted with, kept there (not drawn) so that their log-probabilities are the prompt's."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_logprobs: int | None = None
     seed: int = 0
+    given: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
@@ -87,6 +89,10 @@ def choose_tokens(logits: Tensor, sampling: TokenSampling) -> tuple[Tensor, Toke
     logits = logits.float().cpu()
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
     ids = sample_tokens(logits, sampling.temperature, sampling.top_p, generator)
+    if sampling.given:  # drawn first, then replaced: the other positions' draws do not depend on the prompt's
+        if len(sampling.given) > ids.shape[1]:
+            raise ValueError(f"{len(sampling.given)} given tokens for {ids.shape[1]} positions; allowed: up to {ids.shape[1]}")
+        ids[:, : len(sampling.given)] = torch.tensor(sampling.given, dtype=ids.dtype)
     if sampling.top_logprobs is None:
         return ids, None
     return ids, token_logprobs(logits, ids, sampling.top_logprobs)

@@ -10,6 +10,7 @@ are extra body fields. The body carries this server's limits, so ``completion_bo
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field, create_model
@@ -157,12 +158,14 @@ def check_supported(body: Any) -> None:
         )
 
 
-def token_sampling(body: Any, seed: int, has_logits: bool) -> TokenSampling | None:
-    """The body's temperature, top_p and logprobs for the token decoder (None: argmax, as without them).
+def token_sampling(body: Any, seed: int, has_logits: bool, prompt_ids: Sequence[int] = ()) -> TokenSampling | None:
+    """The body's temperature, top_p and logprobs for the token decoder (None: argmax, as without them);
+    with ``echo`` and ``logprobs``, the prompt's tokens are given, to report their log-probabilities.
     Drawing needs the decoder's logits: an export without them is refused here, naming the fix."""
     temperature = 0.0 if body.temperature is None else float(body.temperature)
     top_p = 1.0 if body.top_p is None else float(body.top_p)
-    sampling = TokenSampling(temperature, top_p, body.logprobs, seed)
+    given = tuple(prompt_ids) if body.echo and body.logprobs is not None else ()
+    sampling = TokenSampling(temperature, top_p, body.logprobs, seed, given)
     if sampling.needs_logits and not has_logits:
         name = "temperature" if temperature > 0 else "logprobs"
         raise HTTPError(

@@ -91,6 +91,21 @@ def test_logprobs_are_numpy_log_softmax_at_the_chosen_tokens_and_the_top_alterna
     assert (np.diff(logprobs.top.numpy(), axis=-1) <= 0).all()
 
 
+def test_given_tokens_keep_their_positions_and_get_their_own_logprobs_leaving_the_draws_alone() -> None:
+    """A prompt's tokens (``given``) stand at the first positions, with log_softmax at them; the other
+    positions are drawn exactly as without them (the same generator stream)."""
+    raw = np.random.default_rng(4).normal(scale=3.0, size=(2, 6, 30)).astype(np.float32)
+    given = (29, 0, 17)
+    ids, logprobs = choose_tokens(torch.from_numpy(raw), TokenSampling(1.1, 0.9, top_logprobs=2, seed=5, given=given))
+    free, _ = choose_tokens(torch.from_numpy(raw), TokenSampling(1.1, 0.9, top_logprobs=2, seed=5))
+    assert ids[:, :3].tolist() == [list(given)] * 2 and torch.equal(ids[:, 3:], free[:, 3:])
+    assert logprobs is not None
+    reference = log_softmax_reference(raw)
+    np.testing.assert_allclose(logprobs.chosen[:, :3].numpy(), reference[:, np.arange(3), list(given)], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="7 given tokens for 6 positions; allowed: up to 6"):
+        choose_tokens(torch.from_numpy(raw), TokenSampling(given=(1,) * 7, top_logprobs=1))
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
     logits = torch.from_numpy(np.random.default_rng(3).normal(size=(2, 32, 20)).astype(np.float32))
     first = choose_tokens(logits, TokenSampling(1.0, 1.0, seed=11))[0]

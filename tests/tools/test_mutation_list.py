@@ -80,6 +80,13 @@ def test_a_stale_mutation_is_reported(tree: Path) -> None:
     no_test = Mutation("no-test", "ldlm.serve.m:LIMIT", "LIMIT = 3", "LIMIT = 4", ("tests/gone.py",), "a planted bug")
     with pytest.raises(SystemExit, match="no-test: test file tests/gone.py does not exist"):
         check_mutations(tree, (*good, no_test))
+    (tree / "tests" / "tools").mkdir()
+    (tree / "tests" / "tools" / "test_mutation_list.py").write_text("")
+    by_the_list = Mutation(
+        "by-the-list", "ldlm.serve.m:LIMIT", "LIMIT = 3", "LIMIT = 4", ("tests/tools/test_mutation_list.py",), "a planted bug"
+    )
+    with pytest.raises(SystemExit, match="by-the-list: names tests/tools/test_mutation_list.py, which would catch any edit"):
+        check_mutations(tree, (*good, by_the_list))
     with pytest.raises(SystemExit, match="mutation ids are not unique: in-a-function"):
         check_mutations(tree, (*good, good[0]))
 

@@ -15,7 +15,9 @@ the prompt before it. ``temperature`` (0, the default: the token decoder's argma
 ``logprobs`` act where the model has a distribution over tokens, at the token decoder: each token
 is drawn from softmax(logits / temperature) within the nucleus, seeded by ``seed``, and ``logprobs``
 gives each completion token's log-probability and its top alternatives in OpenAI's legacy shape
-(ldlm/token_sampling.py). OpenAI parameters that mean nothing to a diffusion sampler (best_of, the
+(ldlm/token_sampling.py); with ``echo``, the prompt's tokens come first, each with the decoder's
+log-probability of it at its position (every position has one here, the first included, where
+OpenAI's left-to-right models give null). OpenAI parameters that mean nothing to a diffusion sampler (best_of, the
 penalties, logit_bias, suffix) are accepted only at the value that asks for nothing, else refused
 (400) naming the parameter; unknown fields are refused too. How
 well a completion follows its prompt depends on the trained model: a random-init checkpoint gives
@@ -112,7 +114,7 @@ class Completions:
                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)",
                 )
             spec = GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63, body.sampler, body.t_min, body.grid)
-            prepared.append((row, spec, token_sampling(body, spec.seed, has_logits)))
+            prepared.append((row, spec, token_sampling(body, spec.seed, has_logits, row)))
         return prepared
 
     def prefix_latents(self, rows: list[list[int]]) -> list[torch.Tensor | None]:
@@ -136,6 +138,9 @@ class Completions:
             if body.logprobs is not None and result.logprobs is not None:
                 start = len(prompt) if body.echo else 0
                 logprobs = choice_logprobs(self.pipeline.tokenizer, ids, result.logprobs, (j, len(row)), start, cut if cut >= 0 else None)
+                if body.echo:  # the prompt's tokens first, each with the decoder's log-probability at its position
+                    echoed = choice_logprobs(self.pipeline.tokenizer, row, result.logprobs, (j, 0), 0, None)
+                    logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
             out.append(
                 {
                     "text": prompt + text if body.echo else text,

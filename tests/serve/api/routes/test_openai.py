@@ -83,9 +83,10 @@ def test_seed_reproducible_with_ddim(client) -> None:
     assert first == again and first != other
 
 
-def inpainted_reference(pipeline: LDLMPipeline, prompt: str, max_tokens: int, seed: int, steps: int) -> list[int]:
+def inpainted_latents(pipeline: LDLMPipeline, prompt: str, max_tokens: int, seed: int, steps: int) -> torch.Tensor:
     """Prefix inpainting written out: at every step the prompt's positions are set to its latents
-    forward-noised to that step's time, x_t = alpha_t z + sigma_t eps; then one DDIM step."""
+    forward-noised to that step's time, x_t = alpha_t z + sigma_t eps; then one DDIM step. The final
+    latents (1, P + max_tokens, D)."""
     model, schedule = pipeline.graphs, pipeline.schedule
     prompt_ids = pipeline.tokenizer.encode([prompt])[0]
     p, length, d = len(prompt_ids), len(prompt_ids) + max_tokens, pipeline.config.d_model
@@ -103,7 +104,13 @@ def inpainted_reference(pipeline: LDLMPipeline, prompt: str, max_tokens: int, se
             x0 = model.denoise(x[None], t[None], x0[None], mask)[0]
             x = ddim_step(schedule, x[None], x0[None], t[None], t_next[None])[0]
         x[:p] = z
-        return model.decode_tokens(x[None], mask)[0].tolist()
+        return x[None]
+
+
+def inpainted_reference(pipeline: LDLMPipeline, prompt: str, max_tokens: int, seed: int, steps: int) -> list[int]:
+    latents = inpainted_latents(pipeline, prompt, max_tokens, seed, steps)
+    with torch.no_grad():
+        return pipeline.graphs.decode_tokens(latents, torch.ones(latents.shape[:2], dtype=torch.bool))[0].tolist()
 
 
 def test_prompt_conditions_by_inpainting(client, pipeline: LDLMPipeline) -> None:
@@ -324,6 +331,34 @@ def test_logprobs_are_the_decoders_log_softmax_in_openais_shape(client, pipeline
         best = np.sort(reference[position])[::-1][:3]
         assert len(alternatives) <= 4 and sorted(alternatives.values(), reverse=True)[:3] == pytest.approx(best, abs=1e-3)
     assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+
+
+def test_echo_with_logprobs_gives_the_prompts_tokens_their_log_probabilities(client, pipeline: LDLMPipeline) -> None:
+    """With echo, the prompt's tokens come first in ``logprobs``, each with log_softmax of the decoder's
+    logits at its position for the prompt's own token (not the token the decoder would pick there), then
+    the completion's, with offsets into the echoed text."""
+    prompt = "The weather today is"
+    result = complete(client, prompt=prompt, max_tokens=6, seed=3, steps=6, echo=True, logprobs=2)
+    latents = inpainted_latents(pipeline, prompt, 6, 3, 6)
+    with torch.no_grad():
+        logits = pipeline.graphs.decode_logits(latents, torch.ones(latents.shape[:2], dtype=torch.bool))[0].numpy()  # type: ignore[attr-defined]
+    reference = np_log_softmax(logits)
+    prompt_ids = pipeline.tokenizer.encode([prompt])[0]
+    completion = np.argmax(logits, axis=-1).tolist()[len(prompt_ids) :]
+    eos = pipeline.config.eos_token_id
+    completion = completion[: completion.index(eos)] if eos in completion else completion
+    ids = prompt_ids + completion
+    lp, choice = result.choices[0].logprobs, result.choices[0]
+    assert choice.text.startswith(prompt)
+    assert lp.tokens == [pipeline.tokenizer.decode([i]) for i in ids]
+    np.testing.assert_allclose(lp.token_logprobs, reference[np.arange(len(ids)), ids], atol=1e-3, rtol=0)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    for position, alternatives in enumerate(lp.top_logprobs):
+        assert sorted(alternatives.values(), reverse=True)[:2] == pytest.approx(np.sort(reference[position])[::-1][:2], abs=1e-3)
+    # without echo: the completion's tokens only, the same values
+    plain = complete(client, prompt=prompt, max_tokens=6, seed=3, steps=6, logprobs=2).choices[0].logprobs
+    assert plain.tokens == lp.tokens[len(prompt_ids) :]
+    np.testing.assert_allclose(plain.token_logprobs, lp.token_logprobs[len(prompt_ids) :], atol=1e-6, rtol=0)
 
 
 def test_sampled_completions_draw_from_the_nucleus_seeded(client, pipeline: LDLMPipeline) -> None:
