@@ -1839,6 +1839,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout-s", type=float, default=1800, help="per pytest run; a run past it counts as caught (default: 1800)")
     parser.add_argument("--list", action="store_true", help="print the mutations and exit")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for the rest of the suite (default: 2; 1: none)")
     parser.add_argument("--resume", action="store_true", help="keep the results already in --out and run only the others")
     args = parser.parse_args(argv)
 
@@ -1870,6 +1871,7 @@ def main(argv: list[str] | None = None) -> int:
             print(tail, file=sys.stderr)
             raise SystemExit("the named tests fail without any mutation; fix them first")
 
+    workers = ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []  # as scripts/test.sh runs the suite
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     results = []
     if args.resume and out.is_file():  # a long run stopped midway keeps what it found
@@ -1886,7 +1888,7 @@ def main(argv: list[str] | None = None) -> int:
             status, seconds, failing, tail = run_pytest(python, repo, list(m.tests), args.timeout_s)
             stage = "named tests"
             if status == "passed" and not args.quick:
-                rest = ["tests", f"--ignore={LIST_TEST}", *(f"--ignore={t}" for t in m.tests)]
+                rest = ["tests", f"--ignore={LIST_TEST}", *(f"--ignore={t}" for t in m.tests), *workers]
                 status, more, failing, tail = run_pytest(python, repo, rest, args.timeout_s)
                 seconds += more
                 stage = "rest of the suite"
