@@ -131,7 +131,6 @@ FRESH_PROCESS = "LDLM_TEST_IN_A_FRESH_PROCESS"
 def test_a_ctrl_c_in_tensorrts_logger_cancels_the_build_and_is_delivered_once(
     cli: bool,
     request: pytest.FixtureRequest,
-    export_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
@@ -142,10 +141,13 @@ def test_a_ctrl_c_in_tensorrts_logger_cancels_the_build_and_is_delivered_once(
     without the CLI's handler, in a process of its own: after other TensorRT-RTX builds in the same
     process, the Ctrl-C raised in log() does not reach build_engines there."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX builds engines without a GPU; it is not installed")
-    if not cli and not os.environ.get(FRESH_PROCESS):
+    parents_export = os.environ.get(FRESH_PROCESS)  # set in the fresh process: this export, not one of its own
+    export_dir = Path(parents_export) if parents_export else request.getfixturevalue("export_dir")
+    if not cli and not parents_export:
         test_id = f"{Path(__file__).relative_to(REPO).as_posix()}::{request.node.name}"
         child = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id]
-        done = subprocess.run(child, cwd=REPO, env={**os.environ, FRESH_PROCESS: "1"}, capture_output=True, text=True, timeout=900)
+        env = {**os.environ, FRESH_PROCESS: str(export_dir)}
+        done = subprocess.run(child, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0 and "1 passed" in done.stdout, (done.stdout + done.stderr)[-4000:]
         return
     from ldlm.export import engine

@@ -207,10 +207,10 @@ def test_a_default_without_its_grid_is_refused() -> None:
         bad.check()
 
 
-def test_the_tuned_grid_travels_with_the_export_and_runs_on_onnx_runtime(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_the_tuned_grid_travels_with_the_export_and_runs_on_onnx_runtime(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path) -> None:
     """The denoiser takes t as an input: tuning changes no graph (the export's ONNX files are byte for byte those
-    of an export before tuning), the export carries schedules.json bound to the weights, and ONNX Runtime with it
-    gives the eager tuned tokens."""
+    of the same checkpoint's export before tuning, ``export_dir``), the export carries schedules.json bound to the
+    weights, and ONNX Runtime with it gives the eager tuned tokens."""
     import shutil
 
     from ldlm.export.artifact import ArtifactError, read_manifest, read_schedules
@@ -219,14 +219,14 @@ def test_the_tuned_grid_travels_with_the_export_and_runs_on_onnx_runtime(tiny_ch
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
-    before = export_graphs(ckpt, tmp_path / "before").manifest
+    before = read_manifest(export_dir)
     weights = weights_sha256(ckpt / "model.safetensors")
     TunedSchedules(weights, CONFIG.t_min, (TunedGrid("ddim", 3, (1.0, 0.6, 0.2, 0.05)),), {"ddim": 3}).save(ckpt / "schedules.json")
-    after = export_graphs(ckpt, tmp_path / "after").manifest
+    after = export_graphs(ckpt, tmp_path / "after", with_logits=True).manifest  # as export_dir was
     assert {g: e["files"] for g, e in after["graphs"].items()} == {g: e["files"] for g, e in before["graphs"].items()}
     assert after["checkpoint_weights_sha256"] == weights and read_manifest(tmp_path / "after")["schedules"]["file"] == "schedules.json"
     tuned = read_schedules(tmp_path / "after")
-    assert tuned is not None and tuned.defaults == {"ddim": 3} and read_schedules(tmp_path / "before") is None
+    assert tuned is not None and tuned.defaults == {"ddim": 3} and read_schedules(export_dir) is None
     graphs, config, tokenizer = open_graphs("ort", tmp_path / "after")
     on_ort = LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config, schedules=tuned).generate(2, 8, seed=4, sampler="ddim")
     eager = LDLMPipeline.from_checkpoint(ckpt)
