@@ -235,12 +235,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=32, help="throughput: tokens per request (default 32)")
     parser.add_argument("--steps", type=int, default=50, help="throughput: steps per request (default 50)")
     parser.add_argument("--rounds", type=int, default=5, help="throughput rounds (default 5; 0 skips them)")
+    parser.add_argument("--threads", type=int, default=0, help="the server's --threads without --url (default 0: its own default)")
     parser.add_argument("--out", default="runs/preview_cost.json")
     args = parser.parse_args()
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error(f"--url {args.url} is not on loopback; this script sends traffic to 127.0.0.1 only")
     at_least_one = ("every", "lone_length", "lone_repeats", "streams", "concurrent_rounds", "clients", "requests", "length", "steps")
-    for name, low in {**dict.fromkeys(at_least_one, 1), "lone_steps": 0, "concurrent_steps": 0, "rounds": 0}.items():
+    for name, low in {**dict.fromkeys(at_least_one, 1), "lone_steps": 0, "concurrent_steps": 0, "rounds": 0, "threads": 0}.items():
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}")
     return args
@@ -253,7 +254,8 @@ def main() -> None:
         if url is None:
             source = args.source or str(tiny_export(Path(work)))
             port = free_port()
-            process = start_server(source, port, ["--preview-budget", str(args.budget)])
+            threads = ["--threads", str(args.threads)] if args.threads else []
+            process = start_server(source, port, ["--preview-budget", str(args.budget), *threads])
             url = f"http://127.0.0.1:{port}"
         try:
             report = measure(url, args)
