@@ -30,8 +30,12 @@ class TokenDecoder(nn.Module):
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size)
 
-    def forward(self, h: Tensor, mask: Tensor | None = None) -> Tensor:
+    def hidden(self, h: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The blocks and the final LayerNorm: the features (B, L, D) the vocabulary head reads."""
         bias = attention_bias(mask, h.dtype)  # bidirectional: padding only
         for block in self.blocks:
             h = block(h, bias)
-        return self.head(self.norm(h))
+        return self.norm(h)
+
+    def forward(self, h: Tensor, mask: Tensor | None = None) -> Tensor:
+        return self.head(self.hidden(h, mask))

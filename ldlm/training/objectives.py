@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ldlm.layers import attention_bias
 from ldlm.model import LDLM
 from ldlm.schedule import TangentSchedule, forward_noise
 
@@ -133,11 +132,7 @@ class VocabularyHead(nn.Module):
 
     def logits(self, model: LDLM, h: Tensor, mask: Tensor) -> Tensor:
         """Logits (real positions, V') of the real positions only: the head never runs on padding."""
-        decoder = model.token_decoder
-        bias = attention_bias(mask, h.dtype)
-        for block in decoder.blocks:
-            h = block(h, bias)
-        return F.linear(decoder.norm(h)[mask.bool()], self.weight, self.bias)
+        return F.linear(model.token_decoder.hidden(h, mask)[mask.bool()], self.weight, self.bias)
 
     @torch.no_grad()
     def seal(self, model: LDLM) -> None:
