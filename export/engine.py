@@ -1,9 +1,16 @@
 """Build stage: verified ONNX -> TensorRT plans, one per graph, each with a manifest beside it.
 
-For each graph: lower to the requested precision (export/precision.py), parse with NVIDIA's ONNX
-parser from the file path (so external data is found), check the parsed network's LayerNorms
+For each graph: lower to the requested precision, parse with NVIDIA's ONNX parser from the file
+path (so external data is found), check the parsed network's LayerNorms
 (export/layernorm_network.py), add the optimization profiles, build, and write
 ``<graph>.plan`` + ``<graph>.plan.json``. Works with TensorRT and TensorRT-RTX alike.
+
+Lowering: fp16 and bf16 by the cast pass (export/precision.py); int8 and fp8 by a calibrated
+explicit Q/DQ graph (export/qdq.py). The Q/DQ graph is made here, at build time, from the export
+and the checkpoint it was made from (``BuildOptions.calibration_checkpoint``): calibration needs the
+eager pipeline (export/calibration.py), the export stays one precision-neutral set of fp32 graphs
+that every build starts from, and the Q/DQ file the plan was built from lands beside the plan
+(``<graph>.<precision>.onnx``), its calibration recorded in the plan's manifest.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -26,6 +33,7 @@ from ldlm.export.artifact import MANIFEST_SUFFIX, PLAN_SUFFIX, check_artifacts, 
 from ldlm.export.layernorm_network import check_network_layer_norms, parse_onnx_network
 from ldlm.export.precision import PRECISIONS, lower_precision
 from ldlm.export.profiles import EngineProfile, default_profiles, profile_shapes
+from ldlm.export.qdq import QDQ_PRECISIONS, qdq_refusal
 from ldlm.export.trt_flavor import (
     EngineBuildError,
     Flavor,
@@ -40,6 +48,11 @@ from ldlm.files import atomic_directory, refuse_existing, write_atomically
 from ldlm.interrupts import deferred_interrupts, interrupted, raise_if_interrupted
 from ldlm.tokenizer import TOKENIZER_FILE
 
+if TYPE_CHECKING:
+    from ldlm.export.calibration import CalibrationSettings
+
+BUILD_PRECISIONS: tuple[str, ...] = (*PRECISIONS, *QDQ_PRECISIONS)
+
 
 @dataclass(frozen=True)
 class BuildOptions:
@@ -49,10 +62,20 @@ class BuildOptions:
     optimization_level: int = 3
     workspace_mb: int | None = None
     timing_cache: str | None = None  # TensorRT only; TensorRT-RTX's timing cache is a no-op
+    calibration_checkpoint: str | None = None  # int8, fp8: the checkpoint the export was made from
+    calibration: CalibrationSettings | None = None  # int8, fp8: None is CalibrationSettings()
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is unsupported; allowed: {', '.join(PRECISIONS)}")
+        if self.precision not in BUILD_PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is unsupported; allowed: {', '.join(BUILD_PRECISIONS)}")
+        quantized = self.precision in QDQ_PRECISIONS
+        if quantized and self.calibration_checkpoint is None:
+            raise ValueError(
+                f"precision={self.precision!r} needs calibration_checkpoint (--calibration-checkpoint): the checkpoint the export "
+                "was made from, whose eager pipeline makes the calibration inputs"
+            )
+        if not quantized and (self.calibration_checkpoint is not None or self.calibration is not None):
+            raise ValueError(f"calibration settings apply only to precision {' or '.join(QDQ_PRECISIONS)}; precision={self.precision!r}")
         if not 0 <= self.optimization_level <= 5:
             raise ValueError(f"optimization_level={self.optimization_level} is out of range; allowed: 0..5")
         if self.workspace_mb is not None and self.workspace_mb < 1:
@@ -90,6 +113,12 @@ def build_engines(
     for profile in profiles:
         profile.check(config.max_seq_len)
     chosen = load_flavor(flavor)
+    pipeline = None
+    if options.precision in QDQ_PRECISIONS and options.calibration_checkpoint is not None:
+        # ONNX Runtime's quantization tools (the cpu extra), imported when a Q/DQ build is asked for
+        from ldlm.export.calibration import calibration_pipeline
+
+        pipeline = calibration_pipeline(options.calibration_checkpoint, manifest)  # refused before any file is written
     result = EngineBuildResult(Path(out))
     with atomic_directory(out, overwrite) as tmp:
         shutil.copy(onnx_dir / CONFIG_FILE, tmp / CONFIG_FILE)
@@ -101,12 +130,19 @@ def build_engines(
             specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
             source = onnx_dir / entry["file"]
             verify_all([verify_onnx(source, specs, name)])
-            parsed = source
-            if options.precision != "fp32":
+            parsed, quantization = source, None
+            if pipeline is not None:
+                from ldlm.export.qdq import calibrated_qdq
+
+                parsed = tmp / f"{name}.{options.precision}.onnx"
+                quantization = calibrated_qdq(source, parsed, name, specs, options.precision, pipeline, options.calibration)
+            elif options.precision != "fp32":
                 parsed = tmp / f"{name}.{options.precision}.onnx"
                 lower_precision(source, parsed, options.precision)
                 verify_all([verify_onnx(parsed, specs, f"{name} ({options.precision})")])
-            plan_manifest = build_plan(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
+            plan_manifest = _build_plan_of(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
+            if quantization is not None:
+                plan_manifest["quantization"] = quantization
             plan_manifest["graph"] = name
             plan_manifest["source_onnx"] = {"file": str(source), "sha256": entry["files"][entry["file"]]["sha256"]}
             # the copies beside the plans are checked against these (artifact.check_engine_dir)
@@ -116,6 +152,25 @@ def build_engines(
             (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(plan_manifest, indent=2) + "\n")
             result.plans[name] = plan_manifest
     return result
+
+
+def _build_plan_of(
+    flavor: Flavor,
+    onnx_path: Path,
+    plan_path: Path,
+    entry: dict[str, Any],
+    specs: Sequence[LayerNormSpec],
+    profiles: Sequence[EngineProfile],
+    options: BuildOptions,
+    progress: bool,
+) -> dict[str, Any]:
+    """``build_plan``; a Q/DQ graph the flavour refuses is reported as what it is."""
+    try:
+        return build_plan(flavor, onnx_path, plan_path, entry, specs, profiles, options, progress)
+    except EngineBuildError as error:
+        if options.precision not in QDQ_PRECISIONS:
+            raise
+        raise EngineBuildError(qdq_refusal(flavor, options.precision, error)) from error
 
 
 def build_plan(

@@ -54,8 +54,15 @@ def _cmd_build_engine(args: argparse.Namespace) -> None:
     from ldlm.export.engine import BuildOptions, build_engines, plan_summary
     from ldlm.export.profiles import EngineProfile
 
+    calibration = None
+    if args.precision in ("int8", "fp8"):
+        from ldlm.export.calibration import CalibrationSettings
+
+        calibration = CalibrationSettings(args.calibration_samples, args.calibration_length, args.calibration_seed)
     options = BuildOptions(
         precision=args.precision,
+        calibration_checkpoint=args.calibration_checkpoint,
+        calibration=calibration,
         profiles=tuple(EngineProfile.parse(p) for p in args.profile or ()),
         tf32=args.tf32,
         optimization_level=args.optimization_level,
@@ -164,14 +171,21 @@ def _add_build_engine(sub: argparse._SubParsersAction) -> None:
         help="compile an export to TensorRT plans",
         description="Build one TensorRT plan per graph of an `ldlm export` directory, with NVIDIA TensorRT or "
         "TensorRT-RTX (which also builds without a GPU). fp16/bf16 first write a strongly typed ONNX "
-        "variant that keeps LayerNorm, RMSNorm reductions, softmax and logits in FP32. After parsing, every "
+        "variant that keeps LayerNorm, RMSNorm reductions, softmax and logits in FP32; int8/fp8 first write a calibrated "
+        "explicit Q/DQ ONNX of the MatMul inputs (norms, softmax, time embedding and vocabulary head stay float). After parsing, every "
         "LayerNormalization must be one INormalizationLayer with the module's eps and axes, or the build "
         "fails. Each plan gets a .plan.json manifest; loading a plan elsewhere checks it.",
     )
     p.add_argument("onnx_dir", help="directory written by `ldlm export`")
     p.add_argument("out", help="output directory to create")
     p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="default: the first installed of tensorrt, tensorrt_rtx")
-    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32", help="default: fp32 (TF32 off)")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "bf16", "int8", "fp8"],
+        default="fp32",
+        help="default: fp32 (TF32 off); int8, fp8 (E4M3): a calibrated explicit Q/DQ graph of the MatMuls (needs --calibration-checkpoint)",
+    )
+    _add_calibration_options(p)
     p.add_argument(
         "--profile",
         action="append",
@@ -190,6 +204,18 @@ def _add_build_engine(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_build_engine)
+
+
+def _add_calibration_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "calibration (--precision int8 or fp8)",
+        "The Q/DQ graph's scales come from the eager pipeline's own inputs: the denoiser's along the default sampler's "
+        "trajectory at the default grid's times, the encoder's and decoder's from fixed English sentences.",
+    )
+    group.add_argument("--calibration-checkpoint", metavar="CKPT", help="the checkpoint the export was made from (required for int8, fp8)")
+    group.add_argument("--calibration-samples", type=int_in(1, 256), default=8, help="sampler trajectories, 1..256 (default: 8)")
+    group.add_argument("--calibration-length", type=int_in(1, 1 << 20), default=16, help="positions per trajectory (default: 16)")
+    group.add_argument("--calibration-seed", type=int_in(0, (1 << 63) - 1), default=0, help="seed of the trajectories (default: 0)")
 
 
 def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
