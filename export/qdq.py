@@ -28,6 +28,12 @@ What stays outside every Q/DQ pair, and why:
   (``token_decoder.head``), the float modules of export/quantize.py (``FLOAT_MODULES``): the time
   embedding is one row per sample, so quantizing it saves nothing while its error shifts every
   position at every step; the head's argmax margins between tokens are small.
+
+Measured on tiny (random norms; ONNX Runtime CPU against the fp32 graph, per-sample cosine, the denoiser
+on a held-out 8 x 16 trajectory of all 21 steps): int8 denoiser >= 0.99996 (max abs 0.04), fp8 >= 0.9993
+(max abs 0.20); decoder logits int8 >= 0.9993, fp8 >= 0.989 (argmax tokens 93% and 80% of fp32's: random weights, small margins). Calibration inputs take 2-6 s (the eager
+denoiser trajectory; 2 loaded cores), quantization 0.2-1.5 s per graph. TensorRT-RTX 1.7 parses and
+AOT-builds both the int8 and the fp8 graphs of all three graphs without a GPU (0.7-1.8 s each).
 """
 
 from __future__ import annotations

@@ -158,3 +158,22 @@ def test_bad_input_is_refused_naming_the_value_and_the_allowed_range(export_dir:
     assert not (tmp_path / "x.onnx").exists()
     fp32 = onnx.load(str(export_dir / "decoder.onnx"), load_external_data=False).graph
     assert check_precision_claim(fp32, "fp8") == ["the manifest says fp8, but the graph has no QuantizeLinear: not a float 8 Q/DQ graph"]
+
+
+def test_a_per_channel_zero_point_with_one_nonzero_channel_is_refused() -> None:
+    def dequantize(zero_points: list[int], data_type: int = TensorProto.INT8) -> onnx.GraphProto:
+        node = helper.make_node("DequantizeLinear", ["w", "s", "zp"], ["y"], name="dq_w", axis=0)
+        inits = [
+            helper.make_tensor("w", data_type, [3, 2], [1] * 6),
+            helper.make_tensor("s", TensorProto.FLOAT, [3], [0.1] * 3),
+            helper.make_tensor("zp", data_type, [3], zero_points),
+        ]
+        return helper.make_graph([node], "dq", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])], inits)
+
+    assert check_precision_claim(dequantize([0, 0, 0]), "int8") == []
+    assert check_precision_claim(dequantize([0, 3, 0]), "int8") == [
+        "DequantizeLinear 'dq_w': nonzero zero point; TensorRT supports only symmetric quantization (zero point 0)"
+    ]
+    assert check_precision_claim(dequantize([0, 0, 0], TensorProto.UINT8), "int8") == [
+        "DequantizeLinear 'dq_w': zero point type UINT8; a int8 graph needs INT8"
+    ]
