@@ -1608,6 +1608,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/serve/api/routes/test_openai.py",),
         "echo + logprobs leaves the prompt's tokens out of logprobs",
     ),
+    Mutation(
+        "qdq-asymmetric-zero-point-passes",
+        "ldlm.export.verify_quantized:check_qdq_zero_points",
+        "elif numpy_helper.to_array(zero_point).astype(np.float32).any():",
+        "elif numpy_helper.to_array(zero_point).astype(np.float32).all():",
+        ("tests/export/test_qdq.py",),
+        "a Q/DQ graph with a nonzero zero point in one channel goes to TensorRT, which supports only symmetric ones",
+    ),
+    Mutation(
+        "qdq-quantizes-the-float-modules",
+        "ldlm.export.qdq:write_qdq",
+        "nodes_to_exclude=keep,",
+        "nodes_to_exclude=[],",
+        ("tests/export/test_qdq.py",),
+        "the time embedding and the vocabulary head get Q/DQ",
+    ),
+    Mutation(
+        "calibration-records-x0-prev-as-x-t",
+        "ldlm.export.calibration:denoiser_feeds",
+        '"x_t": _array(x_t, np.float32),',
+        '"x_t": _array(x0_prev, np.float32),',
+        ("tests/export/test_calibration.py",),
+        "the denoiser is calibrated on the wrong activations",
+    ),
 )
 
 
