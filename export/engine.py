@@ -132,7 +132,7 @@ def build_engines(
             verify_all([verify_onnx(source, specs, name)])
             parsed, quantization = source, None
             if pipeline is not None:
-                from ldlm.export.qdq import calibrated_qdq
+                from ldlm.export.qdq import calibrated_qdq  # ONNX Runtime's quantizer (the cpu extra), for Q/DQ builds only
 
                 parsed = tmp / f"{name}.{options.precision}.onnx"
                 quantization = calibrated_qdq(source, parsed, name, specs, options.precision, pipeline, options.calibration)

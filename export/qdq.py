@@ -149,7 +149,7 @@ def calibrated_qdq(
 ) -> dict[str, Any]:
     """The Q/DQ graph of the fp32 graph ``name`` at ``src``, calibrated on ``pipeline``'s inputs (export/calibration.py)
     and verified (raises ``VerificationError`` naming every problem); returns what a plan's manifest records of it."""
-    from ldlm.export.calibration import CalibrationSettings, calibration_reader
+    from ldlm.export.calibration import CalibrationSettings, calibration_reader  # needs torch and ONNX Runtime: imported when calibrating
 
     settings = settings or CalibrationSettings()
     start = time.perf_counter()

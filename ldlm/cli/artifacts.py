@@ -56,7 +56,7 @@ def _cmd_build_engine(args: argparse.Namespace) -> None:
 
     calibration = None
     if args.precision in ("int8", "fp8"):
-        from ldlm.export.calibration import CalibrationSettings
+        from ldlm.export.calibration import CalibrationSettings  # ONNX Runtime and torch: only for an int8/fp8 build
 
         calibration = CalibrationSettings(args.calibration_samples, args.calibration_length, args.calibration_seed)
     options = BuildOptions(
