@@ -140,7 +140,12 @@ def build_engines(
                 parsed = tmp / f"{name}.{options.precision}.onnx"
                 lower_precision(source, parsed, options.precision)
                 verify_all([verify_onnx(parsed, specs, f"{name} ({options.precision})")])
-            plan_manifest = _build_plan_of(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
+            try:
+                plan_manifest = build_plan(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
+            except EngineBuildError as error:  # a Q/DQ graph the flavour refuses is reported as what it is
+                if quantization is None:
+                    raise
+                raise EngineBuildError(qdq_refusal(chosen, options.precision, error)) from error
             if quantization is not None:
                 plan_manifest["quantization"] = quantization
             plan_manifest["graph"] = name
@@ -152,25 +157,6 @@ def build_engines(
             (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(plan_manifest, indent=2) + "\n")
             result.plans[name] = plan_manifest
     return result
-
-
-def _build_plan_of(
-    flavor: Flavor,
-    onnx_path: Path,
-    plan_path: Path,
-    entry: dict[str, Any],
-    specs: Sequence[LayerNormSpec],
-    profiles: Sequence[EngineProfile],
-    options: BuildOptions,
-    progress: bool,
-) -> dict[str, Any]:
-    """``build_plan``; a Q/DQ graph the flavour refuses is reported as what it is."""
-    try:
-        return build_plan(flavor, onnx_path, plan_path, entry, specs, profiles, options, progress)
-    except EngineBuildError as error:
-        if options.precision not in QDQ_PRECISIONS:
-            raise
-        raise EngineBuildError(qdq_refusal(flavor, options.precision, error)) from error
 
 
 def build_plan(

@@ -30,7 +30,7 @@ import onnx
 from onnx import numpy_helper
 from torch import nn
 
-from ldlm.export.verify_quantized import LAYER_NORM_OP, check_precision_claim, check_quantized_layer_norms
+from ldlm.export.verify_quantized import LAYER_NORM_OP, check_precision_claim, check_quantized_layer_norms, graph_links
 
 ONNX_DEFAULT_EPS = 1e-5
 ONNX_DEFAULT_AXIS = -1
@@ -260,11 +260,7 @@ def find_decomposed_layer_norms(graph: onnx.GraphProto) -> list[str]:
 
     RMSNorm (Pow -> ReduceMean -> Add -> Sqrt, no centering) does not match.
     """
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = graph_links(graph)
     problems = []
     for node in graph.node:
         if node.op_type != "Sub" or len(node.input) != 2:

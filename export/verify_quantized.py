@@ -61,14 +61,20 @@ def check_quantized_layer_norms(model: onnx.ModelProto) -> list[str]:
     return problems + check_quantized_rms_norms(graph)
 
 
-def check_quantized_rms_norms(graph: onnx.GraphProto) -> list[str]:
-    """No input of an RMSNorm's ops (Pow, ReduceMean, Add, Sqrt, Div, the scale's Mul) comes from a Q/DQ node:
-    the norm's statistics and its division must see the float residual stream, as LayerNorms must."""
+def graph_links(graph: onnx.GraphProto) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
+    """Each tensor's producing node, and the nodes that read it."""
     producer = {out: node for node in graph.node for out in node.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
+    return producer, consumers
+
+
+def check_quantized_rms_norms(graph: onnx.GraphProto) -> list[str]:
+    """No input of an RMSNorm's ops (Pow, ReduceMean, Add, Sqrt, Div, the scale's Mul) comes from a Q/DQ node:
+    the norm's statistics and its division must see the float residual stream, as LayerNorms must."""
+    producer, consumers = graph_links(graph)
     problems = []
     for mean in graph.node:
         square = producer.get(mean.input[0]) if mean.op_type == "ReduceMean" and mean.input else None

@@ -138,7 +138,7 @@ class InterruptingMessages(collections.deque):
 )
 def test_a_ctrl_c_in_tensorrts_logger_cancels_the_build_and_is_delivered_once(
     cli: bool,
-    request: pytest.FixtureRequest,
+    export_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
@@ -148,7 +148,6 @@ def test_a_ctrl_c_in_tensorrts_logger_cancels_the_build_and_is_delivered_once(
     cancels the build, and build_engines raises it, once: the next build runs. The same from Python
     without the CLI's handler."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX builds engines without a GPU; it is not installed")
-    export_dir = request.getfixturevalue("export_dir")
     from ldlm.export import engine
     from ldlm.export.trt_flavor import flavor_logger, load_flavor
 
