@@ -42,6 +42,7 @@ from ldlm.training.evaluation import text_statistics, unigram_entropy_bits, word
 
 def model_card(log: dict[str, Any], corpus: Corpus, plan: TrainingPlan, model: LDLM, minutes: float) -> str:
     rec, first = log["reconstruction_held_out"], log["reconstruction_held_out_first_stage"]
+    quarters = " / ".join(f"{q:.4f}" for q in log[f"reconstruction_held_out_quarters_{plan.max_length}"])
     den = log["denoiser_held_out"]
     trained, random = log["generated_text"], log["generated_text_random_weights"]
     examples = "\n".join(f"    {text[:160]!r}" for text in trained["examples"])
@@ -58,9 +59,10 @@ Melville's words, with word pieces, names and punctuation between them, and no s
   {len(corpus.held_out):,} held out (the last 5% of every novel), {len(corpus.vocabulary):,} distinct token ids.
   The other GPT-2 ids never occur; their logits are fixed at -30 (weight 0), so they are never decoded.
 - Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes of training on {torch.get_num_threads()} CPU threads:
-  - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens at lengths {plan.min_length}..{plan.max_length} (log-uniform) with padding,
-    token cross-entropy + {plan.feature_weight} x feature MSE, latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps
-    at {plan.max_length} tokens (lr {plan.long_lr:g}): after the first part alone, held-out accuracy at 128 tokens was {first["128"]:.3f};
+  - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens, {plan.full_length_fraction:.0%} of them at {plan.max_length} tokens and
+    the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), with padding; token cross-entropy + {plan.feature_weight} x feature MSE,
+    latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps at {plan.max_length} tokens (lr {plan.long_lr:g}): after the
+    first part alone, held-out accuracy at {plan.max_length} tokens was {first[str(plan.max_length)]:.3f};
   - denoiser: {plan.denoiser_steps} steps of {plan.tokens_per_batch} tokens on the frozen encoder's latents
     (lengths 16/32/64/128), x0-prediction MSE, self-conditioning on {plan.self_condition:.0%} of the batches.
 
@@ -69,6 +71,7 @@ Melville's words, with word pieces, names and punctuation between them, and no s
 | measure | value |
 |---|---|
 | reconstruction token accuracy, L16 / 32 / 64 / 128 | {rec["16"]:.4f} / {rec["32"]:.4f} / {rec["64"]:.4f} / {rec["128"]:.4f} |
+| the same at {plan.max_length} tokens, by quarter of the positions | {quarters} |
 | denoiser MSE (standardized latents, 16 t in (0, 1), self-conditioned) | {den["denoiser_mse"]:.4f} |
 | MSE of predicting the latent mean | {den["mean_prediction_mse"]:.4f} |
 | generated words found in the corpus (default sampler, {trained["samples"]} x {trained["length"]} tokens) | {trained["words_in_corpus_vocabulary"]:.3f} (random weights: {random["words_in_corpus_vocabulary"]:.3f}) |
@@ -95,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--autoencoder-steps", type=int, default=TrainingPlan.autoencoder_steps)
+    parser.add_argument(
+        "--long-steps", type=int, default=TrainingPlan.long_steps, help="full-length autoencoder steps (default: %(default)s)"
+    )
     parser.add_argument("--denoiser-steps", type=int, default=TrainingPlan.denoiser_steps)
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core, %(default)s)")
@@ -109,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads {args.threads} is out of range: 1 or more")
     refuse_existing(args.out, args.force)
     plan = TrainingPlan(
-        seed=args.seed, autoencoder_steps=args.autoencoder_steps, denoiser_steps=args.denoiser_steps, tokens_per_batch=args.tokens_per_batch
+        seed=args.seed,
+        autoencoder_steps=args.autoencoder_steps,
+        long_steps=args.long_steps,
+        denoiser_steps=args.denoiser_steps,
+        tokens_per_batch=args.tokens_per_batch,
     )
     try:
         plan.check()

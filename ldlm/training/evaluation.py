@@ -20,11 +20,13 @@ WORD = re.compile(r"[A-Za-z]+")
 
 
 @torch.no_grad()
-def reconstruction_accuracy(model: LDLM, ids: np.ndarray, length: int, count: int = 64, seed: int = 0) -> float:
-    """Token accuracy of encode -> decode (argmax over the whole vocabulary) on windows of ``ids``."""
+def reconstruction_accuracy(model: LDLM, ids: np.ndarray, length: int, count: int = 64, seed: int = 0, parts: int = 1) -> list[float]:
+    """Token accuracy of encode -> decode (argmax over the whole vocabulary) on windows of ``ids``,
+    for each of ``parts`` equal spans of positions (one: the whole window)."""
     rng = np.random.default_rng([seed, length])
     input_ids = windows(ids, rng.integers(0, len(ids) - length, count), length)
-    return (model.decode_tokens(model.encode_latents(input_ids)) == input_ids).float().mean().item()
+    correct = (model.decode_tokens(model.encode_latents(input_ids)) == input_ids).float()
+    return [span.mean().item() for span in correct.chunk(parts, dim=1)]
 
 
 @torch.no_grad()

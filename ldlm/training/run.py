@@ -205,11 +205,11 @@ class Run:
         log = self.progress.log
         if stage.startswith("autoencoder"):
             self.head.seal(self.model)
-            log["reconstruction_held_out" if stage == "autoencoder_long" else "reconstruction_held_out_first_stage"] = {
-                str(n): reconstruction_accuracy(self.model, self.corpus.held_out, n)
-                for n in RECONSTRUCTION_LENGTHS
-                if n <= self.plan.max_length
-            }
+            name = "reconstruction_held_out" if stage == "autoencoder_long" else "reconstruction_held_out_first_stage"
+            lengths = [n for n in RECONSTRUCTION_LENGTHS if n <= self.plan.max_length]
+            log[name] = {str(n): reconstruction_accuracy(self.model, self.corpus.held_out, n)[0] for n in lengths}
+            # by quarter of the positions at the longest length: the last positions learn last
+            log[f"{name}_quarters_{lengths[-1]}"] = reconstruction_accuracy(self.model, self.corpus.held_out, lengths[-1], parts=4)
         elif stage == "denoiser":
             log["denoiser_held_out"] = denoiser_evaluation(self.model, self.schedule, self.corpus.held_out, min(64, self.plan.max_length))
 

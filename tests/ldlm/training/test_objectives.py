@@ -59,6 +59,15 @@ def test_text_batches_are_corpus_windows_with_padding_after_them(micro_corpus: C
     assert bool(mask.all())
 
 
+@pytest.mark.parametrize(("fraction", "low", "high"), [(0.0, 0, 2), (0.5, 25, 55), (1.0, 80, 80)])
+def test_a_share_of_batches_is_full_length_so_the_last_positions_are_trained(
+    micro_corpus: Corpus, fraction: float, low: int, high: int
+) -> None:
+    plan = dataclasses.replace(MICRO_PLAN, full_length_fraction=fraction)
+    full = sum(text_batch(micro_corpus.train, plan, draw(0, "autoencoder", step)[0])[0].shape[1] == plan.max_length for step in range(80))
+    assert low <= full <= high
+
+
 def test_vocabulary_head_is_the_full_head_at_the_corpus_ids_and_seals_the_rest(micro_model: LDLM, micro_corpus: Corpus) -> None:
     head = VocabularyHead(micro_corpus.vocabulary, micro_model)
     h = torch.randn(3, 10, micro_model.config.d_model)
@@ -116,6 +125,7 @@ def test_denoiser_loss_is_the_x0_mse_at_the_forward_process(micro_model: LDLM) -
         ("min_length", 0, "min_length=0, max_length=128 (allowed: 1 <= min_length <= max_length)"),
         ("tokens_per_batch", 64, "tokens_per_batch=64 (allowed: >= max_length 128)"),
         ("self_condition", 1.5, "self_condition=1.5 (allowed: 0..1)"),
+        ("full_length_fraction", -0.5, "full_length_fraction=-0.5 (allowed: 0..1)"),
         ("latent_noise", -0.1, "latent_noise=-0.1 (allowed: >= 0)"),
     ],
 )

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,14 +21,24 @@ from tests.ldlm.training.conftest import MICRO, MICRO_PLAN
 
 def test_the_autoencoder_learns_the_corpus(micro_corpus: Corpus, tmp_path: Path) -> None:
     model = init_model(MICRO, seed=0)
-    before = reconstruction_accuracy(model, micro_corpus.held_out, 16)
+    (before,) = reconstruction_accuracy(model, micro_corpus.held_out, 16)
     plan = dataclasses.replace(
-        MICRO_PLAN, autoencoder_steps=150, long_steps=0, denoiser_steps=0, latent_noise=0.0, autoencoder_lr=5e-3, warmup_steps=10
+        MICRO_PLAN,
+        autoencoder_steps=150,
+        long_steps=0,
+        denoiser_steps=0,
+        latent_noise=0.0,
+        autoencoder_lr=5e-3,
+        warmup_steps=10,
+        full_length_fraction=0.0,
     )
     log = train(model, micro_corpus, plan, tmp_path / "state", progress_bar=False)
     after = log["reconstruction_held_out"]["16"]
     assert before < 0.1 and after > 0.3, (before, after)  # chance is 1/40: the autoencoder is learning to copy
-    assert after == pytest.approx(reconstruction_accuracy(model, micro_corpus.held_out, 16))
+    assert [after] == pytest.approx(reconstruction_accuracy(model, micro_corpus.held_out, 16))
+    quarters = log["reconstruction_held_out_quarters_32"]  # four equal spans of positions: their mean is the whole
+    assert len(quarters) == 4 and np.mean(quarters) == pytest.approx(log["reconstruction_held_out"]["32"])
+    assert quarters == pytest.approx(reconstruction_accuracy(model, micro_corpus.held_out, 32, parts=4))
     assert set(log) >= {"autoencoder_history", "reconstruction_held_out_first_stage", "reconstruction_held_out", "denoiser_held_out"}
     assert json.loads((tmp_path / "state" / STATE_FILE).read_text())["stage"] == "done"
 
