@@ -33,9 +33,11 @@ from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.quantize import (
+    DEFAULT_MIN_COSINE,
     DEFAULT_QUANTIZED_GRAPHS,
     QUANTIZABLE_GRAPHS,
     QUANTIZE_CHOICES,
+    AccuracyFloor,
     quantize_int8,
     require_quantizer,
     variant_file,
@@ -44,8 +46,8 @@ from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, ve
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.interrupts import raise_if_interrupted
 from ldlm.model import LDLM
-from ldlm.sampling.schedules import SCHEDULES_FILE, load_schedules, weights_sha256
-from ldlm.tokenizer import TOKENIZER_FILE
+from ldlm.sampling.schedules import SCHEDULES_FILE, TunedSchedules, load_schedules, weights_sha256
+from ldlm.tokenizer import TOKENIZER_FILE, TextTokenizer
 
 SUPPORTED_OPSETS: tuple[int, ...] = (18, 20)  # 17 comes out as 18 from dynamo; 23 has Attention, unknown to TensorRT 10
 DEFAULT_OPSET = 18
@@ -127,6 +129,22 @@ def export_graph(io: GraphIO, path: Path, opset: int, max_seq_len: int, metadata
     program.save(str(path), external_data=True)
 
 
+def check_quantize(quantize: str | None, quantize_graphs: Sequence[str], min_cosine: float) -> None:
+    """Refuse quantization arguments out of range, before any work; a missing ONNX Runtime is named first."""
+    if not 0 <= min_cosine <= 1:
+        raise ValueError(f"min_cosine={min_cosine} is out of range; allowed: 0..1 (0: no accuracy floor)")
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize={quantize!r} is unknown; allowed: {', '.join(QUANTIZE_CHOICES)} (or none)")
+    bad = [g for g in quantize_graphs if g not in QUANTIZABLE_GRAPHS]
+    if bad or not quantize_graphs:
+        raise ValueError(
+            f"quantize_graphs={list(quantize_graphs)!r} is invalid; allowed: a non-empty subset of {', '.join(QUANTIZABLE_GRAPHS)}"
+        )
+    require_quantizer()
+
+
 def export_graphs(
     checkpoint: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -137,19 +155,14 @@ def export_graphs(
     progress: bool = False,
     quantize: str | None = None,
     quantize_graphs: Sequence[str] = DEFAULT_QUANTIZED_GRAPHS,
+    min_cosine: float = DEFAULT_MIN_COSINE,
 ) -> ExportResult:
     """Export and verify ``graphs`` of ``checkpoint`` into ``out``; nothing is left there on failure.
-    ``quantize="int8"`` adds an INT8 variant beside the fp32 file of each of ``quantize_graphs`` (export/quantize.py)."""
+    ``quantize="int8"`` adds an INT8 variant beside the fp32 file of each of ``quantize_graphs`` (export/quantize.py);
+    the denoiser's keeps a worst per-sample cosine of ``min_cosine`` against fp32 along the default sampler's
+    trajectory (0: no floor)."""
     check_opset(opset)
-    if quantize is not None and quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r} is unknown; allowed: {', '.join(QUANTIZE_CHOICES)} (or none)")
-    if quantize is not None:
-        bad = [g for g in quantize_graphs if g not in QUANTIZABLE_GRAPHS]
-        if bad or not quantize_graphs:
-            raise ValueError(
-                f"quantize_graphs={list(quantize_graphs)!r} is invalid; allowed: a non-empty subset of {', '.join(QUANTIZABLE_GRAPHS)}"
-            )
-        require_quantizer()  # before any work: a missing ONNX Runtime is named first
+    check_quantize(quantize, quantize_graphs, min_cosine)
     refuse_existing(out, overwrite, {"checkpoint": checkpoint})  # before the checkpoint loads
     unknown = [g for g in graphs if g not in GRAPH_NAMES]
     if unknown or not graphs:
@@ -187,7 +200,8 @@ def export_graphs(
                     bar.update()
                     if name in variants and quantize is not None:
                         bar.set_postfix_str(f"{name}: {quantize}")
-                        results.append(add_variant(tmp, name, entries[name], specs, quantize))
+                        floor = denoiser_floor(model, tokenizer, schedules, min_cosine) if name == "denoiser" and min_cosine > 0 else None
+                        results.append(add_variant(tmp, name, entries[name], specs, quantize, floor, progress))
                         bar.update()
             raise_if_interrupted()
             verify_all(results)  # raises before the rename: a failed export leaves nothing behind
@@ -204,16 +218,51 @@ def export_graphs(
     return ExportResult(Path(out), manifest, results)
 
 
-def add_variant(directory: Path, graph: str, entry: dict[str, Any], specs: list[LayerNormSpec], precision: str) -> VerifyResult:
+FLOOR_CALIBRATION = {"samples": 8, "length": 64}  # the floor's trajectories: the calibration's, at a serving length
+
+
+def denoiser_floor(model: LDLM, tokenizer: TextTokenizer, schedules: TunedSchedules | None, min_cosine: float) -> AccuracyFloor:
+    """The int8 denoiser's accuracy floor: its inputs at every step of the default sampler on its grid."""
+    # the calibration module imports ONNX Runtime's quantization tools (the cpu extra): only when a variant is made
+    from ldlm.export.calibration import CalibrationSettings, denoiser_feeds
+    from ldlm.pipeline import LDLMPipeline
+
+    settings = CalibrationSettings(FLOOR_CALIBRATION["samples"], min(FLOOR_CALIBRATION["length"], model.config.max_seq_len))
+    feeds, _ = denoiser_feeds(LDLMPipeline(model, tokenizer, schedules=schedules), settings)
+    return AccuracyFloor(feeds, min_cosine)
+
+
+def add_variant(
+    directory: Path,
+    graph: str,
+    entry: dict[str, Any],
+    specs: list[LayerNormSpec],
+    precision: str,
+    floor: AccuracyFloor | None = None,
+    progress: bool = False,
+) -> VerifyResult:
     """Quantize ``graph``'s fp32 file into its ``precision`` variant, verify it, and record it in ``entry``."""
     path = directory / variant_file(graph, precision)
-    report = quantize_int8(directory / entry["file"], path)
+    report = quantize_int8(directory / entry["file"], path, floor, progress)
     entry.setdefault("variants", {})[precision] = {
         "file": path.name,
         "files": {path.name: {"sha256": sha256_file(path), "bytes": path.stat().st_size}},
         "method": "onnxruntime.quantization.quantize_dynamic (MatMul/Gemm weights int8, MatMulConstBOnly)",
         "quantized_nodes": report.quantized,
         "kept_float_nodes": report.kept_float,
+        **(
+            {}
+            if floor is None
+            else {
+                "accuracy_floor": {
+                    "min_cosine": floor.min_cosine,
+                    "worst_cosine": report.worst_cosine,
+                    "kept_for_accuracy": report.kept_for_accuracy,
+                    "node_errors": report.node_errors,
+                    "feeds": f"{len(floor.feeds)} steps of the default sampler, {FLOOR_CALIBRATION['samples']} samples",
+                }
+            }
+        ),
     }
     return verify_onnx(path, specs, f"{graph}.{precision}", precision)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from ldlm.cli.options import int_in
+from ldlm.cli.options import float_in, int_in
 from ldlm.serve.api.setting_ranges import MAX_DELAY_MS
+
+MIN_COSINE_DEFAULT_TEXT = "0.9999"  # export/quantize.py's DEFAULT_MIN_COSINE (the parser imports no torch)
 
 OPSETS = (18, 20)  # ldlm.export.onnx_export.SUPPORTED_OPSETS, without importing torch to build the parser
 MAX_WORKSPACE_MB = 1 << 20  # 1 TiB, more than any GPU has
@@ -29,6 +31,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
         progress=not args.quiet,
         quantize=args.quantize,
         quantize_graphs=tuple(args.quantize_graphs.split(",")),
+        **({} if args.min_cosine is None else {"min_cosine": args.min_cosine}),
     )
     for verification in result.verification:
         print(verification.summary())
@@ -146,6 +149,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "--quantize-graphs",
         default="denoiser",
         help="with --quantize: denoiser (default) or denoiser,decoder (the int8 decoder costs tokens: its argmax margins are small)",
+    )
+    p.add_argument(
+        "--min-cosine",
+        type=float_in(0.0, 1.0),
+        help="with --quantize: the int8 denoiser's worst per-sample cosine against fp32 along the default sampler's trajectory; "
+        f"weight nodes whose quantization would break it stay float (default: {MIN_COSINE_DEFAULT_TEXT}; 0: quantize every weight node)",
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

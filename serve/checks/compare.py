@@ -108,7 +108,7 @@ def compare_outputs(
     rtol_failing = diff[rel > rtol]
     finite_diff = diff[finite] if finite.any() else np.array([np.inf])
     finite_rel = rel[finite] if finite.any() else np.array([np.inf])
-    cos = _cosines(ref, cand)
+    cos = sample_cosines(ref, cand)
     return Comparison(
         name=name,
         passed=bool(not failing.any() and cos.min() >= cosine_at_least),
@@ -134,7 +134,7 @@ def compare_outputs(
     )
 
 
-def _cosines(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+def sample_cosines(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
     """Cosine similarity per sample (first axis); NaN (non-finite input) counts as -1."""
     a = ref.reshape(ref.shape[0], -1) if ref.ndim > 1 else ref.reshape(1, -1)
     b = cand.reshape(a.shape)

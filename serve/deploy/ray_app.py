@@ -18,6 +18,7 @@ See docs/scale-out.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import threading
 import typing
@@ -33,6 +34,18 @@ from ldlm.serve.api.service import LDLMService, ServerSettings
 DEPLOYMENT_NAME = "ldlm"
 APP_NAME = "ldlm"
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
+# Ray Serve gives a starting HTTP proxy 5 s to answer its ready check, then kills it (ActorDiedError:
+# "killed by ray.kill", "never ran"). A fresh proxy process imports Serve, uvicorn and FastAPI first,
+# which took longer than that on two busy cores. Processes of a cluster that ray.init starts inherit
+# these; a cluster joined by address keeps its own settings.
+PATIENT_PROXY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
+def patient_proxy() -> None:
+    """Give Ray Serve's proxy time to start on a loaded machine (PATIENT_PROXY_ENV), unless the
+    environment already says otherwise. Call before ``ray.init``."""
+    for name, value in PATIENT_PROXY_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,7 @@ def run_on_ray(source: str, settings: ServerSettings, options: RayOptions, addre
     Serve and Ray too if this call started them)."""
     import ray  # optional (the [ray] extra): only `ldlm serve --ray` needs it
 
+    patient_proxy()
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
     # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process, so ours
     # must come later, and before the deploy, so that a signal during start-up still ends cleanly.

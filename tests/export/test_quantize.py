@@ -165,13 +165,15 @@ def test_int8_where_there_is_no_int8_path_is_refused(export_dir: Path, tiny_chec
         export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int4")
     with pytest.raises(ValueError, match=r"quantize_graphs=\['encoder'\] is invalid; allowed: a non-empty subset of denoiser, decoder"):
         export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int8", quantize_graphs=("encoder",))
+    with pytest.raises(ValueError, match=r"min_cosine=1\.5 is out of range; allowed: 0\.\.1 \(0: no accuracy floor\)"):
+        export_graphs(tiny_checkpoint, tmp_path / "out", quantize="int8", min_cosine=1.5)
     assert not (tmp_path / "out").exists()
 
 
 def test_a_failed_quantization_leaves_no_partial_export(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ldlm.export.onnx_export as onnx_export
 
-    def broken(src: object, dst: object) -> None:
+    def broken(src: object, dst: object, *rest: object) -> None:
         raise RuntimeError("quantizer crashed")
 
     monkeypatch.setattr(onnx_export, "quantize_int8", broken)
@@ -210,3 +212,83 @@ def test_a_layer_norm_computing_in_fp16_is_named_and_fp64_is_allowed() -> None:
     assert "LayerNormalization 'ln': its X 'x' is FLOAT16; a LayerNorm computes in float32 (or float64)" in problems
     assert "LayerNormalization 'ln': its output is FLOAT16; a LayerNorm computes in float32 (or float64)" in problems
     assert check_quantized_layer_norms(one_node(TensorProto.DOUBLE)) == check_quantized_layer_norms(one_node(TensorProto.FLOAT)) == []
+
+
+# --- the accuracy floor: nodes whose quantization would break it stay float ---
+
+
+@pytest.fixture(scope="module")
+def floor_feeds(pipeline) -> list[dict[str, np.ndarray]]:
+    """The tiny denoiser's inputs along the default sampler's trajectory (what the exporter's floor uses)."""
+    from ldlm.export.calibration import CalibrationSettings, denoiser_feeds
+
+    return denoiser_feeds(pipeline, CalibrationSettings(samples=4, length=32))[0]
+
+
+def worst_cosine_by_hand(fp32: Path, variant: Path, feeds: list[dict[str, np.ndarray]]) -> float:
+    """The variant's worst per-sample cosine against fp32, computed here with NumPy on ONNX Runtime's outputs."""
+    import onnxruntime as ort
+
+    a = ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(str(variant), providers=["CPUExecutionProvider"])
+    worst = 1.0
+    for feed in feeds:
+        x, y = (s.run(None, feed)[0].reshape(len(feed["t"]), -1).astype(np.float64) for s in (a, b))
+        worst = min(worst, float(((x * y).sum(1) / np.linalg.norm(x, axis=1) / np.linalg.norm(y, axis=1)).min()))
+    return worst
+
+
+def test_a_floor_the_whole_graph_misses_keeps_its_most_harmful_nodes_float(export_dir: Path, floor_feeds, tmp_path: Path) -> None:
+    from ldlm.export.quantize import AccuracyFloor, float_kept_nodes, quantize_int8, weight_nodes
+
+    fp32 = export_dir / "denoiser.onnx"
+    whole = quantize_int8(fp32, tmp_path / "whole.onnx")
+    whole_cosine = worst_cosine_by_hand(fp32, tmp_path / "whole.onnx", floor_feeds)
+    source = onnx.load(str(fp32), load_external_data=False)
+    candidates = [n for n in weight_nodes(source) if n not in float_kept_nodes(source)]
+    assert len(whole.quantized) == len(candidates) and whole_cosine < 1.0
+
+    floor = 1.0 - (1.0 - whole_cosine) / 4  # four times tighter than the whole int8 graph reaches
+    report = quantize_int8(fp32, tmp_path / "floored.onnx", AccuracyFloor(floor_feeds, floor))
+    measured = worst_cosine_by_hand(fp32, tmp_path / "floored.onnx", floor_feeds)
+    assert measured >= floor and report.worst_cosine == pytest.approx(measured, abs=1e-6)
+    assert 0 < len(report.quantized) < len(candidates)
+    assert sorted(report.quantized + report.kept_for_accuracy) == sorted(candidates)
+    assert set(report.node_errors) == set(candidates)
+    # the nodes kept float are the ones that cost most when quantized alone
+    assert max(report.node_errors[n] for n in report.quantized) <= min(report.node_errors[n] for n in report.kept_for_accuracy)
+
+
+def test_a_floor_the_whole_graph_meets_quantizes_every_weight_node(export_dir: Path, floor_feeds, tmp_path: Path) -> None:
+    from ldlm.export.quantize import AccuracyFloor, quantize_int8
+
+    fp32 = export_dir / "denoiser.onnx"
+    plain = quantize_int8(fp32, tmp_path / "plain.onnx")
+    report = quantize_int8(fp32, tmp_path / "floored.onnx", AccuracyFloor(floor_feeds, 0.99))
+    assert report.quantized == plain.quantized and report.kept_for_accuracy == [] and report.node_errors == {}
+    assert report.worst_cosine == pytest.approx(worst_cosine_by_hand(fp32, tmp_path / "floored.onnx", floor_feeds), abs=1e-6)
+
+
+def test_the_exported_int8_denoiser_records_its_floor(int8_export: Path) -> None:
+    floor = read_manifest(int8_export)["graphs"]["denoiser"]["variants"]["int8"]["accuracy_floor"]
+    assert floor["min_cosine"] == 0.9999 and floor["worst_cosine"] >= floor["min_cosine"]
+    assert "decoder" not in {
+        g for g, e in read_manifest(int8_export)["graphs"].items() if "accuracy_floor" in e.get("variants", {}).get("int8", {})
+    }
+
+
+def test_the_cli_states_the_exporters_default_floor() -> None:
+    from ldlm.cli.artifacts import MIN_COSINE_DEFAULT_TEXT
+    from ldlm.export.quantize import DEFAULT_MIN_COSINE
+
+    assert float(MIN_COSINE_DEFAULT_TEXT) == DEFAULT_MIN_COSINE
+
+
+@pytest.mark.parametrize("min_cosine", [-0.1, 1.5])
+def test_a_floor_out_of_range_is_refused(min_cosine: float) -> None:
+    from ldlm.export.quantize import AccuracyFloor, QuantizeError
+
+    with pytest.raises(QuantizeError, match=rf"min_cosine={min_cosine} is out of range; allowed: 0\.\.1"):
+        AccuracyFloor([{"x": np.zeros(1)}], min_cosine)
+    with pytest.raises(QuantizeError, match="an accuracy floor without feeds; allowed: at least one feed"):
+        AccuracyFloor([], 0.9999)

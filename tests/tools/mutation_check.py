@@ -1577,6 +1577,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the int8 variant's LayerNorms are never probed",
     ),
     Mutation(
+        "int8-floor-keeps-the-wrong-nodes",
+        "ldlm.export.quantize:quantize_int8",
+        "for node in sorted(candidates, key=errors.__getitem__):",
+        "for node in sorted(candidates, key=lambda n: -errors[n]):",
+        ("tests/export/test_quantize.py",),
+        "the int8 variant quantizes the nodes that hurt most and keeps the harmless ones float",
+    ),
+    Mutation(
+        "int8-floor-ignored",
+        "ldlm.export.quantize:quantize_int8",
+        "if floor is None or floor.min_cosine == 0:",
+        "if True:",
+        ("tests/export/test_quantize.py",),
+        "an int8 denoiser below its accuracy floor is shipped",
+    ),
+    Mutation(
         "cosine-bound-ignored",
         "ldlm.serve.checks.compare:compare_outputs",
         "passed=bool(not failing.any() and cos.min() >= cosine_at_least),",

@@ -38,7 +38,15 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import ServerSettings  # noqa: E402
-from ldlm.serve.deploy.ray_app import APP_NAME, DEPLOYMENT_NAME, RayOptions, app_builder, build_app, parse_autoscale  # noqa: E402
+from ldlm.serve.deploy.ray_app import (  # noqa: E402
+    APP_NAME,
+    DEPLOYMENT_NAME,
+    RayOptions,
+    app_builder,
+    build_app,
+    parse_autoscale,
+    patient_proxy,
+)
 from tests.servers import free_port  # noqa: E402
 
 REPLICAS, REPLICA_CPUS = 2, 0.5
@@ -180,6 +188,7 @@ def cluster(export_dir: Path):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # CI has no network to report to
     # Processes other tests left below this one (multiprocessing's resource tracker, say) are not Ray's.
     OTHERS_BEFORE_RAY.update(descendants(os.getpid()))
+    patient_proxy()  # the proxy may take longer than Serve's 5 s to start beside other work
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 << 20)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
