@@ -159,7 +159,7 @@ class VariantAccuracy:
         self.reference = [out[0] for out in self._outputs(src)]
 
     def _outputs(self, path: str | os.PathLike[str]) -> list[list[np.ndarray]]:
-        import onnxruntime as ort
+        import onnxruntime as ort  # the cpu extra, as the quantizer itself (require_quantizer)
 
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         return [session.run(None, feed) for feed in self.feeds]
