@@ -51,7 +51,7 @@ Stages, in order
 - http: `ldlm serve --backend compiled --device cuda --precision bf16` in its own process on
   127.0.0.1: the overhead over the raw runner at batch 1 (encoder, 16 tokens, p50), then 16
   clients for 10 s of mixed requests: p50, p99, errors.
-- previews: `ldlm serve` (compiled bf16) with --preview-budget 1, so no preview is skipped; 16
+- previews: `ldlm serve` (compiled bf16) with --preview-budget 1 --preview-lone-budget 1, so no preview is skipped; 16
   clients of /v1/generate (128 tokens, 50 sde steps), with and without `stream: true` previews
   every 5 steps, side by side in alternating order, 2 rounds: the throughput cost (target <= 10%),
   previews received per request, and the time to the first preview at batch 1.

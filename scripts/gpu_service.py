@@ -84,14 +84,27 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
 
 def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
     """On the GPU: what streamed previews every 5 steps cost. ``ldlm serve`` (compiled bf16)
-    runs with ``--preview-budget 1``, so no preview is skipped to save time; the same concurrent
+    runs with ``--preview-budget 1 --preview-lone-budget 1``, so no preview is skipped to save time; the same concurrent
     load of /v1/generate requests runs with and without ``stream: true``, side by side in
     alternating order; then the time to the first preview event at batch 1."""
     import preview_cost
 
     port = free_port()
     log_path = out / "server-previews.log"
-    flags = ["--backend", "compiled", "--device", str(device), "--precision", "bf16", "--max-batch", "16", "--preview-budget", "1"]
+    flags = [
+        "--backend",
+        "compiled",
+        "--device",
+        str(device),
+        "--precision",
+        "bf16",
+        "--max-batch",
+        "16",
+        "--preview-budget",
+        "1",
+        "--preview-lone-budget",
+        "1",
+    ]
     url = f"http://127.0.0.1:{port}"
     every, clients, requests = 5, sizes["preview_clients"], sizes["preview_requests"]
     plain = {"n": 1, "length": sizes["preview_len"], "steps": sizes["preview_steps"], "sampler": "sde"}

@@ -3,8 +3,9 @@
 
 - lone: one request at a time on an otherwise idle server, plain and streamed with previews every
   `--every` steps alternating (`--lone-length` tokens, `--lone-steps` steps, the server's default
-  sampler): per-mode median seconds and their ratio, streamed / plain, and the previews each stream
-  got against the steps k, 2k, ... below its last that an idle server promises;
+  sampler): per-mode median seconds and their ratio, streamed / plain, against the bound that the
+  server's `--preview-lone-budget` sets (1 / (1 - share); none at a share of 1), and the previews each
+  stream got against the steps k, 2k, ... below its last (all of them at a share of 1);
 - concurrent: `--streams` streams of that body sent at once, `--concurrent-rounds` times: the
   previews each got while all were in flight (before the first result) against what the preview
   budget promises for that time (streaming.py: about T x budget / busy, busy being one decoder call,
@@ -97,7 +98,7 @@ def preview_metrics(http: httpx.Client) -> dict[str, float]:
     return {key: float(m.group(1)) if (m := re.search(rf"^{name} (\S+)$", text, re.M)) else 0.0 for key, name in names.items()}
 
 
-def lone_cost(url: str, plain: dict, streamed: dict, repeats: int, nominal: int) -> dict:
+def lone_cost(url: str, plain: dict, streamed: dict, repeats: int, nominal: int, lone_budget: float) -> dict:
     """One request at a time, plain and streamed alternating (the same seeds): median seconds per mode,
     their ratio, the previews of each stream, and one preview's decode seconds (for ``concurrent_previews``)."""
     seconds: dict[str, list[float]] = {"plain": [], "streamed": []}
@@ -116,13 +117,19 @@ def lone_cost(url: str, plain: dict, streamed: dict, repeats: int, nominal: int)
         after = preview_metrics(http)
     medians = {mode: statistics.median(v) for mode, v in seconds.items()}
     sent = after["sent"] - before["sent"]
+    ratio = medians["streamed"] / medians["plain"]
+    bound = None if lone_budget >= 1 else 1 / (1 - lone_budget)
     return {
         "seconds": {mode: [round(x, 4) for x in v] for mode, v in seconds.items()},
         "median_seconds": {mode: round(v, 4) for mode, v in medians.items()},
-        "ratio_streamed_to_plain": round(medians["streamed"] / medians["plain"], 3),
+        "ratio_streamed_to_plain": round(ratio, 3),
+        "lone_budget": lone_budget,
+        "ratio_bound": None if bound is None else round(bound, 3),
+        "within_bound": None if bound is None else ratio <= bound,
         "previews_per_stream": previews,
-        "previews_promised": nominal,
+        "previews_asked": nominal,
         "every_preview_sent": all(p == nominal for p in previews),
+        "skipped": after["skipped"] - before["skipped"],
         "decode_seconds_per_preview": round((after["seconds"] - before["seconds"]) / sent, 5) if sent else None,
     }
 
@@ -203,12 +210,13 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     plain = {"n": 1, "length": args.lone_length, "steps": lone_steps}
     streamed = {**plain, "stream": True, "preview_every": args.every}
     nominal = (lone_steps - 1) // args.every
-    lone = lone_cost(url, plain, streamed, args.lone_repeats, nominal)
+    lone = lone_cost(url, plain, streamed, args.lone_repeats, nominal, args.lone_budget)
     print(f"lone: {lone['median_seconds']}, ratio {lone['ratio_streamed_to_plain']}, previews {lone['previews_per_stream']}", flush=True)
     steps = args.concurrent_steps or lone_steps
     body, preview_s = {**streamed, "steps": steps}, lone["decode_seconds_per_preview"]
     concurrent = concurrent_previews(url, body, args.streams, args.concurrent_rounds, args.budget, preview_s, (steps - 1) // args.every)
-    report = {"url": url, "preview_every": args.every, "preview_budget": args.budget, "lone_body": plain, "lone": lone}
+    report = {"url": url, "preview_every": args.every, "preview_budget": args.budget, "preview_lone_budget": args.lone_budget}
+    report.update({"lone_body": plain, "lone": lone})
     report["concurrent"] = {"steps": steps, **concurrent}
     if args.rounds:
         report["throughput"] = throughput_cost(url, args)
@@ -224,6 +232,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--source", help="what to serve without --url: an export or checkpoint (default: a fresh tiny export)")
     parser.add_argument("--every", type=int, default=5, help="steps between previews (default 5)")
     parser.add_argument("--budget", type=float, default=0.05, help="the server's --preview-budget (default 0.05)")
+    parser.add_argument(
+        "--lone-budget", type=float, default=1 / 3, help="the server's --preview-lone-budget (default 1/3; 1: every preview, in order)"
+    )
     parser.add_argument("--lone-length", type=int, default=64, help="tokens of the lone and concurrent requests (default 64)")
     parser.add_argument("--lone-steps", type=int, default=0, help="their steps (default 0: the server's default)")
     parser.add_argument("--lone-repeats", type=int, default=10, help="lone requests per mode (default 10)")
@@ -238,6 +249,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="the server's --threads without --url (default 0: its own default)")
     parser.add_argument("--out", default="runs/preview_cost.json")
     args = parser.parse_args()
+    for name in ("budget", "lone_budget"):
+        if not 0 < getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range; allowed: (0, 1]")
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error(f"--url {args.url} is not on loopback; this script sends traffic to 127.0.0.1 only")
     at_least_one = ("every", "lone_length", "lone_repeats", "streams", "concurrent_rounds", "clients", "requests", "length", "steps")
@@ -255,7 +269,8 @@ def main() -> None:
             source = args.source or str(tiny_export(Path(work)))
             port = free_port()
             threads = ["--threads", str(args.threads)] if args.threads else []
-            process = start_server(source, port, ["--preview-budget", str(args.budget), *threads])
+            budgets = ["--preview-budget", str(args.budget), "--preview-lone-budget", str(args.lone_budget)]
+            process = start_server(source, port, [*budgets, *threads])
             url = f"http://127.0.0.1:{port}"
         try:
             report = measure(url, args)

@@ -63,6 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         body_timeout_s=args.body_timeout_s,
         max_connections=args.max_connections,
         preview_budget=args.preview_budget,
+        preview_lone_budget=args.preview_lone_budget,
         trt_cuda_graphs=args.trt_cuda_graphs,
     )
     if args.ray:
@@ -139,8 +140,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--preview-budget",
         type=float_in(0, 1, low_open=True),
         default=0.05,
-        help="share of wall time that decoding streamed denoising "
-        "previews may take; previews are skipped, never queued, beyond it (default: 0.05)",
+        help="share of wall time that decoding streamed denoising previews may take while other generations are in "
+        "flight; previews are skipped, never queued, beyond it (default: 0.05)",
+    )
+    p.add_argument(
+        "--preview-lone-budget",
+        type=float_in(0, 1, low_open=True),
+        default=1.0 / 3.0,
+        help="the same while a stream's generation is the only one: a lone stream takes at most 1 / (1 - share) times "
+        "its plain run; 1 sends every preview asked for, in order (default: 1/3, at most 1.5x)",
     )
     p.add_argument(
         "--trt-cuda-graphs",

@@ -62,7 +62,8 @@ class ServerSettings:
     device: str = "cpu"  # torch backends (eager, compiled)
     precision: str = "fp32"
     provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
-    preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take
+    preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take beside other work
+    preview_lone_budget: float = 1.0 / 3.0  # the same while a stream's own generation is the only one (at most 1.5x its plain run)
     trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
     export_cache: str | None = None  # a checkpoint on ort: where its verified export is kept (None: a scratch export)
 
@@ -85,8 +86,9 @@ class ServerSettings:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: > 0")
-        if not 0 < self.preview_budget <= 1:
-            raise ValueError(f"preview_budget={self.preview_budget} is out of range; allowed: (0, 1]")
+        for name in ("preview_budget", "preview_lone_budget"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: (0, 1]")
         if self.max_delay_ms < 0:
             raise ValueError(f"max_delay_ms={self.max_delay_ms} is out of range; allowed: >= 0")
 
@@ -119,7 +121,9 @@ class LDLMService:
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
         self._in_flight_lock = threading.Lock()
         # its own thread, never the scheduler's; its time budget applies while other generations are in flight
-        self.previews = PreviewDecoder(self.pipeline, settings.preview_budget, lambda: self._in_flight, self.metrics.observe_previews)
+        self.previews = PreviewDecoder(
+            self.pipeline, settings.preview_budget, lambda: self._in_flight, self.metrics.observe_previews, settings.preview_lone_budget
+        )
         self.ready = True
         say("ready")
 
@@ -211,7 +215,7 @@ class LDLMService:
         decoding: Any = None,
     ) -> Future[Any]:
         """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight: a
-        streamed request's previews are free of the preview budget only while it is the one generation in flight.
+        streamed request's previews have the lone preview budget only while it is the one generation in flight.
         ``decoding``: its ``TokenSampling`` (None: argmax)."""
         future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s, decoding)
         with self._in_flight_lock:

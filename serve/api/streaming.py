@@ -2,25 +2,26 @@
 
 A ``GenerationStream`` submits one request to the scheduler with a preview hook. The hook runs on
 the scheduler's worker thread and only hands each sample's x0_hat to the ``PreviewDecoder``; that
-one thread decodes a preview of every sample of every stream in one decoder call. What a preview may
-cost depends on whether a generation other than the stream's own is in flight (its own counts until
-its result is in; ``PreviewDecoder.others_waiting``):
+one thread decodes a preview of every sample of every stream in one decoder call. Decoding previews
+takes at most a share of the wall time (plus one call): ``budget`` while a generation other than the
+stream's own is in flight (its own counts until its result is in; ``PreviewDecoder.others_waiting``),
+``lone_budget`` while none is.
 
-- none: every preview asked for is decoded and sent, in step order, and the stream's result waits
-  for its last previews. The only request a decode can slow down is the one that asked for it, and
-  it pays one decoder call per preview: beside its denoiser steps where a core is free, on top of
-  them where none is. On the tiny model a 64-token decode costs about ten denoiser steps, so previews
-  every 5 of 21 steps make a lone stream take 1.7 to 2 times its plain run on two shared cores;
-- one or more: previews take at most ``budget`` of the wall time, plus one call. After each call the
-  thread rests busy x (1 - budget) / budget, and a sample's newest x0_hat replaces one not yet
-  decoded (that preview is skipped, and counted), so nothing backs up and generation keeps its pace
-  whatever the number of streams. A call takes the newest preview of every sample waiting, so the
-  streams in flight share the calls: beside others for T seconds a stream gets about
-  T x budget / busy previews (busy: one call's seconds, which grow with the samples in it), and the
-  first call, with no rest before it, may add one. At the default 5% that is one preview per twenty
-  calls' time: three tiny-model streams of 21 steps sent together, all done within a second, get none
-  or one each, and the last one left, alone then, the rest of its own. A stream's result does not
-  wait for previews not yet sent while another generation is in flight.
+- After each call the thread rests busy x (1 - share) / share, and a sample's newest x0_hat replaces
+  one not yet decoded (that preview is skipped, and counted), so nothing backs up and generation keeps
+  its pace whatever the number of streams. A call takes the newest preview of every sample waiting,
+  so the streams in flight share the calls: for T seconds a stream gets about T x share / busy
+  previews (busy: one call's seconds, which grow with the samples in it), and the first call, with
+  no rest before it, may add one. A stream's result never waits for previews not yet decoded.
+- Beside others, at the default 5%, that is one preview per twenty calls' time: three tiny-model
+  streams of 21 steps sent together, all done within a second, get none or one each.
+- Alone, at the default third, a stream takes at most 1.5 times its plain run. Where a decoder call
+  costs little against the steps between previews (base: one call of 128 tokens against five
+  denoiser steps), every preview asked for is sent; where it costs many steps (tiny: a 64-token
+  decode takes about ten), about a third of the time's worth is, the newest each time.
+- A share of 1 (``--preview-lone-budget 1``): every preview asked for is decoded and sent, in step
+  order, and the stream's result waits for its last previews; it pays one decoder call per preview
+  (1.7 to 2 times its plain run for previews every 5 of 21 steps on tiny, on two shared cores).
 
 When the client goes away the response's generator is cancelled; its ``finally`` cancels the
 request's future, the scheduler drops the request's samples at its next step, and a preview its
@@ -79,8 +80,9 @@ def abandoned(stream: object) -> bool:
 
 class PreviewDecoder:
     """One thread that decodes a pending preview of every sample of all streams, in one call; within ``budget`` of
-    the wall time while another generation is in flight (see the module docs). ``in_flight``: the
-    number of generations submitted and not yet answered; without it every stream counts as beside others."""
+    the wall time while another generation is in flight, ``lone_budget`` while none is (see the module docs).
+    ``in_flight``: the number of generations submitted and not yet answered; without it every stream counts as
+    beside others."""
 
     def __init__(
         self,
@@ -88,10 +90,12 @@ class PreviewDecoder:
         budget: float = 0.05,
         in_flight: InFlight | None = None,
         observer: PreviewObserver | None = None,
+        lone_budget: float = 1.0 / 3.0,
     ) -> None:
-        if not 0 < budget <= 1:
-            raise ValueError(f"budget={budget} is out of range; allowed: (0, 1]")
-        self.pipeline, self.budget = pipeline, budget
+        for name, value in (("budget", budget), ("lone_budget", lone_budget)):
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={value} is out of range; allowed: (0, 1]")
+        self.pipeline, self.budget, self.lone_budget = pipeline, budget, lone_budget
         self.in_flight = in_flight
         self.observer = observer
         self._pending: dict[tuple[GenerationStream, int], list[tuple[int, Tensor]]] = {}
@@ -108,10 +112,14 @@ class PreviewDecoder:
             return True
         return self.in_flight() > (0 if answered(stream) else 1)
 
+    def share(self, stream: GenerationStream) -> float:
+        """The share of wall time ``stream``'s previews may take now; 1: every one is decoded, in order."""
+        return self.budget if self.others_waiting(stream) else self.lone_budget
+
     def offer(self, stream: GenerationStream, index: int, step: int, x0_hat: Tensor) -> None:
         with self._cond:
             queued = self._pending.setdefault((stream, index), [])
-            if queued and self.others_waiting(stream):  # beside others only the newest of a sample is decoded
+            if queued and self.share(stream) < 1:  # within a budget only the newest of a sample is decoded
                 self._skipped[stream] = self._skipped.get(stream, 0) + len(queued)
                 queued.clear()
             queued.append((step, x0_hat))
@@ -145,7 +153,7 @@ class PreviewDecoder:
             self._rest({stream for stream, *_ in items}, busy)
 
     def _take(self) -> tuple[list[PendingPreview], dict[GenerationStream, int]] | None:
-        """Wait for offers; take one preview of each sample that has one (its oldest, or beside others its
+        """Wait for offers; take one preview of each sample that has one (its oldest at a share of 1, else its
         newest, the older ones skipped) and the skipped counts. None once closing. One per sample: a call
         costs in proportion to its rows, so a backlog (previews offered faster than decoded) goes out a
         step at a time, and a cancel, or company, is seen before each call, not after the whole backlog."""
@@ -160,7 +168,7 @@ class PreviewDecoder:
                 if abandoned(stream):  # its request was cancelled (its client left) after it offered: nobody to show it to
                     del self._pending[stream, index]
                     continue
-                if len(queued) > 1 and self.others_waiting(stream):  # offered while alone, decoded beside others
+                if len(queued) > 1 and self.share(stream) < 1:  # offered at a share of 1, decoded within a budget
                     skipped[stream] = skipped.get(stream, 0) + len(queued) - 1
                     del queued[:-1]
                 step, x0 = queued.pop(0)
@@ -170,13 +178,14 @@ class PreviewDecoder:
         return items, skipped
 
     def _rest(self, streams: set[GenerationStream], busy: float) -> None:
-        """While another generation is in flight beside a stream just served, rest so that decoding takes
-        at most ``budget`` of the time; the rest ends early when none is left (``nudge``)."""
+        """Rest so that decoding takes at most the smallest share of the streams just served; the rest ends
+        early when that share changes (other work ended: ``nudge``)."""
         with self._cond:
-            if any(self.others_waiting(s) for s in streams):
+            share = min((self.share(s) for s in streams), default=1.0)
+            if share < 1:
                 self._cond.wait_for(
-                    lambda: self._stopping or not any(self.others_waiting(s) for s in streams),
-                    timeout=busy * (1 - self.budget) / self.budget,
+                    lambda: self._stopping or min((self.share(s) for s in streams), default=1.0) != share,
+                    timeout=busy * (1 - share) / share,
                 )
 
     def _decode(self, items: list[PendingPreview], skipped: dict[GenerationStream, int]) -> list[PendingPreview]:
@@ -243,8 +252,8 @@ class GenerationStream:
         self._wake.set()
 
     def _previews_owed(self) -> bool:
-        """Previews offered but not yet sent or skipped, while nothing else waits (then they are worth waiting for)."""
-        return self._settled < self._offered and self.previews is not None and not self.previews.others_waiting(self)
+        """Previews offered but not yet sent or skipped, at a share of 1 (then every one is worth waiting for)."""
+        return self._settled < self._offered and self.previews is not None and self.previews.share(self) >= 1
 
     async def events(self, timeout_s: float) -> AsyncIterator[tuple[str, Any]]:
         """("preview", [{index, step, text}, ...] of one step) any number of times, then ("result", TextResult).

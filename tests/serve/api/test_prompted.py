@@ -22,7 +22,9 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=4, max_steps=200)
+    settings = ServerSettings(
+        port=free_port(), max_batch=8, request_timeout_s=60, max_n=4, max_steps=200, preview_lone_budget=1.0
+    )  # every preview, to check each one
     running = RunningServer(LDLMService(str(export_dir), settings))
     yield running
     running.stop()

@@ -1,7 +1,8 @@
-"""Streamed previews, counted: on an otherwise idle server a stream gets every preview it asked for
-(steps k, 2k, ... below its last step, in order, then the result); beside other work the previews
-keep within the preview budget, skipping rather than slowing the others. Real server on 127.0.0.1,
-real httpx streams; the preview texts are checked against the plain answer's model, not the decoder."""
+"""Streamed previews, counted: on an otherwise idle server at a lone share of 1 a stream gets every
+preview it asked for (steps k, 2k, ... below its last step, in order, then the result); within a
+budget (beside other work, or alone at the default lone share) the previews keep within it, skipping
+rather than slowing the generation. Real server on 127.0.0.1, real httpx streams; the preview texts
+are checked against the plain answer's model, not the decoder."""
 
 from __future__ import annotations
 
@@ -27,12 +28,34 @@ from tests.serve.api.test_server_values import metric  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 BUDGET = 0.05  # the default share of wall time that previews may take while others wait
+LONE_BUDGET = 1 / 3  # the default share while a stream's own generation is the only one
+
+
+def serve(export_dir: Path, lone_budget: float) -> RunningServer:
+    settings = ServerSettings(
+        port=free_port(),
+        max_batch=16,
+        request_timeout_s=120,
+        max_n=16,
+        max_steps=1000,
+        preview_budget=BUDGET,
+        preview_lone_budget=lone_budget,
+    )
+    return RunningServer(LDLMService(str(export_dir), settings))
 
 
 @pytest.fixture(scope="module")
 def server(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_batch=16, request_timeout_s=120, max_n=16, max_steps=1000, preview_budget=BUDGET)
-    running = RunningServer(LDLMService(str(export_dir), settings))
+    """Every preview asked for, while alone (a lone share of 1)."""
+    running = serve(export_dir, 1.0)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def budget_server(export_dir: Path):
+    """The default lone share."""
+    running = serve(export_dir, LONE_BUDGET)
     yield running
     running.stop()
 
@@ -102,6 +125,28 @@ def test_beside_other_work_previews_keep_within_the_budget(server: RunningServer
     assert seconds <= BUDGET * wall * 1.2 + 2 * one_decode, f"previews took {seconds:.3f} s of {wall:.2f} s"
 
 
+def test_alone_at_the_default_share_previews_keep_within_it(budget_server: RunningServer) -> None:
+    """Idle server, default lone share: a stream asking for a preview at every step of 300 gets some,
+    newest first, and their decoding takes at most that share of its wall time (plus one decode)."""
+    url = budget_server.url
+    body = {"n": 1, "length": 16, "steps": 300, "seed": 1, "sampler": "ddim", "preview_every": 1}
+    before = httpx.get(f"{url}/metrics", timeout=30).text
+    started = time.monotonic()
+    events = stream(budget_server, body)
+    wall = time.monotonic() - started
+    after = httpx.get(f"{url}/metrics", timeout=30).text
+    steps = [e["samples"][0]["step"] for k, e in events if k == "preview"]
+    assert events[-1][0] == "result" and steps == sorted(set(steps)) and steps  # in order, none twice
+    sent = metric(after, "ldlm_previews_sent_total") - metric(before, "ldlm_previews_sent_total")
+    skipped = metric(after, "ldlm_previews_skipped_total") - metric(before, "ldlm_previews_skipped_total")
+    seconds = metric(after, "ldlm_preview_decode_seconds_total") - metric(before, "ldlm_preview_decode_seconds_total")
+    assert skipped > 0 and len(steps) < 299, (len(steps), skipped)  # the share held some back
+    one_decode = seconds / max(sent, 1)
+    assert seconds <= LONE_BUDGET * wall * 1.2 + 2 * one_decode, f"previews took {seconds:.3f} s of {wall:.2f} s"
+    plain = httpx.post(f"{url}/v1/generate", json={k: v for k, v in body.items() if k != "preview_every"}, timeout=120).json()
+    assert events[-1][1] == plain
+
+
 class GatedDecodes:
     """The service's pipeline for previews, each decode held until ``gate`` opens (the previews stay owed)."""
 
@@ -132,6 +177,26 @@ def test_a_stream_whose_result_is_in_does_not_hold_it_for_previews_beside_other_
         assert stream._previews_owed()  # nothing else in flight: its previews are worth waiting for
     finally:
         other.cancel()
+        gated.gate.set()
+        previews.pipeline = real
+        previews.forget(stream)
+        loop.close()
+
+
+def test_alone_within_a_share_the_result_does_not_wait_for_previews(budget_server: RunningServer) -> None:
+    """At a lone share below 1 a stream's result goes out as soon as it is in: what is not decoded by then
+    is skipped (at a share of 1 it would wait for every one, as above)."""
+    service = budget_server.service
+    previews, real = service.previews, service.previews.pipeline
+    loop = asyncio.new_event_loop()  # never run: the stream is checked, not read
+    gated = GatedDecodes(real)
+    previews.pipeline = gated
+    try:
+        stream = GenerationStream(service.submit_generation, previews, GenerateRequest(1, 8, 4, 3, "ddim"), 1, loop=loop)
+        stream.future.result(60)  # alone: previews of steps 1..3 offered, none decoded (the decoder is held)
+        assert stream._offered == 3 and stream._settled == 0
+        assert not stream._previews_owed()
+    finally:
         gated.gate.set()
         previews.pipeline = real
         previews.forget(stream)
@@ -191,7 +256,7 @@ def test_an_idle_backlog_is_decoded_a_step_at_a_time() -> None:
     call per step (a call costs per row: one call for the whole backlog would hold every preview back
     until the slowest is done, and decode a cancelled stream's backlog to the end)."""
     pipeline = CountingDecodes()
-    decoder = PreviewDecoder(pipeline, BUDGET, lambda: 1)  # type: ignore[arg-type]  # the stream's own request only
+    decoder = PreviewDecoder(pipeline, BUDGET, lambda: 1, lone_budget=1.0)  # type: ignore[arg-type]  # the stream's own request only
     try:
         stream = FakeStream()
         pipeline.gate.clear()
@@ -201,5 +266,54 @@ def test_an_idle_backlog_is_decoded_a_step_at_a_time() -> None:
         pipeline.gate.set()
         assert stream.wait_for_previews(4)
         assert stream.steps == [1, 2, 3, 4] and pipeline.calls == [1, 1, 1, 1]
+    finally:
+        decoder.close()
+
+
+class TimedDecodes(CountingDecodes):
+    """CountingDecodes that also records when each call started and ended, and signals the first start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[float, float]] = []
+        self.started = threading.Event()
+
+    def decode(self, latents: Any, mask: Any) -> TextResult:
+        start = time.monotonic()
+        self.started.set()
+        result = super().decode(latents, mask)
+        self.spans.append((start, time.monotonic()))
+        return result
+
+
+class SkipCountingStream(FakeStream):
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped = 0
+
+    def deliver(self, previews: list[dict[str, Any]], skipped: int = 0) -> None:
+        self.skipped += skipped
+        super().deliver(previews, skipped)
+
+
+def test_a_lone_stream_within_its_share_rests_then_gets_the_newest_preview() -> None:
+    """Alone at a share of 1/3: after a call of B seconds the decoder rests 2B; what was offered meanwhile
+    is replaced by the newest (skipped, and counted), and only the newest is decoded."""
+    pipeline = TimedDecodes()
+    decoder = PreviewDecoder(pipeline, BUDGET, lambda: 1, lone_budget=LONE_BUDGET)  # type: ignore[arg-type]  # its own request only
+    try:
+        stream = SkipCountingStream()
+        pipeline.gate.clear()
+        x0 = torch.zeros(4, 8)
+        decoder.offer(stream, 0, 1, x0)  # type: ignore[arg-type]
+        assert pipeline.started.wait(30)  # the first call holds step 1
+        for step in (2, 3, 4):
+            decoder.offer(stream, 0, step, x0)  # type: ignore[arg-type]
+        time.sleep(0.05)  # the first call lasts at least this long
+        pipeline.gate.set()
+        assert stream.wait_for_previews(2)
+        assert stream.steps == [1, 4] and stream.skipped == 2 and pipeline.calls == [1, 1]
+        (start1, end1), (start2, _) = pipeline.spans
+        assert start2 - end1 >= 0.99 * (end1 - start1) * (1 - LONE_BUDGET) / LONE_BUDGET
     finally:
         decoder.close()

@@ -32,7 +32,9 @@ def serve(export_dir: Path, prompted: bool) -> RunningServer:
     ``prompt`` field (an older server), for the page's fallback. Previews may take half the time (the run is short)."""
     from ldlm.serve.api import schemas
 
-    settings = ServerSettings(port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=1000, preview_budget=0.5)
+    settings = ServerSettings(
+        port=free_port(), max_batch=8, request_timeout_s=60, max_n=8, max_steps=1000, preview_budget=0.5, preview_lone_budget=1.0
+    )
     with pytest.MonkeyPatch.context() as patch:
         if not prompted:
             patch.setattr(schemas, "generate_body_model", without_prompt(schemas.generate_body_model))
