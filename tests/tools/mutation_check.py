@@ -799,8 +799,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "preview-budget-one-refused",
         "ldlm.serve.api.streaming:PreviewDecoder.__init__",
-        "if not 0 < budget <= 1:",
-        "if not 0 < budget < 1:",
+        "if not 0 < value <= 1:",
+        "if not 0 < value < 1:",
         ("tests/serve/api/test_http_guard_middleware.py",),
         "--preview-budget 1 (unthrottled previews) refused",
     ),
@@ -1575,6 +1575,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "for precision, variant in {}.items()",
         ("tests/export/test_quantize.py", "tests/serve/checks/test_parity_int8.py"),
         "the int8 variant's LayerNorms are never probed",
+    ),
+    Mutation(
+        "lone-previews-never-rest",
+        "ldlm.serve.api.streaming:PreviewDecoder._rest",
+        "if share < 1:",
+        "if False:",
+        ("tests/serve/api/test_streaming_previews.py",),
+        "a lone stream's previews take as much time as they like",
+    ),
+    Mutation(
+        "lone-result-waits-for-skippable-previews",
+        "ldlm.serve.api.streaming:GenerationStream._previews_owed",
+        "return self._settled < self._offered and self.previews is not None and self.previews.share(self) >= 1",
+        "return self._settled < self._offered and self.previews is not None and not self.previews.others_waiting(self)",
+        ("tests/serve/api/test_streaming_previews.py",),
+        "a lone stream within its share holds its result for previews it would skip",
     ),
     Mutation(
         "int8-floor-keeps-the-wrong-nodes",
