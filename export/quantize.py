@@ -30,7 +30,7 @@ alone and its error (1 - cosine) measured; the least harmful nodes are quantized
 add up to at most the floor's budget (errors of separate nodes add roughly: on the trained reference's
 denoiser the sixteen single-node errors summed to 3.5e-3 and the whole graph's was 2.9e-3), the rest
 stay float, and the result is measured again (dropping the most harmful chosen node until it holds).
-On base with random norms the whole graph passes at once (0.99996): nothing is kept back, nothing is
+On base with random norms the whole graph passes at once (0.99994): nothing is kept back, nothing is
 slower. The errors come from activations quantized per tensor on the fly: a trained model's down
 projections carry outlier channels.
 """
