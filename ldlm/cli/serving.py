@@ -97,6 +97,24 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     serve(args.source, settings, args.log_level)
 
 
+def preview_options(p: argparse.ArgumentParser) -> None:
+    """The shares of wall time that streamed previews may take (serve/api/streaming.py)."""
+    p.add_argument(
+        "--preview-budget",
+        type=float_in(0, 1, low_open=True),
+        default=0.05,
+        help="share of wall time that decoding streamed denoising previews may take while other generations are in "
+        "flight; previews are skipped, never queued, beyond it (default: 0.05)",
+    )
+    p.add_argument(
+        "--preview-lone-budget",
+        type=float_in(0, 1, low_open=True),
+        default=1.0 / 3.0,
+        help="the same while a stream's generation is the only one: a lone stream takes at most 1 / (1 - share) times "
+        "its plain run; 1 sends every preview asked for, in order (default: 1/3, at most 1.5x)",
+    )
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -136,20 +154,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help=f"dynamic batching window, 0..{MAX_DELAY_MS:g}; 0 batches whatever queued during the last run (default: 0)",
     )
-    p.add_argument(
-        "--preview-budget",
-        type=float_in(0, 1, low_open=True),
-        default=0.05,
-        help="share of wall time that decoding streamed denoising previews may take while other generations are in "
-        "flight; previews are skipped, never queued, beyond it (default: 0.05)",
-    )
-    p.add_argument(
-        "--preview-lone-budget",
-        type=float_in(0, 1, low_open=True),
-        default=1.0 / 3.0,
-        help="the same while a stream's generation is the only one: a lone stream takes at most 1 / (1 - share) times "
-        "its plain run; 1 sends every preview asked for, in order (default: 1/3, at most 1.5x)",
-    )
+    preview_options(p)
     p.add_argument(
         "--trt-cuda-graphs",
         action="store_true",

@@ -7,25 +7,19 @@ takes at most a share of the wall time (plus one call): ``budget`` while a gener
 stream's own is in flight (its own counts until its result is in; ``PreviewDecoder.others_waiting``),
 ``lone_budget`` while none is.
 
-- After each call the thread rests busy x (1 - share) / share, and a sample's newest x0_hat replaces
-  one not yet decoded (that preview is skipped, and counted), so nothing backs up and generation keeps
-  its pace whatever the number of streams. A call takes the newest preview of every sample waiting,
-  so the streams in flight share the calls: for T seconds a stream gets about T x share / busy
-  previews (busy: one call's seconds, which grow with the samples in it), and the first call, with
-  no rest before it, may add one. A stream's result never waits for previews not yet decoded.
-- Beside others, at the default 5%, that is one preview per twenty calls' time: three tiny-model
-  streams of 21 steps sent together, all done within a second, get none or one each.
-- Alone, at the default third, a stream takes at most 1.5 times its plain run. Where a decoder call
-  costs little against the steps between previews (base: one call of 128 tokens against five
-  denoiser steps), every preview asked for is sent; where it costs many steps (tiny: a 64-token
-  decode takes about ten), about a third of the time's worth is, the newest each time.
+- After each call the thread rests busy x (1 - share) / share; a sample's newest x0_hat replaces one
+  not yet decoded (skipped, and counted), so nothing backs up. A call takes the newest preview of every
+  sample waiting: for T seconds a stream gets about T x share / busy previews (busy: one call's
+  seconds), the first call may add one, and its result never waits for previews not yet decoded.
+- Alone, at the default third, a stream takes at most 1.5 times its plain run: every preview where a
+  decoder call costs little against the steps between previews (base), about a third of the time's
+  worth where it costs many (tiny: a 64-token decode takes about forty denoiser calls).
 - A share of 1 (``--preview-lone-budget 1``): every preview asked for is decoded and sent, in step
-  order, and the stream's result waits for its last previews; it pays one decoder call per preview
-  (1.7 to 2 times its plain run for previews every 5 of 21 steps on tiny, on two shared cores).
+  order, and the stream's result waits for its last previews (1.64 times a plain run on tiny for
+  previews every 5 of 21 steps).
 
-When the client goes away the response's generator is cancelled; its ``finally`` cancels the
-request's future, the scheduler drops the request's samples at its next step, and a preview its
-last step offers meanwhile is not decoded.
+When the client goes away the response's generator is cancelled; its ``finally`` cancels the request's
+future, the scheduler drops its samples at its next step, and a preview offered meanwhile is not decoded.
 """
 
 from __future__ import annotations
@@ -126,10 +120,13 @@ class PreviewDecoder:
             self._cond.notify()
 
     def forget(self, stream: GenerationStream) -> None:
+        """Drop ``stream``'s pending previews; they count as skipped (its result went out without them)."""
         with self._cond:
+            dropped = self._skipped.pop(stream, 0)
             for key in [k for k in self._pending if k[0] is stream]:
-                del self._pending[key]
-            self._skipped.pop(stream, None)
+                dropped += len(self._pending.pop(key))
+        if dropped and self.observer is not None:
+            self.observer(0, dropped, 0.0)
 
     def nudge(self) -> None:
         """Other work ended: a rest taken because of it ends now."""

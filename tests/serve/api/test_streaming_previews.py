@@ -317,3 +317,23 @@ def test_a_lone_stream_within_its_share_rests_then_gets_the_newest_preview() -> 
         assert start2 - end1 >= 0.99 * (end1 - start1) * (1 - LONE_BUDGET) / LONE_BUDGET
     finally:
         decoder.close()
+
+
+def test_previews_a_finished_stream_leaves_pending_count_as_skipped() -> None:
+    """A result that went out without its pending previews: the metrics count them as skipped, not as nothing."""
+    pipeline = TimedDecodes()
+    seen: list[tuple[int, int]] = []
+    decoder = PreviewDecoder(pipeline, BUDGET, lambda: 2, lambda sent, skipped, s: seen.append((sent, skipped)))  # type: ignore[arg-type]
+    try:
+        stream = FakeStream()
+        pipeline.gate.clear()
+        x0 = torch.zeros(4, 8)
+        decoder.offer(stream, 0, 1, x0)  # type: ignore[arg-type]  # taken by the first call, which is held
+        assert pipeline.started.wait(30)
+        decoder.offer(stream, 0, 2, x0)  # type: ignore[arg-type]
+        decoder.offer(stream, 0, 3, x0)  # type: ignore[arg-type]  # beside others: replaces step 2 (skipped)
+        decoder.forget(stream)  # its result went out: step 3 is dropped
+        assert (0, 2) in seen
+    finally:
+        pipeline.gate.set()
+        decoder.close()
