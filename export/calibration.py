@@ -33,12 +33,11 @@ from onnxruntime.quantization import CalibrationDataReader
 from torch import Tensor
 
 from ldlm.checkpoint import WEIGHTS_FILE
+from ldlm.export.quantize import Feed
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling.engine import run_lockstep
 from ldlm.sampling.request import GenerateRequest, SamplingPlan, resolve
 from ldlm.sampling.schedules import weights_sha256
-
-Feed = dict[str, np.ndarray]  # one ONNX Runtime feed: input name -> array
 
 CALIBRATION_TEXTS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",

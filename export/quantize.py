@@ -206,11 +206,11 @@ def _report(
 ) -> QuantizeReport:
     quantized = onnx.load(str(dst), load_external_data=False)
     done = [n.name.removesuffix("_quant") for n in quantized.graph.node if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")]
-    floats = {n.name.removesuffix("_MatMul") for n in quantized.graph.node if n.op_type in ("MatMul", "Gemm")}
-    kept = [n.name for n in quantized.graph.node if n.op_type in ("MatMul", "Gemm") and n.name.removesuffix("_MatMul") in keep]
-    if len(kept) != len(keep) or not set(for_accuracy) <= floats:
-        missing = sorted((set(keep) | set(for_accuracy)) - floats)
+    floats = [n.name for n in quantized.graph.node if n.op_type in ("MatMul", "Gemm")]
+    missing = sorted((set(keep) | set(for_accuracy)) - {name.removesuffix("_MatMul") for name in floats})
+    if missing:
         raise QuantizeError(f"{src}: the quantizer did not keep {missing} float")
+    kept = [name for name in floats if name.removesuffix("_MatMul") in keep]
     return QuantizeReport(done, kept, list(for_accuracy), worst, dict(errors or {}))
 
 

@@ -36,6 +36,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from ldlm.serve.api.setting_ranges import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export
 from ldlm.serve.checks.traffic import first_preview_seconds, write_report
 
@@ -231,9 +232,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="a running server on loopback (default: start one)")
     parser.add_argument("--source", help="what to serve without --url: an export or checkpoint (default: a fresh tiny export)")
     parser.add_argument("--every", type=int, default=5, help="steps between previews (default 5)")
-    parser.add_argument("--budget", type=float, default=0.05, help="the server's --preview-budget (default 0.05)")
+    parser.add_argument("--budget", type=float, default=PREVIEW_BUDGET, help=f"the server's --preview-budget (default {PREVIEW_BUDGET:g})")
     parser.add_argument(
-        "--lone-budget", type=float, default=1 / 3, help="the server's --preview-lone-budget (default 1/3; 1: every preview, in order)"
+        "--lone-budget",
+        type=float,
+        default=PREVIEW_LONE_BUDGET,
+        help="the server's --preview-lone-budget (default 1/3; 1: every preview, in order)",
     )
     parser.add_argument("--lone-length", type=int, default=64, help="tokens of the lone and concurrent requests (default 64)")
     parser.add_argument("--lone-steps", type=int, default=0, help="their steps (default 0: the server's default)")

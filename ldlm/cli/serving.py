@@ -7,7 +7,14 @@ import os
 from collections.abc import Callable, Mapping
 
 from ldlm.cli.options import capped_positive_int, device_options, float_in, int_in
-from ldlm.serve.api.setting_ranges import MAX_DELAY_MS, MAX_THREADS, MAX_TIMEOUT_S, SETTING_RANGES
+from ldlm.serve.api.setting_ranges import (
+    MAX_DELAY_MS,
+    MAX_THREADS,
+    MAX_TIMEOUT_S,
+    PREVIEW_BUDGET,
+    PREVIEW_LONE_BUDGET,
+    SETTING_RANGES,
+)
 
 MAX_REPLICAS = 4096  # RayOptions' limit
 MAX_REPLICA_CPUS = 1024.0
@@ -102,14 +109,14 @@ def preview_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preview-budget",
         type=float_in(0, 1, low_open=True),
-        default=0.05,
+        default=PREVIEW_BUDGET,
         help="share of wall time that decoding streamed denoising previews may take while other generations are in "
-        "flight; previews are skipped, never queued, beyond it (default: 0.05)",
+        f"flight; previews are skipped, never queued, beyond it (default: {PREVIEW_BUDGET:g})",
     )
     p.add_argument(
         "--preview-lone-budget",
         type=float_in(0, 1, low_open=True),
-        default=1.0 / 3.0,
+        default=PREVIEW_LONE_BUDGET,
         help="the same while a stream's generation is the only one: a lone stream takes at most 1 / (1 - share) times "
         "its plain run; 1 sends every preview asked for, in order (default: 1/3, at most 1.5x)",
     )

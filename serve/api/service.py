@@ -29,6 +29,7 @@ from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.serve.api.export_cache import cached_export
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
+from ldlm.serve.api.setting_ranges import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.serve.api.streaming import PreviewDecoder
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
@@ -62,8 +63,8 @@ class ServerSettings:
     device: str = "cpu"  # torch backends (eager, compiled)
     precision: str = "fp32"
     provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
-    preview_budget: float = 0.05  # share of wall time that decoding streamed previews may take beside other work
-    preview_lone_budget: float = 1.0 / 3.0  # the same while a stream's own generation is the only one (at most 1.5x its plain run)
+    preview_budget: float = PREVIEW_BUDGET  # share of wall time that decoding streamed previews may take beside other work
+    preview_lone_budget: float = PREVIEW_LONE_BUDGET  # the same while a stream's own generation is the only one
     trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
     export_cache: str | None = None  # a checkpoint on ort: where its verified export is kept (None: a scratch export)
 

@@ -17,3 +17,6 @@ SETTING_RANGES: dict[str, tuple[int, int]] = {  # ServerSettings field -> (low, 
 MAX_THREADS = 1024  # intra-op threads: more than any machine's cores; a pool this size only adds switching
 MAX_TIMEOUT_S = 86400.0  # request, header and body timeouts: finite, at most a day
 MAX_DELAY_MS = 60000.0  # a batching window longer than the default request timeout would only time requests out
+# Shares of wall time that decoding streamed previews may take (serve/api/streaming.py), in (0, 1]:
+PREVIEW_BUDGET = 0.05  # beside other generations
+PREVIEW_LONE_BUDGET = 1.0 / 3.0  # while a stream's own generation is the only one: at most 1.5x its plain run

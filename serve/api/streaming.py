@@ -40,6 +40,7 @@ from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
 from ldlm.serve.api.prompted import after_prompt, texts_after
+from ldlm.serve.api.setting_ranges import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.serve.runtime.delivery import decode_ragged
 from ldlm.tokenizer import TextTokenizer
 
@@ -73,18 +74,17 @@ def abandoned(stream: object) -> bool:
 
 
 class PreviewDecoder:
-    """One thread that decodes a pending preview of every sample of all streams, in one call; within ``budget`` of
-    the wall time while another generation is in flight, ``lone_budget`` while none is (see the module docs).
-    ``in_flight``: the number of generations submitted and not yet answered; without it every stream counts as
-    beside others."""
+    """One thread that decodes a pending preview of every sample of all streams, in one call, within its share of
+    the wall time (module docs). ``in_flight``: the number of generations submitted and not yet answered;
+    without it every stream counts as beside others."""
 
     def __init__(
         self,
         pipeline: LDLMPipeline,
-        budget: float = 0.05,
+        budget: float = PREVIEW_BUDGET,
         in_flight: InFlight | None = None,
         observer: PreviewObserver | None = None,
-        lone_budget: float = 1.0 / 3.0,
+        lone_budget: float = PREVIEW_LONE_BUDGET,
     ) -> None:
         for name, value in (("budget", budget), ("lone_budget", lone_budget)):
             if not 0 < value <= 1:
