@@ -11,6 +11,10 @@ the same config with ``backend: "python"`` in place of the platform line, and ``
 (serve/deploy/triton_onnx_model.py, ONNX Runtime) beside the same ``model.onnx/`` folder. For a
 Triton without the ONNX Runtime backend, such as nvidia-pytriton's (ldlm.serve.deploy.triton_local).
 
+``precision="int8"`` takes an export's INT8 variants (``ldlm export --quantize int8``) where it has
+them; each config.pbtxt names its model's precision in a ``precision`` parameter, and ldlm_generate's
+lists all three (``graph_precisions``).
+
 Every config.pbtxt is parsed with the ``model_config`` protobuf schema that tritonclient ships and
 checked against the graph's own I/O names, dtypes and dims before the repository is renamed into place.
 """
@@ -39,6 +43,7 @@ from ldlm.tokenizer import TOKENIZER_FILE
 TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
 GENERATE_MODEL = "ldlm_generate"
 GRAPH_BACKENDS = ("native", "python")  # native: tensorrt_plan / onnxruntime_onnx; python: triton_onnx_model.py
+PRECISIONS = ("fp32", "int8")  # an export's graphs as exported, or its INT8 variants where it has them
 
 
 class RepositoryError(ValueError):
@@ -56,8 +61,12 @@ def load_model_config_schema() -> Any:
     return model_config_pb2.ModelConfig
 
 
-def inspect_source(source: Path) -> tuple[str, dict[str, dict[str, Any]]]:
-    """('plan' | 'onnx', {graph: I/O + files}) for an engine or export directory; refuses empty or mixed ones."""
+def inspect_source(source: Path, precision: str = "fp32") -> tuple[str, dict[str, dict[str, Any]]]:
+    """('plan' | 'onnx', {graph: I/O + files + precision}) for an engine or export directory; refuses
+    empty or mixed ones. ``precision`` int8 takes an export's INT8 variant of each graph that has one;
+    plans carry the precision they were built in, which must be the one asked for."""
+    if precision not in PRECISIONS:
+        raise RepositoryError(f"precision={precision!r} is unknown; allowed: {', '.join(PRECISIONS)}")
     if not source.is_dir():
         raise RepositoryError(f"{source} is not a directory; allowed: an `ldlm export` or `ldlm build-engine` directory")
     plans = sorted(p.name for p in source.glob("*.plan"))
@@ -72,8 +81,20 @@ def inspect_source(source: Path) -> tuple[str, dict[str, dict[str, Any]]]:
         builds = {(m["flavor"], m["trt_version"], m["precision"]) for m in manifests.values()}
         if len(builds) != 1:
             raise RepositoryError(f"{source} is mixed: its plans come from different builds {sorted(builds)}")
+        built = next(iter(builds))[2]
+        if precision != "fp32" and built != precision:
+            raise RepositoryError(
+                f"{source} holds {built} plans, not {precision}: a plan keeps the precision it was built in; "
+                f"build {precision} engines with `ldlm build-engine --precision {precision}`"
+            )
         return "plan", {
-            g: {"inputs": m["inputs"], "outputs": m["outputs"], "profiles": m["profiles"], "files": [source / f"{g}.plan"]}
+            g: {
+                "inputs": m["inputs"],
+                "outputs": m["outputs"],
+                "profiles": m["profiles"],
+                "files": [source / f"{g}.plan"],
+                "precision": built,
+            }
             for g, m in manifests.items()
         }
     if manifest_path.is_file():
@@ -81,8 +102,20 @@ def inspect_source(source: Path) -> tuple[str, dict[str, dict[str, Any]]]:
         missing = [g for g in GRAPH_NAMES if g not in manifest.get("graphs", {})]
         if missing:
             raise RepositoryError(f"{source} has no {', '.join(missing)} graph(s); export all three")
+        chosen = {g: e.get("variants", {}).get(precision) if precision != "fp32" else None for g, e in manifest["graphs"].items()}
+        if precision != "fp32" and not any(chosen.values()):
+            raise RepositoryError(
+                f"{source} has no {precision} variants (exported without --quantize); "
+                f"re-export with `ldlm export CKPT OUT --quantize {precision}`, or write the repository with precision fp32"
+            )
         return "onnx", {
-            g: {"inputs": e["inputs"], "outputs": e["outputs"], "profiles": [], "files": [source / f for f in e["files"]]}
+            g: {
+                "inputs": e["inputs"],  # a dynamic INT8 variant keeps its graph's float inputs and outputs
+                "outputs": e["outputs"],
+                "profiles": [],
+                "files": [source / f for f in (chosen[g] or e)["files"]],
+                "precision": precision if chosen[g] else "fp32",
+            }
             for g, e in manifest["graphs"].items()
         }
     raise RepositoryError(f"{source} is empty of models: no *.plan and no manifest.json")
@@ -134,6 +167,7 @@ def model_config(
         + ",\n".join("  {" + w.strip() + " }" for w in warm)
         + "\n  ]\n} ]"
     )
+    lines.append(f'parameters {{ key: "precision" value: {{ string_value: "{io["precision"]}" }} }}')
     if cc_filenames:
         lines.append("cc_model_filenames [ " + ", ".join(f'{{ key: "{cc}" value: "{file}" }}' for cc, file in cc_filenames.items()) + " ]")
     return "\n".join(lines) + "\n"
@@ -154,10 +188,17 @@ def check_source(source: Path, kind: str, cc_dirs: Sequence[Path] = ()) -> None:
         check_engine_dir(directory, GRAPH_NAMES)
 
 
-def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: int = MAX_STEPS, bls_max_batch: int | None = None) -> str:
+def generate_config(
+    max_n: int,
+    tokenizer_sha256: str | None = None,
+    max_steps: int = MAX_STEPS,
+    bls_max_batch: int | None = None,
+    graph_precisions: dict[str, str] | None = None,
+) -> str:
     """ldlm_generate's config.pbtxt. Its parameters carry the limits the model enforces (max_n,
-    max_steps: the server's defaults) and ``bls_max_batch``, the largest batch its denoiser and
-    decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples."""
+    max_steps: the server's defaults), ``bls_max_batch``, the largest batch its denoiser and
+    decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples, and
+    the precision each graph it calls runs in (``graph_precisions``, as "encoder=fp32,denoiser=int8")."""
     scalars = [
         ("N", "TYPE_INT64"),
         ("LENGTH", "TYPE_INT64"),
@@ -170,13 +211,17 @@ def generate_config(max_n: int, tokenizer_sha256: str | None = None, max_steps: 
         f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN") else ""} }}'
         for n, t in scalars
     )
-    limits = {"max_n": max_n, "max_steps": max_steps, **({"bls_max_batch": bls_max_batch} if bls_max_batch is not None else {})}
+    parameters: dict[str, object] = {"max_n": max_n, "max_steps": max_steps}
+    if bls_max_batch is not None:
+        parameters["bls_max_batch"] = bls_max_batch
+    if graph_precisions:
+        parameters["graph_precisions"] = ",".join(f"{g}={p}" for g, p in graph_precisions.items())
     return (
         f'name: "{GENERATE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n'
         f"input [\n{inputs}\n]\n"
         'output [\n  { name: "TEXTS" data_type: TYPE_STRING dims: [ -1 ] },\n  { name: "TOKEN_IDS" data_type: TYPE_INT64 dims: [ -1, -1 ] }\n]\n'
         "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-        + "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n' for key, value in limits.items())
+        + "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n' for key, value in parameters.items())
         # the model checks the tokenizer beside it against this before it decodes anything
         + (f'parameters {{ key: "tokenizer_sha256" value: {{ string_value: "{tokenizer_sha256}" }} }}\n' if tokenizer_sha256 else "")
     )
@@ -222,16 +267,19 @@ def write_triton_repo(
     overwrite: bool = False,
     max_steps: int = MAX_STEPS,
     graph_backend: str = "native",
+    precision: str = "fp32",
 ) -> Path:
     """Write and validate the repository; ``cc_plans`` maps a compute capability ("8.6") to an
     engine directory built on such a GPU (used as cc_model_filenames). ``max_n`` and ``max_steps``
     bound ldlm_generate's N and STEPS (as ``ldlm serve`` bounds n and steps). ``graph_backend``
-    "python" makes the graphs Python-backend models running ONNX Runtime (an export only)."""
+    "python" makes the graphs Python-backend models running ONNX Runtime (an export only).
+    ``precision`` int8 writes an export's INT8 variants where it has them (fp32 graphs elsewhere);
+    every config.pbtxt names the precision its model runs in."""
     refuse_existing(out, overwrite, {"source": source, **{f"--cc-plan {cc}": d for cc, d in (cc_plans or {}).items()}})
     source = Path(source)
     if graph_backend not in GRAPH_BACKENDS:
         raise RepositoryError(f"graph_backend={graph_backend!r} is unknown; allowed: {', '.join(GRAPH_BACKENDS)}")
-    kind, graphs = inspect_source(source)
+    kind, graphs = inspect_source(source, precision)
     if graph_backend == "python" and kind != "onnx":
         raise RepositoryError(
             f"graph_backend='python' runs ONNX Runtime on an export's .onnx, but {source} holds TensorRT plans; "
@@ -283,7 +331,8 @@ def write_triton_repo(
         schedules = read_schedules(source) if kind == "onnx" else None  # an engine directory carries no tuned grids
         if schedules is not None:
             schedules.save(generate / SCHEDULES_FILE)
-        text = generate_config(max_n, tokenizer_sha256, max_steps, min(batch_sizes["denoiser"], batch_sizes["decoder"]))
+        precisions = {name: io["precision"] for name, io in graphs.items()}
+        text = generate_config(max_n, tokenizer_sha256, max_steps, min(batch_sizes["denoiser"], batch_sizes["decoder"]), precisions)
         validate_config(text, None, f"{GENERATE_MODEL}/config.pbtxt")
         (tmp / GENERATE_MODEL / "config.pbtxt").write_text(text)
     return Path(out)

@@ -99,6 +99,7 @@ def _cmd_triton_repo(args: argparse.Namespace) -> None:
         args.max_n,
         args.force,
         graph_backend=args.graph_backend,
+        precision=args.precision,
     )
     print(f"wrote {out}: models {', '.join(list_models(out))}; every config.pbtxt validated against tritonclient's schema")
     if args.graph_backend == "python":
@@ -256,6 +257,13 @@ def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
         default="native",
         help="native (default): tensorrt_plan / onnxruntime_onnx; python: Python-backend models running ONNX Runtime "
         "on an export (for a Triton without the ONNX Runtime backend, e.g. nvidia-pytriton's)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "int8"],
+        default="fp32",
+        help="fp32 (default): the graphs as exported or built; int8: an export's INT8 variants where it has them "
+        "(ldlm export --quantize int8), fp32 elsewhere. Plans keep the precision they were built in.",
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=_cmd_triton_repo)

@@ -331,3 +331,47 @@ def test_python_graph_backend_refuses_plans_and_unknown_names(export_dir: Path, 
     ):
         write_triton_repo(engines, tmp_path / "r2", graph_backend="python")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engines"]
+
+
+def test_an_int8_repository_carries_the_exports_variants_and_names_each_models_precision(
+    int8_export_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """precision int8: each graph's model file is its INT8 variant where the export has one (by the
+    manifest's sha256), each config says which, and ldlm_generate over them gives the tokens of the
+    project's own ONNX Runtime int8 runner."""
+    pytest.importorskip("onnxruntime", reason="the stand-in BLS and the reference runner run ONNX Runtime")
+    from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+
+    repo = write_triton_repo(int8_export_dir, tmp_path / "repo", gpu=False, max_n=8, precision="int8")
+    graphs = json.loads((int8_export_dir / "manifest.json").read_text())["graphs"]
+    for graph, entry in graphs.items():
+        variant = entry.get("variants", {}).get("int8")
+        source = variant or entry
+        served = hashlib.sha256((repo / graph / "1" / "model.onnx" / "model.onnx").read_bytes()).hexdigest()
+        assert served == source["files"][source["file"]]["sha256"], graph
+        assert read_config(repo, graph).parameters["precision"].string_value == ("int8" if variant else "fp32"), graph
+    assert read_config(repo, "ldlm_generate").parameters["graph_precisions"].string_value == "encoder=fp32,denoiser=int8,decoder=int8"
+    model, pb = load_generate_model(repo, monkeypatch)
+    (result,) = model.execute([request(pb, N=2, LENGTH=12, STEPS=4, SEED=3, SAMPLER="ddim")])
+    assert not result.has_error(), result.error().message()
+    backends, config, tokenizer = open_graphs("ort", int8_export_dir, "int8")
+    expected = LDLMPipeline(BackendGraphs(backends), tokenizer, config=config).generate(2, 12, 4, 3, "ddim").token_ids
+    np.testing.assert_array_equal(pb.get_output_tensor_by_name(result, "TOKEN_IDS").as_numpy(), expected.numpy())
+
+
+def test_precision_is_refused_where_the_source_has_none_of_it(export_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(
+        RepositoryError,
+        match=r"has no int8 variants \(exported without --quantize\); re-export with `ldlm export CKPT OUT --quantize int8`",
+    ):
+        write_triton_repo(export_dir, tmp_path / "r-int8", precision="int8")
+    with pytest.raises(RepositoryError, match="precision='fp8' is unknown; allowed: fp32, int8"):
+        write_triton_repo(export_dir, tmp_path / "r-fp8", precision="fp8")
+    engines = tmp_path / "engines"  # an fp16 build's layout: the precision check comes before any plan is read
+    engines.mkdir()
+    for graph in ("encoder", "denoiser", "decoder"):
+        (engines / f"{graph}.plan").write_bytes(b"plan")
+        (engines / f"{graph}.plan.json").write_text(json.dumps({"flavor": "tensorrt_rtx", "trt_version": "1.0", "precision": "fp16"}))
+    with pytest.raises(RepositoryError, match="holds fp16 plans, not int8: a plan keeps the precision it was built in; build int8 engines"):
+        write_triton_repo(engines, tmp_path / "r-plans", precision="int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines"]

@@ -299,3 +299,42 @@ def test_server_stops_cleanly_by_its_pid(server: TritonServer) -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone (and reaped)
     assert "successfully unloaded 'ldlm_generate' version 1" in server.log_path.read_text()
+
+
+def test_an_int8_repository_serves_the_exports_int8_variants(triton_env: TritonEnv, int8_export_dir: Path, tmp_path: Path) -> None:
+    """A second server, on `ldlm triton-repo --precision int8`: its configs name each model's precision,
+    its denoiser answers as ONNX Runtime runs the INT8 variant (and not as the fp32 graph does), and
+    ldlm_generate gives the tokens of the project's own int8 runner."""
+    from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+
+    repo = write_triton_repo(
+        int8_export_dir,
+        tmp_path / "repo",
+        max_batch=MAX_BATCH,
+        gpu=False,
+        max_n=MAX_N,
+        max_steps=MAX_STEPS,
+        graph_backend="python",
+        precision="int8",
+    )
+    running = start_server(repo, triton_env, tmp_path / "server.log")
+    client = triton_http.InferenceServerClient(running.http_url)
+    try:
+        assert {g: client.get_model_config(g)["parameters"]["precision"]["string_value"] for g in GRAPHS} == {
+            "encoder": "fp32",
+            "denoiser": "int8",
+            "decoder": "int8",
+        }
+        backends, config, tokenizer = open_graphs("ort", int8_export_dir, "int8")
+        inputs = graph_inputs("denoiser", config, 2, 11, seed=5)
+        got = http_infer(client, "denoiser", inputs, ["x0_hat"])["x0_hat"]
+        feed = {name: value.reshape(-1) if name == "t" else value for name, value in inputs.items()}
+        variant = ort.InferenceSession(str(int8_export_dir / "denoiser.int8.onnx"), providers=["CPUExecutionProvider"])
+        assert_matches(got, variant.run(["x0_hat"], feed)[0], "int8 denoiser")
+        assert np.abs(got - reference(int8_export_dir, "denoiser", inputs)["x0_hat"]).max() > 1e-4  # not the fp32 graph
+        tokens = http_infer(client, "ldlm_generate", generate_inputs(N=3, LENGTH=12, STEPS=4, SEED=3, SAMPLER="ddim"), ["TOKEN_IDS"])
+        expected = LDLMPipeline(BackendGraphs(backends), tokenizer, config=config).generate(3, 12, 4, 3, "ddim").token_ids
+        np.testing.assert_array_equal(tokens["TOKEN_IDS"], expected.numpy())
+    finally:
+        client.close()
+        running.stop()
