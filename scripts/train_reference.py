@@ -6,7 +6,7 @@
 The texts come from Debian's r-cran-janeaustenr and r-cran-tokenizers (installed, or their .deb files
 in --corpus: `apt-get download r-cran-janeaustenr r-cran-tokenizers`); nothing is downloaded. The
 stages (ldlm/training/) run in order: feature statistics, the autoencoder, the latent cache, the
-denoiser. The state is saved to --state-dir every --save-every seconds and after each stage, so an
+denoiser, and the decoders again on the denoiser's latents too. The state is saved to --state-dir every --save-every seconds and after each stage, so an
 interrupted run started again with the same arguments resumes where it stopped. At the end the
 checkpoint is evaluated on the held-out text (reconstruction, denoising loss, generated words) and
 written whole to --out with SHA256SUMS, a model card (README.md) and training.json.
@@ -41,7 +41,11 @@ from ldlm.training.evaluation import text_statistics, unigram_entropy_bits, word
 
 
 def model_card(log: dict[str, Any], corpus: Corpus, plan: TrainingPlan, model: LDLM, minutes: float) -> str:
-    rec, first = log["reconstruction_held_out"], log["reconstruction_held_out_first_stage"]
+    rec, first, autoencoder = (
+        log["reconstruction_held_out"],
+        log["reconstruction_held_out_first_stage"],
+        log["reconstruction_held_out_autoencoder"],
+    )
     quarters = " / ".join(f"{q:.4f}" for q in log[f"reconstruction_held_out_quarters_{plan.max_length}"])
     den = log["denoiser_held_out"]
     trained, random = log["generated_text"], log["generated_text_random_weights"]
@@ -60,11 +64,16 @@ Melville's words, with word pieces, names and punctuation between them, and no s
   The other GPT-2 ids never occur; their logits are fixed at -30 (weight 0), so they are never decoded.
 - Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes of training on {torch.get_num_threads()} CPU threads:
   - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens, {plan.full_length_fraction:.0%} of them at {plan.max_length} tokens and
-    the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), with padding; token cross-entropy + {plan.feature_weight} x feature MSE,
+    the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), {plan.short_fraction:.0%} of every batch's samples cut at a random length (padding after them),
+    so that every position is often the last; token cross-entropy + {plan.feature_weight} x feature MSE,
     latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps at {plan.max_length} tokens (lr {plan.long_lr:g}): after the
     first part alone, held-out accuracy at {plan.max_length} tokens was {first[str(plan.max_length)]:.3f};
   - denoiser: {plan.denoiser_steps} steps of {plan.tokens_per_batch} tokens on the frozen encoder's latents
-    (lengths 16/32/64/128), x0-prediction MSE, self-conditioning on {plan.self_condition:.0%} of the batches.
+    (lengths 16/32/64/128), x0-prediction MSE, self-conditioning on {plan.self_condition:.0%} of the batches;
+  - decoders: {plan.decoder_steps} steps of the autoencoder's loss for the latent and token decoders alone (lr {plan.decoder_lr:g}),
+    {plan.denoised_fraction:.0%} of the batches decoding the denoiser's self-conditioned x0_hat from t ~ U(0, {plan.denoised_t_max:g})
+    in place of the encoder's latents, so the decoders learn the latents a sampler ends on; before this stage,
+    held-out accuracy at 16 / 32 / 64 / 128 tokens was {" / ".join(f"{autoencoder[str(n)]:.4f}" for n in (16, 32, 64, 128) if str(n) in autoencoder)}.
 
 ## Held-out results
 
@@ -102,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         "--long-steps", type=int, default=TrainingPlan.long_steps, help="full-length autoencoder steps (default: %(default)s)"
     )
     parser.add_argument("--denoiser-steps", type=int, default=TrainingPlan.denoiser_steps)
+    parser.add_argument(
+        "--decoder-steps",
+        type=int,
+        default=TrainingPlan.decoder_steps,
+        help="steps of the decoders on encoder and denoiser latents (default: %(default)s)",
+    )
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core, %(default)s)")
     parser.add_argument("--save-every", type=float, default=120.0, help="seconds between saved states (default: %(default)s)")
@@ -119,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         autoencoder_steps=args.autoencoder_steps,
         long_steps=args.long_steps,
         denoiser_steps=args.denoiser_steps,
+        decoder_steps=args.decoder_steps,
         tokens_per_batch=args.tokens_per_batch,
     )
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,19 @@ def reconstruction_accuracy(model: LDLM, ids: np.ndarray, length: int, count: in
     input_ids = windows(ids, rng.integers(0, len(ids) - length, count), length)
     correct = (model.decode_tokens(model.encode_latents(input_ids)) == input_ids).float()
     return [span.mean().item() for span in correct.chunk(parts, dim=1)]
+
+
+@torch.no_grad()
+def last_token_accuracy(model: LDLM, windows: torch.Tensor, lengths: Iterable[int]) -> dict[int, float]:
+    """For each length n: the share of ``windows`` (B, >= n) whose n-th token survives encode -> decode
+    of their first n tokens. A model that keeps a token in the next position's latent loses it exactly
+    where a window ends, which a whole-window accuracy averages away."""
+    accuracy = {}
+    for n in lengths:
+        latents = model.encode_latents(windows[:, :n]) * model.latent_std + model.latent_mean
+        last = model.token_decoder.hidden(model.latent_decoder(latents))[:, -1]  # decode_logits, at the last position only
+        accuracy[n] = (model.token_decoder.head(last).argmax(-1) == windows[:, n - 1]).float().mean().item()
+    return accuracy
 
 
 @torch.no_grad()

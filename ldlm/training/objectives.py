@@ -7,6 +7,11 @@
 - denoiser: x_t = alpha_t z + sigma_t eps at t ~ U(0, 1), predicting z with an MSE loss; a
   ``self_condition`` share of the batches first runs the denoiser once without gradient and feeds
   that x0_hat back as x0_prev, as the sampler does at every step but the first.
+- decoder: the autoencoder's loss for the two decoders alone (encoder and denoiser frozen). A
+  ``denoised_fraction`` of the batches decode the denoiser's self-conditioned x0_hat from x_t at
+  t ~ U(0, ``denoised_t_max``) instead of the encoder's latents: a sampler ends on such latents, which
+  the decoders never saw (each position's token is an argmax of its own, so a latent between two
+  words' decodes into a word piece that joins its neighbour into a non-word).
 
 The vocabulary head is trained on the corpus's token ids only (the softmax over the other ~30k
 GPT-2 ids costs most of a step and teaches nothing: they never occur). Those rows end with weight 0
@@ -29,7 +34,7 @@ from torch import Tensor, nn
 from ldlm.model import LDLM
 from ldlm.schedule import TangentSchedule, forward_noise
 
-STAGES = ("features", "autoencoder", "autoencoder_long", "latents", "denoiser", "done")
+STAGES = ("features", "autoencoder", "autoencoder_long", "latents", "denoiser", "decoder", "done")
 UNSEEN_LOGIT = -30.0  # logit of every id the corpus never has: far below any trained logit, exact in fp16 too
 DENOISER_LENGTHS = (16, 32, 64, 128)  # the latent cache's window lengths, equal in tokens
 
@@ -50,17 +55,24 @@ class TrainingPlan:
     long_steps: int = 400  # then full-length windows only, at a lower learning rate
     long_lr: float = 5e-4
     denoiser_lr: float = 1e-3
+    decoder_steps: int = 1200  # the decoders alone, on denoised latents too: about 8 minutes
+    decoder_lr: float = 5e-4
+    denoised_fraction: float = 0.35
+    denoised_t_max: float = 0.3
     warmup_steps: int = 200
     weight_decay: float = 0.01
     feature_weight: float = 1.0
     latent_noise: float = 0.3
     self_condition: float = 0.5  # fraction of denoiser batches trained with x0_prev from a first pass
-    short_fraction: float = 0.25  # samples in a batch cut shorter than the batch's length (padding)
+    # Samples in a batch cut shorter than the batch's length (padding), so every position is often the
+    # last one: at a quarter, the model learned to keep the token of position 15 in latent 16 at 16
+    # tokens (and 25, 37, 126), and a 16-token window lost its last token (9% right there, 98% elsewhere).
+    short_fraction: float = 0.5
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
     def check(self) -> None:
         problems = []
-        for name in ("autoencoder_steps", "long_steps", "denoiser_steps"):
+        for name in ("autoencoder_steps", "long_steps", "denoiser_steps", "decoder_steps"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} (allowed: >= 0)")
         if not 1 <= self.min_length <= self.max_length:
@@ -70,7 +82,7 @@ class TrainingPlan:
         for name in ("latent_noise", "feature_weight"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} (allowed: >= 0)")
-        for name in ("self_condition", "short_fraction", "full_length_fraction"):
+        for name in ("self_condition", "short_fraction", "full_length_fraction", "denoised_fraction", "denoised_t_max"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)} (allowed: 0..1)")
         if problems:
@@ -150,22 +162,24 @@ class VocabularyHead(nn.Module):
         full.bias[self.ids] = self.bias
 
 
-def autoencoder_loss(
-    model: LDLM,
-    head: VocabularyHead,
-    input_ids: Tensor,
-    mask: Tensor,
-    plan: TrainingPlan,
-    gen: torch.Generator,
-    measure: bool = True,
-) -> tuple[Tensor, dict[str, float]]:
+def standard_features(model: LDLM, input_ids: Tensor, mask: Tensor) -> Tensor:
+    """GPT-2's (frozen) features, standardized: the encoder's input and the latent decoder's target."""
     with torch.no_grad():
-        features = (model.feature_model(input_ids, mask) - model.feature_mean) / model.feature_std
-    latents = model.latent_encoder(features, mask)
+        return (model.feature_model(input_ids, mask) - model.feature_mean) / model.feature_std
+
+
+def with_latent_noise(latents: Tensor, plan: TrainingPlan, gen: torch.Generator) -> Tensor:
+    """Gaussian noise of a per-sample scale in [0, latent_noise] x the latents' RMS."""
     rms = latents.detach().pow(2).mean().sqrt()
     scale = plan.latent_noise * torch.rand(latents.shape[0], 1, 1, generator=gen)
-    noisy = latents + scale * rms * torch.randn(latents.shape, generator=gen)
-    h = model.latent_decoder(noisy, mask)
+    return latents + scale * rms * torch.randn(latents.shape, generator=gen)
+
+
+def decoding_loss(
+    model: LDLM, head: VocabularyHead, latents: Tensor, features: Tensor, input_ids: Tensor, mask: Tensor, plan: TrainingPlan, measure: bool
+) -> tuple[Tensor, dict[str, float]]:
+    """Token cross-entropy + ``feature_weight`` x the latent decoder's MSE to ``features``, from raw latents."""
+    h = model.latent_decoder(latents, mask)
     real = mask.bool()
     logits = head.logits(model, h, mask)
     targets = head.index[input_ids[real]]
@@ -175,6 +189,47 @@ def autoencoder_loss(
     if measure:  # an argmax over (tokens, V') costs a tenth of a step: only when it is logged
         stats["accuracy"] = (logits.detach().argmax(-1) == targets).float().mean().item()
     return token_loss + plan.feature_weight * feature_loss, stats
+
+
+def autoencoder_loss(
+    model: LDLM,
+    head: VocabularyHead,
+    input_ids: Tensor,
+    mask: Tensor,
+    plan: TrainingPlan,
+    gen: torch.Generator,
+    measure: bool = True,
+) -> tuple[Tensor, dict[str, float]]:
+    features = standard_features(model, input_ids, mask)
+    latents = with_latent_noise(model.latent_encoder(features, mask), plan, gen)
+    return decoding_loss(model, head, latents, features, input_ids, mask, plan, measure)
+
+
+def decoder_loss(
+    model: LDLM,
+    head: VocabularyHead,
+    schedule: TangentSchedule,
+    batch: tuple[Tensor, Tensor],
+    denoised: bool,
+    plan: TrainingPlan,
+    gen: torch.Generator,
+    measure: bool = True,
+) -> tuple[Tensor, dict[str, float]]:
+    """The decoders' loss on the frozen encoder's latents (with latent noise), or on ``denoised`` ones:
+    x0_hat from x_t at t ~ U(0, denoised_t_max), self-conditioned as the sampler's every step but the first."""
+    input_ids, mask = batch
+    features = standard_features(model, input_ids, mask)
+    with torch.no_grad():
+        latents = model.latent_encoder(features, mask)
+        if denoised:
+            z = (latents - model.latent_mean) / model.latent_std
+            t = plan.denoised_t_max * torch.rand(z.shape[0], generator=gen)
+            x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen))
+            first = model.denoise(x_t, t, torch.zeros_like(z), mask)
+            latents = model.denoise(x_t, t, first, mask) * model.latent_std + model.latent_mean
+        else:
+            latents = with_latent_noise(latents, plan, gen)
+    return decoding_loss(model, head, latents, features, input_ids, mask, plan, measure)
 
 
 @torch.no_grad()

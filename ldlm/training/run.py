@@ -5,6 +5,7 @@
 3. ``autoencoder_long``: the same at full-length windows (with padding), at a lower learning rate.
 4. ``latents``: the frozen encoder's latent statistics (the cache of latents is rebuilt on resume).
 5. ``denoiser``: on the cached latents.
+6. ``decoder``: the latent and token decoders again, on the encoder's latents and on the denoiser's.
 
 The state (``state_dir``: the model as a checkpoint, the optimizer's tensors in safetensors, and
 ``state.json``) is written whole every ``save_every_s`` seconds and after every stage; a run started
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
@@ -38,6 +40,7 @@ from ldlm.training.objectives import (
     VocabularyHead,
     autoencoder_loss,
     cache_latents,
+    decoder_loss,
     denoiser_loss,
     draw,
     feature_statistics,
@@ -50,6 +53,13 @@ from ldlm.training.objectives import (
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 RECONSTRUCTION_LENGTHS = (16, 32, 64, 128)
+DECODER_STAGES = ("autoencoder", "autoencoder_long", "decoder")  # the stages that train the token decoder's head
+# held-out reconstruction after each of them, in the log; the last is the checkpoint's
+RECONSTRUCTION_LOGS = {
+    "autoencoder": "reconstruction_held_out_first_stage",
+    "autoencoder_long": "reconstruction_held_out_autoencoder",
+    "decoder": "reconstruction_held_out",
+}
 
 
 @dataclass
@@ -63,12 +73,13 @@ class Progress:
 
 def optimizer_for(model: LDLM, head: VocabularyHead, stage: str, plan: TrainingPlan) -> torch.optim.AdamW:
     if stage == "denoiser":
-        params, lr = list(model.denoiser.parameters()), plan.denoiser_lr
-    else:  # the full head is trained through its restricted copy
-        full_head = {id(p) for p in model.token_decoder.head.parameters()}
-        modules = (model.latent_encoder, model.latent_decoder, model.token_decoder)
-        params = [p for module in modules for p in module.parameters() if id(p) not in full_head] + list(head.parameters())
-        lr = plan.autoencoder_lr
+        return torch.optim.AdamW(model.denoiser.parameters(), lr=plan.denoiser_lr, weight_decay=plan.weight_decay)
+    # the full head is trained through its restricted copy; the decoder stage leaves the encoder as it is
+    full_head = {id(p) for p in model.token_decoder.head.parameters()}
+    decoders = (model.latent_decoder, model.token_decoder)
+    modules = decoders if stage == "decoder" else (model.latent_encoder, *decoders)
+    params = [p for module in modules for p in module.parameters() if id(p) not in full_head] + list(head.parameters())
+    lr = plan.decoder_lr if stage == "decoder" else plan.autoencoder_lr
     return torch.optim.AdamW(params, lr=lr, weight_decay=plan.weight_decay)
 
 
@@ -148,9 +159,11 @@ class Run:
             "autoencoder": (plan.autoencoder_steps, plan.autoencoder_lr),
             "autoencoder_long": (plan.long_steps, plan.long_lr),
             "denoiser": (plan.denoiser_steps, plan.denoiser_lr),
+            "decoder": (plan.decoder_steps, plan.decoder_lr),
         }[stage]
         warmup = min(plan.warmup_steps, total // 10)  # a short stage warms up for a tenth of it
-        cache = self.latent_cache() if stage == "denoiser" else None
+        if stage == "denoiser":
+            self.latent_cache()  # built (or rebuilt, on resume) before the first step
         optimizer = optimizer_for(model, self.head, stage, plan)
         if self.optimizer_state is not None:
             optimizer.load_state_dict(self.optimizer_state)
@@ -170,13 +183,7 @@ class Run:
             rng, gen = draw(plan.seed, stage, step)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, total, peak, warmup)
-            if cache is None:
-                batch = text_batch(self.corpus.train, plan, rng, full_length=stage == "autoencoder_long")
-                loss, stats = autoencoder_loss(model, self.head, *batch, plan, gen, step % 100 == 0)
-            else:
-                loss, stats = denoiser_loss(
-                    model, self.schedule, latent_batch(cache, plan, model, rng), bool(rng.random() < plan.self_condition), gen
-                )
+            loss, stats = self.loss(stage, step, rng, gen)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
@@ -189,6 +196,18 @@ class Run:
                 last_save = time.monotonic()
         model.eval()
 
+    def loss(self, stage: str, step: int, rng: np.random.Generator, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+        """One step's loss and statistics: the stage's objective on the step's batch."""
+        model, plan = self.model, self.plan
+        if stage == "denoiser":
+            z = latent_batch(self.latent_cache(), plan, model, rng)
+            return denoiser_loss(model, self.schedule, z, bool(rng.random() < plan.self_condition), gen)
+        batch = text_batch(self.corpus.train, plan, rng, full_length=stage == "autoencoder_long")
+        if stage == "decoder":
+            denoised = bool(rng.random() < plan.denoised_fraction)
+            return decoder_loss(model, self.head, self.schedule, batch, denoised, plan, gen, step % 100 == 0)
+        return autoencoder_loss(model, self.head, *batch, plan, gen, step % 100 == 0)
+
     def clock(self) -> None:
         """The run's training time so far, resumed runs included, into the log."""
         self.progress.log["train_seconds"] = round(self.seconds_before + time.monotonic() - self.started, 1)
@@ -196,16 +215,16 @@ class Run:
     def save(self, stage: str, step: int, optimizer: torch.optim.Optimizer) -> None:
         self.clock()
         self.model.eval()
-        if stage.startswith("autoencoder"):
+        if stage in DECODER_STAGES:
             self.head.seal(self.model)  # the restricted head's rows go into the full head that is saved
         save_state(self.state_dir, self.model, optimizer, Progress(stage, step, self.progress.log))
         self.model.train()
 
     def evaluate(self, stage: str) -> None:
         log = self.progress.log
-        if stage.startswith("autoencoder"):
+        if stage in DECODER_STAGES:
             self.head.seal(self.model)
-            name = "reconstruction_held_out" if stage == "autoencoder_long" else "reconstruction_held_out_first_stage"
+            name = RECONSTRUCTION_LOGS[stage]
             lengths = [n for n in RECONSTRUCTION_LENGTHS if n <= self.plan.max_length]
             log[name] = {str(n): reconstruction_accuracy(self.model, self.corpus.held_out, n)[0] for n in lengths}
             # by quarter of the positions at the longest length: the last positions learn last

@@ -473,6 +473,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/export/test_triton_repo.py",),
         "Triton refuses the plans: max_batch_size above the profiles' largest batch",
     ),
+    Mutation(
+        "triton-int8-repository-serves-fp32",
+        "ldlm.export.triton_repo:inspect_source",
+        'for f in (chosen[g] or e)["files"]',
+        'for f in e["files"]',
+        ("tests/export/test_triton_repo.py",),
+        "a repository written with --precision int8 says int8 in every config and serves the fp32 graphs",
+    ),
     # --- the solvers, and the solver state the scheduler keeps per sample -----------------------------
     Mutation(
         "dpm3m-c2-sign",
@@ -1530,11 +1538,27 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "feature-loss-dropped",
-        "ldlm.training.objectives:autoencoder_loss",
+        "ldlm.training.objectives:decoding_loss",
         "return token_loss + plan.feature_weight * feature_loss, stats",
         "return token_loss, stats",
         ("tests/ldlm/training/test_objectives.py",),
         "the latent decoder is no longer trained toward GPT-2's features",
+    ),
+    Mutation(
+        "decoder-stage-grads-reach-the-encoder",
+        "ldlm.training.objectives:decoder_loss",
+        "with torch.no_grad():",
+        "with torch.enable_grad():",
+        ("tests/ldlm/training/test_objectives.py",),
+        "the decoder stage's gradients reach the encoder and the denoiser, whose latents the others were trained on",
+    ),
+    Mutation(
+        "decoder-stage-decodes-undenoised-latents",
+        "ldlm.training.objectives:decoder_loss",
+        "latents = model.denoise(x_t, t, first, mask) * model.latent_std + model.latent_mean",
+        "latents = latents",
+        ("tests/ldlm/training/test_objectives.py",),
+        "the decoders never see a denoiser's latents, and samples keep their word pieces",
     ),
     Mutation(
         "resume-forgets-the-optimizer",

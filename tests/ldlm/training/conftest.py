@@ -50,6 +50,7 @@ MICRO_PLAN = TrainingPlan(
     autoencoder_steps=6,
     long_steps=3,
     denoiser_steps=6,
+    decoder_steps=4,
     tokens_per_batch=128,
     min_length=4,
     max_length=32,

@@ -18,6 +18,7 @@ from ldlm.training.objectives import (
     TrainingPlan,
     VocabularyHead,
     autoencoder_loss,
+    decoder_loss,
     denoiser_loss,
     draw,
     learning_rate,
@@ -118,6 +119,38 @@ def test_denoiser_loss_is_the_x0_mse_at_the_forward_process(micro_model: LDLM) -
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_decoder_loss_decodes_the_denoisers_x0_hat_and_trains_the_decoders_alone(micro_model: LDLM, micro_corpus: Corpus) -> None:
+    plan = dataclasses.replace(MICRO_PLAN, feature_weight=0.5, denoised_t_max=0.4)
+    schedule = TangentSchedule(micro_model.config.schedule_d, micro_model.config.beta_clip_t)
+    batch = text_batch(micro_corpus.train, dataclasses.replace(plan, short_fraction=0.5), draw(0, "decoder", 3)[0])
+    ids, mask = batch
+    head = VocabularyHead(micro_corpus.vocabulary, micro_model)
+    m, real = micro_model, mask.bool()
+    with torch.no_grad():  # with a latent mean and scale of their own, so a missing (un)standardization shows
+        m.latent_mean.normal_(0.0, 0.5)
+        m.latent_std.uniform_(0.5, 2.0)
+    loss, _ = decoder_loss(m, head, schedule, batch, True, plan, torch.Generator().manual_seed(5))
+    # Independently: the same draws in the same order (t, then the noise), the sampler's two calls.
+    gen = torch.Generator().manual_seed(5)
+    features = (m.feature_model(ids, mask) - m.feature_mean) / m.feature_std
+    z = m.encode_latents(ids, mask)
+    t = 0.4 * torch.rand(ids.shape[0], generator=gen)
+    alpha = torch.rsqrt(1 + 9 * torch.tan(np.pi * t / 2) ** 2)[:, None, None]  # the tangent schedule, d = 3
+    x_t = alpha * z + torch.sqrt(1 - alpha**2) * torch.randn(z.shape, generator=gen)
+    x0_hat = m.denoise(x_t, t, m.denoise(x_t, t, torch.zeros_like(z), mask), mask)
+    h = m.latent_decoder(x0_hat * m.latent_std + m.latent_mean, mask)
+    logits = m.token_decoder(h, mask)[real][:, head.ids]
+    expected = F.cross_entropy(logits, torch.searchsorted(head.ids, ids[real])) + 0.5 * ((h - features)[real] ** 2).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+    loss.backward()
+    trained = {name for name, p in m.named_parameters() if p.grad is not None and bool(p.grad.abs().sum() > 0)}
+    assert trained and all(name.startswith(("latent_decoder.", "token_decoder.")) for name in trained), sorted(trained)
+    assert head.weight.grad is not None
+    # Without denoising it is the autoencoder's loss on the frozen encoder's latents, latent noise included.
+    plain, _ = decoder_loss(m, head, schedule, batch, False, plan, torch.Generator().manual_seed(6))
+    torch.testing.assert_close(plain, autoencoder_loss(m, head, ids, mask, plan, torch.Generator().manual_seed(6))[0])
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -126,6 +159,9 @@ def test_denoiser_loss_is_the_x0_mse_at_the_forward_process(micro_model: LDLM) -
         ("tokens_per_batch", 64, "tokens_per_batch=64 (allowed: >= max_length 128)"),
         ("self_condition", 1.5, "self_condition=1.5 (allowed: 0..1)"),
         ("full_length_fraction", -0.5, "full_length_fraction=-0.5 (allowed: 0..1)"),
+        ("decoder_steps", -2, "decoder_steps=-2 (allowed: >= 0)"),
+        ("denoised_fraction", 2.0, "denoised_fraction=2.0 (allowed: 0..1)"),
+        ("denoised_t_max", 1.5, "denoised_t_max=1.5 (allowed: 0..1)"),
         ("latent_noise", -0.1, "latent_noise=-0.1 (allowed: >= 0)"),
     ],
 )

@@ -43,28 +43,29 @@ def test_the_autoencoder_learns_the_corpus(micro_corpus: Corpus, tmp_path: Path)
     assert json.loads((tmp_path / "state" / STATE_FILE).read_text())["stage"] == "done"
 
 
+@pytest.mark.parametrize("stage", ["denoiser", "decoder"])
 def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(
-    micro_corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    micro_corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
 ) -> None:
     uninterrupted = init_model(MICRO, seed=0)
     train(uninterrupted, micro_corpus, MICRO_PLAN, tmp_path / "a", progress_bar=False)
 
     calls = {"n": 0}
-    real_loss = run_module.denoiser_loss
+    real_loss = getattr(run_module, f"{stage}_loss")
 
     def interrupted_loss(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
-        if calls["n"] == 4:  # Ctrl-C in the middle of the denoiser stage, after 3 steps were saved
+        if calls["n"] == 4:  # Ctrl-C in the middle of the stage, after 3 steps were saved
             raise KeyboardInterrupt
-        return real_loss(*args, **kwargs)  # type: ignore[arg-type]
+        return real_loss(*args, **kwargs)  # type: ignore[operator]
 
-    monkeypatch.setattr(run_module, "denoiser_loss", interrupted_loss)
+    monkeypatch.setattr(run_module, f"{stage}_loss", interrupted_loss)
     first = init_model(MICRO, seed=0)
     with pytest.raises(KeyboardInterrupt):
         train(first, micro_corpus, MICRO_PLAN, tmp_path / "b", save_every_s=0.0, progress_bar=False)
     saved = json.loads((tmp_path / "b" / STATE_FILE).read_text())
-    assert (saved["stage"], saved["step"]) == ("denoiser", 3)
-    monkeypatch.setattr(run_module, "denoiser_loss", real_loss)
+    assert (saved["stage"], saved["step"]) == (stage, 3)
+    monkeypatch.setattr(run_module, f"{stage}_loss", real_loss)
 
     resumed = init_model(MICRO, seed=1)  # other initial weights: everything must come from the saved state
     train(resumed, micro_corpus, MICRO_PLAN, tmp_path / "b", progress_bar=False)
@@ -73,6 +74,20 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(
         n for n in expected if not torch.equal(expected[n], found[n])
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no temporary state directory left beside
+
+
+def test_the_decoder_stage_changes_the_decoders_and_nothing_else(micro_corpus: Corpus, tmp_path: Path) -> None:
+    """Two runs that differ only in decoder steps: every stage before it draws the same batches, so
+    the encoder, the denoiser and the statistics match to the bit, and the decoders do not."""
+    without, with_stage = init_model(MICRO, seed=0), init_model(MICRO, seed=0)
+    train(without, micro_corpus, dataclasses.replace(MICRO_PLAN, decoder_steps=0), tmp_path / "a", progress_bar=False)
+    log = train(with_stage, micro_corpus, MICRO_PLAN, tmp_path / "b", progress_bar=False)
+    before, after = without.state_dict(), with_stage.state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(name.startswith(("latent_decoder.", "token_decoder.")) for name in changed), sorted(changed)
+    assert {name.split(".")[0] for name in changed} == {"latent_decoder", "token_decoder"}
+    assert len(log["decoder_history"]) == 1 and "reconstruction_held_out_autoencoder" in log
+    assert log["reconstruction_held_out"]["16"] == pytest.approx(reconstruction_accuracy(with_stage, micro_corpus.held_out, 16)[0])
 
 
 def test_a_plan_longer_than_the_model_is_refused(micro_corpus: Corpus, tmp_path: Path) -> None:

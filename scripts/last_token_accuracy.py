@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Whether a checkpoint keeps the last token of a window at every length: held-out windows cut at each
+length 2..128, encoded and decoded, the last token compared. Writes JSON (per checkpoint: every
+length's accuracy, the worst lengths, the mean).
+
+    python scripts/last_token_accuracy.py models/ldlm-austen-tiny [OTHER_CHECKPOINT ...] --out result.json
+
+The windows are tests/data/reference-held-out-windows.json (the reference corpus's held-out text,
+written by tests/data/make_reference_held_out.py); a whole-window accuracy averages away a model that
+keeps some position's token in the next position's latent, and so loses it where a window ends there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ldlm.checkpoint import load_checkpoint
+from ldlm.files import write_atomically
+from ldlm.training.evaluation import last_token_accuracy
+
+WINDOWS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference-held-out-windows.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="+", type=Path, help="checkpoint directories")
+    parser.add_argument("--out", type=Path, required=True, help="JSON path to write")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = json.loads(WINDOWS.read_text())
+    windows = torch.tensor(data["windows"])
+    results = {}
+    for checkpoint in args.checkpoints:
+        model, _ = load_checkpoint(checkpoint)
+        accuracy = last_token_accuracy(model, windows, range(2, windows.shape[1] + 1))
+        worst = sorted(accuracy, key=accuracy.__getitem__)[:5]
+        results[str(checkpoint)] = {
+            "mean": sum(accuracy.values()) / len(accuracy),
+            "worst": {n: accuracy[n] for n in worst},
+            "by_length": accuracy,
+        }
+        print(f"{checkpoint}: mean {results[str(checkpoint)]['mean']:.4f}, worst {', '.join(f'L{n} {accuracy[n]:.2f}' for n in worst)}")
+    report = {"windows": f"{windows.shape[0]} x {windows.shape[1]} tokens: {data['source']}", "checkpoints": results}
+    write_atomically(args.out, json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
