@@ -64,8 +64,7 @@ Melville's words, with word pieces, names and punctuation between them, and no s
   The other GPT-2 ids never occur; their logits are fixed at -30 (weight 0), so they are never decoded.
 - Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes of training on {torch.get_num_threads()} CPU threads:
   - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens, {plan.full_length_fraction:.0%} of them at {plan.max_length} tokens and
-    the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), {plan.short_fraction:.0%} of every batch's samples cut at a random length (padding after them),
-    so that every position is often the last; token cross-entropy + {plan.feature_weight} x feature MSE,
+    the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), {plan.short_fraction:.0%} of every batch's samples cut at a random length (padding after them); token cross-entropy + {plan.feature_weight} x feature MSE,
     latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps at {plan.max_length} tokens (lr {plan.long_lr:g}): after the
     first part alone, held-out accuracy at {plan.max_length} tokens was {first[str(plan.max_length)]:.3f};
   - denoiser: {plan.denoiser_steps} steps of {plan.tokens_per_batch} tokens on the frozen encoder's latents
