@@ -53,8 +53,8 @@ from ldlm.training.objectives import (
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 RECONSTRUCTION_LENGTHS = (16, 32, 64, 128)
-DECODER_STAGES = ("autoencoder", "autoencoder_long", "decoder")  # the stages that train the token decoder's head
-# held-out reconstruction after each of them, in the log; the last is the checkpoint's
+# The stages that train the token decoder's head, and the log entry of the held-out reconstruction
+# after each of them; the last is the checkpoint's
 RECONSTRUCTION_LOGS = {
     "autoencoder": "reconstruction_held_out_first_stage",
     "autoencoder_long": "reconstruction_held_out_autoencoder",
@@ -215,14 +215,14 @@ class Run:
     def save(self, stage: str, step: int, optimizer: torch.optim.Optimizer) -> None:
         self.clock()
         self.model.eval()
-        if stage in DECODER_STAGES:
+        if stage in RECONSTRUCTION_LOGS:
             self.head.seal(self.model)  # the restricted head's rows go into the full head that is saved
         save_state(self.state_dir, self.model, optimizer, Progress(stage, step, self.progress.log))
         self.model.train()
 
     def evaluate(self, stage: str) -> None:
         log = self.progress.log
-        if stage in DECODER_STAGES:
+        if stage in RECONSTRUCTION_LOGS:
             self.head.seal(self.model)
             name = RECONSTRUCTION_LOGS[stage]
             lengths = [n for n in RECONSTRUCTION_LENGTHS if n <= self.plan.max_length]
