@@ -64,7 +64,7 @@ Melville's words, with word pieces, names and punctuation between them, and no s
   The other GPT-2 ids never occur; their logits are fixed at -30 (weight 0), so they are never decoded.
 - Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes of training on {torch.get_num_threads()} CPU threads:
   - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens, {plan.full_length_fraction:.0%} of them at {plan.max_length} tokens and
-    the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), {plan.short_fraction:.0%} of every batch's samples cut at a random length (padding after them); token cross-entropy + {plan.feature_weight} x feature MSE,
+    the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), {plan.short_fraction:.0%} of every batch's samples cut at a random length (padding after them); token cross-entropy (each sample's last real token weighted {plan.last_token_weight:g}) + {plan.feature_weight} x feature MSE,
     latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps at {plan.max_length} tokens (lr {plan.long_lr:g}): after the
     first part alone, held-out accuracy at {plan.max_length} tokens was {first[str(plan.max_length)]:.3f};
   - denoiser: {plan.denoiser_steps} steps of {plan.tokens_per_batch} tokens on the frozen encoder's latents
@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         default=TrainingPlan.decoder_steps,
         help="steps of the decoders on encoder and denoiser latents (default: %(default)s)",
     )
+    parser.add_argument(
+        "--last-token-weight",
+        type=float,
+        default=TrainingPlan.last_token_weight,
+        help="weight of each sample's last real token in the token loss, 1 elsewhere (default: %(default)s)",
+    )
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core, %(default)s)")
     parser.add_argument("--save-every", type=float, default=120.0, help="seconds between saved states (default: %(default)s)")
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         long_steps=args.long_steps,
         denoiser_steps=args.denoiser_steps,
         decoder_steps=args.decoder_steps,
+        last_token_weight=args.last_token_weight,
         tokens_per_batch=args.tokens_per_batch,
     )
     try:

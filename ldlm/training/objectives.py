@@ -3,7 +3,8 @@
 - autoencoder: token cross-entropy + ``feature_weight`` x the latent decoder's MSE to the
   standardized GPT-2 features (the spec's objective). Gaussian noise of a per-sample scale in
   [0, ``latent_noise``] x the latents' RMS is added to the latents first, so the decoders learn to
-  read latents that a denoiser only gets close to.
+  read latents that a denoiser only gets close to. Each sample's last real token can weigh more
+  (``last_token_weight``): a window's end is where a token kept in the next latent is lost.
 - denoiser: x_t = alpha_t z + sigma_t eps at t ~ U(0, 1), predicting z with an MSE loss; a
   ``self_condition`` share of the batches first runs the denoiser once without gradient and feeds
   that x0_hat back as x0_prev, as the sampler does at every step but the first.
@@ -68,6 +69,10 @@ class TrainingPlan:
     # some positions' tokens in the next position's latent and loses them where a window ends there
     # (scripts/last_token_accuracy.py); half the samples cut did not remove that after 1,400 steps.
     short_fraction: float = 0.25
+    # Weight of the token loss at each sample's last real position (1 at every other). A token kept in
+    # the next position's latent is lost only where a window ends, 1/L of a sample's loss: this makes
+    # that case cost what it costs a user.
+    last_token_weight: float = 1.0
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
     def check(self) -> None:
@@ -79,6 +84,8 @@ class TrainingPlan:
             problems.append(f"min_length={self.min_length}, max_length={self.max_length} (allowed: 1 <= min_length <= max_length)")
         if self.tokens_per_batch < self.max_length:
             problems.append(f"tokens_per_batch={self.tokens_per_batch} (allowed: >= max_length {self.max_length})")
+        if self.last_token_weight < 1:
+            problems.append(f"last_token_weight={self.last_token_weight} (allowed: >= 1)")
         for name in ("latent_noise", "feature_weight"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} (allowed: >= 0)")
@@ -175,15 +182,26 @@ def with_latent_noise(latents: Tensor, plan: TrainingPlan, gen: torch.Generator)
     return latents + scale * rms * torch.randn(latents.shape, generator=gen)
 
 
+def token_weights(mask: Tensor, last_weight: float) -> Tensor:
+    """Weights (real positions,) of the token loss: ``last_weight`` at each sample's last real
+    position, 1 elsewhere (padding is on the right)."""
+    real = mask.bool()
+    last = torch.zeros_like(real)
+    last[torch.arange(real.shape[0]), real.sum(1) - 1] = True
+    return torch.where(last, last_weight, 1.0)[real]
+
+
 def decoding_loss(
     model: LDLM, head: VocabularyHead, latents: Tensor, features: Tensor, input_ids: Tensor, mask: Tensor, plan: TrainingPlan, measure: bool
 ) -> tuple[Tensor, dict[str, float]]:
-    """Token cross-entropy + ``feature_weight`` x the latent decoder's MSE to ``features``, from raw latents."""
+    """Token cross-entropy (each sample's last real token weighted ``last_token_weight``) + ``feature_weight``
+    x the latent decoder's MSE to ``features``, from raw latents."""
     h = model.latent_decoder(latents, mask)
     real = mask.bool()
     logits = head.logits(model, h, mask)
     targets = head.index[input_ids[real]]
-    token_loss = F.cross_entropy(logits, targets)
+    weights = token_weights(mask, plan.last_token_weight)
+    token_loss = (weights * F.cross_entropy(logits, targets, reduction="none")).sum() / weights.sum()
     feature_loss = F.mse_loss(h[real], features[real])
     stats = {"token_loss": token_loss.item(), "feature_mse": feature_loss.item()}
     if measure:  # an argmax over (tokens, V') costs a tenth of a step: only when it is logged

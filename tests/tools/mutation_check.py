@@ -1537,6 +1537,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ids the corpus never has can win the argmax",
     ),
     Mutation(
+        "last-token-weight-ignored",
+        "ldlm.training.objectives:decoding_loss",
+        'token_loss = (weights * F.cross_entropy(logits, targets, reduction="none")).sum() / weights.sum()',
+        "token_loss = F.cross_entropy(logits, targets)",
+        ("tests/ldlm/training/test_objectives.py",),
+        "a window's last token weighs no more than any other, so a token kept in the next latent is lost where a window ends",
+    ),
+    Mutation(
         "feature-loss-dropped",
         "ldlm.training.objectives:decoding_loss",
         "return token_loss + plan.feature_weight * feature_loss, stats",

@@ -105,6 +105,26 @@ def test_autoencoder_loss_is_cross_entropy_plus_feature_mse(micro_model: LDLM, m
     assert stats["accuracy"] == pytest.approx((logits.argmax(-1) == targets).float().mean().item())
 
 
+def test_the_last_real_token_of_each_sample_weighs_last_token_weight(micro_model: LDLM, micro_corpus: Corpus) -> None:
+    plan = dataclasses.replace(MICRO_PLAN, latent_noise=0.0, feature_weight=0.5, last_token_weight=5.0)
+    ids, mask = text_batch(micro_corpus.train, dataclasses.replace(plan, short_fraction=0.5), draw(0, "autoencoder", 3)[0])
+    assert len(set(mask.sum(1).tolist())) > 1  # samples end at different positions
+    head = VocabularyHead(micro_corpus.vocabulary, micro_model)
+    loss, _ = autoencoder_loss(micro_model, head, ids, mask, plan, torch.Generator().manual_seed(0))
+    # Independently, sample by sample: every real position's cross-entropy, the last one counted 5 times.
+    m = micro_model
+    features = (m.feature_model(ids, mask) - m.feature_mean) / m.feature_std
+    h = m.latent_decoder(m.latent_encoder(features, mask), mask)
+    logits = m.token_decoder(h, mask)[..., head.ids]
+    total, count = torch.zeros(()), 0.0
+    for i, valid in enumerate(mask.sum(1).tolist()):
+        per_token = F.cross_entropy(logits[i, :valid], torch.searchsorted(head.ids, ids[i, :valid]), reduction="none")
+        total, count = total + per_token.sum() + 4.0 * per_token[-1], count + valid + 4.0
+    real = mask.bool()
+    expected = total / count + 0.5 * ((h - features)[real] ** 2).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_denoiser_loss_is_the_x0_mse_at_the_forward_process(micro_model: LDLM) -> None:
     schedule = TangentSchedule(micro_model.config.schedule_d, micro_model.config.beta_clip_t)
     z = torch.randn(4, 8, micro_model.config.d_model)
@@ -163,6 +183,7 @@ def test_decoder_loss_decodes_the_denoisers_x0_hat_and_trains_the_decoders_alone
         ("denoised_fraction", 2.0, "denoised_fraction=2.0 (allowed: 0..1)"),
         ("denoised_t_max", 1.5, "denoised_t_max=1.5 (allowed: 0..1)"),
         ("latent_noise", -0.1, "latent_noise=-0.1 (allowed: >= 0)"),
+        ("last_token_weight", 0.5, "last_token_weight=0.5 (allowed: >= 1)"),
     ],
 )
 def test_a_plan_out_of_range_names_the_field_and_range(field: str, value: object, message: str) -> None:
