@@ -69,9 +69,10 @@ class TrainingPlan:
     # some positions' tokens in the next position's latent and loses them where a window ends there
     # (scripts/last_token_accuracy.py); half the samples cut did not remove that after 1,400 steps.
     short_fraction: float = 0.25
-    # Weight of the token loss at each sample's last real position (1 at every other). A token kept in
-    # the next position's latent is lost only where a window ends, 1/L of a sample's loss: this makes
-    # that case cost what it costs a user.
+    # Weight of the token loss at each sample's last real position (1 at every other): a token kept in
+    # the next position's latent is lost only where a window ends, 1/L of a sample's loss. 8 for 300
+    # fine-tuning steps of the reference did not move it (docs/measurements/last-token-weight-*);
+    # whether a whole run at 8 does is not measured, so the recipe keeps 1.
     last_token_weight: float = 1.0
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
@@ -182,10 +183,9 @@ def with_latent_noise(latents: Tensor, plan: TrainingPlan, gen: torch.Generator)
     return latents + scale * rms * torch.randn(latents.shape, generator=gen)
 
 
-def token_weights(mask: Tensor, last_weight: float) -> Tensor:
-    """Weights (real positions,) of the token loss: ``last_weight`` at each sample's last real
-    position, 1 elsewhere (padding is on the right)."""
-    real = mask.bool()
+def token_weights(real: Tensor, last_weight: float) -> Tensor:
+    """Weights (real positions,) of the token loss, from the (B, L) bool mask of real positions:
+    ``last_weight`` at each sample's last real position, 1 elsewhere (padding is on the right)."""
     last = torch.zeros_like(real)
     last[torch.arange(real.shape[0]), real.sum(1) - 1] = True
     return torch.where(last, last_weight, 1.0)[real]
@@ -200,7 +200,7 @@ def decoding_loss(
     real = mask.bool()
     logits = head.logits(model, h, mask)
     targets = head.index[input_ids[real]]
-    weights = token_weights(mask, plan.last_token_weight)
+    weights = token_weights(real, plan.last_token_weight)
     token_loss = (weights * F.cross_entropy(logits, targets, reduction="none")).sum() / weights.sum()
     feature_loss = F.mse_loss(h[real], features[real])
     stats = {"token_loss": token_loss.item(), "feature_mse": feature_loss.item()}
