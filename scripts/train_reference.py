@@ -122,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         default=TrainingPlan.last_token_weight,
         help="weight of each sample's last real token in the token loss, 1 elsewhere (default: %(default)s)",
     )
+    parser.add_argument(
+        "--short-fraction",
+        type=float,
+        default=TrainingPlan.short_fraction,
+        help="share of every autoencoder batch's samples cut at a random length, padding after (default: %(default)s)",
+    )
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core, %(default)s)")
     parser.add_argument("--save-every", type=float, default=120.0, help="seconds between saved states (default: %(default)s)")
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         denoiser_steps=args.denoiser_steps,
         decoder_steps=args.decoder_steps,
         last_token_weight=args.last_token_weight,
+        short_fraction=args.short_fraction,
         tokens_per_batch=args.tokens_per_batch,
     )
     try:
