@@ -22,6 +22,8 @@ SAMPLERS: tuple[str, ...] = ("sde", "ddim", "dpm2m", "dpm3m", "dpm3m-psc")
 # The time grids (ldlm/schedule.py draws them) and the one tuned for a checkpoint (ldlm/sampling/schedules.py).
 GRIDS: tuple[str, ...] = ("uniform", "power", "logsnr")
 TUNED_GRID = "tuned"
+# What `ldlm tune-schedule` minimizes over its tuning samples' relative latent errors (ldlm/tuning.py).
+TUNING_OBJECTIVES: tuple[str, ...] = ("worst", "pooled")
 
 
 @dataclass(frozen=True)

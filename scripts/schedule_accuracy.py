@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ldlm.checkpoint import preset_or_checkpoint
+from ldlm.config import TUNING_OBJECTIVES
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
@@ -101,6 +102,9 @@ def main() -> None:
     parser.add_argument("--reference-steps", type=int, default=1000, help="DDIM steps of the reference (default: 1000)")
     parser.add_argument("--tune", default="4x64", help="tuning samples NxLENGTH (default: 4x64)")
     parser.add_argument("--held-out", default="8x32,64,128", help="held-out samples Nxlengths (default: 8x32,64,128)")
+    parser.add_argument(
+        "--objective", choices=TUNING_OBJECTIVES, default="worst", help="what the search minimizes (ldlm/tuning.py; default: worst)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="init seed of the random checkpoints (default: 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument("--out", default="runs/schedules.json", help="JSON path; the PNG goes beside it")
@@ -110,7 +114,7 @@ def main() -> None:
     held_n, held_lengths = args.held_out.split("x")
     settings = TuningSettings(
         args.sampler, tuple(int(s) for s in args.steps.split(",")), args.reference_steps, 101, tune_n, tune_length,
-        202, int(held_n), tuple(int(n) for n in held_lengths.split(",")), args.evaluations,
+        202, int(held_n), tuple(int(n) for n in held_lengths.split(",")), args.evaluations, args.objective,
     )  # fmt: skip
     models = [measure(name, settings, args.seed) for name in args.presets.split(",")]
     report = {

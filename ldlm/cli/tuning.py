@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ldlm.cli.options import capped_positive_int, capped_positive_int_list, int_in, seed_int
-from ldlm.config import SAMPLERS
+from ldlm.config import SAMPLERS, TUNING_OBJECTIVES
 from ldlm.limits import MAX_N, MAX_STEPS
 
 if TYPE_CHECKING:  # for the annotations only: the CLI loads torch per command
@@ -40,7 +40,7 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     sampler = args.sampler or config.default_sampler
     settings = TuningSettings(
         sampler, tuple(args.steps), args.reference_steps, args.tune_seed, args.tune_n, args.tune_length,
-        args.held_out_seed, args.held_out_n, tuple(args.held_out_lengths), args.evaluations,
+        args.held_out_seed, args.held_out_n, tuple(args.held_out_lengths), args.evaluations, args.objective,
     )  # fmt: skip
     tuner, grids = Tuner(pipeline, settings), []
     schedules: TunedSchedules | None = earlier
@@ -123,7 +123,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help=f"sampling runs per step count, 1..{MAX_EVALUATIONS} (default: 600)",
     )
     p.add_argument("--tune-seed", type=seed_int, default=101, help="seed of the tuning samples (default: 101)")
-    p.add_argument("--tune-n", type=capped_positive_int(MAX_N, " samples"), default=4, help=f"tuning samples, 1..{MAX_N} (default: 4)")
+    p.add_argument(
+        "--tune-n",
+        type=capped_positive_int(MAX_N, " samples"),
+        default=MAX_N,
+        help=f"tuning samples, 1..{MAX_N}; each evaluation runs them all, so fewer on a large model on CPU (default: {MAX_N})",
+    )
+    p.add_argument(
+        "--objective",
+        choices=TUNING_OBJECTIVES,
+        default="worst",
+        help="what the search minimizes over the tuning samples: the worst one's relative latent error, which keeps out "
+        "grids that throw the odd sample off, or all samples' pooled (default: worst)",
+    )
     p.add_argument("--tune-length", type=capped_positive_int(65536, " tokens"), default=64, help="tokens per tuning sample (default: 64)")
     p.add_argument("--held-out-seed", type=seed_int, default=202, help="seed of the held-out samples (default: 202)")
     p.add_argument(

@@ -1545,6 +1545,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a window's last token weighs no more than any other, so a token kept in the next latent is lost where a window ends",
     ),
     Mutation(
+        "tuning-worst-is-the-mean",
+        "ldlm.tuning:Tuner.search_error",
+        "return float(per_sample.max())",
+        "return float(per_sample.mean())",
+        ("tests/ldlm/test_tuning.py",),
+        "the search averages over the tuning samples, so a grid that throws one sample off can win",
+    ),
+    Mutation(
+        "tuning-objective-ignored",
+        "ldlm.tuning:Tuner.search_error",
+        'if self.settings.objective == "pooled":',
+        "if False:",
+        ("tests/ldlm/test_tuning.py",),
+        "--objective pooled searches the worst sample's error",
+    ),
+    Mutation(
         "feature-loss-dropped",
         "ldlm.training.objectives:decoding_loss",
         "return token_loss + plan.feature_weight * feature_loss, stats",
