@@ -108,11 +108,11 @@ class Tuner:
 
     def search_error(self, samples: Samples, sampler: str, steps: int, times: Sequence[float]) -> float:
         """What the search minimizes: the worst sample's relative error, or all samples' pooled."""
-        if self.settings.objective == "pooled":
-            return self.score(samples, sampler, steps, times, tokens=False).error
         x = self.latents(samples.seed, samples.n, samples.length, sampler, steps, times)
-        per_sample = (x - samples.reference).flatten(1).norm(dim=1) / samples.reference.flatten(1).norm(dim=1)
-        return float(per_sample.max())
+        distance, size = (x - samples.reference).flatten(1).norm(dim=1), samples.reference.flatten(1).norm(dim=1)
+        if self.settings.objective == "pooled":
+            return float(distance.norm() / size.norm())  # = ||x - x_ref|| / ||x_ref|| over all samples
+        return float((distance / size).max())
 
     def held_out(self, sampler: str, steps: int, times: Sequence[float] | None) -> dict[str, dict[str, float]]:
         s = self.settings

@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", default="6,8,10,12", help="step counts (default: 6,8,10,12)")
     parser.add_argument("--evaluations", type=int, default=600, help="sampling runs per step count (default: 600)")
     parser.add_argument("--reference-steps", type=int, default=1000, help="DDIM steps of the reference (default: 1000)")
-    parser.add_argument("--tune", default="4x64", help="tuning samples NxLENGTH (default: 4x64)")
+    parser.add_argument("--tune", default="64x64", help="tuning samples NxLENGTH, as ldlm tune-schedule's (default: 64x64)")
     parser.add_argument("--held-out", default="8x32,64,128", help="held-out samples Nxlengths (default: 8x32,64,128)")
     parser.add_argument(
         "--objective", choices=TUNING_OBJECTIVES, default="worst", help="what the search minimizes (ldlm/tuning.py; default: worst)"

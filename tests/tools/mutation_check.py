@@ -1547,8 +1547,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "tuning-worst-is-the-mean",
         "ldlm.tuning:Tuner.search_error",
-        "return float(per_sample.max())",
-        "return float(per_sample.mean())",
+        "return float((distance / size).max())",
+        "return float((distance / size).mean())",
         ("tests/ldlm/test_tuning.py",),
         "the search averages over the tuning samples, so a grid that throws one sample off can win",
     ),
