@@ -18,7 +18,7 @@ from typing import Any, Literal
 DecodeFinal = Literal["mean", "x0"]
 # The samplers every generating path offers (ldlm/samplers.py implements them); listed here, with no
 # torch import, so the config, the CLI and the HTTP schemas all take the names from one place.
-SAMPLERS: tuple[str, ...] = ("sde", "ddim", "dpm2m", "dpm3m", "dpm3m-psc")
+SAMPLERS: tuple[str, ...] = ("sde", "ddim", "dpm2m", "dpm3m", "dpm3m-psc", "dpm3m-psc-unic")
 # The time grids (ldlm/schedule.py draws them) and the one tuned for a checkpoint (ldlm/sampling/schedules.py).
 GRIDS: tuple[str, ...] = ("uniform", "power", "logsnr")
 TUNED_GRID = "tuned"

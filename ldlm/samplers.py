@@ -32,6 +32,18 @@ stays D over the step):
   back: extrapolating through m1 amplifies the step-to-step oscillation of the self-conditioning
   feedback and diverged on random weights; 3/4 rather than 1 keeps that feedback damped). As the
   steps shrink it tends to m0, so the limit is the one of today's samplers.
+- ``dpm3m-psc-unic``: dpm3m-psc with UniPC's corrector (Zhao et al. 2023, "UniPC", arXiv:2302.04867,
+  UniC with B(h) = e^h - 1, "bh2", in data prediction form), which costs no denoiser call: the x0_hat
+  the denoiser just gave at t (m_t, from the uncorrected state) redoes the last step, from the state
+  x_prev at t_prev, with an x0 estimate that now includes the step's own end:
+      x_t <- ddim_step(x_prev, m0 + rho0 D1 + rho1 (m_t - m0))     from t_prev to t,
+  m0 and m1 the x0_hat at t_prev and the step before, h = lambda(t) - lambda(t_prev), r = (lambda_1 -
+  lambda(t_prev)) / h, D1 = (m1 - m0) / r, phi1 = 1 - e^-h, and (rho0, rho1) solving
+  [[1, 1], [r, 1]] rho = (b1, b2), b1 = (1 - phi1/h) / phi1, b2 = (1 - 2 (1 - phi1/h) / h) / phi1:
+  at equal steps (r = -1, h -> 0) the weights of m_t, m0, m1 tend to Adams-Moulton's 5/12, 8/12,
+  -1/12. Without m1 (or where r is not finite) it is the trapezoid, rho1 = 1/2, D1 = 0. The predictor
+  then steps from the corrected state; the last step has no later x0_hat and is not corrected.
+  Measured on the trained reference checkpoint: 10-15% lower latent error at 8 and 10 steps.
 
 Every sampler ends with the state at t_min (``x_mean``, decoded when ``decode_final="mean"``) and the
 last x0_hat.
@@ -70,6 +82,7 @@ class Sampler:
     grid: str = "uniform"  # ldlm.schedule.time_grid's kind
     stochastic: bool = False  # draws noise each step (the sde sampler)
     predict_self_conditioning: bool = False
+    corrector: bool = False  # UniC: each new x0_hat first redoes the last step (no extra denoiser call)
 
     @property
     def history(self) -> int:
@@ -97,6 +110,16 @@ class Sampler:
         x0_prev = predicted_self_conditioning(x0_hat, lam, lam_next, past) if self.predict_self_conditioning else x0_hat
         return StepResult(x_next, x_next, x0_prev)
 
+    def correct(self, schedule: TangentSchedule, x: Tensor, x_prev: Tensor, x0_hat: Tensor, t_prev: Tensor, t: Tensor, past: Past) -> Tensor:
+        """The state at t (B,) redone from ``x_prev`` at ``t_prev`` with this step's ``x0_hat`` (UniC; see the
+        module docstring); ``x`` itself where the past is missing (the first step) or for a sampler without
+        a corrector."""
+        if not self.corrector or not past:
+            return x
+        lam, lam_prev = schedule.log_snr(t), past[0][1]
+        redone = ddim_step(schedule, x_prev, corrected_x0(x0_hat, lam, past), t_prev, t)
+        return torch.where(_bcast(~torch.isnan(lam_prev), x), redone, x)  # NaN: missing; -inf: t_prev = 1, kept
+
 
 SAMPLERS_BY_NAME: dict[str, Sampler] = {
     sampler.name: sampler
@@ -106,6 +129,7 @@ SAMPLERS_BY_NAME: dict[str, Sampler] = {
         Sampler("dpm2m", 2, grid="power"),
         Sampler("dpm3m", 3, grid="power"),
         Sampler("dpm3m-psc", 3, grid="power", predict_self_conditioning=True),
+        Sampler("dpm3m-psc-unic", 3, grid="power", predict_self_conditioning=True, corrector=True),
     )
 }
 assert tuple(SAMPLERS_BY_NAME) == SAMPLERS, "ldlm.config.SAMPLERS must name exactly the samplers defined here"
@@ -159,6 +183,26 @@ def predicted_self_conditioning(m0: Tensor, lam: Tensor, lam_next: Tensor, past:
     usable = torch.isfinite(slope_steps)
     weight = torch.where(usable, PSC_FRACTION * slope_steps, torch.zeros_like(slope_steps))
     return m0 + _bcast(weight, m0) * (m0 - m2)
+
+
+def corrected_x0(m_t: Tensor, lam: Tensor, past: Past) -> Tensor:
+    """UniC's x0 estimate over the last step (to lambda ``lam``, from past[0]'s): m_t, m0 and, where
+    its log-SNR is finite, m1 (see the module docstring)."""
+    m0, lam0 = past[0]
+    trapezoid = m0 + 0.5 * (m_t - m0)
+    if len(past) < 2:
+        return trapezoid
+    m1, lam1 = past[1]
+    h = lam - lam0
+    phi1 = -torch.expm1(-h)
+    b1 = (1 - phi1 / h) / phi1
+    b2 = (1 - 2 * (1 - phi1 / h) / h) / phi1
+    r = (lam1 - lam0) / h
+    has1 = torch.isfinite(r)
+    r = torch.where(has1, r, torch.full_like(r, -1.0))
+    rho0, rho1 = (b1 - b2) / (1 - r), (b2 - r * b1) / (1 - r)
+    third = m0 + _bcast(rho0, m0) * (m1 - m0) / _bcast(r, m0) + _bcast(rho1, m0) * (m_t - m0)
+    return torch.where(_bcast(has1, m0), third, trapezoid)
 
 
 def push_past(past: Past, x0_hat: Tensor, lam: Tensor, keep: int) -> list[tuple[Tensor, Tensor]]:

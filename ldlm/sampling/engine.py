@@ -31,7 +31,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ldlm.config import DecodeFinal
-from ldlm.samplers import Sampler, get_sampler, push_past
+from ldlm.samplers import Past, Sampler, get_sampler, push_past
 from ldlm.sampling.noise import BatchNoiseRows, NoiseSource, NoiseStream, sample_seeds, to_device
 from ldlm.sampling.request import SamplingPlan
 from ldlm.schedule import TangentSchedule, forward_noise
@@ -49,6 +49,7 @@ class SampleState:
     x0_hat: Tensor  # the denoiser's last output (previews, decode_final="x0")
     x0_prev: Tensor  # the self-conditioning input of the next denoiser call
     past: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (x0_hat (L, D), lambda ()), newest first
+    x_prev: Tensor | None = None  # the state the last step started from: a corrector redoes that step
     step: int = 0
     prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
     prefix_noise: NoiseSource | None = None  # the forward noise of the inpainted prefix
@@ -176,14 +177,26 @@ class SamplingEngine:
                 )
             )
         noise = stack([s.noise.draw() for s in group]) if sampler.stochastic else None
+        if sampler.corrector:
+            x_g = self._corrected(group, sampler, x_g, x0_g, t_g, past)
         result = sampler.step(schedule, x_g, x0_g, t_g, t_next_g, past, noise)
         lam = schedule.log_snr(t_g) if sampler.history else None
         for i, state in enumerate(group):
             n = state.length
+            if sampler.corrector:
+                state.x_prev = x_g[i, :n]
             state.x, state.x_mean = result.x[i, :n], result.x_mean[i, :n]
             state.x0_hat, state.x0_prev = x0_g[i, :n], result.x0_prev[i, :n]
             if lam is not None:
                 state.past = push_past(state.past, state.x0_hat, lam[i], sampler.history)
+
+    def _corrected(self, group: list[SampleState], sampler: Sampler, x: Tensor, x0_hat: Tensor, t: Tensor, past: Past) -> Tensor:
+        """The group's states at t redone by the sampler's corrector. An inpainted prompt's positions are
+        redone too, harmlessly: each step resets them before the denoiser sees them."""
+        stack = self._stacker(x.shape[1])
+        x_prev = stack([s.x_prev if s.x_prev is not None else torch.zeros_like(s.x) for s in group])
+        t_prev = torch.stack([s.times[max(s.step - 1, 0)] for s in group])  # the first step has no past: not redone
+        return sampler.correct(self.schedule, x, x_prev, x0_hat, t_prev, t, past)
 
     def _inpaint(self, state: SampleState) -> Tensor:
         """x_t with its first P positions reset to the prompt's latents forward-noised to the sample's time."""

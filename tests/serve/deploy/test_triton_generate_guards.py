@@ -127,7 +127,7 @@ def test_generate_refuses_each_input_outside_its_range(generate_model) -> None:
         ({"LENGTH": 129}, "LENGTH=129 is out of range; allowed: 1..128"),
         ({"STEPS": 0}, "STEPS=0 is out of range; allowed: 1..5"),
         ({"STEPS": 6}, "STEPS=6 is out of range; allowed: 1..5"),
-        ({"SAMPLER": "euler"}, "SAMPLER='euler' is unknown; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc"),
+        ({"SAMPLER": "euler"}, "SAMPLER='euler' is unknown; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc, dpm3m-psc-unic"),
         ({"T_MIN": 1.0}, "t_min=1.0 is invalid; allowed: (0, 1)"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
