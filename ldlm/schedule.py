@@ -74,10 +74,7 @@ def time_grid(steps: int, t_min: float, kind: str = "uniform", schedule: Tangent
     if kind == "uniform":
         return torch.linspace(1.0, t_min, steps + 1, dtype=torch.float64)
     if kind == "power":
-        u = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
-        grid = t_min + (1 - t_min) * (1 - u) ** POWER_GRID_EXPONENT
-        grid[-1] = t_min  # exact end, whatever the rounding
-        return grid
+        return power_grid(steps, t_min, POWER_GRID_EXPONENT)
     if kind == "logsnr":
         if schedule is None:
             raise ValueError("the logsnr grid needs the schedule; pass schedule=")
@@ -87,6 +84,14 @@ def time_grid(steps: int, t_min: float, kind: str = "uniform", schedule: Tangent
         interior[-1] = t_min
         return torch.cat([torch.ones(1, dtype=torch.float64), interior])
     raise ValueError(f"grid={kind!r} is unknown; allowed: {', '.join(GRIDS)}")
+
+
+def power_grid(steps: int, t_min: float, exponent: float) -> Tensor:
+    """t = t_min + (1 - t_min) (1 - u)^exponent for u uniform in [0, 1]: steps + 1 times, 1 to t_min."""
+    u = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
+    grid = t_min + (1 - t_min) * (1 - u) ** exponent
+    grid[-1] = t_min  # exact end, whatever the rounding
+    return grid
 
 
 def forward_noise(schedule: TangentSchedule, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:

@@ -4,17 +4,26 @@ where a fine reference run lands (``ldlm tune-schedule``; the result is ldlm/sam
 
 For each step count N:
   1. the reference: DDIM at ``reference_steps`` (1000) on the tuning samples (seeded priors);
-  2. the grid is parametrized by N free numbers z: the step sizes are (1 - t_min) softmax(z), so every
-     z gives a strictly decreasing grid from 1 to t_min (no constraint to enforce);
-  3. Nelder-Mead over z from the sampler's default grid, minimizing the final latent's relative error
-     ||x - x_ref|| / ||x_ref|| on the tuning samples, within ``evaluations`` runs of N denoiser calls:
-     by default the worst sample's (``objective="worst"``), else all samples' pooled (``"pooled"``);
-  4. the best grid is scored on held-out samples (other seeds, and other lengths), beside DDIM@50 and
-     the sampler's default grid: relative latent error and token agreement with the reference.
+  2. a scan of the power family t = t_min + (1 - t_min) (1 - u)^rho over ``POWER_EXPONENTS`` (one
+     number, so it cannot overfit the tuning samples), minimizing the search error below;
+  3. the grid is then parametrized by N free numbers z: the step sizes are (1 - t_min) softmax(z), so
+     every z gives a strictly decreasing grid from 1 to t_min (no constraint to enforce); Nelder-Mead
+     over z from the best power grid, minimizing the final latent's relative error
+     ||x - x_ref|| / ||x_ref|| on the tuning samples, within ``evaluations`` runs of N denoiser calls
+     (the scan's included): by default the worst sample's (``objective="worst"``), else all samples'
+     pooled (``"pooled"``);
+  4. validation: the sampler's default grid, the best power grid and the searched grid are scored by the
+     same error on validation samples (another seed, the tuning length), and the lowest is kept;
+  5. the kept grid is scored on held-out samples (other seeds, and other lengths), beside DDIM@50 and
+     the default grid: relative latent error and token agreement with the reference.
 Why the worst sample: on a trained checkpoint, grids searched on the pooled error pair a large step
 with a small one and land closer on most samples, but throw the odd sample far off its trajectory
 (held out, one of 8 at 3-5x the default grid's error), which a pooled error over a few samples
 does not see. Minimizing the worst of many samples keeps such grids out.
+Why validation: on the trained reference checkpoint even the worst of 64 tuning samples let the full
+search fit them and land worse than the default grid on held-out seeds (measured at 8 and 10 steps).
+A grid is kept only where samples the search never saw confirm it, so the tuned grid is never one
+that validation finds worse than the default.
 The default step count is the fewest N whose held-out error and token agreement, at every held-out
 length, are at least DDIM@50's. Derivative-free, as in image-diffusion grid searches (DM-NonUniform,
 Optimal Stepsize): each evaluation is a whole sampling run, which the engine gives without gradients.
@@ -36,6 +45,9 @@ from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import get_sampler
 from ldlm.sampling import GenerateRequest, SamplingPlan, resolve, run_lockstep
 from ldlm.sampling.schedules import TunedGrid, TunedSchedules, check_times
+from ldlm.schedule import power_grid
+
+POWER_EXPONENTS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0)  # the power grids scanned before the full search
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,7 @@ class TuningSettings:
     held_out_lengths: tuple[int, ...] = (32, 64, 128)
     evaluations: int = 600  # per step count
     objective: str = "worst"  # of the tuning samples' relative errors: "worst" (the largest) or "pooled"
+    validation_seed: int = 303  # the validation samples: tune_n of them at tune_length
 
     def __post_init__(self) -> None:
         if self.objective not in TUNING_OBJECTIVES:
@@ -175,17 +188,20 @@ def nelder_mead(
 
 
 def tune_grid(tuner: Tuner, steps: int, progress: bool = False) -> TunedGrid:
-    """The searched grid of ``steps`` steps, with its held-out scores beside DDIM@50's and the default grid's."""
+    """The tuned grid of ``steps`` steps (the lowest validation error of the default grid, the best power
+    grid and the searched one), with its held-out scores beside DDIM@50's and the default grid's."""
     s, t_min = tuner.settings, tuner.pipeline.config.t_min
     sampler = get_sampler(s.sampler)
     if steps < sampler.order:
         raise ValueError(f"steps={steps} is below the {sampler.name} sampler's order {sampler.order}; allowed: >= {sampler.order}")
     tuning = tuner.samples(s.tune_seed, s.tune_n, s.tune_length)
-    start = resolve(GenerateRequest(1, 1, steps, 0, s.sampler, t_min), tuner.pipeline.config).times(tuner.pipeline.schedule).tolist()
-    best: dict[str, object] = {"error": math.inf, "times": tuple(start)}
+    default = tuple(
+        resolve(GenerateRequest(1, 1, steps, 0, s.sampler, t_min), tuner.pipeline.config).times(tuner.pipeline.schedule).tolist()
+    )
+    candidates: dict[str, tuple[float, ...]] = {"default": default}
+    best: dict[str, object] = {"error": math.inf, "times": default}
 
-    def objective(z: np.ndarray) -> float:
-        times = grid_of(z, t_min)
+    def error_of(times: tuple[float, ...]) -> float:
         error = tuner.search_error(tuning, s.sampler, steps, times)
         if error < best["error"]:  # type: ignore[operator]
             best.update(error=error, times=times)  # kept as it improves: an interrupted search keeps it
@@ -193,32 +209,59 @@ def tune_grid(tuner: Tuner, steps: int, progress: bool = False) -> TunedGrid:
 
     with tqdm(total=s.evaluations, desc=f"tuning {s.sampler}@{steps}", unit="run", disable=not progress) as bar:
         try:
-            nelder_mead(objective, logits_of(start), s.evaluations, on_eval=bar.update)
+            scan = POWER_EXPONENTS[: max(s.evaluations - 1, 1)]
+            powers = {rho: tuple(power_grid(steps, t_min, rho).tolist()) for rho in scan}
+            scores = {rho: error_of(times) for rho, times in powers.items()}
+            bar.update(len(scan))
+            rho = min(scores, key=scores.__getitem__)
+            candidates[f"power {rho:g}"] = powers[rho]
+            budget = s.evaluations - len(scan)
+            if budget > 0:
+                nelder_mead(lambda z: error_of(grid_of(z, t_min)), logits_of(powers[rho]), budget, on_eval=bar.update)
         except KeyboardInterrupt:
             if best["error"] == math.inf:
                 raise
             bar.set_postfix_str("interrupted: the best grid so far is kept")
-            raise TuningInterrupted(grid_with_scores(tuner, steps, best["times"], float(best["error"]))) from None  # type: ignore[arg-type]
-    return grid_with_scores(tuner, steps, best["times"], float(best["error"]))  # type: ignore[arg-type]
+            candidates["searched"] = best["times"]  # type: ignore[assignment]
+            raise TuningInterrupted(grid_with_scores(tuner, steps, candidates)) from None
+    candidates["searched"] = best["times"]  # type: ignore[assignment]
+    return grid_with_scores(tuner, steps, candidates)
 
 
 class TuningInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a search: ``grid`` is the best found so far, scored."""
+    """Ctrl-C during a search: ``grid`` is the best found so far, validated and scored."""
 
     def __init__(self, grid: TunedGrid) -> None:
         super().__init__()
         self.grid = grid
 
 
-def grid_with_scores(tuner: Tuner, steps: int, times: tuple[float, ...], train_error: float) -> TunedGrid:
+def grid_with_scores(tuner: Tuner, steps: int, candidates: dict[str, tuple[float, ...]]) -> TunedGrid:
+    """The candidate grid with the lowest validation error (the first of equals: the default grid comes
+    first), measured on the tuning, validation and held-out samples."""
     s, t_min = tuner.settings, tuner.pipeline.config.t_min
-    check_times(times, steps, t_min, f"the searched {s.sampler} grid of {steps} steps")
+    for name, times in candidates.items():
+        check_times(times, steps, t_min, f"the {name} {s.sampler} grid of {steps} steps")
+    validation = tuner.samples(s.validation_seed, s.tune_n, s.tune_length)
+    validated = {name: tuner.search_error(validation, s.sampler, steps, times) for name, times in candidates.items()}
+    kept = min(validated, key=validated.__getitem__)
+    times = candidates[kept]
     tuning = tuner.samples(s.tune_seed, s.tune_n, s.tune_length)
     measured = {
         "reference": f"ddim@{s.reference_steps}",
         "tuning": {"seed": s.tune_seed, "n": s.tune_n, "length": s.tune_length, "evaluations": s.evaluations, "objective": s.objective},
+        "validation": {
+            "seed": s.validation_seed,
+            "n": s.tune_n,
+            "length": s.tune_length,
+            "errors": {name: round(error, 6) for name, error in validated.items()},
+            "kept": kept,
+        },
         "held_out_samples": {"seed": s.held_out_seed, "n": s.held_out_n, "lengths": list(s.held_out_lengths)},
-        "train": {**tuner.score(tuning, s.sampler, steps, times).to_dict(), "search_error": round(train_error, 6)},
+        "train": {
+            **tuner.score(tuning, s.sampler, steps, times).to_dict(),
+            "search_error": round(tuner.search_error(tuning, s.sampler, steps, times), 6),
+        },
         "held_out": tuner.held_out(s.sampler, steps, times),
         "default_grid_held_out": tuner.held_out(s.sampler, steps, None),
         "ddim50_held_out": tuner.held_out("ddim", 50, None),

@@ -40,7 +40,7 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     sampler = args.sampler or config.default_sampler
     settings = TuningSettings(
         sampler, tuple(args.steps), args.reference_steps, args.tune_seed, args.tune_n, args.tune_length,
-        args.held_out_seed, args.held_out_n, tuple(args.held_out_lengths), args.evaluations, args.objective,
+        args.held_out_seed, args.held_out_n, tuple(args.held_out_lengths), args.evaluations, args.objective, args.validation_seed,
     )  # fmt: skip
     tuner, grids = Tuner(pipeline, settings), []
     schedules: TunedSchedules | None = earlier
@@ -90,8 +90,10 @@ def _report(grid: TunedGrid, as_json: bool) -> None:
         f"{100 * m['ddim50_held_out'][n]['tokens']:.1f}%, default grid {m['default_grid_held_out'][n]['error']:.4f})"
         for n, s in m["held_out"].items()
     )
+    validation = m["validation"]
+    compared = ", ".join(f"{name} {error:.4f}" for name, error in validation["errors"].items())
     print(f"{grid.sampler}@{grid.steps}: held-out error / tokens {held}")
-    print(f"  grid: {', '.join(f'{t:.4f}' for t in grid.times)}")
+    print(f"  grid ({validation['kept']}, the lowest validation error of {compared}): {', '.join(f'{t:.4f}' for t in grid.times)}")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -122,6 +124,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=600,
         help=f"sampling runs per step count, 1..{MAX_EVALUATIONS} (default: 600)",
     )
+    _add_sample_options(p)
+    p.add_argument("--onnx-dir", default=None, help="tune on this export of the checkpoint, on ONNX Runtime (default: eager PyTorch)")
+    p.add_argument("--threads", type=int_in(1, 1024), default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--out", default=None, help="where to write (default: CHECKPOINT/schedules.json)")
+    p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_tune_schedule)
+
+
+def _add_sample_options(p: argparse.ArgumentParser) -> None:
+    """The tuning, validation and held-out samples: seeds, counts, lengths, and what the search minimizes."""
     p.add_argument("--tune-seed", type=seed_int, default=101, help="seed of the tuning samples (default: 101)")
     p.add_argument(
         "--tune-n",
@@ -137,6 +150,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "grids that throw the odd sample off, or all samples' pooled (default: worst)",
     )
     p.add_argument("--tune-length", type=capped_positive_int(65536, " tokens"), default=64, help="tokens per tuning sample (default: 64)")
+    p.add_argument(
+        "--validation-seed",
+        type=seed_int,
+        default=303,
+        help="seed of the validation samples (as many as --tune-n, at --tune-length), on which the default grid, the best "
+        "power grid and the searched grid compete; the lowest error is kept (default: 303)",
+    )
     p.add_argument("--held-out-seed", type=seed_int, default=202, help="seed of the held-out samples (default: 202)")
     p.add_argument(
         "--held-out-n", type=capped_positive_int(MAX_N, " samples"), default=8, help=f"held-out samples per length, 1..{MAX_N} (default: 8)"
@@ -147,9 +167,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=[32, 64, 128],
         help="held-out lengths (default: 32,64,128)",
     )
-    p.add_argument("--onnx-dir", default=None, help="tune on this export of the checkpoint, on ONNX Runtime (default: eager PyTorch)")
-    p.add_argument("--threads", type=int_in(1, 1024), default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--out", default=None, help="where to write (default: CHECKPOINT/schedules.json)")
-    p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_tune_schedule)

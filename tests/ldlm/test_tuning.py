@@ -18,7 +18,7 @@ from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, NoiseStream, resolve, sample_seeds
 from ldlm.sampling.schedules import ScheduleError, TunedGrid, TunedSchedules, load_schedules, weights_sha256
 from ldlm.tokenizer import TextTokenizer
-from ldlm.tuning import Tuner, TuningSettings, grid_of, logits_of, nelder_mead, tune_grid
+from ldlm.tuning import Tuner, TuningSettings, grid_of, grid_with_scores, logits_of, nelder_mead, tune_grid
 
 MU, S = 0.3, 0.5
 CONFIG = preset("tiny")
@@ -65,6 +65,47 @@ def test_the_tuned_grid_is_no_worse_than_the_default_one_against_the_exact_solut
     tuned_error, power_error = (exact_error(pipe, times, "dpm2m", seed=7, n=2, length=32) for times in (grid.times, power))
     assert tuned_error <= power_error and tuned_error < 0.9 * power_error, (tuned_error, power_error)
     assert grid.measured["held_out"]["16"]["error"] <= grid.measured["default_grid_held_out"]["16"]["error"]
+
+
+def test_validation_keeps_the_default_grid_over_a_search_that_fits_only_its_samples() -> None:
+    """Of the candidates, the one with the lowest error on the validation seed is kept, whatever the tuning
+    samples said: a grid that crowds its steps near t = 1 loses to the default grid, and a better one wins."""
+    pipe = oracle_pipeline()
+    tuner = Tuner(pipe, TuningSettings("dpm2m", (4,), 400, tune_seed=1, tune_n=2, tune_length=8, held_out_lengths=(8,), validation_seed=5))
+    default = tuple(resolve(GenerateRequest(1, 1, 4, sampler="dpm2m"), CONFIG).times(pipe.schedule).tolist())
+    crowded = (1.0, 0.99, 0.98, 0.97, CONFIG.t_min)
+    grid = grid_with_scores(tuner, 4, {"default": default, "searched": crowded})
+    assert grid.times == default and grid.measured["validation"]["kept"] == "default"
+    errors = grid.measured["validation"]["errors"]
+    assert errors["searched"] > errors["default"]
+    exact = {
+        name: exact_error(pipe, times, "dpm2m", seed=5, n=2, length=8) for name, times in (("default", default), ("searched", crowded))
+    }
+    assert exact["searched"] > exact["default"]  # the closed form agrees with the DDIM@400 reference
+    assert (5, 2, 8) in tuner.references  # validated on the validation seed's own samples
+    tuned = tune_grid(Tuner(pipe, dataclasses.replace(tuner.settings, evaluations=40), tuner.references), 4)
+    better = grid_with_scores(tuner, 4, {"default": default, "searched": tuned.times})
+    assert better.measured["validation"]["kept"] == "searched" and better.times == tuned.times
+
+
+def test_the_search_starts_from_the_best_power_grid() -> None:
+    """With the budget of the power scan alone, the candidate is the exponent whose grid has the lowest
+    search error, and it is a real power grid."""
+    from ldlm.schedule import power_grid
+    from ldlm.tuning import POWER_EXPONENTS
+
+    pipe = oracle_pipeline()
+    settings = TuningSettings(
+        "dpm2m", (4,), 400, tune_seed=1, tune_n=2, tune_length=8, held_out_lengths=(8,), evaluations=len(POWER_EXPONENTS)
+    )
+    tuner = Tuner(pipe, settings)
+    grid = tune_grid(tuner, 4)
+    tuning = tuner.samples(1, 2, 8)
+    errors = {rho: tuner.search_error(tuning, "dpm2m", 4, tuple(power_grid(4, CONFIG.t_min, rho).tolist())) for rho in POWER_EXPONENTS}
+    best = min(errors, key=errors.__getitem__)
+    assert f"power {best:g}" in grid.measured["validation"]["errors"]
+    assert errors[best] < errors[1.0]  # the scan matters: the exponents differ
+    torch.testing.assert_close(power_grid(4, 0.2, 2.0), 0.2 + 0.8 * (1 - torch.linspace(0, 1, 5, dtype=torch.float64)) ** 2)
 
 
 def test_nelder_mead_finds_the_minimum_of_a_quadratic() -> None:
