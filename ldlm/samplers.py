@@ -110,7 +110,9 @@ class Sampler:
         x0_prev = predicted_self_conditioning(x0_hat, lam, lam_next, past) if self.predict_self_conditioning else x0_hat
         return StepResult(x_next, x_next, x0_prev)
 
-    def correct(self, schedule: TangentSchedule, x: Tensor, x_prev: Tensor, x0_hat: Tensor, t_prev: Tensor, t: Tensor, past: Past) -> Tensor:
+    def correct(
+        self, schedule: TangentSchedule, x: Tensor, x_prev: Tensor, x0_hat: Tensor, t_prev: Tensor, t: Tensor, past: Past
+    ) -> Tensor:
         """The state at t (B,) redone from ``x_prev`` at ``t_prev`` with this step's ``x0_hat`` (UniC; see the
         module docstring); ``x`` itself where the past is missing (the first step) or for a sampler without
         a corrector."""

@@ -2,13 +2,16 @@
 """Tuned step grids against the default grid and DDIM, on held-out samples: the measurement behind
 ``ldlm tune-schedule``'s defaults.
 
-For each preset (a random-init checkpoint with random norms, as ``ldlm init --norm-init random``), the
-grids of ``--steps`` are tuned (ldlm/tuning.py: tuning seed and length, DDIM@--reference-steps as the
-reference), then every grid is scored on held-out seeds at every held-out length: the relative error of
-the final latent and the token agreement with the reference, beside the sampler's default grid at the
-same step count and DDIM at 10..100 steps. The tuning time is recorded per step count.
+For each preset (a random-init checkpoint with random norms, as ``ldlm init --norm-init random``, or a
+checkpoint directory) and each sampler of ``--samplers``, the grids of ``--steps`` are tuned as
+``ldlm tune-schedule`` tunes them (ldlm/tuning.py: power scan, search on the tuning seed and length,
+the lowest validation error of the default, best power and searched grids kept; DDIM@--reference-steps
+as the reference), then every kept grid is scored on held-out seeds at every held-out length: the
+relative error of the final latent and the token agreement with the reference, beside the sampler's
+default grid at the same step count and DDIM at 10..100 steps. The tuning time is recorded per step
+count, and the references are computed once per model for all samplers.
 
-    python scripts/schedule_accuracy.py --presets tiny --out docs/measurements/schedules-tiny-2026-12-01.json
+    python scripts/schedule_accuracy.py --presets tiny --samplers dpm3m-psc,dpm3m-psc-unic --out docs/measurements/schedules-tiny-2026-12-01.json
 
 Writes the JSON and, beside it, a PNG (held-out error against denoiser calls: DDIM, default grid, tuned).
 """
@@ -34,11 +37,13 @@ from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
 DDIM_STEPS = (10, 20, 50, 100)
 
 
-def measure(name: str, settings: TuningSettings, seed: int) -> dict[str, Any]:
+def measure(name: str, settings: TuningSettings, seed: int, references: dict | None = None) -> tuple[dict[str, Any], dict]:
+    """``references``: those of an earlier sampler on the same model, reused (they do not depend on the sampler)."""
     pipe = LDLMPipeline(*preset_or_checkpoint(name, seed))
-    tuner = Tuner(pipe, settings)
+    tuner = Tuner(pipe, settings) if references is None else Tuner(pipe, settings, references)
     started = time.perf_counter()
     tuner.samples(settings.tune_seed, settings.tune_n, settings.tune_length)  # the references, timed apart
+    tuner.samples(settings.validation_seed, settings.tune_n, settings.tune_length)
     for length in settings.held_out_lengths:
         tuner.samples(settings.held_out_seed, settings.held_out_n, length)
     reference_s = time.perf_counter() - started
@@ -49,11 +54,13 @@ def measure(name: str, settings: TuningSettings, seed: int) -> dict[str, Any]:
         grids.append({"steps": steps, "times": grid.times, "tuning_s": round(time.perf_counter() - started, 1), **grid.measured})
         grids[-1]["matches_ddim50"] = matches_ddim50(grid)
         print(
-            f"{name} {settings.sampler}@{steps}: held out {grid.measured['held_out']} vs DDIM@50 {grid.measured['ddim50_held_out']}",
+            f"{name} {settings.sampler}@{steps} ({grid.measured['validation']['kept']} kept): held out {grid.measured['held_out']} "
+            f"vs DDIM@50 {grid.measured['ddim50_held_out']}",
             flush=True,
         )
     ddim = {str(s): tuner.held_out("ddim", s, None) for s in DDIM_STEPS}
-    return {"preset": name, "sampler": settings.sampler, "references_s": round(reference_s, 1), "grids": grids, "ddim_held_out": ddim}
+    model = {"preset": name, "sampler": settings.sampler, "references_s": round(reference_s, 1), "grids": grids, "ddim_held_out": ddim}
+    return model, tuner.references
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -96,12 +103,12 @@ def main() -> None:
     parser.add_argument(
         "--presets", default="tiny", help="comma-separated presets (random init, random norms) or checkpoint directories (default: tiny)"
     )
-    parser.add_argument("--sampler", default="dpm3m-psc", help="sampler to tune (default: dpm3m-psc)")
+    parser.add_argument("--samplers", default="dpm3m-psc", help="comma-separated samplers to tune, side by side (default: dpm3m-psc)")
     parser.add_argument("--steps", default="6,8,10,12", help="step counts (default: 6,8,10,12)")
     parser.add_argument("--evaluations", type=int, default=600, help="sampling runs per step count (default: 600)")
     parser.add_argument("--reference-steps", type=int, default=1000, help="DDIM steps of the reference (default: 1000)")
     parser.add_argument("--tune", default="64x64", help="tuning samples NxLENGTH, as ldlm tune-schedule's (default: 64x64)")
-    parser.add_argument("--held-out", default="8x32,64,128", help="held-out samples Nxlengths (default: 8x32,64,128)")
+    parser.add_argument("--held-out", default="32x32,64,128", help="held-out samples Nxlengths (default: 32x32,64,128)")
     parser.add_argument(
         "--objective", choices=TUNING_OBJECTIVES, default="worst", help="what the search minimizes (ldlm/tuning.py; default: worst)"
     )
@@ -112,11 +119,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tune_n, tune_length = (int(v) for v in args.tune.split("x"))
     held_n, held_lengths = args.held_out.split("x")
-    settings = TuningSettings(
-        args.sampler, tuple(int(s) for s in args.steps.split(",")), args.reference_steps, 101, tune_n, tune_length,
-        202, int(held_n), tuple(int(n) for n in held_lengths.split(",")), args.evaluations, args.objective,
-    )  # fmt: skip
-    models = [measure(name, settings, args.seed) for name in args.presets.split(",")]
+    models = []
+    for name in args.presets.split(","):
+        references = None
+        for sampler in args.samplers.split(","):
+            settings = TuningSettings(
+                sampler, tuple(int(s) for s in args.steps.split(",")), args.reference_steps, 101, tune_n, tune_length,
+                202, int(held_n), tuple(int(n) for n in held_lengths.split(",")), args.evaluations, args.objective,
+            )  # fmt: skip
+            model, references = measure(name, settings, args.seed, references)
+            models.append(model)
     report = {
         "settings": vars(args),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},

@@ -159,7 +159,10 @@ def _add_sample_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--held-out-seed", type=seed_int, default=202, help="seed of the held-out samples (default: 202)")
     p.add_argument(
-        "--held-out-n", type=capped_positive_int(MAX_N, " samples"), default=8, help=f"held-out samples per length, 1..{MAX_N} (default: 8)"
+        "--held-out-n",
+        type=capped_positive_int(MAX_N, " samples"),
+        default=32,
+        help=f"held-out samples per length, 1..{MAX_N}; too few and one sample decides the verdict (default: 32)",
     )
     p.add_argument(
         "--held-out-lengths",

@@ -110,7 +110,10 @@ def test_sampler_fields() -> None:
         refused(f"config field {field}=inf is invalid; allowed: a finite number", **{field: math.inf})
     refused("config field per_stream_kv=1 is invalid; allowed: true or false", per_stream_kv=1)
     refused("config field decode_final='last' is invalid; allowed: 'mean' or 'x0'", decode_final="last")
-    refused("config field default_sampler='euler' is invalid; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc, dpm3m-psc-unic", default_sampler="euler")
+    refused(
+        "config field default_sampler='euler' is invalid; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc, dpm3m-psc-unic",
+        default_sampler="euler",
+    )
     assert config(default_sampler="dpm3m-psc", decode_final="x0").default_sampler == "dpm3m-psc"
 
 

@@ -59,7 +59,8 @@ def test_the_oracle_is_exact_for_the_exact_ode() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sampler", "low", "high"), [("ddim", 0.9, 1.15), ("dpm2m", 1.8, 2.6), ("dpm3m", 2.3, 3.6), ("dpm3m-psc", 2.3, 3.6), ("dpm3m-psc-unic", 2.8, 4.2)]
+    ("sampler", "low", "high"),
+    [("ddim", 0.9, 1.15), ("dpm2m", 1.8, 2.6), ("dpm3m", 2.3, 3.6), ("dpm3m-psc", 2.3, 3.6), ("dpm3m-psc-unic", 2.8, 4.2)],
 )
 def test_observed_order_of_convergence(sampler: str, low: float, high: float) -> None:
     order = observed_order(sampler)
