@@ -539,6 +539,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "served dpm3m-psc-unic is dpm3m-psc",
     ),
     Mutation(
+        "unic-engine-first-rows-time",
+        "ldlm.sampling.engine:SamplingEngine._corrected",
+        "t_prev = torch.stack([s.times[max(s.step - 1, 0)] for s in group])",
+        "t_prev = torch.stack([group[0].times[max(group[0].step - 1, 0)] for s in group])",
+        ("tests/ldlm/sampling/test_engine.py",),
+        "in a mixed batch every corrected sample redoes its step from the first sample's time",
+    ),
+    Mutation(
         "unic-engine-keeps-no-start-state",
         "ldlm.sampling.engine:SamplingEngine._step_group",
         "state.x_prev = x_g[i, :n]",

@@ -58,6 +58,7 @@ def test_a_mixed_batch_advances_each_sample_as_it_would_alone() -> None:
 
     # two of each multistep sampler, at other steps and lengths: each row's past is its own
     specs = [("sde", 3, 6), ("ddim", 5, 3), ("dpm2m", 4, 7), ("dpm3m", 6, 5), ("dpm3m-psc", 5, 4), ("dpm3m", 3, 2), ("dpm3m-psc", 7, 6)]
+    specs += [("dpm3m-psc-unic", 6, 3), ("dpm3m-psc-unic", 4, 5)]
     assert {name for name, _, _ in specs} == set(SAMPLERS)
 
     def states(engine: SamplingEngine) -> list:
