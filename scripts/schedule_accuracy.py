@@ -11,7 +11,8 @@ relative error of the final latent and the token agreement with the reference, b
 default grid at the same step count and DDIM at 10..100 steps. The tuning time is recorded per step
 count, and the references are computed once per model for all samplers.
 
-    python scripts/schedule_accuracy.py --presets tiny --samplers dpm3m-psc,dpm3m-psc-unic --out docs/measurements/schedules-tiny-2026-12-01.json
+    python scripts/schedule_accuracy.py --presets tiny --samplers dpm3m-psc,dpm3m-psc-unic --steps 8,10 --evaluations 400 --threads 2 \
+        --out docs/measurements/schedules-tiny-2026-12-04.json
 
 Writes the JSON and, beside it, a PNG (held-out error against denoiser calls: DDIM, default grid, tuned).
 """
@@ -40,7 +41,7 @@ DDIM_STEPS = (10, 20, 50, 100)
 def measure(name: str, settings: TuningSettings, seed: int, references: dict | None = None) -> tuple[dict[str, Any], dict]:
     """``references``: those of an earlier sampler on the same model, reused (they do not depend on the sampler)."""
     pipe = LDLMPipeline(*preset_or_checkpoint(name, seed))
-    tuner = Tuner(pipe, settings) if references is None else Tuner(pipe, settings, references)
+    tuner = Tuner(pipe, settings, {} if references is None else references)
     started = time.perf_counter()
     tuner.samples(settings.tune_seed, settings.tune_n, settings.tune_length)  # the references, timed apart
     tuner.samples(settings.validation_seed, settings.tune_n, settings.tune_length)

@@ -108,6 +108,21 @@ def test_the_search_starts_from_the_best_power_grid() -> None:
     torch.testing.assert_close(power_grid(4, 0.2, 2.0), 0.2 + 0.8 * (1 - torch.linspace(0, 1, 5, dtype=torch.float64)) ** 2)
 
 
+def test_held_out_scores_are_run_once_per_grid() -> None:
+    """DDIM@50's and a default grid's held-out scores are asked for at every step count: each length runs
+    once per (sampler, steps, grid), and another grid runs again."""
+    tuner = Tuner(oracle_pipeline(), TuningSettings("ddim", reference_steps=40, held_out_n=2, held_out_lengths=(8, 12)))
+    for length in (8, 12):
+        tuner.samples(tuner.settings.held_out_seed, 2, length)
+    runs: list[int] = []
+    real = tuner.latents
+    tuner.latents = lambda *a: runs.append(1) or real(*a)  # type: ignore[method-assign]
+    first = tuner.held_out("ddim", 5, None)
+    assert tuner.held_out("ddim", 5, None) == first and len(runs) == 2
+    other = tuner.held_out("ddim", 5, (1.0, 0.5, 0.3, 0.2, 0.1, CONFIG.t_min))
+    assert len(runs) == 4 and other != first
+
+
 def test_nelder_mead_finds_the_minimum_of_a_quadratic() -> None:
     import numpy as np
 

@@ -1594,7 +1594,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tuning-worst-is-the-mean",
-        "ldlm.tuning:Tuner.search_error",
+        "ldlm.tuning:Tuner.objective_of",
         "return float((distance / size).max())",
         "return float((distance / size).mean())",
         ("tests/ldlm/test_tuning.py",),
@@ -1626,7 +1626,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tuning-objective-ignored",
-        "ldlm.tuning:Tuner.search_error",
+        "ldlm.tuning:Tuner.objective_of",
         'if self.settings.objective == "pooled":',
         "if False:",
         ("tests/ldlm/test_tuning.py",),
