@@ -67,3 +67,21 @@ def test_a_corrupted_copy_of_the_reference_is_refused(tmp_path: Path) -> None:
     (copy / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="model.safetensors has sha256 .*, SHA256SUMS says .*: the file is truncated or corrupted"):
         load_checkpoint(copy)
+
+
+def test_the_reference_ships_step_grids_tuned_for_its_own_weights() -> None:
+    """Its schedules.json is bound to these weights (retrained weights beside the old file are refused
+    at load), and a request that names neither steps nor grid gets the tuned grid, at the fewest tuned
+    steps that matched DDIM@50 held out: fewer than the config's default."""
+    from ldlm.sampling.request import TUNED, GenerateRequest, resolve
+
+    pipe = LDLMPipeline.from_checkpoint(REFERENCE)
+    assert pipe.schedules is not None
+    sampler = pipe.config.default_sampler
+    tuned = pipe.schedules.grid(sampler, pipe.schedules.defaults[sampler])
+    plan = resolve(GenerateRequest(2, 32), pipe.config, schedules=pipe.schedules)
+    assert tuned is not None and plan.grid == TUNED and plan.tuned_times == tuned.times
+    assert plan.steps == tuned.steps < pipe.config.default_steps
+    texts = pipe.generate(8, 32, seed=0).texts
+    generated = [w for t in texts for w in words(t)]
+    assert sum(w in WORDS for w in generated) / len(generated) >= 0.75, texts[:2]
