@@ -89,8 +89,8 @@ Samples (seed 0):
 
 {examples}
 
-`training.json` holds the loss curves, every figure above and the plan. `SHA256SUMS` lists every
-file's sha256; `ldlm` refuses a copy whose files do not match it.
+`training.json` holds the loss curves, every figure above and the plan. `SHA256SUMS` lists the sha256
+of the config, the weights and the tokenizer; `ldlm` refuses a copy whose files do not match it.
 """
 
 
