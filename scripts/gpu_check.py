@@ -138,13 +138,16 @@ from typing import Any
 import torch
 
 import ldlm
-from ldlm.checkpoint import init_model, save_checkpoint
+from ldlm.checkpoint import WEIGHTS_FILE, init_model, load_checkpoint, save_checkpoint
 from ldlm.config import SAMPLERS, LDLMConfig, preset
 from ldlm.device import DeviceError, resolve_device
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.files import write_atomically
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling.request import GenerateRequest as SamplingRequest
+from ldlm.sampling.request import resolve
+from ldlm.sampling.schedules import load_schedules
 from ldlm.serve.checks.bench_latency import bench_generation, bench_graphs, graph_feed
 from ldlm.serve.checks.bench_workload import WORKLOAD_STEPS, mixed_workload, run_workload, workload_lengths_used
 from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens
@@ -186,6 +189,8 @@ SIZES: dict[str, dict[str, Any]] = {
         preview_rounds=2,
         preview_len=128,
         preview_steps=50,
+        ref_n=16,
+        ref_runs=10,
     ),
     "tiny": dict(
         parity_n=2,
@@ -213,6 +218,8 @@ SIZES: dict[str, dict[str, Any]] = {
         preview_rounds=1,
         preview_len=16,
         preview_steps=10,
+        ref_n=2,
+        ref_runs=2,
     ),
 }
 # name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline.
@@ -223,7 +230,8 @@ TORCH_CANDIDATES = {
     "compiled-bf16": ("compiled", "bf16"),
 }
 LATENCY_BACKENDS = ("eager", "eager-bf16", "compiled-bf16")
-STAGES = ("parity", "device_loop", "latency", "long_sample", "throughput", "batching", "http", "previews", "probe_eps")
+STAGES = ("parity", "device_loop", "latency", "long_sample", "reference", "throughput", "batching", "http", "previews", "probe_eps")
+REFERENCE_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "ldlm-austen-tiny"
 
 
 class Run:
@@ -431,6 +439,47 @@ def long_sample_stage(
     return result
 
 
+def reference_stage(device: torch.device, sizes: dict[str, Any]) -> dict[str, Any]:
+    """The trained reference checkpoint with its tuned step grids: the request that names neither
+    sampler nor steps (the tuned default), DDIM@50 and the untuned default, each on every torch
+    backend of the device against CPU fp32 eager (same CPU noise), and batch-1 latency of each."""
+    model, tokenizer = load_checkpoint(REFERENCE_CHECKPOINT)
+    schedules = load_schedules(REFERENCE_CHECKPOINT, weights=REFERENCE_CHECKPOINT / WEIGHTS_FILE)
+    config = model.config
+    n, length = sizes["ref_n"], config.max_seq_len
+    # label -> (sampler, steps, with the tuned schedules); None: what a request that names nothing gets
+    rows = {
+        "tuned default": (None, None, True),
+        "ddim@50": ("ddim", 50, False),
+        "untuned default": (None, None, False),
+    }
+    result: dict[str, Any] = {"checkpoint": REFERENCE_CHECKPOINT.name, "n": n, "length": length, "seed": 0, "plans": {}}
+    for label, (sampler, steps, tuned) in rows.items():
+        plan = resolve(SamplingRequest(n, length, steps, 0, sampler), config, schedules=schedules if tuned else None)
+        result["plans"][label] = {"sampler": plan.sampler.name, "steps": plan.steps, "grid": plan.grid}
+
+    def generate(graphs: Any, on: torch.device, label: str, count: int, noise: str | None = None) -> torch.Tensor:
+        sampler, steps, tuned = rows[label]
+        pipe = LDLMPipeline(graphs, tokenizer, on, config=config, noise_device=noise, schedules=schedules if tuned else None)
+        return pipe.generate(count, length, steps, 0, sampler).token_ids
+
+    cpu = torch.device("cpu")
+    reference = {label: generate(model, cpu, label, n) for label in rows}
+    for name, graphs in open_candidates(model, device, with_logits=False).items():
+        entry: dict[str, Any] = {}
+        for label in rows:
+            agreement = float((generate(BackendGraphs(graphs), device, label, n, noise="cpu") == reference[label]).float().mean())
+            generate(BackendGraphs(graphs), device, label, 1)  # warm-up and captures, device noise as served
+            times = []
+            for _ in range(sizes["ref_runs"]):
+                start = time.perf_counter()
+                generate(BackendGraphs(graphs), device, label, 1)
+                times.append(1000 * (time.perf_counter() - start))
+            entry[label] = {"token_agreement": round(agreement, 5), "b1_p50_ms": round(statistics.median(times), 2)}
+        result[name] = entry
+    return result
+
+
 def throughput_stage(
     graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
 ) -> dict[str, Any]:
@@ -555,6 +604,7 @@ def main() -> None:
         run.stage("device_loop", lambda: device_loop_stage(serving["compiled-bf16"], tokenizer, model.config, device), 20)
         run.stage("latency", lambda: latency_stage({**serving, **ort_graphs}, model.config, sizes), 60)
         run.stage("long_sample", lambda: long_sample_stage(serving, tokenizer, model.config, device, sizes), 40)
+        run.stage("reference", lambda: reference_stage(device, sizes), 30)
         run.stage("throughput", lambda: throughput_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
         run.stage("batching", lambda: batching_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
         run.stage("http", lambda: http_stage(checkpoint, serving["compiled-bf16"]["encoder"], device, sizes, out), 60)
