@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Where a served generation's GPU time goes, for the targets that scripts/gpu_check.py reports
+missed: the denoiser's own time against the sampler's per step, the kernels of one denoiser call,
+and what torch.compile (Inductor) would change. Writes OUT/gpu_profile.json, rewritten after every
+part, so a run cut short keeps what it measured.
+
+    python scripts/gpu_profile.py --out $OUT                # base config, on CUDA
+    python scripts/gpu_profile.py --tiny --out runs/prof    # tiny config, whatever device: a dry run
+
+Parts, in order (each skipped with the reason when --budget-s would be exceeded):
+- step_split: at batch 1 and the longest length, the denoiser alone (the served compiled bf16
+  backend: a CUDA graph replay, timed with CUDA events) against one step of each sampler (the
+  whole lockstep loop of `LDLMPipeline.sample_latents` divided by its steps). The difference is
+  the sampler's own work per step: inputs copied into the graph's buffers, the update, noise.
+- kernels: torch.profiler over one eager bf16 denoiser call at batch 1 x longest length and at the
+  throughput shape: the number of kernels, their summed GPU time, the top kernels by time.
+- inductor: torch.compile of the bf16 denoiser (mode "max-autotune-no-cudagraphs" is not used: its
+  autotuning does not fit the time), replayed in a CUDA graph captured here as CompiledBackend
+  captures its own, against that backend's replay at the same shapes; with the largest absolute
+  difference between their outputs on the same random inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ldlm.checkpoint import init_model
+from ldlm.config import SAMPLERS, preset
+from ldlm.files import write_atomically
+from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.runtime.backends import BackendGraphs
+from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, prepare_model
+from ldlm.tokenizer import TextTokenizer
+
+SIZES = {
+    "base": {"long_len": 1024, "steps": 20, "runs": 20, "tps_batch": 256, "tps_len": 128, "top": 12},
+    "tiny": {"long_len": 128, "steps": 5, "runs": 3, "tps_batch": 8, "tps_len": 32, "top": 5},
+}
+
+
+class Report:
+    def __init__(self, path: Path, budget_s: float) -> None:
+        self.path, self.budget_s, self.started = path, budget_s, time.perf_counter()
+        self.data: dict[str, Any] = {"parts": {}}
+
+    def part(self, name: str, fn: Callable[[], Any], needs_s: float) -> None:
+        left = self.budget_s - (time.perf_counter() - self.started)
+        if left < needs_s:
+            result: Any = {"skipped": f"time budget: {left:.0f} s left, the part needs about {needs_s:.0f} s"}
+        else:
+            print(f"[{time.perf_counter() - self.started:6.1f} s] {name} ...", flush=True)
+            start = time.perf_counter()
+            try:
+                result = fn()
+            except Exception as error:  # record it, go on with the other parts
+                result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=6)[-3000:]}
+            result["part_s"] = round(time.perf_counter() - start, 2)
+        self.data["parts"][name] = result
+        print(json.dumps({name: result}, default=str)[:2000], flush=True)
+        self.data["elapsed_s"] = round(time.perf_counter() - self.started, 1)
+        write_atomically(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
+
+
+def device_ms(fn: Callable[[], Any], runs: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` in ms: CUDA events on a GPU, the host clock elsewhere."""
+    fn()  # warm-up (and capture)
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - begin))
+    return round(statistics.median(times), 4)
+
+
+def random_inputs(backend: CompiledBackend, batch: int, length: int) -> dict[str, torch.Tensor]:
+    """The denoiser's inputs, random where they are activations (zeros would flatter the matmuls)."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    inputs = backend.example_inputs(batch, length)
+    for name, value in inputs.items():
+        if value.is_floating_point():
+            rand = torch.rand if name == "t" else torch.randn
+            inputs[name] = rand(value.shape, generator=generator).to(value.device, value.dtype)
+    return inputs
+
+
+def step_split(denoiser: CompiledBackend, pipe: LDLMPipeline, sizes: dict[str, int], device: torch.device) -> dict[str, Any]:
+    length, steps = sizes["long_len"], sizes["steps"]
+    feed = random_inputs(denoiser, 1, length)
+    alone = device_ms(lambda: denoiser.run_tensors(feed), sizes["runs"], device)
+    result: dict[str, Any] = {"batch": 1, "length": length, "steps": steps, "denoiser_call_ms": alone, "per_step_ms": {}}
+    with torch.inference_mode():
+        for sampler in SAMPLERS:
+            total = device_ms(lambda s=sampler: pipe.sample_latents(1, length, steps, 0, s), max(2, sizes["runs"] // 5), device)
+            per_step = total / steps
+            result["per_step_ms"][sampler] = {"step_ms": round(per_step, 4), "sampler_overhead_ms": round(per_step - alone, 4)}
+    return result
+
+
+def kernels(model_bf16: Any, sizes: dict[str, int], device: torch.device) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from ldlm.serve.runtime.torch_backends import EagerBackend
+
+    eager = EagerBackend(model_bf16, "denoiser")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    result: dict[str, Any] = {"backend": eager.provider}
+    for batch, length in ((1, sizes["long_len"]), (sizes["tps_batch"], sizes["tps_len"])):
+        feed = random_inputs(CompiledBackend(model_bf16, "denoiser", cuda_graphs=False), batch, length)
+        eager.run_tensors(feed)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            eager.run_tensors(feed)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        rows = []
+        for event in prof.key_averages():
+            gpu_us = getattr(event, "device_time_total", 0.0) if device.type == "cuda" else event.self_cpu_time_total
+            if device.type == "cuda" and getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            rows.append((gpu_us, event.count, event.key))
+        if device.type != "cuda":  # on CPU: the aten ops, not kernels
+            rows = [r for r in rows if r[2].startswith("aten::")]
+        rows.sort(reverse=True)
+        result[f"b{batch}/L{length}"] = {
+            "kernels": sum(r[1] for r in rows),
+            "summed_ms": round(sum(r[0] for r in rows) / 1000, 4),
+            "top": [{"ms": round(us / 1000, 4), "count": count, "name": name[:120]} for us, count, name in rows[: sizes["top"]]],
+        }
+    return result
+
+
+def inductor(denoiser: CompiledBackend, model_bf16: Any, sizes: dict[str, int], device: torch.device) -> dict[str, Any]:
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 16
+    compiled_backend = CompiledBackend(model_bf16, "denoiser", batch_buckets=(1, sizes["tps_batch"]))
+    module = compiled_backend.module
+    compiled_backend.module = torch.compile(module, dynamic=False)  # the bucket's graph captures the compiled kernels
+    result: dict[str, Any] = {"mode": "torch.compile(dynamic=False), default mode, in CompiledBackend's CUDA graphs"}
+    for batch, length in ((1, sizes["long_len"]), (1, 128 if sizes["long_len"] > 128 else sizes["long_len"] // 2), (sizes["tps_batch"], sizes["tps_len"])):
+        feed = random_inputs(denoiser, batch, length)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            mine = compiled_backend.run_tensors(feed)  # compiles and captures
+        compile_s = time.perf_counter() - start
+        with torch.inference_mode():
+            served = denoiser.run_tensors(feed)
+            diff = max(float((mine[n] - served[n]).abs().max()) for n in served)
+        result[f"b{batch}/L{length}"] = {
+            "served_ms": device_ms(lambda: denoiser.run_tensors(feed), sizes["runs"], device),
+            "inductor_ms": device_ms(lambda: compiled_backend.run_tensors(feed), sizes["runs"], device),
+            "compile_and_capture_s": round(compile_s, 1),
+            "max_abs_difference": diff,
+        }
+        cell = result[f"b{batch}/L{length}"]
+        cell["speedup"] = round(cell["served_ms"] / cell["inductor_ms"], 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/gpu_profile", help="output directory (default: runs/gpu_profile)")
+    parser.add_argument("--tiny", action="store_true", help="tiny config and small sizes: a dry run on any device")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="parts that would not fit are skipped (default: 240)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config_name = "tiny" if args.tiny else "base"
+    sizes = SIZES[config_name]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out / "gpu_profile.json", args.budget_s)
+    report.data.update(
+        date=datetime.date.today().isoformat(),
+        config=config_name,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        python=sys.version.split()[0],
+        sizes=sizes,
+    )
+    model = prepare_model(init_model(preset(config_name), 0), device, "bf16")
+    denoiser = CompiledBackend(model, "denoiser", batch_buckets=(1, sizes["tps_batch"]))
+    graphs = BackendGraphs({g: CompiledBackend(model, g) for g in ("encoder", "decoder")} | {"denoiser": denoiser})
+    pipe = LDLMPipeline(graphs, TextTokenizer.gpt2(), device, config=model.config, buckets=length_buckets(model.config.max_seq_len))
+    report.part("step_split", lambda: step_split(denoiser, pipe, sizes, device), 30)
+    report.part("kernels", lambda: kernels(model, sizes, device), 20)
+    report.part("inductor", lambda: inductor(denoiser, model, sizes, device), 120)
+    print(f"wrote {report.path} in {report.data['elapsed_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
