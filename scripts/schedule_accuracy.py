@@ -31,6 +31,7 @@ import torch
 
 from ldlm.checkpoint import preset_or_checkpoint
 from ldlm.config import TUNING_OBJECTIVES
+from ldlm.device import resolve_device
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
@@ -38,9 +39,12 @@ from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
 DDIM_STEPS = (10, 20, 50, 100)
 
 
-def measure(name: str, settings: TuningSettings, seed: int, references: dict | None = None) -> tuple[dict[str, Any], dict]:
-    """``references``: those of an earlier sampler on the same model, reused (they do not depend on the sampler)."""
-    pipe = LDLMPipeline(*preset_or_checkpoint(name, seed))
+def measure(
+    name: str, settings: TuningSettings, seed: int, references: dict | None = None, device: str = "cpu"
+) -> tuple[dict[str, Any], dict]:
+    """``references``: those of an earlier sampler on the same model, reused (they do not depend on the sampler).
+    ``device``: where the model runs and the noise is drawn (references and candidates alike)."""
+    pipe = LDLMPipeline(*preset_or_checkpoint(name, seed), device=device)
     tuner = Tuner(pipe, settings, {} if references is None else references)
     started = time.perf_counter()
     tuner.samples(settings.tune_seed, settings.tune_n, settings.tune_length)  # the references, timed apart
@@ -115,9 +119,14 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="init seed of the random checkpoints (default: 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu or cuda[:N], fp32 with TF32 off; the noise is drawn there, so grids and figures differ from the CPU's by the draw (default: cpu)"
+    )
     parser.add_argument("--out", default="runs/schedules.json", help="JSON path; the PNG goes beside it")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: the reference and the candidates alike
+    device = str(resolve_device(args.device))
     tune_n, tune_length = (int(v) for v in args.tune.split("x"))
     held_n, held_lengths = args.held_out.split("x")
     models = []
@@ -128,11 +137,17 @@ def main() -> None:
                 sampler, tuple(int(s) for s in args.steps.split(",")), args.reference_steps, 101, tune_n, tune_length,
                 202, int(held_n), tuple(int(n) for n in held_lengths.split(",")), args.evaluations, args.objective,
             )  # fmt: skip
-            model, references = measure(name, settings, args.seed, references)
+            model, references = measure(name, settings, args.seed, references, device)
             models.append(model)
     report = {
         "settings": vars(args),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average": os.getloadavg(),
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+            "torch": torch.__version__,
+        },
         "models": models,
     }
     out = Path(args.out)
