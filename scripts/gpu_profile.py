@@ -157,7 +157,11 @@ def inductor(denoiser: CompiledBackend, model_bf16: Any, sizes: dict[str, int], 
     module = compiled_backend.module
     compiled_backend.module = torch.compile(module, dynamic=False)  # the bucket's graph captures the compiled kernels
     result: dict[str, Any] = {"mode": "torch.compile(dynamic=False), default mode, in CompiledBackend's CUDA graphs"}
-    for batch, length in ((1, sizes["long_len"]), (1, 128 if sizes["long_len"] > 128 else sizes["long_len"] // 2), (sizes["tps_batch"], sizes["tps_len"])):
+    for batch, length in (
+        (1, sizes["long_len"]),
+        (1, 128 if sizes["long_len"] > 128 else sizes["long_len"] // 2),
+        (sizes["tps_batch"], sizes["tps_len"]),
+    ):
         feed = random_inputs(denoiser, batch, length)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -167,8 +171,8 @@ def inductor(denoiser: CompiledBackend, model_bf16: Any, sizes: dict[str, int], 
             served = denoiser.run_tensors(feed)
             diff = max(float((mine[n] - served[n]).abs().max()) for n in served)
         result[f"b{batch}/L{length}"] = {
-            "served_ms": device_ms(lambda: denoiser.run_tensors(feed), sizes["runs"], device),
-            "inductor_ms": device_ms(lambda: compiled_backend.run_tensors(feed), sizes["runs"], device),
+            "served_ms": device_ms(lambda feed=feed: denoiser.run_tensors(feed), sizes["runs"], device),
+            "inductor_ms": device_ms(lambda feed=feed: compiled_backend.run_tensors(feed), sizes["runs"], device),
             "compile_and_capture_s": round(compile_s, 1),
             "max_abs_difference": diff,
         }

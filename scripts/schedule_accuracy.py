@@ -120,7 +120,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="init seed of the random checkpoints (default: 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument(
-        "--device", default="cpu", help="cpu or cuda[:N], fp32 with TF32 off; the noise is drawn there, so grids and figures differ from the CPU's by the draw (default: cpu)"
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:N], fp32 with TF32 off; the noise is drawn there, so grids and figures differ from the CPU's by the draw (default: cpu)",
     )
     parser.add_argument("--out", default="runs/schedules.json", help="JSON path; the PNG goes beside it")
     args = parser.parse_args()
