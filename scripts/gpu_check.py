@@ -43,6 +43,10 @@ Stages, in order
 - long_sample: one 1024-token sample, 50 steps, batch 1, noise to token ids (ddim; for compiled
   also every other solver, and the server's default solver at its default step count). Compiled
   bf16, eager bf16, eager fp32.
+- reference: the trained reference checkpoint (models/ldlm-austen-tiny) with its tuned step grids:
+  the request that names neither sampler nor steps (the tuned default), DDIM@50 and the untuned
+  default, on every torch backend against CPU fp32 eager (token agreement on the same CPU noise),
+  and the batch-1 latency of each with device noise, as served.
 - throughput: generated tokens/s at batch 64, 128, 256 (L = 128, 50 steps), and the best. Compiled
   bf16.
 - batching: continuous against static on the bench's mixed-arrival workload (lengths 16-128, 5-40
@@ -89,8 +93,8 @@ Setup (the base model and its GPU copies) takes about 20-30 s of that; unselecte
 "not selected"; merge the rerun's stages into the first JSON by hand, saying so. If setup.log shows
 an import error, fix it, rerun the --tiny dry run, then run again.
 
-What has been checked without a GPU
------------------------------------
+What has been checked
+--------------------
 - The --tiny dry run: every stage ran on CPU (device_loop and ONNX Runtime CUDA skipped with their
   reasons), no stage error, about 2.5-3 minutes on a shared 2-core machine.
 - A bare Python standing in for the GPU image (a fresh venv with torch 2.13 CPU, numpy, onnx,
@@ -106,10 +110,9 @@ What has been checked without a GPU
   the tree (the tree installed into a temporary GPU_CHECK_SITE, ldlm imported from there by the
   setup check and by this script, a stale build/ kept out); and with a tree that cannot be built
   (the carried ldlm wheel installed instead). The carried dependency wheels are not installed there.
-- Not exercised anywhere yet: CUDA-graph capture and replay, the CUDA step loop without host syncs,
-  device noise, bf16/fp16 on CUDA, ONNX Runtime's CUDA and TensorRT providers (the H200 image has
-  the CPU onnxruntime only, and the onnxruntime-gpu wheel is far over the 64 MiB that travels, so
-  those stay skipped there too), NVIDIA TensorRT.
+- Run on one H200 (docs/measurements/gpu-check-h200-2026-12-04.md): every stage but probe_eps and
+  ONNX Runtime on CUDA, which stay skipped there (the H200 image has the CPU onnxruntime only, the
+  onnxruntime-gpu wheel is far over the 64 MiB that travels, and NVIDIA TensorRT is not there).
 
 After the run
 -------------
