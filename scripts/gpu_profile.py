@@ -43,6 +43,7 @@ from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, prepare_model
 from ldlm.tokenizer import TextTokenizer
 
+PARTS = ("step_split", "kernels", "inductor")
 SIZES = {
     "base": {"long_len": 1024, "steps": 20, "runs": 20, "tps_batch": 256, "tps_len": 128, "top": 12},
     "tiny": {"long_len": 128, "steps": 5, "runs": 3, "tps_batch": 8, "tps_len": 32, "top": 5},
@@ -50,14 +51,16 @@ SIZES = {
 
 
 class Report:
-    def __init__(self, path: Path, budget_s: float) -> None:
-        self.path, self.budget_s, self.started = path, budget_s, time.perf_counter()
+    def __init__(self, path: Path, budget_s: float, selected: set[str]) -> None:
+        self.path, self.budget_s, self.selected, self.started = path, budget_s, selected, time.perf_counter()
         self.data: dict[str, Any] = {"parts": {}}
 
     def part(self, name: str, fn: Callable[[], Any], needs_s: float) -> None:
         left = self.budget_s - (time.perf_counter() - self.started)
-        if left < needs_s:
-            result: Any = {"skipped": f"time budget: {left:.0f} s left, the part needs about {needs_s:.0f} s"}
+        if name not in self.selected:
+            result: Any = {"skipped": "not selected (--parts)"}
+        elif left < needs_s:
+            result = {"skipped": f"time budget: {left:.0f} s left, the part needs about {needs_s:.0f} s"}
         else:
             print(f"[{time.perf_counter() - self.started:6.1f} s] {name} ...", flush=True)
             start = time.perf_counter()
@@ -186,13 +189,17 @@ def main() -> None:
     parser.add_argument("--out", default="runs/gpu_profile", help="output directory (default: runs/gpu_profile)")
     parser.add_argument("--tiny", action="store_true", help="tiny config and small sizes: a dry run on any device")
     parser.add_argument("--budget-s", type=float, default=240.0, help="parts that would not fit are skipped (default: 240)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset (default: all of {', '.join(PARTS)})")
     args = parser.parse_args()
+    selected = set(args.parts.split(","))
+    if not selected <= set(PARTS):
+        parser.error(f"--parts {args.parts!r} names unknown parts; allowed: {', '.join(PARTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config_name = "tiny" if args.tiny else "base"
     sizes = SIZES[config_name]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = Report(out / "gpu_profile.json", args.budget_s)
+    report = Report(out / "gpu_profile.json", args.budget_s, selected)
     report.data.update(
         date=datetime.date.today().isoformat(),
         config=config_name,
