@@ -1784,6 +1784,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/export/test_calibration.py",),
         "the denoiser is calibrated on the wrong activations",
     ),
+    Mutation(
+        "gpu-target-default-sample-loose",
+        "ldlm.serve.checks.gpu_targets:TARGETS",
+        "lambda v: v <= 40,",
+        "lambda v: v <= 40.02,",
+        ("tests/tools/test_gpu_check.py",),
+        "a 1024-token sample at the default steps that misses 40 ms is reported met",
+    ),
 )
 
 
