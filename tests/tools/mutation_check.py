@@ -1792,6 +1792,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/tools/test_gpu_check.py",),
         "a 1024-token sample at the default steps that misses 40 ms is reported met",
     ),
+    Mutation(
+        "server-socket-without-tcp-proto",
+        "ldlm.serve.api.server:bind_socket",
+        "socket.SOCK_STREAM, socket.IPPROTO_TCP)",
+        "socket.SOCK_STREAM)",
+        ("tests/serve/api/test_server_nodelay.py",),
+        "every response with a body waits about 40 ms for the client's delayed ACK (Nagle left on)",
+    ),
 )
 
 
