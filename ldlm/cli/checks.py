@@ -149,9 +149,10 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")
     p.add_argument(
         "--backend",
-        choices=["ort", "trt", "eager", "compiled"],
+        choices=["ort", "trt", "eager", "compiled", "inductor"],
         default="ort",
-        help="ort, trt, or torch on --device: eager, compiled (shape buckets + CUDA graphs) (default: ort)",
+        help="ort, trt, or torch on --device: eager, compiled (shape buckets + CUDA graphs), inductor (compiled, "
+        "plus torch.compile's fused kernels) (default: ort)",
     )
     p.add_argument(
         "--precision",
@@ -211,7 +212,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "Writes OUT/bench.json and OUT/bench.png.",
     )
     p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, ort, trt (default: eager,ort)")
+    p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, inductor, ort, trt (default: eager,ort)")
     p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
     p.add_argument(
         "--precisions",

@@ -108,7 +108,7 @@ def capped_positive_int_list(high: int, why: str) -> Callable[[str], list[int]]:
 
 def device_options(p: argparse.ArgumentParser, precision: bool = True) -> None:
     """--device and --precision for the torch backends, --provider for ONNX Runtime."""
-    p.add_argument("--device", default="cpu", help="torch backends (eager, compiled): cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--device", default="cpu", help="torch backends (eager, compiled, inductor): cpu, cuda or cuda:N (default: cpu)")
     if precision:
         p.add_argument(
             "--precision",

@@ -132,13 +132,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "127.0.0.1 unless told otherwise. SIGINT/SIGTERM finish in-flight requests before exiting.",
     )
     p.add_argument(
-        "source", help="checkpoint (eager, compiled; ort exports it first), `ldlm export` dir (ort) or `ldlm build-engine` dir (trt)"
+        "source",
+        help="checkpoint (eager, compiled, inductor; ort exports it first), `ldlm export` dir (ort) or `ldlm build-engine` dir (trt)",
     )
     p.add_argument(
         "--backend",
-        choices=["eager", "compiled", "ort", "trt"],
+        choices=["eager", "compiled", "inductor", "ort", "trt"],
         default="ort",
-        help="eager or compiled (shape buckets + CUDA graphs) torch on --device, ort on --provider, trt (default: ort)",
+        help="torch on --device: eager, compiled (shape buckets + CUDA graphs) or inductor (compiled, plus torch.compile's "
+        "fused kernels: each bucket's first call compiles, seconds to a minute); ort on --provider; trt (default: ort)",
     )
     p.add_argument(
         "--no-export-cache",

@@ -54,7 +54,7 @@ def run_bench(
     ort_precisions: Sequence[str] = ("fp32",),
 ) -> dict[str, Any]:
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
-    The torch backends (eager, compiled) run on ``device`` in ``precision``; ort on ``provider``, once
+    The torch backends (eager, compiled, inductor) run on ``device`` in ``precision``; ort on ``provider``, once
     per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants)."""
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     backends = ort_columns(backends, ort_precisions)
@@ -137,7 +137,13 @@ def bench_sources(
 ) -> dict[str, str | None]:
     """What each column opens: the checkpoint (torch), an export (every ort precision: exported into
     ``scratch``, with the INT8 variants when asked, if no ``onnx_dir`` is given), the engines (trt)."""
-    sources: dict[str, str | None] = {"eager": checkpoint, "compiled": checkpoint, "ort": onnx_dir, "trt": engine_dir}
+    sources: dict[str, str | None] = {
+        "eager": checkpoint,
+        "compiled": checkpoint,
+        "inductor": checkpoint,
+        "ort": onnx_dir,
+        "trt": engine_dir,
+    }
     if any(b.startswith("ort") for b in backends) and onnx_dir is None:
         quantize = "int8" if "int8" in ort_precisions else None
         sources["ort"] = str(export_graphs(checkpoint, scratch / "onnx", progress=progress, quantize=quantize).out)

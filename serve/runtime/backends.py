@@ -31,11 +31,18 @@ from ldlm.export.precision import lower_precision
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
 from ldlm.serve.runtime.ort_backend import OrtBackend
 from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
-from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, check_precision, prepare_model, resolve_device
+from ldlm.serve.runtime.torch_backends import (
+    CompiledBackend,
+    EagerBackend,
+    InductorBackend,
+    check_precision,
+    prepare_model,
+    resolve_device,
+)
 from ldlm.tokenizer import TextTokenizer
 
-BACKENDS: tuple[str, ...] = ("eager", "compiled", "ort", "trt")
-TORCH_BACKENDS: tuple[str, ...] = ("eager", "compiled")  # open a checkpoint, run on --device
+BACKENDS: tuple[str, ...] = ("eager", "compiled", "inductor", "ort", "trt")
+TORCH_BACKENDS: tuple[str, ...] = ("eager", "compiled", "inductor")  # open a checkpoint, run on --device
 # --provider for ONNX Runtime: the providers asked for, in order (CPU as the fallback for ops a GPU
 # provider lacks); the first one must really run.
 ORT_PROVIDERS: dict[str, tuple[str, ...]] = {
@@ -132,7 +139,7 @@ def _open_checkpoint(
         raise BackendError(f"{path} is not a checkpoint (no model.safetensors); backend {backend!r} runs a checkpoint from `ldlm init`")
     model, tokenizer = load_checkpoint(path)
     model = prepare_model(model, target, precision)
-    kind = EagerBackend if backend == "eager" else CompiledBackend
+    kind = {"eager": EagerBackend, "compiled": CompiledBackend, "inductor": InductorBackend}[backend]
     return {g: kind(model, g, with_logits and g == "decoder") for g in GRAPH_NAMES}, model.config, tokenizer
 
 

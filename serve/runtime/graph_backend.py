@@ -1,7 +1,7 @@
 """The interface every backend implements: ``GraphBackend`` runs one graph, checking its inputs
 against the graph's I/O contract (names, dtypes, shapes from the export manifest) before a
 backend-specific ``_run`` does the work. The backends themselves live in ``backends`` (ONNX Runtime,
-TensorRT) and ``torch_backends`` (eager, compiled).
+TensorRT) and ``torch_backends`` (eager, compiled, inductor).
 """
 
 from __future__ import annotations
