@@ -1800,6 +1800,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/serve/api/test_server_nodelay.py",),
         "every response with a body waits about 40 ms for the client's delayed ACK (Nagle left on)",
     ),
+    Mutation(
+        "inductor-never-compiles",
+        "ldlm.serve.runtime.torch_backends:InductorBackend.__init__",
+        "self.module = torch.compile(self.module, dynamic=False)",
+        "self.module = self.module",
+        ("tests/serve/runtime/test_torch_backends_inductor.py",),
+        "--backend inductor serves the compiled backend's unfused kernels under Inductor's name",
+    ),
+    Mutation(
+        "inductor-recompile-limit-kept",
+        "ldlm.serve.runtime.torch_backends:InductorBackend.__init__",
+        "torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)",
+        "pass",
+        ("tests/serve/runtime/test_torch_backends_inductor.py",),
+        "past the eighth bucket the inductor backend silently runs eagerly",
+    ),
 )
 
 
