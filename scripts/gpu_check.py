@@ -41,14 +41,15 @@ Stages, in order
 - latency: each graph at batch 1, 8, 64, L = 128, p50/p99 and the speed-up against eager fp32 on
   the GPU (TF32 off). Eager fp32, eager bf16, compiled bf16 (+ ORT GPU).
 - long_sample: one 1024-token sample, 50 steps, batch 1, noise to token ids (ddim; for compiled
-  also every other solver, and the server's default solver at its default step count). Compiled
-  bf16, eager bf16, eager fp32.
+  also every other solver, and for compiled and inductor the server's default solver at its default
+  step count). Compiled bf16, inductor bf16 (its first call per bucket compiles, untimed), eager
+  bf16, eager fp32.
 - reference: the trained reference checkpoint (models/ldlm-austen-tiny) with its tuned step grids:
   the request that names neither sampler nor steps (the tuned default), DDIM@50 and the untuned
   default, on every torch backend against CPU fp32 eager (token agreement on the same CPU noise),
   and the batch-1 latency of each with device noise, as served.
 - throughput: generated tokens/s at batch 64, 128, 256 (L = 128, 50 steps), and the best. Compiled
-  bf16.
+  bf16; inductor bf16 at the largest batch only.
 - batching: continuous against static on the bench's mixed-arrival workload (lengths 16-128, 5-40
   steps) at an arrival rate of 1.5x the measured saturated capacity: throughput and p99. Compiled
   bf16.
@@ -157,7 +158,7 @@ from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, length_buckets, prepare_model
+from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, InductorBackend, length_buckets, prepare_model
 from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -419,12 +420,12 @@ def long_sample_stage(
         "batch": 1,
         "measures": "sample_latents + decode to token ids (host copy included), p50 of runs",
     }
-    for name in ("compiled-bf16", "eager-bf16", "eager"):
+    for name in ("compiled-bf16", "inductor-bf16", "eager-bf16", "eager"):
         pipe = LDLMPipeline(BackendGraphs(backends[name]), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
-        # every solver at the target's step count on the fastest backend, and the server's default
+        # every solver at the target's step count on the served backend, and the server's default
         # solver at the server's default step count (the row a request that names neither gets)
         rows = [(sampler, steps) for sampler in SAMPLERS] if name == "compiled-bf16" else [("ddim", steps)]
-        if name == "compiled-bf16":
+        if name in ("compiled-bf16", "inductor-bf16"):
             rows.append((config.default_sampler, config.default_steps))
         for sampler, count in rows:
 
@@ -484,16 +485,30 @@ def reference_stage(device: torch.device, sizes: dict[str, Any]) -> dict[str, An
 
 
 def throughput_stage(
-    graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
+    graphs: dict[str, GraphBackend],
+    tokenizer: TextTokenizer,
+    config: LDLMConfig,
+    device: torch.device,
+    sizes: dict[str, Any],
+    inductor: dict[str, GraphBackend] | None = None,
 ) -> dict[str, Any]:
+    """Generated tokens/s of ``graphs`` at each batch, and of ``inductor``'s at the largest alone
+    (each new batch bucket costs it a compile)."""
     length, steps = min(sizes["tps_len"], config.max_seq_len), sizes["tps_steps"]
-    pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+
+    def tokens_per_s(candidate: dict[str, GraphBackend], n: int) -> dict[str, float]:
+        pipe = LDLMPipeline(BackendGraphs(candidate), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+        entry = bench_generation({"candidate": pipe}, n, length, steps, sizes["tps_runs"])["candidate"]
+        return {"p50_s": entry["p50_s"], "tokens_per_s": entry["tokens_per_s"]}
+
     result: dict[str, Any] = {"backend": graphs["denoiser"].provider, "length": length, "steps": steps, "sampler": "ddim", "by_batch": {}}
     for n in sizes["tps_batches"]:
-        entry = bench_generation({"candidate": pipe}, n, length, steps, sizes["tps_runs"])["candidate"]
-        result["by_batch"][str(n)] = {"p50_s": entry["p50_s"], "tokens_per_s": entry["tokens_per_s"]}
+        result["by_batch"][str(n)] = tokens_per_s(graphs, n)
     best = max(result["by_batch"].items(), key=lambda kv: kv[1]["tokens_per_s"])
     result["best"] = {"batch": int(best[0]), **best[1]}
+    if inductor is not None:
+        largest = max(sizes["tps_batches"])
+        result["inductor"] = {"backend": inductor["denoiser"].provider, "batch": largest, **tokens_per_s(inductor, largest)}
     return result
 
 
@@ -595,6 +610,9 @@ def main() -> None:
             for name, graphs in with_logits.items()
             if name in LATENCY_BACKENDS
         }
+        # compiled bf16 plus torch.compile: in the long sample and throughput only, each of its
+        # buckets costs a compile (about 15 s for the base denoiser on an H200)
+        inductor = {g: InductorBackend(b.module.model, g) for g, b in serving["compiled-bf16"].items()}  # type: ignore[attr-defined]
         run.report["setup_s"] = round(time.perf_counter() - start, 1)
         ort_graphs, ort_notes = {}, {}
         if device.type == "cuda":
@@ -606,9 +624,11 @@ def main() -> None:
         run.stage("parity", lambda: parity_stage(model, tokenizer, {**with_logits, **ort_graphs}, sizes), 40)
         run.stage("device_loop", lambda: device_loop_stage(serving["compiled-bf16"], tokenizer, model.config, device), 20)
         run.stage("latency", lambda: latency_stage({**serving, **ort_graphs}, model.config, sizes), 60)
-        run.stage("long_sample", lambda: long_sample_stage(serving, tokenizer, model.config, device, sizes), 40)
+        run.stage(
+            "long_sample", lambda: long_sample_stage({**serving, "inductor-bf16": inductor}, tokenizer, model.config, device, sizes), 90
+        )
         run.stage("reference", lambda: reference_stage(device, sizes), 30)
-        run.stage("throughput", lambda: throughput_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
+        run.stage("throughput", lambda: throughput_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes, inductor), 70)
         run.stage("batching", lambda: batching_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
         run.stage("http", lambda: http_stage(checkpoint, serving["compiled-bf16"]["encoder"], device, sizes, out), 60)
         run.stage("previews", lambda: previews_stage(checkpoint, device, sizes, out), 60)
