@@ -7,9 +7,11 @@ it buys on a GPU is measured by scripts/gpu_profile.py and scripts/gpu_check.py,
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -17,7 +19,7 @@ from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.checks.bench_latency import graph_feed
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
-from ldlm.serve.runtime.torch_backends import BATCH_BUCKETS, EagerBackend, InductorBackend, length_buckets
+from ldlm.serve.runtime.torch_backends import BATCH_BUCKETS, EagerBackend, InductorBackend, length_buckets, prepare_model
 
 
 def compiles() -> int:
@@ -54,3 +56,19 @@ def test_inductor_pipeline_samples_what_eager_samples(tiny_checkpoint: Path) -> 
     a = LDLMPipeline(BackendGraphs(eager), tokenizer, config=config).sample_latents(2, 11, 4, 3, "ddim")
     b = LDLMPipeline(BackendGraphs(inductor), tokenizer, config=config).sample_latents(2, 11, 4, 3, "ddim")
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: Inductor's Triton kernels captured in a CUDA graph were not exercised "
+    "(scripts/gpu_check.py and scripts/gpu_profile.py run them on the GPU)",
+)
+def test_inductor_in_cuda_graphs_matches_eager_on_cuda(tiny_model: LDLM) -> None:
+    model = prepare_model(copy.deepcopy(tiny_model), torch.device("cuda"), "fp32")
+    eager, inductor = EagerBackend(model, "denoiser"), InductorBackend(model, "denoiser")
+    assert inductor.cuda_graphs
+    feed = graph_feed(tiny_model.config, "denoiser", 3, 10, seed=5)
+    first, second = inductor.run(feed)["x0_hat"], inductor.run(feed)["x0_hat"]  # compile and capture, then replay
+    assert list(inductor.captured) == [(4, 16)]
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(first, eager.run(feed)["x0_hat"], atol=1e-4, rtol=1e-4)
