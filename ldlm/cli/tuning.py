@@ -72,7 +72,12 @@ def _pipeline(args: argparse.Namespace) -> LDLMPipeline:
     from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 
     if args.onnx_dir is None:
-        return LDLMPipeline.from_checkpoint(args.checkpoint)
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: the reference and the candidates alike
+        return LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
+    if args.device != "cpu":
+        raise ValueError(f"--device {args.device} applies to eager PyTorch; --onnx-dir tunes on ONNX Runtime on the CPU")
 
     graphs, config, tokenizer = open_graphs("ort", args.onnx_dir, threads=args.threads)
     if config.config_hash() != load_config(args.checkpoint).config_hash():
@@ -126,6 +131,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     _add_sample_options(p)
     p.add_argument("--onnx-dir", default=None, help="tune on this export of the checkpoint, on ONNX Runtime (default: eager PyTorch)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where eager PyTorch tunes: cpu, cuda or cuda:N, in fp32 with TF32 off. The noise is drawn there, so grids "
+        "tuned on a GPU differ from the CPU's by the draw; a base model tunes in minutes on one GPU, hours on 2 CPU cores "
+        "(default: cpu)",
+    )
     p.add_argument("--threads", type=int_in(1, 1024), default=None, help="CPU threads (default: torch's)")
     p.add_argument("--out", default=None, help="where to write (default: CHECKPOINT/schedules.json)")
     p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")

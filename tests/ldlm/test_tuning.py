@@ -225,6 +225,12 @@ def test_tune_schedule_writes_a_grid_that_generation_then_uses(tiny_checkpoint: 
         LDLMPipeline.from_checkpoint(ckpt)
 
 
+def test_a_device_with_an_onnx_export_is_refused(tiny_checkpoint: Path, export_dir: Path, capsys) -> None:
+    args = ["tune-schedule", str(tiny_checkpoint), "--onnx-dir", str(export_dir), "--device", "cuda:0", "--steps", "3", "--quiet"]
+    assert main(args) == 2
+    assert "--device cuda:0 applies to eager PyTorch; --onnx-dir tunes on ONNX Runtime on the CPU" in capsys.readouterr().err
+
+
 def test_an_interrupted_search_keeps_its_best_grid(tiny_checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
     """Ctrl-C in the middle of the second step count: the first is written whole, the second as far as it got."""
     import shutil

@@ -134,6 +134,7 @@ def test_missing_cuda_is_a_clear_error() -> None:
         ["parity", "{ckpt}", "--backend", "eager", "--device", "cuda", "--precision", "bf16"],
         ["generate", "{ckpt}", "--device", "cuda"],
         ["reconstruct", "{ckpt}", "some text", "--device", "cuda"],
+        ["tune-schedule", "{ckpt}", "--device", "cuda", "--steps", "4"],
     ],
 )
 def test_cli_device_cuda_without_cuda_is_a_message_not_a_traceback(tiny_checkpoint: Path, tmp_path: Path, command: list[str]) -> None:
