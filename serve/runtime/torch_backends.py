@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -263,23 +263,15 @@ class InductorBackend(CompiledBackend):
 
     backend = "inductor"
 
-    def __init__(
-        self,
-        model: LDLM,
-        graph: str,
-        with_logits: bool = False,
-        batch_buckets: Sequence[int] = BATCH_BUCKETS,
-        seq_buckets: Sequence[int] | None = None,
-        cuda_graphs: bool | None = None,
-    ) -> None:
-        super().__init__(model, graph, with_logits, batch_buckets, seq_buckets, cuda_graphs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # CompiledBackend's
+        super().__init__(*args, **kwargs)
         # Static shapes, as measured: a bucket's kernels are specialized to it. Dynamo gives up on a
         # function after recompile_limit shapes and falls back to eager, silently; every bucket gets one.
         import torch._dynamo
 
         buckets = len(self.batch_buckets) * len(self.seq_buckets)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)
-        self.module = torch.compile(self.module, dynamic=False)
+        self.module = cast(nn.Module, torch.compile(self.module, dynamic=False))  # an OptimizedModule, itself a Module
         self.provider = self.provider.replace(" compiled (", " compiled by Inductor (")
 
 

@@ -1803,7 +1803,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "inductor-never-compiles",
         "ldlm.serve.runtime.torch_backends:InductorBackend.__init__",
-        "self.module = torch.compile(self.module, dynamic=False)",
+        "self.module = cast(nn.Module, torch.compile(self.module, dynamic=False))",
         "self.module = self.module",
         ("tests/serve/runtime/test_torch_backends_inductor.py",),
         "--backend inductor serves the compiled backend's unfused kernels under Inductor's name",
