@@ -29,23 +29,23 @@ def _long_sample(r: dict[str, Any]) -> tuple[float, str]:
         for key, entry in s.items()
         if key.startswith("compiled-bf16/") and key != "compiled-bf16/ddim"
     )
-    inductor = s.get("inductor-bf16/ddim")
-    also = f"; inductor bf16 {inductor['p50_ms']} ms" if inductor else ""
+    inductor = s.get("inductor-bf16/ddim", {})
+    also = f"; inductor bf16 {inductor['p50_ms']} ms" if "p50_ms" in inductor else ""
     return s["compiled-bf16/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, compiled bf16; {others}{also}"
 
 
 def _default_sample(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "long_sample")
     key = next(k for k in s if k.startswith("compiled-bf16/") and k.endswith("(server default)"))
-    inductor = next((v for k, v in s.items() if k.startswith("inductor-bf16/") and k.endswith("(server default)")), None)
-    also = f"; inductor bf16 {inductor['p50_ms']} ms" if inductor else ""
+    inductor: dict[str, Any] = next((v for k, v in s.items() if k.startswith("inductor-bf16/") and k.endswith("(server default)")), {})
+    also = f"; inductor bf16 {inductor['p50_ms']} ms" if "p50_ms" in inductor else ""
     return s[key]["p50_ms"], f"{s['length']} tokens, {key.split('/', 1)[1]}, compiled bf16{also}"
 
 
 def _tokens_per_s(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "throughput")
-    inductor = s.get("inductor")
-    also = f"; inductor bf16 {inductor['tokens_per_s']:,.0f} at batch {inductor['batch']}" if inductor else ""
+    inductor = s.get("inductor", {})
+    also = f"; inductor bf16 {inductor['tokens_per_s']:,.0f} at batch {inductor['batch']}" if "tokens_per_s" in inductor else ""
     return s["best"]["tokens_per_s"], f"batch {s['best']['batch']}, length {s['length']}, {s['steps']} steps, compiled bf16{also}"
 
 
