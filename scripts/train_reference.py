@@ -33,6 +33,7 @@ import torch
 from ldlm.checkpoint import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, init_model, save_checkpoint, write_checksums
 from ldlm.config import preset
 from ldlm.corpus import Corpus, CorpusError, load_corpus, load_documents
+from ldlm.device import DeviceError, resolve_device
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.model import LDLM, count_parameters
 from ldlm.tokenizer import TextTokenizer
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         help="share of every autoencoder batch's samples cut at a random length, padding after (default: %(default)s)",
     )
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where to train: cpu, cuda or cuda:N; batches and noise are drawn on the CPU, so a GPU run draws the same "
+        "batches, and its weights differ from the CPU's by float rounding alone (default: cpu)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core, %(default)s)")
     parser.add_argument("--save-every", type=float, default=120.0, help="seconds between saved states (default: %(default)s)")
     parser.add_argument(
@@ -163,15 +170,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     config = preset(args.preset)
-    model = init_model(config, seed=args.seed)
-    random_model = init_model(config, seed=args.seed)
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        parser.error(f"--device: {error}")
+    model = init_model(config, seed=args.seed).to(device)
+    random_model = init_model(config, seed=args.seed).to(device)
     log = train(model, corpus, plan, args.state_dir, save_every_s=args.save_every, progress_bar=not args.quiet)
     minutes = log["train_seconds"] / 60  # every run of the recipe on this state, resumed ones included
     log["generated_text"] = text_statistics(model, tokenizer, vocabulary, args.samples, 64, args.seed)
     log["generated_text_random_weights"] = text_statistics(random_model, tokenizer, vocabulary, args.samples, 64, args.seed)
     log["corpus_unigram_entropy_bits"] = unigram_entropy_bits(corpus.held_out)
     log["plan"] = plan.__dict__
-    log["host"] = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    log["host"] = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        log["host"]["gpu"] = torch.cuda.get_device_name(device)
     with atomic_directory(args.out, args.force) as tmp:
         staged = save_checkpoint(model, tokenizer, tmp / "checkpoint")  # a directory of its own: its files move up
         for item in staged.iterdir():

@@ -15,7 +15,7 @@ from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.schedule import TangentSchedule, forward_noise
 from ldlm.tokenizer import TextTokenizer
-from ldlm.training.objectives import windows
+from ldlm.training.objectives import device_of, windows
 
 WORD = re.compile(r"[A-Za-z]+")
 
@@ -25,7 +25,7 @@ def reconstruction_accuracy(model: LDLM, ids: np.ndarray, length: int, count: in
     """Token accuracy of encode -> decode (argmax over the whole vocabulary) on windows of ``ids``,
     for each of ``parts`` equal spans of positions (one: the whole window)."""
     rng = np.random.default_rng([seed, length])
-    input_ids = windows(ids, rng.integers(0, len(ids) - length, count), length)
+    input_ids = windows(ids, rng.integers(0, len(ids) - length, count), length).to(device_of(model))
     correct = (model.decode_tokens(model.encode_latents(input_ids)) == input_ids).float()
     return [span.mean().item() for span in correct.chunk(parts, dim=1)]
 
@@ -50,12 +50,12 @@ def denoiser_evaluation(
     """Held-out denoising MSE, self-conditioned as at sampling, averaged over ``times`` evenly spaced
     t in (0, 1); beside it, the MSE of predicting the latent mean (0 in the standardized space)."""
     rng = np.random.default_rng([seed, length, 1])
-    z = model.encode_latents(windows(ids, rng.integers(0, len(ids) - length, count), length))
+    z = model.encode_latents(windows(ids, rng.integers(0, len(ids) - length, count), length).to(device_of(model)))
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for t_value in (np.arange(times) + 0.5) / times:
-        t = torch.full((count,), float(t_value))
-        x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen))
+        t = torch.full((count,), float(t_value), device=z.device)
+        x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen).to(z.device))
         first = model.denoise(x_t, t, torch.zeros_like(z))
         losses.append(F.mse_loss(model.denoise(x_t, t, first), z).item())
     return {"denoiser_mse": float(np.mean(losses)), "mean_prediction_mse": z.pow(2).mean().item()}
@@ -75,7 +75,7 @@ def unigram_entropy_bits(ids: list[int] | np.ndarray) -> float:
 def text_statistics(model: LDLM, tokenizer: TextTokenizer, vocabulary: set[str], n: int, length: int, seed: int) -> dict[str, Any]:
     """Generated text under the default sampler and steps: the share of its words that the corpus
     has, and its unigram entropy (bits per token)."""
-    result = LDLMPipeline(model, tokenizer).generate(n, length, seed=seed)
+    result = LDLMPipeline(model, tokenizer, device_of(model)).generate(n, length, seed=seed)
     generated = [w for text in result.texts for w in words(text)]
     return {
         "samples": n,

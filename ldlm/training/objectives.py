@@ -113,6 +113,12 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` trains: batches and noise are drawn on the CPU (the same streams on any device)
+    and moved there."""
+    return next(model.parameters()).device
+
+
 def windows(ids: np.ndarray, starts: np.ndarray, length: int) -> Tensor:
     return torch.from_numpy(ids[starts[:, None] + np.arange(length)[None]])
 
@@ -137,7 +143,7 @@ def text_batch(ids: np.ndarray, plan: TrainingPlan, rng: np.random.Generator, fu
 def feature_statistics(model: LDLM, ids: np.ndarray, windows_count: int = 256, length: int = 128, seed: int = 0) -> None:
     """Per-dimension mean and std of GPT-2's features over training windows, into the model."""
     rng, _ = draw(seed, "features", 0)
-    feats = model.feature_model(windows(ids, rng.integers(0, len(ids) - length, windows_count), length)).flatten(0, 1)
+    feats = model.feature_model(windows(ids, rng.integers(0, len(ids) - length, windows_count), length).to(device_of(model))).flatten(0, 1)
     model.feature_mean.copy_(feats.mean(0))
     model.feature_std.copy_(feats.std(0).clamp_min(1e-4))
 
@@ -148,9 +154,13 @@ class VocabularyHead(nn.Module):
 
     def __init__(self, vocabulary: np.ndarray, model: LDLM) -> None:
         super().__init__()
-        self.ids = torch.from_numpy(vocabulary).long()
-        self.index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-        self.index[self.ids] = torch.arange(len(self.ids))
+        ids = torch.from_numpy(vocabulary).long()
+        index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+        index[ids] = torch.arange(len(ids))
+        self.ids: Tensor
+        self.index: Tensor
+        self.register_buffer("ids", ids, persistent=False)  # buffers: they go where the head goes
+        self.register_buffer("index", index, persistent=False)
         full = model.token_decoder.head
         self.weight = nn.Parameter(full.weight.detach()[self.ids].clone())
         self.bias = nn.Parameter(full.bias.detach()[self.ids].clone())
@@ -180,15 +190,15 @@ def standard_features(model: LDLM, input_ids: Tensor, mask: Tensor) -> Tensor:
 def with_latent_noise(latents: Tensor, plan: TrainingPlan, gen: torch.Generator) -> Tensor:
     """Gaussian noise of a per-sample scale in [0, latent_noise] x the latents' RMS."""
     rms = latents.detach().pow(2).mean().sqrt()
-    scale = plan.latent_noise * torch.rand(latents.shape[0], 1, 1, generator=gen)
-    return latents + scale * rms * torch.randn(latents.shape, generator=gen)
+    scale = plan.latent_noise * torch.rand(latents.shape[0], 1, 1, generator=gen).to(latents.device)
+    return latents + scale * rms * torch.randn(latents.shape, generator=gen).to(latents.device)
 
 
 def token_weights(real: Tensor, last_weight: float) -> Tensor:
     """Weights (real positions,) of the token loss, from the (B, L) bool mask of real positions:
     ``last_weight`` at each sample's last real position, 1 elsewhere (padding is on the right)."""
     last = torch.zeros_like(real)
-    last[torch.arange(real.shape[0]), real.sum(1) - 1] = True
+    last[torch.arange(real.shape[0], device=real.device), real.sum(1) - 1] = True
     return torch.where(last, last_weight, 1.0)[real]
 
 
@@ -242,8 +252,8 @@ def decoder_loss(
         latents = model.latent_encoder(features, mask)
         if denoised:
             z = (latents - model.latent_mean) / model.latent_std
-            t = plan.denoised_t_max * torch.rand(z.shape[0], generator=gen)
-            x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen))
+            t = plan.denoised_t_max * torch.rand(z.shape[0], generator=gen).to(z.device)
+            x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen).to(z.device))
             first = model.denoise(x_t, t, torch.zeros_like(z), mask)
             latents = model.denoise(x_t, t, first, mask) * model.latent_std + model.latent_mean
         else:
@@ -260,7 +270,7 @@ def cache_latents(model: LDLM, ids: np.ndarray, tokens: int, seed: int, lengths:
         starts = rng.integers(0, len(ids) - length, tokens // len(lengths) // length)
         parts = []
         for chunk in np.array_split(starts, max(1, len(starts) // 64)):
-            features = (model.feature_model(windows(ids, chunk, length)) - model.feature_mean) / model.feature_std
+            features = (model.feature_model(windows(ids, chunk, length).to(device_of(model))) - model.feature_mean) / model.feature_std
             parts.append(model.latent_encoder(features))
         out[length] = torch.cat(parts)
     return out
@@ -284,8 +294,8 @@ def latent_batch(cache: dict[int, Tensor], plan: TrainingPlan, model: LDLM, rng:
 def denoiser_loss(
     model: LDLM, schedule: TangentSchedule, z: Tensor, self_condition: bool, gen: torch.Generator
 ) -> tuple[Tensor, dict[str, float]]:
-    t = torch.rand(z.shape[0], generator=gen)
-    x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen))
+    t = torch.rand(z.shape[0], generator=gen).to(z.device)
+    x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen).to(z.device))
     x0_prev = torch.zeros_like(z)
     if self_condition:
         with torch.no_grad():

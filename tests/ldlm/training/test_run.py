@@ -93,3 +93,20 @@ def test_the_decoder_stage_changes_the_decoders_and_nothing_else(micro_corpus: C
 def test_a_plan_longer_than_the_model_is_refused(micro_corpus: Corpus, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_length=128 is out of range: at most the config's max_seq_len 32"):
         train(init_model(MICRO, seed=0), micro_corpus, dataclasses.replace(MICRO_PLAN, max_length=128, tokens_per_batch=256), tmp_path)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: training on a GPU (train_reference.py --device cuda) was not exercised",
+)
+def test_a_run_on_cuda_draws_the_cpu_runs_batches_and_learns_as_much(micro_corpus: Corpus, tmp_path: Path) -> None:
+    on_cpu = init_model(MICRO, seed=0)
+    on_cuda = init_model(MICRO, seed=0).to("cuda")
+    cpu_log = train(on_cpu, micro_corpus, MICRO_PLAN, tmp_path / "cpu", progress_bar=False)
+    cuda_log = train(on_cuda, micro_corpus, MICRO_PLAN, tmp_path / "cuda", progress_bar=False)
+    assert next(on_cuda.parameters()).is_cuda
+    # the same batches and noise from the same init: the first step's losses agree to float rounding;
+    # after it rounding compounds, so the two runs are held to the same outcome, not the same weights
+    assert cuda_log["autoencoder_history"][0] == pytest.approx(cpu_log["autoencoder_history"][0], rel=1e-3)
+    for length, accuracy in cpu_log["reconstruction_held_out"].items():
+        assert cuda_log["reconstruction_held_out"][length] == pytest.approx(accuracy, abs=0.1), length
