@@ -9,7 +9,8 @@ stages (ldlm/training/) run in order: feature statistics, the autoencoder, the l
 denoiser, and the decoders again on the denoiser's latents too. The state is saved to --state-dir every --save-every seconds and after each stage, so an
 interrupted run started again with the same arguments resumes where it stopped. At the end the
 checkpoint is evaluated on the held-out text (reconstruction, denoising loss, generated words) and
-written whole to --out with SHA256SUMS, a model card (README.md) and training.json.
+written whole to --out with SHA256SUMS, a model card (README.md) and training.json. --device cuda
+trains on a GPU, drawing the same batches and noise on the CPU.
 
 Why the tiny preset: every step's cost is dominated by the token decoder and GPT-2 at D=64, and
 the whole recipe must finish in about 90 minutes on 2 CPU cores; the base preset would need days.
