@@ -29,6 +29,7 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32 on a GPU too: the reference and the candidates alike
     config = load_config(args.checkpoint)
     too_long = [n for n in (args.tune_length, *args.held_out_lengths) if n > config.max_seq_len]
     if too_long:
@@ -72,9 +73,6 @@ def _pipeline(args: argparse.Namespace) -> LDLMPipeline:
     from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 
     if args.onnx_dir is None:
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: the reference and the candidates alike
         return LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     if args.device != "cpu":
         raise ValueError(f"--device {args.device} applies to eager PyTorch; --onnx-dir tunes on ONNX Runtime on the CPU")

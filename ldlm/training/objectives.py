@@ -48,9 +48,8 @@ class TrainingPlan:
     tokens_per_batch: int = 2048  # batch size = tokens_per_batch // length
     min_length: int = 8
     max_length: int = 128
-    # Batches at max_length among the first stage's: position i's table rows and latent query learn
-    # only from batches at least i long, and log-uniform lengths alone reach the last quarter in 10%
-    # of them (held-out accuracy there was 45-48% at 128 tokens, against 98-99% before position 64).
+    # Batches at max_length among the first stage's: position i learns only from batches at least i long, and
+    # log-uniform lengths reach the last quarter in 10% of them (45-48% held out there, 98-99% before 64).
     full_length_fraction: float = 0.5
     autoencoder_lr: float = 2e-3
     long_steps: int = 400  # then full-length windows only, at a lower learning rate
@@ -65,15 +64,13 @@ class TrainingPlan:
     feature_weight: float = 1.0
     latent_noise: float = 0.3
     self_condition: float = 0.5  # fraction of denoiser batches trained with x0_prev from a first pass
-    # Samples in a batch cut shorter than the batch's length (padding). The reference checkpoint keeps
-    # some positions' tokens in the next position's latent and loses them where a window ends there
-    # (scripts/last_token_accuracy.py); half the samples cut did not remove that after 1,400 steps.
+    # Samples cut shorter than the batch's length (padding after). The reference keeps some tokens in the
+    # next position's latent, lost where a window ends (scripts/last_token_accuracy.py).
     short_fraction: float = 0.25
-    # Weight of the token loss at each sample's last real position (1 at every other): a token kept in
-    # the next position's latent is lost only where a window ends, 1/L of a sample's loss. 8 for 300
-    # fine-tuning steps of the reference did not move it (docs/measurements/last-token-weight-*); a whole
-    # run at 8 with short_fraction 0.5 kept 84% of last tokens against 74%, 98.2% at 16 tokens, but 89.9%
-    # at 128 (docs/measurements/reference-retrain-*), so the recipe keeps 1 and 0.25.
+    # Weight of the token loss at each sample's last real position (1 elsewhere): a token kept in the next
+    # position's latent is lost only where a window ends. 8 for 300 fine-tuning steps did not move it; a whole
+    # run at 8 with short_fraction 0.5 kept 84% of last tokens (74%) and 98.2% at 16 tokens, but 89.9% at 128
+    # (docs/measurements/last-token-weight-*, reference-retrain-*), so the recipe keeps 1 and 0.25.
     last_token_weight: float = 1.0
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
@@ -114,8 +111,7 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def device_of(model: nn.Module) -> torch.device:
-    """Where ``model`` trains: batches and noise are drawn on the CPU (the same streams on any device)
-    and moved there."""
+    """Where ``model`` trains; batches and noise are drawn on the CPU (the same on any device), then moved."""
     return next(model.parameters()).device
 
 

@@ -13,11 +13,9 @@ captured per (graph, batch bucket, length bucket) on first use, so a denoiser ca
 replay plus the copies into its static input buffers. With ``cuda_graphs=False`` (the default on
 CPU) the same buckets and padding run the module directly, which is how CPU tests check them.
 
-``inductor`` (``InductorBackend``) is ``compiled`` with the graph's module compiled by torch.compile
-(Inductor, static shapes): each bucket's first call compiles fused kernels for that shape (on an
-H200, about 15 s for the base denoiser), then the bucket's CUDA graph replays them. On an H200 that
-made one base denoiser call 1.46-2.04x faster than ``compiled``
-(docs/measurements/gpu-profile-h200-2026-12-04.json).
+``inductor`` (``InductorBackend``) is ``compiled`` with torch.compile's fused kernels (static shapes):
+a bucket's first call compiles (about 15 s for the base denoiser on an H200), its CUDA graph replays
+them; 1.46-2.04x faster than ``compiled`` there (docs/measurements/gpu-profile-h200-2026-12-04.json).
 """
 
 from __future__ import annotations

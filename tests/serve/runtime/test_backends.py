@@ -59,7 +59,7 @@ def test_missing_backend_and_unsupported_precision(tiny_checkpoint: Path, export
         open_graphs("ort", export_dir, "bf16")
     with pytest.raises(BackendError, match="backend 'eager' cannot run precision='int8'; allowed: fp32, bf16, fp16"):
         open_graphs("eager", tiny_checkpoint, "int8")
-    with pytest.raises(BackendError, match="backend='onnx' is unknown; allowed: eager, compiled, ort, trt"):
+    with pytest.raises(BackendError, match="backend='onnx' is unknown; allowed: eager, compiled, inductor, ort, trt"):
         open_graphs("onnx", export_dir)
     with pytest.raises(BackendError, match="has no config.json"):
         open_graphs("ort", tiny_checkpoint.parent)
