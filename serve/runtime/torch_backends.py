@@ -1,11 +1,9 @@
-"""Torch on a chosen device: the device and precision helpers, and the compiled backend.
+"""Torch on a chosen device: the device and precision helpers, and the compiled backends.
 
-``eager`` (``EagerBackend``) runs the graph's module as it is, on CPU or CUDA, in fp32, bf16 or
-fp16. Reduced precision follows the engines' keep-in-FP32 list: every LayerNorm and RMSNorm runs
-in FP32 (its input is upcast, its output cast back to the compute dtype), and so does the
-vocabulary head, whose logits stay FP32 for the argmax. Softmax runs inside
-``scaled_dot_product_attention``, whose CUDA kernels (flash, memory-efficient) and CPU kernel
-accumulate in FP32.
+``eager`` (``EagerBackend``) runs the graph's module as it is, on CPU or CUDA, in fp32, bf16 or fp16. Reduced precision
+follows the engines' keep-in-FP32 list: every LayerNorm and RMSNorm runs in FP32 (its input is upcast, its output cast
+back to the compute dtype), and so does the vocabulary head, whose logits stay FP32 for the argmax. Softmax runs inside
+``scaled_dot_product_attention``, whose CUDA kernels (flash, memory-efficient) and CPU kernel accumulate in FP32.
 
 ``compiled`` (``CompiledBackend``) serves static shapes: inputs are padded up to a (batch bucket,
 length bucket), the padding masked through ``attention_mask``, and on CUDA one CUDA graph is
@@ -13,9 +11,8 @@ captured per (graph, batch bucket, length bucket) on first use, so a denoiser ca
 replay plus the copies into its static input buffers. With ``cuda_graphs=False`` (the default on
 CPU) the same buckets and padding run the module directly, which is how CPU tests check them.
 
-``inductor`` (``InductorBackend``) is ``compiled`` with torch.compile's fused kernels (static shapes):
-a bucket's first call compiles (about 15 s for the base denoiser on an H200), its CUDA graph replays
-them; 1.46-2.04x faster than ``compiled`` there (docs/measurements/gpu-profile-h200-2026-12-04.json).
+``inductor`` (``InductorBackend``) is ``compiled`` with torch.compile's kernels, one static compile per bucket (about
+15 s for the base denoiser on an H200): 1.46-2.04x faster there (docs/measurements/gpu-profile-h200-2026-12-04.json).
 """
 
 from __future__ import annotations
@@ -159,6 +156,7 @@ class CompiledBackend(EagerBackend):
     """Static shape buckets and, on CUDA, one captured CUDA graph per (batch bucket, length bucket)."""
 
     backend = "compiled"
+    compiler = ""  # who compiled the module's kernels, for the provider string ("": eager kernels)
 
     def __init__(
         self,
@@ -180,8 +178,13 @@ class CompiledBackend(EagerBackend):
         self.captured: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # one pool per graph
         self._lock = threading.Lock()  # static buffers are shared: one replay at a time
+        self.module = self.compile(self.module)
         mode = "CUDA graphs" if self.cuda_graphs else "static buckets, no CUDA graphs"
-        self.provider = f"torch {torch.__version__} compiled ({mode}) on {self.device} ({self.precision})"
+        self.provider = f"torch {torch.__version__} compiled{self.compiler} ({mode}) on {self.device} ({self.precision})"
+
+    def compile(self, module: nn.Module) -> nn.Module:
+        """The module the buckets run: this one as it is."""
+        return module
 
     def bucket(self, batch: int, length: int) -> tuple[int, int]:
         return bucket_for(batch, self.batch_buckets), bucket_for(length, self.seq_buckets)
@@ -256,21 +259,18 @@ class CompiledBackend(EagerBackend):
 
 
 class InductorBackend(CompiledBackend):
-    """``CompiledBackend`` whose module is compiled by torch.compile (Inductor), one static-shape
-    compile per bucket, captured in that bucket's CUDA graph on CUDA."""
+    """``CompiledBackend`` with the module compiled by torch.compile (Inductor), inside each bucket's CUDA graph."""
 
     backend = "inductor"
+    compiler = " by Inductor"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # CompiledBackend's
-        super().__init__(*args, **kwargs)
-        # Static shapes, as measured: a bucket's kernels are specialized to it. Dynamo gives up on a
-        # function after recompile_limit shapes and falls back to eager, silently; every bucket gets one.
+    def compile(self, module: nn.Module) -> nn.Module:
+        # Static shapes, as measured. Past recompile_limit shapes Dynamo runs eagerly, silently: every bucket gets one.
         import torch._dynamo
 
         buckets = len(self.batch_buckets) * len(self.seq_buckets)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)
-        self.module = cast(nn.Module, torch.compile(self.module, dynamic=False))  # an OptimizedModule, itself a Module
-        self.provider = self.provider.replace(" compiled (", " compiled by Inductor (")
+        return cast(nn.Module, torch.compile(module, dynamic=False))  # an OptimizedModule, itself a Module
 
 
 def fill_padded(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], seq_names: set[str]) -> None:
