@@ -128,8 +128,9 @@ class Run:
         self.schedule = TangentSchedule(model.config.schedule_d, model.config.beta_clip_t)
         resumed = (state_dir / STATE_FILE).is_file()
         self.progress, self.optimizer_state = load_state(state_dir, model) if resumed else (Progress(), None)
+        self.device = device_of(model)
         # after loading: a saved state holds the sealed full head
-        self.head = VocabularyHead(corpus.vocabulary, model).to(device_of(model))
+        self.head = VocabularyHead(corpus.vocabulary, model).to(self.device)
         self.cache: dict[int, Tensor] | None = None
         self.started, self.seconds_before = time.monotonic(), float(self.progress.log.get("train_seconds", 0.0))
         model.feature_model.requires_grad_(False)
@@ -205,7 +206,7 @@ class Run:
             z = latent_batch(self.latent_cache(), plan, model, rng)
             return denoiser_loss(model, self.schedule, z, bool(rng.random() < plan.self_condition), gen)
         input_ids, mask = text_batch(self.corpus.train, plan, rng, full_length=stage == "autoencoder_long")
-        batch = (input_ids.to(device_of(model)), mask.to(device_of(model)))
+        batch = (input_ids.to(self.device), mask.to(self.device))
         if stage == "decoder":
             denoised = bool(rng.random() < plan.denoised_fraction)
             return decoder_loss(model, self.head, self.schedule, batch, denoised, plan, gen, step % 100 == 0)

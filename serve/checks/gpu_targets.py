@@ -29,23 +29,26 @@ def _long_sample(r: dict[str, Any]) -> tuple[float, str]:
         for key, entry in s.items()
         if key.startswith("compiled-bf16/") and key != "compiled-bf16/ddim"
     )
-    inductor = s.get("inductor-bf16/ddim", {})
-    also = f"; inductor bf16 {inductor['p50_ms']} ms" if "p50_ms" in inductor else ""
+    also = _inductor_beside(s.get("inductor-bf16/ddim", {}), "p50_ms", "{} ms")
     return s["compiled-bf16/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, compiled bf16; {others}{also}"
+
+
+def _inductor_beside(entry: dict[str, Any], field: str, shape: str) -> str:
+    """The inductor backend's figure for a note, where it was measured (it is no target's verdict)."""
+    return f"; inductor bf16 {shape.format(entry[field], **entry)}" if field in entry else ""
 
 
 def _default_sample(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "long_sample")
     key = next(k for k in s if k.startswith("compiled-bf16/") and k.endswith("(server default)"))
     inductor: dict[str, Any] = next((v for k, v in s.items() if k.startswith("inductor-bf16/") and k.endswith("(server default)")), {})
-    also = f"; inductor bf16 {inductor['p50_ms']} ms" if "p50_ms" in inductor else ""
+    also = _inductor_beside(inductor, "p50_ms", "{} ms")
     return s[key]["p50_ms"], f"{s['length']} tokens, {key.split('/', 1)[1]}, compiled bf16{also}"
 
 
 def _tokens_per_s(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "throughput")
-    inductor = s.get("inductor", {})
-    also = f"; inductor bf16 {inductor['tokens_per_s']:,.0f} at batch {inductor['batch']}" if "tokens_per_s" in inductor else ""
+    also = _inductor_beside(s.get("inductor", {}), "tokens_per_s", "{:,.0f} at batch {batch}")
     return s["best"]["tokens_per_s"], f"batch {s['best']['batch']}, length {s['length']}, {s['steps']} steps, compiled bf16{also}"
 
 
