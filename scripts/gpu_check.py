@@ -239,10 +239,18 @@ REFERENCE_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "ldlm
 
 
 class Run:
-    """The report, its files, and the time budget every stage checks before it starts."""
+    """The report, its files, and the time budget every stage checks before it starts: OUT/NAME.json
+    and, with ``markdown``, OUT/NAME.md, rewritten after every stage (scripts/gpu_profile.py's too)."""
 
-    def __init__(self, out: Path, budget_s: float, tiny: bool, stages: set[str] | None = None) -> None:
-        self.out, self.budget_s, self.tiny, self.selected = out, budget_s, tiny, stages
+    def __init__(
+        self,
+        out: Path,
+        budget_s: float,
+        stages: set[str] | None = None,
+        name: str = "gpu_check",
+        markdown: Callable[[dict[str, Any]], str] | None = summary_markdown,
+    ) -> None:
+        self.out, self.budget_s, self.selected, self.name, self.markdown = out, budget_s, stages, name, markdown
         self.started = time.perf_counter()
         self.report: dict[str, Any] = {"stages": {}}
 
@@ -270,11 +278,9 @@ class Run:
 
     def write(self) -> None:
         self.report["elapsed_s"] = round(time.perf_counter() - self.started, 1)
-        for name, text in (
-            ("gpu_check.json", json.dumps(self.report, indent=2, default=str) + "\n"),
-            ("gpu_check.md", summary_markdown(self.report)),
-        ):
-            write_atomically(self.out / name, text)  # never a half-written file
+        write_atomically(self.out / f"{self.name}.json", json.dumps(self.report, indent=2, default=str) + "\n")  # never half-written
+        if self.markdown is not None:
+            write_atomically(self.out / f"{self.name}.md", self.markdown(self.report))
 
 
 def sync(device: torch.device) -> None:
@@ -589,7 +595,7 @@ def main() -> None:
     sizes = SIZES[config_name]
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: parity and the eager baseline
     torch.set_num_threads(os.cpu_count() or 2)
-    run = Run(out, args.budget_s, args.tiny, selected)
+    run = Run(out, args.budget_s, selected)
     run.report.update(date=datetime.date.today().isoformat(), config=config_name, device=str(device), tiny=args.tiny, sizes=sizes)
     env: dict[str, Any] = {
         "torch": torch.__version__,

@@ -1,34 +1,32 @@
 #!/usr/bin/env python
 """Where a served generation's GPU time goes, for the targets that scripts/gpu_check.py reports
 missed: the denoiser's own time against the sampler's per step, the kernels of one denoiser call,
-and what torch.compile (Inductor) would change. Writes OUT/gpu_profile.json, rewritten after every
-part, so a run cut short keeps what it measured.
+and what torch.compile (Inductor) changes. Writes OUT/gpu_profile.json, rewritten after every
+stage (gpu_check.py's Run), so a run cut short keeps what it measured.
 
     python scripts/gpu_profile.py --out $OUT                # base config, on CUDA
     python scripts/gpu_profile.py --tiny --out runs/prof    # tiny config, whatever device: a dry run
 
-Parts, in order (each skipped with the reason when --budget-s would be exceeded):
+Stages, in order (each skipped with the reason when --budget-s would be exceeded):
 - step_split: at batch 1 and the longest length, the denoiser alone (the served compiled bf16
   backend: a CUDA graph replay, timed with CUDA events) against one step of each sampler (the
   whole lockstep loop of `LDLMPipeline.sample_latents` divided by its steps). The difference is
   the sampler's own work per step: inputs copied into the graph's buffers, the update, noise.
 - kernels: torch.profiler over one eager bf16 denoiser call at batch 1 x longest length and at the
   throughput shape: the number of kernels, their summed GPU time, the top kernels by time.
-- inductor: torch.compile of the bf16 denoiser (mode "max-autotune-no-cudagraphs" is not used: its
-  autotuning does not fit the time), replayed in a CUDA graph captured here as CompiledBackend
-  captures its own, against that backend's replay at the same shapes; with the largest absolute
-  difference between their outputs on the same random inputs.
+- inductor: the inductor backend (InductorBackend: torch.compile of the bf16 denoiser in the buckets'
+  CUDA graphs; mode "max-autotune-no-cudagraphs" is not used, its autotuning does not fit the time)
+  against the compiled backend's replay at the same shapes, with the largest absolute difference
+  between their outputs on the same random inputs.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,42 +35,19 @@ import torch
 
 from ldlm.checkpoint import init_model
 from ldlm.config import SAMPLERS, preset
-from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.backends import BackendGraphs
-from ldlm.serve.runtime.torch_backends import CompiledBackend, length_buckets, prepare_model
+from ldlm.serve.runtime.torch_backends import CompiledBackend, InductorBackend, length_buckets, prepare_model
 from ldlm.tokenizer import TextTokenizer
 
-PARTS = ("step_split", "kernels", "inductor")
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_check import Run  # noqa: E402
+
+STAGES = ("step_split", "kernels", "inductor")
 SIZES = {
     "base": {"long_len": 1024, "steps": 20, "runs": 20, "tps_batch": 256, "tps_len": 128, "top": 12},
     "tiny": {"long_len": 128, "steps": 5, "runs": 3, "tps_batch": 8, "tps_len": 32, "top": 5},
 }
-
-
-class Report:
-    def __init__(self, path: Path, budget_s: float, selected: set[str]) -> None:
-        self.path, self.budget_s, self.selected, self.started = path, budget_s, selected, time.perf_counter()
-        self.data: dict[str, Any] = {"parts": {}}
-
-    def part(self, name: str, fn: Callable[[], Any], needs_s: float) -> None:
-        left = self.budget_s - (time.perf_counter() - self.started)
-        if name not in self.selected:
-            result: Any = {"skipped": "not selected (--parts)"}
-        elif left < needs_s:
-            result = {"skipped": f"time budget: {left:.0f} s left, the part needs about {needs_s:.0f} s"}
-        else:
-            print(f"[{time.perf_counter() - self.started:6.1f} s] {name} ...", flush=True)
-            start = time.perf_counter()
-            try:
-                result = fn()
-            except Exception as error:  # record it, go on with the other parts
-                result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=6)[-3000:]}
-            result["part_s"] = round(time.perf_counter() - start, 2)
-        self.data["parts"][name] = result
-        print(json.dumps({name: result}, default=str)[:2000], flush=True)
-        self.data["elapsed_s"] = round(time.perf_counter() - self.started, 1)
-        write_atomically(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
 
 
 def device_ms(fn: Callable[[], Any], runs: int, device: torch.device) -> float:
@@ -153,13 +128,8 @@ def kernels(model_bf16: Any, sizes: dict[str, int], device: torch.device) -> dic
 
 
 def inductor(denoiser: CompiledBackend, model_bf16: Any, sizes: dict[str, int], device: torch.device) -> dict[str, Any]:
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = 16
-    compiled_backend = CompiledBackend(model_bf16, "denoiser", batch_buckets=(1, sizes["tps_batch"]))
-    module = compiled_backend.module
-    compiled_backend.module = torch.compile(module, dynamic=False)  # the bucket's graph captures the compiled kernels
-    result: dict[str, Any] = {"mode": "torch.compile(dynamic=False), default mode, in CompiledBackend's CUDA graphs"}
+    compiled_backend = InductorBackend(model_bf16, "denoiser", batch_buckets=(1, sizes["tps_batch"]))
+    result: dict[str, Any] = {"backend": compiled_backend.provider}
     for batch, length in (
         (1, sizes["long_len"]),
         (1, 128 if sizes["long_len"] > 128 else sizes["long_len"] // 2),
@@ -188,19 +158,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/gpu_profile", help="output directory (default: runs/gpu_profile)")
     parser.add_argument("--tiny", action="store_true", help="tiny config and small sizes: a dry run on any device")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="parts that would not fit are skipped (default: 240)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset (default: all of {', '.join(PARTS)})")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stages that would not fit are skipped (default: 240)")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset (default: all of {', '.join(STAGES)})")
     args = parser.parse_args()
-    selected = set(args.parts.split(","))
-    if not selected <= set(PARTS):
-        parser.error(f"--parts {args.parts!r} names unknown parts; allowed: {', '.join(PARTS)}")
+    selected = set(args.stages.split(","))
+    if not selected <= set(STAGES):
+        parser.error(f"--stages {args.stages!r} names unknown stages; allowed: {', '.join(STAGES)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config_name = "tiny" if args.tiny else "base"
     sizes = SIZES[config_name]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = Report(out / "gpu_profile.json", args.budget_s, selected)
-    report.data.update(
+    run = Run(out, args.budget_s, selected, name="gpu_profile", markdown=None)
+    run.report.update(
         date=datetime.date.today().isoformat(),
         config=config_name,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -212,10 +182,10 @@ def main() -> None:
     denoiser = CompiledBackend(model, "denoiser", batch_buckets=(1, sizes["tps_batch"]))
     graphs = BackendGraphs({g: CompiledBackend(model, g) for g in ("encoder", "decoder")} | {"denoiser": denoiser})
     pipe = LDLMPipeline(graphs, TextTokenizer.gpt2(), device, config=model.config, buckets=length_buckets(model.config.max_seq_len))
-    report.part("step_split", lambda: step_split(denoiser, pipe, sizes, device), 30)
-    report.part("kernels", lambda: kernels(model, sizes, device), 20)
-    report.part("inductor", lambda: inductor(denoiser, model, sizes, device), 120)
-    print(f"wrote {report.path} in {report.data['elapsed_s']} s", flush=True)
+    run.stage("step_split", lambda: step_split(denoiser, pipe, sizes, device), 30)
+    run.stage("kernels", lambda: kernels(model, sizes, device), 20)
+    run.stage("inductor", lambda: inductor(denoiser, model, sizes, device), 120)
+    print(f"wrote {out / 'gpu_profile.json'} in {run.report['elapsed_s']} s", flush=True)
 
 
 if __name__ == "__main__":

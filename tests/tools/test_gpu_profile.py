@@ -1,4 +1,4 @@
-"""scripts/gpu_profile.py on CPU with the tiny config: its report and the parts that are cheap there.
+"""scripts/gpu_profile.py on CPU with the tiny config: its report and the stages that are cheap there.
 
 What it measures is meant for a GPU (CUDA events, kernels, Inductor in CUDA graphs); on CPU the
 host clock and the aten ops stand in, so only the plumbing and the report's shape are checked, and
@@ -21,7 +21,7 @@ SCRIPT = REPO / "scripts" / "gpu_profile.py"
 
 def test_tiny_run_splits_each_step_and_lists_the_ops(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--parts", "step_split,kernels"],
+        [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--stages", "step_split,kernels"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -29,13 +29,13 @@ def test_tiny_run_splits_each_step_and_lists_the_ops(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_profile.json").read_text())
     assert data["config"] == "tiny" and data["device"] == "cpu"
-    parts = data["parts"]
-    assert parts["inductor"] == {"skipped": "not selected (--parts)"}
-    split = parts["step_split"]
+    stages = data["stages"]
+    assert stages["inductor"] == {"skipped": "not selected (--stages)"}
+    split = stages["step_split"]
     assert split["length"] == 128 and set(split["per_step_ms"]) == set(SAMPLERS)
     for cell in split["per_step_ms"].values():  # the overhead is the step less the denoiser call, as stated
         assert abs(cell["step_ms"] - split["denoiser_call_ms"] - cell["sampler_overhead_ms"]) < 1e-3
-    kernels = parts["kernels"]
+    kernels = stages["kernels"]
     for shape in ("b1/L128", "b8/L32"):
         top = kernels[shape]["top"]
         assert top and kernels[shape]["kernels"] >= sum(row["count"] for row in top)
@@ -45,7 +45,7 @@ def test_tiny_run_splits_each_step_and_lists_the_ops(tmp_path: Path) -> None:
 
 def test_unknown_part_is_refused(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--parts", "warp"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--stages", "warp"], capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 2 and "names unknown parts; allowed: step_split, kernels, inductor" in done.stderr
+    assert done.returncode == 2 and "names unknown stages; allowed: step_split, kernels, inductor" in done.stderr
     assert not (tmp_path / "gpu_profile.json").exists()
