@@ -225,8 +225,11 @@ def test_tune_schedule_writes_a_grid_that_generation_then_uses(tiny_checkpoint: 
         LDLMPipeline.from_checkpoint(ckpt)
 
 
-def test_a_device_with_an_onnx_export_is_refused(tiny_checkpoint: Path, export_dir: Path, capsys) -> None:
+def test_a_device_with_an_onnx_export_is_refused(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, capsys) -> None:
     args = ["tune-schedule", str(tiny_checkpoint), "--onnx-dir", str(export_dir), "--device", "cuda:0", "--steps", "3", "--quiet"]
+    # a tuning this small, written aside, is what would run if the refusal were gone: it would answer 0, at once
+    args += ["--sampler", "ddim", "--evaluations", "2", "--reference-steps", "10", "--tune-n", "1", "--tune-length", "8"]
+    args += ["--held-out-n", "1", "--held-out-lengths", "8", "--out", str(tmp_path / "schedules.json")]
     assert main(args) == 2
     assert "--device cuda:0 applies to eager PyTorch; --onnx-dir tunes on ONNX Runtime on the CPU" in capsys.readouterr().err
 
