@@ -69,9 +69,8 @@ class TrainingPlan:
     short_fraction: float = 0.25
     # Weight of the token loss at each sample's last real position (1 elsewhere): a token kept in the next
     # position's latent is lost only where a window ends. 8 for 300 fine-tuning steps did not move it; a whole
-    # run at 8 with short_fraction 0.5 kept 84% of last tokens (74%) and 98.2% at 16 tokens, but 89.9% at 128,
-    # and one at 8 with 0.25 kept 66% and 85.5% at 128 (docs/measurements/last-token-weight-*, reference-retrain-*):
-    # the weight costs the last positions of long windows, so the recipe keeps 1.
+    # run at 8 with short_fraction 0.5 gave 98.2% at 16 tokens but 89.9% at 128, one at 8 with 0.25 85.5% at 128
+    # (docs/measurements/reference-retrain-*): the weight costs long windows' last positions, so the recipe keeps 1.
     last_token_weight: float = 1.0
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
