@@ -130,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         default=TrainingPlan.short_fraction,
         help="share of every autoencoder batch's samples cut at a random length, padding after (default: %(default)s)",
     )
+    parser.add_argument(
+        "--aligned-routing",
+        action=argparse.BooleanOptionalAction,
+        default=TrainingPlan.aligned_routing,
+        help="start the latent encoder with latent p reading position p (ldlm/training/routing.py) (default: %(default)s)",
+    )
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
     parser.add_argument(
         "--device",
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         decoder_steps=args.decoder_steps,
         last_token_weight=args.last_token_weight,
         short_fraction=args.short_fraction,
+        aligned_routing=args.aligned_routing,
         tokens_per_batch=args.tokens_per_batch,
     )
     try:

@@ -72,6 +72,7 @@ class TrainingPlan:
     # run at 8 with short_fraction 0.5 gave 98.2% at 16 tokens but 89.9% at 128, one at 8 with 0.25 85.5% at 128
     # (docs/measurements/reference-retrain-*): the weight costs long windows' last positions, so the recipe keeps 1.
     last_token_weight: float = 1.0
+    aligned_routing: bool = False  # start latent p reading position p (ldlm/training/routing.py)
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
     def check(self) -> None:
@@ -120,9 +121,8 @@ def windows(ids: np.ndarray, starts: np.ndarray, length: int) -> Tensor:
 
 
 def text_batch(ids: np.ndarray, plan: TrainingPlan, rng: np.random.Generator, full_length: bool = False) -> tuple[Tensor, Tensor]:
-    """(input_ids, mask): one length for the batch, max_length (``full_length``, or a
-    ``full_length_fraction`` of the batches) or else log-uniform in [min_length, max_length], and a
-    ``short_fraction`` of its samples cut shorter (padding after them)."""
+    """(input_ids, mask): one length for the batch, max_length (``full_length``, or a ``full_length_fraction``
+    of the batches) or else log-uniform in [min_length, max_length]; a ``short_fraction`` of samples cut shorter."""
     log_uniform = math.exp(rng.uniform(math.log(plan.min_length), math.log(plan.max_length)))
     full_length = full_length or rng.random() < plan.full_length_fraction
     length = plan.max_length if full_length else int(round(log_uniform))

@@ -50,6 +50,7 @@ from ldlm.training.objectives import (
     learning_rate,
     text_batch,
 )
+from ldlm.training.routing import align_encoder_routing
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
@@ -128,6 +129,8 @@ class Run:
         self.schedule = TangentSchedule(model.config.schedule_d, model.config.beta_clip_t)
         resumed = (state_dir / STATE_FILE).is_file()
         self.progress, self.optimizer_state = load_state(state_dir, model) if resumed else (Progress(), None)
+        if plan.aligned_routing and not resumed:
+            align_encoder_routing(model.latent_encoder)
         self.device = device_of(model)
         # after loading: a saved state holds the sealed full head
         self.head = VocabularyHead(corpus.vocabulary, model).to(self.device)
