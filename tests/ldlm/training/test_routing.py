@@ -1,0 +1,64 @@
+"""The aligned start of the latent encoder: latent p reads position p, checked by what the encoder computes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ldlm.checkpoint import init_model
+from ldlm.config import preset
+from ldlm.corpus import Corpus
+from ldlm.latent_encoder import LatentEncoder
+from ldlm.training import train
+from ldlm.training.routing import align_encoder_routing, position_sinusoids
+from tests.ldlm.training.conftest import MICRO, MICRO_PLAN
+
+
+def test_position_sinusoids_are_the_closed_form_with_rms_one() -> None:
+    table = position_sinusoids(count=128, dim=64, heads=4, period=64.0).numpy()
+    p = np.arange(128)[:, None]
+    w = (math.pi / 2) * 64.0 ** (-np.arange(8) / 8)
+    head = np.concatenate([np.cos(p * w), np.sin(p * w)], axis=1) * math.sqrt(2)
+    np.testing.assert_allclose(table, np.tile(head, (1, 4)), atol=1e-4)  # float32 angles up to 200 rad
+    np.testing.assert_allclose(np.sqrt((table**2).mean(1)), 1.0, atol=1e-5)
+
+
+def own_position_share(encoder: LatentEncoder, length: int = 32, seed: int = 0) -> float:
+    """The share of latents p that move most when feature p moves: sample j of a batch has feature j
+    of standardized Gaussian features nudged, and latent p's change is largest in sample p."""
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(length, encoder.latent_bank.shape[1], generator=gen)
+    nudged = features.repeat(length, 1, 1)  # (L samples, L positions, D)
+    nudged[torch.arange(length), torch.arange(length)] += 0.1 * torch.randn(length, features.shape[1], generator=gen)
+    with torch.no_grad():
+        change = (encoder(nudged) - encoder(features[None])).norm(dim=-1)  # (nudged feature j, latent p)
+    return (change.argmax(0) == torch.arange(length)).float().mean().item()
+
+
+def test_the_aligned_encoder_reads_each_position_into_its_own_latent() -> None:
+    model = init_model(preset("tiny"), seed=0)
+    assert own_position_share(model.latent_encoder) < 0.3  # PyTorch's init routes at random
+    align_encoder_routing(model.latent_encoder)
+    assert own_position_share(model.latent_encoder) >= 0.9
+    assert own_position_share(model.latent_encoder, seed=1) >= 0.9
+
+
+def test_a_run_aligns_a_new_model_and_a_resumed_run_keeps_its_trained_weights(micro_corpus: Corpus, tmp_path: Path) -> None:
+    plan = dataclasses.replace(MICRO_PLAN, aligned_routing=True, autoencoder_steps=0, long_steps=0, denoiser_steps=0, decoder_steps=0)
+    fresh = init_model(MICRO, seed=0)
+    train(fresh, micro_corpus, plan, tmp_path / "untrained", progress_bar=False)
+    expected = position_sinusoids(MICRO.max_seq_len, MICRO.d_model, MICRO.n_heads, period=64.0)
+    assert torch.equal(fresh.latent_encoder.latent_bank.detach(), expected)
+
+    trained = init_model(MICRO, seed=0)
+    plan = dataclasses.replace(plan, autoencoder_steps=3)
+    train(trained, micro_corpus, plan, tmp_path / "trained", progress_bar=False)
+    assert not torch.equal(trained.latent_encoder.latent_bank.detach(), expected)
+    resumed = init_model(MICRO, seed=1)
+    train(resumed, micro_corpus, plan, tmp_path / "trained", progress_bar=False)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
