@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Whether a checkpoint keeps the last token of a window at every length: held-out windows cut at each
 length 2..128, encoded and decoded, the last token compared. Writes JSON (per checkpoint: every
-length's accuracy, the worst lengths, the mean).
+length's accuracy, the worst lengths, the mean, the lengths below 50%, and the share of latents that move most
+with their own position's feature: ldlm/training/evaluation.py's own_position_share).
 
     python scripts/last_token_accuracy.py models/ldlm-austen-tiny [OTHER_CHECKPOINT ...] --out result.json
 
@@ -21,7 +22,7 @@ import torch
 
 from ldlm.checkpoint import load_checkpoint
 from ldlm.files import write_atomically
-from ldlm.training.evaluation import last_token_accuracy
+from ldlm.training.evaluation import last_token_accuracy, own_position_share
 
 WINDOWS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference-held-out-windows.json"
 
@@ -40,11 +41,17 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = load_checkpoint(checkpoint)
         accuracy = last_token_accuracy(model, windows, range(2, windows.shape[1] + 1))
         worst = sorted(accuracy, key=accuracy.__getitem__)[:5]
+        with torch.no_grad():
+            features = (model.feature_model(windows) - model.feature_mean) / model.feature_std
         results[str(checkpoint)] = {
             "mean": sum(accuracy.values()) / len(accuracy),
+            "own_position_share": own_position_share(model.latent_encoder, features),
             "worst": {n: accuracy[n] for n in worst},
             "by_length": accuracy,
         }
+        broken = [n for n, a in accuracy.items() if a < 0.5]
+        results[str(checkpoint)]["lengths_below_50pct"] = broken
+        print(f"{checkpoint}: {len(broken)} lengths below 50%, latents reading their own position {results[str(checkpoint)]['own_position_share']:.3f}")
         print(f"{checkpoint}: mean {results[str(checkpoint)]['mean']:.4f}, worst {', '.join(f'L{n} {accuracy[n]:.2f}' for n in worst)}")
     report = {"windows": f"{windows.shape[0]} x {windows.shape[1]} tokens: {data['source']}", "checkpoints": results}
     write_atomically(args.out, json.dumps(report, indent=1) + "\n")

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
@@ -41,6 +42,24 @@ def last_token_accuracy(model: LDLM, windows: torch.Tensor, lengths: Iterable[in
         last = model.token_decoder.hidden(model.latent_decoder(latents))[:, -1]  # decode_logits, at the last position only
         accuracy[n] = (model.token_decoder.head(last).argmax(-1) == windows[:, n - 1]).float().mean().item()
     return accuracy
+
+
+@torch.no_grad()
+def own_position_share(encoder: nn.Module, features: torch.Tensor, nudge: float = 0.1, seed: int = 0) -> float:
+    """The share of latents p that move most when feature p moves, over ``features`` (B, L, D) of the
+    encoder's input: for each window, copy j has feature j nudged by ``nudge`` x N(0, I), and latent p's
+    change is compared across the copies. 1 for an encoder that keeps each position in its own latent;
+    about 1/L for one that routes at random. A window of L tokens has only latents 0..L-1, so one whose
+    latents read other positions loses the tokens whose readers lie past the window's end."""
+    gen = torch.Generator().manual_seed(seed)
+    hits = []
+    for window in features:
+        length = window.shape[0]
+        nudged = window.repeat(length, 1, 1)  # (L copies, L positions, D)
+        nudged[torch.arange(length), torch.arange(length)] += nudge * torch.randn(window.shape, generator=gen).to(window.device)
+        change = (encoder(nudged) - encoder(window[None])).norm(dim=-1)  # (copy j, latent p)
+        hits.append(change.argmax(0) == torch.arange(length, device=window.device))
+    return torch.cat(hits).float().mean().item()
 
 
 @torch.no_grad()

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from ldlm.checkpoint import init_model
 from ldlm.config import preset
 from ldlm.corpus import Corpus
-from ldlm.latent_encoder import LatentEncoder
 from ldlm.training import train
+from ldlm.training.evaluation import own_position_share
 from ldlm.training.routing import align_encoder_routing, position_sinusoids
 from tests.ldlm.training.conftest import MICRO, MICRO_PLAN
 
@@ -27,24 +28,34 @@ def test_position_sinusoids_are_the_closed_form_with_rms_one() -> None:
     np.testing.assert_allclose(np.sqrt((table**2).mean(1)), 1.0, atol=1e-5)
 
 
-def own_position_share(encoder: LatentEncoder, length: int = 32, seed: int = 0) -> float:
-    """The share of latents p that move most when feature p moves: sample j of a batch has feature j
-    of standardized Gaussian features nudged, and latent p's change is largest in sample p."""
-    gen = torch.Generator().manual_seed(seed)
-    features = torch.randn(length, encoder.latent_bank.shape[1], generator=gen)
-    nudged = features.repeat(length, 1, 1)  # (L samples, L positions, D)
-    nudged[torch.arange(length), torch.arange(length)] += 0.1 * torch.randn(length, features.shape[1], generator=gen)
-    with torch.no_grad():
-        change = (encoder(nudged) - encoder(features[None])).norm(dim=-1)  # (nudged feature j, latent p)
-    return (change.argmax(0) == torch.arange(length)).float().mean().item()
+def gaussian_features(length: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(1, length, 64, generator=torch.Generator().manual_seed(seed))  # standardized, as the encoder reads them
+
+
+class Permuted(nn.Module):
+    """latent p = feature perm[p] x 2: a router whose answer is known."""
+
+    def __init__(self, perm: torch.Tensor) -> None:
+        super().__init__()
+        self.perm = perm
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return 2 * features[:, self.perm]
+
+
+def test_own_position_share_counts_the_latents_that_read_their_own_position() -> None:
+    perm = torch.arange(32)
+    perm[:8] = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])  # 8 latents read a neighbour, 24 their own position
+    assert own_position_share(Permuted(perm), gaussian_features()) == 24 / 32
+    assert own_position_share(Permuted(torch.arange(32).flip(0)), gaussian_features()) == 0.0
 
 
 def test_the_aligned_encoder_reads_each_position_into_its_own_latent() -> None:
     model = init_model(preset("tiny"), seed=0)
-    assert own_position_share(model.latent_encoder) < 0.3  # PyTorch's init routes at random
+    assert own_position_share(model.latent_encoder, gaussian_features()) < 0.3  # PyTorch's init routes at random
     align_encoder_routing(model.latent_encoder)
-    assert own_position_share(model.latent_encoder) >= 0.9
-    assert own_position_share(model.latent_encoder, seed=1) >= 0.9
+    assert own_position_share(model.latent_encoder, gaussian_features()) >= 0.9
+    assert own_position_share(model.latent_encoder, gaussian_features(seed=1)) >= 0.9
 
 
 def test_a_run_aligns_a_new_model_and_a_resumed_run_keeps_its_trained_weights(micro_corpus: Corpus, tmp_path: Path) -> None:
