@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "--aligned-routing",
         action=argparse.BooleanOptionalAction,
         default=TrainingPlan.aligned_routing,
-        help="start the latent encoder with latent p reading position p (ldlm/training/routing.py) (default: %(default)s)",
+        help="start the latent encoder and decoder with position p reading position p (ldlm/training/routing.py) (default: %(default)s)",
     )
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
     parser.add_argument(

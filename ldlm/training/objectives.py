@@ -72,7 +72,7 @@ class TrainingPlan:
     # run at 8 with short_fraction 0.5 gave 98.2% at 16 tokens but 89.9% at 128, one at 8 with 0.25 85.5% at 128
     # (docs/measurements/reference-retrain-*): the weight costs long windows' last positions, so the recipe keeps 1.
     last_token_weight: float = 1.0
-    aligned_routing: bool = False  # start latent p reading position p (ldlm/training/routing.py)
+    aligned_routing: bool = False  # start both Perceivers reading position p at p (ldlm/training/routing.py)
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
     def check(self) -> None:

@@ -1,19 +1,22 @@
-"""An initialization of the latent encoder that starts each latent reading its own position's feature.
+"""An initialization of the two Perceivers that starts position p reading position p.
 
-From PyTorch's init, the reference encoder learns to route tokens to scattered latents: latent p attends
-most to position p for 3 of 128 latents (docs/measurements/encoder-routing-2026-12-04.json). A window of
-L tokens has latents 0..L-1 only, so at every length where no latent left reads position L-1, the last
-token is lost (scripts/last_token_accuracy.py: about a third of the lengths 2..128, 16 among them).
-Latent p reading position p keeps every length whole, so training starts there:
+From PyTorch's init, the reference autoencoder learns to route tokens between positions: its encoder
+sent tokens to scattered latents (latent p attends most to position p for 3 of 128 latents:
+docs/measurements/encoder-routing-2026-12-04.json), and with the encoder aligned alone, the decoder
+still learned to read some tokens from the next latent (GPT-2's features are causal, so latent p+1
+holds token p too). A window of L tokens has latents 0..L-1 only, so wherever the reader of
+position L-1 lies past the end, the window's last token is lost (scripts/last_token_accuracy.py).
+Reading position p at position p keeps every length whole, so training starts there:
 
-- the encoder's position table holds, in every head's dimensions, the same sinusoids of the position
-  (frequencies pi/2 down to pi/2 / ``period`` per position), at ``position_rms`` x the standardized
-  features' RMS of 1, so position is most of what a key says;
-- the latent bank holds the same sinusoids: latent p starts as position p;
-- every encoder block's query and context-key projections start as the identity, and the per-head
-  q/k norms' gains at ``gain``, so a query meets the key of its own position at cosine ~1 and the
-  others' at the sinusoids' kernel, sharp enough that ~80% of the first block's feature attention
-  lands on the latent's own position.
+- each Perceiver's position table holds, in every head's dimensions, the same sinusoids of the
+  position (frequencies pi/2 down to pi/2 / ``period`` per position), at ``position_rms`` x the RMS
+  of 1 of what it is added to (standardized features in the encoder, normed latents in the decoder),
+  so position is most of what a key says;
+- the encoder's latent bank holds the same sinusoids: latent p starts as position p;
+- every block's query and context-key projections start as the identity, and the per-head q/k
+  norms' gains at ``gain``, so a query meets the key of its own position at cosine ~1 and the
+  others' at the sinusoids' kernel: at init, ~99% of latents move most with their own position's
+  feature, and ~99% of decoded positions with their own latent (tests/ldlm/training/test_routing.py).
 
 Only the starting point changes: every weight trains as before, and the architecture is the spec's.
 """
@@ -23,8 +26,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
-from ldlm.latent_encoder import LatentEncoder
+from ldlm.model import LDLM
 
 
 def position_sinusoids(count: int, dim: int, heads: int, period: float) -> torch.Tensor:
@@ -38,18 +42,26 @@ def position_sinusoids(count: int, dim: int, heads: int, period: float) -> torch
 
 
 @torch.no_grad()
-def align_encoder_routing(encoder: LatentEncoder, position_rms: float = 2.0, gain: float = 3.0, period: float = 64.0) -> None:
-    """Start latent p attending to position p (see the module's docstring); in place."""
-    count, dim = encoder.latent_bank.shape
-    heads = encoder.blocks[0].attn.n_heads
+def align_perceiver(perceiver: nn.Module, position_rms: float = 2.0, gain: float = 3.0, period: float = 64.0) -> torch.Tensor:
+    """Start ``perceiver`` (the latent encoder or decoder) reading position p at position p; in place.
+    Returns the sinusoid table (rows of RMS 1)."""
+    count, dim = perceiver.positions.weight.shape
+    heads = perceiver.blocks[0].attn.n_heads
     table = position_sinusoids(count, dim, heads, period)
-    encoder.positions.weight.copy_(table * position_rms / encoder.positions.scale)  # the table is scaled by D^-0.5 when read
-    encoder.latent_bank.copy_(table)
+    perceiver.positions.weight.copy_(table * position_rms / perceiver.positions.scale)  # scaled by D^-0.5 when read
     eye = torch.eye(dim)
-    for block in encoder.blocks:
+    for block in perceiver.blocks:
         attn = block.attn
         context_kv = attn.kv_context if attn.kv_context is not None else attn.kv
         attn.q.weight.copy_(eye)
         context_kv.weight[:dim].copy_(eye)  # the key half; the values keep their random init
         attn.q_norm.weight.fill_(gain)
         attn.k_norm.weight.fill_(gain)
+    return table
+
+
+@torch.no_grad()
+def align_routing(model: LDLM) -> None:
+    """Start the latent encoder and decoder reading position p at position p (the module's docstring)."""
+    model.latent_encoder.latent_bank.copy_(align_perceiver(model.latent_encoder))
+    align_perceiver(model.latent_decoder)

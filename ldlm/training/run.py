@@ -50,7 +50,7 @@ from ldlm.training.objectives import (
     learning_rate,
     text_batch,
 )
-from ldlm.training.routing import align_encoder_routing
+from ldlm.training.routing import align_routing
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
@@ -130,7 +130,7 @@ class Run:
         resumed = (state_dir / STATE_FILE).is_file()
         self.progress, self.optimizer_state = load_state(state_dir, model) if resumed else (Progress(), None)
         if plan.aligned_routing and not resumed:
-            align_encoder_routing(model.latent_encoder)
+            align_routing(model)
         self.device = device_of(model)
         # after loading: a saved state holds the sealed full head
         self.head = VocabularyHead(corpus.vocabulary, model).to(self.device)

@@ -1,4 +1,4 @@
-"""The aligned start of the latent encoder: latent p reads position p, checked by what the encoder computes."""
+"""The aligned start of the two Perceivers: position p reads position p, checked by what they compute."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ldlm.config import preset
 from ldlm.corpus import Corpus
 from ldlm.training import train
 from ldlm.training.evaluation import own_position_share
-from ldlm.training.routing import align_encoder_routing, position_sinusoids
+from ldlm.training.routing import align_routing, position_sinusoids
 from tests.ldlm.training.conftest import MICRO, MICRO_PLAN
 
 
@@ -50,12 +50,15 @@ def test_own_position_share_counts_the_latents_that_read_their_own_position() ->
     assert own_position_share(Permuted(torch.arange(32).flip(0)), gaussian_features()) == 0.0
 
 
-def test_the_aligned_encoder_reads_each_position_into_its_own_latent() -> None:
+def test_the_aligned_perceivers_read_each_position_at_its_own_position() -> None:
     model = init_model(preset("tiny"), seed=0)
-    assert own_position_share(model.latent_encoder, gaussian_features()) < 0.3  # PyTorch's init routes at random
-    align_encoder_routing(model.latent_encoder)
-    assert own_position_share(model.latent_encoder, gaussian_features()) >= 0.9
-    assert own_position_share(model.latent_encoder, gaussian_features(seed=1)) >= 0.9
+    # PyTorch's init routes at random
+    assert own_position_share(model.latent_encoder, gaussian_features()) < 0.3
+    assert own_position_share(model.latent_decoder, gaussian_features()) < 0.3
+    align_routing(model)
+    for seed in (0, 1):
+        assert own_position_share(model.latent_encoder, gaussian_features(seed=seed)) >= 0.9
+        assert own_position_share(model.latent_decoder, gaussian_features(seed=seed)) >= 0.9  # latents in, positions out
 
 
 def test_a_run_aligns_a_new_model_and_a_resumed_run_keeps_its_trained_weights(micro_corpus: Corpus, tmp_path: Path) -> None:
