@@ -52,6 +52,11 @@ def model_card(log: dict[str, Any], corpus: Corpus, plan: TrainingPlan, model: L
     den = log["denoiser_held_out"]
     trained, random = log["generated_text"], log["generated_text_random_weights"]
     examples = "\n".join(f"    {text[:160]!r}" for text in trained["examples"])
+    start = (
+        "the latent encoder and decoder aligned, each position reading its own position (`ldlm/training/routing.py`)"
+        if plan.aligned_routing
+        else "PyTorch's initialization"
+    )
     return f"""# ldlm-austen-tiny: the reference checkpoint
 
 **What it is:** a small reference of a learned distribution, for checking the tool chain on a model
@@ -65,6 +70,7 @@ Melville's words, with word pieces, names and punctuation between them, and no s
   {len(corpus.held_out):,} held out (the last 5% of every novel), {len(corpus.vocabulary):,} distinct token ids.
   The other GPT-2 ids never occur; their logits are fixed at -30 (weight 0), so they are never decoded.
 - Recipe: `scripts/train_reference.py` (seed {plan.seed}), {minutes:.0f} minutes of training on {torch.get_num_threads()} CPU threads:
+  - start: {start};
   - autoencoder: {plan.autoencoder_steps} steps of {plan.tokens_per_batch} tokens, {plan.full_length_fraction:.0%} of them at {plan.max_length} tokens and
     the rest at lengths {plan.min_length}..{plan.max_length} (log-uniform), {plan.short_fraction:.0%} of every batch's samples cut at a random length (padding after them); token cross-entropy (each sample's last real token weighted {plan.last_token_weight:g}) + {plan.feature_weight} x feature MSE,
     latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps at {plan.max_length} tokens (lr {plan.long_lr:g}): after the
