@@ -64,15 +64,13 @@ class TrainingPlan:
     feature_weight: float = 1.0
     latent_noise: float = 0.3
     self_condition: float = 0.5  # fraction of denoiser batches trained with x0_prev from a first pass
-    # Samples cut shorter than the batch's length (padding after). The reference keeps some tokens in the
-    # next position's latent, lost where a window ends (scripts/last_token_accuracy.py).
-    short_fraction: float = 0.25
-    # Weight of the token loss at each sample's last real position (1 elsewhere): a token kept in the next
-    # position's latent is lost only where a window ends. 8 for 300 fine-tuning steps did not move it; a whole
-    # run at 8 with short_fraction 0.5 gave 98.2% at 16 tokens but 89.9% at 128, one at 8 with 0.25 85.5% at 128
-    # (docs/measurements/reference-retrain-*): the weight costs long windows' last positions, so the recipe keeps 1.
+    short_fraction: float = 0.25  # samples cut shorter than the batch's length (padding after)
+    # Weight of the token loss at each sample's last real position (1 elsewhere). Tried against lost window ends
+    # from PyTorch's init: it costs long windows' last positions (docs/measurements/reference-retrain-*).
     last_token_weight: float = 1.0
-    aligned_routing: bool = False  # start both Perceivers reading position p at p (ldlm/training/routing.py)
+    # Start both Perceivers reading position p at p (ldlm/training/routing.py): from PyTorch's init they route
+    # tokens between positions, and lose a window's last token at a third of the lengths.
+    aligned_routing: bool = True
     cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
 
     def check(self) -> None:

@@ -3,15 +3,17 @@ whole, it reconstructs text it never saw, it writes the corpus's words, and ONNX
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from ldlm.checkpoint import CheckpointError, load_checkpoint
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.checks.parity import run_parity
-from ldlm.training.evaluation import words
+from ldlm.training.evaluation import last_token_accuracy, words
 from tests import REPO
 
 REFERENCE = REPO / "models" / "ldlm-austen-tiny"
@@ -31,6 +33,17 @@ def test_the_reference_reconstructs_held_out_text() -> None:
     got = result.ids()[0]
     accuracy = sum(a == b for a, b in zip(got, ids)) / len(ids)
     assert accuracy >= 0.9, (accuracy, result.texts[0])
+
+
+def test_the_reference_keeps_the_last_token_at_every_window_length() -> None:
+    """A window of L tokens has latents 0..L-1 only: an autoencoder that reads a token from another
+    position's latent loses the last one at the lengths where that latent lies past the end."""
+    model, _ = load_checkpoint(REFERENCE)
+    data = json.loads((REPO / "tests" / "data" / "reference-held-out-windows.json").read_text())
+    windows = torch.tensor(data["windows"])
+    accuracy = last_token_accuracy(model, windows, range(2, windows.shape[1] + 1))
+    broken = [n for n, a in accuracy.items() if a < 0.5]
+    assert not broken and sum(accuracy.values()) / len(accuracy) >= 0.95, (broken, min(accuracy.values()))
 
 
 def test_the_reference_writes_the_corpus_words_and_random_weights_do_not() -> None:
