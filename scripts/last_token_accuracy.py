@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         broken = [n for n, a in accuracy.items() if a < 0.5]
         results[str(checkpoint)]["lengths_below_50pct"] = broken
-        print(f"{checkpoint}: {len(broken)} lengths below 50%, latents reading their own position {results[str(checkpoint)]['own_position_share']:.3f}")
+        print(
+            f"{checkpoint}: {len(broken)} lengths below 50%, latents reading their own position {results[str(checkpoint)]['own_position_share']:.3f}"
+        )
         print(f"{checkpoint}: mean {results[str(checkpoint)]['mean']:.4f}, worst {', '.join(f'L{n} {accuracy[n]:.2f}' for n in worst)}")
     report = {"windows": f"{windows.shape[0]} x {windows.shape[1]} tokens: {data['source']}", "checkpoints": results}
     write_atomically(args.out, json.dumps(report, indent=1) + "\n")

@@ -6,7 +6,9 @@
 The texts come from Debian's r-cran-janeaustenr and r-cran-tokenizers (installed, or their .deb files
 in --corpus: `apt-get download r-cran-janeaustenr r-cran-tokenizers`); nothing is downloaded. The
 stages (ldlm/training/) run in order: feature statistics, the autoencoder, the latent cache, the
-denoiser, and the decoders again on the denoiser's latents too. The state is saved to --state-dir every --save-every seconds and after each stage, so an
+denoiser, and the decoders again on the denoiser's latents too. The latent encoder and decoder start
+aligned, position p reading position p (ldlm/training/routing.py; --no-aligned-routing starts from
+PyTorch's init, which loses a window's last token at a third of the lengths). The state is saved to --state-dir every --save-every seconds and after each stage, so an
 interrupted run started again with the same arguments resumes where it stopped. At the end the
 checkpoint is evaluated on the held-out text (reconstruction, denoising loss, generated words) and
 written whole to --out with SHA256SUMS, a model card (README.md) and training.json. --device cuda

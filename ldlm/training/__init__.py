@@ -2,6 +2,7 @@
 
 - ``objectives``: batches, the autoencoder and denoiser losses, the standardization statistics;
 - ``run``: the stages in order, saved as they go and resumable;
+- ``routing``: the aligned start of the latent encoder and decoder (position p reads position p);
 - ``evaluation``: held-out reconstruction, denoising loss and the text a model generates.
 """
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
+from ldlm.latent_decoder import LatentDecoder
+from ldlm.latent_encoder import LatentEncoder
+from ldlm.layers import LatentAttention
 from ldlm.model import LDLM
 
 
@@ -42,16 +44,16 @@ def position_sinusoids(count: int, dim: int, heads: int, period: float) -> torch
 
 
 @torch.no_grad()
-def align_perceiver(perceiver: nn.Module, position_rms: float = 2.0, gain: float = 3.0, period: float = 64.0) -> torch.Tensor:
-    """Start ``perceiver`` (the latent encoder or decoder) reading position p at position p; in place.
-    Returns the sinusoid table (rows of RMS 1)."""
+def align_perceiver(
+    perceiver: LatentEncoder | LatentDecoder, position_rms: float = 2.0, gain: float = 3.0, period: float = 64.0
+) -> torch.Tensor:
+    """Start ``perceiver`` reading position p at position p; in place. Returns the sinusoid table (rows of RMS 1)."""
+    attentions = [m for m in perceiver.modules() if isinstance(m, LatentAttention)]
     count, dim = perceiver.positions.weight.shape
-    heads = perceiver.blocks[0].attn.n_heads
-    table = position_sinusoids(count, dim, heads, period)
+    table = position_sinusoids(count, dim, attentions[0].n_heads, period)
     perceiver.positions.weight.copy_(table * position_rms / perceiver.positions.scale)  # scaled by D^-0.5 when read
     eye = torch.eye(dim)
-    for block in perceiver.blocks:
-        attn = block.attn
+    for attn in attentions:
         context_kv = attn.kv_context if attn.kv_context is not None else attn.kv
         attn.q.weight.copy_(eye)
         context_kv.weight[:dim].copy_(eye)  # the key half; the values keep their random init
