@@ -45,19 +45,20 @@ def last_token_accuracy(model: LDLM, windows: torch.Tensor, lengths: Iterable[in
 
 
 @torch.no_grad()
-def own_position_share(encoder: nn.Module, features: torch.Tensor, nudge: float = 0.1, seed: int = 0) -> float:
-    """The share of latents p that move most when feature p moves, over ``features`` (B, L, D) of the
-    encoder's input: for each window, copy j has feature j nudged by ``nudge`` x N(0, I), and latent p's
-    change is compared across the copies. 1 for an encoder that keeps each position in its own latent;
-    about 1/L for one that routes at random. A window of L tokens has only latents 0..L-1, so one whose
-    latents read other positions loses the tokens whose readers lie past the window's end."""
+def own_position_share(perceiver: nn.Module, inputs: torch.Tensor, nudge: float = 0.1, seed: int = 0) -> float:
+    """The share of output positions p that move most when input position p moves, over ``inputs``
+    (B, L, D) of a Perceiver (the latent encoder's features, or the latent decoder's latents): for each
+    window, copy j has input j nudged by ``nudge`` x N(0, I), and output p's change is compared across
+    the copies. 1 for a Perceiver that keeps each position at its own position; about 1/L for one that
+    routes at random. A window of L tokens has only latents 0..L-1, so an encoder whose latents read
+    other positions, or a decoder that reads other latents, loses the tokens whose readers lie past the end."""
     gen = torch.Generator().manual_seed(seed)
     hits = []
-    for window in features:
+    for window in inputs:
         length = window.shape[0]
         nudged = window.repeat(length, 1, 1)  # (L copies, L positions, D)
         nudged[torch.arange(length), torch.arange(length)] += nudge * torch.randn(window.shape, generator=gen).to(window.device)
-        change = (encoder(nudged) - encoder(window[None])).norm(dim=-1)  # (copy j, latent p)
+        change = (perceiver(nudged) - perceiver(window[None])).norm(dim=-1)  # (copy j, output p)
         hits.append(change.argmax(0) == torch.arange(length, device=window.device))
     return torch.cat(hits).float().mean().item()
 
