@@ -23,6 +23,7 @@ import torch
 from ldlm.checkpoint import load_checkpoint
 from ldlm.files import write_atomically
 from ldlm.training.evaluation import last_token_accuracy, own_position_share
+from ldlm.training.objectives import standard_features
 
 WINDOWS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference-held-out-windows.json"
 
@@ -41,19 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = load_checkpoint(checkpoint)
         accuracy = last_token_accuracy(model, windows, range(2, windows.shape[1] + 1))
         worst = sorted(accuracy, key=accuracy.__getitem__)[:5]
-        with torch.no_grad():
-            features = (model.feature_model(windows) - model.feature_mean) / model.feature_std
+        share = own_position_share(model.latent_encoder, standard_features(model, windows, torch.ones_like(windows)))
+        broken = [n for n, a in accuracy.items() if a < 0.5]
         results[str(checkpoint)] = {
             "mean": sum(accuracy.values()) / len(accuracy),
-            "own_position_share": own_position_share(model.latent_encoder, features),
+            "own_position_share": share,
+            "lengths_below_50pct": broken,
             "worst": {n: accuracy[n] for n in worst},
             "by_length": accuracy,
         }
-        broken = [n for n, a in accuracy.items() if a < 0.5]
-        results[str(checkpoint)]["lengths_below_50pct"] = broken
-        print(
-            f"{checkpoint}: {len(broken)} lengths below 50%, latents reading their own position {results[str(checkpoint)]['own_position_share']:.3f}"
-        )
+        print(f"{checkpoint}: {len(broken)} lengths below 50%, latents reading their own position {share:.3f}")
         print(f"{checkpoint}: mean {results[str(checkpoint)]['mean']:.4f}, worst {', '.join(f'L{n} {accuracy[n]:.2f}' for n in worst)}")
     report = {"windows": f"{windows.shape[0]} x {windows.shape[1]} tokens: {data['source']}", "checkpoints": results}
     write_atomically(args.out, json.dumps(report, indent=1) + "\n")
