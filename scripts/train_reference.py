@@ -16,6 +16,9 @@ trains on a GPU, drawing the same batches and noise on the CPU.
 
 Why the tiny preset: every step's cost is dominated by the token decoder and GPT-2 at D=64, and
 the whole recipe must finish in about 90 minutes on 2 CPU cores; the base preset would need days.
+Its denoiser is deeper and wider than the preset's (--denoiser-layers, --swiglu-hidden): the preset's
+2 blocks with a 128-wide SwiGLU learn to denoise each position from its own latent alone, and
+their samples are no more word-like than tokens drawn independently by frequency.
 GPT-2 itself stays at its seeded random initialization (frozen): no GPT-2 weights can be had
 offline, and a random transformer's features still carry every token's identity.
 """
@@ -23,6 +26,7 @@ offline, and a random transformer's features still carry every token's identity.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +46,12 @@ from ldlm.model import LDLM, count_parameters
 from ldlm.tokenizer import TextTokenizer
 from ldlm.training import TrainingPlan, train
 from ldlm.training.evaluation import text_statistics, unigram_entropy_bits, words
+from ldlm.training.plan import FOCUS_T
+
+# The reference's denoiser, in place of the tiny preset's 2 blocks and 128-wide SwiGLU: 4 blocks of 512 read
+# their neighbours (docs/measurements/denoiser-screen-2026-12-05.json).
+DENOISER_LAYERS = 4
+SWIGLU_HIDDEN = 512
 
 
 def model_card(log: dict[str, Any], corpus: Corpus, plan: TrainingPlan, model: LDLM, minutes: float) -> str:
@@ -65,7 +75,8 @@ def model_card(log: dict[str, Any], corpus: Corpus, plan: TrainingPlan, model: L
 that has learned something. It is **not a good language model**: its samples are mostly Austen's and
 Melville's words, with word pieces, names and punctuation between them, and no syntax.
 
-- Architecture: the `tiny` preset (D {model.config.d_model}, {count_parameters(model):,} parameters with GPT-2's), V {model.config.vocab_size}.
+- Architecture: the `tiny` preset (D {model.config.d_model}, V {model.config.vocab_size}) with a denoiser of {model.config.denoiser_layers} blocks
+  and a {model.config.swiglu_hidden}-wide SwiGLU; {count_parameters(model):,} parameters with GPT-2's.
 - GPT-2 (the feature model) is its seeded random initialization, frozen: no GPT-2 weights can be had offline.
 - Trained on: Jane Austen's six novels (Debian `r-cran-janeaustenr`) and Moby Dick (`r-cran-tokenizers`'
   `mobydick`, without Project Gutenberg's header and licence): {len(corpus.train):,} training tokens,
@@ -78,7 +89,8 @@ Melville's words, with word pieces, names and punctuation between them, and no s
     latent noise up to {plan.latent_noise} x RMS; then {plan.long_steps} steps at {plan.max_length} tokens (lr {plan.long_lr:g}): after the
     first part alone, held-out accuracy at {plan.max_length} tokens was {first[str(plan.max_length)]:.3f};
   - denoiser: {plan.denoiser_steps} steps of {plan.tokens_per_batch} tokens on the frozen encoder's latents
-    (lengths 16/32/64/128), x0-prediction MSE, self-conditioning on {plan.self_condition:.0%} of the batches;
+    (lengths 16/32/64/128), lr {plan.denoiser_lr:g}, x0-prediction MSE, self-conditioning on {plan.self_condition:.0%} of the batches,
+    t ~ U(0, 1) for {1 - plan.focus_fraction:.0%} of the samples and U{FOCUS_T} for the rest (where neighbours decide a token);
   - decoders: {plan.decoder_steps} steps of the autoencoder's loss for the latent and token decoders alone (lr {plan.decoder_lr:g}),
     {plan.denoised_fraction:.0%} of the batches decoding the denoiser's self-conditioned x0_hat from t ~ U(0, {plan.denoised_t_max:g})
     in place of the encoder's latents, so the decoders learn the latents a sampler ends on; before this stage,
@@ -144,6 +156,24 @@ def main(argv: list[str] | None = None) -> int:
         default=TrainingPlan.aligned_routing,
         help="start the latent encoder and decoder with position p reading position p (ldlm/training/routing.py) (default: %(default)s)",
     )
+    parser.add_argument(
+        "--denoiser-layers",
+        type=int,
+        default=DENOISER_LAYERS,
+        help="the denoiser's blocks, even (default: %(default)s; the tiny preset has 2)",
+    )
+    parser.add_argument(
+        "--swiglu-hidden",
+        type=int,
+        default=SWIGLU_HIDDEN,
+        help="the denoiser's SwiGLU width (default: %(default)s; the tiny preset has 128)",
+    )
+    parser.add_argument(
+        "--focus-fraction",
+        type=float,
+        default=TrainingPlan.focus_fraction,
+        help=f"share of denoiser samples at t ~ U{FOCUS_T}, the rest at U(0, 1) (default: %(default)s)",
+    )
     parser.add_argument("--tokens-per-batch", type=int, default=TrainingPlan.tokens_per_batch)
     parser.add_argument(
         "--device",
@@ -171,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         last_token_weight=args.last_token_weight,
         short_fraction=args.short_fraction,
         aligned_routing=args.aligned_routing,
+        focus_fraction=args.focus_fraction,
         tokens_per_batch=args.tokens_per_batch,
     )
     try:
@@ -185,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     except CorpusError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    config = preset(args.preset)
+    try:
+        config = dataclasses.replace(preset(args.preset), denoiser_layers=args.denoiser_layers, swiglu_hidden=args.swiglu_hidden)
+    except ValueError as error:
+        parser.error(str(error))
     try:
         device = resolve_device(args.device)
     except DeviceError as error:

@@ -5,7 +5,8 @@
   [0, ``latent_noise``] x the latents' RMS is added to the latents first, so the decoders learn to
   read latents that a denoiser only gets close to. Each sample's last real token can weigh more
   (``last_token_weight``): a window's end is where a token kept in the next latent is lost.
-- denoiser: x_t = alpha_t z + sigma_t eps at t ~ U(0, 1), predicting z with an MSE loss; a
+- denoiser: x_t = alpha_t z + sigma_t eps at t ~ U(0, 1) (a share of the samples at the noise levels where
+  neighbours decide a token), predicting z with an MSE loss; a
   ``self_condition`` share of the batches first runs the denoiser once without gradient and feeds
   that x0_hat back as x0_prev, as the sampler does at every step but the first.
 - decoder: the autoencoder's loss for the two decoders alone (encoder and denoiser frozen). A
@@ -25,7 +26,6 @@ uninterrupted run would have made.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,64 +34,10 @@ from torch import Tensor, nn
 
 from ldlm.model import LDLM
 from ldlm.schedule import TangentSchedule, forward_noise
+from ldlm.training.plan import DENOISER_LENGTHS, FOCUS_T, TrainingPlan
 
 STAGES = ("features", "autoencoder", "autoencoder_long", "latents", "denoiser", "decoder", "done")
 UNSEEN_LOGIT = -30.0  # logit of every id the corpus never has: far below any trained logit, exact in fp16 too
-DENOISER_LENGTHS = (16, 32, 64, 128)  # the latent cache's window lengths, equal in tokens
-
-
-@dataclass(frozen=True)
-class TrainingPlan:
-    seed: int = 0
-    autoencoder_steps: int = 4000  # the reference checkpoint's recipe: about 40 minutes on 2 cores
-    denoiser_steps: int = 12000  # about 20 minutes
-    tokens_per_batch: int = 2048  # batch size = tokens_per_batch // length
-    min_length: int = 8
-    max_length: int = 128
-    # Batches at max_length among the first stage's: position i learns only from batches at least i long, and
-    # log-uniform lengths reach the last quarter in 10% of them (45-48% held out there, 98-99% before 64).
-    full_length_fraction: float = 0.5
-    autoencoder_lr: float = 2e-3
-    long_steps: int = 400  # then full-length windows only, at a lower learning rate
-    long_lr: float = 5e-4
-    denoiser_lr: float = 1e-3
-    decoder_steps: int = 1200  # the decoders alone, on denoised latents too: about 8 minutes
-    decoder_lr: float = 5e-4
-    denoised_fraction: float = 0.35
-    denoised_t_max: float = 0.3
-    warmup_steps: int = 200
-    weight_decay: float = 0.01
-    feature_weight: float = 1.0
-    latent_noise: float = 0.3
-    self_condition: float = 0.5  # fraction of denoiser batches trained with x0_prev from a first pass
-    short_fraction: float = 0.25  # samples cut shorter than the batch's length (padding after)
-    # Weight of the token loss at each sample's last real position (1 elsewhere). Tried against lost window ends
-    # from PyTorch's init: it costs long windows' last positions (docs/measurements/reference-retrain-*).
-    last_token_weight: float = 1.0
-    # Start both Perceivers reading position p at p (ldlm/training/routing.py): from PyTorch's init they route
-    # tokens between positions, and lose a window's last token at a third of the lengths.
-    aligned_routing: bool = True
-    cache_tokens: int = 2_000_000  # tokens of training windows whose latents the denoiser trains on
-
-    def check(self) -> None:
-        problems = []
-        for name in ("autoencoder_steps", "long_steps", "denoiser_steps", "decoder_steps"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)} (allowed: >= 0)")
-        if not 1 <= self.min_length <= self.max_length:
-            problems.append(f"min_length={self.min_length}, max_length={self.max_length} (allowed: 1 <= min_length <= max_length)")
-        if self.tokens_per_batch < self.max_length:
-            problems.append(f"tokens_per_batch={self.tokens_per_batch} (allowed: >= max_length {self.max_length})")
-        if self.last_token_weight < 1:
-            problems.append(f"last_token_weight={self.last_token_weight} (allowed: >= 1)")
-        for name in ("latent_noise", "feature_weight"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)} (allowed: >= 0)")
-        for name in ("self_condition", "short_fraction", "full_length_fraction", "denoised_fraction", "denoised_t_max"):
-            if not 0 <= getattr(self, name) <= 1:
-                problems.append(f"{name}={getattr(self, name)} (allowed: 0..1)")
-        if problems:
-            raise ValueError("training plan out of range: " + "; ".join(problems))
 
 
 def draw(seed: int, stage: str, step: int) -> tuple[np.random.Generator, torch.Generator]:
@@ -285,10 +231,19 @@ def latent_batch(cache: dict[int, Tensor], plan: TrainingPlan, model: LDLM, rng:
     return (z - model.latent_mean) / model.latent_std
 
 
+def denoiser_times(count: int, focus_fraction: float, gen: torch.Generator) -> Tensor:
+    """t ~ U(0, 1), except a ``focus_fraction`` share drawn from U(FOCUS_T): where a token is decided by its
+    neighbours, the denoiser's one lever beyond its own position (from its own x_t alone, the reference's
+    token accuracy falls from 85% at t = 0.2 to 20% at t = 0.5)."""
+    t = torch.rand(count, generator=gen)
+    focused = FOCUS_T[0] + (FOCUS_T[1] - FOCUS_T[0]) * torch.rand(count, generator=gen)
+    return torch.where(torch.rand(count, generator=gen) < focus_fraction, focused, t)
+
+
 def denoiser_loss(
-    model: LDLM, schedule: TangentSchedule, z: Tensor, self_condition: bool, gen: torch.Generator
+    model: LDLM, schedule: TangentSchedule, z: Tensor, self_condition: bool, gen: torch.Generator, focus_fraction: float = 0.0
 ) -> tuple[Tensor, dict[str, float]]:
-    t = torch.rand(z.shape[0], generator=gen).to(z.device)
+    t = denoiser_times(z.shape[0], focus_fraction, gen).to(z.device)
     x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen).to(z.device))
     x0_prev = torch.zeros_like(z)
     if self_condition:

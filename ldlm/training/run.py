@@ -34,9 +34,7 @@ from ldlm.model import LDLM
 from ldlm.schedule import TangentSchedule
 from ldlm.training.evaluation import denoiser_evaluation, reconstruction_accuracy
 from ldlm.training.objectives import (
-    DENOISER_LENGTHS,
     STAGES,
-    TrainingPlan,
     VocabularyHead,
     autoencoder_loss,
     cache_latents,
@@ -50,6 +48,7 @@ from ldlm.training.objectives import (
     learning_rate,
     text_batch,
 )
+from ldlm.training.plan import DENOISER_LENGTHS, TrainingPlan
 from ldlm.training.routing import align_routing
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -207,7 +206,7 @@ class Run:
         model, plan = self.model, self.plan
         if stage == "denoiser":
             z = latent_batch(self.latent_cache(), plan, model, rng)
-            return denoiser_loss(model, self.schedule, z, bool(rng.random() < plan.self_condition), gen)
+            return denoiser_loss(model, self.schedule, z, bool(rng.random() < plan.self_condition), gen, plan.focus_fraction)
         input_ids, mask = text_batch(self.corpus.train, plan, rng, full_length=stage == "autoencoder_long")
         batch = (input_ids.to(self.device), mask.to(self.device))
         if stage == "decoder":
