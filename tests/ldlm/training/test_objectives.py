@@ -15,15 +15,16 @@ from ldlm.model import LDLM
 from ldlm.schedule import TangentSchedule
 from ldlm.training.objectives import (
     UNSEEN_LOGIT,
-    TrainingPlan,
     VocabularyHead,
     autoencoder_loss,
     decoder_loss,
     denoiser_loss,
+    denoiser_times,
     draw,
     learning_rate,
     text_batch,
 )
+from ldlm.training.plan import FOCUS_T, TrainingPlan
 from tests.ldlm.training.conftest import MICRO_PLAN
 
 
@@ -129,14 +130,34 @@ def test_denoiser_loss_is_the_x0_mse_at_the_forward_process(micro_model: LDLM) -
     schedule = TangentSchedule(micro_model.config.schedule_d, micro_model.config.beta_clip_t)
     z = torch.randn(4, 8, micro_model.config.d_model)
     for self_condition in (False, True):
-        loss, _ = denoiser_loss(micro_model, schedule, z, self_condition, torch.Generator().manual_seed(7))
+        loss, _ = denoiser_loss(micro_model, schedule, z, self_condition, torch.Generator().manual_seed(7), 0.5)
         gen = torch.Generator().manual_seed(7)  # the same draws, in the same order: t, then the noise
-        t = torch.rand(4, generator=gen)
+        t = denoiser_times(4, 0.5, gen)
         alpha = torch.rsqrt(1 + 9 * torch.tan(np.pi * t / 2) ** 2)[:, None, None]  # the tangent schedule, d = 3
         x_t = alpha * z + torch.sqrt(1 - alpha**2) * torch.randn(z.shape, generator=gen)
         prev = micro_model.denoise(x_t, t, torch.zeros_like(z)) if self_condition else torch.zeros_like(z)
         expected = ((micro_model.denoise(x_t, t, prev) - z) ** 2).mean()
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def uniform_gap(samples: np.ndarray, low: float, high: float) -> float:
+    """Kolmogorov's statistic against U(low, high): the largest gap between the samples' CDF and the uniform one."""
+    x = np.sort((samples - low) / (high - low))
+    return float(np.max(np.abs(np.arange(1, len(x) + 1) / len(x) - x)))
+
+
+def test_denoiser_times_are_uniform_with_a_focused_share() -> None:
+    n = 20000
+    everywhere = denoiser_times(n, 0.0, torch.Generator().manual_seed(0)).numpy()
+    focused = denoiser_times(n, 1.0, torch.Generator().manual_seed(1)).numpy()
+    mixed = denoiser_times(n, 0.5, torch.Generator().manual_seed(2)).numpy()
+    # 1.63 / sqrt(n) is the statistic's 1% critical value: uniform draws pass it 99 times in 100
+    assert uniform_gap(everywhere, 0.0, 1.0) < 1.63 / np.sqrt(n)
+    assert FOCUS_T[0] <= focused.min() and focused.max() <= FOCUS_T[1]
+    assert uniform_gap(focused, *FOCUS_T) < 1.63 / np.sqrt(n)
+    # half focused, half uniform: P(t in FOCUS_T) = 0.5 + 0.5 * its width; the binomial's sd at n is 0.0032
+    inside = np.mean((mixed >= FOCUS_T[0]) & (mixed <= FOCUS_T[1]))
+    assert abs(inside - (0.5 + 0.5 * (FOCUS_T[1] - FOCUS_T[0]))) < 0.015, inside
 
 
 def test_decoder_loss_decodes_the_denoisers_x0_hat_and_trains_the_decoders_alone(micro_model: LDLM, micro_corpus: Corpus) -> None:
@@ -178,6 +199,7 @@ def test_decoder_loss_decodes_the_denoisers_x0_hat_and_trains_the_decoders_alone
         ("min_length", 0, "min_length=0, max_length=128 (allowed: 1 <= min_length <= max_length)"),
         ("tokens_per_batch", 64, "tokens_per_batch=64 (allowed: >= max_length 128)"),
         ("self_condition", 1.5, "self_condition=1.5 (allowed: 0..1)"),
+        ("focus_fraction", -0.2, "focus_fraction=-0.2 (allowed: 0..1)"),
         ("full_length_fraction", -0.5, "full_length_fraction=-0.5 (allowed: 0..1)"),
         ("decoder_steps", -2, "decoder_steps=-2 (allowed: >= 0)"),
         ("denoised_fraction", 2.0, "denoised_fraction=2.0 (allowed: 0..1)"),
