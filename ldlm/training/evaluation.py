@@ -81,6 +81,48 @@ def denoiser_evaluation(
     return {"denoiser_mse": float(np.mean(losses)), "mean_prediction_mse": z.pow(2).mean().item()}
 
 
+@torch.no_grad()
+def neighbour_reliance(
+    model: LDLM, schedule: TangentSchedule, ids: np.ndarray, t: float, length: int = 64, count: int = 64, seed: int = 0, positions: int = 6
+) -> dict[str, float]:
+    """Token accuracy of the self-conditioned x0_hat from x_t at ``t``, at ``positions`` interior positions of
+    held-out windows: with each window's own neighbours, and with every other position's x_t taken from
+    another window (its own position kept). Equal accuracies mean a denoiser that reads its own position
+    alone: its samples are tokens drawn independently, position by position, however low its loss."""
+    rng = np.random.default_rng([seed, length, 2])
+    input_ids = windows(ids, rng.integers(0, len(ids) - length, count), length).to(device_of(model))
+    z = model.encode_latents(input_ids)
+    time = torch.full((count,), float(t), device=z.device)
+    x_t = forward_noise(schedule, z, time, torch.randn(z.shape, generator=torch.Generator().manual_seed(seed)).to(z.device))
+
+    def tokens(x: torch.Tensor) -> torch.Tensor:
+        return model.decode_tokens(model.denoise(x, time, model.denoise(x, time, torch.zeros_like(x))))
+
+    chosen = np.linspace(1, length - 2, positions).round().astype(int).tolist()
+    own = (tokens(x_t) == input_ids)[:, chosen].float().mean().item()
+    strangers = []
+    for p in chosen:
+        mixed = x_t.roll(1, dims=0).clone()  # window i's neighbours are window i-1's
+        mixed[:, p] = x_t[:, p]
+        strangers.append((tokens(mixed)[:, p] == input_ids[:, p]).float().mean().item())
+    return {"t": float(t), "with_neighbours": own, "with_other_windows_neighbours": float(np.mean(strangers))}
+
+
+def bigram_log_likelihood(rows: Iterable[Iterable[int]], corpus: np.ndarray, smoothing: float = 0.1) -> float:
+    """Mean log P(token | previous token) of ``rows`` under ``corpus``'s bigram counts, add-``smoothing``
+    over the corpus's distinct ids: whether generated text follows the corpus's word order at all
+    (tokens drawn independently by frequency score the same as shuffled text)."""
+    unigrams = Counter(corpus[:-1].tolist())
+    bigrams = Counter(zip(corpus[:-1].tolist(), corpus[1:].tolist()))
+    distinct = len(np.unique(corpus))
+    scores = [
+        np.log((bigrams[(a, b)] + smoothing) / (unigrams[a] + smoothing * distinct))
+        for row in rows
+        for a, b in zip(list(row)[:-1], list(row)[1:])
+    ]
+    return float(np.mean(scores))
+
+
 def words(text: str) -> list[str]:
     """Lower-cased runs of letters: what "a word of the corpus" means in the text measures."""
     return [w.lower() for w in WORD.findall(text)]
