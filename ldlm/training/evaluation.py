@@ -16,7 +16,7 @@ from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.schedule import TangentSchedule, forward_noise
 from ldlm.tokenizer import TextTokenizer
-from ldlm.training.objectives import device_of, windows
+from ldlm.training.objectives import device_of, self_conditioned_x0, windows
 
 WORD = re.compile(r"[A-Za-z]+")
 
@@ -76,8 +76,7 @@ def denoiser_evaluation(
     for t_value in (np.arange(times) + 0.5) / times:
         t = torch.full((count,), float(t_value), device=z.device)
         x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen).to(z.device))
-        first = model.denoise(x_t, t, torch.zeros_like(z))
-        losses.append(F.mse_loss(model.denoise(x_t, t, first), z).item())
+        losses.append(F.mse_loss(self_conditioned_x0(model, x_t, t), z).item())
     return {"denoiser_mse": float(np.mean(losses)), "mean_prediction_mse": z.pow(2).mean().item()}
 
 
@@ -96,7 +95,7 @@ def neighbour_reliance(
     x_t = forward_noise(schedule, z, time, torch.randn(z.shape, generator=torch.Generator().manual_seed(seed)).to(z.device))
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
-        return model.decode_tokens(model.denoise(x, time, model.denoise(x, time, torch.zeros_like(x))))
+        return model.decode_tokens(self_conditioned_x0(model, x, time))
 
     chosen = np.linspace(1, length - 2, positions).round().astype(int).tolist()
     own = (tokens(x_t) == input_ids)[:, chosen].float().mean().item()

@@ -194,8 +194,7 @@ def decoder_loss(
             z = (latents - model.latent_mean) / model.latent_std
             t = plan.denoised_t_max * torch.rand(z.shape[0], generator=gen).to(z.device)
             x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen).to(z.device))
-            first = model.denoise(x_t, t, torch.zeros_like(z), mask)
-            latents = model.denoise(x_t, t, first, mask) * model.latent_std + model.latent_mean
+            latents = self_conditioned_x0(model, x_t, t, mask) * model.latent_std + model.latent_mean
         else:
             latents = with_latent_noise(latents, plan, gen)
     return decoding_loss(model, head, latents, features, input_ids, mask, plan, measure)
@@ -231,6 +230,11 @@ def latent_batch(cache: dict[int, Tensor], plan: TrainingPlan, model: LDLM, rng:
     return (z - model.latent_mean) / model.latent_std
 
 
+def self_conditioned_x0(model: LDLM, x_t: Tensor, t: Tensor, mask: Tensor | None = None) -> Tensor:
+    """x0_hat as the sampler makes it at every step but the first: a pass without x0_prev, fed back to a second."""
+    return model.denoise(x_t, t, model.denoise(x_t, t, torch.zeros_like(x_t), mask), mask)
+
+
 def denoiser_times(count: int, focus_fraction: float, gen: torch.Generator) -> Tensor:
     """t ~ U(0, 1), except a ``focus_fraction`` share drawn from U(FOCUS_T): where a token is decided by its
     neighbours, the denoiser's one lever beyond its own position (from its own x_t alone, the reference's
@@ -241,7 +245,7 @@ def denoiser_times(count: int, focus_fraction: float, gen: torch.Generator) -> T
 
 
 def denoiser_loss(
-    model: LDLM, schedule: TangentSchedule, z: Tensor, self_condition: bool, gen: torch.Generator, focus_fraction: float = 0.0
+    model: LDLM, schedule: TangentSchedule, z: Tensor, self_condition: bool, gen: torch.Generator, focus_fraction: float
 ) -> tuple[Tensor, dict[str, float]]:
     t = denoiser_times(z.shape[0], focus_fraction, gen).to(z.device)
     x_t = forward_noise(schedule, z, t, torch.randn(z.shape, generator=gen).to(z.device))
