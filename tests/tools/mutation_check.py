@@ -1651,7 +1651,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "decoder-stage-decodes-undenoised-latents",
         "ldlm.training.objectives:decoder_loss",
-        "latents = model.denoise(x_t, t, first, mask) * model.latent_std + model.latent_mean",
+        "latents = self_conditioned_x0(model, x_t, t, mask) * model.latent_std + model.latent_mean",
         "latents = latents",
         ("tests/ldlm/training/test_objectives.py",),
         "the decoders never see a denoiser's latents, and samples keep their word pieces",
