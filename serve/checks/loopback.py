@@ -6,7 +6,6 @@ export to serve. Traffic goes to loopback only."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ import httpx
 from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.config import preset
 from ldlm.export.onnx_export import export_graphs
+from ldlm.serve.ports import free_port as free_port  # with the server helpers, for the scripts and tests
 from ldlm.tokenizer import TextTokenizer
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_command(source: str | Path, port: int, flags: list[str] | None = None, python: str = sys.executable) -> list[str]:

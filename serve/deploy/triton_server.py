@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,12 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ldlm.serve.deploy.triton_env import TritonEnv, TritonEnvError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ldlm.serve.ports import free_port
 
 
 @dataclass

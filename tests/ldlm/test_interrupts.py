@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import signal
+import subprocess
 import sys
 import threading
 import weakref
@@ -188,3 +189,30 @@ def test_serve_does_not_start_after_a_ctrl_c_dropped_while_preparing(
         server.serve(str(export_dir), ServerSettings(port=0), log_level="warning")
     assert started == []
     assert "ldlm serving" not in capsys.readouterr().out
+
+
+# `ldlm init` whose work is a Ctrl-C raised inside an exec() of a string, as when SIGINT lands while an
+# import defines a dataclass; run as `python -m`, the way the mark that exec leaves is acted on.
+INTERRUPTED_IN_EXEC = """
+import runpy
+import sys
+
+import ldlm.cli.model
+
+
+def interrupted_in_exec(args):
+    exec("raise KeyboardInterrupt")
+
+
+ldlm.cli.model._cmd_init = interrupted_in_exec
+sys.argv = ["ldlm", "init", "never-written"]
+runpy.run_module("ldlm.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_ctrl_c_that_left_an_exec_ends_the_command_with_130_and_one_line(tmp_path: Path) -> None:
+    (tmp_path / "interrupted_in_exec.py").write_text(INTERRUPTED_IN_EXEC)
+    done = subprocess.run([sys.executable, "-m", "interrupted_in_exec"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr[-2000:]  # not -2: the process did not end by the signal
+    assert done.stderr.split() == ["ldlm", "init:", "interrupted"]
+    assert not (tmp_path / "never-written").exists()

@@ -116,11 +116,11 @@ def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     assert data["config"] == "tiny" and data["device"] == "cpu"
     assert data["stages"]["device_loop"]["skipped"].startswith("not on CUDA")
     previews = data["stages"]["previews"]  # a real server on loopback, streamed and plain requests
-    assert previews["server_exit_code"] == 0 and "--preview-budget 1" in previews["server"], previews
+    assert previews.get("server_exit_code") == 0 and "--preview-budget 1" in previews["server"], previews
     assert previews["preview_events_per_request"] >= 1 and previews["first_preview_batch1"]["runs"] == 5
     assert (tmp_path / "server-previews.log").is_file()
     http = data["stages"]["http"]  # the same server, under load, against the in-process runner
-    assert http["server_exit_code"] == 0 and http["overhead"]["requests"] == 30 and http["load"]["answered"] > 0, http
+    assert http.get("server_exit_code") == 0 and http["overhead"]["requests"] == 30 and http["load"]["answered"] > 0, http
     assert (tmp_path / "server.log").is_file()
     assert data["stages"]["parity"] == {"skipped": "not selected (--stages)"}
     reference = data["stages"]["reference"]  # the trained checkpoint: its tuned default, as its schedules.json names it
