@@ -116,13 +116,31 @@ def server_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     )
 
 
-def serve(source: str, settings: ServerSettings, log_level: str = "info") -> None:
-    """Bind (127.0.0.1 by default), load, serve until SIGINT/SIGTERM, then drain and exit."""
+@contextlib.contextmanager
+def json_log(level: str) -> Iterator[None]:
+    """The service's log as JSON lines on stderr at ``level`` within the block, and the logger as it was
+    after it: serve() may be called from Python, and the stderr it started with may be closed by then."""
+    handlers, previous_level, propagate = log.handlers[:], log.level, log.propagate
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLogFormatter())
     log.handlers[:] = [handler]
-    log.setLevel(log_level.upper())
+    log.setLevel(level.upper())
     log.propagate = False
+    try:
+        yield
+    finally:
+        log.handlers[:] = handlers
+        log.setLevel(previous_level)
+        log.propagate = propagate
+
+
+def serve(source: str, settings: ServerSettings, log_level: str = "info") -> None:
+    """Bind (127.0.0.1 by default), load, serve until SIGINT/SIGTERM, then drain and exit."""
+    with json_log(log_level):
+        _serve(source, settings)
+
+
+def _serve(source: str, settings: ServerSettings) -> None:
     sock = bind_socket(settings.host, settings.port)
     try:
         service = LDLMService(source, settings, progress=lambda line: print(f"ldlm serve: {line}", file=sys.stderr, flush=True))
