@@ -1117,11 +1117,27 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "serve-starts-after-dropped-interrupt",
-        "ldlm.serve.api.server:serve",
+        "ldlm.serve.api.server:_serve",
         "        raise_if_interrupted()  # Ctrl-C while preparing, dropped by Python where it landed: do not start serving",
         "        pass",
         ("tests/ldlm/test_interrupts.py",),
         "Ctrl-C while `ldlm serve` exports is lost and the server starts anyway",
+    ),
+    Mutation(
+        "free-port-from-the-ephemeral-range",
+        "ldlm.serve.ports:free_port",
+        "        port = draw.choice(PORT_RANGE)",
+        "        port = draw.choice(range(32768, 61000))",
+        ("tests/serve/test_ports.py",),
+        "a server's port is one any outgoing connection may take before the server binds it",
+    ),
+    Mutation(
+        "serve-leaves-its-log-handler",
+        "ldlm.serve.api.server:json_log",
+        "        log.handlers[:] = handlers",
+        "        pass",
+        ("tests/serve/api/test_server_log.py",),
+        "after serve() returns, every request logged in the process fails on a closed stderr",
     ),
     Mutation(
         "engine-monitor-ignores-interrupt",
