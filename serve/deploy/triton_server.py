@@ -98,7 +98,9 @@ def start_server(
     200 (every model loaded); an error with the log's end if it exits first or after ``timeout_s``."""
     import httpx  # optional (the [test] extra): only a local tritonserver needs it
 
-    ports = [p if p is not None else free_port() for p in (http_port, grpc_port, metrics_port)]
+    ports: list[int] = []
+    for given in (http_port, grpc_port, metrics_port):
+        ports.append(given if given is not None else free_port(taken=ports))
     http, grpc, metrics = ports
     for port in ports:
         if not 1 <= port <= 65535:

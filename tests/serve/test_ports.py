@@ -35,3 +35,11 @@ def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr("ldlm.serve.ports.PORT_RANGE", range(taken, taken + 1))
         with pytest.raises(RuntimeError, match=f"no free loopback port in {taken}..{taken}"):
             free_port()
+
+
+def test_ports_already_drawn_for_a_server_are_not_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = free_port()
+    monkeypatch.setattr("ldlm.serve.ports.PORT_RANGE", range(free, free + 1))
+    assert free_port() == free  # it binds: only `taken` keeps it out
+    with pytest.raises(RuntimeError, match=f"no free loopback port in {free}..{free}"):
+        free_port(taken=[free])
