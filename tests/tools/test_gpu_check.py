@@ -106,6 +106,9 @@ def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
             str(tmp_path),
             "--stages",
             "device_loop,reference,http,previews,probe_eps",
+            # every selected stage must run: on a loaded 2-core runner the default 300 s budget skipped one
+            "--budget-s",
+            "3600",
         ],
         capture_output=True,
         text=True,
@@ -143,6 +146,30 @@ def test_unknown_stage_is_refused(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 2 and "names unknown stages; allowed: parity" in done.stderr
+
+
+def test_a_stage_that_would_not_fit_the_budget_is_skipped_with_the_time_left(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "gpu_check.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--stages",
+            "probe_eps",
+            "--budget-s",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    skipped = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["probe_eps"]["skipped"]
+    assert skipped.startswith("time budget: ") and "s left, the stage needs about" in skipped, skipped
 
 
 def test_first_preview_is_timed_on_preview_events_only() -> None:
