@@ -23,6 +23,12 @@ SCRIPTS = REPO / "scripts"
 from ldlm.serve.checks.gpu_targets import target_rows, targets_markdown  # noqa: E402
 
 
+def gpu_check(out: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    """scripts/gpu_check.py --tiny --out OUT ARGS in a subprocess, its output captured."""
+    command = [sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(out), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
 def report(**overrides: object) -> dict:
     stages = {
         "long_sample": {
@@ -95,25 +101,9 @@ def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
 
 
 def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPTS / "gpu_check.py"),
-            "--tiny",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path),
-            "--stages",
-            "device_loop,reference,http,previews,probe_eps",
-            # every selected stage must run: on a loaded 2-core runner the default 300 s budget skipped one
-            "--budget-s",
-            "3600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # every selected stage must run: on a loaded 2-core runner the default 300 s budget skipped one
+    stages = "device_loop,reference,http,previews,probe_eps"
+    done = gpu_check(tmp_path, "--device", "cpu", "--stages", stages, "--budget-s", "3600", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["config"] == "tiny" and data["device"] == "cpu"
@@ -139,34 +129,12 @@ def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
 
 
 def test_unknown_stage_is_refused(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--stages", "warp"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = gpu_check(tmp_path, "--stages", "warp")
     assert done.returncode == 2 and "names unknown stages; allowed: parity" in done.stderr
 
 
 def test_a_stage_that_would_not_fit_the_budget_is_skipped_with_the_time_left(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPTS / "gpu_check.py"),
-            "--tiny",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path),
-            "--stages",
-            "probe_eps",
-            "--budget-s",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = gpu_check(tmp_path, "--device", "cpu", "--stages", "probe_eps", "--budget-s", "1", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     skipped = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["probe_eps"]["skipped"]
     assert skipped.startswith("time budget: ") and "s left, the stage needs about" in skipped, skipped
@@ -209,12 +177,7 @@ def test_first_preview_is_timed_on_preview_events_only() -> None:
 
 
 def test_absent_device_is_refused_by_name(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(tmp_path), "--device", "cuda:99"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = gpu_check(tmp_path, "--device", "cuda:99")
     assert done.returncode == 2 and "--device: device='cuda:99' is not available" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "gpu_check.json").exists()
 
