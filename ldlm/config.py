@@ -57,6 +57,10 @@ class LDLMConfig:
     # --- denoiser: Llama-style diffusion transformer (known: 12 layers, ~132M) ---
     denoiser_layers: int = 12
     swiglu_hidden: int = 3072
+    # Guessed, and unset by default: the denoiser's residual width, when it differs from the latents'. Set, the
+    # latents are projected in and out of the blocks (Linear, no bias), so a small latent space can get a wider
+    # denoiser; unset, the blocks run on the latents themselves, as the spec reads.
+    denoiser_width: int | None = None
     rope_theta: float = 10000.0
     time_max_period: float = 10.0  # sinusoidal embedding of t in [0, 1]
 
@@ -83,6 +87,11 @@ class LDLMConfig:
         return self.d_model // self.n_heads
 
     @property
+    def denoiser_d_model(self) -> int:
+        """The width of the denoiser's residual stream: denoiser_width when set, else D."""
+        return self.d_model if self.denoiser_width is None else self.denoiser_width
+
+    @property
     def feature_blocks(self) -> int:
         """GPT-2 blocks that run: hidden_states has gpt2_layers + 1 entries, the first being the
         embeddings, so index -3 of 12 layers is the output of block 10."""
@@ -90,7 +99,8 @@ class LDLMConfig:
 
     # --- JSON round trip ---
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # An optional field left unset is left out, so a config saved before that field existed hashes the same.
+        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -175,6 +185,11 @@ def _validate(c: LDLMConfig) -> None:
     require(type(c.per_stream_kv) is bool, "per_stream_kv", c.per_stream_kv, "true or false")
     require(c.d_model % c.n_heads == 0, "n_heads", c.n_heads, f"a divisor of d_model={c.d_model}")
     require(c.head_dim % 2 == 0, "n_heads", c.n_heads, "a value giving an even head_dim (rotary embeddings)")
+    if c.denoiser_width is not None:
+        width, heads = c.denoiser_width, c.n_heads
+        low, high = INT_RANGES["d_model"]
+        require(type(width) is int and low <= width <= high, "denoiser_width", width, f"unset (null) or an integer in {low}..{high}")
+        require(width % heads == 0 and width // heads % 2 == 0, "denoiser_width", width, f"a multiple of 2 * n_heads = {2 * heads}")
     require(
         c.denoiser_layers % 2 == 0,
         "denoiser_layers",

@@ -59,13 +59,13 @@ class SwiGLU(nn.Module):
 class DenoiserBlock(nn.Module):
     def __init__(self, config: LDLMConfig) -> None:
         super().__init__()
-        d = config.d_model
-        self.time_proj = nn.Linear(d, d)  # x += time_proj(SiLU(t_emb)) before the block
-        self.self_cond_proj = nn.Linear(d, d)  # x += self_cond_proj(x0_prev) before the block
-        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
-        self.attn = RotarySelfAttention(d, config.n_heads)
-        self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
-        self.mlp = SwiGLU(d, config.swiglu_hidden)
+        w = config.denoiser_d_model
+        self.time_proj = nn.Linear(w, w)  # x += time_proj(SiLU(t_emb)) before the block
+        self.self_cond_proj = nn.Linear(config.d_model, w)  # x += self_cond_proj(x0_prev) before the block
+        self.attn_norm = RMSNorm(w, config.rms_norm_eps)
+        self.attn = RotarySelfAttention(w, config.n_heads)
+        self.mlp_norm = RMSNorm(w, config.rms_norm_eps)
+        self.mlp = SwiGLU(w, config.swiglu_hidden)
 
     def forward(self, x: Tensor, time: Tensor, x0_prev: Tensor, rotary: tuple[Tensor, Tensor], attn_bias: Tensor | None) -> Tensor:
         x = x + self.time_proj(time)[:, None, :] + self.self_cond_proj(x0_prev)
@@ -74,25 +74,33 @@ class DenoiserBlock(nn.Module):
 
 
 class Denoiser(nn.Module):
-    """x_t (B, N, D), t (B,), x0_prev (B, N, D), mask (B, N) -> x0_hat (B, N, D)."""
+    """x_t (B, N, D), t (B,), x0_prev (B, N, D), mask (B, N) -> x0_hat (B, N, D).
+
+    The blocks run at config.denoiser_d_model (W). When denoiser_width is set, x_t is projected from D to W
+    before the first block and the stream back to D before the output norm; unset, W = D and the latents
+    are the stream.
+    """
 
     def __init__(self, config: LDLMConfig) -> None:
         super().__init__()
-        d = config.d_model
-        self.d_model = d
-        self.head_dim = config.head_dim
+        d, w = config.d_model, config.denoiser_d_model
+        self.width = w
+        self.head_dim = w // config.n_heads
         self.rope_theta = config.rope_theta
         self.time_max_period = config.time_max_period
-        self.time_mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+        wide = config.denoiser_width is not None
+        self.in_proj: nn.Module = nn.Linear(d, w, bias=False) if wide else nn.Identity()
+        self.time_mlp = nn.Sequential(nn.Linear(w, 2 * w), nn.SiLU(), nn.Linear(2 * w, w))
         self.blocks = nn.ModuleList(DenoiserBlock(config) for _ in range(config.denoiser_layers))
+        self.out_proj: nn.Module = nn.Linear(w, d, bias=False) if wide else nn.Identity()
         self.out_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor | None = None) -> Tensor:
-        t_emb = self.time_mlp(sinusoidal_embedding(t, self.d_model, self.time_max_period).to(x_t.dtype))
-        time = F.silu(t_emb)  # (B, D), shared by every block's time_proj
+        t_emb = self.time_mlp(sinusoidal_embedding(t, self.width, self.time_max_period).to(x_t.dtype))
+        time = F.silu(t_emb)  # (B, W), shared by every block's time_proj
         rotary = rotary_tables(x_t.shape[1], self.head_dim, self.rope_theta, x_t.device)
         bias = attention_bias(mask, x_t.dtype)
-        x = x_t
+        x = self.in_proj(x_t)
         half = len(self.blocks) // 2
         skips = []
         for block in self.blocks[:half]:
@@ -100,4 +108,4 @@ class Denoiser(nn.Module):
             skips.append(x)
         for block in self.blocks[half:]:
             x = block(x + skips.pop(), time, x0_prev, rotary, bias)  # U-Net long skip, in reverse order
-        return self.out_norm(x)
+        return self.out_norm(self.out_proj(x))

@@ -34,6 +34,7 @@ SIZES: tuple[tuple[str, str, int], ...] = (
     ("max_seq_len", "latent_decoder.positions.weight", 0),
     ("vocab_size", "token_decoder.head.weight", 0),
     ("swiglu_hidden", "denoiser.blocks.0.mlp.w1.weight", 0),
+    ("denoiser_width", "denoiser.in_proj.weight", 0),  # only a denoiser wider (or narrower) than D has it
 )
 # (field, prefix): the count is the highest block index under the prefix, plus one. For GPT-2 the
 # count is its depth when the source holds all of it (Hugging Face's do); see resolve_config.
