@@ -12,7 +12,7 @@ default grid at the same step count and DDIM at 10..100 steps. The tuning time i
 count, and the references are computed once per model for all samplers.
 
     python scripts/schedule_accuracy.py --presets tiny --samplers dpm3m-psc,dpm3m-psc-unic --steps 8,10 --evaluations 400 --threads 2 \
-        --out docs/measurements/schedules-tiny-2026-12-04.json
+        --out docs/measurements/schedules-tiny-pooled-2026-12-05.json
 
 Writes the JSON and, beside it, a PNG (held-out error against denoiser calls: DDIM, default grid, tuned).
 """
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--tune", default="64x64", help="tuning samples NxLENGTH, as ldlm tune-schedule's (default: 64x64)")
     parser.add_argument("--held-out", default="32x32,64,128", help="held-out samples Nxlengths (default: 32x32,64,128)")
     parser.add_argument(
-        "--objective", choices=TUNING_OBJECTIVES, default="worst", help="what the search minimizes (ldlm/tuning.py; default: worst)"
+        "--objective", choices=TUNING_OBJECTIVES, default="pooled", help="what the search minimizes (ldlm/tuning.py; default: pooled)"
     )
     parser.add_argument("--seed", type=int, default=0, help="init seed of the random checkpoints (default: 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")

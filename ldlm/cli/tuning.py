@@ -155,9 +155,9 @@ def _add_sample_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--objective",
         choices=TUNING_OBJECTIVES,
-        default="worst",
-        help="what the search minimizes over the tuning samples: the worst one's relative latent error, which keeps out "
-        "grids that throw the odd sample off, or all samples' pooled (default: worst)",
+        default="pooled",
+        help="what the search minimizes over the tuning samples: all samples' pooled relative latent error, or the worst "
+        "one's, which keeps out grids that throw the odd sample off (default: pooled)",
     )
     p.add_argument("--tune-length", type=capped_positive_int(65536, " tokens"), default=64, help="tokens per tuning sample (default: 64)")
     p.add_argument(

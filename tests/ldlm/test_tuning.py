@@ -337,18 +337,18 @@ def test_the_server_says_which_grids_it_uses_and_defaults_to_the_tuned_ones(tiny
 
 def test_the_search_minimizes_the_worst_samples_error_or_the_pooled_one() -> None:
     """The search error against a per-sample loop in NumPy: the largest of the samples' relative errors
-    ("worst", the default), or one relative error over all samples together ("pooled")."""
+    ("worst"), or one relative error over all samples together ("pooled", the default)."""
     import numpy as np
 
     pipe = oracle_pipeline()
     times = (1.0, 0.6, 0.25, 0.05)
-    worst = Tuner(pipe, TuningSettings("ddim", reference_steps=200, tune_n=4, tune_length=8))
+    worst = Tuner(pipe, TuningSettings("ddim", reference_steps=200, tune_n=4, tune_length=8, objective="worst"))
     samples = worst.samples(3, 4, 8)
     x = worst.latents(3, 4, 8, "ddim", 3, times).double().numpy()
     ref = samples.reference.double().numpy()
     per_sample = [np.linalg.norm(x[i] - ref[i]) / np.linalg.norm(ref[i]) for i in range(4)]
     assert worst.search_error(samples, "ddim", 3, times) == pytest.approx(max(per_sample), rel=1e-5)
-    pooled = Tuner(pipe, dataclasses.replace(worst.settings, objective="pooled"), worst.references)
+    pooled = Tuner(pipe, TuningSettings("ddim", reference_steps=200, tune_n=4, tune_length=8), worst.references)
     assert pooled.search_error(samples, "ddim", 3, times) == pytest.approx(np.linalg.norm(x - ref) / np.linalg.norm(ref), rel=1e-5)
     assert max(per_sample) > min(per_sample)  # the samples differ, so the two objectives do
     with pytest.raises(ValueError, match=re.escape("objective='median'; allowed: worst, pooled")):

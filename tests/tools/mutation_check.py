@@ -1662,7 +1662,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         'if self.settings.objective == "pooled":',
         "if False:",
         ("tests/ldlm/test_tuning.py",),
-        "--objective pooled searches the worst sample's error",
+        "the pooled objective (the default) searches the worst sample's error",
     ),
     Mutation(
         "feature-loss-dropped",
