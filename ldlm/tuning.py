@@ -16,12 +16,10 @@ For each step count N:
      same error on validation samples (another seed, the tuning length), and the lowest is kept;
   5. the kept grid is scored on held-out samples (other seeds, and other lengths), beside DDIM@50 and
      the default grid: relative latent error and token agreement with the reference.
-Why pooled: with the validation below and 32 held-out samples per length, grids searched on the pooled
-error landed closer held out than those searched on the worst sample's at every step count tried on the
-trained reference, and at 3 of 4 on tiny with random norms (docs/measurements/schedules-reference-pooled-
-and schedules-tiny-pooled-2026-12-05.json). "worst" keeps out grids that throw the odd sample far off its
-trajectory: on an earlier checkpoint, without validation, a pooled 8-step grid threw one held-out sample
-of 8 to 3-5x the default grid's error.
+Why pooled: with validation, its grids landed closer held out than the worst sample's at every step count
+tried on the trained reference and at 3 of 4 on random-norm tiny (docs/measurements/schedules-*-pooled-*).
+"worst" keeps out grids that throw the odd sample off (without validation, a pooled 8-step grid once threw
+one held-out sample of 8 to 3-5x the default grid's error).
 Why validation: a search over N free numbers can fit its tuning samples, and a few held-out samples
 cannot tell (on the reference checkpoint, 8 held-out samples per length showed searched grids worse
 than the default grid, because one sample of the 8 was thrown off; 64 samples of the same seed showed
