@@ -24,6 +24,7 @@ GRIDS: tuple[str, ...] = ("uniform", "power", "logsnr")
 TUNED_GRID = "tuned"
 # What `ldlm tune-schedule` minimizes over its tuning samples' relative latent errors (ldlm/tuning.py).
 TUNING_OBJECTIVES: tuple[str, ...] = ("worst", "pooled")
+DEFAULT_TUNING_OBJECTIVE = "pooled"  # why: ldlm/tuning.py
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,11 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "mlp_ratio": (1, 64),
     "denoiser_layers": (2, 256),
     "swiglu_hidden": (1, 262144),
+    "denoiser_width": (2, 16384),  # optional: unset (None) is allowed too
     "token_decoder_layers": (1, 128),
     "default_steps": (1, 100000),
 }
+OPTIONAL_FIELDS = ("denoiser_width",)
 FLOAT_RANGES: dict[str, tuple[float, float]] = {  # open at 0 (must be > 0), closed at the top
     "layer_norm_eps": (0.0, 1.0),
     "rms_norm_eps": (0.0, 1.0),
@@ -172,7 +175,11 @@ def _validate(c: LDLMConfig) -> None:
 
     for name, (low, high) in INT_RANGES.items():
         value = getattr(c, name)
-        require(type(value) is int and low <= value <= high, name, value, f"an integer in {low}..{high}")  # type(): no bools
+        optional = name in OPTIONAL_FIELDS
+        if optional and value is None:
+            continue
+        allowed = f"{'unset (null) or ' if optional else ''}an integer in {low}..{high}"
+        require(type(value) is int and low <= value <= high, name, value, allowed)  # type(): no bools
     for name, (above, at_most) in FLOAT_RANGES.items():
         value = getattr(c, name)
         ok = type(value) in (int, float) and math.isfinite(value) and above < value <= at_most
@@ -187,8 +194,6 @@ def _validate(c: LDLMConfig) -> None:
     require(c.head_dim % 2 == 0, "n_heads", c.n_heads, "a value giving an even head_dim (rotary embeddings)")
     if c.denoiser_width is not None:
         width, heads = c.denoiser_width, c.n_heads
-        low, high = INT_RANGES["d_model"]
-        require(type(width) is int and low <= width <= high, "denoiser_width", width, f"unset (null) or an integer in {low}..{high}")
         require(width % heads == 0 and width // heads % 2 == 0, "denoiser_width", width, f"a multiple of 2 * n_heads = {2 * heads}")
     require(
         c.denoiser_layers % 2 == 0,

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ldlm.config import TUNING_OBJECTIVES
+from ldlm.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES
 from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import get_sampler
 from ldlm.sampling import GenerateRequest, SamplingPlan, resolve, run_lockstep
@@ -63,7 +63,7 @@ class TuningSettings:
     held_out_n: int = 32  # per length: of 8, one sample a grid throws off decided the verdict (measured)
     held_out_lengths: tuple[int, ...] = (32, 64, 128)
     evaluations: int = 600  # per step count
-    objective: str = "pooled"  # of the tuning samples' relative errors: "pooled" (one over all) or "worst" (the largest)
+    objective: str = DEFAULT_TUNING_OBJECTIVE  # of the samples' relative errors: "pooled" (one over all) or "worst" (the largest)
     validation_seed: int = 303  # the validation samples: tune_n of them at tune_length
 
     def __post_init__(self) -> None:

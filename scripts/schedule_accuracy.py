@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ldlm.checkpoint import preset_or_checkpoint
-from ldlm.config import TUNING_OBJECTIVES
+from ldlm.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES
 from ldlm.device import resolve_device
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
@@ -115,7 +115,10 @@ def main() -> None:
     parser.add_argument("--tune", default="64x64", help="tuning samples NxLENGTH, as ldlm tune-schedule's (default: 64x64)")
     parser.add_argument("--held-out", default="32x32,64,128", help="held-out samples Nxlengths (default: 32x32,64,128)")
     parser.add_argument(
-        "--objective", choices=TUNING_OBJECTIVES, default="pooled", help="what the search minimizes (ldlm/tuning.py; default: pooled)"
+        "--objective",
+        choices=TUNING_OBJECTIVES,
+        default=DEFAULT_TUNING_OBJECTIVE,
+        help="what the search minimizes (ldlm/tuning.py; default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="init seed of the random checkpoints (default: 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")

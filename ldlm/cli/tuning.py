@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ldlm.cli.options import capped_positive_int, capped_positive_int_list, int_in, seed_int
-from ldlm.config import SAMPLERS, TUNING_OBJECTIVES
+from ldlm.config import DEFAULT_TUNING_OBJECTIVE, SAMPLERS, TUNING_OBJECTIVES
 from ldlm.limits import MAX_N, MAX_STEPS
 
 if TYPE_CHECKING:  # for the annotations only: the CLI loads torch per command
@@ -155,9 +155,9 @@ def _add_sample_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--objective",
         choices=TUNING_OBJECTIVES,
-        default="pooled",
+        default=DEFAULT_TUNING_OBJECTIVE,
         help="what the search minimizes over the tuning samples: all samples' pooled relative latent error, or the worst "
-        "one's, which keeps out grids that throw the odd sample off (default: pooled)",
+        "one's, which keeps out grids that throw the odd sample off (default: %(default)s)",
     )
     p.add_argument("--tune-length", type=capped_positive_int(65536, " tokens"), default=64, help="tokens per tuning sample (default: 64)")
     p.add_argument(

@@ -14,6 +14,7 @@ import torch
 
 from export.graphs import graph_io
 from export.onnx_export import export_graph
+from ldlm.checkpoint import init_model
 from ldlm.config import LDLMConfig, preset
 from ldlm.denoiser import Denoiser
 from ldlm.import_config import infer_fields
@@ -91,8 +92,6 @@ def test_the_weights_tell_the_width() -> None:
 
 
 def test_a_wide_denoiser_exports_and_runs_on_onnx_runtime(tmp_path: Path) -> None:
-    from ldlm.checkpoint import init_model
-
     model = init_model(WIDE, seed=0)
     io = graph_io(model, "denoiser")
     path = tmp_path / "denoiser.onnx"
