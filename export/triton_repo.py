@@ -206,9 +206,10 @@ def generate_config(
         ("SEED", "TYPE_INT64"),
         ("SAMPLER", "TYPE_STRING"),
         ("T_MIN", "TYPE_FP32"),
+        ("PRIOR_TEMPERATURE", "TYPE_FP32"),
     ]
     inputs = ",\n".join(
-        f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN") else ""} }}'
+        f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN", "PRIOR_TEMPERATURE") else ""} }}'
         for n, t in scalars
     )
     parameters: dict[str, object] = {"max_n": max_n, "max_steps": max_steps}

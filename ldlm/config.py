@@ -78,6 +78,10 @@ class LDLMConfig:
     default_steps: int = 21
     default_sampler: str = "dpm3m-psc"
     decode_final: DecodeFinal = "mean"
+    # The prior's temperature tau: x_1 ~ N(0, tau^2 I). Unset is 1, the prior the denoiser was trained from;
+    # below 1 the ODE ends nearer the data's modes, trading diversity for text nearer the training data
+    # (Glow's temperature; docs/measurements/prior-temperature-*.json measures the trade).
+    prior_temperature: float | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -168,6 +172,14 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {  # open at 0 (must be > 0), clo
 }
 
 
+PRIOR_TEMPERATURES = "unset (null, meaning 1) or a number in (0, 1]"
+
+
+def is_prior_temperature(value: object) -> bool:
+    """A prior temperature in (0, 1]: above 1 the ODE starts wider than anything it was trained on."""
+    return type(value) in (int, float) and 0.0 < float(value) <= 1.0  # type: ignore[arg-type]  # type(): no bools; nan fails
+
+
 def _validate(c: LDLMConfig) -> None:
     def require(ok: bool, field: str, value: object, allowed: str) -> None:
         if not ok:
@@ -184,6 +196,8 @@ def _validate(c: LDLMConfig) -> None:
         value = getattr(c, name)
         ok = type(value) in (int, float) and math.isfinite(value) and above < value <= at_most
         require(ok, name, value, f"a number in ({above:g}, {at_most:g}]")
+    if c.prior_temperature is not None:
+        require(is_prior_temperature(c.prior_temperature), "prior_temperature", c.prior_temperature, PRIOR_TEMPERATURES)
     for name in ("mask_token_id", "eos_token_id", "feature_layer"):
         require(type(getattr(c, name)) is int, name, getattr(c, name), "an integer")
     for name in ("dropout", "t_min", "beta_clip_t"):

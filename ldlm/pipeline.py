@@ -214,6 +214,7 @@ class LDLMPipeline:
         progress: bool = False,
         prompt: str | Sequence[int] | None = None,
         grid: str | None = None,
+        prior_temperature: float | None = None,
     ) -> TextResult:
         """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
 
@@ -223,10 +224,12 @@ class LDLMPipeline:
         ids, shorter than ``length``): every sample starts with it, by prefix inpainting
         (ldlm/sampling/engine.py), and its text is the prompt's followed by the continuation. ``grid``:
         a kind of ``ldlm.schedule.time_grid`` or ``"tuned"`` (default: the tuned grid where the checkpoint
-        has one for this sampler and step count, else the sampler's own).
+        has one for this sampler and step count, else the sampler's own). ``prior_temperature`` in (0, 1]:
+        the prior's standard deviation (default: the config's, else 1); below 1 trades diversity for text
+        nearer the training data.
         """
         prefix = None if prompt is None else self.prompt_latents(prompt, length)
-        return self.decode(self.sample_latents(n, length, steps, seed, sampler, t_min, progress, prefix, grid))
+        return self.decode(self.sample_latents(n, length, steps, seed, sampler, t_min, progress, prefix, grid, prior_temperature))
 
     def prompt_latents(self, prompt: str | Sequence[int], length: int) -> Tensor:
         """A prompt's latents (P, D) to inpaint, P < ``length`` (the continuation needs a position)."""
@@ -246,9 +249,11 @@ class LDLMPipeline:
         progress: bool = False,
         prefix: Tensor | None = None,
         grid: str | None = None,
+        prior_temperature: float | None = None,
     ) -> Tensor:
         """The standardized latents (n, length, D) that ``generate`` decodes, all samples in lockstep."""
-        plan = resolve(GenerateRequest(n, length, steps, seed, sampler, t_min, grid), self.config, schedules=self.schedules)
+        request = GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature)
+        plan = resolve(request, self.config, schedules=self.schedules)
         states = self.engine.start(plan, self.config.d_model, prefix)
         with torch.inference_mode():
             return run_lockstep(self.engine, states, self.graphs.denoise, self.bucket_length(length), progress)

@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ldlm.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES
+from ldlm.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES, LDLMConfig
 from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import get_sampler
-from ldlm.sampling import GenerateRequest, SamplingPlan, resolve, run_lockstep
+from ldlm.sampling import GenerateRequest, resolve, run_lockstep
 from ldlm.sampling.schedules import TunedGrid, TunedSchedules, check_times
 from ldlm.schedule import power_grid
 
@@ -111,7 +111,7 @@ class Tuner:
         """The final latents of one run; ``times`` None: the sampler's default grid."""
         plan = resolve(GenerateRequest(n, length, steps, seed, sampler, self.pipeline.config.t_min), self.pipeline.config)
         if times is not None:
-            plan = SamplingPlan(plan.n, plan.length, plan.steps, plan.seed, plan.sampler, plan.t_min, "tuned", tuple(times))
+            plan = replace(plan, grid="tuned", tuned_times=tuple(times))
         engine = self.pipeline.engine
         states = engine.start(plan, self.pipeline.config.d_model)
         with torch.inference_mode():
@@ -286,9 +286,9 @@ def matches_ddim50(grid: TunedGrid) -> bool:
     return all(ours[n]["error"] <= ddim[n]["error"] and ours[n]["tokens"] >= ddim[n]["tokens"] for n in ours)
 
 
-def schedules_of(grids: Sequence[TunedGrid], weights_sha256: str, t_min: float, earlier: TunedSchedules | None = None) -> TunedSchedules:
-    """``grids`` (replacing any of ``earlier``'s for the same sampler and steps), with each sampler's default:
-    the fewest tuned steps that match DDIM@50."""
+def schedules_of(grids: Sequence[TunedGrid], sha256: str, config: LDLMConfig, earlier: TunedSchedules | None = None) -> TunedSchedules:
+    """``grids`` (replacing ``earlier``'s of the same sampler and steps), tuned at ``config``'s t_min and prior
+    temperature, with each sampler's default: the fewest tuned steps that match DDIM@50."""
     kept = [
         g for g in (earlier.grids if earlier is not None else ()) if not any(g.sampler == n.sampler and g.steps == n.steps for n in grids)
     ]
@@ -297,4 +297,4 @@ def schedules_of(grids: Sequence[TunedGrid], weights_sha256: str, t_min: float, 
     for g in every:
         if g.sampler not in defaults and matches_ddim50(g):
             defaults[g.sampler] = g.steps
-    return TunedSchedules(weights_sha256, t_min, every, defaults)
+    return TunedSchedules(sha256, config.t_min, every, defaults, config.prior_temperature or 1.0)

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from ldlm.cli.options import capped_positive_int, open_unit_float, positive_int, seed_int
+from ldlm.cli.options import capped_positive_int, open_unit_float, positive_int, prior_temperature, seed_int
 from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS
 
@@ -48,7 +48,9 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     start = time.perf_counter()
     # steps, sampler and t_min left out (None) are the checkpoint config's, filled in by the sampling engine
-    result = pipeline.generate(args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, not args.quiet, args.prompt, args.grid)
+    result = pipeline.generate(
+        args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, not args.quiet, args.prompt, args.grid, args.prior_temperature
+    )
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "seconds": elapsed}))
@@ -168,6 +170,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--t-min", type=open_unit_float, default=None, help="last time of the grid, in (0, 1) (default: the config's t_min, 0.05)"
+    )
+    p.add_argument(
+        "--prior-temperature",
+        type=prior_temperature,
+        default=None,
+        help="the prior's standard deviation tau, in (0, 1]: x_1 ~ N(0, tau^2 I); below 1 trades diversity for text "
+        "nearer the training data (default: the checkpoint config's prior_temperature, else 1)",
     )
     p.add_argument(
         "--grid",

@@ -85,6 +85,8 @@ def _number(value: float) -> str:
 
 # A time of the diffusion grid, such as --t-min.
 open_unit_float = float_in(0, 1, low_open=True, high_open=True)
+# The prior's standard deviation (ldlm.config's prior_temperature).
+prior_temperature = float_in(0, 1, low_open=True)
 
 
 def capped_positive_int_list(high: int, why: str) -> Callable[[str], list[int]]:

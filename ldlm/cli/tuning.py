@@ -38,6 +38,9 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.checkpoint) / SCHEDULES_FILE
     sha = weights_sha256(Path(args.checkpoint) / WEIGHTS_FILE)
     earlier = load_schedules(out.parent, sha256=sha) if out.name == SCHEDULES_FILE and out.is_file() else None
+    if earlier is not None and not earlier.tuned_for(config.t_min, config.prior_temperature or 1.0):
+        print(f"{out}: its grids were tuned at another t_min or prior temperature; they are replaced, not kept", file=sys.stderr)
+        earlier = None
     sampler = args.sampler or config.default_sampler
     settings = TuningSettings(
         sampler, tuple(args.steps), args.reference_steps, args.tune_seed, args.tune_n, args.tune_length,
@@ -50,10 +53,10 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
             grids.append(tune_grid(tuner, steps, progress=not args.quiet))
         except TuningInterrupted as stop:  # keep the best grid found so far, then stop as Ctrl-C does
             grids.append(stop.grid)
-            schedules_of(grids, sha, config.t_min, earlier).save(out)
+            schedules_of(grids, sha, config, earlier).save(out)
             print(f"interrupted: wrote the best grids so far to {out}", file=sys.stderr)
             raise KeyboardInterrupt from None
-        schedules = schedules_of(grids, sha, config.t_min, earlier)
+        schedules = schedules_of(grids, sha, config, earlier)
         schedules.save(out)  # after every step count: an interrupted run keeps the finished ones
         _report(grids[-1], args.json)
     default = schedules.defaults.get(sampler) if schedules is not None else None

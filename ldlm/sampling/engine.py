@@ -98,7 +98,8 @@ class SamplingEngine:
     # --- starting -------------------------------------------------------------------------------
 
     def start(self, plan: SamplingPlan, d_model: int, prefix: Tensor | None = None) -> list[SampleState]:
-        """The plan's n samples at t = 1, each prior drawn from its own seeded stream.
+        """The plan's n samples at t = 1, each prior drawn from its own seeded stream, at the plan's
+        prior temperature (x_1 = tau * eps; the sde sampler's per-step noise is not scaled).
 
         ``prefix`` (P, D), P < length: condition every sample on these latents at its first P positions."""
         if prefix is not None and not (prefix.ndim == 2 and prefix.shape[0] < plan.length and prefix.shape[1] == d_model):
@@ -109,7 +110,8 @@ class SamplingEngine:
         for seed in sample_seeds(plan.seed, plan.n):
             stream = NoiseStream(seed, (plan.length, d_model), self.noise_device)
             prefix_noise = None if prefix is None else NoiseStream(seed ^ 1, tuple(prefix.shape), self.noise_device)
-            states.append(self.state(plan.sampler, times, stream, stream.draw().to(self.device), prefix, prefix_noise))
+            prior = plan.prior_temperature * stream.draw().to(self.device)
+            states.append(self.state(plan.sampler, times, stream, prior, prefix, prefix_noise))
         return states
 
     @staticmethod

@@ -1,5 +1,5 @@
 """A generation request and its sampling plan: the one place where a request's settings (sampler,
-steps, t_min, grid, seed) are resolved against the config and checked, each refusal naming the
+steps, t_min, grid, prior temperature, seed) are resolved against the config and checked, each refusal naming the
 value and the allowed range.
 
 Every generating path (``LDLMPipeline.generate``, the continuous-batching scheduler, Triton's
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ldlm.config import SAMPLERS, TUNED_GRID, LDLMConfig
+from ldlm.config import SAMPLERS, TUNED_GRID, LDLMConfig, is_prior_temperature
 from ldlm.samplers import Sampler, get_sampler
 from ldlm.sampling.noise import check_seed
 from ldlm.sampling.schedules import TunedSchedules
@@ -27,7 +27,7 @@ from ldlm.schedule import GRIDS, TangentSchedule, time_grid
 @dataclass(frozen=True)
 class GenerateRequest:
     """What a caller asks for; None: the config's default (``default_steps``, ``default_sampler``,
-    ``t_min``; the grid is the sampler's own)."""
+    ``t_min``, ``prior_temperature``; the grid is the sampler's own)."""
 
     n: int
     length: int
@@ -36,6 +36,7 @@ class GenerateRequest:
     sampler: str | None = None
     t_min: float | None = None
     grid: str | None = None
+    prior_temperature: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class SamplingPlan:
     t_min: float
     grid: str  # a kind of ldlm.schedule.time_grid, or "tuned"
     tuned_times: tuple[float, ...] | None = None  # the tuned grid's times (grid="tuned")
+    prior_temperature: float = 1.0  # x_1 ~ N(0, prior_temperature^2 I)
 
     def times(self, schedule: TangentSchedule) -> Tensor:
         """The steps + 1 times from 1 down to t_min (float64)."""
@@ -99,22 +101,31 @@ def resolve(
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
         raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
     seed = check_seed(request.seed, name("seed"))
-    tuned = schedules.grid(sampler.name, steps) if schedules is not None and t_min == schedules.t_min else None
+    tau = request.prior_temperature if request.prior_temperature is not None else config.prior_temperature or 1.0
+    if not is_prior_temperature(tau):
+        raise ValueError(f"{name('prior_temperature')}={tau!r} is out of range; allowed: (0, 1]")
+    tau = float(tau)
+    tuned = schedules.grid(sampler.name, steps) if schedules is not None and schedules.tuned_for(float(t_min), tau) else None
     if request.grid == TUNED and tuned is None:
-        raise ValueError(_no_tuned_grid(sampler.name, steps, float(t_min), schedules))
+        raise ValueError(_no_tuned_grid(sampler.name, steps, float(t_min), tau, schedules))
     if request.grid is None and tuned is not None or request.grid == TUNED:
-        return SamplingPlan(n, length, steps, seed, sampler, float(t_min), TUNED, tuned.times)  # type: ignore[union-attr]
+        return SamplingPlan(n, length, steps, seed, sampler, float(t_min), TUNED, tuned.times, tau)  # type: ignore[union-attr]
     grid = sampler.grid if request.grid is None else request.grid
     if grid not in GRIDS:
         raise ValueError(f"grid={grid!r} is unknown; allowed: {', '.join((*GRIDS, TUNED))}")
-    return SamplingPlan(n, length, steps, seed, sampler, float(t_min), grid)
+    return SamplingPlan(n, length, steps, seed, sampler, float(t_min), grid, prior_temperature=tau)
 
 
-def _no_tuned_grid(sampler: str, steps: int, t_min: float, schedules: TunedSchedules | None) -> str:
+def _no_tuned_grid(sampler: str, steps: int, t_min: float, tau: float, schedules: TunedSchedules | None) -> str:
     if schedules is None:
         return "grid='tuned' is unavailable: this checkpoint has no tuned schedules (run `ldlm tune-schedule`)"
     if t_min != schedules.t_min:
         return f"grid='tuned' is unavailable at t_min={t_min}: the grids were tuned for t_min={schedules.t_min}"
+    if tau != schedules.prior_temperature:
+        return (
+            f"grid='tuned' is unavailable at prior_temperature={tau}: "
+            f"the grids were tuned for prior_temperature={schedules.prior_temperature}"
+        )
     return f"grid='tuned' has no {sampler} grid of {steps} steps; tuned: {schedules.steps_tuned(sampler) or 'none for this sampler'}"
 
 

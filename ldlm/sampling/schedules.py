@@ -8,7 +8,7 @@ token agreement are at least DDIM@50's. A file tuned for other weights is refuse
 hashes, and so is one edited by hand into a grid the samplers cannot run (non-monotone times, a
 time outside [t_min, 1], NaN, the wrong length).
 
-    {"format": 1, "weights_sha256": "...", "t_min": 0.05,
+    {"format": 1, "weights_sha256": "...", "t_min": 0.05, "prior_temperature": 1.0,
      "defaults": {"dpm3m-psc": 10},
      "grids": [{"sampler": "dpm3m-psc", "steps": 10, "times": [1.0, ..., 0.05], "measured": {...}}]}
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ldlm.config import is_prior_temperature
 from ldlm.files import sha256_file, write_atomically
 
 SCHEDULES_FILE = "schedules.json"
@@ -51,6 +52,11 @@ class TunedSchedules:
     t_min: float
     grids: tuple[TunedGrid, ...]
     defaults: dict[str, int] = field(default_factory=dict)  # sampler -> steps that match DDIM@50
+    prior_temperature: float = 1.0  # the prior the grids were tuned from (files without it: 1)
+
+    def tuned_for(self, t_min: float, prior_temperature: float) -> bool:
+        """Whether these grids were tuned for runs that end at ``t_min`` and start at ``prior_temperature``."""
+        return t_min == self.t_min and prior_temperature == self.prior_temperature
 
     def grid(self, sampler: str, steps: int) -> TunedGrid | None:
         return next((g for g in self.grids if g.sampler == sampler and g.steps == steps), None)
@@ -60,7 +66,14 @@ class TunedSchedules:
 
     def to_json(self) -> str:
         grids = [{"sampler": g.sampler, "steps": g.steps, "times": list(g.times), "measured": g.measured} for g in self.grids]
-        body = {"format": FORMAT, "weights_sha256": self.weights_sha256, "t_min": self.t_min, "defaults": self.defaults, "grids": grids}
+        body = {
+            "format": FORMAT,
+            "weights_sha256": self.weights_sha256,
+            "t_min": self.t_min,
+            "prior_temperature": self.prior_temperature,
+            "defaults": self.defaults,
+            "grids": grids,
+        }
         return json.dumps(body, indent=1) + "\n"
 
     @classmethod
@@ -71,7 +84,9 @@ class TunedSchedules:
                 TunedGrid(str(g["sampler"]), int(g["steps"]), tuple(float(t) for t in g["times"]), dict(g.get("measured", {})))
                 for g in data["grids"]
             )
-            schedules = cls(str(data["weights_sha256"]), float(data["t_min"]), grids, {str(k): int(v) for k, v in data["defaults"].items()})
+            defaults = {str(k): int(v) for k, v in data["defaults"].items()}
+            tau = float(data.get("prior_temperature", 1.0))
+            schedules = cls(str(data["weights_sha256"]), float(data["t_min"]), grids, defaults, tau)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ScheduleError(f"{where} is not a schedules file ({type(error).__name__}: {error}); re-run `ldlm tune-schedule`") from None
         if data.get("format") != FORMAT:
@@ -83,6 +98,8 @@ class TunedSchedules:
         """Every grid is one the samplers can run, and every default names a tuned grid."""
         if not 0.0 < self.t_min < 1.0:
             raise ScheduleError(f"{where}: t_min={self.t_min!r} is invalid; allowed: (0, 1)")
+        if not is_prior_temperature(self.prior_temperature):
+            raise ScheduleError(f"{where}: prior_temperature={self.prior_temperature!r} is invalid; allowed: (0, 1]")
         for g in self.grids:
             check_times(g.times, g.steps, self.t_min, f"{where}: the {g.sampler} grid of {g.steps} steps")
         for sampler, steps in self.defaults.items():

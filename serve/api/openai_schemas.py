@@ -18,7 +18,17 @@ from pydantic import BaseModel, Field, create_model
 from ldlm.config import SAMPLERS
 from ldlm.limits import MAX_SEED
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.schemas import GRID_HELP, STRICT_BODY, BodyLimits, GridName, Range, SamplerName, strict_int, timeout_field
+from ldlm.serve.api.schemas import (
+    GRID_HELP,
+    PRIOR_TEMPERATURE_HELP,
+    STRICT_BODY,
+    BodyLimits,
+    GridName,
+    Range,
+    SamplerName,
+    strict_int,
+    timeout_field,
+)
 from ldlm.serve.api.service import ServerSettings
 from ldlm.token_sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, TokenSampling
 
@@ -125,6 +135,7 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
         ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
         grid=(GridName | None, Field(None, description=f"LDLM: {GRID_HELP}")),
+        prior_temperature=(float | None, Field(None, gt=0, le=1, description=f"LDLM: {PRIOR_TEMPERATURE_HELP}")),
         timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
         **openai_fields,
     )

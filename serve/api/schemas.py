@@ -81,6 +81,10 @@ class RequestModels:
 # validates and /openapi.json lists.
 SamplerName = Literal[SAMPLERS]  # type: ignore[valid-type]
 GridName = Literal[(TUNED_GRID, *GRIDS)]  # type: ignore[valid-type]
+PRIOR_TEMPERATURE_HELP = (
+    "the prior's standard deviation tau, in (0, 1]: x_1 ~ N(0, tau^2 I); below 1 trades diversity for text nearer "
+    "the training data (default: the model config's prior_temperature, else 1)"
+)
 GRID_HELP = (
     f"step grid: {TUNED_GRID} (the checkpoint's, from `ldlm tune-schedule`), {', '.join(GRIDS)} "
     "(default: the tuned grid where one is tuned for the sampler and steps, else the sampler's own)"
@@ -162,6 +166,7 @@ def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
         ),
         t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
         grid=(GridName | None, Field(None, description=GRID_HELP)),
+        prior_temperature=(float | None, Field(None, gt=0, le=1, description=PRIOR_TEMPERATURE_HELP)),
         stream=(
             bool,
             Field(

@@ -8,7 +8,7 @@ The ``ldlm`` package must be importable in Triton's Python environment (see docs
 
 Inputs (one request each): N (1..max_n), LENGTH, STEPS (1..max_steps), SEED (INT64 [1]), SAMPLER
 (BYTES [1], a name of ldlm.config.SAMPLERS; default: the config's default_sampler), optional T_MIN
-(FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
+(FP32 [1]) and PRIOR_TEMPERATURE (FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
 """
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ from ldlm.sampling.schedules import load_schedules
 from ldlm.schedule import TangentSchedule
 from ldlm.tokenizer import TextTokenizer
 
-TRITON_NAMES = {"n": "N", "length": "LENGTH", "steps": "STEPS", "sampler": "SAMPLER", "seed": "SEED"}  # its inputs' names
+TRITON_NAMES = {
+    "n": "N",
+    "length": "LENGTH",
+    "steps": "STEPS",
+    "sampler": "SAMPLER",
+    "seed": "SEED",
+    "prior_temperature": "PRIOR_TEMPERATURE",
+}  # its inputs' names
 
 
 class TritonPythonModel:
@@ -91,6 +98,7 @@ class TritonPythonModel:
             int(scalar("SEED", False) or 0),
             scalar("SAMPLER", False),
             scalar("T_MIN", False),
+            prior_temperature=scalar("PRIOR_TEMPERATURE", False),
         )
         plan = resolve(request, self.config, RequestLimits(self.max_n, self.max_steps), TRITON_NAMES, self.schedules)
         mask = np.ones((plan.n, plan.length), dtype=np.int64)

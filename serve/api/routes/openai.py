@@ -113,7 +113,10 @@ class Completions:
                     f"{name} has {len(row)} tokens and max_tokens is {body.max_tokens}: {len(row) + body.max_tokens} "
                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)",
                 )
-            spec = GenerateRequest(body.n, len(row) + body.max_tokens, body.steps, (seed + i) % 2**63, body.sampler, body.t_min, body.grid)
+            seed_i = (seed + i) % 2**63
+            spec = GenerateRequest(
+                body.n, len(row) + body.max_tokens, body.steps, seed_i, body.sampler, body.t_min, body.grid, body.prior_temperature
+            )
             prepared.append((row, spec, token_sampling(body, spec.seed, has_logits, row)))
         return prepared
 

@@ -51,7 +51,9 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         prefix, kept = None, 0
         if prompt:  # its tokens are encoded (the encoder runs): off the event loop
             prefix, kept = await run_blocking(prompt_prefix, service.pipeline, prompt, body.length, timeout_s=deadline.left())
-        spec = GenerateRequest(body.n, kept + body.length, body.steps, body.seed, body.sampler, body.t_min, body.grid)
+        spec = GenerateRequest(
+            body.n, kept + body.length, body.steps, body.seed, body.sampler, body.t_min, body.grid, getattr(body, "prior_temperature", None)
+        )
         # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
         # scheduler refuses at once what it estimates cannot finish in the time left.
         submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
