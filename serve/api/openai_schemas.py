@@ -196,6 +196,7 @@ def openai_limits(settings: ServerSettings, max_seq_len: int) -> dict[str, Range
         "steps": Range(1, settings.max_steps),
         "seed": Range(0, MAX_SEED),
         "t_min": Range(0, 1, exclusive=True),
+        "prior_temperature": Range(0, 1, low_open=True),
         "temperature": Range(0, MAX_TEMPERATURE),
         "top_p": Range(0, 1, low_open=True),
         "logprobs": Range(0, MAX_TOP_LOGPROBS),

@@ -209,6 +209,7 @@ def body_ranges(limits: BodyLimits) -> dict[str, Range]:
         "texts": Range(1, limits.max_texts, unit=" items"),
         "preview_every": Range(1, limits.max_steps),
         "t_min": Range(0, 1, exclusive=True),
+        "prior_temperature": Range(0, 1, low_open=True),
         "timeout_s": Range(0, limits.max_timeout_s, low_open=True),
     }
 

@@ -256,8 +256,9 @@ def test_generate_loop_gives_the_runners_tokens(repo: Path, pipeline: LDLMPipeli
         request(pb, N=2, LENGTH=12, STEPS=4, SEED=3, SAMPLER=sampler),
         request(pb, N=100, LENGTH=12, STEPS=4),
         request(pb, N=1, LENGTH=7, STEPS=3, SEED=9, SAMPLER=sampler, T_MIN=0.1),
+        request(pb, N=2, LENGTH=12, STEPS=4, SEED=3, SAMPLER=sampler, PRIOR_TEMPERATURE=0.5),
     ]
-    first, bad, third = model.execute(requests)
+    first, bad, third, cooled = model.execute(requests)
     assert not first.has_error() and not third.has_error()
     assert bad.has_error() and "N=100 is out of range; allowed: 1..8" in bad.error().message()
     tokens = pb.get_output_tensor_by_name(first, "TOKEN_IDS").as_numpy()
@@ -267,7 +268,10 @@ def test_generate_loop_gives_the_runners_tokens(repo: Path, pipeline: LDLMPipeli
     assert texts == expected.texts
     third_tokens = pb.get_output_tensor_by_name(third, "TOKEN_IDS").as_numpy()
     assert torch.equal(torch.from_numpy(third_tokens), pipeline.generate(1, 7, 3, 9, sampler, t_min=0.1).token_ids)
-    assert pb.bls_calls == (4 + 1) + (3 + 1)  # one denoiser call per step, one decoder call per request
+    cooled_tokens = torch.from_numpy(pb.get_output_tensor_by_name(cooled, "TOKEN_IDS").as_numpy())
+    assert torch.equal(cooled_tokens, pipeline.generate(2, 12, 4, 3, sampler, prior_temperature=0.5).token_ids)
+    assert not torch.equal(cooled_tokens, expected.token_ids)  # the temperature reached the prior
+    assert pb.bls_calls == (4 + 1) + (3 + 1) + (4 + 1)  # one denoiser call per step, one decoder call per request
 
 
 def test_generate_runs_n_above_max_batch_in_chunks_and_bounds_steps(

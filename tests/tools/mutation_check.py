@@ -666,6 +666,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a denoiser wider than the latents ignores the previous x0_hat",
     ),
     Mutation(
+        "prior-temperature-ignored",
+        "ldlm.sampling.engine:SamplingEngine.start",
+        "prior = plan.prior_temperature * stream.draw().to(self.device)",
+        "prior = stream.draw().to(self.device)",
+        ("tests/ldlm/sampling/test_prior_temperature.py",),
+        "every sample starts from the unit prior, whatever temperature was asked for",
+    ),
+    Mutation(
+        "tuned-grid-at-any-prior-temperature",
+        "ldlm.sampling.schedules:TunedSchedules.tuned_for",
+        "return t_min == self.t_min and prior_temperature == self.prior_temperature",
+        "return t_min == self.t_min",
+        ("tests/ldlm/sampling/test_prior_temperature.py",),
+        "a grid tuned from one prior temperature runs, as the tuned default, from another",
+    ),
+    Mutation(
         "denoiser-norm-takes-layer-norm-eps",
         "ldlm.denoiser:DenoiserBlock.__init__",
         "self.mlp_norm = RMSNorm(w, config.rms_norm_eps)",

@@ -73,7 +73,9 @@ def test_tau_comes_from_the_request_else_the_config_else_1() -> None:
 def test_a_bad_tau_is_refused_naming_it(tau: object) -> None:
     with pytest.raises(ValueError, match=r"^PRIOR_TEMPERATURE=.* is out of range; allowed: \(0, 1\]$"):
         resolve(GenerateRequest(1, 4, prior_temperature=tau), CONFIG, names={"prior_temperature": "PRIOR_TEMPERATURE"})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"config field prior_temperature=.* is invalid; allowed: unset \(null, meaning 1\) or a number in \(0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"config field prior_temperature=.* is invalid; allowed: unset \(null, meaning 1\) or a number in \(0, 1\]"
+    ):
         replace(CONFIG, prior_temperature=tau)
 
 
@@ -95,7 +97,9 @@ def test_tuned_grids_run_only_at_the_tau_they_were_tuned_at() -> None:
     assert (plan.grid, plan.steps, plan.tuned_times) == ("tuned", 3, (1.0, 0.5, 0.2, CONFIG.t_min))
     other = resolve(GenerateRequest(1, 4, sampler="ddim", prior_temperature=1.0), cooled, schedules=schedules)
     assert other.grid != "tuned" and other.tuned_times is None and other.steps == 3  # the tuned default steps, the sampler's grid
-    with pytest.raises(ValueError, match=r"^grid='tuned' is unavailable at prior_temperature=1.0: the grids were tuned for prior_temperature=0.6$"):
+    with pytest.raises(
+        ValueError, match=r"^grid='tuned' is unavailable at prior_temperature=1.0: the grids were tuned for prior_temperature=0.6$"
+    ):
         resolve(GenerateRequest(1, 4, sampler="ddim", grid="tuned", prior_temperature=1.0), cooled, schedules=schedules)
 
 

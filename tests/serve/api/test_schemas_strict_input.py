@@ -20,7 +20,7 @@ from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
-GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, grid, stream, preview_every, prompt, timeout_s"
+GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, grid, prior_temperature, stream, preview_every, prompt, timeout_s"
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,8 @@ def client(server: RunningServer):
         ("/v1/generate", {"seed": 2**63}, "seed: 9223372036854775808 is out of range; allowed: 0..9223372036854775807"),
         ("/v1/generate", {"t_min": 5}, "t_min: 5 is out of range; allowed: a number in (0, 1), both ends excluded"),
         ("/v1/generate", {"t_min": 0}, "t_min: 0 is out of range; allowed: a number in (0, 1), both ends excluded"),
+        ("/v1/generate", {"prior_temperature": 1.5}, "prior_temperature: 1.5 is out of range; allowed: a number in (0, 1]"),
+        ("/v1/generate", {"prior_temperature": 0}, "prior_temperature: 0 is out of range; allowed: a number in (0, 1]"),
         ("/v1/generate", {"stream": 1}, "stream: 1 is not a boolean; allowed: true or false"),
         (
             "/v1/generate",
@@ -91,9 +93,10 @@ def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: 
             {"extra_body": {"temprature": 1}},
             "temprature",
             "unknown field 'temprature'; allowed: model, prompt, max_tokens, n, seed, "
-            "stream, stream_options, stop, echo, user, steps, sampler, t_min, grid, timeout_s, temperature, "
+            "stream, stream_options, stop, echo, user, steps, sampler, t_min, grid, prior_temperature, timeout_s, temperature, "
             "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix",
         ),
+        ({"extra_body": {"prior_temperature": 2}}, "prior_temperature", "prior_temperature: 2 is out of range; allowed: a number in (0, 1]"),
         ({"n": True}, "n", "n: true is a boolean; allowed: an integer in 1..4"),
         ({"extra_body": {"seed": 1e30}}, "seed", "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),
     ],

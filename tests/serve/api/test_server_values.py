@@ -244,6 +244,17 @@ def test_a_request_names_its_step_grid(limits_server: RunningServer, pipeline) -
     assert unknown.status_code == 422 and "grid" in unknown.json()["error"] and "logsnr" in unknown.json()["error"], unknown.text
 
 
+def test_a_request_sets_its_prior_temperature(limits_server: RunningServer, pipeline) -> None:
+    """prior_temperature travels to the sampling engine: the pipeline's tokens at that temperature, which
+    are not those of the unit prior at the same seed."""
+    body = {"n": 2, "length": 8, "steps": 6, "seed": 3, "sampler": "ddim"}
+    with httpx.Client(base_url=limits_server.url, timeout=60) as http:
+        cooled = http.post("/v1/generate", json={**body, "prior_temperature": 0.5})
+    expected = pipeline.generate(2, 8, 6, 3, "ddim", prior_temperature=0.5).ids()
+    assert cooled.status_code == 200 and cooled.json()["token_ids"] == expected, cooled.text
+    assert expected != pipeline.generate(2, 8, 6, 3, "ddim").ids()
+
+
 def test_a_body_without_json_content_type_and_a_flood_of_unknown_keys_get_short_useful_errors(limits_server: RunningServer) -> None:
     with httpx.Client(base_url=limits_server.url, timeout=60) as http:
         form = http.post("/v1/generate", content=b'{"n": 1, "length": 4}', headers={"Content-Type": "text/plain"})

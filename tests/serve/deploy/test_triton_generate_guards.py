@@ -129,6 +129,7 @@ def test_generate_refuses_each_input_outside_its_range(generate_model) -> None:
         ({"STEPS": 6}, "STEPS=6 is out of range; allowed: 1..5"),
         ({"SAMPLER": "euler"}, "SAMPLER='euler' is unknown; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc, dpm3m-psc-unic"),
         ({"T_MIN": 1.0}, "t_min=1.0 is invalid; allowed: (0, 1)"),
+        ({"PRIOR_TEMPERATURE": 1.5}, "PRIOR_TEMPERATURE=1.5 is out of range; allowed: (0, 1]"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             model.generate(inputs(pb, **{**good, **changes}))

@@ -194,6 +194,7 @@ def test_metadata_and_config_report_the_graphs_shapes_and_datatypes(export_dir: 
         ("SEED", "INT64", [1]),
         ("SAMPLER", "BYTES", [1]),
         ("T_MIN", "FP32", [1]),
+        ("PRIOR_TEMPERATURE", "FP32", [1]),
     ]
     assert [(t["name"], t["datatype"], t["shape"]) for t in generate["outputs"]] == [
         ("TEXTS", "BYTES", [-1]),

@@ -59,11 +59,21 @@ def test_each_request_gets_its_own_answer_in_a_shared_batch(pipeline: LDLMPipeli
         GenerateRequest(n=2, length=5, steps=3, seed=21, sampler="sde"),
         GenerateRequest(n=1, length=11, steps=2, seed=22, sampler="ddim", t_min=0.3),
         GenerateRequest(n=3, length=5, steps=2, seed=23, sampler="ddim"),
+        GenerateRequest(n=2, length=5, steps=3, seed=21, sampler="sde", prior_temperature=0.5),
     ]
     results, sizes, _ = run_schedule(pipeline, "continuous", requests, max_batch=8)
     assert max(sizes) > 1
+    assert not torch.equal(results[0].token_ids, results[3].token_ids)  # the same seed, a cooler prior
     for request, result in zip(requests, results):
-        alone = pipeline.generate(request.n, request.length, request.steps, request.seed, request.sampler, request.t_min)
+        alone = pipeline.generate(
+            request.n,
+            request.length,
+            request.steps,
+            request.seed,
+            request.sampler,
+            request.t_min,
+            prior_temperature=request.prior_temperature,
+        )
         assert result.token_ids.shape == (request.n, request.length)
         assert torch.equal(result.token_ids, alone.token_ids), request
         assert result.texts == alone.texts

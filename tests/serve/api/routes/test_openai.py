@@ -76,6 +76,18 @@ def test_unconditional_completions_match_eager(client, pipeline: LDLMPipeline) -
     assert result.object == "text_completion" and result.model == "ldlm" and result.id.startswith("cmpl-")
 
 
+def test_a_prior_temperature_in_extra_body_reaches_the_sampler(client, pipeline: LDLMPipeline) -> None:
+    result = client.completions.create(
+        model="ldlm", prompt="", max_tokens=10, n=2, seed=5, extra_body={"steps": STEPS, "sampler": "ddim", "prior_temperature": 0.5}
+    )
+    expected = pipeline.generate(2, 10, STEPS, 5, "ddim", prior_temperature=0.5)
+    eos = pipeline.config.eos_token_id
+    assert [c.text for c in result.choices] == [
+        expected_choice(ids, eos, pipeline.tokenizer.decode)[0] for ids in expected.token_ids.tolist()
+    ]
+    assert expected.ids() != pipeline.generate(2, 10, STEPS, 5, "ddim").ids()
+
+
 def test_seed_reproducible_with_ddim(client) -> None:
     first = [c.text for c in complete(client, prompt="", max_tokens=12, n=2, seed=11).choices]
     again = [c.text for c in complete(client, prompt="", max_tokens=12, n=2, seed=11).choices]
