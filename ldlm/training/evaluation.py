@@ -133,14 +133,24 @@ def unigram_entropy_bits(ids: list[int] | np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def text_statistics(model: LDLM, tokenizer: TextTokenizer, vocabulary: set[str], n: int, length: int, seed: int) -> dict[str, Any]:
-    """Generated text under the default sampler and steps: the share of its words that the corpus
-    has, and its unigram entropy (bits per token)."""
-    result = LDLMPipeline(model, tokenizer, device_of(model)).generate(n, length, seed=seed)
+def held_out_windows(ids: np.ndarray, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``n`` windows of ``length`` tokens of ``ids`` at seeded random starts: text to measure beside
+    ``n`` generated samples of that length (entropy grows with the number of tokens it is taken over)."""
+    starts = np.random.default_rng(seed).integers(0, len(ids) - length, n)
+    return [ids[s : s + length].tolist() for s in starts]
+
+
+def text_statistics(
+    model: LDLM, tokenizer: TextTokenizer, vocabulary: set[str], n: int, length: int, seed: int, prior_temperature: float | None = None
+) -> dict[str, Any]:
+    """Generated text under the default sampler and steps, at ``prior_temperature`` (default: the
+    config's): the share of its words that the corpus has, and its unigram entropy (bits per token)."""
+    result = LDLMPipeline(model, tokenizer, device_of(model)).generate(n, length, seed=seed, prior_temperature=prior_temperature)
     generated = [w for text in result.texts for w in words(text)]
     return {
         "samples": n,
         "length": length,
+        "prior_temperature": prior_temperature or model.config.prior_temperature or 1.0,
         "words": len(generated),
         "words_in_corpus_vocabulary": sum(w in vocabulary for w in generated) / max(1, len(generated)),
         "unigram_entropy_bits": unigram_entropy_bits([i for row in result.ids() for i in row]),

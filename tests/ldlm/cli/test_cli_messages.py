@@ -138,6 +138,8 @@ def test_probe_eps_checks_the_artifact_before_loading_the_checkpoint(tmp_path: P
         ("--seed", "9223372036854775808", "0..9223372036854775807"),
         ("--t-min", "5", "a number in (0, 1), both ends excluded"),
         ("--t-min", "nan", "a number in (0, 1), both ends excluded"),
+        ("--prior-temperature", "0", "a number in (0, 1], 0 excluded"),
+        ("--prior-temperature", "1.5", "a number in (0, 1], 0 excluded"),
     ],
 )
 def test_generate_has_the_servers_caps(option: str, value: str, allowed: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,6 +189,9 @@ def test_generate_defaults_come_from_the_checkpoint_config(
     monkeypatch.setattr(ldlm.pipeline, "resolve", resolved)
     assert main(["generate", str(tiny_checkpoint), "--quiet"]) == 2
     assert (plans[0].steps, plans[0].sampler.name) == (21, "dpm3m-psc")  # the tiny preset's default_steps and default_sampler
+    assert plans[0].prior_temperature == 1.0
+    assert main(["generate", str(tiny_checkpoint), "--quiet", "--prior-temperature", "0.4"]) == 2
+    assert plans[1].prior_temperature == 0.4
 
 
 def test_an_os_error_names_the_users_path_not_a_temporary_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

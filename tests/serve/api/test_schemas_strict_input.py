@@ -96,7 +96,11 @@ def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: 
             "stream, stream_options, stop, echo, user, steps, sampler, t_min, grid, prior_temperature, timeout_s, temperature, "
             "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix",
         ),
-        ({"extra_body": {"prior_temperature": 2}}, "prior_temperature", "prior_temperature: 2 is out of range; allowed: a number in (0, 1]"),
+        (
+            {"extra_body": {"prior_temperature": 2}},
+            "prior_temperature",
+            "prior_temperature: 2 is out of range; allowed: a number in (0, 1]",
+        ),
         ({"n": True}, "n", "n: true is a boolean; allowed: an integer in 1..4"),
         ({"extra_body": {"seed": 1e30}}, "seed", "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),
     ],
