@@ -114,7 +114,7 @@ class LDLMService:
         # One pipeline: every encode and decode (prompts, finished generations, previews, /v1 texts) goes
         # through the graphs' batchers. The scheduler batches the denoiser itself, step by step, on the
         # graphs' own device (torch backends: the sampler's state stays there, no host round trip per step).
-        self.schedules = self._schedules(source, say)
+        self.schedules = self._schedules(source, say, config)
         buckets = length_buckets(config.max_seq_len)
         self.pipeline = LDLMPipeline(BackendGraphs(self.batchers), tokenizer, config=config, buckets=buckets, schedules=self.schedules)
         self.scheduler = self._make_scheduler(graphs, config)
@@ -158,7 +158,7 @@ class LDLMService:
         )
 
     @staticmethod
-    def _schedules(source: str, say: Callable[[str], None]) -> TunedSchedules | None:
+    def _schedules(source: str, say: Callable[[str], None], config: LDLMConfig) -> TunedSchedules | None:
         """The tuned step grids of ``source`` (a checkpoint's schedules.json, or an export's), said at start."""
         if is_checkpoint(source):
             schedules = load_schedules(source, weights=Path(source) / WEIGHTS_FILE)
@@ -169,6 +169,12 @@ class LDLMService:
         else:
             tuned = ", ".join(f"{s} at {n} steps" for s, n in schedules.defaults.items()) or "none matched DDIM@50"
             say(f"tuned step grids for {len(schedules.grids)} sampler/step counts; defaults: {tuned}")
+            tau = config.prior_temperature or 1.0
+            if not schedules.tuned_for(config.t_min, tau):
+                say(
+                    f"the tuned grids were tuned at t_min={schedules.t_min}, prior_temperature={schedules.prior_temperature}, and the "
+                    f"config asks for t_min={config.t_min}, prior_temperature={tau}: each sampler's default grid until tuned again"
+                )
         return schedules
 
     def _make_batchers(self, graphs: dict[str, GraphBackend]) -> dict[str, DynamicBatcher]:

@@ -333,6 +333,16 @@ def test_the_server_says_which_grids_it_uses_and_defaults_to_the_tuned_ones(tiny
         service.close()
     expected = LDLMPipeline.from_checkpoint(ckpt).generate(2, 8, 3, 4, grid="tuned")
     assert got["token_ids"] == expected.ids()
+    cooler = TunedSchedules(
+        weights, CONFIG.t_min, (TunedGrid(CONFIG.default_sampler, 3, (1.0, 0.6, 0.2, 0.05)),), {}, prior_temperature=0.5
+    )
+    cooler.save(ckpt / "schedules.json")
+    said.clear()
+    LDLMService(str(ckpt), dataclasses.replace(settings, port=free_port()), progress=said.append).close()
+    assert any(
+        "were tuned at t_min=0.05, prior_temperature=0.5, and the config asks for t_min=0.05, prior_temperature=1.0" in line
+        for line in said
+    )
 
 
 def test_the_search_minimizes_the_worst_samples_error_or_the_pooled_one() -> None:
