@@ -123,8 +123,9 @@ def test_the_reference_ships_step_grids_tuned_for_its_own_weights() -> None:
     plan = resolve(GenerateRequest(2, 32), pipe.config, schedules=pipe.schedules)
     assert tuned is not None and plan.grid == TUNED and plan.tuned_times == tuned.times
     assert plan.steps == tuned.steps < pipe.config.default_steps
-    # its config's prior temperature is the default, and the grids were tuned from that prior
-    assert plan.prior_temperature == pipe.config.prior_temperature == pipe.schedules.prior_temperature < 1
+    # the exact prior by default, the one the grids were tuned from; a cooler one runs the sampler's own grid
+    assert plan.prior_temperature == pipe.schedules.prior_temperature == 1.0
+    assert resolve(GenerateRequest(2, 32, prior_temperature=0.6), pipe.config, schedules=pipe.schedules).grid != TUNED
     texts = pipe.generate(8, 32, seed=0).texts
     generated = [w for t in texts for w in words(t)]
     assert sum(w in WORDS for w in generated) / len(generated) >= 0.75, texts[:2]
