@@ -88,24 +88,26 @@ def resolve(
     length = request.length
     if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= config.max_seq_len:
         raise ValueError(f"{name('length')}={length!r} is out of range; allowed: 1..{config.max_seq_len} (config max_seq_len)")
+    t_min = config.t_min if request.t_min is None else request.t_min
+    if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
+        raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
+    tau = request.prior_temperature if request.prior_temperature is not None else config.prior_temperature or 1.0
+    if not is_prior_temperature(tau):
+        raise ValueError(f"{name('prior_temperature')}={tau!r} is out of range; allowed: (0, 1]")
+    tau = float(tau)
+    # tuned grids, and the step counts they made the defaults, hold only for the runs they were tuned for
+    here = schedules if schedules is not None and schedules.tuned_for(float(t_min), tau) else None
     sampler_name = config.default_sampler if request.sampler is None else request.sampler
     steps = request.steps
     if steps is None:
-        steps = schedules.defaults.get(sampler_name, config.default_steps) if schedules is not None else config.default_steps
+        steps = here.defaults.get(sampler_name, config.default_steps) if here is not None else config.default_steps
     steps = _count(steps, name("steps"), limits.max_steps, "is invalid")
     try:
         sampler = get_sampler(sampler_name)
     except ValueError:
         raise ValueError(f"{name('sampler')}={sampler_name!r} is unknown; allowed: {', '.join(SAMPLERS)}") from None
-    t_min = config.t_min if request.t_min is None else request.t_min
-    if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
-        raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
     seed = check_seed(request.seed, name("seed"))
-    tau = request.prior_temperature if request.prior_temperature is not None else config.prior_temperature or 1.0
-    if not is_prior_temperature(tau):
-        raise ValueError(f"{name('prior_temperature')}={tau!r} is out of range; allowed: (0, 1]")
-    tau = float(tau)
-    tuned = schedules.grid(sampler.name, steps) if schedules is not None and schedules.tuned_for(float(t_min), tau) else None
+    tuned = here.grid(sampler.name, steps) if here is not None else None
     if request.grid == TUNED and tuned is None:
         raise ValueError(_no_tuned_grid(sampler.name, steps, float(t_min), tau, schedules))
     if request.grid is None and tuned is not None or request.grid == TUNED:

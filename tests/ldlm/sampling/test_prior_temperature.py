@@ -96,7 +96,8 @@ def test_tuned_grids_run_only_at_the_tau_they_were_tuned_at() -> None:
     plan = resolve(GenerateRequest(1, 4, sampler="ddim"), cooled, schedules=schedules)
     assert (plan.grid, plan.steps, plan.tuned_times) == ("tuned", 3, (1.0, 0.5, 0.2, CONFIG.t_min))
     other = resolve(GenerateRequest(1, 4, sampler="ddim", prior_temperature=1.0), cooled, schedules=schedules)
-    assert other.grid != "tuned" and other.tuned_times is None and other.steps == 3  # the tuned default steps, the sampler's grid
+    # neither the tuned grid nor the step count it made the default: the config's, on the sampler's grid
+    assert other.grid != "tuned" and other.tuned_times is None and other.steps == cooled.default_steps
     with pytest.raises(
         ValueError, match=r"^grid='tuned' is unavailable at prior_temperature=1.0: the grids were tuned for prior_temperature=0.6$"
     ):
