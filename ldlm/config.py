@@ -176,8 +176,9 @@ PRIOR_TEMPERATURES = "unset (null, meaning 1) or a number in (0, 1]"
 
 
 def is_prior_temperature(value: object) -> bool:
-    """A prior temperature in (0, 1]: above 1 the ODE starts wider than anything it was trained on."""
-    return type(value) in (int, float) and 0.0 < float(value) <= 1.0  # type: ignore[arg-type]  # type(): no bools; nan fails
+    """A prior temperature in (0, 1]: above 1 the ODE starts wider than anything it was trained on.
+    type(), not isinstance: a bool is no temperature; NaN fails both comparisons."""
+    return type(value) in (int, float) and 0.0 < float(value) <= 1.0  # type: ignore[arg-type]
 
 
 def _validate(c: LDLMConfig) -> None:

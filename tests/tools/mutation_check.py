@@ -670,7 +670,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.engine:SamplingEngine.start",
         "prior = plan.prior_temperature * stream.draw().to(self.device)",
         "prior = stream.draw().to(self.device)",
-        ("tests/ldlm/sampling/test_prior_temperature.py",),
+        ("tests/ldlm/sampling/test_engine_prior_temperature.py",),
         "every sample starts from the unit prior, whatever temperature was asked for",
     ),
     Mutation(
@@ -678,7 +678,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.schedules:TunedSchedules.tuned_for",
         "return t_min == self.t_min and prior_temperature == self.prior_temperature",
         "return t_min == self.t_min",
-        ("tests/ldlm/sampling/test_prior_temperature.py",),
+        ("tests/ldlm/sampling/test_engine_prior_temperature.py",),
         "a grid tuned from one prior temperature runs, as the tuned default, from another",
     ),
     Mutation(
