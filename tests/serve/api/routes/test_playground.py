@@ -232,10 +232,11 @@ def keyed_server(export_dir: Path):
     running.stop()
 
 
-def run_page(browser: Browser, key: str, sampler: str | None = None) -> str:
-    """Fill the form (length 12, 20 steps, seed 5, the API key field, the sampler if given), generate, and
-    wait for the end: the final state."""
+def run_page(browser: Browser, key: str, sampler: str | None = None, prior_temperature: float | None = None) -> str:
+    """Fill the form (length 12, 20 steps, seed 5, the API key field, the sampler and prior temperature if
+    given), generate, and wait for the end: the final state."""
     choose = f"set('sampler', {json.dumps(sampler)});" if sampler else ""
+    choose += f"set('tau', {prior_temperature});" if prior_temperature is not None else ""
     browser.evaluate(f"""(() => {{ const set = (id, v) => document.getElementById(id).value = v;
                         set('length', 12); set('steps', 20); set('seed', 5); set('every', 5); set('key', {json.dumps(key)}); {choose}
                         document.getElementById('go').click(); }})()""")

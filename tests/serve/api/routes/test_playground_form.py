@@ -90,6 +90,15 @@ def test_the_sampler_select_lists_the_servers_samplers_and_its_choice_is_sent(
     )
 
 
+def test_a_prior_temperature_typed_on_the_page_is_sent(server: RunningServer, browser: Browser, pipeline: LDLMPipeline) -> None:
+    browser.open(server.url + "/")
+    browser.wait_for("document.body.dataset.schema === 'ready'")
+    assert run_page(browser, "", sampler="ddim", prior_temperature=0.5) == "done"
+    cooled = pipeline.generate(1, 12, 20, seed=5, sampler="ddim", prior_temperature=0.5).texts[0]
+    assert cooled != pipeline.generate(1, 12, 20, seed=5, sampler="ddim").texts[0]
+    assert browser.evaluate("document.getElementById('preview').textContent") == cooled
+
+
 def test_with_a_prompt_the_page_shows_previews_of_the_continuation(
     prompted_server: RunningServer, browser: Browser, pipeline: LDLMPipeline
 ) -> None:
