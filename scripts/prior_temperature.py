@@ -106,8 +106,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         rows = [r for r in result["rows"] if r["run"] == kind]
         x = [r["unigram_entropy_bits_pooled"] for r in rows]
         y = [100 * r["words_in_corpus"] for r in rows]
-        grids = sorted({r["grid"] for r in rows})
-        name = f"{rows[0]['sampler']}@{rows[0]['steps']} ({', '.join(grids)} grid)" if rows else kind
+        runs = sorted({(r["steps"], r["grid"]) for r in rows})
+        name = f"{rows[0]['sampler']} ({'; '.join(f'{steps} steps, {grid} grid' for steps, grid in runs)})" if rows else kind
         ax.plot(x, y, marker=marker, label=name)
         for r, xi, yi in zip(rows, x, y):
             ax.annotate(f"τ={r['prior_temperature']:g}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
