@@ -199,18 +199,17 @@ def generate_config(
     max_steps: the server's defaults), ``bls_max_batch``, the largest batch its denoiser and
     decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples, and
     the precision each graph it calls runs in (``graph_precisions``, as "encoder=fp32,denoiser=int8")."""
-    scalars = [
-        ("N", "TYPE_INT64"),
-        ("LENGTH", "TYPE_INT64"),
-        ("STEPS", "TYPE_INT64"),
-        ("SEED", "TYPE_INT64"),
-        ("SAMPLER", "TYPE_STRING"),
-        ("T_MIN", "TYPE_FP32"),
-        ("PRIOR_TEMPERATURE", "TYPE_FP32"),
+    scalars = [  # name, type, optional (left out: the config's default)
+        ("N", "TYPE_INT64", False),
+        ("LENGTH", "TYPE_INT64", False),
+        ("STEPS", "TYPE_INT64", False),
+        ("SEED", "TYPE_INT64", True),
+        ("SAMPLER", "TYPE_STRING", True),
+        ("T_MIN", "TYPE_FP32", True),
+        ("PRIOR_TEMPERATURE", "TYPE_FP32", True),
     ]
     inputs = ",\n".join(
-        f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if n in ("SEED", "SAMPLER", "T_MIN", "PRIOR_TEMPERATURE") else ""} }}'
-        for n, t in scalars
+        f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if optional else ""} }}' for n, t, optional in scalars
     )
     parameters: dict[str, object] = {"max_n": max_n, "max_steps": max_steps}
     if bls_max_batch is not None:

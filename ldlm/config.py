@@ -92,6 +92,11 @@ class LDLMConfig:
         return self.d_model // self.n_heads
 
     @property
+    def effective_prior_temperature(self) -> float:
+        """The prior temperature a request that names none gets: prior_temperature, 1 when unset."""
+        return 1.0 if self.prior_temperature is None else float(self.prior_temperature)
+
+    @property
     def denoiser_d_model(self) -> int:
         """The width of the denoiser's residual stream: denoiser_width when set, else D."""
         return self.d_model if self.denoiser_width is None else self.denoiser_width

@@ -297,4 +297,4 @@ def schedules_of(grids: Sequence[TunedGrid], sha256: str, config: LDLMConfig, ea
     for g in every:
         if g.sampler not in defaults and matches_ddim50(g):
             defaults[g.sampler] = g.steps
-    return TunedSchedules(sha256, config.t_min, every, defaults, config.prior_temperature or 1.0)
+    return TunedSchedules(sha256, config.t_min, every, defaults, config.effective_prior_temperature)

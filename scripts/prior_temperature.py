@@ -34,18 +34,15 @@ from ldlm.corpus import load_corpus, load_documents
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, resolve
-from ldlm.training.evaluation import bigram_log_likelihood, held_out_windows, unigram_entropy_bits, words
+from ldlm.training.evaluation import bigram_log_likelihood, corpus_word_share, held_out_windows, unigram_entropy_bits, words
 
 
 def text_measures(ids: list[list[int]], texts: list[str], vocabulary: set[str], train: np.ndarray, seeds: int) -> dict[str, Any]:
     """The measures of ``seeds`` equal groups of rows (ids and their texts), per group and pooled."""
     per = len(ids) // seeds
     groups = [(ids[i * per : (i + 1) * per], texts[i * per : (i + 1) * per]) for i in range(seeds)]
-    shares, entropies = [], []
-    for group_ids, group_texts in groups:
-        found = [w in vocabulary for text in group_texts for w in words(text)]
-        shares.append(float(np.mean(found)))
-        entropies.append(unigram_entropy_bits([i for row in group_ids for i in row]))
+    shares = [corpus_word_share(group_texts, vocabulary) for _, group_texts in groups]
+    entropies = [unigram_entropy_bits([i for row in group_ids for i in row]) for group_ids, _ in groups]
     every = [w for text in texts for w in words(text)]
     return {
         "words_in_corpus": round(float(np.mean(shares)), 4),

@@ -38,7 +38,7 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.checkpoint) / SCHEDULES_FILE
     sha = weights_sha256(Path(args.checkpoint) / WEIGHTS_FILE)
     earlier = load_schedules(out.parent, sha256=sha) if out.name == SCHEDULES_FILE and out.is_file() else None
-    if earlier is not None and not earlier.tuned_for(config.t_min, config.prior_temperature or 1.0):
+    if earlier is not None and not earlier.tuned_for(config.t_min, config.effective_prior_temperature):
         print(f"{out}: its grids were tuned at another t_min or prior temperature; they are replaced, not kept", file=sys.stderr)
         earlier = None
     sampler = args.sampler or config.default_sampler

@@ -133,6 +133,12 @@ def unigram_entropy_bits(ids: list[int] | np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
+def corpus_word_share(texts: Iterable[str], vocabulary: set[str]) -> float:
+    """The share of the words of ``texts`` that ``vocabulary`` (the corpus's words) has; 0 for no words."""
+    found = [w in vocabulary for text in texts for w in words(text)]
+    return sum(found) / max(1, len(found))
+
+
 def held_out_windows(ids: np.ndarray, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """``n`` windows of ``length`` tokens of ``ids`` at seeded random starts: text to measure beside
     ``n`` generated samples of that length (entropy grows with the number of tokens it is taken over)."""
@@ -150,9 +156,9 @@ def text_statistics(
     return {
         "samples": n,
         "length": length,
-        "prior_temperature": prior_temperature or model.config.prior_temperature or 1.0,
+        "prior_temperature": model.config.effective_prior_temperature if prior_temperature is None else prior_temperature,
         "words": len(generated),
-        "words_in_corpus_vocabulary": sum(w in vocabulary for w in generated) / max(1, len(generated)),
+        "words_in_corpus_vocabulary": corpus_word_share(result.texts, vocabulary),
         "unigram_entropy_bits": unigram_entropy_bits([i for row in result.ids() for i in row]),
         "examples": result.texts[:4],
     }

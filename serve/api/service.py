@@ -169,7 +169,7 @@ class LDLMService:
         else:
             tuned = ", ".join(f"{s} at {n} steps" for s, n in schedules.defaults.items()) or "none matched DDIM@50"
             say(f"tuned step grids for {len(schedules.grids)} sampler/step counts; defaults: {tuned}")
-            tau = config.prior_temperature or 1.0
+            tau = config.effective_prior_temperature
             if not schedules.tuned_for(config.t_min, tau):
                 say(
                     f"the tuned grids were tuned at t_min={schedules.t_min}, prior_temperature={schedules.prior_temperature}, and the "
