@@ -20,13 +20,16 @@ from ldlm.limits import MAX_SEED
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.schemas import (
     GRID_HELP,
-    PRIOR_TEMPERATURE_HELP,
+    PRIOR_TEMPERATURE_RANGE,
     STRICT_BODY,
+    T_MIN_RANGE,
     BodyLimits,
     GridName,
     Range,
     SamplerName,
+    prior_temperature_field,
     strict_int,
+    t_min_field,
     timeout_field,
 )
 from ldlm.serve.api.service import ServerSettings
@@ -133,9 +136,9 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
             SamplerName,
             Field(limits.default_sampler, description=f"LDLM: one of {', '.join(SAMPLERS)}; default: the model config's"),
         ),
-        t_min=(float | None, Field(None, gt=0, lt=1, description="LDLM: last time of the grid, in (0, 1)")),
+        t_min=(float | None, t_min_field("LDLM: ")),
         grid=(GridName | None, Field(None, description=f"LDLM: {GRID_HELP}")),
-        prior_temperature=(float | None, Field(None, gt=0, le=1, description=f"LDLM: {PRIOR_TEMPERATURE_HELP}")),
+        prior_temperature=(float | None, prior_temperature_field("LDLM: ")),
         timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
         **openai_fields,
     )
@@ -195,8 +198,8 @@ def openai_limits(settings: ServerSettings, max_seq_len: int) -> dict[str, Range
         "n": Range(1, settings.max_n),
         "steps": Range(1, settings.max_steps),
         "seed": Range(0, MAX_SEED),
-        "t_min": Range(0, 1, exclusive=True),
-        "prior_temperature": Range(0, 1, low_open=True),
+        "t_min": T_MIN_RANGE,
+        "prior_temperature": PRIOR_TEMPERATURE_RANGE,
         "temperature": Range(0, MAX_TEMPERATURE),
         "top_p": Range(0, 1, low_open=True),
         "logprobs": Range(0, MAX_TOP_LOGPROBS),

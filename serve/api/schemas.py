@@ -81,10 +81,6 @@ class RequestModels:
 # validates and /openapi.json lists.
 SamplerName = Literal[SAMPLERS]  # type: ignore[valid-type]
 GridName = Literal[(TUNED_GRID, *GRIDS)]  # type: ignore[valid-type]
-PRIOR_TEMPERATURE_HELP = (
-    "the prior's standard deviation tau, in (0, 1]: x_1 ~ N(0, tau^2 I); below 1 trades diversity for text nearer "
-    "the training data (default: the model config's prior_temperature, else 1)"
-)
 GRID_HELP = (
     f"step grid: {TUNED_GRID} (the checkpoint's, from `ldlm tune-schedule`), {', '.join(GRIDS)} "
     "(default: the tuned grid where one is tuned for the sampler and steps, else the sampler's own)"
@@ -97,6 +93,30 @@ STRICT_BODY = ConfigDict(extra="forbid")
 
 def strict_int(default: Any, low: int, high: int, description: str) -> Any:
     return Field(default, ge=low, le=high, strict=True, description=description)
+
+
+# The sampling settings both request bodies take (/v1/generate's and /v1/completions' extra_body): each
+# range is declared once, for pydantic's bounds and for the messages that name them.
+T_MIN_RANGE = Range(0, 1, exclusive=True)
+PRIOR_TEMPERATURE_RANGE = Range(0, 1, low_open=True)
+
+
+def t_min_field(prefix: str = "") -> Any:
+    """The last time of the grid; ``prefix`` marks a field that is LDLM's own beside another API's."""
+    r = T_MIN_RANGE
+    return Field(None, gt=r.low, lt=r.high, description=f"{prefix}last time of the grid: {r} (default: the model config's t_min)")
+
+
+def prior_temperature_field(prefix: str = "") -> Any:
+    """The prior's standard deviation tau; ``prefix`` as for ``t_min_field``."""
+    r = PRIOR_TEMPERATURE_RANGE
+    return Field(
+        None,
+        gt=r.low,
+        le=r.high,
+        description=f"{prefix}the prior's standard deviation tau ({r}): x_1 ~ N(0, tau^2 I); below 1 trades diversity "
+        "for text nearer the training data (default: the model config's prior_temperature, else 1)",
+    )
 
 
 def timeout_field(max_timeout_s: float) -> Any:
@@ -164,9 +184,9 @@ def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
             SamplerName,
             Field(limits.default_sampler, description=f"one of {', '.join(SAMPLERS)} (default: the model config's default_sampler)"),
         ),
-        t_min=(float | None, Field(None, gt=0, lt=1, description="last time of the grid, in (0, 1) (default: the model config's t_min)")),
+        t_min=(float | None, t_min_field()),
         grid=(GridName | None, Field(None, description=GRID_HELP)),
-        prior_temperature=(float | None, Field(None, gt=0, le=1, description=PRIOR_TEMPERATURE_HELP)),
+        prior_temperature=(float | None, prior_temperature_field()),
         stream=(
             bool,
             Field(
@@ -208,8 +228,8 @@ def body_ranges(limits: BodyLimits) -> dict[str, Range]:
         "seed": Range(0, MAX_SEED),
         "texts": Range(1, limits.max_texts, unit=" items"),
         "preview_every": Range(1, limits.max_steps),
-        "t_min": Range(0, 1, exclusive=True),
-        "prior_temperature": Range(0, 1, low_open=True),
+        "t_min": T_MIN_RANGE,
+        "prior_temperature": PRIOR_TEMPERATURE_RANGE,
         "timeout_s": Range(0, limits.max_timeout_s, low_open=True),
     }
 
