@@ -7,6 +7,7 @@ directory or the input being read."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def refuse_existing(
@@ -146,6 +148,14 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def save_figure(figure: Any, path: str | os.PathLike[str], dpi: int = 100) -> Path:
+    """A matplotlib figure as a PNG at ``path``, rendered in memory and written atomically (a plot
+    interrupted half-drawn leaves the earlier file, or none)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    return write_atomically(path, buffer.getvalue())
 
 
 def _remove(path: Path) -> None:

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ldlm.corpus import load_corpus, load_documents
-from ldlm.files import write_atomically
+from ldlm.files import save_figure, write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, resolve
 from ldlm.training.evaluation import bigram_log_likelihood, corpus_word_share, held_out_windows, unigram_entropy_bits, words
@@ -116,9 +116,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{Path(result['checkpoint']).name}: the prior temperature's trade")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=110)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ import torch
 from ldlm.checkpoint import preset_or_checkpoint
 from ldlm.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES
 from ldlm.device import resolve_device
-from ldlm.files import write_atomically
+from ldlm.files import save_figure, write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
 
@@ -100,7 +100,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ldlm.checkpoint import preset_or_checkpoint
-from ldlm.files import write_atomically
+from ldlm.files import save_figure, write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import SAMPLERS_BY_NAME
 from ldlm.sampling import run_sampler
@@ -156,10 +156,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[0][-1].grid(True, which="both", alpha=0.3)
     axes[1][-1].axis("off")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
+    save_figure(fig, path, dpi=90)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main() -> None:

@@ -89,6 +89,7 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
+    from ldlm.files import write_atomically
     from ldlm.serve.checks.bench import run_bench
     from ldlm.serve.checks.bench_latency import busy_machine_warning, parse_solver_specs
     from ldlm.serve.checks.bench_report import bench_summary, plot_bench
@@ -123,7 +124,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_atomically(out / "bench.json", json.dumps(report, indent=2) + "\n")
     plot_bench(report, str(out / "bench.png"))
     print("\n".join(bench_summary(report)))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")

@@ -7,6 +7,8 @@ from typing import Any
 
 import matplotlib
 
+from ldlm.files import save_figure
+
 
 def bench_summary(report: dict[str, Any]) -> list[str]:
     lines = []
@@ -48,7 +50,7 @@ def plot_bench(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt  # after use("Agg"): pyplot fixes its backend on first import, for the whole process
 
     fig = bench_figure(report, plt)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -14,7 +14,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.files import write_atomically
+from ldlm.files import save_figure, write_atomically
 from ldlm.serve.checks.compare import HISTOGRAM_EDGES
 from ldlm.serve.checks.parity_result import ParityReport
 
@@ -86,12 +86,12 @@ def plot(report: ParityReport, out: Path) -> list[Path]:
     if report.graphs:
         files.append(out / "errors_by_graph.png")
         fig = _plot_graphs(report, plt)
-        fig.savefig(files[-1], dpi=100)
+        save_figure(fig, files[-1])
         plt.close(fig)
     if report.layer_norms:
         files.append(out / "errors_by_layernorm.png")
         fig = _plot_layer_norms(report, plt)
-        fig.savefig(files[-1], dpi=100)
+        save_figure(fig, files[-1])
         plt.close(fig)
     return files
 
