@@ -1351,6 +1351,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a leftover .NAME.old file blocks every later replace",
     ),
     Mutation(
+        "figure-drawn-in-place",
+        "ldlm.files:save_figure",
+        "buffer = io.BytesIO()",
+        'buffer = open(path, "wb")  # noqa: SIM115',
+        ("tests/ldlm/test_files.py",),
+        "a plot interrupted half-drawn leaves a torn PNG in place of the earlier one",
+    ),
+    Mutation(
         "cli-report-out-file-accepted",
         "ldlm.cli:refuse_existing_out",
         "if Path(out).exists() and not Path(out).is_dir():",
