@@ -19,17 +19,14 @@ from ldlm.config import SAMPLERS
 from ldlm.limits import MAX_SEED
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.schemas import (
-    GRID_HELP,
     PRIOR_TEMPERATURE_RANGE,
     STRICT_BODY,
     T_MIN_RANGE,
     BodyLimits,
-    GridName,
     Range,
     SamplerName,
-    prior_temperature_field,
+    sampling_fields,
     strict_int,
-    t_min_field,
     timeout_field,
 )
 from ldlm.serve.api.service import ServerSettings
@@ -136,9 +133,7 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
             SamplerName,
             Field(limits.default_sampler, description=f"LDLM: one of {', '.join(SAMPLERS)}; default: the model config's"),
         ),
-        t_min=(float | None, t_min_field("LDLM: ")),
-        grid=(GridName | None, Field(None, description=f"LDLM: {GRID_HELP}")),
-        prior_temperature=(float | None, prior_temperature_field("LDLM: ")),
+        **sampling_fields("LDLM: "),
         timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
         **openai_fields,
     )

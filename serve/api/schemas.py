@@ -95,28 +95,22 @@ def strict_int(default: Any, low: int, high: int, description: str) -> Any:
     return Field(default, ge=low, le=high, strict=True, description=description)
 
 
-# The sampling settings both request bodies take (/v1/generate's and /v1/completions' extra_body): each
-# range is declared once, for pydantic's bounds and for the messages that name them.
 T_MIN_RANGE = Range(0, 1, exclusive=True)
 PRIOR_TEMPERATURE_RANGE = Range(0, 1, low_open=True)
 
 
-def t_min_field(prefix: str = "") -> Any:
-    """The last time of the grid; ``prefix`` marks a field that is LDLM's own beside another API's."""
-    r = T_MIN_RANGE
-    return Field(None, gt=r.low, lt=r.high, description=f"{prefix}last time of the grid: {r} (default: the model config's t_min)")
-
-
-def prior_temperature_field(prefix: str = "") -> Any:
-    """The prior's standard deviation tau; ``prefix`` as for ``t_min_field``."""
-    r = PRIOR_TEMPERATURE_RANGE
-    return Field(
-        None,
-        gt=r.low,
-        le=r.high,
-        description=f"{prefix}the prior's standard deviation tau ({r}): x_1 ~ N(0, tau^2 I); below 1 trades diversity "
-        "for text nearer the training data (default: the model config's prior_temperature, else 1)",
-    )
+def sampling_fields(prefix: str = "") -> dict[str, Any]:
+    """t_min, grid and prior_temperature as both request bodies take them (/v1/generate's, /v1/completions'
+    extra_body), bounded by the ranges their messages name; ``prefix`` marks fields that are LDLM's own."""
+    t, tau = T_MIN_RANGE, PRIOR_TEMPERATURE_RANGE
+    t_min = f"{prefix}last time of the grid: {t} (default: the model config's t_min)"
+    prior = f"{prefix}the prior's standard deviation tau ({tau}): x_1 ~ N(0, tau^2 I); below 1 trades diversity for text "
+    prior += "nearer the training data (default: the model config's prior_temperature, else 1)"
+    return {
+        "t_min": (float | None, Field(None, gt=t.low, lt=t.high, description=t_min)),
+        "grid": (GridName | None, Field(None, description=f"{prefix}{GRID_HELP}")),
+        "prior_temperature": (float | None, Field(None, gt=tau.low, le=tau.high, description=prior)),
+    }
 
 
 def timeout_field(max_timeout_s: float) -> Any:
@@ -184,9 +178,7 @@ def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
             SamplerName,
             Field(limits.default_sampler, description=f"one of {', '.join(SAMPLERS)} (default: the model config's default_sampler)"),
         ),
-        t_min=(float | None, t_min_field()),
-        grid=(GridName | None, Field(None, description=GRID_HELP)),
-        prior_temperature=(float | None, prior_temperature_field()),
+        **sampling_fields(),
         stream=(
             bool,
             Field(
