@@ -1,5 +1,5 @@
 """The ``ldlm`` command line: one thin subcommand per stage of the Python API, grouped by role
-(``model``: checkpoints; ``tuning``: step grids; ``artifacts``: export, engines, Triton; ``checks``: parity, probes, bench;
+(``model``: checkpoints; ``tuning``: step grids; ``artifacts``: export, engines, Triton; ``checks``: parity, probes; ``bench``: benchmarks;
 ``serving``: the HTTP service). Each group module holds its commands' parsers next to their code."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ldlm import __version__
-from ldlm.cli import artifacts, checks, model, serving, tuning
+from ldlm.cli import artifacts, bench, checks, model, serving, tuning
 from ldlm.files import refuse_existing, refuse_unsafe_target
 from ldlm.interrupts import remembered_interrupts
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ldlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (model, tuning, artifacts, checks, serving):
+    for group in (model, tuning, artifacts, checks, bench, serving):
         group.add_commands(sub)
     return parser
 

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from ldlm.cli.options import capped_positive_int, open_unit_float, positive_int, prior_temperature, seed_int
+from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, open_unit_float, positive_int, seed_int
 from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS
 
@@ -156,7 +156,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length", type=positive_int, default=64, help="tokens per sample, at most the checkpoint's max_seq_len (default: 64)")
     p.add_argument(
         "--steps",
-        type=capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)"),
+        type=STEPS,
         default=None,
         help=f"denoising steps, 1..{MAX_STEPS} (default: the checkpoint config's default_steps, {LDLMConfig.default_steps} unless it says otherwise)",
     )
@@ -171,13 +171,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--t-min", type=open_unit_float, default=None, help="last time of the grid, in (0, 1) (default: the config's t_min, 0.05)"
     )
-    p.add_argument(
-        "--prior-temperature",
-        type=prior_temperature,
-        default=None,
-        help="the prior's standard deviation tau, in (0, 1]: x_1 ~ N(0, tau^2 I); below 1 trades diversity for text "
-        "nearer the training data (default: the checkpoint config's prior_temperature, else 1)",
-    )
+    add_prior_temperature(p)
     p.add_argument(
         "--grid",
         choices=(TUNED_GRID, *GRIDS),

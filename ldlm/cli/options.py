@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ldlm.limits import MAX_SEED
+from ldlm.limits import MAX_SEED, MAX_STEPS
 
 
 def positive_int(text: str) -> int:
@@ -83,10 +83,24 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+# Denoising steps, as ldlm serve caps them.
+STEPS = capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)")
 # A time of the diffusion grid, such as --t-min.
 open_unit_float = float_in(0, 1, low_open=True, high_open=True)
 # The prior's standard deviation (ldlm.config's prior_temperature).
 prior_temperature = float_in(0, 1, low_open=True)
+
+
+def add_prior_temperature(p: argparse.ArgumentParser) -> None:
+    """--prior-temperature, as every command that samples takes it."""
+    p.add_argument(
+        "--prior-temperature",
+        type=prior_temperature,
+        default=None,
+        help="the prior's standard deviation tau, in (0, 1]: x_1 ~ N(0, tau^2 I); below 1 trades diversity for text "
+        "nearer the training data; tuned grids hold only at the tau they were tuned at (default: the checkpoint "
+        "config's prior_temperature, else 1)",
+    )
 
 
 def capped_positive_int_list(high: int, why: str) -> Callable[[str], list[int]]:

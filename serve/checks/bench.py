@@ -52,10 +52,12 @@ def run_bench(
     solver_specs: Sequence[tuple[str, int, str | None]] = (),
     solver_reference_steps: int = 500,
     ort_precisions: Sequence[str] = ("fp32",),
+    prior_temperature: float | None = None,
 ) -> dict[str, Any]:
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
     The torch backends (eager, compiled, inductor) run on ``device`` in ``precision``; ort on ``provider``, once
-    per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants)."""
+    per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants). Generation and
+    the solvers start from the prior at ``prior_temperature`` (default: the config's)."""
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     backends = ort_columns(backends, ort_precisions)
     torch.set_num_threads(threads)
@@ -68,12 +70,12 @@ def run_bench(
             config_sha256=config.config_hash(), load_average_1m=round(os.getloadavg()[0], 2), cpus=os.cpu_count(), host=host_isa()
         )
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
-        report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler)
+        report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler, prior_temperature)
         report["precision_speedups"] = precision_speedups(report)
         chosen = workload_backend if workload_backend in pipelines else backends[-1]
         if solver_specs:
             report["solvers"] = bench_solvers(
-                pipelines[chosen], solver_specs, gen_n, min(length, 64), max(3, runs // 3), solver_reference_steps
+                pipelines[chosen], solver_specs, gen_n, min(length, 64), max(3, runs // 3), solver_reference_steps, prior_temperature
             )
             report["solvers"]["backend"] = chosen
         if workload_requests > 0:

@@ -108,16 +108,22 @@ def busy_machine_warning(threads: int, load_average: float | None = None, cpus: 
 
 
 def bench_generation(
-    pipelines: Mapping[str, LDLMPipeline], n: int, length: int, steps: int, runs: int, sampler: str = "ddim"
+    pipelines: Mapping[str, LDLMPipeline],
+    n: int,
+    length: int,
+    steps: int,
+    runs: int,
+    sampler: str = "ddim",
+    prior_temperature: float | None = None,
 ) -> dict[str, Any]:
     results = {}
     times: dict[str, list[float]] = {name: [] for name in pipelines}
     for pipe in pipelines.values():
-        pipe.generate(n, length, 2, 0, sampler)  # warm-up
+        pipe.generate(n, length, 2, 0, sampler, prior_temperature=prior_temperature)  # warm-up
     for run in range(runs):
         for name, pipe in pipelines.items():
             start = time.perf_counter()
-            pipe.generate(n, length, steps, run, sampler)
+            pipe.generate(n, length, steps, run, sampler, prior_temperature=prior_temperature)
             times[name].append(time.perf_counter() - start)
     for name, values in times.items():
         p50 = statistics.median(values)
@@ -128,6 +134,7 @@ def bench_generation(
             "length": length,
             "steps": steps,
             "sampler": sampler,
+            "prior_temperature": pipelines[name].config.effective_prior_temperature if prior_temperature is None else prior_temperature,
         }
     return results
 
@@ -151,17 +158,25 @@ def parse_solver_specs(text: str) -> list[tuple[str, int, str | None]]:
 
 
 def bench_solvers(
-    pipeline: LDLMPipeline, specs: Sequence[tuple[str, int, str | None]], n: int, length: int, runs: int, reference_steps: int
+    pipeline: LDLMPipeline,
+    specs: Sequence[tuple[str, int, str | None]],
+    n: int,
+    length: int,
+    runs: int,
+    reference_steps: int,
+    prior_temperature: float | None = None,
 ) -> dict[str, Any]:
     """Latency per sample beside agreement, solver by solver, in one run: each ``(sampler, steps)`` is
     timed (p50 of ``runs``, specs alternating) and compared with DDIM at ``reference_steps`` from the same
     seeds (token agreement and the final latent's relative L2 error). The cheapest spec that agrees as
-    well as the most expensive one is what a server should default to."""
-    reference = pipeline.sample_latents(n, length, reference_steps, 0, "ddim")
+    well as the most expensive one is what a server should default to. Every run, the reference's too,
+    starts from the prior at ``prior_temperature`` (default: the config's)."""
+    tau = pipeline.config.effective_prior_temperature if prior_temperature is None else prior_temperature
+    reference = pipeline.sample_latents(n, length, reference_steps, 0, "ddim", prior_temperature=tau)
     reference_tokens = pipeline.decode(reference).token_ids
     entries: dict[str, dict[str, Any]] = {}
     for sampler, steps, grid in specs:  # quality, and the warm-up of the timing
-        latents = pipeline.sample_latents(n, length, steps, 0, sampler, grid=grid)
+        latents = pipeline.sample_latents(n, length, steps, 0, sampler, grid=grid, prior_temperature=tau)
         entries[spec_name(sampler, steps, grid)] = {
             "sampler": sampler,
             "steps": steps,
@@ -173,12 +188,12 @@ def bench_solvers(
     for run in range(runs):
         for sampler, steps, grid in specs:
             start = time.perf_counter()
-            pipeline.generate(n, length, steps, run, sampler, grid=grid)
+            pipeline.generate(n, length, steps, run, sampler, grid=grid, prior_temperature=tau)
             times[spec_name(sampler, steps, grid)].append(time.perf_counter() - start)
     for key, values in times.items():
         p50 = statistics.median(values)
         entries[key].update(p50_s=round(p50, 6), ms_per_sample=round(1000 * p50 / n, 3))
-    return {"reference": f"ddim@{reference_steps}", "n": n, "length": length, "runs": runs, "entries": entries}
+    return {"reference": f"ddim@{reference_steps}", "n": n, "length": length, "runs": runs, "prior_temperature": tau, "entries": entries}
 
 
 def spec_name(sampler: str, steps: int, grid: str | None) -> str:

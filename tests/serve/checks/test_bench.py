@@ -43,6 +43,8 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
             "ddim@30,ddim@3,dpm3m-psc@3",
             "--solver-reference-steps",
             "30",
+            "--prior-temperature",
+            "0.5",
             "--quiet",
             "--out",
             str(out),
@@ -73,7 +75,9 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     assert batching["continuous_mixed_solvers"]["errors"] == 0 and batching["continuous_mixed_solvers"]["requests"] == 6
     solvers = report["solvers"]["entries"]
     assert report["solvers"]["reference"] == "ddim@30"
-    assert solvers["ddim@30"]["token_agreement"] == 1.0 and solvers["ddim@30"]["latent_rel_error"] == 0.0  # the reference itself
+    # the reference itself: the same run only where both start from the prior at tau = 0.5
+    assert solvers["ddim@30"]["token_agreement"] == 1.0 and solvers["ddim@30"]["latent_rel_error"] == 0.0
+    assert report["solvers"]["prior_temperature"] == 0.5 and generation["prior_temperature"] == 0.5
     assert solvers["ddim@3"]["latent_rel_error"] > 0 and solvers["dpm3m-psc@3"]["latent_rel_error"] < solvers["ddim@3"]["latent_rel_error"]
     for entry in solvers.values():
         assert entry["ms_per_sample"] == pytest.approx(1000 * entry["p50_s"] / report["solvers"]["n"], rel=1e-2)

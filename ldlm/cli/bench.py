@@ -1,0 +1,169 @@
+"""``ldlm bench``: latency of every graph per backend, generation, solvers side by side and a mixed-arrival
+workload, into OUT/bench.json and OUT/bench.png."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, capped_positive_int_list, device_options, float_in, int_in
+from ldlm.config import INT_RANGES, SAMPLERS
+from ldlm.limits import MAX_N, MAX_STEPS
+from ldlm.serve.api.setting_ranges import MAX_THREADS, SETTING_RANGES
+
+# The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.
+# A length is checked against the checkpoint's max_seq_len before any work; here, against any config's.
+MAX_LENGTH = INT_RANGES["max_seq_len"][1]
+TOKENS = " tokens (the largest max_seq_len a config may have)"
+MAX_RUNS = 10_000  # timed runs per cell: p99 is stable long before this
+MAX_WORKLOAD_REQUESTS = 10_000
+MAX_RATE_PER_S = 1e6
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    # per command, not at the top: building the parser (`ldlm --help`) imports no torch
+    from ldlm.files import write_atomically
+    from ldlm.serve.checks.bench import run_bench
+    from ldlm.serve.checks.bench_latency import busy_machine_warning, parse_solver_specs
+    from ldlm.serve.checks.bench_report import bench_summary, plot_bench
+
+    warning = busy_machine_warning(args.threads)
+    if warning:
+        print(f"ldlm bench: warning: {warning}", file=sys.stderr)
+    report = run_bench(
+        args.checkpoint,
+        args.backends.split(","),
+        args.onnx_dir,
+        args.engine_dir,
+        args.batches,
+        args.length,
+        args.runs,
+        args.threads,
+        args.gen_n,
+        args.gen_steps,
+        args.workload_requests,
+        args.workload_rate,
+        args.workload_backend,
+        args.max_batch,
+        progress=not args.quiet,
+        workload_lengths=args.workload_lengths,
+        device=args.device,
+        precision=args.precision,
+        provider=args.provider,
+        gen_sampler=args.gen_sampler,
+        solver_specs=parse_solver_specs(args.solvers),
+        solver_reference_steps=args.solver_reference_steps,
+        ort_precisions=args.precisions.split(","),
+        prior_temperature=args.prior_temperature,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomically(out / "bench.json", json.dumps(report, indent=2) + "\n")
+    plot_bench(report, str(out / "bench.png"))
+    print("\n".join(bench_summary(report)))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    _add_bench(sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="latency and throughput: eager, ONNX Runtime and TensorRT side by side",
+        description="Benchmark every graph on every backend at each batch size (p50/p99 latency, throughput), "
+        "end-to-end generation tokens/s, and continuous against static batching under a mixed-arrival workload "
+        "(requests of different lengths and step counts arriving over time). Backends alternate run by run. "
+        "Writes OUT/bench.json and OUT/bench.png.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, inductor, ort, trt (default: eager,ort)")
+    p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
+    p.add_argument(
+        "--precisions",
+        default="fp32",
+        help="comma-separated ort precisions, each its own column side by side: fp32 (ort), int8 (ort-int8: the INT8 "
+        "variants, exported with them when no --onnx-dir is given), fp16 (default: fp32)",
+    )
+    p.add_argument("--engine-dir", help="engines to use for trt")
+    p.add_argument(
+        "--batches",
+        type=capped_positive_int_list(MAX_N, " samples per execution (as ldlm serve's max_n)"),
+        default=[1, 8],
+        help=f"comma-separated batch sizes, each 1..{MAX_N} (default: 1,8)",
+    )
+    p.add_argument(
+        "--length",
+        type=capped_positive_int(MAX_LENGTH, TOKENS),
+        default=128,
+        help="sequence length, at most the config's max_seq_len (default: 128)",
+    )
+    p.add_argument(
+        "--runs",
+        type=capped_positive_int(MAX_RUNS, " timed runs per cell"),
+        default=10,
+        help=f"timed runs per cell, 1..{MAX_RUNS} (default: 10)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int_in(1, MAX_THREADS, " threads"),
+        default=2,
+        help=f"threads for torch and ONNX Runtime, 1..{MAX_THREADS} (default: 2)",
+    )
+    p.add_argument(
+        "--gen-n",
+        type=capped_positive_int(MAX_N, " samples per run (as ldlm serve's max_n)"),
+        default=4,
+        help=f"samples per generation run, 1..{MAX_N} (default: 4)",
+    )
+    _bench_generation_options(p)
+    device_options(p)
+    p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _bench_generation_options(p: argparse.ArgumentParser) -> None:
+    """bench's generation runs, solver comparison and mixed-arrival workload."""
+    p.add_argument("--gen-steps", type=STEPS, default=10, help=f"steps per generation run, 1..{MAX_STEPS} (default: 10)")
+    p.add_argument("--gen-sampler", choices=SAMPLERS, default="ddim", help="solver of the generation runs (default: ddim)")
+    add_prior_temperature(p)  # the generation and solver runs, and their reference
+    p.add_argument(
+        "--solvers",
+        default="ddim@50,dpm3m-psc@21,dpm3m-psc@15",
+        help=f"NAME@STEPS[:GRID] list (STEPS 1..{MAX_STEPS}; GRID tuned, uniform, power or logsnr): latency per sample beside "
+        "token agreement and latent error against a long DDIM run, side by side on the workload backend; '' skips "
+        "(default: ddim@50,dpm3m-psc@21,dpm3m-psc@15)",
+    )
+    p.add_argument(
+        "--solver-reference-steps", type=STEPS, default=500, help=f"DDIM steps of the solvers' reference, 1..{MAX_STEPS} (default: 500)"
+    )
+    p.add_argument(
+        "--workload-requests",
+        type=int_in(0, MAX_WORKLOAD_REQUESTS, " requests (0 skips the workload)"),
+        default=60,
+        help=f"requests in the mixed-arrival workload, 0..{MAX_WORKLOAD_REQUESTS}; 0 skips it (default: 60)",
+    )
+    p.add_argument(
+        "--workload-rate",
+        type=float_in(0, MAX_RATE_PER_S, " arrivals per second", low_open=True),
+        default=20.0,
+        help="mean arrivals per second, in (0, 1000000] (default: 20)",
+    )
+    p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")
+    p.add_argument(
+        "--workload-lengths",
+        type=capped_positive_int_list(MAX_LENGTH, TOKENS),
+        default=[16, 32, 64, 128],
+        help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)",
+    )
+    low, high = SETTING_RANGES["max_batch"]
+    p.add_argument(
+        "--max-batch",
+        type=int_in(low, high, " samples per execution (as ldlm serve's max_batch)"),
+        default=8,
+        help=f"scheduler batch size, {low}..{high} (default: 8)",
+    )
