@@ -67,12 +67,15 @@ def test_generation_tokens_per_second(monkeypatch) -> None:
     monkeypatch.setattr(bench.time, "perf_counter", clock)
 
     class TimedPipeline:
-        def generate(self, n, length, steps, seed, sampler):
+        config = preset("tiny")
+
+        def generate(self, n, length, steps, seed, sampler, prior_temperature=None):
             clock.now += 0.5 if steps != 2 else 10.0  # warm-up (2 steps) is slow and must not count
 
     results = bench.bench_generation({"ort": TimedPipeline()}, n=4, length=16, steps=10, runs=3)  # type: ignore[dict-item]
     assert results["ort"]["p50_s"] == pytest.approx(0.5)
     assert results["ort"]["tokens_per_s"] == pytest.approx(4 * 16 / 0.5)
+    assert results["ort"]["prior_temperature"] == 1.0  # the config's, which sets none
 
 
 def test_percentile_and_summary_lines() -> None:
