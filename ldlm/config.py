@@ -96,6 +96,11 @@ class LDLMConfig:
         """The prior temperature a request that names none gets: prior_temperature, 1 when unset."""
         return 1.0 if self.prior_temperature is None else float(self.prior_temperature)
 
+    def prior_temperature_for(self, requested: float | None) -> float:
+        """The prior temperature a request that asks for ``requested`` gets (None: this config's); the
+        caller checks the value (a request's may be anything)."""
+        return self.effective_prior_temperature if requested is None else requested
+
     @property
     def denoiser_d_model(self) -> int:
         """The width of the denoiser's residual stream: denoiser_width when set, else D."""

@@ -91,7 +91,7 @@ def resolve(
     t_min = config.t_min if request.t_min is None else request.t_min
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
         raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
-    tau = config.effective_prior_temperature if request.prior_temperature is None else request.prior_temperature
+    tau = config.prior_temperature_for(request.prior_temperature)
     if not is_prior_temperature(tau):
         raise ValueError(f"{name('prior_temperature')}={tau!r} is out of range; allowed: (0, 1]")
     tau = float(tau)

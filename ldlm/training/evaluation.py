@@ -156,7 +156,7 @@ def text_statistics(
     return {
         "samples": n,
         "length": length,
-        "prior_temperature": model.config.effective_prior_temperature if prior_temperature is None else prior_temperature,
+        "prior_temperature": model.config.prior_temperature_for(prior_temperature),
         "words": len(generated),
         "words_in_corpus_vocabulary": corpus_word_share(result.texts, vocabulary),
         "unigram_entropy_bits": unigram_entropy_bits([i for row in result.ids() for i in row]),

@@ -134,7 +134,7 @@ def bench_generation(
             "length": length,
             "steps": steps,
             "sampler": sampler,
-            "prior_temperature": pipelines[name].config.effective_prior_temperature if prior_temperature is None else prior_temperature,
+            "prior_temperature": pipelines[name].config.prior_temperature_for(prior_temperature),
         }
     return results
 
@@ -171,7 +171,7 @@ def bench_solvers(
     seeds (token agreement and the final latent's relative L2 error). The cheapest spec that agrees as
     well as the most expensive one is what a server should default to. Every run, the reference's too,
     starts from the prior at ``prior_temperature`` (default: the config's)."""
-    tau = pipeline.config.effective_prior_temperature if prior_temperature is None else prior_temperature
+    tau = pipeline.config.prior_temperature_for(prior_temperature)
     reference = pipeline.sample_latents(n, length, reference_steps, 0, "ddim", prior_temperature=tau)
     reference_tokens = pipeline.decode(reference).token_ids
     entries: dict[str, dict[str, Any]] = {}
