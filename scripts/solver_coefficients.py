@@ -111,16 +111,18 @@ class Search:
                 total += float(torch.sigmoid(-margin / self.temperature).sum())
         return total / tokens.numel()
 
-    def score(self, samples: Samples, sampler: Sampler, steps: int) -> dict[str, float]:
+    def score(self, samples: Samples, sampler: Sampler, steps: int, tokens: bool = True) -> dict[str, float]:
+        """Latent error, soft changes (objective count) and, with ``tokens``, the token agreement: a search
+        evaluation leaves it out: its value needs no argmax decode (2.35 s against 1.75 s per 64 x 64 evaluation)."""
         x = self.latents(samples, sampler, steps)
         if self.objective == "count" and (samples.seed, samples.length) not in self.floor:
             self.floor[(samples.seed, samples.length)] = self.soft_changes(samples.reference, samples.tokens)
         error = float((x - samples.reference).norm() / samples.reference.norm())
-        tokens = float((self.pipeline.decode(x).token_ids == samples.tokens).double().mean())
+        agreement = float((self.pipeline.decode(x).token_ids == samples.tokens).double().mean()) if tokens else float("nan")
         soft = (
             self.soft_changes(x, samples.tokens) - self.floor[(samples.seed, samples.length)] if self.objective == "count" else float("nan")
         )
-        return {"error": error, "tokens": tokens, "soft_changes": soft}
+        return {"error": error, "tokens": agreement, "soft_changes": soft}
 
     def value(self, scored: dict[str, float], ddim50: dict[str, float]) -> float:
         if self.objective == "pooled":
@@ -150,7 +152,10 @@ def main() -> None:
     z0 = np.zeros(3 * args.steps)
     started = time.perf_counter()
     z, value = nelder_mead(
-        lambda z: search.value(search.score(tuning, search.sampler(z), args.steps), ddim50["tuning"]), z0, args.evaluations, step=0.2
+        lambda z: search.value(search.score(tuning, search.sampler(z), args.steps, tokens=False), ddim50["tuning"]),
+        z0,
+        args.evaluations,
+        step=0.2,
     )
     search_s = time.perf_counter() - started
     result: dict = {
