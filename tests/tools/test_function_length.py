@@ -1,7 +1,7 @@
-"""No function in ldlm/ or serve/ is longer than 60 lines (def to last line), none in export/ longer than 80,
-and no module in ldlm/ or serve/ is longer than 300 lines: past that a handler or a stage hides several
-jobs, and a newcomer cannot see where a change belongs. The CLI included: a command's parser is one
-function per subcommand (``_add_<command>``), its option groups their own."""
+"""No function in ldlm/ or serve/ is longer than 60 lines (def to last line), none in export/ longer than 80:
+past that a handler or a stage hides several jobs, and a newcomer cannot see where a change belongs. The CLI
+included: a command's parser is one function per subcommand (``_add_<command>``), its option groups their own.
+Modules have no line cap: a module is as long as its one job needs, and splits when it holds two."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from tests import REPO
 
 ROOT = REPO
 FUNCTION_LIMITS = {"ldlm": 60, "serve": 60, "export": 80}  # lines per function, by top-level folder
-MODULE_LIMIT = 300  # lines per module in ldlm/ and serve/
-MODULE_CHECKED = ("ldlm", "serve")
 
 
 def long_functions(source: str, name: str, limit: int) -> list[str]:
@@ -26,10 +24,6 @@ def long_functions(source: str, name: str, limit: int) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit  # type: ignore[operator]
     ]
 
-
-def long_module(source: str, name: str, limit: int = MODULE_LIMIT) -> list[str]:
-    lines = len(source.splitlines())
-    return [f"{name} is {lines} lines"] if lines > limit else []
 
 
 def checked_files(top: str) -> list[Path]:
@@ -43,11 +37,6 @@ def test_the_counter_counts_def_to_last_line(limit: int) -> None:
     assert long_functions(f"def f():\n{body}    y = 0\n", "long.py", limit) == [f"long.py:1 f is {limit + 1} lines"]
     method = "".join(f"        x{i} = {i}\n" for i in range(limit))  # a method counts too
     assert long_functions(f"class C:\n    def m(self):\n{method}", "m.py", limit) == [f"m.py:2 m is {limit + 1} lines"]
-
-
-def test_the_module_counter_counts_every_line() -> None:
-    assert long_module("x = 0\n" * MODULE_LIMIT, "ok.py") == []
-    assert long_module("x = 0\n" * MODULE_LIMIT + "\n", "long.py") == [f"long.py is {MODULE_LIMIT + 1} lines"]
 
 
 def test_every_package_module_is_checked() -> None:
@@ -65,8 +54,3 @@ def test_no_long_function(top: str) -> None:
     ]
     assert not found, f"functions over {FUNCTION_LIMITS[top]} lines:\n" + "\n".join(found)
 
-
-@pytest.mark.parametrize("top", MODULE_CHECKED)
-def test_no_long_module(top: str) -> None:
-    found = [problem for path in checked_files(top) for problem in long_module(path.read_text(), str(path.relative_to(ROOT)))]
-    assert not found, f"modules over {MODULE_LIMIT} lines:\n" + "\n".join(found)
