@@ -11,7 +11,6 @@ padding is masked, which keeps the set of shapes an engine sees small without ch
 
 from __future__ import annotations
 
-import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from ldlm.buckets import bucket_for
 from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
 from ldlm.sampling import GenerateRequest, SamplingEngine, resolve, run_lockstep
@@ -28,12 +28,6 @@ from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.schedule import TangentSchedule
 from ldlm.token_sampling import TokenLogprobs, TokenSampling, choose_tokens
 from ldlm.tokenizer import TextTokenizer
-
-
-def bucket_for(size: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= size (buckets sorted); size itself when it is above every bucket."""
-    i = bisect.bisect_left(buckets, size)
-    return buckets[i] if i < len(buckets) else size
 
 
 def _preview(text: str, limit: int = 40) -> str:
@@ -107,6 +101,36 @@ class LDLMPipeline:
     def from_checkpoint(cls, path: str | os.PathLike[str], device: str | torch.device = "cpu") -> LDLMPipeline:
         model, tokenizer = load_checkpoint(path, device)
         return cls(model, tokenizer, device, schedules=load_schedules(path, weights=Path(path) / WEIGHTS_FILE))
+
+    @classmethod
+    def from_export(
+        cls,
+        path: str | os.PathLike[str],
+        backend: str = "ort",
+        precision: str = "fp32",
+        device: str = "cpu",
+        threads: int | None = None,
+        buckets: Sequence[int] = (),
+    ) -> LDLMPipeline:
+        """The pipeline on another backend than eager PyTorch: ``path`` is an ``ldlm export`` directory
+        (``backend="ort"``, ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an
+        ``ldlm build-engine`` directory (``"trt"``), or a checkpoint (``"eager"``, ``"compiled"``,
+        ``"inductor"``, on ``device`` in ``precision``). Every file an export's manifest names is
+        checked first; its tuned step grids, where it has them, are used as ``from_checkpoint`` uses a
+        checkpoint's. ``threads``: ONNX Runtime's intra-op threads (default: its own). Drawing tokens at
+        a temperature needs the decoder's logits: an export made with ``ldlm export --with-logits``, or
+        any torch backend."""
+        # ldlm.serve and ldlm.export build on this module: loaded when a caller opens a backend
+        from ldlm.export.artifact import MANIFEST_FILE, read_schedules
+        from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+
+        graphs, config, tokenizer = open_graphs(backend, path, precision, threads=threads, device=device, with_logits=True)
+        if (Path(path) / WEIGHTS_FILE).is_file():
+            schedules = load_schedules(path, weights=Path(path) / WEIGHTS_FILE)
+        else:  # an export carries its checkpoint's grids in its manifest; an engine directory carries none
+            schedules = read_schedules(path) if (Path(path) / MANIFEST_FILE).is_file() else None
+        on = getattr(graphs["denoiser"], "device", "cpu")  # torch and TensorRT graphs: sample where they run
+        return cls(BackendGraphs(graphs), tokenizer, on, config=config, buckets=buckets, schedules=schedules)
 
     def bucket_length(self, length: int) -> int:
         """The padded length for a batch whose longest sequence has ``length`` positions."""

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ldlm.buckets import bucket_for
 from ldlm.device import DeviceError
 from ldlm.device import resolve_device as core_resolve_device
 from ldlm.export.graphs import graph_io
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
-from ldlm.pipeline import bucket_for
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
 
 TORCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
