@@ -49,6 +49,26 @@ from ldlm.sampling.schedules import TunedGrid, TunedSchedules, check_times
 from ldlm.schedule import power_grid
 
 POWER_EXPONENTS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0)  # the power grids scanned before the full search
+DDIM_BASELINE_STEPS = 50  # every tuned grid is scored beside DDIM at this many steps, and must match it to be a default
+# The reference takes this many times the steps of any run it scores: a reference barely finer than DDIM@50 would
+# carry an error of DDIM@50's order, and "matches DDIM@50" would then compare two runs against a third as coarse.
+REFERENCE_MARGIN = 4
+
+
+def min_reference_steps(steps: Sequence[int]) -> int:
+    """The fewest reference steps that score ``steps`` and DDIM@50: ``REFERENCE_MARGIN`` times the largest."""
+    return REFERENCE_MARGIN * max((*steps, DDIM_BASELINE_STEPS))
+
+
+def check_reference_steps(reference_steps: int, steps: Sequence[int], name: str = "reference_steps") -> None:
+    """Refuse a reference too coarse to score ``steps`` and DDIM@50; ``name``: how the caller names the value."""
+    least = min_reference_steps(steps)
+    if reference_steps < least:
+        compared = ", ".join(str(n) for n in sorted({*steps, DDIM_BASELINE_STEPS}))
+        raise ValueError(
+            f"{name}={reference_steps} is too coarse for the reference; allowed: >= {least} ({REFERENCE_MARGIN}x the largest "
+            f"step count it scores, of {compared}, DDIM@{DDIM_BASELINE_STEPS} included); pass {least} or more"
+        )
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,7 @@ class TuningSettings:
     def __post_init__(self) -> None:
         if self.objective not in TUNING_OBJECTIVES:
             raise ValueError(f"objective={self.objective!r}; allowed: {', '.join(TUNING_OBJECTIVES)}")
+        check_reference_steps(self.reference_steps, self.steps)
 
 
 @dataclass
@@ -275,7 +296,7 @@ def grid_with_scores(tuner: Tuner, steps: int, candidates: dict[str, tuple[float
         "train": {**train.to_dict(), "search_error": round(train.search_error, 6)},
         "held_out": tuner.held_out(s.sampler, steps, times),
         "default_grid_held_out": tuner.held_out(s.sampler, steps, None),
-        "ddim50_held_out": tuner.held_out("ddim", 50, None),
+        "ddim50_held_out": tuner.held_out("ddim", DDIM_BASELINE_STEPS, None),
     }
     return TunedGrid(s.sampler, steps, times, measured)
 
@@ -298,3 +319,18 @@ def schedules_of(grids: Sequence[TunedGrid], sha256: str, config: LDLMConfig, ea
         if g.sampler not in defaults and matches_ddim50(g):
             defaults[g.sampler] = g.steps
     return TunedSchedules(sha256, config.t_min, every, defaults, config.effective_prior_temperature)
+
+
+def default_changes(config: LDLMConfig, before: TunedSchedules | None, after: TunedSchedules) -> dict[str, tuple[int, int]]:
+    """Per sampler that either names, the default step count generation takes with ``before`` and with
+    ``after`` (a sampler without a tuned default, or grids tuned for another t_min or prior temperature, takes
+    the config's ``default_steps``, as ``ldlm.sampling.resolve`` does)."""
+
+    def defaults(schedules: TunedSchedules | None) -> dict[str, int]:
+        if schedules is None or not schedules.tuned_for(config.t_min, config.effective_prior_temperature):
+            return {}
+        return dict(schedules.defaults)
+
+    old, new = defaults(before), defaults(after)
+    samplers = sorted({*old, *new, *(g.sampler for g in after.grids)})
+    return {s: (old.get(s, config.default_steps), new.get(s, config.default_steps)) for s in samplers}

@@ -13,8 +13,9 @@ from ldlm.config import DEFAULT_TUNING_OBJECTIVE, SAMPLERS, TUNING_OBJECTIVES
 from ldlm.limits import MAX_N, MAX_STEPS
 
 if TYPE_CHECKING:  # for the annotations only: the CLI loads torch per command
+    from ldlm.config import LDLMConfig
     from ldlm.pipeline import LDLMPipeline
-    from ldlm.sampling.schedules import TunedGrid
+    from ldlm.sampling.schedules import TunedGrid, TunedSchedules
 
 MAX_EVALUATIONS = 100_000  # sampling runs per step count: hours even on tiny
 
@@ -24,9 +25,11 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     import torch
 
     from ldlm.checkpoint import WEIGHTS_FILE, load_config
-    from ldlm.sampling.schedules import SCHEDULES_FILE, TunedSchedules, load_schedules, weights_sha256
-    from ldlm.tuning import Tuner, TuningInterrupted, TuningSettings, schedules_of, tune_grid
+    from ldlm.sampling.schedules import weights_sha256
+    from ldlm.tuning import Tuner, TuningInterrupted, TuningSettings, check_reference_steps, schedules_of, tune_grid
 
+    out = _target(args)
+    check_reference_steps(args.reference_steps, args.steps, "--reference-steps")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32 on a GPU too: the reference and the candidates alike
@@ -35,12 +38,9 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     if too_long:
         raise ValueError(f"length {too_long[0]} is out of range; allowed: 1..{config.max_seq_len} (the checkpoint's max_seq_len)")
     pipeline = _pipeline(args)
-    out = Path(args.out) if args.out else Path(args.checkpoint) / SCHEDULES_FILE
     sha = weights_sha256(Path(args.checkpoint) / WEIGHTS_FILE)
-    earlier = load_schedules(out.parent, sha256=sha) if out.name == SCHEDULES_FILE and out.is_file() else None
-    if earlier is not None and not earlier.tuned_for(config.t_min, config.effective_prior_temperature):
-        print(f"{out}: its grids were tuned at another t_min or prior temperature; they are replaced, not kept", file=sys.stderr)
-        earlier = None
+    earlier = _earlier(out, sha, config)
+    before = _current(Path(args.checkpoint), sha)
     sampler = args.sampler or config.default_sampler
     settings = TuningSettings(
         sampler, tuple(args.steps), args.reference_steps, args.tune_seed, args.tune_n, args.tune_length,
@@ -55,6 +55,7 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
             grids.append(stop.grid)
             schedules_of(grids, sha, config, earlier).save(out)
             print(f"interrupted: wrote the best grids so far to {out}", file=sys.stderr)
+            _report_defaults(args, out, before, schedules_of(grids, sha, config, earlier))
             raise KeyboardInterrupt from None
         schedules = schedules_of(grids, sha, config, earlier)
         schedules.save(out)  # after every step count: an interrupted run keeps the finished ones
@@ -66,17 +67,86 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
         else "no step count matched DDIM@50 held out"
     )
     print(f"wrote {out}; {verdict}", file=sys.stderr)
+    if schedules is not None:
+        _report_defaults(args, out, before, schedules)
+
+
+def _target(args: argparse.Namespace) -> Path:
+    """Where the grids go, checked before any work: ``--out``, or the checkpoint's own schedules.json, which sets
+    the step count every generation from it takes by default, only with ``--force``. An existing file is
+    replaced only with ``--force``."""
+    from ldlm.sampling.schedules import SCHEDULES_FILE
+
+    own = Path(args.checkpoint) / SCHEDULES_FILE
+    if args.schedules_out is None and not args.force:
+        raise ValueError(
+            f"no --out: tune-schedule writes the checkpoint's own {own} (its default step counts) only with --force; "
+            "pass --out FILE to write the grids elsewhere, or --force to replace the checkpoint's"
+        )
+    out = own if args.schedules_out is None else Path(args.schedules_out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; allowed: a file path, e.g. {out / SCHEDULES_FILE}")
+    if not args.force and (out.exists() or out.resolve() == own.resolve()):
+        what = "is the checkpoint's own schedules.json" if out.resolve() == own.resolve() else "already exists"
+        raise FileExistsError(f"--out {out} {what}; pass --force to replace it, or choose another --out")
+    return out
+
+
+def _current(checkpoint: Path, sha: str) -> TunedSchedules | None:
+    """The checkpoint's schedules.json as generation uses it now: None when it has none or one for other weights."""
+    from ldlm.sampling.schedules import ScheduleError, load_schedules
+
+    try:
+        return load_schedules(checkpoint, sha256=sha)
+    except ScheduleError:
+        return None
+
+
+def _earlier(out: Path, sha: str, config: LDLMConfig) -> TunedSchedules | None:
+    """The grids of the file being replaced that this run keeps (other step counts), or None when it has
+    none, was tuned for other weights, or at another t_min or prior temperature."""
+    from ldlm.sampling.schedules import SCHEDULES_FILE, ScheduleError, load_schedules
+
+    if out.name != SCHEDULES_FILE or not out.is_file():
+        return None
+    try:
+        earlier = load_schedules(out.parent, sha256=sha)
+    except ScheduleError as error:
+        print(f"{error}: its grids are replaced, not kept", file=sys.stderr)
+        return None
+    if earlier is not None and not earlier.tuned_for(config.t_min, config.effective_prior_temperature):
+        print(f"{out}: its grids were tuned at another t_min or prior temperature; they are replaced, not kept", file=sys.stderr)
+        return None
+    return earlier
+
+
+def _report_defaults(args: argparse.Namespace, out: Path, before: TunedSchedules | None, after: TunedSchedules) -> None:
+    """Which default step counts the written grids change, old -> new per sampler: in the checkpoint when they
+    were written into it, else what they would change there."""
+    from ldlm.checkpoint import load_config
+    from ldlm.sampling.schedules import SCHEDULES_FILE
+    from ldlm.tuning import default_changes
+
+    changes = default_changes(load_config(args.checkpoint), before, after)
+    shown = ", ".join(f"{s} {old} -> {new}" if old != new else f"{s} {old} (unchanged)" for s, (old, new) in changes.items())
+    mine = out.resolve() == (Path(args.checkpoint) / SCHEDULES_FILE).resolve()
+    where = (
+        f"the checkpoint's default steps: {shown}" if mine else f"as {args.checkpoint}'s schedules.json, default steps would be: {shown}"
+    )
+    print(where, file=sys.stderr)
 
 
 def _pipeline(args: argparse.Namespace) -> LDLMPipeline:
-    """The checkpoint in eager PyTorch, or its export on ONNX Runtime (``--onnx-dir``)."""
+    """The checkpoint in eager PyTorch, or its export on ONNX Runtime (``--onnx-dir``), without its tuned grids:
+    the search names every grid it runs, and a schedules.json tuned for other weights is what it replaces."""
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.checkpoint import load_config
+    from ldlm.checkpoint import load_checkpoint, load_config
     from ldlm.pipeline import LDLMPipeline
     from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 
     if args.onnx_dir is None:
-        return LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
+        model, tokenizer = load_checkpoint(args.checkpoint, args.device)
+        return LDLMPipeline(model, tokenizer, args.device)
     if args.device != "cpu":
         raise ValueError(f"--device {args.device} applies to eager PyTorch; --onnx-dir tunes on ONNX Runtime on the CPU")
 
@@ -122,7 +192,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="sampler to tune (default: the checkpoint config's default_sampler)")
     p.add_argument(
-        "--reference-steps", type=capped_positive_int(100_000, " steps"), default=1000, help="DDIM steps of the reference (default: 1000)"
+        "--reference-steps",
+        type=capped_positive_int(100_000, " steps"),
+        default=1000,
+        help="DDIM steps of the reference; at least 4x the largest step count it scores, DDIM@50 included, so at least 200 (default: 1000)",
     )
     p.add_argument(
         "--evaluations",
@@ -140,7 +213,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "(default: cpu)",
     )
     p.add_argument("--threads", type=int_in(1, 1024), default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--out", default=None, help="where to write (default: CHECKPOINT/schedules.json)")
+    p.add_argument(
+        "--out",
+        # not "out": the CLI's checks of an output directory (ldlm.cli.refuse_existing_out) do not fit one file
+        dest="schedules_out",
+        default=None,
+        metavar="FILE",
+        help="where to write the grids, e.g. ./schedules.json (a file named schedules.json there keeps the grids of other "
+        "step counts). Without --out, the checkpoint's own schedules.json, and only with --force: it sets the default "
+        "step count of every generation from the checkpoint",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing --out file, or without --out the checkpoint's schedules.json")
     p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_tune_schedule)

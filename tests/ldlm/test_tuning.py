@@ -111,7 +111,7 @@ def test_the_search_starts_from_the_best_power_grid() -> None:
 def test_held_out_scores_are_run_once_per_grid() -> None:
     """DDIM@50's and a default grid's held-out scores are asked for at every step count: each length runs
     once per (sampler, steps, grid), and another grid runs again."""
-    tuner = Tuner(oracle_pipeline(), TuningSettings("ddim", reference_steps=40, held_out_n=2, held_out_lengths=(8, 12)))
+    tuner = Tuner(oracle_pipeline(), TuningSettings("ddim", reference_steps=200, held_out_n=2, held_out_lengths=(8, 12)))
     for length in (8, 12):
         tuner.samples(tuner.settings.held_out_seed, 2, length)
     runs: list[int] = []
@@ -205,7 +205,7 @@ def test_tune_schedule_writes_a_grid_that_generation_then_uses(tiny_checkpoint: 
     import shutil
 
     shutil.copytree(tiny_checkpoint, ckpt)
-    args = ["tune-schedule", str(ckpt), "--steps", "3", "--sampler", "ddim", "--evaluations", "6", "--reference-steps", "50"]
+    args = ["tune-schedule", str(ckpt), "--steps", "3", "--sampler", "ddim", "--evaluations", "6", "--reference-steps", "200", "--force"]
     args += ["--tune-n", "1", "--tune-length", "8", "--held-out-n", "1", "--held-out-lengths", "8", "--quiet", "--json"]
     assert main(args) == 0
     line = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -228,7 +228,7 @@ def test_tune_schedule_writes_a_grid_that_generation_then_uses(tiny_checkpoint: 
 def test_a_device_with_an_onnx_export_is_refused(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, capsys) -> None:
     args = ["tune-schedule", str(tiny_checkpoint), "--onnx-dir", str(export_dir), "--device", "cuda:0", "--steps", "3", "--quiet"]
     # a tuning this small, written aside, is what would run if the refusal were gone: it would answer 0, at once
-    args += ["--sampler", "ddim", "--evaluations", "2", "--reference-steps", "10", "--tune-n", "1", "--tune-length", "8"]
+    args += ["--sampler", "ddim", "--evaluations", "2", "--reference-steps", "200", "--tune-n", "1", "--tune-length", "8"]
     args += ["--held-out-n", "1", "--held-out-lengths", "8", "--out", str(tmp_path / "schedules.json")]
     assert main(args) == 2
     assert "--device cuda:0 applies to eager PyTorch; --onnx-dir tunes on ONNX Runtime on the CPU" in capsys.readouterr().err
@@ -253,7 +253,7 @@ def test_an_interrupted_search_keeps_its_best_grid(tiny_checkpoint: Path, tmp_pa
         return real(f, x0, budget, step, on_eval)
 
     monkeypatch.setattr(tuning, "nelder_mead", interrupting)
-    args = ["tune-schedule", str(ckpt), "--steps", "2,3", "--sampler", "ddim", "--evaluations", "4", "--reference-steps", "20"]
+    args = ["tune-schedule", str(ckpt), "--steps", "2,3", "--sampler", "ddim", "--evaluations", "4", "--reference-steps", "200", "--force"]
     args += ["--tune-n", "1", "--tune-length", "6", "--held-out-n", "1", "--held-out-lengths", "6", "--quiet"]
     assert main(args) == 130
     written = load_schedules(ckpt, weights=ckpt / "model.safetensors")
