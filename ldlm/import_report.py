@@ -55,6 +55,8 @@ class ImportReport:
     parity: dict[str, Any] | None = None  # ParityReport.to_dict(); None when skipped or not reached
     parity_summary: str | None = None
     out: str | None = None  # set once the checkpoint is in place
+    mapping_chosen: bool = False  # no mapping was named: chosen by the source's keys (ldlm.importing.choose_mapping)
+    ldlm_names: bool = False  # every source key already is one of ldlm's parameter names
 
     def problems(self) -> list[str]:
         """One line per problem; empty when the import may proceed."""
@@ -71,6 +73,11 @@ class ImportReport:
             )
         if self.parity is not None and not self.parity["passed"]:
             lines.append(f"parity round on the imported weights: {self.parity_summary}")
+        if lines and self.ldlm_names and self.mapping != "ldlm":
+            lines.append(
+                f"the source's keys already are ldlm's parameter names, which mapping {self.mapping} does not expect: "
+                "pass --mapping ldlm, or leave --mapping out to have it chosen"
+            )
         return lines
 
     @property
@@ -80,8 +87,9 @@ class ImportReport:
     def lines(self) -> list[str]:
         """The report for people: what was read, what was done with it, then every problem."""
         inferred = ", ".join(f"{k}={v.value} ({v.evidence})" for k, v in self.inferred.items()) or "nothing"
+        chosen = " (chosen by the source's keys; --mapping names another)" if self.mapping_chosen else ""
         lines = [
-            f"source {self.source}, mapping {self.mapping}: {len(self.imported)} parameter(s) imported",
+            f"source {self.source}, mapping {self.mapping}{chosen}: {len(self.imported)} parameter(s) imported",
             f"config inferred from the weights: {inferred}",
         ]
         if self.overrides:

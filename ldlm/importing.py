@@ -13,7 +13,9 @@
    eager, ``run_parity``), and only then rename it to ``out``. On any problem nothing is left at ``out``.
 
 The mapping format is in ``ldlm.key_mapping``; the shipped one for a Hugging Face GPT-2 is
-``ldlm/mappings/hf-gpt2.json``.
+``ldlm/mappings/hf-gpt2.json``, and ``ldlm/mappings/ldlm.json`` keeps ldlm's own parameter names.
+Without a mapping named, ``ldlm`` is chosen when every source key already is one of ldlm's parameter
+names (a checkpoint's model.safetensors), else ``hf-gpt2``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +36,25 @@ from ldlm.files import atomic_directory, refuse_existing
 from ldlm.import_config import resolve_config
 from ldlm.import_report import ImportCheckpointError, ImportReport, Mismatch
 from ldlm.key_mapping import Renamed, load_mapping, rename
+from ldlm.model import LDLM
 from ldlm.tokenizer import TextTokenizer
 
 PICKLE_FILE = "pytorch_model.bin"  # what a Hugging Face directory holds when it has no safetensors
+DEFAULT_MAPPING = "hf-gpt2"  # a source whose keys are not ldlm's: most often a Hugging Face GPT-2
+OWN_MAPPING = "ldlm"  # the identity: weights already under ldlm's parameter names
+
+
+def has_ldlm_names(keys: Collection[str]) -> bool:
+    """Whether every key already is under one of ldlm's parameter names' first parts (``feature_model.``,
+    ``denoiser.``, ``latent_mean``, ...): a state dict of LDLM, which a Hugging Face GPT-2's never is."""
+    with torch.device("meta"):  # the names alone: no memory, no init
+        parts = {name.split(".")[0] for name in LDLM(preset("tiny")).state_dict()}
+    return bool(keys) and all(key.split(".")[0] in parts for key in keys)
+
+
+def choose_mapping(keys: Collection[str]) -> str:
+    """The mapping for a source when none is named: ``ldlm`` for keys already ldlm's, else ``hf-gpt2``."""
+    return OWN_MAPPING if has_ldlm_names(keys) else DEFAULT_MAPPING
 
 
 def read_source(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], list[str]]:
@@ -123,7 +141,7 @@ def compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:
 def import_checkpoint(
     source: str | os.PathLike[str],
     out: str | os.PathLike[str],
-    mapping: str | os.PathLike[str] = "hf-gpt2",
+    mapping: str | os.PathLike[str] | None = None,
     config: LDLMConfig | None = None,
     overrides: Mapping[str, Any] | None = None,
     allow_missing: Sequence[str] = (),
@@ -133,7 +151,8 @@ def import_checkpoint(
     overwrite: bool = False,
     progress: bool = False,
 ) -> ImportReport:
-    """Convert ``source``'s weights into a checkpoint directory at ``out``, by ``mapping``.
+    """Convert ``source``'s weights into a checkpoint directory at ``out``, by ``mapping`` (None: ``ldlm``
+    when the source's keys already are ldlm's parameter names, else ``hf-gpt2``).
 
     ``config`` is the starting point (default: the base preset) that the weights' shapes and then
     ``overrides`` update; ``allow_missing`` are regexes matched at the start of our parameter names
@@ -142,12 +161,16 @@ def import_checkpoint(
     """
     refuse_existing(out, overwrite)
     allowed = compile_patterns(allow_missing)
-    key_mapping = load_mapping(mapping)
     tensors, non_tensors = read_source(source)
+    own_names = has_ldlm_names(tensors)
+    chosen = mapping is None
+    mapping = choose_mapping(tensors) if mapping is None else mapping
+    key_mapping = load_mapping(mapping)
     renamed = rename(tensors, key_mapping.rules)
     shapes = {name: tuple(t.shape) for name, t in renamed.tensors.items()}
     resolved, inferred = resolve_config(config or preset("base"), shapes, overrides, key_mapping.gpt2_blocks)
     report = ImportReport(str(source), str(mapping), resolved.to_dict(), inferred, dict(overrides or {}))
+    report.mapping_chosen, report.ldlm_names = chosen, own_names
     report.unmatched, report.dropped, report.duplicates = renamed.unmatched, renamed.dropped, renamed.duplicates
     report.non_tensors = non_tensors
     model = init_model(resolved, seed)

@@ -219,8 +219,10 @@ def _add_import_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="checkpoint directory to create")
     p.add_argument(
         "--mapping",
-        default="hf-gpt2",
-        help="JSON file of key-mapping rules, or the name of a shipped one (default: hf-gpt2, a Hugging Face GPT-2 into the feature model)",
+        default=None,
+        help="JSON file of key-mapping rules, or the name of a shipped one: hf-gpt2 (a Hugging Face GPT-2 into the feature "
+        "model) or ldlm (ldlm's own parameter names, kept as they are). Default: ldlm when every source key already is "
+        "one of ldlm's parameter names (e.g. a checkpoint's model.safetensors), else hf-gpt2",
     )
     p.add_argument("--preset", choices=["tiny", "base"], default="base", help="config the weights' shapes and --set update (default: base)")
     p.add_argument(
