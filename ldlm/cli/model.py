@@ -16,12 +16,13 @@ def _cmd_init(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from tqdm.auto import tqdm
 
-    from ldlm.checkpoint import init_model, save_checkpoint
+    from ldlm.checkpoint import init_model, refuse_replacing_more_than_saved, save_checkpoint
     from ldlm.config import preset
     from ldlm.files import refuse_existing
     from ldlm.tokenizer import TextTokenizer
 
     refuse_existing(args.out, args.force)  # before the model is built, which takes a while at base size
+    refuse_replacing_more_than_saved(args.out)  # a trained checkpoint is not replaced by random weights
     config = preset(args.preset)
     with tqdm(total=3, desc="init", unit="stage", disable=args.quiet) as bar:
         bar.set_postfix_str("building the model")
@@ -134,7 +135,13 @@ def _add_init(sub: argparse._SubParsersAction) -> None:
         "parameters (GPT-2 weights from --gpt2-dir are kept); default: scale 1, bias 0, identity statistics",
     )
     p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it exists and holds nothing but what init writes (config.json, model.safetensors, "
+        "tokenizer.json); a directory with other files, such as a trained checkpoint's README, SHA256SUMS, "
+        "schedules.json or training.json, is refused",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_init)
 
