@@ -36,7 +36,7 @@ from ldlm.config import LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir, read_schedules, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.files import atomic_directory, refuse_existing
-from ldlm.limits import MAX_N, MAX_STEPS
+from ldlm.limits import MAX_N, MAX_STEPS, SETTINGS
 from ldlm.sampling.schedules import SCHEDULES_FILE
 from ldlm.tokenizer import TOKENIZER_FILE
 
@@ -199,10 +199,10 @@ def generate_config(
     max_steps: the server's defaults), ``bls_max_batch``, the largest batch its denoiser and
     decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples, and
     the precision each graph it calls runs in (``graph_precisions``, as "encoder=fp32,denoiser=int8")."""
-    scalars = [  # name, type, optional (left out: the config's default)
+    scalars = [  # name, type, optional (left out: filled in by ldlm.sampling.resolve, as for ldlm serve)
         ("N", "TYPE_INT64", False),
         ("LENGTH", "TYPE_INT64", False),
-        ("STEPS", "TYPE_INT64", False),
+        ("STEPS", "TYPE_INT64", True),
         ("SEED", "TYPE_INT64", True),
         ("SAMPLER", "TYPE_STRING", True),
         ("T_MIN", "TYPE_FP32", True),
@@ -287,12 +287,11 @@ def write_triton_repo(
         )
     if cc_plans and kind != "plan":
         raise RepositoryError("cc_model_filenames need engine directories; the source is an ONNX export")
-    if not 1 <= max_batch <= 1 << 16:
-        raise RepositoryError(f"max_batch={max_batch} is out of range; allowed: 1..65536")
-    if not 1 <= max_n <= 1 << 16:
-        raise RepositoryError(f"max_n={max_n} is out of range; allowed: 1..65536")
-    if not 1 <= max_steps <= 1 << 20:
-        raise RepositoryError(f"max_steps={max_steps} is out of range; allowed: 1..1048576")
+    for name, value in (("max_batch", max_batch), ("max_n", max_n), ("max_steps", max_steps)):
+        try:  # the bounds ldlm serve's settings of the same names have
+            SETTINGS[name].check(name, value)
+        except ValueError as error:
+            raise RepositoryError(str(error)) from None
     check_source(source, kind, [Path(d) for d in (cc_plans or {}).values()])  # copy only files that match their records
     config = LDLMConfig.load(source / CONFIG_FILE)
     load_model_config_schema()  # fail before writing anything

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from ldlm.limits import PRIOR_TEMPERATURE, T_MIN
+
 DecodeFinal = Literal["mean", "x0"]
 # The samplers every generating path offers (ldlm/samplers.py implements them); listed here, with no
 # torch import, so the config, the CLI and the HTTP schemas all take the names from one place.
@@ -182,13 +184,13 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {  # open at 0 (must be > 0), clo
 }
 
 
-PRIOR_TEMPERATURES = "unset (null, meaning 1) or a number in (0, 1]"
+PRIOR_TEMPERATURES = f"unset (null, meaning 1) or {PRIOR_TEMPERATURE}"
 
 
 def is_prior_temperature(value: object) -> bool:
     """A prior temperature in (0, 1]: above 1 the ODE starts wider than anything it was trained on.
-    type(), not isinstance: a bool is no temperature; NaN fails both comparisons."""
-    return type(value) in (int, float) and 0.0 < float(value) <= 1.0  # type: ignore[arg-type]
+    A bool is no temperature; NaN fails both comparisons."""
+    return value in PRIOR_TEMPERATURE
 
 
 def _validate(c: LDLMConfig) -> None:
@@ -237,7 +239,7 @@ def _validate(c: LDLMConfig) -> None:
     require(0 <= c.mask_token_id < c.vocab_size, "mask_token_id", c.mask_token_id, f"[0, {c.vocab_size})")
     require(0 <= c.eos_token_id < c.vocab_size, "eos_token_id", c.eos_token_id, f"[0, {c.vocab_size})")
     require(0.0 <= c.dropout < 1.0, "dropout", c.dropout, "[0, 1)")
-    require(0.0 < c.t_min < 1.0, "t_min", c.t_min, "(0, 1)")
+    require(c.t_min in T_MIN, "t_min", c.t_min, str(T_MIN))
     require(0.0 < c.beta_clip_t < 1.0, "beta_clip_t", c.beta_clip_t, "(0, 1)")
     require(c.decode_final in ("mean", "x0"), "decode_final", c.decode_final, "'mean' or 'x0'")
     require(c.default_sampler in SAMPLERS, "default_sampler", c.default_sampler, ", ".join(SAMPLERS))

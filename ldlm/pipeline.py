@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ldlm.buckets import bucket_for
 from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
 from ldlm.config import LDLMConfig
-from ldlm.sampling import GenerateRequest, SamplingEngine, resolve, run_lockstep
+from ldlm.sampling import GenerateRequest, SamplingEngine, SamplingPlan, resolve, run_lockstep
 from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.schedule import TangentSchedule
 from ldlm.token_sampling import TokenLogprobs, TokenSampling, choose_tokens
@@ -52,6 +52,7 @@ class TextResult:
     texts: list[str]  # detokenized, cut at the first end-of-text token
     lengths: list[int]  # real (unpadded) positions per row
     logprobs: TokenLogprobs | None = None  # when decoded with TokenSampling.top_logprobs set
+    plan: SamplingPlan | None = None  # a generation's resolved plan (what ran); None for reconstructions
 
     def ids(self) -> list[list[int]]:
         """The token ids of each text without its padded positions: what a caller should return."""
@@ -232,7 +233,7 @@ class LDLMPipeline:
         n: int,
         length: int,
         steps: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
@@ -250,10 +251,16 @@ class LDLMPipeline:
         a kind of ``ldlm.schedule.time_grid`` or ``"tuned"`` (default: the tuned grid where the checkpoint
         has one for this sampler and step count, else the sampler's own). ``prior_temperature`` in (0, 1]:
         the prior's standard deviation (default: the config's, else 1); below 1 trades diversity for text
-        nearer the training data.
+        nearer the training data. Whatever is left out (None) is filled in by ``ldlm.sampling.resolve``,
+        and the result's ``plan`` says what ran.
         """
         prefix = None if prompt is None else self.prompt_latents(prompt, length)
-        return self.decode(self.sample_latents(n, length, steps, seed, sampler, t_min, progress, prefix, grid, prior_temperature))
+        plan = resolve(
+            GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature), self.config, schedules=self.schedules
+        )
+        result = self.decode(self.run_plan(plan, progress, prefix))
+        result.plan = plan
+        return result
 
     def prompt_latents(self, prompt: str | Sequence[int], length: int) -> Tensor:
         """A prompt's latents (P, D) to inpaint, P < ``length`` (the continuation needs a position)."""
@@ -267,7 +274,7 @@ class LDLMPipeline:
         n: int,
         length: int,
         steps: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         sampler: str | None = None,
         t_min: float | None = None,
         progress: bool = False,
@@ -277,7 +284,10 @@ class LDLMPipeline:
     ) -> Tensor:
         """The standardized latents (n, length, D) that ``generate`` decodes, all samples in lockstep."""
         request = GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature)
-        plan = resolve(request, self.config, schedules=self.schedules)
+        return self.run_plan(resolve(request, self.config, schedules=self.schedules), progress, prefix)
+
+    def run_plan(self, plan: SamplingPlan, progress: bool = False, prefix: Tensor | None = None) -> Tensor:
+        """The standardized latents (n, length, D) of a resolved ``plan``, all samples in lockstep."""
         states = self.engine.start(plan, self.config.d_model, prefix)
         with torch.inference_mode():
-            return run_lockstep(self.engine, states, self.graphs.denoise, self.bucket_length(length), progress)
+            return run_lockstep(self.engine, states, self.graphs.denoise, self.bucket_length(plan.length), progress)

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature: 0..2
-MAX_TOP_LOGPROBS = 5  # OpenAI's legacy completions: logprobs 0..5
+from ldlm.limits import TEMPERATURE, TOP_LOGPROBS, TOP_P
 
 
 @dataclass(frozen=True)
@@ -41,12 +40,10 @@ class TokenSampling:
     given: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature={self.temperature} is out of range; allowed: 0..{MAX_TEMPERATURE}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} is out of range; allowed: (0, 1]")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs={self.top_logprobs} is out of range; allowed: 0..{MAX_TOP_LOGPROBS}")
+        TEMPERATURE.check("temperature", self.temperature)
+        TOP_P.check("top_p", self.top_p)
+        if self.top_logprobs is not None:
+            TOP_LOGPROBS.check("logprobs", self.top_logprobs)
 
     @property
     def needs_logits(self) -> bool:

@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from ldlm.serve.api.setting_ranges import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
+from ldlm.limits import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export
 from ldlm.serve.checks.traffic import first_preview_seconds, write_report
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from ldlm.cli.options import float_in, int_in
-from ldlm.serve.api.setting_ranges import MAX_DELAY_MS
+from ldlm.cli.options import float_in, in_range, int_in
+from ldlm.limits import MAX_DELAY_MS, SETTINGS
 
 MIN_COSINE_DEFAULT_TEXT = "0.9999"  # export/quantize.py's DEFAULT_MIN_COSINE (the parser imports no torch)
 
 OPSETS = (18, 20)  # ldlm.export.onnx_export.SUPPORTED_OPSETS, without importing torch to build the parser
 MAX_WORKSPACE_MB = 1 << 20  # 1 TiB, more than any GPU has
 MAX_QUEUE_DELAY_US = int(MAX_DELAY_MS * 1000)  # the same window as ldlm serve's --max-delay-ms
-TRITON_MAX = 1 << 16  # write_triton_repo's limit on max_batch and max_n
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
@@ -239,7 +238,8 @@ def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("source", help="`ldlm build-engine` or `ldlm export` directory")
     p.add_argument("out", help="repository directory to create")
-    p.add_argument("--max-batch", type=int_in(1, TRITON_MAX), default=32, help=f"max_batch_size, 1..{TRITON_MAX} (default: 32)")
+    batch, n = SETTINGS["max_batch"], SETTINGS["max_n"]  # as ldlm serve's: the same bounds
+    p.add_argument("--max-batch", type=in_range(batch), default=32, help=f"max_batch_size, {batch} (default: 32)")
     p.add_argument(
         "--queue-delay-us",
         type=int_in(0, MAX_QUEUE_DELAY_US, " microseconds"),
@@ -248,9 +248,7 @@ def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cpu", action="store_true", help="instance groups on CPU (default: GPU)")
     p.add_argument("--cc-plan", action="append", metavar="CC=ENGINE_DIR", help="extra plans per compute capability (cc_model_filenames)")
-    p.add_argument(
-        "--max-n", type=int_in(1, TRITON_MAX), default=64, help=f"largest N ldlm_generate accepts, 1..{TRITON_MAX} (default: 64)"
-    )
+    p.add_argument("--max-n", type=in_range(n), default=64, help=f"largest N ldlm_generate accepts, {n} (default: 64)")
     p.add_argument(
         "--graph-backend",
         choices=["native", "python"],

@@ -48,17 +48,19 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--length {args.length} is out of range; allowed: 1..{config.max_seq_len} (the checkpoint's max_seq_len)")
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     start = time.perf_counter()
-    # steps, sampler and t_min left out (None) are the checkpoint config's, filled in by the sampling engine
+    # what is left out (None) is filled in by ldlm.sampling.resolve, as for a request over HTTP
     result = pipeline.generate(
         args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, not args.quiet, args.prompt, args.grid, args.prior_temperature
     )
     elapsed = time.perf_counter() - start
     if args.json:
-        print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "seconds": elapsed}))
+        plan = result.plan.summary() if result.plan is not None else None  # what ran, as the HTTP answers name it
+        print(json.dumps({"texts": result.texts, "token_ids": result.ids(), "plan": plan, "seconds": elapsed}))
         return
     for i, text in enumerate(result.texts):
         print(f"[{i}] {text!r}")
-    print(f"generated {args.n} x {args.length} tokens in {elapsed:.2f} s", file=sys.stderr)
+    ran = f" ({result.plan.sampler.name}, {result.plan.steps} steps, {result.plan.grid} grid)" if result.plan is not None else ""
+    print(f"generated {args.n} x {args.length} tokens in {elapsed:.2f} s{ran}", file=sys.stderr)
 
 
 def _cmd_reconstruct(args: argparse.Namespace) -> None:
@@ -165,9 +167,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--steps",
         type=STEPS,
         default=None,
-        help=f"denoising steps, 1..{MAX_STEPS} (default: the checkpoint config's default_steps, {LDLMConfig.default_steps} unless it says otherwise)",
+        help=f"denoising steps, 1..{MAX_STEPS} (default: the sampler's tuned step count where the checkpoint's schedules.json "
+        f"has one, else the config's default_steps, {LDLMConfig.default_steps} unless it says otherwise)",
     )
-    p.add_argument("--seed", type=seed_int, default=0, help=f"noise seed, 0..{MAX_SEED} (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=None, help=f"noise seed, 0..{MAX_SEED} (default: 0)")
     p.add_argument(
         "--sampler",
         choices=SAMPLERS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ldlm.limits import MAX_SEED, MAX_STEPS
+from ldlm.limits import MAX_STEPS, PRIOR_TEMPERATURE, SEED, T_MIN, Range
 
 
 def positive_int(text: str) -> int:
@@ -49,7 +49,7 @@ def capped_positive_int(high: int, why: str) -> Callable[[str], int]:
 
 def seed_int(text: str) -> int:
     """A seed: 0..2**63 - 1 everywhere (CLI, HTTP, Triton), so a seed that works in one works in all."""
-    return int_in(0, MAX_SEED)(text)
+    return in_range(SEED)(text)
 
 
 def float_in(low: float, high: float, why: str = "", low_open: bool = False, high_open: bool = False) -> Callable[[str], float]:
@@ -79,6 +79,13 @@ def float_in(low: float, high: float, why: str = "", low_open: bool = False, hig
     return parse
 
 
+def in_range(allowed: Range, why: str = "") -> Callable[[str], float] | Callable[[str], int]:
+    """The argparse type of a value bounded in ``ldlm.limits``: the same range the server and the bodies check."""
+    if allowed.number:
+        return float_in(allowed.low, allowed.high, why, allowed.low_open, allowed.high_open)
+    return int_in(int(allowed.low), int(allowed.high), why)
+
+
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
@@ -86,9 +93,9 @@ def _number(value: float) -> str:
 # Denoising steps, as ldlm serve caps them.
 STEPS = capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)")
 # A time of the diffusion grid, such as --t-min.
-open_unit_float = float_in(0, 1, low_open=True, high_open=True)
+open_unit_float = in_range(T_MIN)
 # The prior's standard deviation (ldlm.config's prior_temperature).
-prior_temperature = float_in(0, 1, low_open=True)
+prior_temperature = in_range(PRIOR_TEMPERATURE)
 
 
 def add_prior_temperature(p: argparse.ArgumentParser) -> None:

@@ -6,26 +6,18 @@ import argparse
 import os
 from collections.abc import Callable, Mapping
 
-from ldlm.cli.options import capped_positive_int, device_options, float_in, int_in
-from ldlm.serve.api.setting_ranges import (
-    MAX_DELAY_MS,
-    MAX_THREADS,
-    MAX_TIMEOUT_S,
-    PREVIEW_BUDGET,
-    PREVIEW_LONE_BUDGET,
-    SETTING_RANGES,
-)
+from ldlm.cli.options import capped_positive_int, device_options, float_in, in_range
+from ldlm.limits import MAX_DELAY_MS, MAX_THREADS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS, TIMEOUT_S
 
 MAX_REPLICAS = 4096  # RayOptions' limit
 MAX_REPLICA_CPUS = 1024.0
 MAX_REPLICA_GPUS = 64.0
-SECONDS = float_in(0, MAX_TIMEOUT_S, " s", low_open=True)
+SECONDS = in_range(TIMEOUT_S, " s")
 
 
-def setting(name: str, why: str = "") -> Callable[[str], int]:
-    """The argparse type of a ServerSettings field: its range is the server's own (SETTING_RANGES)."""
-    low, high = SETTING_RANGES[name]
-    return int_in(low, high, why)
+def setting(name: str, why: str = "") -> Callable[[str], float] | Callable[[str], int]:
+    """The argparse type of a ServerSettings field: its range is the server's own (``ldlm.limits.SETTINGS``)."""
+    return in_range(SETTINGS[name], why)
 
 
 def api_key(option: str | None, environ: Mapping[str, str]) -> str | None:
@@ -108,14 +100,14 @@ def preview_options(p: argparse.ArgumentParser) -> None:
     """The shares of wall time that streamed previews may take (serve/api/streaming.py)."""
     p.add_argument(
         "--preview-budget",
-        type=float_in(0, 1, low_open=True),
+        type=setting("preview_budget"),
         default=PREVIEW_BUDGET,
         help="share of wall time that decoding streamed denoising previews may take while other generations are in "
         f"flight; previews are skipped, never queued, beyond it (default: {PREVIEW_BUDGET:g})",
     )
     p.add_argument(
         "--preview-lone-budget",
-        type=float_in(0, 1, low_open=True),
+        type=setting("preview_lone_budget"),
         default=PREVIEW_LONE_BUDGET,
         help="the same while a stream's generation is the only one: a lone stream takes at most 1 / (1 - share) times "
         "its plain run; 1 sends every preview asked for, in order (default: 1/3, at most 1.5x)",
@@ -159,7 +151,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-delay-ms",
-        type=float_in(0, MAX_DELAY_MS, " ms"),
+        type=setting("max_delay_ms", " ms"),
         default=0.0,
         help=f"dynamic batching window, 0..{MAX_DELAY_MS:g}; 0 batches whatever queued during the last run (default: 0)",
     )
@@ -181,7 +173,7 @@ def _serve_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=SECONDS, default=60.0, help="per-request timeout, then 504 (default: 60)")
     p.add_argument(
         "--max-body-mb",
-        type=capped_positive_int(SETTING_RANGES["max_body_bytes"][1] >> 20, " MiB"),
+        type=capped_positive_int(int(SETTINGS["max_body_bytes"].high) >> 20, " MiB"),
         default=8,
         help="request body cap, then 413 (default: 8 MiB)",
     )
@@ -212,7 +204,7 @@ def _serve_limit_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int_in(1, MAX_THREADS, " threads"),
+        type=setting("threads", " threads"),
         help=f"ONNX Runtime intra-op threads, 1..{MAX_THREADS} (default: its own)",
     )
     p.add_argument(

@@ -1,12 +1,15 @@
 """A generation request and its sampling plan: the one place where a request's settings (sampler,
-steps, t_min, grid, prior temperature, seed) are resolved against the config and checked, each refusal naming the
-value and the allowed range.
+steps, t_min, grid, prior temperature, seed) are filled in and checked, each refusal naming the value and
+the allowed range.
 
-Every generating path (``LDLMPipeline.generate``, the continuous-batching scheduler, Triton's
-``ldlm_generate``) resolves its request here; what a request leaves out (None) is the config's
-default, or, where the checkpoint has tuned step grids (``schedules``, ldlm/sampling/schedules.py),
-the tuned default: the sampler's tuned step count and its tuned grid (``grid="tuned"``). Per-request caps (``RequestLimits``) are those of the caller: the server's and Triton's
-come from ``ldlm.limits``; a Python caller of the pipeline has none.
+Every generating path (``LDLMPipeline.generate``, the continuous-batching scheduler behind /v1/generate and
+/v1/completions, Triton's ``ldlm_generate``, parity, bench) resolves its request here, and no front end
+fills in a default of its own: what a request leaves out (None) is the config's default, or, where the
+checkpoint has tuned step grids (``schedules``, ldlm/sampling/schedules.py) tuned for the request's t_min
+and prior temperature, the tuned default: the sampler's tuned step count and its tuned grid
+(``grid="tuned"``). Per-request caps (``RequestLimits``) are those of the caller: the server's and
+Triton's come from its settings; a Python caller of the pipeline has none. ``SamplingPlan.summary``
+is what an answer reports as the plan that ran.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ldlm.config import SAMPLERS, TUNED_GRID, LDLMConfig, is_prior_temperature
+from ldlm.config import SAMPLERS, TUNED_GRID, LDLMConfig
+from ldlm.limits import PRIOR_TEMPERATURE, T_MIN
 from ldlm.samplers import Sampler, get_sampler
 from ldlm.sampling.noise import check_seed
 from ldlm.sampling.schedules import TunedSchedules
@@ -26,13 +30,14 @@ from ldlm.schedule import GRIDS, TangentSchedule, time_grid
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """What a caller asks for; None: the config's default (``default_steps``, ``default_sampler``,
-    ``t_min``, ``prior_temperature``; the grid is the sampler's own)."""
+    """What a caller asks for; None: not given, filled in by ``resolve`` (the tuned or the config's
+    ``default_steps``, ``default_sampler``, ``t_min``, ``prior_temperature``, seed 0; the grid is the tuned
+    one where it applies, else the sampler's own)."""
 
     n: int
     length: int
     steps: int | None = None
-    seed: int = 0
+    seed: int | None = None
     sampler: str | None = None
     t_min: float | None = None
     grid: str | None = None
@@ -61,6 +66,16 @@ class SamplingPlan:
     tuned_times: tuple[float, ...] | None = None  # the tuned grid's times (grid="tuned")
     prior_temperature: float = 1.0  # x_1 ~ N(0, prior_temperature^2 I)
 
+    def summary(self) -> dict[str, str | int | float]:
+        """What ran, as every answer names it: sampler, steps, grid ("tuned" or its kind), t_min, prior temperature."""
+        return {
+            "sampler": self.sampler.name,
+            "steps": self.steps,
+            "grid": self.grid,
+            "t_min": self.t_min,
+            "prior_temperature": self.prior_temperature,
+        }
+
     def times(self, schedule: TangentSchedule) -> Tensor:
         """The steps + 1 times from 1 down to t_min (float64)."""
         if self.tuned_times is not None:
@@ -69,6 +84,7 @@ class SamplingPlan:
 
 
 TUNED = TUNED_GRID  # the grid tuned for the checkpoint (ldlm tune-schedule)
+DEFAULT_SEED = 0  # a request that names no seed: the same noise every time, as a CLI run gives
 
 
 def resolve(
@@ -89,24 +105,20 @@ def resolve(
     if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= config.max_seq_len:
         raise ValueError(f"{name('length')}={length!r} is out of range; allowed: 1..{config.max_seq_len} (config max_seq_len)")
     t_min = config.t_min if request.t_min is None else request.t_min
-    if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
-        raise ValueError(f"t_min={t_min!r} is invalid; allowed: (0, 1)")
+    T_MIN.check(name("t_min"), t_min)
     tau = config.prior_temperature_for(request.prior_temperature)
-    if not is_prior_temperature(tau):
-        raise ValueError(f"{name('prior_temperature')}={tau!r} is out of range; allowed: (0, 1]")
+    PRIOR_TEMPERATURE.check(name("prior_temperature"), tau)
     tau = float(tau)
     # tuned grids, and the step counts they made the defaults, hold only for the runs they were tuned for
     here = schedules if schedules is not None and schedules.tuned_for(float(t_min), tau) else None
     sampler_name = config.default_sampler if request.sampler is None else request.sampler
-    steps = request.steps
-    if steps is None:
-        steps = here.defaults.get(sampler_name, config.default_steps) if here is not None else config.default_steps
+    steps = request.steps if request.steps is not None else _default_steps(sampler_name, config, here, limits, name("steps"))
     steps = _count(steps, name("steps"), limits.max_steps, "is invalid")
     try:
         sampler = get_sampler(sampler_name)
     except ValueError:
         raise ValueError(f"{name('sampler')}={sampler_name!r} is unknown; allowed: {', '.join(SAMPLERS)}") from None
-    seed = check_seed(request.seed, name("seed"))
+    seed = check_seed(DEFAULT_SEED if request.seed is None else request.seed, name("seed"))
     tuned = here.grid(sampler.name, steps) if here is not None else None
     if request.grid == TUNED and tuned is None:
         raise ValueError(_no_tuned_grid(sampler.name, steps, float(t_min), tau, schedules))
@@ -116,6 +128,18 @@ def resolve(
     if grid not in GRIDS:
         raise ValueError(f"grid={grid!r} is unknown; allowed: {', '.join((*GRIDS, TUNED))}")
     return SamplingPlan(n, length, steps, seed, sampler, float(t_min), grid, prior_temperature=tau)
+
+
+def _default_steps(sampler: str, config: LDLMConfig, here: TunedSchedules | None, limits: RequestLimits, name: str) -> int:
+    """The step count of a request that names none: the sampler's tuned count, else the config's; refused
+    (not cut) where it exceeds the caller's cap, so a plan never differs from what the rule gives."""
+    steps = here.defaults.get(sampler, config.default_steps) if here is not None else config.default_steps
+    if limits.max_steps is not None and steps > limits.max_steps:
+        raise ValueError(
+            f"{name} was not given, and the default for sampler {sampler} is {steps} steps, which is out of range; "
+            f"allowed: 1..{limits.max_steps} (the caller's max_steps): give {name}"
+        )
+    return steps
 
 
 def _no_tuned_grid(sampler: str, steps: int, t_min: float, tau: float, schedules: TunedSchedules | None) -> str:

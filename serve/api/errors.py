@@ -19,8 +19,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ldlm.limits import Range
 from ldlm.serve.api.kserve import ProtocolError, load_json
-from ldlm.serve.api.schemas import Range, field_name, validation_message
+from ldlm.serve.api.schemas import field_name, validation_message
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.queueing import QueueFullError
 
@@ -79,9 +80,9 @@ def error_response(
     return Response(error_body(message, status, request.url.path, param), status, headers, "application/json")
 
 
-def add_error_handlers(app: FastAPI, text_limits: dict[str, Range], openai_limits: dict[str, Range]) -> None:
+def add_error_handlers(app: FastAPI, limits: dict[str, Range]) -> None:
     """Our HTTPError, Starlette's (unknown route, 405, ...) and FastAPI's validation errors, in the one shape.
-    ``text_limits`` and ``openai_limits``: the ranges that validation messages name, field by field."""
+    ``limits``: the ranges that validation messages name, field by field (both bodies' fields, one table)."""
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, error: HTTPError) -> Response:
@@ -104,9 +105,7 @@ def add_error_handlers(app: FastAPI, text_limits: dict[str, Range], openai_limit
         errors = list(error.errors())
         openai = request.url.path.startswith(OPENAI_PATHS)  # OpenAI answers every invalid request with 400
         status = 400 if openai or any(e["type"] == "json_invalid" for e in errors) else 422
-        message = validation_message(
-            errors, openai_limits if openai else text_limits, body_fields(request), request.headers.get("content-type")
-        )
+        message = validation_message(errors, limits, body_fields(request), request.headers.get("content-type"))
         param = field_name(errors[0]["loc"]) if errors and errors[0]["type"] != "json_invalid" else None
         return error_response(request, status, message, param=param)
 

@@ -15,22 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
-from ldlm.config import SAMPLERS
-from ldlm.limits import MAX_SEED
+from ldlm.limits import TEMPERATURE, TOP_LOGPROBS, TOP_P
+from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.schemas import (
-    PRIOR_TEMPERATURE_RANGE,
-    STRICT_BODY,
-    T_MIN_RANGE,
-    BodyLimits,
-    Range,
-    SamplerName,
-    sampling_fields,
-    strict_int,
-    timeout_field,
-)
-from ldlm.serve.api.service import ServerSettings
-from ldlm.token_sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, TokenSampling
+from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, SamplingBody, ranged, sampling_fields, timeout_field
+from ldlm.token_sampling import TokenSampling
 
 MODEL_ID = "ldlm"
 
@@ -57,33 +46,40 @@ MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
 DECODING_FIELDS: dict[str, Any] = {
     "temperature": (
         float | None,
-        Field(
+        ranged(
+            TEMPERATURE,
             None,
-            ge=0,
-            le=MAX_TEMPERATURE,
-            strict=True,
-            description="0 (the default): each token is the decoder's argmax; > 0: drawn from softmax(logits / temperature), seeded by seed",
+            f"{TEMPERATURE}; 0 (the default): each token is the decoder's argmax; > 0: drawn from softmax(logits / temperature), "
+            "seeded by seed",
         ),
     ),
     "top_p": (
         float | None,
-        Field(None, gt=0, le=1, strict=True, description="with temperature > 0: draw from the smallest set of tokens holding this mass"),
+        ranged(TOP_P, None, f"{TOP_P}; with temperature > 0: draw from the smallest set of tokens holding this mass"),
     ),
     "logprobs": (
         int | None,
-        Field(
+        ranged(
+            TOP_LOGPROBS,
             None,
-            ge=0,
-            le=MAX_TOP_LOGPROBS,
-            strict=True,
-            description="each completion token's log-probability under the decoder, and this many most likely alternatives",
+            f"{TOP_LOGPROBS}: each completion token's log-probability under the decoder, and this many most likely alternatives",
         ),
     ),
 }
 OPENAI_ORDER = ("temperature", "top_p", "best_of", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "suffix")
 
 
+class CompletionFields(SamplingBody):
+    """/v1/completions' body, as the handler reads it (its fields are built per app by ``completion_body``)."""
+
+    def to_request(self, prompt_tokens: int, seed: int) -> GenerateRequest:
+        """The request of one prompt of ``prompt_tokens`` tokens: n choices of max_tokens tokens after it."""
+        fields: Any = self
+        return self.sampling_request(fields.n, prompt_tokens + fields.max_tokens, seed)
+
+
 def completion_body(limits: BodyLimits) -> type[BaseModel]:
+    r = limits.ranges()
     unsupported = {
         name: (Any, Field(None, description=f"not supported ({why}); allowed: {accepted(allowed)}"))
         for name, (allowed, why) in UNSUPPORTED.items()
@@ -92,7 +88,7 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
     openai_fields = {name: openai_fields[name] for name in OPENAI_ORDER}  # as OpenAI's reference lists them
     return create_model(  # type: ignore[call-overload, unused-ignore]  # pydantic's stubs cannot type fields built in a dict
         "CompletionBody",
-        __config__=STRICT_BODY,
+        __base__=CompletionFields,
         model=(str, Field(..., description=f"the served model's id: {MODEL_ID!r} (see GET /v1/models)")),
         prompt=(
             str | list[str],
@@ -103,17 +99,14 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
         ),
         max_tokens=(
             int,
-            strict_int(
-                16,
-                1,
-                limits.max_seq_len,
-                f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({limits.max_seq_len})",
+            ranged(
+                r["max_tokens"], 16, f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({r['max_tokens']})"
             ),
         ),
-        n=(int, strict_int(1, 1, limits.max_n, f"choices per prompt (1..{limits.max_n} in all)")),
+        n=(int, ranged(r["n"], 1, f"choices per prompt ({r['n']} in all)")),
         seed=(
             int | None,
-            Field(None, ge=0, le=MAX_SEED, strict=True, description="noise seed; with sampler ddim the same seed gives the same text"),
+            ranged(r["seed"], None, f"noise seed ({r['seed']}; default: a random one, as OpenAI's); the same seed gives the same text"),
         ),
         stream=(bool, Field(False, strict=True, description="OpenAI server-sent chunks, ending with data: [DONE]")),
         stream_options=(StreamOptions | None, Field(None, description="include_usage: a last chunk with usage")),
@@ -123,18 +116,8 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
         ),
         echo=(bool, Field(False, strict=True, description="the prompt, then the completion, in each choice's text")),
         user=(str | None, Field(None, description="an end-user id, as OpenAI's; it does not change the output")),
-        steps=(
-            int,
-            strict_int(
-                limits.default_steps, 1, limits.max_steps, f"LDLM: denoising steps (1..{limits.max_steps}; default: the model config's)"
-            ),
-        ),
-        sampler=(
-            SamplerName,
-            Field(limits.default_sampler, description=f"LDLM: one of {', '.join(SAMPLERS)}; default: the model config's"),
-        ),
-        **sampling_fields("LDLM: "),
-        timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
+        **sampling_fields(limits, "LDLM: "),
+        timeout_s=(float | None, timeout_field(limits)),
         **openai_fields,
     )
 
@@ -184,19 +167,3 @@ def token_sampling(body: Any, seed: int, has_logits: bool, prompt_ids: Sequence[
             param=name,
         )
     return sampling if sampling.needs_logits else None
-
-
-def openai_limits(settings: ServerSettings, max_seq_len: int) -> dict[str, Range]:
-    """The ranges that validation messages name, field by field."""
-    return {
-        "max_tokens": Range(1, max_seq_len),
-        "n": Range(1, settings.max_n),
-        "steps": Range(1, settings.max_steps),
-        "seed": Range(0, MAX_SEED),
-        "t_min": T_MIN_RANGE,
-        "prior_temperature": PRIOR_TEMPERATURE_RANGE,
-        "temperature": Range(0, MAX_TEMPERATURE),
-        "top_p": Range(0, 1, low_open=True),
-        "logprobs": Range(0, MAX_TOP_LOGPROBS),
-        "timeout_s": Range(0, settings.request_timeout_s, low_open=True),
-    }

@@ -49,4 +49,5 @@ def after_prompt(result: TextResult, kept: int, tokenizer: TextTokenizer) -> Tex
     if kept == 0:
         return result
     rows = [row[:n].tolist() for row, n in zip(result.token_ids, result.lengths)]
-    return TextResult(result.token_ids[:, kept:], [text_after(row, kept, tokenizer) for row in rows], [n - kept for n in result.lengths])
+    texts = [text_after(row, kept, tokenizer) for row in rows]
+    return TextResult(result.token_ids[:, kept:], texts, [n - kept for n in result.lengths], plan=result.plan)

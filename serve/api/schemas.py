@@ -1,10 +1,13 @@
 """The text API's request and response schemas, and the one error shape of every route.
 
 Request limits depend on the server (``ServerSettings.max_n``, ``max_steps``, ``max_texts``) and
-on the model (``max_seq_len``; ``default_steps`` and ``default_sampler`` are the defaults), so the
-request models are built per app by ``request_models``: the bounds are then both enforced and
-visible in ``/openapi.json``. Bodies are strict: unknown fields, booleans or floats for integers,
-and empty texts are refused (422) with a message naming the field, the value and what is allowed.
+on the model (``max_seq_len``), so the request models are built per app by ``request_models``, each
+bound read from the one table (``ldlm.limits.body_ranges``): the bounds are then both enforced and
+visible in ``/openapi.json``. The fields a generation's plan is made of (sampler, steps, grid, t_min,
+prior_temperature, seed) default to "not given" (null): ``ldlm.sampling.resolve`` fills them in, as for
+the CLI and Python, and ``SamplingBody.sampling_request`` is the one way a body becomes a request.
+Bodies are strict: unknown fields, booleans or floats for integers, and empty texts are refused (422)
+with a message naming the field, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
-from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
-from ldlm.limits import MAX_SEED
+from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID
+from ldlm.limits import Range, body_ranges
+from ldlm.sampling import GenerateRequest
 
 
 class ErrorResponse(BaseModel):
@@ -30,6 +34,20 @@ class ErrorResponse(BaseModel):
 class TextsResponse(BaseModel):
     texts: list[str] = Field(..., description="one decoded text per sample")
     token_ids: list[list[int]] = Field(..., description="the decoded GPT-2 token ids, one list per sample, without padded positions")
+
+
+class Plan(BaseModel):
+    """The sampling plan that produced an answer: what the request gave, and what the server filled in."""
+
+    sampler: str = Field(..., description="the sampler that ran")
+    steps: int = Field(..., description="its denoiser calls per sample")
+    grid: str = Field(..., description=f"its time grid: {TUNED_GRID} (the checkpoint's, from `ldlm tune-schedule`) or {', '.join(GRIDS)}")
+    t_min: float = Field(..., description="the grid's last time")
+    prior_temperature: float = Field(..., description="the prior's standard deviation tau")
+
+
+class GenerateResponse(TextsResponse):
+    plan: Plan = Field(..., description="what ran: every field the request left out, as the server filled it in")
 
 
 class EncodeResponse(BaseModel):
@@ -53,24 +71,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class Range:
-    """A field's allowed values, as messages name them: ``1..64``, or ``(0, 1)`` with both ends excluded."""
-
-    low: float
-    high: float
-    exclusive: bool = False  # floats such as t_min: low < x < high
-    unit: str = ""  # " items" for lists: how the value given is counted
-    low_open: bool = False  # floats such as timeout_s: low < x <= high
-
-    def __str__(self) -> str:
-        if self.exclusive:
-            return f"a number in ({self.low:g}, {self.high:g}), both ends excluded"
-        if self.low_open:
-            return f"a number in ({self.low:g}, {self.high:g}]"
-        return f"{self.low}..{self.high}"
-
-
-@dataclass(frozen=True)
 class RequestModels:
     generate: type[BaseModel]
     texts: type[BaseModel]
@@ -91,37 +91,52 @@ GRID_HELP = (
 STRICT_BODY = ConfigDict(extra="forbid")
 
 
-def strict_int(default: Any, low: int, high: int, description: str) -> Any:
-    return Field(default, ge=low, le=high, strict=True, description=description)
+def ranged(allowed: Range, default: Any, description: str, strict: bool = True) -> Any:
+    """A body field bounded by its range in the one table; strict: no booleans or floats for integers."""
+    return Field(default, **allowed.field_bounds(), strict=strict, description=description)
 
 
-T_MIN_RANGE = Range(0, 1, exclusive=True)
-PRIOR_TEMPERATURE_RANGE = Range(0, 1, low_open=True)
+class SamplingBody(BaseModel):
+    """What /v1/generate's body and /v1/completions' share: the fields a generation's plan is made of."""
+
+    model_config = STRICT_BODY
+
+    def sampling_request(self, n: int, length: int, seed: int | None) -> GenerateRequest:
+        """The request this body asks for, every field it leaves out left to ``ldlm.sampling.resolve``."""
+        fields: Any = self
+        return GenerateRequest(n, length, fields.steps, seed, fields.sampler, fields.t_min, fields.grid, fields.prior_temperature)
 
 
-def sampling_fields(prefix: str = "") -> dict[str, Any]:
-    """t_min, grid and prior_temperature as both request bodies take them (/v1/generate's, /v1/completions'
-    extra_body), bounded by the ranges their messages name; ``prefix`` marks fields that are LDLM's own."""
-    t, tau = T_MIN_RANGE, PRIOR_TEMPERATURE_RANGE
+def sampling_fields(limits: BodyLimits, prefix: str = "") -> dict[str, Any]:
+    """steps, sampler, t_min, grid and prior_temperature as both request bodies take them (/v1/generate's,
+    /v1/completions' extra_body), each null unless given; ``prefix`` marks fields that are LDLM's own."""
+    r = limits.ranges()
+    t, tau = r["t_min"], r["prior_temperature"]
     t_min = f"{prefix}last time of the grid: {t} (default: the model config's t_min)"
     prior = f"{prefix}the prior's standard deviation tau ({tau}): x_1 ~ N(0, tau^2 I); below 1 trades diversity for text "
     prior += "nearer the training data (default: the model config's prior_temperature, else 1)"
+    defaults = f" (default: chosen by the server for the sampler; {limits.defaults})" if limits.defaults else ""
     return {
-        "t_min": (float | None, Field(None, gt=t.low, lt=t.high, description=t_min)),
+        "steps": (int | None, ranged(r["steps"], None, f"{prefix}denoising steps ({r['steps']}){defaults}")),
+        "sampler": (
+            SamplerName | None,
+            Field(None, description=f"{prefix}one of {', '.join(SAMPLERS)} (default: the model config's default_sampler)"),
+        ),
+        "t_min": (float | None, ranged(t, None, t_min, strict=False)),
         "grid": (GridName | None, Field(None, description=f"{prefix}{GRID_HELP}")),
-        "prior_temperature": (float | None, Field(None, gt=tau.low, le=tau.high, description=prior)),
+        "prior_temperature": (float | None, ranged(tau, None, prior, strict=False)),
     }
 
 
-def timeout_field(max_timeout_s: float) -> Any:
+def timeout_field(limits: BodyLimits) -> Any:
     """A request's own deadline, shorter than the server's: refused up front if it cannot be met (the estimate is named)."""
-    return Field(
+    return ranged(
+        limits.ranges()["timeout_s"],
         None,
-        gt=0,
-        le=max_timeout_s,
-        description=f"seconds this request may take, at most the server's {max_timeout_s:g} s "
+        f"seconds this request may take, at most the server's {limits.max_timeout_s:g} s "
         "(its default): a request estimated to take longer is refused at once (413 or 503 with Retry-After), and one "
         "that runs past it is cancelled (504)",
+        strict=False,
     )
 
 
@@ -136,49 +151,45 @@ def non_empty(text: str) -> str:
 
 @dataclass(frozen=True)
 class BodyLimits:
-    """What a request body may ask of this server (its settings and the model's max_seq_len) and what
-    it gets when it asks nothing (the model config's defaults): one value for the /v1 and OpenAI bodies."""
+    """What a request body may ask of this server (its settings and the model's max_seq_len), and, for
+    the docs, what a request naming no sampler or steps gets (``LDLMService.default_plans``)."""
 
     max_n: int
     max_steps: int
     max_texts: int
     max_seq_len: int
-    default_steps: int = LDLMConfig.default_steps
-    default_sampler: str = LDLMConfig.default_sampler
     max_timeout_s: float = 60.0
+    defaults: str = ""
+
+    def ranges(self) -> dict[str, Range]:
+        """Each bounded body field's range, from the one table."""
+        return body_ranges(self.max_n, self.max_steps, self.max_texts, self.max_seq_len, self.max_timeout_s)
 
 
 def request_models(limits: BodyLimits) -> RequestModels:
-    """The /v1 bodies with this server's limits and the model config's defaults (steps, sampler)."""
-    if not 1 <= limits.default_steps <= limits.max_steps:
-        raise ValueError(
-            f"the model config's default_steps={limits.default_steps} is out of range; allowed: 1..{limits.max_steps} (max_steps)"
-        )
-    return RequestModels(generate_body_model(limits), texts_body_model(limits), body_ranges(limits))
+    """The /v1 bodies with this server's limits."""
+    return RequestModels(generate_body_model(limits), texts_body_model(limits), limits.ranges())
+
+
+class GenerateFields(SamplingBody):
+    """/v1/generate's body, as the handler reads it."""
+
+    def to_request(self, kept: int) -> GenerateRequest:
+        """The request for ``n`` samples of ``length`` tokens after a prompt of ``kept`` tokens."""
+        fields: Any = self
+        return self.sampling_request(fields.n, kept + fields.length, fields.seed)
 
 
 def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
-    """The /v1/generate body: its bounds from ``limits``, its steps and sampler defaulting to the model config's."""
+    """The /v1/generate body: its bounds from ``limits``; what it leaves out, ``ldlm.sampling.resolve`` fills in."""
+    r = limits.ranges()
     return create_model(
         "GenerateBody",
-        __config__=STRICT_BODY,
-        n=(int, strict_int(1, 1, limits.max_n, f"samples to generate (1..{limits.max_n})")),
-        length=(int, strict_int(64, 1, limits.max_seq_len, f"tokens per sample (1..{limits.max_seq_len}, the model's max_seq_len)")),
-        steps=(
-            int,
-            strict_int(
-                limits.default_steps,
-                1,
-                limits.max_steps,
-                f"denoising steps (1..{limits.max_steps}; default: the model config's default_steps)",
-            ),
-        ),
-        seed=(int, strict_int(0, 0, MAX_SEED, f"noise seed (0..{MAX_SEED})")),
-        sampler=(
-            SamplerName,
-            Field(limits.default_sampler, description=f"one of {', '.join(SAMPLERS)} (default: the model config's default_sampler)"),
-        ),
-        **sampling_fields(),
+        __base__=GenerateFields,
+        n=(int, ranged(r["n"], 1, f"samples to generate ({r['n']})")),
+        length=(int, ranged(r["length"], 64, f"tokens per sample ({r['length']}, the model's max_seq_len)")),
+        seed=(int | None, ranged(r["seed"], None, f"noise seed ({r['seed']}; default: 0)")),
+        **sampling_fields(limits),
         stream=(
             bool,
             Field(
@@ -188,14 +199,15 @@ def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
                 "x0_hat decoded) every `preview_every` steps, then one `result` event",
             ),
         ),
-        preview_every=(int, strict_int(5, 1, limits.max_steps, "steps between previews when streaming")),
+        preview_every=(int, ranged(r["preview_every"], 5, f"steps between previews when streaming ({r['preview_every']})")),
         prompt=(str, Field("", description="text to continue (prefix inpainting); the answer and previews are of what follows it")),
-        timeout_s=(float | None, timeout_field(limits.max_timeout_s)),
+        timeout_s=(float | None, timeout_field(limits)),
     )
 
 
 def texts_body_model(limits: BodyLimits) -> type[BaseModel]:
     """The /v1/encode and /v1/reconstruct body: 1..max_texts non-empty texts."""
+    texts = limits.ranges()["texts"]
     return create_model(
         "TextsBody",
         __config__=STRICT_BODY,
@@ -203,27 +215,12 @@ def texts_body_model(limits: BodyLimits) -> type[BaseModel]:
             list[Annotated[str, AfterValidator(non_empty)]],
             Field(
                 ...,
-                min_length=1,
-                max_length=limits.max_texts,
-                description=f"1..{limits.max_texts} non-empty texts, each at most {limits.max_seq_len} GPT-2 tokens",
+                min_length=int(texts.low),
+                max_length=int(texts.high),
+                description=f"{texts} non-empty texts, each at most {limits.max_seq_len} GPT-2 tokens",
             ),
         ),
     )
-
-
-def body_ranges(limits: BodyLimits) -> dict[str, Range]:
-    """Each bounded field's allowed range, as validation messages name it."""
-    return {
-        "n": Range(1, limits.max_n),
-        "length": Range(1, limits.max_seq_len),
-        "steps": Range(1, limits.max_steps),
-        "seed": Range(0, MAX_SEED),
-        "texts": Range(1, limits.max_texts, unit=" items"),
-        "preview_every": Range(1, limits.max_steps),
-        "t_min": T_MIN_RANGE,
-        "prior_temperature": PRIOR_TEMPERATURE_RANGE,
-        "timeout_s": Range(0, limits.max_timeout_s, low_open=True),
-    }
 
 
 def field_name(loc: tuple[Any, ...] | list[Any]) -> str:

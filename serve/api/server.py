@@ -32,7 +32,6 @@ from fastapi import FastAPI
 
 import ldlm
 from ldlm.interrupts import raise_if_interrupted
-from ldlm.serve.api import openai_schemas
 from ldlm.serve.api.errors import add_error_handlers
 from ldlm.serve.api.http_guard import GuardMiddleware, JsonLogFormatter, guarded_protocol
 from ldlm.serve.api.routes import kserve, metrics, openai, playground, text
@@ -67,7 +66,7 @@ def create_app(service: LDLMService) -> FastAPI:
     )
     app.state.service = service
     app.add_middleware(GuardMiddleware, service=service)
-    add_error_handlers(app, text_models.limits, openai_schemas.openai_limits(settings, service.config.max_seq_len))
+    add_error_handlers(app, text_models.limits)
     app.include_router(kserve.create_router(service))
     app.include_router(text.create_router(service, text_models))
     app.include_router(openai.create_router(service))
@@ -153,7 +152,7 @@ def _serve(source: str, settings: ServerSettings) -> None:
         print(f"ldlm serving {source} ({settings.backend}; {providers}) on {url}", flush=True)
         print(
             f"try: curl -s {url}/v1/generate -H 'Content-Type: application/json'{auth} "
-            f'-d \'{{"n": 2, "length": 32, "steps": 20, "seed": 0, "sampler": "ddim"}}\'',
+            f'-d \'{{"n": 2, "length": 32}}\'',  # the server picks steps, sampler and grid itself
             flush=True,
         )
         print(f"docs: {url}/docs   metrics: {url}/metrics", flush=True)

@@ -19,17 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from ldlm.checkpoint import WEIGHTS_FILE
-from ldlm.config import LDLMConfig
+from ldlm.config import SAMPLERS, LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, read_schedules
 from ldlm.export.onnx_export import export_graphs
-from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS
+from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampling import GenerateRequest, SamplingEngine
+from ldlm.sampling import GenerateRequest, RequestLimits, SamplingEngine
 from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.serve.api.export_cache import cached_export
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
-from ldlm.serve.api.setting_ranges import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.serve.api.streaming import PreviewDecoder
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
@@ -69,29 +68,10 @@ class ServerSettings:
     export_cache: str | None = None  # a checkpoint on ort: where its verified export is kept (None: a scratch export)
 
     def __post_init__(self) -> None:
-        checks = {
-            "port": (self.port, 0, 65535),
-            "max_batch": (self.max_batch, 1, 1 << 16),
-            "max_queue": (self.max_queue, 1, 1 << 20),
-            "max_body_bytes": (self.max_body_bytes, 1024, 1 << 31),
-            "max_n": (self.max_n, 1, 1 << 16),
-            "max_steps": (self.max_steps, 1, 1 << 20),
-            "max_texts": (self.max_texts, 1, 1 << 16),
-            "max_request_samples": (self.max_request_samples, 1, 1 << 20),
-            "max_request_tokens": (self.max_request_tokens, 1, 1 << 30),
-            "max_connections": (self.max_connections, 1, 1 << 20),
-        }
-        for name, (value, low, high) in checks.items():
-            if not low <= value <= high:
-                raise ValueError(f"{name}={value} is out of range; allowed: {low}..{high}")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: > 0")
-        for name in ("preview_budget", "preview_lone_budget"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: (0, 1]")
-        if self.max_delay_ms < 0:
-            raise ValueError(f"max_delay_ms={self.max_delay_ms} is out of range; allowed: >= 0")
+        for name, allowed in SETTINGS.items():  # the ranges `ldlm serve`'s options parse with
+            value = getattr(self, name)
+            if value is not None or name != "threads":  # threads: None is ONNX Runtime's own choice
+                allowed.check(name, value)
 
 
 class LDLMService:
@@ -204,13 +184,26 @@ class LDLMService:
             on_drop=self.metrics.cancelled_samples.labels("generate").inc,
             engine=SamplingEngine(self.pipeline.schedule, config.decode_final, device),
             denoise=BackendGraphs(graphs).denoise,
+            limits=RequestLimits(self.settings.max_n, self.settings.max_steps),
         )
 
     def body_limits(self) -> BodyLimits:
-        """The request bodies' limits and defaults: this server's settings, the model's config."""
+        """The request bodies' limits (this server's settings, the model's max_seq_len) and, for /docs, what
+        a request that names no sampler or steps gets: ``ldlm.sampling.resolve``'s plan, not a copy of its rule."""
         s, c = self.settings, self.config
-        steps = self.schedules.defaults.get(c.default_sampler, c.default_steps) if self.schedules is not None else c.default_steps
-        return BodyLimits(s.max_n, s.max_steps, s.max_texts, c.max_seq_len, min(steps, s.max_steps), c.default_sampler, s.request_timeout_s)
+        return BodyLimits(s.max_n, s.max_steps, s.max_texts, c.max_seq_len, s.request_timeout_s, self.default_plans())
+
+    def default_plans(self) -> str:
+        """The plan of a request naming nothing, and each sampler's default steps and grid, in words."""
+
+        def said(sampler: str | None) -> str:
+            try:
+                plan = self.scheduler.plan(GenerateRequest(1, 1, sampler=sampler))
+            except ValueError as error:  # a default above this server's max_steps: the request must name steps
+                return str(error)
+            return f"{plan.sampler.name} at {plan.steps} steps on the {plan.grid} grid"
+
+        return f"a request naming neither gets {said(None)}; naming only the sampler: " + "; ".join(said(s) for s in SAMPLERS)
 
     def submit_generation(
         self,

@@ -36,11 +36,11 @@ from typing import Any
 
 from torch import Tensor
 
+from ldlm.limits import BUDGET, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
 from ldlm.serve.api.prompted import after_prompt, texts_after
-from ldlm.serve.api.setting_ranges import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.serve.runtime.delivery import decode_ragged
 from ldlm.tokenizer import TextTokenizer
 
@@ -87,8 +87,7 @@ class PreviewDecoder:
         lone_budget: float = PREVIEW_LONE_BUDGET,
     ) -> None:
         for name, value in (("budget", budget), ("lone_budget", lone_budget)):
-            if not 0 < value <= 1:
-                raise ValueError(f"{name}={value} is out of range; allowed: (0, 1]")
+            BUDGET.check(name, value)
         self.pipeline, self.budget, self.lone_budget = pipeline, budget, lone_budget
         self.in_flight = in_flight
         self.observer = observer
@@ -220,14 +219,17 @@ class GenerationStream:
         *,
         loop: asyncio.AbstractEventLoop,
         kept: int = 0,
+        steps: int | None = None,
     ) -> None:
         """Submits at once, with ``submit`` (``GenerationScheduler.submit``'s signature). ``loop`` is the
         event loop that reads the events: construct this off that loop (submitting draws every sample's
         prior noise, work that scales with n x length). ``kept``: the prompt's P tokens at the start of
-        ``prefix``; previews are of what follows them (serve/api/prompted.py)."""
+        ``prefix``; previews are of what follows them (serve/api/prompted.py). ``steps``: the request's
+        resolved step count, which its previews name (None: the spec's own)."""
         self.loop = loop
         self.previews = previews
         self.spec = spec
+        self.steps = spec.steps if steps is None else steps
         self.kept = kept
         self._decoded: list[dict[str, Any]] = []
         self._offered = 0  # previews handed to the decoder (scheduler thread)
@@ -285,6 +287,11 @@ class GenerationStream:
                 self.previews.forget(self)
 
 
+def ran(result: TextResult) -> dict[str, Any] | None:
+    """The plan that produced ``result`` (sampler, steps, grid, t_min, prior temperature), as answers name it."""
+    return None if result.plan is None else result.plan.summary()
+
+
 async def generate_sse(stream: GenerationStream, timeout_s: float, tokenizer: TextTokenizer | None = None) -> AsyncIterator[bytes]:
     """/v1/generate with ``stream: true``: ``event: preview`` every k steps, then ``event: result``
     (the same JSON as the plain answer), or ``event: error`` with the one error shape. ``tokenizer``
@@ -292,9 +299,9 @@ async def generate_sse(stream: GenerationStream, timeout_s: float, tokenizer: Te
     try:
         async for kind, payload in stream.events(timeout_s):
             if kind == "preview":
-                yield sse({"steps": stream.spec.steps, "samples": payload}, "preview")
+                yield sse({"steps": stream.steps, "samples": payload}, "preview")
             else:
                 shown = after_prompt(payload, stream.kept, tokenizer) if stream.kept and tokenizer is not None else payload
-                yield sse({"texts": shown.texts, "token_ids": shown.ids()}, "result")
+                yield sse({"texts": shown.texts, "token_ids": shown.ids(), "plan": ran(shown)}, "result")
     except REQUEST_ERRORS as error:  # the status line is sent: report in-band
         yield sse({"error": error_status(error)[1]}, "error")

@@ -28,12 +28,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ldlm.checkpoint import load_checkpoint
+from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
 from ldlm.export.artifact import check_from_checkpoint, read_manifest
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
 from ldlm.export.verify import LayerNormSpec, VerifyResult, verify_onnx
 from ldlm.model import LDLM
+from ldlm.sampling.schedules import load_schedules
 from ldlm.serve.checks.compare import min_cosine, tolerance
 from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
@@ -141,8 +142,8 @@ def run_parity(
     """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
     checkpoint itself when ``source`` is None; eager and compiled run the checkpoint on ``device``
     in ``precision``) against CPU fp32 eager on the checkpoint. The end-to-end generation runs ``steps``
-    of ``sampler``: by default DDIM@10 (deterministic), and for int8 the config's default sampler and
-    steps, which is what a quantized engine will serve."""
+    of ``sampler``: by default DDIM@10 (deterministic), and for int8 what a request naming neither is served
+    (``ldlm.sampling.resolve``'s plan, the checkpoint's tuned grid included), which a quantized engine must keep."""
     atol, rtol = tolerance(precision)
     torch_backend = backend in TORCH_BACKENDS
     given = source is not None and not torch_backend  # an artifact made beforehand: the structural verifier checks it
@@ -154,8 +155,9 @@ def run_parity(
         check_from_checkpoint(checkpoint, source)  # before the checkpoint loads
     model, tokenizer = load_checkpoint(checkpoint)
     served = precision == "int8"
-    sampler = sampler or (model.config.default_sampler if served else "ddim")
-    steps = steps or (model.config.default_steps if served else 10)
+    schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE) if served else None
+    if not served:
+        sampler, steps = sampler or "ddim", steps or 10
     bar = tqdm(total=len(GRAPH_NAMES) + 1 + (not torch_backend) + given, desc="parity", unit="stage", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:
         work = Path(tmp)
@@ -172,7 +174,9 @@ def run_parity(
         manifest = read_manifest(source) if backend == "ort" else None
         layer_norms = layer_norm_stage(model, source, manifest, precision, atol, rtol, work, bar)
         bar.set_postfix_str("graphs, then end-to-end generation")
-        report = compare_with_eager(model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms, sampler=sampler)
+        report = compare_with_eager(
+            model, tokenizer, graphs, backend, precision, seed, steps, after_graph=layer_norms, sampler=sampler, schedules=schedules
+        )
         report.verification = verification
         report.notes += parity_notes(backend, precision, device, has_manifest=manifest is not None)
         for graph in graphs.values():

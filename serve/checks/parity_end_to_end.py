@@ -12,6 +12,7 @@ import torch
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model import LDLM
 from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling.schedules import TunedSchedules
 from ldlm.serve.checks.compare import tolerance
 from ldlm.serve.checks.parity_graphs import compare_graph, input_sets
 from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED, ParityReport
@@ -21,9 +22,19 @@ from ldlm.serve.runtime.torch_backends import EagerBackend
 from ldlm.tokenizer import TextTokenizer
 
 
-def eager_tokens(model: LDLM, tokenizer: TextTokenizer, n: int, length: int, steps: int, seed: int, sampler: str = "ddim") -> torch.Tensor:
-    """The reference samples: CPU fp32 eager, with ``sampler`` (its noise drawn on the CPU)."""
-    return LDLMPipeline(model, tokenizer).generate(n, length, steps, seed, sampler).token_ids
+def eager_tokens(
+    model: LDLM,
+    tokenizer: TextTokenizer,
+    n: int,
+    length: int,
+    steps: int | None,
+    seed: int,
+    sampler: str | None = "ddim",
+    schedules: TunedSchedules | None = None,
+) -> torch.Tensor:
+    """The reference samples: CPU fp32 eager, with ``sampler`` (its noise drawn on the CPU); steps or sampler
+    None: the plan ``ldlm.sampling.resolve`` gives, with the checkpoint's tuned ``schedules``."""
+    return LDLMPipeline(model, tokenizer, schedules=schedules).generate(n, length, steps, seed, sampler).token_ids
 
 
 def compare_with_eager(
@@ -33,16 +44,18 @@ def compare_with_eager(
     backend: str,
     precision: str,
     seed: int = 0,
-    steps: int = 10,
+    steps: int | None = 10,
     n: int = 4,
     length: int = 32,
     reference_tokens: torch.Tensor | None = None,
     after_graph: Callable[[ParityReport, str, EagerBackend, dict[str, dict[str, np.ndarray]]], None] | None = None,
-    sampler: str = "ddim",
+    sampler: str | None = "ddim",
+    schedules: TunedSchedules | None = None,
 ) -> ParityReport:
     """Levels 1 and 3 against CPU fp32 eager on ``model``: every output of ``graphs`` on the input sets
     of ``seed``, then the token agreement of ``n`` samples of ``length`` tokens (capped by the config)
-    after ``steps`` steps of ``sampler``, sampled on the graphs' device from the reference's CPU noise.
+    after ``steps`` steps of ``sampler``, sampled on the graphs' device from the reference's CPU noise (either None:
+    what ``ldlm.sampling.resolve`` fills in, with the checkpoint's tuned ``schedules``, as a server would).
     ``after_graph(report, name, eager, sets)`` runs after each graph (run_parity compares its
     LayerNorms there, into ``report``); ``reference_tokens`` (from ``eager_tokens``) spares generating the reference again when
     several candidates are checked."""
@@ -65,11 +78,15 @@ def compare_with_eager(
             after_graph(report, name, eager[name], sets)
     length = min(length, model.config.max_seq_len)
     if reference_tokens is None:
-        reference_tokens = eager_tokens(model, tokenizer, n, length, steps, seed, sampler)
+        reference_tokens = eager_tokens(model, tokenizer, n, length, steps, seed, sampler, schedules)
     # Sampled on the backend's device with the reference's CPU noise: only the graphs differ.
     device = getattr(graphs["denoiser"], "device", "cpu")
-    pipe = LDLMPipeline(BackendGraphs(dict(graphs)), tokenizer, device, config=model.config, noise_device="cpu")
-    candidate = pipe.generate(n, length, steps, seed, sampler).token_ids
-    report.notes.append(f"end-to-end generation: {n} x {length} tokens, {steps} steps of the {sampler} sampler")
+    pipe = LDLMPipeline(BackendGraphs(dict(graphs)), tokenizer, device, config=model.config, noise_device="cpu", schedules=schedules)
+    result = pipe.generate(n, length, steps, seed, sampler)
+    candidate, plan = result.token_ids, result.plan
+    assert plan is not None  # a generation always says what ran
+    report.notes.append(
+        f"end-to-end generation: {n} x {length} tokens, {plan.steps} steps of the {plan.sampler.name} sampler, {plan.grid} grid"
+    )
     report.token_agreement = float((reference_tokens == candidate).float().mean())
     return report

@@ -35,6 +35,7 @@ TRITON_NAMES = {
     "steps": "STEPS",
     "sampler": "SAMPLER",
     "seed": "SEED",
+    "t_min": "T_MIN",
     "prior_temperature": "PRIOR_TEMPERATURE",
 }  # its inputs' names
 
@@ -87,15 +88,16 @@ class TritonPythonModel:
             if tensor is None:
                 if required:
                     raise ValueError(f"input {name} is required")
-                return None  # the config's default
+                return None  # not given: resolve fills it in
             value = tensor.as_numpy().reshape(-1)[0]
             return value.decode() if isinstance(value, bytes) else value.item()
 
+        steps, seed = scalar("STEPS", False), scalar("SEED", False)
         request = GenerateRequest(
             int(scalar("N")),
             int(scalar("LENGTH")),
-            int(scalar("STEPS")),
-            int(scalar("SEED", False) or 0),
+            None if steps is None else int(steps),
+            None if seed is None else int(seed),
             scalar("SAMPLER", False),
             scalar("T_MIN", False),
             prior_temperature=scalar("PRIOR_TEMPERATURE", False),

@@ -58,7 +58,9 @@ class Delivery:
         for request in argmax:
             n, length = request.plan.n, request.plan.length
             rows = slice(start, start + n)
-            resolve_future(request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows]))
+            resolve_future(
+                request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows], plan=request.plan)
+            )
             start += n
 
     def _decode_sampled(self, request: Generation) -> None:
@@ -68,6 +70,7 @@ class Delivery:
         except Exception as error:
             resolve_future(request.future, error=error)
             return
+        result.plan = request.plan
         resolve_future(request.future, result)
 
 

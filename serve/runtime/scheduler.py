@@ -29,7 +29,7 @@ from typing import Literal
 from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.sampling import DenoiseFn, GenerateRequest, SamplingEngine, resolve
+from ldlm.sampling import DenoiseFn, GenerateRequest, RequestLimits, SamplingEngine, SamplingPlan, resolve
 from ldlm.serve.runtime.admission import Admission
 from ldlm.serve.runtime.cost import CostModel
 from ldlm.serve.runtime.delivery import Delivery, decode_ragged
@@ -55,13 +55,16 @@ class GenerationScheduler(QueueWorker):
         on_drop: Callable[[int], None] | None = None,
         engine: SamplingEngine | None = None,
         denoise: DenoiseFn | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         """``pipeline`` resolves requests against its config, encodes nothing and decodes the finished
         samples; ``engine`` and ``denoise`` (default: the pipeline's) are where the steps run, e.g. the
-        graphs' device while the pipeline decodes through the server's batchers."""
+        graphs' device while the pipeline decodes through the server's batchers. ``limits``: the caps
+        every request is resolved under (a server's max_n and max_steps)."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
         self.pipeline = pipeline
+        self.limits = limits or RequestLimits()
         self.max_batch = max_batch
         self.max_queue = max_queue
         cost = CostModel(max_batch)
@@ -94,7 +97,7 @@ class GenerationScheduler(QueueWorker):
         positions. ``on_preview``: called every ``preview_every`` steps (not after the last).
         ``deadline_s``: refuse the request now if it is estimated to take longer (see ``admission``).
         ``decoding``: a temperature, nucleus, seed and log-probabilities for its tokens (default: argmax)."""
-        plan = resolve(spec, self.pipeline.config, schedules=self.pipeline.schedules)
+        plan = self.plan(spec)
         if preview_every < 0:
             raise ValueError(f"preview_every={preview_every} is out of range; allowed: >= 0 (0: no previews)")
         states = self.engine.start(plan, self.pipeline.config.d_model, prefix)
@@ -122,6 +125,10 @@ class GenerationScheduler(QueueWorker):
             self._waiting.add(request, samples)
             self._cond.notify()
         return request.future
+
+    def plan(self, spec: GenerateRequest) -> SamplingPlan:
+        """What ``spec`` would run: resolved against the pipeline's config, tuned grids and this scheduler's limits."""
+        return resolve(spec, self.pipeline.config, self.limits, schedules=self.pipeline.schedules)
 
     def generate(self, spec: GenerateRequest, timeout_s: float | None = None) -> TextResult:
         return self.submit(spec).result(timeout_s)
@@ -153,7 +160,7 @@ class GenerationScheduler(QueueWorker):
 
     def estimate_s(self, spec: GenerateRequest) -> tuple[float, float] | None:
         """(seconds of work that would run before ``spec``, ``spec``'s own time alone), or None before any step was measured."""
-        plan = resolve(spec, self.pipeline.config, schedules=self.pipeline.schedules)
+        plan = self.plan(spec)
         with self._cond:
             bucket = self.pipeline.bucket_length(plan.length)
             solo_s = self.cost.solo_s(plan.n, plan.steps, bucket)

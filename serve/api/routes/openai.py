@@ -114,9 +114,7 @@ class Completions:
                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)",
                 )
             seed_i = (seed + i) % 2**63
-            spec = GenerateRequest(
-                body.n, len(row) + body.max_tokens, body.steps, seed_i, body.sampler, body.t_min, body.grid, body.prior_temperature
-            )
+            spec = body.to_request(len(row), seed_i)
             prepared.append((row, spec, token_sampling(body, spec.seed, has_logits, row)))
         return prepared
 
@@ -201,7 +199,8 @@ class Completions:
             got, n_used = self.choices(row, result, i * body.n, body, prompt_text(body, i))
             every += got
             used += n_used
-        return await json_response(self.service, {**head, "choices": every, "usage": usage(prompt_tokens, used)})
+        plan = {"ldlm_plan": results[0].plan.summary()} if results and results[0].plan is not None else {}
+        return await json_response(self.service, {**head, "choices": every, "usage": usage(prompt_tokens, used), **plan})
 
     async def stream_chunks(
         self, head: dict[str, Any], prepared: Prepared, futures: list[Future[TextResult]], prompt_tokens: int, body: Any, deadline: Deadline
@@ -213,9 +212,11 @@ class Completions:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     i = pending.pop(task)
-                    got, n_used = self.choices(prepared[i][0], task.result(), i * body.n, body, prompt_text(body, i))
+                    result = task.result()
+                    got, n_used = self.choices(prepared[i][0], result, i * body.n, body, prompt_text(body, i))
                     used += n_used
-                    yield sse({**head, "choices": got})
+                    plan = {} if result.plan is None else {"ldlm_plan": result.plan.summary()}
+                    yield sse({**head, "choices": got, **plan})
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, used)})
         except REQUEST_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape

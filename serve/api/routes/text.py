@@ -22,13 +22,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
 from ldlm.serve.api.prompted import after_prompt, prompt_prefix
-from ldlm.serve.api.schemas import EncodeResponse, RequestModels, TextsResponse, request_models
+from ldlm.serve.api.schemas import EncodeResponse, GenerateResponse, RequestModels, TextsResponse, request_models
 from ldlm.serve.api.service import LDLMService
-from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, generate_sse
+from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, generate_sse, ran
 
 
 def text_request_models(service: LDLMService) -> RequestModels:
@@ -51,21 +50,22 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         prefix, kept = None, 0
         if prompt:  # its tokens are encoded (the encoder runs): off the event loop
             prefix, kept = await run_blocking(prompt_prefix, service.pipeline, prompt, body.length, timeout_s=deadline.left())
-        spec = GenerateRequest(
-            body.n, kept + body.length, body.steps, body.seed, body.sampler, body.t_min, body.grid, getattr(body, "prior_temperature", None)
-        )
+        spec = body.to_request(kept)
         # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
         # scheduler refuses at once what it estimates cannot finish in the time left.
         submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
         if body.stream:
             loop = asyncio.get_running_loop()
-            start = functools.partial(GenerationStream, submit, service.previews, spec, body.preview_every, prefix, loop=loop, kept=kept)
+            steps = service.scheduler.plan(spec).steps  # what the previews name; bad input is refused here, before the stream
+            start = functools.partial(
+                GenerationStream, submit, service.previews, spec, body.preview_every, prefix, loop=loop, kept=kept, steps=steps
+            )
             stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
             return StreamingResponse(generate_sse(stream, deadline.left(), tokenizer), headers=SSE_HEADERS, media_type="text/event-stream")
         future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
         result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
         shown = after_prompt(result, kept, tokenizer)
-        return await json_response(service, {"texts": shown.texts, "token_ids": shown.ids()})
+        return await json_response(service, {"texts": shown.texts, "token_ids": shown.ids(), "plan": ran(shown)})
 
     async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[list[int]]], dict[str, Any]]) -> Response:
         """Check and tokenize the body's texts and compute ``payload`` of their ids, in one call off the
@@ -87,7 +87,7 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
 
     # registered here, not by decorators: each route's summary is its handler's docstring
     for path, handler, response_model in (
-        ("/v1/generate", generate, TextsResponse),
+        ("/v1/generate", generate, GenerateResponse),
         ("/v1/reconstruct", reconstruct, TextsResponse),
         ("/v1/encode", encode, EncodeResponse),
     ):

@@ -140,16 +140,22 @@ def test_export_takes_the_exporters_opsets(capsys: pytest.CaptureFixture[str]) -
 
 def test_serve_ranges_are_the_servers() -> None:
     """The CLI refuses exactly what ServerSettings refuses, at both ends of every range."""
+    from ldlm.cli.serving import setting
+    from ldlm.limits import SETTINGS
     from ldlm.serve.api.service import ServerSettings
-    from ldlm.serve.api.setting_ranges import SETTING_RANGES
 
-    assert set(SETTING_RANGES) >= {"port", "max_batch", "max_queue", "max_request_samples", "max_request_tokens", "max_connections"}
-    for name, (low, high) in SETTING_RANGES.items():
-        ServerSettings(**{name: low})
-        ServerSettings(**{name: high})
-        for outside in (low - 1, high + 1):
-            with pytest.raises(ValueError, match=f"{name}={outside} is out of range; allowed: {low}..{high}"):
-                ServerSettings(**{name: outside})
+    assert set(SETTINGS) >= {"port", "max_batch", "max_queue", "max_request_samples", "max_request_tokens", "max_connections"}
+    for name, allowed in SETTINGS.items():
+        parse = setting(name)
+        for inside in (allowed.low, allowed.high):
+            if inside in allowed:  # an open end is no value of the range
+                ServerSettings(**{name: type(parse(str(inside)))(inside)})
+        step = 1 if not allowed.number else 1e-9 * max(1.0, allowed.high)
+        for outside in (allowed.low - step, allowed.high + step):
+            with pytest.raises(ValueError, match=f"{name}=.* is out of range; allowed: "):
+                ServerSettings(**{name: type(allowed.low)(outside) if not allowed.number else float(outside)})
+            with pytest.raises(argparse.ArgumentTypeError, match="is out of range; allowed: "):
+                parse(str(outside))
 
 
 def test_bench_solver_steps_have_the_servers_cap(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

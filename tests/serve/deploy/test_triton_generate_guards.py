@@ -128,14 +128,17 @@ def test_generate_refuses_each_input_outside_its_range(generate_model) -> None:
         ({"STEPS": 0}, "STEPS=0 is out of range; allowed: 1..5"),
         ({"STEPS": 6}, "STEPS=6 is out of range; allowed: 1..5"),
         ({"SAMPLER": "euler"}, "SAMPLER='euler' is unknown; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc, dpm3m-psc-unic"),
-        ({"T_MIN": 1.0}, "t_min=1.0 is invalid; allowed: (0, 1)"),
-        ({"PRIOR_TEMPERATURE": 1.5}, "PRIOR_TEMPERATURE=1.5 is out of range; allowed: (0, 1]"),
+        ({"T_MIN": 1.0}, "T_MIN=1.0 is out of range; allowed: a number in (0, 1), both ends excluded"),
+        ({"PRIOR_TEMPERATURE": 1.5}, "PRIOR_TEMPERATURE=1.5 is out of range; allowed: a number in (0, 1]"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             model.generate(inputs(pb, **{**good, **changes}))
-    for name in ("N", "LENGTH", "STEPS"):
+    for name in ("N", "LENGTH"):
         with pytest.raises(ValueError, match=f"input {name} is required"):
             model.generate(inputs(pb, **{k: v for k, v in good.items() if k != name}))
+    # STEPS left out is resolve's default (the config's 21 for ddim here), refused above this model's max_steps, not cut
+    with pytest.raises(ValueError, match=re.escape("STEPS was not given, and the default for sampler ddim is 21 steps, which is out of range; allowed: 1..5")):
+        model.generate(inputs(pb, **{k: v for k, v in good.items() if k != "STEPS"}))
     assert pb.calls == []  # nothing reached the graphs
 
 

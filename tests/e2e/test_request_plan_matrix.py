@@ -1,0 +1,107 @@
+"""One plan per request, whatever the path: for every sampler (and none), with and without t_min and
+prior_temperature, on a checkpoint with tuned grids and on one without, ``LDLMPipeline.generate``,
+``ldlm generate --json``, /v1/generate (plain and streamed), and /v1/completions through the official
+``openai`` client produce the same tokens for the same seed and name the same plan.
+
+The tuned checkpoint tunes ddim at 3 steps and dpm3m-psc at 5 (its defaults), so a request naming no
+steps gets a different count for those samplers than for the others (the config's default_steps): a
+front end that filled in one default of its own for every sampler would fail here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ldlm.checkpoint import WEIGHTS_FILE
+from ldlm.cli import main
+from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling.schedules import TunedGrid, TunedSchedules, weights_sha256
+from ldlm.serve.api.service import LDLMService, ServerSettings
+from tests.servers import RunningServer, free_port, openai_client
+
+LENGTH, SEED = 6, 11
+EXTRAS: tuple[dict[str, float], ...] = ({}, {"t_min": 0.1}, {"prior_temperature": 0.9})
+TUNED_DEFAULTS = {"ddim": 3, "dpm3m-psc": 5}
+
+
+def tuned_copy(checkpoint: Path, out: Path) -> Path:
+    """``checkpoint`` with a schedules.json tuning ddim@3 and dpm3m-psc@5 (here: chosen, power-like grids)."""
+    shutil.copytree(checkpoint, out)
+    t_min = LDLMConfig.load(out / "config.json").t_min
+    grids = tuple(
+        TunedGrid(sampler, steps, tuple(1.0 - (1.0 - t_min) * (i / steps) ** 0.7 for i in range(steps)) + (t_min,))
+        for sampler, steps in TUNED_DEFAULTS.items()
+    )
+    TunedSchedules(weights_sha256(out / WEIGHTS_FILE), t_min, grids, dict(TUNED_DEFAULTS)).save(out / "schedules.json")
+    return out
+
+
+@pytest.fixture(scope="module", params=["tuned", "untuned"])
+def served(
+    request: pytest.FixtureRequest, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, RunningServer]]:
+    checkpoint = tiny_checkpoint if request.param == "untuned" else tuned_copy(tiny_checkpoint, tmp_path_factory.mktemp("tuned") / "ckpt")
+    server = RunningServer(LDLMService(str(checkpoint), ServerSettings(backend="eager", port=free_port())))
+    yield checkpoint, server
+    server.stop()
+
+
+def cli_generate(checkpoint: Path, body: dict[str, Any]) -> dict[str, Any]:
+    argv = ["generate", str(checkpoint), "--n", "1", "--length", str(LENGTH), "--seed", str(SEED), "--json", "--quiet"]
+    for field, value in body.items():
+        argv += [f"--{field.replace('_', '-')}", str(value)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+def streamed_result(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The ``result`` event of /v1/generate with ``stream: true``, after its previews."""
+    with httpx.stream("POST", f"{url}/v1/generate", json={**body, "stream": True, "preview_every": 2}, timeout=60) as response:
+        assert response.status_code == 200
+        events = response.read().decode().split("\n\n")
+    result = [e for e in events if e.startswith("event: result")]
+    assert len(result) == 1, events
+    return json.loads(result[0].split("data: ", 1)[1])
+
+
+@pytest.mark.parametrize("extra", EXTRAS, ids=["defaults", "t_min", "prior_temperature"])
+@pytest.mark.parametrize("sampler", [None, *SAMPLERS])
+def test_every_path_runs_and_names_the_same_plan(served: tuple[Path, RunningServer], sampler: str | None, extra: dict[str, float]) -> None:
+    checkpoint, server = served
+    body: dict[str, Any] = {**extra, **({"sampler": sampler} if sampler else {})}
+    python = LDLMPipeline.from_checkpoint(str(checkpoint)).generate(
+        1, LENGTH, seed=SEED, sampler=sampler, t_min=extra.get("t_min"), prior_temperature=extra.get("prior_temperature")
+    )
+    assert python.plan is not None
+    plan = python.plan.summary()
+    runs = {"python": (python.ids(), plan), "cli": cli_generate(checkpoint, body)}
+    runs["cli"] = (runs["cli"]["token_ids"], runs["cli"]["plan"])
+    plain = httpx.post(f"{server.url}/v1/generate", json={**body, "n": 1, "length": LENGTH, "seed": SEED}, timeout=60)
+    assert plain.status_code == 200, plain.text
+    runs["http"] = (plain.json()["token_ids"], plain.json()["plan"])
+    stream = streamed_result(server.url, {**body, "n": 1, "length": LENGTH, "seed": SEED})
+    runs["http stream"] = (stream["token_ids"], stream["plan"])
+    with openai_client(server) as client:
+        completion = client.completions.create(model="ldlm", prompt="", max_tokens=LENGTH, seed=SEED, extra_body=body)
+    for path, (ids, named) in runs.items():
+        assert ids == python.ids(), f"{path}: tokens differ from Python's"
+        assert named == plan, f"{path}: plan {named} != Python's {plan}"
+    # a completion carries text, cut at end-of-text as the pipeline's texts are
+    assert completion.choices[0].text == python.texts[0]
+    assert completion.model_extra["ldlm_plan"] == plan
+    tuned = checkpoint.joinpath("schedules.json").is_file() and not extra
+    chosen = sampler or LDLMConfig.load(checkpoint / "config.json").default_sampler
+    expected_steps = TUNED_DEFAULTS.get(chosen) if tuned else None
+    assert plan["steps"] == (expected_steps or LDLMConfig.load(checkpoint / "config.json").default_steps)
+    assert plan["grid"] == ("tuned" if expected_steps else plan["grid"])
