@@ -28,7 +28,7 @@ import torch
 
 import ldlm
 from ldlm.checkpoint import WEIGHTS_FILE, load_config
-from ldlm.export.artifact import ArtifactError, check_artifacts, check_file, read_manifest, sha256_file
+from ldlm.export.artifact import ArtifactError, check_artifacts, read_manifest, read_schedules, sha256_file
 from ldlm.export.onnx_export import export_graphs
 from ldlm.sampling.schedules import SCHEDULES_FILE
 from ldlm.tokenizer import TOKENIZER_FILE
@@ -74,9 +74,10 @@ def entry_problem(entry: Path, weights: str) -> str | None:
     try:
         manifest = read_manifest(entry)
         check_artifacts(entry, manifest)
-        if "schedules" in manifest:  # the tuned grids, which check_artifacts leaves to their loader
-            check_file(entry, manifest["schedules"].get("file"), manifest["schedules"])
-    except (ArtifactError, ValueError, OSError, AttributeError) as error:  # JSONDecodeError is a ValueError
+        # the tuned grids, which check_artifacts leaves to their loader: checked as the server will load them
+        # (recorded, matching their sha256, bound to the weights), so an entry it would refuse is exported again
+        read_schedules(entry)
+    except (ArtifactError, ValueError, OSError, AttributeError) as error:  # JSONDecodeError and ScheduleError are ValueErrors
         return str(error)
     if manifest.get("checkpoint_weights_sha256") != weights:
         return f"made from weights with sha256 {manifest.get('checkpoint_weights_sha256')}, not {weights}"

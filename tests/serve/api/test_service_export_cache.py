@@ -1,6 +1,6 @@
 """A checkpoint served on ONNX Runtime is exported once: the verified export is cached, keyed by the
-weights (and config, tokenizer, versions), re-verified at every start and re-made when it fails.
-Exports are counted by wrapping the export function, never timed."""
+weights (and config, tokenizer, tuned grids, versions), re-verified at every start and re-made when it
+fails. Exports are counted by wrapping the export function, never timed."""
 
 from __future__ import annotations
 
@@ -13,16 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer, pre_tokenizers
 
 pytest.importorskip("onnxruntime", reason="the service serves the export on ONNX Runtime (pip install -e .[cpu])")
 
 from ldlm.checkpoint import init_model, save_checkpoint  # noqa: E402
 from ldlm.config import LDLMConfig  # noqa: E402
+from ldlm.export.artifact import read_schedules  # noqa: E402
 from ldlm.files import atomic_directory  # noqa: E402
+from ldlm.sampling.schedules import SCHEDULES_FILE, TunedGrid, TunedSchedules  # noqa: E402
 from ldlm.serve.api import export_cache  # noqa: E402
 from ldlm.serve.api.export_cache import cache_root, cached_export, entry_problem  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
-from ldlm.tokenizer import TextTokenizer  # noqa: E402
+from ldlm.tokenizer import TOKENIZER_FILE, TextTokenizer  # noqa: E402
 
 
 def sha256(path: Path) -> str:
@@ -161,6 +164,130 @@ def test_two_servers_starting_at_once_export_once(
         thread.join(300)
     assert len(made) == 1 and sorted(r.reused for r in results) == [False, True]
     assert {r.directory for r in results} == {made[0]}
+
+
+def copy_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """Another checkpoint directory with the same weights, config and tokenizer (and tuned grids, if any)."""
+    shutil.copytree(checkpoint, out)
+    return out
+
+
+def test_a_checkpoint_with_another_tokenizer_gets_its_own_entry(
+    tiny_checkpoint: Path, cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same weights and config, a tokenizer that splits text otherwise: the cached export of the old
+    tokenizer is not served; a new entry is made, carrying the new tokenizer."""
+    retokenized = copy_checkpoint(tiny_checkpoint, tmp_path / "retokenized")
+    tokenizer = Tokenizer.from_file(str(retokenized / TOKENIZER_FILE))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # "Hello" encodes as " Hello" now
+    tokenizer.save(str(retokenized / TOKENIZER_FILE))
+    assert sha256(retokenized / TOKENIZER_FILE) != sha256(cached / TOKENIZER_FILE)
+    root = tmp_path / "cache"
+    first = copy_of(cached, root)
+    exports = CountedExports(monkeypatch)
+    made = cached_export(str(retokenized), root, lambda line: None)
+    assert len(exports.calls) == 1 and not made.reused
+    assert made.directory != first and made.directory.parent == first.parent
+    assert sha256(made.directory / TOKENIZER_FILE) == sha256(retokenized / TOKENIZER_FILE)
+
+
+def tuned(weights: Path, times: tuple[float, ...]) -> TunedSchedules:
+    """Grids as `ldlm tune-schedule` writes them for ``weights``: one dpm3m-psc grid, made its default."""
+    steps = len(times) - 1
+    return TunedSchedules(sha256(weights), times[-1], (TunedGrid("dpm3m-psc", steps, times),), {"dpm3m-psc": steps})
+
+
+GRIDS = (1.0, 0.5, 0.2, 0.05)  # the tiny config's t_min is 0.05
+RETUNED = (1.0, 0.6, 0.3, 0.1, 0.05)
+
+
+@pytest.fixture(scope="module")
+def tuned_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    checkpoint = copy_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tuned") / "tuned")
+    tuned(checkpoint / "model.safetensors", GRIDS).save(checkpoint / SCHEDULES_FILE)
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def tuned_cached(tuned_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cache entry of the tuned checkpoint (its export carries the grids), made once; tests copy it."""
+    entry = cached_export(str(tuned_checkpoint), tmp_path_factory.mktemp("tuned-cache"), lambda line: None).directory
+    assert (entry / SCHEDULES_FILE).read_text() == (tuned_checkpoint / SCHEDULES_FILE).read_text()
+    return entry
+
+
+def start(checkpoint: Path, root: Path) -> tuple[LDLMService, list[str]]:
+    """A service of ``checkpoint`` on ONNX Runtime, its export kept under ``root``, and what it said at start."""
+    lines: list[str] = []
+    service = LDLMService(str(checkpoint), ServerSettings(port=0, export_cache=str(root)), progress=lines.append)
+    return service, lines
+
+
+def test_a_retuned_checkpoint_is_served_its_new_grids(
+    tuned_checkpoint: Path, tuned_cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same weights, config and tokenizer, a new schedules.json: the cached export, which carries the old
+    grids, is not served; a new entry is exported, carrying the new grids, and the service loads its graphs
+    and generates with the new grids. (A service of a checkpoint reads the grids from the checkpoint, so
+    the entry it serves from is what tells a stale export apart.)"""
+    retuned = copy_checkpoint(tuned_checkpoint, tmp_path / "retuned")
+    tuned(retuned / "model.safetensors", RETUNED).save(retuned / SCHEDULES_FILE)
+    root = tmp_path / "cache"
+    old = copy_of(tuned_cached, root)
+    exports = CountedExports(monkeypatch)
+    service, lines = start(retuned, root)
+    try:
+        assert len(exports.calls) == 1, lines
+        entry = exports.calls[0][1]
+        assert entry != old and entry.parent == old.parent
+        assert lines[0] == f"exporting the checkpoint {retuned} to ONNX in {entry} (cached for the next start)"
+        assert lines[1] == f"loading the graphs of {entry} (ort)"
+        assert "tuned step grids for 1 sampler/step counts; defaults: dpm3m-psc at 4 steps" in lines
+        served = read_schedules(entry)
+        assert served is not None and served.grids[0].times == RETUNED
+        assert service.pipeline.schedules is not None and service.pipeline.schedules.grids[0].times == RETUNED
+    finally:
+        service.close()
+    assert (old / SCHEDULES_FILE).read_text() == (tuned_checkpoint / SCHEDULES_FILE).read_text()  # the old entry is kept
+
+
+def test_a_tampered_cached_schedules_json_is_exported_again_never_served(
+    tuned_checkpoint: Path, tuned_cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cached grids edited into other grids that still load (same size, valid times, bound to these
+    weights): only their sha256 tells, and the start exports again, as for a tampered graph file, then
+    serves the re-made entry."""
+    entry = copy_of(tuned_cached, tmp_path)
+    original = (entry / SCHEDULES_FILE).read_text()
+    tampered = original.replace("0.5,", "0.4,", 1)
+    assert tampered != original
+    (entry / SCHEDULES_FILE).write_text(tampered)
+    exports = CountedExports(monkeypatch)
+    service, lines = start(tuned_checkpoint, tmp_path)
+    try:
+        assert len(exports.calls) == 1 and exports.calls[0][1] == entry, lines
+        problem = f"{entry / SCHEDULES_FILE} does not match the sha256 in {entry / 'manifest.json'} (edited or replaced); re-export it"
+        assert lines[0] == (
+            f"the cached export in {entry} failed its check ({problem}); exporting the checkpoint {tuned_checkpoint} to ONNX in {entry} "
+            "(cached for the next start)"
+        )
+        assert lines[1] == f"loading the graphs of {entry} (ort)"
+        assert service.pipeline.schedules is not None and service.pipeline.schedules.grids[0].times == GRIDS  # the checkpoint's
+    finally:
+        service.close()
+    assert (entry / SCHEDULES_FILE).read_text() == original  # re-made, not kept as it was
+
+
+def test_a_schedules_json_the_manifest_does_not_record_fails_the_entry(tiny_checkpoint: Path, cached: Path, tmp_path: Path) -> None:
+    """Grids added to an entry after its export (valid, for these weights) are not trusted: the entry is
+    exported again rather than served, or than refused by the server that would load them."""
+    entry = copy_of(cached, tmp_path)
+    weights = tiny_checkpoint / "model.safetensors"
+    tuned(weights, GRIDS).save(entry / SCHEDULES_FILE)
+    assert (
+        entry_problem(entry, sha256(weights))
+        == f"{entry / SCHEDULES_FILE} is not in {entry / 'manifest.json'}; re-export with `ldlm export`"
+    )
 
 
 @pytest.fixture
