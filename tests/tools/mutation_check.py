@@ -12,8 +12,12 @@ Python is named by its path instead, and ``old`` must occur once in the whole fi
 
 Each mutation is applied to a scratch copy of the repository (never to this checkout), the tests
 most likely to catch it run first (``pytest -x``), and only if they all pass does the rest of the
-suite run. A mutation is *caught* when the run fails (a failing test, an import error, or a run
-past ``--timeout-s``), *survived* when every test passes: a gap to close with a sharper test.
+suite run. A mutation is *caught* when a test of its module's behaviour fails: one of its named tests
+(a failing test, an import error, or a run past ``--timeout-s``), or, in the rest of the suite, a test
+in a file that mirrors its module (``serve/api/export_cache.py`` -> ``tests/serve/api/test_export_cache.py``
+or ``test_export_cache_<aspect>.py``). It is *caught elsewhere* when only some other test fails (the
+report names it): the bug is noticed, but by a test of another behaviour, so the module's own tests
+have a gap all the same. It is *survived* when every test passes: a gap to close with a sharper test.
 
 The scratch copy imports its own code: a scratch venv whose site-packages reaches this checkout's
 ``.venv`` site-packages (the dependencies) through a .pth line, with the copy installed editable
@@ -33,6 +37,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # The list's own test fails on any edit to a targeted function, so it would "catch" every mutation: it is
 # set aside in every run, and a mutation only it notices counts as survived.
 LIST_TEST = "tests/tools/test_mutation_list.py"
+NAMED_STAGE, REST_STAGE = "named tests", "rest of the suite"
+CAUGHT, CAUGHT_ELSEWHERE, SURVIVED = "caught", "caught elsewhere", "survived"
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,8 @@ class Mutation:
     target: str  # "module:qualname" (see the module docs), or a non-Python file's path relative to the repository root
     old: str  # must occur exactly once in the target's source
     new: str
-    tests: tuple[str, ...]  # the test files most likely to catch it, run first
+    # the tests most likely to catch it, run first: test files, or tests by pytest's node id (file::test)
+    tests: tuple[str, ...]
     bug: str  # what a user would see
 
 
@@ -1872,6 +1880,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/serve/runtime/test_torch_backends_inductor.py",),
         "past the eighth bucket the inductor backend silently runs eagerly",
     ),
+    # --- the export cache: its key and the check of an entry at every start ------------------------------
+    Mutation(
+        "export-key-drops-tokenizer",
+        "ldlm.serve.api.export_cache:export_key",
+        "for name in (TOKENIZER_FILE, SCHEDULES_FILE)",
+        "for name in (SCHEDULES_FILE,)",
+        ("tests/serve/api/test_service_export_cache.py::test_a_checkpoint_with_another_tokenizer_gets_its_own_entry",),
+        "a checkpoint given another tokenizer is served the cached export made with the old one",
+    ),
+    Mutation(
+        "export-key-drops-tuned-grids",
+        "ldlm.serve.api.export_cache:export_key",
+        "for name in (TOKENIZER_FILE, SCHEDULES_FILE)",
+        "for name in (TOKENIZER_FILE,)",
+        ("tests/serve/api/test_service_export_cache.py::test_a_retuned_checkpoint_is_served_its_new_grids",),
+        "a re-tuned checkpoint (new schedules.json, same weights) is served its cached export with the old grids",
+    ),
+    Mutation(
+        "export-cache-trusts-cached-grids",
+        "ldlm.serve.api.export_cache:entry_problem",
+        "        read_schedules(entry)\n",
+        "",
+        ("tests/serve/api/test_service_export_cache.py::test_a_tampered_cached_schedules_json_is_exported_again_never_served",),
+        "a cached export whose schedules.json was edited is reused as verified",
+    ),
 )
 
 
@@ -2063,10 +2096,13 @@ def check_mutations(root: Path, mutations: tuple[Mutation, ...]) -> None:
         except StaleMutationError as error:
             problems.append(f"{m.id}: {m.target}: {error}")
         for test in m.tests:
-            if test == LIST_TEST:
+            file, _, names = test.partition("::")
+            if file == LIST_TEST:
                 problems.append(f"{m.id}: names {LIST_TEST}, which would catch any edit; name a behaviour test")
-            if not (root / test).is_file():
-                problems.append(f"{m.id}: test file {test} does not exist")
+            if not (root / file).is_file():
+                problems.append(f"{m.id}: test file {file} does not exist")
+            elif names and not defines_test(root / file, names):
+                problems.append(f"{m.id}: {file} defines no test {names}")
     ids = [m.id for m in mutations]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
@@ -2075,13 +2111,70 @@ def check_mutations(root: Path, mutations: tuple[Mutation, ...]) -> None:
         raise SystemExit("mutation list is stale:\n  " + "\n  ".join(problems))
 
 
+def defines_test(file: Path, names: str) -> bool:
+    """Whether ``file`` defines the test a node id names after its file (``test_x``, ``Class::test_x``,
+    ``test_x[param]``): each part, parameters aside, as a def or a class."""
+    text = file.read_text()
+    parts = [part.split("[", 1)[0] for part in names.split("::")]
+    return all(re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(part)}\b", text, re.MULTILINE) for part in parts)
+
+
+def named_files(m: Mutation) -> set[str]:
+    """The files of ``m``'s named tests (a node id by its file)."""
+    return {test.split("::", 1)[0] for test in m.tests}
+
+
+def mirror_of(root: Path, target: str) -> tuple[str, str] | None:
+    """(folder, stem) of the test files that mirror ``target``'s module, ``tests/<its folder>/<stem>[_<aspect>].py``
+    (``ldlm.serve.api.export_cache:f`` -> ("tests/serve/api", "test_export_cache"); a package, by its
+    __init__.py, by the package's name); None for a target that is not a Python module's."""
+    if ":" not in target:
+        return None
+    path = module_file(root, target.split(":", 1)[0]).relative_to(root)
+    name = path.parent.name if path.name == "__init__.py" else path.stem
+    return (Path("tests", path.parent).as_posix(), f"test_{name}")
+
+
+def tests_the_module(root: Path, m: Mutation, node_id: str) -> bool:
+    """Whether the failing test ``node_id`` (``tests/x/test_y.py::test_z[...]``) tests ``m``'s module: a test
+    in the file of one of ``m``'s named tests, or in a file that mirrors its module."""
+    file = node_id.split("::", 1)[0]
+    if file in named_files(m):
+        return True
+    mirror = mirror_of(root, m.target)
+    if mirror is None:
+        return False
+    folder, stem = mirror
+    path = Path(file)
+    return path.parent.as_posix() == folder and path.suffix == ".py" and (path.stem == stem or path.stem.startswith(stem + "_"))
+
+
+def verdict(root: Path, m: Mutation, stage: str, status: str, failing: list[str]) -> tuple[str, str | None]:
+    """(caught | caught elsewhere | survived, what caught it: a failing test's node id, else the run's status).
+    In the named tests' run anything that fails is a named test's; in the rest of the suite a failure
+    counts as caught only in a test of the mutated module, the first such, and else names the first failure."""
+    if status == "passed":
+        return SURVIVED, None
+    if stage == NAMED_STAGE:
+        return CAUGHT, failing[0] if failing else status
+    own = [node for node in failing if tests_the_module(root, m, node)]
+    if own:
+        return CAUGHT, own[0]
+    return CAUGHT_ELSEWHERE, failing[0] if failing else f"{status} ({REST_STAGE})"
+
+
+def tally(results: list[dict]) -> dict[str, int]:
+    """How many results each verdict has."""
+    verdicts = [r["verdict"] for r in results]
+    return {"caught": verdicts.count(CAUGHT), "caught_elsewhere": verdicts.count(CAUGHT_ELSEWHERE), "survived": verdicts.count(SURVIVED)}
+
+
 def write_report(out: Path, results: list[dict], quick: bool) -> None:
-    """The JSON report, rewritten after every mutation (temporary file, then rename)."""
-    total = sum(r["caught"] for r in results)
+    """The JSON report, rewritten after every mutation (temporary file, then rename). "caught" counts only
+    the mutations a test of their own module caught; "caught_elsewhere" those only another test noticed."""
     report = {
         "mutations": len(results),
-        "caught": total,
-        "survived": len(results) - total,
+        **tally(results),
         "quick": quick,
         "set_aside": LIST_TEST,
         "results": results,
@@ -2092,7 +2185,8 @@ def write_report(out: Path, results: list[dict], quick: bool) -> None:
     os.replace(tmp, out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Mutation, ...]]:
+    """The options, and the mutations ``--only`` selects (all by default)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", help="comma-separated mutation ids (default: all)")
     parser.add_argument("--quick", action="store_true", help="run only each mutation's named test files, not the rest of the suite")
@@ -2101,19 +2195,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default="runs/mutation_check.json", help="JSON report (default: runs/mutation_check.json, under the repository root)"
     )
-    parser.add_argument("--timeout-s", type=float, default=1800, help="per pytest run; a run past it counts as caught (default: 1800)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=1800, help="per pytest run; a named tests' run past it counts as caught (default: 1800)"
+    )
     parser.add_argument("--list", action="store_true", help="print the mutations and exit")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for the rest of the suite (default: 2; 1: none)")
     parser.add_argument("--resume", action="store_true", help="keep the results already in --out and run only the others")
     args = parser.parse_args(argv)
+    if not args.only:
+        return args, MUTATIONS
+    wanted = args.only.split(",")
+    unknown = sorted(set(wanted) - {m.id for m in MUTATIONS})
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: unknown; allowed: {', '.join(m.id for m in MUTATIONS)}")
+    return args, tuple(m for m in MUTATIONS if m.id in wanted)
 
-    mutations = MUTATIONS
-    if args.only:
-        wanted = args.only.split(",")
-        unknown = sorted(set(wanted) - {m.id for m in MUTATIONS})
-        if unknown:
-            parser.error(f"--only {','.join(unknown)}: unknown; allowed: {', '.join(m.id for m in MUTATIONS)}")
-        mutations = tuple(m for m in MUTATIONS if m.id in wanted)
+
+def run_mutation(python: Path, repo: Path, m: Mutation, args: argparse.Namespace) -> dict:
+    """``m`` planted in the scratch copy, its named tests run, then (unless --quick, and only if they pass)
+    the rest of the suite, and the copy restored: the result as the report records it."""
+    workers = ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []  # as scripts/test.sh runs the suite
+    path, original, start, end = locate(repo, m)
+    path.write_text(mutated(original, start, end, m))
+    try:
+        status, seconds, failing, tail = run_pytest(python, repo, list(m.tests), args.timeout_s)
+        stage = NAMED_STAGE
+        if status == "passed" and not args.quick:
+            # the named tests ran already: a named file is left out, a named test deselected (its file's others run)
+            named = [f"--deselect={t}" if "::" in t else f"--ignore={t}" for t in m.tests]
+            rest = ["tests", f"--ignore={LIST_TEST}", *named, *workers]
+            status, more, failing, tail = run_pytest(python, repo, rest, args.timeout_s)
+            seconds += more
+            stage = REST_STAGE
+    finally:
+        path.write_text(original)
+    found, by = verdict(repo, m, stage, status, failing)
+    return {
+        **asdict(m),
+        "file": str(path.relative_to(repo)),
+        "caught": found == CAUGHT,  # by a test of the mutated module only
+        "verdict": found,
+        "caught_by": by,
+        "status": status,
+        "stage": stage,
+        "seconds": round(seconds, 1),
+        "failing_tests": failing[:5],
+        "output_tail": "" if found != SURVIVED and failing else tail[-600:],
+    }
+
+
+def print_table(results: list[dict], out: Path) -> None:
+    print(f"\n{'mutation':38s} {'target':60s} {'result':16s} {'s':>6s}  caught by")
+    for r in results:
+        shown = SURVIVED.upper() if r["verdict"] == SURVIVED else r["verdict"]
+        print(f"{r['id']:38s} {r['target']:60s} {shown:16s} {r['seconds']:6.0f}  {r['caught_by'] or ''}")
+    counts = tally(results)
+    print(
+        f"\n{counts['caught']}/{len(results)} caught, {counts['caught_elsewhere']} caught elsewhere, {counts['survived']} survived; report: {out}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, mutations = parse_args(argv)
     if args.list:
         for m in mutations:
             print(f"{m.id:38s} {m.target:60s} {m.bug}")
@@ -2135,53 +2278,27 @@ def main(argv: list[str] | None = None) -> int:
             print(tail, file=sys.stderr)
             raise SystemExit("the named tests fail without any mutation; fix them first")
 
-    workers = ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []  # as scripts/test.sh runs the suite
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     results = []
     if args.resume and out.is_file():  # a long run stopped midway keeps what it found
         wanted = {m.id for m in mutations}
-        results = [r for r in json.loads(out.read_text())["results"] if r["id"] in wanted]
+        # a result without a verdict predates them: its "caught" may be another module's test failing, so it runs again
+        results = [r for r in json.loads(out.read_text())["results"] if r["id"] in wanted and "verdict" in r]
         print(f"resuming: {len(results)} mutations already in {out}", flush=True)
     done = {r["id"] for r in results}
     for i, m in enumerate(mutations, 1):
         if m.id in done:
             continue
-        path, original, start, end = locate(repo, m)
-        path.write_text(mutated(original, start, end, m))
-        try:
-            status, seconds, failing, tail = run_pytest(python, repo, list(m.tests), args.timeout_s)
-            stage = "named tests"
-            if status == "passed" and not args.quick:
-                rest = ["tests", f"--ignore={LIST_TEST}", *(f"--ignore={t}" for t in m.tests), *workers]
-                status, more, failing, tail = run_pytest(python, repo, rest, args.timeout_s)
-                seconds += more
-                stage = "rest of the suite"
-        finally:
-            path.write_text(original)
-        caught = status != "passed"
-        results.append(
-            {
-                **asdict(m),
-                "file": str(path.relative_to(repo)),
-                "caught": caught,
-                "status": status,
-                "stage": stage,
-                "seconds": round(seconds, 1),
-                "failing_tests": failing[:5],
-                "output_tail": "" if caught and failing else tail[-600:],
-            }
-        )
+        result = run_mutation(python, repo, m, args)
+        results.append(result)
         write_report(out, results, args.quick)
-        verdict = "caught" if caught else "SURVIVED"
-        print(f"[{i}/{len(mutations)}] {m.id}: {verdict} ({status} in {stage}, {seconds:.0f} s) {failing[:1]}", flush=True)
-
-    total = sum(r["caught"] for r in results)
-    print(f"\n{'mutation':38s} {'target':60s} {'result':9s} {'s':>6s}  caught by")
-    for r in results:
-        by = r["failing_tests"][0] if r["failing_tests"] else r["status"]
-        print(f"{r['id']:38s} {r['target']:60s} {'caught' if r['caught'] else 'SURVIVED':9s} {r['seconds']:6.0f}  {by}")
-    print(f"\n{total}/{len(results)} caught; report: {out}")
-    return 0 if total == len(results) else 1
+        shown = SURVIVED.upper() if result["verdict"] == SURVIVED else result["verdict"]
+        print(
+            f"[{i}/{len(mutations)}] {m.id}: {shown} ({result['status']} in {result['stage']}, {result['seconds']:.0f} s) {result['caught_by'] or ''}",
+            flush=True,
+        )
+    print_table(results, out)
+    return 0 if tally(results)["caught"] == len(results) else 1
 
 
 if __name__ == "__main__":

@@ -7,12 +7,27 @@ names updated) must not."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.tools.mutation_check import MUTATIONS, Mutation, check_mutations, locate, mutated
+from tests.tools.mutation_check import (
+    CAUGHT,
+    CAUGHT_ELSEWHERE,
+    MUTATIONS,
+    NAMED_STAGE,
+    REST_STAGE,
+    SURVIVED,
+    Mutation,
+    check_mutations,
+    locate,
+    mirror_of,
+    mutated,
+    verdict,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = '[tool.setuptools.package-dir]\n"ldlm" = "ldlm"\n"ldlm.serve" = "serve"\n'
@@ -99,3 +114,47 @@ def test_a_stale_mutation_is_reported(tree: Path) -> None:
     planted = mutated(text, start, end, good[0])
     assert path == tree / "serve" / "m.py"
     assert planted == edited.replace(function, function.replace("    if n > LIMIT:\n", "    if False:\n"))  # admit's line is left alone
+
+
+def test_a_named_test_is_checked_by_its_node_id(tree: Path) -> None:
+    """A test named by node id (file::test) must still be defined there: a renamed test goes stale at once."""
+    (tree / "tests" / "t.py").write_text("class TestCheck:\n    def test_limit(self):\n        pass\n\n\ndef test_here():\n    pass\n")
+    named = ("tests/t.py::test_here", "tests/t.py::TestCheck::test_limit", "tests/t.py::test_here[1-2]")
+    check_mutations(tree, (Mutation("named", "ldlm.serve.m:LIMIT", "LIMIT = 3", "LIMIT = 4", named, "a planted bug"),))
+    gone = Mutation("gone", "ldlm.serve.m:LIMIT", "LIMIT = 3", "LIMIT = 4", ("tests/t.py::test_here_too",), "a planted bug")
+    with pytest.raises(SystemExit, match="gone: tests/t.py defines no test test_here_too"):
+        check_mutations(tree, (gone,))
+
+
+def test_only_a_failure_of_the_modules_own_tests_counts_as_caught(tree: Path, tmp_path: Path) -> None:
+    """A planted bug is caught by a test of its module: a named test (whatever made it fail), or, in the
+    rest of the suite, a test in a file that mirrors the module (tests/serve/test_m.py, test_m_<aspect>.py)
+    or in a named test's file. Any other failure is "caught elsewhere", naming the failing test, and the
+    report does not count it as caught."""
+    m = entry("in-a-function", "ldlm.serve.m:check", "    if n > LIMIT:\n")  # names tests/t.py
+    assert verdict(tree, m, NAMED_STAGE, "failed", ["tests/t.py::test_a"]) == (CAUGHT, "tests/t.py::test_a")
+    assert verdict(tree, m, NAMED_STAGE, "timeout", []) == (CAUGHT, "timeout")
+    for own in ("tests/serve/test_m.py::test_b", "tests/serve/test_m_values.py::test_c[1-2]", "tests/t.py::test_d"):
+        assert verdict(tree, m, REST_STAGE, "failed", ["tests/ldlm/test_x.py::test_e", own]) == (CAUGHT, own)
+    others = (
+        "tests/ldlm/test_pipeline.py::test_f",
+        "tests/serve/test_mx.py::test_g",  # another module's (m is only its stem's prefix)
+        "tests/serve/test_service_m.py::test_h",  # module service, aspect m
+        "tests/test_m.py::test_i",  # the stem in another folder
+        "tests/serve/api/test_m.py::test_j",
+    )
+    for other in others:
+        assert verdict(tree, m, REST_STAGE, "failed", [other, "tests/ldlm/test_x.py::test_e"]) == (CAUGHT_ELSEWHERE, other)
+    assert verdict(tree, m, REST_STAGE, "timeout", []) == (CAUGHT_ELSEWHERE, "timeout (rest of the suite)")
+    assert verdict(tree, m, REST_STAGE, "passed", []) == (SURVIVED, None)
+    not_python = Mutation("a-file", "serve/Dockerfile", "FROM", "FROM", ("tests/t.py",), "a planted bug")
+    assert verdict(tree, not_python, REST_STAGE, "failed", ["tests/serve/test_m.py::test_b"])[0] == CAUGHT_ELSEWHERE
+    (tree / "serve" / "pkg").mkdir()
+    (tree / "serve" / "pkg" / "__init__.py").write_text("")
+    assert mirror_of(tree, "ldlm.serve.pkg:X") == ("tests/serve/pkg", "test_pkg")  # a package by its own name
+
+    verdicts = (CAUGHT, CAUGHT_ELSEWHERE, CAUGHT_ELSEWHERE, SURVIVED)
+    results = [{"id": f"m{i}", "caught": v == CAUGHT, "verdict": v} for i, v in enumerate(verdicts)]
+    write_report(tmp_path / "report.json", results, quick=False)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["mutations"], report["caught"], report["caught_elsewhere"], report["survived"]) == (4, 1, 2, 1)
