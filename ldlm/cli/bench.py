@@ -26,10 +26,11 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.files import write_atomically
     from ldlm.serve.checks.bench import run_bench
-    from ldlm.serve.checks.bench_latency import busy_machine_warning, parse_solver_specs
+    from ldlm.serve.checks.bench_latency import busy_machine_warning, default_threads, parse_solver_specs
     from ldlm.serve.checks.bench_report import bench_summary, plot_bench
 
-    warning = busy_machine_warning(args.threads)
+    threads = args.threads or default_threads()
+    warning = busy_machine_warning(threads)
     if warning:
         print(f"ldlm bench: warning: {warning}", file=sys.stderr)
     report = run_bench(
@@ -40,7 +41,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         args.batches,
         args.length,
         args.runs,
-        args.threads,
+        threads,
         args.gen_n,
         args.gen_steps,
         args.workload_requests,
@@ -64,6 +65,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     plot_bench(report, str(out / "bench.png"))
     print("\n".join(bench_summary(report)))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    if not report["reliable"]:
+        print(
+            f"ldlm bench: warning: the figures are unreliable ({report['unreliable_reason']}); bench.json says reliable: false "
+            "and leaves out the speed-up ratios. Run it on a quiet machine, or with fewer --threads",
+            file=sys.stderr,
+        )
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -110,8 +117,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threads",
         type=int_in(1, MAX_THREADS, " threads"),
-        default=2,
-        help=f"threads for torch and ONNX Runtime, 1..{MAX_THREADS} (default: 2)",
+        default=None,
+        help=f"threads for torch and ONNX Runtime, 1..{MAX_THREADS} (default: the CPUs this process may use that the "
+        "1-minute load average leaves free, at least 1, so the bench does not oversubscribe them). A run on oversubscribed "
+        "CPUs writes reliable: false and the reason into bench.json, and leaves out its speed-up ratios",
     )
     p.add_argument(
         "--gen-n",

@@ -9,7 +9,6 @@ chart in ``bench_report``; here ``run_bench`` opens each backend and runs every 
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,7 +21,15 @@ from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline, check_length
 from ldlm.sampling.schedules import TunedSchedules, load_schedules
-from ldlm.serve.checks.bench_latency import bench_generation, bench_graphs, bench_solvers
+from ldlm.serve.checks.bench_latency import (
+    available_cpus,
+    bench_generation,
+    bench_graphs,
+    bench_solvers,
+    default_threads,
+    load_average,
+    unreliable_reason,
+)
 from ldlm.serve.checks.bench_workload import bench_batching
 from ldlm.serve.runtime.backends import ORT_PRECISIONS, TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
@@ -36,7 +43,7 @@ def run_bench(
     batches: Sequence[int] = (1, 8),
     length: int = 128,
     runs: int = 10,
-    threads: int = 2,
+    threads: int | None = None,
     gen_n: int = 4,
     gen_steps: int = 10,
     workload_requests: int = 60,
@@ -57,18 +64,20 @@ def run_bench(
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
     The torch backends (eager, compiled, inductor) run on ``device`` in ``precision``; ort on ``provider``, once
     per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants). Generation and
-    the solvers start from the prior at ``prior_temperature`` (default: the config's)."""
+    the solvers start from the prior at ``prior_temperature`` (default: the config's). ``threads`` (default: the
+    CPUs the load average leaves free) serve torch and ONNX Runtime; a run on oversubscribed CPUs is marked
+    ``reliable: false`` with the reason, and its speed-up ratios are left out (``withhold_ratios``)."""
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     backends = ort_columns(backends, ort_precisions)
+    load_start, cpus = load_average(), available_cpus()  # before the export, which is this run's own load
+    threads = default_threads(load_start, cpus) if threads is None else threads
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
         sources = bench_sources(checkpoint, backends, onnx_dir, engine_dir, ort_precisions, Path(tmp), progress)
         schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)  # tuned grids, where tuned
         graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device, schedules)
         report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__}
-        report.update(
-            config_sha256=config.config_hash(), load_average_1m=round(os.getloadavg()[0], 2), cpus=os.cpu_count(), host=host_isa()
-        )
+        report.update(config_sha256=config.config_hash(), load_average_1m=round(load_start, 2), cpus=cpus, host=host_isa())
         report["graphs"] = bench_graphs(graphs_by_backend, config, batches, length, runs)
         report["generation"] = bench_generation(pipelines, gen_n, length, gen_steps, max(3, runs // 3), gen_sampler, prior_temperature)
         report["precision_speedups"] = precision_speedups(report)
@@ -85,7 +94,33 @@ def run_bench(
         for graphs in graphs_by_backend.values():
             for graph in graphs.values():
                 graph.close()
+    report["load_average_1m_end"] = round(load_average(), 2)
+    reason = unreliable_reason(threads, load_start, report["load_average_1m_end"], cpus)
+    report["reliable"] = reason is None
+    if reason is not None:
+        report["unreliable_reason"] = reason
+        withhold_ratios(report)
     return report
+
+
+# Ratios of two timings: on oversubscribed CPUs the backends slow unequally (eager far more than ONNX
+# Runtime), so a ratio then measures the machine's load, not the backends.
+RATIO_KEYS = ("speedup_vs_eager", "throughput_ratio", "p99_ratio", "mixed_solvers_throughput_ratio")
+
+
+def withhold_ratios(report: dict[str, Any]) -> None:
+    """Leave out every speed-up ratio of an unreliable run, and say so in ``ratios_left_out``: the timings
+    stay (with ``reliable: false``), the ratios would read as findings."""
+    left_out = []
+    for key, entry in report["graphs"].items():
+        for name, cell in entry.items():
+            if cell.pop("speedup_vs_eager", None) is not None:
+                left_out.append(f"{key}:{name}:speedup_vs_eager")
+    if report.pop("precision_speedups", None):
+        left_out.append("precision_speedups")
+    batching = report.get("batching", {})
+    left_out += [f"batching:{key}" for key in RATIO_KEYS if batching.pop(key, None) is not None]
+    report["ratios_left_out"] = left_out
 
 
 def open_pipelines(

@@ -7,6 +7,7 @@ median (p50) or p99 over ``runs`` runs.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from ldlm.config import GRIDS, TUNED_GRID, LDLMConfig
-from ldlm.limits import MAX_STEPS
+from ldlm.limits import MAX_STEPS, MAX_THREADS
 from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import get_sampler
 from ldlm.serve.runtime.graph_backend import GraphBackend
@@ -91,20 +92,63 @@ def bench_graphs(
     return results
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the OS has one (a container or taskset may allow
+    fewer than the machine has), else os.cpu_count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def load_average() -> float:
+    """The 1-minute load average: runnable threads, others' and ours, averaged over the last minute."""
+    return os.getloadavg()[0]
+
+
+def default_threads(load: float | None = None, cpus: int | None = None) -> int:
+    """Threads for the bench that do not oversubscribe the CPUs: those the 1-minute load average leaves
+    free (the rule of ``oversubscription``), at least 1. On a busy machine a fixed 2 threads slowed eager
+    50-100x more than ONNX Runtime, and their ratio said so."""
+    load = load_average() if load is None else load
+    cpus = available_cpus() if cpus is None else cpus
+    return max(1, min(MAX_THREADS, math.floor(cpus + 0.5 - load)))
+
+
+def oversubscription(threads: int, load: float, cpus: int) -> str | None:
+    """Why ``threads`` more threads oversubscribe ``cpus`` CPUs at 1-minute load average ``load``, or None
+    when they fit (load + threads <= cpus + 0.5: the half absorbs a load average's drift)."""
+    if load + threads <= cpus + 0.5:
+        return None
+    return (
+        f"1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} "
+        f"thread{'s' if threads > 1 else ''}: the CPUs are oversubscribed"
+    )
+
+
 def busy_machine_warning(threads: int, load_average: float | None = None, cpus: int | None = None) -> str | None:
     """A warning when other work already keeps the CPUs busy: then ``threads`` threads per backend
     oversubscribe the machine and timings, and their ratios, are noise (eager slows far more than ONNX
     Runtime). None on a quiet machine."""
     load = os.getloadavg()[0] if load_average is None else load_average
-    cpus = (os.cpu_count() or 1) if cpus is None else cpus
-    if load + threads <= cpus + 0.5:
+    cpus = available_cpus() if cpus is None else cpus
+    why = oversubscription(threads, load, cpus)
+    if why is None:
         return None
-    fewer = max(1, cpus - round(load))
+    fewer = default_threads(load, cpus)
     advice = f"try --threads {fewer} or a quiet machine" if fewer < threads else "run it on a quiet machine"
-    return (
-        f"the machine is busy: 1-minute load average {load:.1f} on {cpus} CPUs, and the bench adds {threads} "
-        f"thread{'s' if threads > 1 else ''}; timings will be noisy and oversubscribed ({advice})"
-    )
+    return f"the machine is busy: {why}; timings will be noisy and their ratios unreliable ({advice})"
+
+
+def unreliable_reason(threads: int, load_start: float, load_end: float, cpus: int) -> str | None:
+    """Why a run's timings are unreliable, or None: the CPUs were oversubscribed at its start (others' load
+    plus its threads), or at its end (the load average then counts its own threads too)."""
+    at_start = oversubscription(threads, load_start, cpus)
+    if at_start is not None:
+        return f"at the start, {at_start}"
+    if load_end > cpus + 0.5:
+        return f"at the end, 1-minute load average {load_end:.1f} on {cpus} CPUs (the bench's {threads} thread(s) included): the CPUs were oversubscribed"
+    return None
 
 
 def bench_generation(

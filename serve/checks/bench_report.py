@@ -12,6 +12,8 @@ from ldlm.files import save_figure
 
 def bench_summary(report: dict[str, Any]) -> list[str]:
     lines = []
+    if report.get("reliable") is False:
+        lines.append(f"UNRELIABLE figures: {report['unreliable_reason']}; speed-up ratios are left out (bench.json: reliable false)")
     for key, entry in report["graphs"].items():
         cells = ", ".join(
             f"{b} p50 {v['p50_ms']:.2f} ms" + (f" (x{v['speedup_vs_eager']:.2f})" if "speedup_vs_eager" in v else "")
@@ -33,9 +35,10 @@ def bench_summary(report: dict[str, Any]) -> list[str]:
             )
     if "batching" in report:
         b = report["batching"]
+        ratio = f" (x{b['throughput_ratio']})" if "throughput_ratio" in b else ""
         lines.append(
-            f"mixed arrivals: continuous {b['continuous']['tokens_per_s']} vs static {b['static']['tokens_per_s']} tokens/s "
-            f"(x{b['throughput_ratio']}), p99 {b['continuous']['latency_p99_s']} vs {b['static']['latency_p99_s']} s"
+            f"mixed arrivals: continuous {b['continuous']['tokens_per_s']} vs static {b['static']['tokens_per_s']} tokens/s"
+            f"{ratio}, p99 {b['continuous']['latency_p99_s']} vs {b['static']['latency_p99_s']} s"
         )
         if "mixed_solvers_throughput_ratio" in b:
             lines.append(

@@ -4,16 +4,19 @@ of scripts and `ldlm bench`, never from timed unit tests)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from ldlm.cli import main
+from ldlm.serve.checks.bench_latency import available_cpus
 
 pytest.importorskip("onnxruntime", reason="ONNX Runtime is one of the benchmarked backends (pip install -e .[cpu])")
 
 
-def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, capsys) -> None:
+def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine: the figures are reliable, ratios kept
     out = tmp_path / "bench"
     code = main(
         [
@@ -52,6 +55,7 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     )
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
+    assert report["reliable"] is True and report["threads"] == available_cpus() and "unreliable_reason" not in report
     assert set(report["graphs"]) == {f"{g}/b{b}/L16" for g in ("encoder", "denoiser", "decoder") for b in (1, 2)}
     for entry in report["graphs"].values():
         assert entry["eager"]["p50_ms"] > 0 and entry["ort"]["p50_ms"] > 0 and entry["ort"]["speedup_vs_eager"] > 0
@@ -84,3 +88,30 @@ def test_bench_writes_json_and_png(tiny_checkpoint: Path, export_dir: Path, tmp_
     assert (out / "bench.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "mixed arrivals: continuous" in printed and "dpm3m-psc@3" in printed
+
+
+def test_a_bench_on_a_busy_machine_takes_fewer_threads_and_writes_no_speedups(
+    tiny_checkpoint: Path, export_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Load average 6 on the CPUs this process may use: the default is 1 thread, and bench.json records the
+    load, reliable: false with the reason, and no speed-up ratio, while the timings stay."""
+    cpus = available_cpus()
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 4.0, cpus + 4.0, cpus + 4.0))
+    out = tmp_path / "bench"
+    args = ["bench", str(tiny_checkpoint), "--onnx-dir", str(export_dir), "--runs", "1", "--batches", "1", "--length", "8"]
+    args += ["--gen-n", "1", "--gen-steps", "1", "--workload-requests", "2", "--workload-rate", "200", "--solvers", "", "--quiet"]
+    assert main([*args, "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["threads"] == 1 and report["load_average_1m"] == cpus + 4.0 and report["load_average_1m_end"] == cpus + 4.0
+    assert report["reliable"] is False
+    assert (
+        report["unreliable_reason"]
+        == f"at the start, 1-minute load average {cpus + 4.0:.1f} on {cpus} CPUs, and the bench adds 1 thread: the CPUs are oversubscribed"
+    )
+    assert all("speedup_vs_eager" not in cell for entry in report["graphs"].values() for cell in entry.values())
+    assert all(entry["eager"]["p50_ms"] > 0 and entry["ort"]["p50_ms"] > 0 for entry in report["graphs"].values())
+    assert "precision_speedups" not in report and "throughput_ratio" not in report["batching"]
+    assert "encoder/b1/L8:ort:speedup_vs_eager" in report["ratios_left_out"] and "batching:throughput_ratio" in report["ratios_left_out"]
+    captured = capsys.readouterr()
+    assert "UNRELIABLE figures: at the start" in captured.out and " (x" not in captured.out
+    assert "ldlm bench: warning: the figures are unreliable" in captured.err

@@ -156,3 +156,57 @@ def test_the_host_isa_names_the_flags_int8_speed_depends_on(tmp_path, monkeypatc
     isa = bench_module.host_isa()
     assert isa["cpu"] == "AMD EPYC 9R14"
     assert (isa["avx2"], isa["avx512f"], isa["avx512_vnni"], isa["amx_int8"], isa["avx_vnni"]) == (True, True, True, False, False)
+
+
+def test_the_default_threads_fit_the_cpus_the_load_leaves_free() -> None:
+    """Against the oversubscription rule itself: the default is the largest thread count that fits (at least 1)."""
+    from ldlm.serve.checks.bench_latency import default_threads, oversubscription
+
+    assert [default_threads(load, 2) for load in (0.0, 0.4, 0.6, 1.2, 5.6)] == [2, 2, 1, 1, 1]
+    assert default_threads(3.0, 16) == 13 and default_threads(0.0, 1) == 1
+    for cpus in (1, 2, 4, 16):
+        for load in (tenths / 10 for tenths in range(0, 10 * cpus + 30)):
+            chosen = default_threads(load, cpus)
+            assert oversubscription(chosen + 1, load, cpus) is not None, (load, cpus)  # one more would not fit ...
+            # ... and it fits, unless even one thread does not: then the least there is, 1
+            assert oversubscription(chosen, load, cpus) is None or chosen == 1, (load, cpus)
+
+
+def test_a_run_on_oversubscribed_cpus_is_unreliable_and_says_why() -> None:
+    from ldlm.serve.checks.bench_latency import unreliable_reason
+
+    assert unreliable_reason(2, 0.1, 2.2, 2) is None  # quiet: its own 2 threads at the end are no oversubscription
+    start = unreliable_reason(2, 3.8, 5.9, 2)
+    assert start == "at the start, 1-minute load average 3.8 on 2 CPUs, and the bench adds 2 threads: the CPUs are oversubscribed"
+    end = unreliable_reason(1, 0.2, 3.1, 2)
+    assert end is not None and end.startswith("at the end, 1-minute load average 3.1 on 2 CPUs")
+
+
+def test_an_unreliable_run_leaves_out_its_speedup_ratios_and_keeps_its_timings() -> None:
+    from ldlm.serve.checks.bench import withhold_ratios
+
+    report: dict[str, Any] = {
+        "reliable": False,
+        "unreliable_reason": "at the start, 1-minute load average 5.6 on 2 CPUs, and the bench adds 2 threads: the CPUs are oversubscribed",
+        "graphs": {"encoder/b1/L8": {"eager": {"p50_ms": 400.0}, "ort": {"p50_ms": 3.0, "speedup_vs_eager": 133.3}}},
+        "generation": {"ort": {"tokens_per_s": 12.5, "n": 1, "length": 8, "steps": 2, "sampler": "ddim"}},
+        "precision_speedups": {"generation:ort-int8": 1.3},
+        "batching": {
+            "continuous": {"tokens_per_s": 30, "latency_p99_s": 1.0},
+            "static": {"tokens_per_s": 10, "latency_p99_s": 2.0},
+            "throughput_ratio": 3.0,
+            "p99_ratio": 0.5,
+        },
+    }
+    withhold_ratios(report)
+    assert report["graphs"]["encoder/b1/L8"] == {"eager": {"p50_ms": 400.0}, "ort": {"p50_ms": 3.0}}
+    assert "precision_speedups" not in report and "throughput_ratio" not in report["batching"] and "p99_ratio" not in report["batching"]
+    assert report["ratios_left_out"] == [
+        "encoder/b1/L8:ort:speedup_vs_eager",
+        "precision_speedups",
+        "batching:throughput_ratio",
+        "batching:p99_ratio",
+    ]
+    lines = bench_summary(report)
+    assert lines[0].startswith("UNRELIABLE figures: at the start, 1-minute load average 5.6 on 2 CPUs")
+    assert "ort p50 3.00 ms" in lines[1] and " (x" not in "\n".join(lines)
