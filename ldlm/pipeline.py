@@ -107,14 +107,14 @@ class LDLMPipeline:
     def from_export(
         cls,
         path: str | os.PathLike[str],
-        backend: str = "ort",
+        backend: str | None = None,
         precision: str = "fp32",
         device: str = "cpu",
         threads: int | None = None,
         buckets: Sequence[int] = (),
     ) -> LDLMPipeline:
         """The pipeline on another backend than eager PyTorch: ``path`` is an ``ldlm export`` directory
-        (``backend="ort"``, ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an
+        (``backend="ort"``, the default: ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an
         ``ldlm build-engine`` directory (``"trt"``), or a checkpoint (``"eager"``, ``"compiled"``,
         ``"inductor"``, on ``device`` in ``precision``). Every file an export's manifest names is
         checked first; its tuned step grids, where it has them, are used as ``from_checkpoint`` uses a
@@ -124,8 +124,11 @@ class LDLMPipeline:
         # ldlm.serve and ldlm.export build on this module: loaded when a caller opens a backend
         from ldlm.export.artifact import MANIFEST_FILE, read_schedules
         from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+        from ldlm.serve.runtime.registry import DEFAULT_BACKEND
 
-        graphs, config, tokenizer = open_graphs(backend, path, precision, threads=threads, device=device, with_logits=True)
+        graphs, config, tokenizer = open_graphs(
+            backend or DEFAULT_BACKEND, path, precision, threads=threads, device=device, with_logits=True
+        )
         if (Path(path) / WEIGHTS_FILE).is_file():
             schedules = load_schedules(path, weights=Path(path) / WEIGHTS_FILE)
         else:  # an export carries its checkpoint's grids in its manifest; an engine directory carries none

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 from ldlm.cli.options import capped_positive_int, device_options, float_in, in_range
 from ldlm.limits import MAX_DELAY_MS, MAX_THREADS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS, TIMEOUT_S
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND, backend_help, backend_names
 
 MAX_REPLICAS = 4096  # RayOptions' limit
 MAX_REPLICA_CPUS = 1024.0
@@ -129,10 +130,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--backend",
-        choices=["eager", "compiled", "inductor", "ort", "trt"],
-        default="ort",
-        help="torch on --device: eager, compiled (shape buckets + CUDA graphs) or inductor (compiled, plus torch.compile's "
-        "fused kernels: each bucket's first call compiles, seconds to a minute); ort on --provider; trt (default: ort)",
+        choices=backend_names(),
+        default=DEFAULT_BACKEND,
+        help=f"{backend_help()}. The torch backends run on --device; inductor compiles each bucket on its first call "
+        f"(seconds to a minute) (default: {DEFAULT_BACKEND})",
     )
     p.add_argument(
         "--no-export-cache",

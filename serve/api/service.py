@@ -30,9 +30,10 @@ from ldlm.serve.api.export_cache import cached_export
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.api.streaming import PreviewDecoder
-from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers, serving_limits
+from ldlm.serve.runtime.backends import BackendGraphs, info_of, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND
 from ldlm.serve.runtime.scheduler import GenerationScheduler
 from ldlm.serve.runtime.torch_backends import length_buckets
 from ldlm.tokenizer import TextTokenizer
@@ -42,7 +43,7 @@ from ldlm.tokenizer import TextTokenizer
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    backend: str = "ort"
+    backend: str = DEFAULT_BACKEND
     max_batch: int = 16  # samples per graph execution; larger requests run in chunks of this size
     max_delay_ms: float = 0.0  # how long a batch waits for company; 0: whatever queued while the last ran
     max_queue: int = 256  # requests waiting per graph before 503
@@ -61,11 +62,11 @@ class ServerSettings:
     threads: int | None = None
     device: str = "cpu"  # torch backends (eager, compiled)
     precision: str = "fp32"
-    provider: str = "cpu"  # ONNX Runtime: cpu, cuda, tensorrt
+    provider: str = "cpu"  # backend ort's ONNX Runtime providers: cpu, cuda, tensorrt
     preview_budget: float = PREVIEW_BUDGET  # share of wall time that decoding streamed previews may take beside other work
     preview_lone_budget: float = PREVIEW_LONE_BUDGET  # the same while a stream's own generation is the only one
     trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
-    export_cache: str | None = None  # a checkpoint on ort: where its verified export is kept (None: a scratch export)
+    export_cache: str | None = None  # a checkpoint on an export backend: where its verified export is kept (None: a scratch export)
 
     def __post_init__(self) -> None:
         for name, allowed in SETTINGS.items():  # the ranges `ldlm serve`'s options parse with
@@ -115,12 +116,13 @@ class LDLMService:
         into the settings' export cache (reused at the next start) or a scratch directory removed at close."""
         settings = self.settings
         quantize = "int8" if settings.precision == "int8" else None  # a checkpoint served in int8 is exported with its variants
-        if settings.backend == "ort" and is_checkpoint(source) and settings.export_cache is not None:
+        runs_export = info_of(settings.backend).opens == "export"
+        if runs_export and is_checkpoint(source) and settings.export_cache is not None:
             source = str(cached_export(source, settings.export_cache, say, progress=progress, quantize=quantize).directory)
-        elif settings.backend == "ort" and is_checkpoint(source):
+        elif runs_export and is_checkpoint(source):
             say(
-                f"exporting the checkpoint {source} to ONNX first (ort serves an export; `ldlm export` once and serve its "
-                "directory to skip this at every start)"
+                f"exporting the checkpoint {source} to ONNX first ({settings.backend} serves an export; `ldlm export` once and "
+                "serve its directory to skip this at every start)"
             )
             self._scratch = tempfile.TemporaryDirectory(prefix="ldlm-serve-")
             source = export_checkpoint_for_serving(source, Path(self._scratch.name), progress=progress, quantize=quantize)
@@ -129,7 +131,7 @@ class LDLMService:
             settings.backend,
             source,
             settings.precision,
-            ort_providers(settings.provider),
+            ort_providers(settings.provider, settings.backend),
             settings.threads,
             settings.device,
             with_logits=True,  # torch backends: the decoder's logits, for temperature, top_p and logprobs

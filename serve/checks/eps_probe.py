@@ -189,7 +189,7 @@ def _eps(value: float | None) -> str:
 class EpsProbeReport:
     """All eps probes of one artifact on one backend, plus the fixed cases. JSON round trip."""
 
-    backend: str  # "ort" or "trt"
+    backend: str  # the backend that ran the probes: ldlm.serve.runtime.registry.PROBE_BACKENDS
     runtime: str  # what really ran, e.g. "onnxruntime 1.22.0 CPUExecutionProvider"
     artifact: str
     layer_norms: list[LayerNormProbe] = field(default_factory=list)

@@ -23,6 +23,7 @@ from ldlm.export.onnx_export import graph_layer_norm_specs
 from ldlm.export.verify import LAYER_NORM_OP, ONNX_DEFAULT_EPS, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
+from ldlm.serve.runtime.registry import PROBE_BACKENDS
 
 
 def one_node_model(
@@ -91,7 +92,7 @@ def probe_onnx_export(model: LDLM, onnx_dir: Path, seed: int, providers: tuple[s
     quantized variants (``decoder.int8`` ...), each node probed alone."""
     manifest = read_manifest(onnx_dir)
     runner = OrtNodeRunner(providers)
-    report = EpsProbeReport("ort", runner.runtime, str(onnx_dir))
+    report = EpsProbeReport(PROBE_BACKENDS["export"], runner.runtime, str(onnx_dir))
     files = [(graph, graph, entry["file"]) for graph, entry in manifest["graphs"].items()]
     files += [
         (graph, f"{graph}.{precision}", variant["file"])

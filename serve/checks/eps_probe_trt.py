@@ -34,6 +34,7 @@ from ldlm.export.trt_flavor import Flavor, flavor_logger, gpu_info, load_flavor
 from ldlm.export.verify import LAYER_NORM_OP, eps_matches, pair_layer_norm_nodes
 from ldlm.model import LDLM
 from ldlm.serve.checks.eps_probe import EpsProbeReport, LayerNormProbe, analyse_outputs, eps_rtol, probe_rows, run_cases
+from ldlm.serve.runtime.registry import PROBE_BACKENDS
 from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
 from ldlm.serve.runtime.tensorrt_executor import bind
 
@@ -90,7 +91,9 @@ def probe_engines(
     manifests = {g: read_plan_manifest(engine_dir / f"{g}.plan") for g in graphs}
     flavor = load_flavor(flavor_name or manifests[graphs[0]]["flavor"])
     can_run = gpu_info().name is not None
-    report = EpsProbeReport("trt", f"{flavor.name} {flavor.version}" + ("" if can_run else " (AOT only, no GPU)"), str(engine_dir))
+    report = EpsProbeReport(
+        PROBE_BACKENDS["engines"], f"{flavor.name} {flavor.version}" + ("" if can_run else " (AOT only, no GPU)"), str(engine_dir)
+    )
     for graph in graphs:
         manifest = manifests[graph]
         path, problem = locate_plan_onnx(engine_dir, manifest, onnx_dir)

@@ -1,12 +1,14 @@
 """The GPU targets (and the preview cost), read off a gpu_check report: one row per target with the measured figure
 and a verdict (met, missed, or not measured and why), and the Markdown summary of a report.
-Used by scripts/gpu_check.py."""
+Used by scripts/research/gpu_check.py."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from typing import Any
+
+from ldlm.serve.runtime.registry import EAGER, INDUCTOR
 
 # (measure, target text, where the figure is in the report, comparison)
 Getter = Callable[[dict[str, Any]], Any]
@@ -48,7 +50,7 @@ def _default_sample(r: dict[str, Any]) -> tuple[float, str]:
 
 def _tokens_per_s(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "throughput")
-    also = _inductor_beside(s.get("inductor", {}), "tokens_per_s", "{:,.0f} at batch {batch}")
+    also = _inductor_beside(s.get(INDUCTOR, {}), "tokens_per_s", "{:,.0f} at batch {batch}")
     return s["best"]["tokens_per_s"], f"batch {s['best']['batch']}, length {s['length']}, {s['steps']} steps, compiled bf16{also}"
 
 
@@ -58,7 +60,7 @@ def _compiled_speedup(r: dict[str, Any]) -> tuple[float, str]:
     cell = graphs[key]
     return cell["compiled-bf16"][
         "speedup_vs_eager"
-    ], f"{key}: eager fp32 {cell['eager']['p50_ms']} ms, compiled bf16 {cell['compiled-bf16']['p50_ms']} ms"
+    ], f"{key}: eager fp32 {cell[EAGER]['p50_ms']} ms, compiled bf16 {cell['compiled-bf16']['p50_ms']} ms"
 
 
 def _batching(r: dict[str, Any]) -> tuple[tuple[float, float], str]:

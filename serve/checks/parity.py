@@ -41,8 +41,9 @@ from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
 from ldlm.serve.checks.parity_end_to_end import compare_with_eager
 from ldlm.serve.checks.parity_graphs import compare_layer_norms
 from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED, ParityReport, first_divergence
-from ldlm.serve.runtime.backends import TORCH_BACKENDS, open_graphs, ort_providers
+from ldlm.serve.runtime.backends import info_of, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND
 from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
 from ldlm.serve.runtime.torch_backends import EagerBackend
 
@@ -55,7 +56,7 @@ def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResul
     results = []
     for name in GRAPH_NAMES:
         specs = graph_layer_norm_specs(model, graph_io(model, name))
-        if backend == "ort":
+        if info_of(backend).opens == "export":
             path: Path | None = source / read_manifest(source)["graphs"][name]["file"]
             problem = None
         else:
@@ -71,7 +72,7 @@ def open_checked_graphs(
     model: LDLM, checkpoint: str | Path, backend: str, source: Path, precision: str, provider: str, device: str
 ) -> dict[str, GraphBackend]:
     """The graphs of ``source`` on ``backend``, refused when made from another config than ``model``'s."""
-    graphs, config, _ = open_graphs(backend, source, precision, ort_providers(provider), device=device, with_logits=True)
+    graphs, config, _ = open_graphs(backend, source, precision, ort_providers(provider, backend), device=device, with_logits=True)
     if config.config_hash() != model.config.config_hash():
         raise ValueError(f"{source} was made from another config than checkpoint {checkpoint}")
     return graphs
@@ -99,14 +100,15 @@ def eps_probe_stage(
 ) -> None:
     """Every LayerNorm of the artifact probed alone on the backend under test, into ``report``."""
     bar.set_postfix_str("eps probes")
+    opens = info_of(backend).opens
     report.eps_probes = probe_layer_norm_eps(
         model,
-        onnx_dir=source if backend == "ort" else None,
-        engine_dir=source if backend == "trt" else None,
+        onnx_dir=source if opens == "export" else None,
+        engine_dir=source if opens == "engines" else None,
         seed=seed,
-        providers=ort_providers(provider),
+        providers=ort_providers(provider, backend),
     )  # where the graphs ran
-    if backend == "ort" and precision == "fp16":
+    if opens == "export" and precision == "fp16":
         report.notes.append("eps probes ran the fp32 export's LayerNormalization nodes (the fp16 cast keeps them in FP32)")
     bar.update()
 
@@ -121,14 +123,14 @@ def parity_notes(backend: str, precision: str, device: str, has_manifest: bool) 
             f"int8 is judged by cosine per sample >= {min_cosine('int8')} on every output and LayerNorm output, and "
             f"token agreement >= {TOKEN_AGREEMENT_REQUIRED['int8']:.0%}; graphs without an int8 variant ran fp32"
         )
-    if backend in TORCH_BACKENDS:
+    if info_of(backend).runs_checkpoint:
         notes.append(f"{backend} ran the checkpoint on {device} in {precision}; the reference is eager fp32 on CPU")
     return notes
 
 
 def run_parity(
     checkpoint: str | Path,
-    backend: str = "ort",
+    backend: str = DEFAULT_BACKEND,
     precision: str = "fp32",
     source: str | Path | None = None,
     bisect: bool = False,
@@ -145,12 +147,13 @@ def run_parity(
     of ``sampler``: by default DDIM@10 (deterministic), and for int8 what a request naming neither is served
     (``ldlm.sampling.resolve``'s plan, the checkpoint's tuned grid included), which a quantized engine must keep."""
     atol, rtol = tolerance(precision)
-    torch_backend = backend in TORCH_BACKENDS
+    info = info_of(backend)
+    torch_backend = info.runs_checkpoint
     given = source is not None and not torch_backend  # an artifact made beforehand: the structural verifier checks it
     if torch_backend:
         source = checkpoint  # the checkpoint's own modules: no artifact, so no verifier and no eps probes
-    if source is None and backend != "ort":
-        raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only ort exports on the fly")
+    if source is None and info.opens != "export":
+        raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only the ONNX Runtime backends export on the fly")
     if given and source is not None:
         check_from_checkpoint(checkpoint, source)  # before the checkpoint loads
     model, tokenizer = load_checkpoint(checkpoint)
@@ -171,7 +174,7 @@ def run_parity(
             bar.set_postfix_str("structural verifier")
             verification = verify_artifact(model, backend, source)
             bar.update()
-        manifest = read_manifest(source) if backend == "ort" else None
+        manifest = read_manifest(source) if info.opens == "export" else None
         layer_norms = layer_norm_stage(model, source, manifest, precision, atol, rtol, work, bar)
         bar.set_postfix_str("graphs, then end-to-end generation")
         report = compare_with_eager(

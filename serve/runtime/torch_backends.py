@@ -20,21 +20,29 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ldlm.buckets import bucket_for
+from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
+from ldlm.config import LDLMConfig
 from ldlm.device import DeviceError
 from ldlm.device import resolve_device as core_resolve_device
-from ldlm.export.graphs import graph_io
+from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.registry import TORCH_PRECISIONS
+from ldlm.tokenizer import TextTokenizer
 
-TORCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+if TYPE_CHECKING:
+    from ldlm.serve.runtime.backends import OpenOptions
+    from ldlm.serve.runtime.registry import BackendInfo
+
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
@@ -297,3 +305,18 @@ def fill_padded(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], se
 
 def _cut(output: Tensor, batch: int, length: int, has_seq: bool) -> Tensor:
     return output[:batch, :length] if has_seq else output[:batch]
+
+
+TORCH_KINDS: dict[str, type[EagerBackend]] = {kind.backend: kind for kind in (EagerBackend, CompiledBackend, InductorBackend)}
+
+
+def open_backend(info: BackendInfo, path: Path, options: OpenOptions) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
+    """A checkpoint's own modules on ``options.device`` in ``options.precision`` (its FP32 list kept in FP32)."""
+    check_precision(options.precision, info.name)
+    target = resolve_device(options.device)  # before loading: a missing device fails fast
+    if not (path / WEIGHTS_FILE).is_file():
+        raise BackendError(f"{path} is not a checkpoint (no {WEIGHTS_FILE}); backend {info.name!r} runs a checkpoint from `ldlm init`")
+    model, tokenizer = load_checkpoint(path)
+    model = prepare_model(model, target, options.precision)
+    kind = TORCH_KINDS[info.name]
+    return {g: kind(model, g, options.with_logits and g == "decoder") for g in GRAPH_NAMES}, model.config, tokenizer

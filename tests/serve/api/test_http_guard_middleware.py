@@ -201,7 +201,7 @@ def test_sse_framing() -> None:
 
 def test_preview_budget_bounds_and_forget_drops_only_its_stream() -> None:
     for bad in (0, -0.5, 1.0001):
-        with pytest.raises(ValueError, match=f"budget={bad} is out of range; allowed: \\(0, 1\\]"):
+        with pytest.raises(ValueError, match=f"budget={bad} is out of range; allowed: a number in \\(0, 1\\]"):
             PreviewDecoder(None, bad)  # type: ignore[arg-type]
     decoder = PreviewDecoder(None, 1.0)  # type: ignore[arg-type]  # the edge itself is allowed
     decoder.close()  # its thread ends: what follows only touches the pending table

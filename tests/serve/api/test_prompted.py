@@ -37,6 +37,9 @@ def reference(pipeline: LDLMPipeline, length: int, steps: int, seed: int) -> tup
     return row, pipeline.tokenizer.decode(row)
 
 
+PLAN = {"sampler": "ddim", "steps": 20, "grid": "uniform", "t_min": 0.05, "prior_temperature": 1.0}  # what a ddim@20 request on the tiny config runs, as its answer names it
+
+
 def read_events(response: Any) -> list[tuple[str, dict]]:
     """(event name, its data's JSON) of each Server-Sent Event."""
     events, name = [], ""
@@ -52,7 +55,7 @@ def test_a_prompted_generation_answers_what_follows_the_prompt(server: RunningSe
     body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT}
     answer = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
     ids, text = reference(pipeline, 12, 20, 7)
-    assert answer == {"texts": [text], "token_ids": [ids]}
+    assert answer == {"texts": [text], "token_ids": [ids], "plan": PLAN}
     unprompted = httpx.post(f"{server.url}/v1/generate", json={**body, "prompt": ""}, timeout=60).json()
     assert len(unprompted["token_ids"][0]) == 12 and unprompted != answer  # "" is no prompt: 12 tokens, unconditioned
 
@@ -68,7 +71,7 @@ def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServe
     assert [k for k, _ in events] == ["preview"] * 3 + ["result"]  # an idle server: steps 5, 10, 15, then the result
     assert [e["samples"][0]["step"] for _, e in events[:-1]] == [5, 10, 15]
     ids, text = reference(pipeline, 12, 20, 7)
-    assert events[-1][1] == {"texts": [text], "token_ids": [ids]}
+    assert events[-1][1] == {"texts": [text], "token_ids": [ids], "plan": PLAN}
     kept = len(pipeline.tokenizer.encode([PROMPT])[0])
     for _, event in events[:-1]:
         sample = event["samples"][0]

@@ -52,18 +52,18 @@ def test_inputs_are_checked_at_the_boundary(export_dir: Path) -> None:
 
 def test_missing_backend_and_unsupported_precision(tiny_checkpoint: Path, export_dir: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as on a machine without it
-    with pytest.raises(BackendError, match=r"backend 'ort' is not installed .*pip install -e \.\[cpu\]"):
+    with pytest.raises(BackendError, match=r"ONNX Runtime is not installed .*pip install -e \.\[cpu\]"):
         open_graphs("ort", export_dir)
     monkeypatch.undo()
     with pytest.raises(BackendError, match="backend 'ort' cannot run precision='bf16'; allowed: fp32, fp16"):
         open_graphs("ort", export_dir, "bf16")
     with pytest.raises(BackendError, match="backend 'eager' cannot run precision='int8'; allowed: fp32, bf16, fp16"):
         open_graphs("eager", tiny_checkpoint, "int8")
-    with pytest.raises(BackendError, match="backend='onnx' is unknown; allowed: eager, compiled, inductor, ort, trt"):
+    with pytest.raises(BackendError, match="backend='onnx' is unknown; allowed: eager, compiled, inductor, ort, ort-cuda, trt"):
         open_graphs("onnx", export_dir)
     with pytest.raises(BackendError, match="has no config.json"):
         open_graphs("ort", tiny_checkpoint.parent)
-    with pytest.raises(BackendError, match="cuda_graphs applies to backend 'trt' only, not 'ort'"):
+    with pytest.raises(BackendError, match="cuda_graphs applies to engine backends only, not 'ort'"):
         open_graphs("ort", export_dir, cuda_graphs=True)
 
 

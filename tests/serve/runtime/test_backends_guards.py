@@ -269,7 +269,7 @@ def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Pa
             parse_solver_specs(spec)
     with raises(ValueError, "sampler='euler' is unknown"):
         parse_solver_specs("euler@5")
-    with raises(ValueError, "backend='tpu' is unknown; allowed: eager, compiled, inductor, ort, trt"):
+    with raises(ValueError, "backend='tpu' is unknown; allowed: eager, compiled, inductor, ort, ort-cuda, trt"):
         run_bench(str(tiny_checkpoint), ["tpu"])
     with raises(ValueError, "backend 'trt' needs an engine directory (--engine-dir)"):
         run_bench(str(tiny_checkpoint), ["trt"])

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.samplers import ddim_step  # noqa: E402
-from ldlm.sampling import NoiseStream, sample_seeds  # noqa: E402
+from ldlm.sampling import NoiseStream, RequestLimits, sample_seeds  # noqa: E402
 from ldlm.schedule import time_grid  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
@@ -184,6 +184,7 @@ def test_submits_run_off_the_event_loop(client, server: RunningServer, monkeypat
 def test_a_full_queue_cancels_the_prompts_already_queued(server: RunningServer, monkeypatch) -> None:
     """Prompt 2 of 2 finds the queue full: 503, and prompt 1's queued samples are cancelled, not run for nobody."""
     scheduler = server.service.scheduler
+    monkeypatch.setattr(scheduler, "limits", RequestLimits())  # the blocker runs far past the server's max_steps, on purpose
     blocker = scheduler.submit(GenerateRequest(n=8, length=8, steps=100_000, seed=0, sampler="ddim"))  # fills max_batch=8
     futures = []
 

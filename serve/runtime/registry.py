@@ -1,0 +1,125 @@
+"""The backends a graph runs on, one entry each: the only place a backend is named.
+
+An entry says what the backend opens (a checkpoint, an ``ldlm export`` directory, an ``ldlm build-engine``
+directory), the precisions it runs, the ONNX Runtime providers it asks for (where it is ONNX Runtime), and
+the module that implements it. That module owns how the artifact is checked and opened
+(``open_backend(info, path, options)``); the service, parity, the eps probes, bench and the CLI read this
+table, never a backend's name. Adding a backend is one module with ``open_backend`` plus one entry below.
+
+Only the standard library here: the CLI lists the backends before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+Artifact = Literal["checkpoint", "export", "engines"]
+ARTIFACT_COMMANDS: dict[str, str] = {  # what writes each artifact, for messages
+    "checkpoint": "`ldlm init` or `ldlm import-checkpoint`",
+    "export": "`ldlm export`",
+    "engines": "`ldlm build-engine`",
+}
+TORCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    opens: Artifact  # what it runs: a checkpoint's own modules, an export's ONNX graphs, or engines
+    precisions: tuple[str, ...]
+    module: str  # the module with its ``open_backend``
+    summary: str  # one line for --help
+    providers: tuple[str, ...] = ()  # ONNX Runtime's providers, in order; () for ort: from --provider
+    needs: str = ""  # what to install when its runtime is missing
+
+    @property
+    def runs_checkpoint(self) -> bool:
+        """A torch backend: the checkpoint's own modules on a torch device; no artifact, so no verifier or eps probes."""
+        return self.opens == "checkpoint"
+
+    @property
+    def runs_onnx_runtime(self) -> bool:
+        return self.opens == "export"
+
+
+CPU_PROVIDER = "CPUExecutionProvider"
+# The names other modules may need one of by role (the reference, the default, the probes' runtimes).
+EAGER, COMPILED, INDUCTOR, ORT, ORT_CUDA, TRT = "eager", "compiled", "inductor", "ort", "ort-cuda", "trt"
+REGISTRY: dict[str, BackendInfo] = {
+    b.name: b
+    for b in (
+        BackendInfo(
+            EAGER, "checkpoint", TORCH_PRECISIONS, "ldlm.serve.runtime.torch_backends", "the checkpoint's torch modules as they are"
+        ),
+        BackendInfo(
+            COMPILED,
+            "checkpoint",
+            TORCH_PRECISIONS,
+            "ldlm.serve.runtime.torch_backends",
+            "static shape buckets, one CUDA graph per bucket on CUDA",
+        ),
+        BackendInfo(
+            INDUCTOR,
+            "checkpoint",
+            TORCH_PRECISIONS,
+            "ldlm.serve.runtime.torch_backends",
+            "compiled, with torch.compile's kernels per bucket",
+        ),
+        BackendInfo(
+            ORT,
+            "export",
+            ("fp32", "fp16", "int8"),  # the CPU provider has no bf16 kernels; int8: an export's variants
+            "ldlm.serve.runtime.ort_backend",
+            "ONNX Runtime on an export (--provider picks CPU, CUDA or TensorRT)",
+            needs="pip install -e .[cpu] (or .[gpu] for the CUDA and TensorRT providers)",
+        ),
+        BackendInfo(
+            ORT_CUDA,
+            "export",
+            ("fp32", "fp16", "int8"),
+            "ldlm.serve.runtime.ort_backend",
+            "ONNX Runtime's CUDA provider on an export",
+            providers=("CUDAExecutionProvider", CPU_PROVIDER),
+            needs="pip install -e .[gpu] (onnxruntime-gpu, in place of onnxruntime)",
+        ),
+        BackendInfo(
+            TRT,
+            "engines",
+            ("fp32", "fp16", "bf16", "int8", "fp8"),
+            "ldlm.serve.runtime.trt_backend",
+            "TensorRT engines built ahead of time",
+            needs="pip install -e .[rtx] (TensorRT for RTX), or NVIDIA TensorRT from NVIDIA's index",
+        ),
+    )
+}
+DEFAULT_BACKEND = ORT  # serve, parity and bench: ONNX Runtime on the CPU runs everywhere
+REFERENCE_BACKEND = EAGER  # what parity and bench compare against: the checkpoint's own modules, fp32 on the CPU
+PROBE_BACKENDS: dict[Artifact, str] = {"export": ORT, "engines": TRT}  # what runs each artifact's LayerNorms alone (eps probes)
+
+
+class UnknownBackendError(ValueError):
+    pass
+
+
+def backend_info(name: str) -> BackendInfo:
+    """The entry of backend ``name``, or an error naming the allowed ones."""
+    if name not in REGISTRY:
+        raise UnknownBackendError(f"backend={name!r} is unknown; allowed: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def backend_names(opens: Artifact | None = None) -> tuple[str, ...]:
+    """Every backend's name (those that open ``opens``, where given), in the table's order."""
+    return tuple(name for name, info in REGISTRY.items() if opens is None or info.opens == opens)
+
+
+def backend_help() -> str:
+    """The backends in one line each, for --help."""
+    return "; ".join(f"{name}: {info.summary} ({', '.join(info.precisions)})" for name, info in REGISTRY.items())
+
+
+def implementation(info: BackendInfo) -> object:
+    """The module that implements ``info`` (imported on first use: torch, ONNX Runtime and TensorRT are heavy)."""
+    return importlib.import_module(info.module)

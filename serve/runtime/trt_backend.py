@@ -1,0 +1,72 @@
+"""TensorRT as a GraphBackend: one engine (plan) per graph, built ahead of time by ``ldlm build-engine``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ldlm.config import LDLMConfig
+from ldlm.export.artifact import PLAN_SUFFIX, check_engine_dir
+from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
+from ldlm.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from ldlm.serve.runtime.backends import OpenOptions
+    from ldlm.serve.runtime.registry import BackendInfo
+
+
+class TensorRTBackend(GraphBackend):
+    """A plan on the GPU. Batches larger than the engine's profiles run as several executions
+    (``batch_limit`` is the largest one execution takes); sequences are capped by the profiles."""
+
+    backend = "trt"
+
+    def __init__(self, plan: Path, graph: str, max_seq_len: int, cuda_graphs: bool = False) -> None:
+        self.engine = TensorRTEngine(plan, cuda_graphs=cuda_graphs)
+        manifest = self.engine.manifest
+        super().__init__(graph, manifest["inputs"], manifest["outputs"], min(max_seq_len, self.engine.max_seq or max_seq_len))
+        self.batch_limit = self.engine.max_batch
+        self.device = self.engine.device  # the pipeline samples here: no host copy per denoiser call
+        self.provider = f"{manifest['flavor']} {manifest['trt_version']} ({manifest['precision']})"
+        self.precision = manifest["precision"]
+
+    def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Tensors in (any device; checked on their shapes alone), tensors out on the GPU, float outputs as FP32."""
+        self.check_tensors(inputs)
+        outputs = self.engine.run(dict(inputs))
+        return {n: outputs[n].float() if outputs[n].is_floating_point() else outputs[n] for n in self.output_names}
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.engine.run({n: torch.from_numpy(a) for n, a in inputs.items()})
+        # .cpu() waits for the caller's stream, which waits for the engine's
+        return {
+            n: outputs[n].float().cpu().numpy() if outputs[n].is_floating_point() else outputs[n].cpu().numpy() for n in self.output_names
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_backend(info: BackendInfo, path: Path, options: OpenOptions) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
+    """An ``ldlm build-engine`` directory's plans, once their manifests say they were built in the precision
+    asked for (the plans themselves are hashed as TensorRTEngine reads them); ``options.cuda_graphs``
+    replays CUDA graphs (TensorRT-RTX's own capture, or torch's for NVIDIA TensorRT)."""
+    built = {m.get("precision") for m in check_engine_dir(path, GRAPH_NAMES, plans=False).values()}
+    if built != {options.precision}:
+        raise BackendError(
+            f"engines in {path} are {sorted(map(str, built))}; asked for precision={options.precision!r}; "
+            f"rebuild with --precision {options.precision}"
+        )
+    config = LDLMConfig.load(path / "config.json")
+    tokenizer = TextTokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else TextTokenizer.gpt2()
+    graphs: dict[str, GraphBackend] = {
+        g: TensorRTBackend(path / f"{g}{PLAN_SUFFIX}", g, config.max_seq_len, options.cuda_graphs) for g in GRAPH_NAMES
+    }
+    return graphs, config, tokenizer
