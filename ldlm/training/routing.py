@@ -5,7 +5,7 @@ sent tokens to scattered latents (latent p attends most to position p for 3 of 1
 docs/measurements/encoder-routing-2026-12-04.json), and with the encoder aligned alone, the decoder
 still learned to read some tokens from the next latent (GPT-2's features are causal, so latent p+1
 holds token p too). A window of L tokens has latents 0..L-1 only, so wherever the reader of
-position L-1 lies past the end, the window's last token is lost (scripts/last_token_accuracy.py).
+position L-1 lies past the end, the window's last token is lost (scripts/research/last_token_accuracy.py).
 Reading position p at position p keeps every length whole, so training starts there:
 
 - each Perceiver's position table holds, in every head's dimensions, the same sinusoids of the

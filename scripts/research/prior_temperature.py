@@ -11,7 +11,7 @@ the unigram entropy of the tokens (bits, per seed and all seeds pooled); the big
 under the training split's counts; and the distinct words. The held-out text gives the same measures
 on as many tokens (windows of ``--length``), so pooled entropy is compared at equal size.
 
-    python scripts/prior_temperature.py models/ldlm-austen-tiny --corpus . \\
+    python scripts/research/prior_temperature.py models/ldlm-austen-tiny --corpus . \\
         --out docs/measurements/prior-temperature-reference-2026-12-05.json
 
 Writes the JSON and, beside it, a PNG (words in the corpus against pooled entropy, one point per tau).

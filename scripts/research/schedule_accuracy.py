@@ -11,7 +11,7 @@ relative error of the final latent and the token agreement with the reference, b
 default grid at the same step count and DDIM at 10..100 steps. The tuning time is recorded per step
 count, and the references are computed once per model for all samplers.
 
-    python scripts/schedule_accuracy.py --presets tiny --samplers dpm3m-psc,dpm3m-psc-unic --steps 8,10 --evaluations 400 --threads 2 \
+    python scripts/research/schedule_accuracy.py --presets tiny --samplers dpm3m-psc,dpm3m-psc-unic --steps 8,10 --evaluations 400 --threads 2 \
         --out docs/measurements/schedules-tiny-pooled-2026-12-05.json
 
 Writes the JSON and, beside it, a PNG (held-out error against denoiser calls: DDIM, default grid, tuned).

@@ -11,7 +11,7 @@ stochastic ``sde`` solver samples another path by design and is left out.
 A Gaussian oracle section gives the same errors against the exact ODE solution, and each solver's
 observed order (log-log slope over 50..200 steps); see tests/ldlm/test_samplers.py.
 
-    python scripts/solver_accuracy.py --out docs/measurements/solvers-2026-12-01.json
+    python scripts/research/solver_accuracy.py --out docs/measurements/solvers-2026-12-01.json
 
 Writes the JSON and, beside it, a PNG (error and agreement against denoiser calls, log-log).
 """

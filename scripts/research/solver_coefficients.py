@@ -19,7 +19,7 @@ What it minimizes on the tuning samples (seed 101, 64 x 64 tokens), each against
 The result is scored on validation samples (seed 303) and on held-out samples (seed 202, 32 at each of
 32, 64 and 128 tokens) beside the tuned grid alone and DDIM@50.
 
-    python scripts/solver_coefficients.py models/ldlm-austen-tiny --steps 8 --evaluations 700 --objective count \
+    python scripts/research/solver_coefficients.py models/ldlm-austen-tiny --steps 8 --evaluations 700 --objective count \
         --references runs/references.pt --out docs/measurements/solver-coefficients-reference-2026-12-05.json
 """
 

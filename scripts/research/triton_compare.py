@@ -19,7 +19,7 @@ goes to both, and the answers are compared (denoiser max abs difference, generat
 also records, per model, samples per execution and compute time from the servers' own counters
 (Triton's statistics extension, ldlm serve's /metrics): where the difference comes from.
 
-    flock /tmp/ldlm-cpu.lock python scripts/triton_compare.py --out docs/measurements/triton-vs-ldlm-serve-2026-12-01.json
+    flock /tmp/ldlm-cpu.lock python scripts/research/triton_compare.py --out docs/measurements/triton-vs-ldlm-serve-2026-12-01.json
 """
 
 from __future__ import annotations

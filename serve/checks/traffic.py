@@ -120,7 +120,7 @@ def run_clients(
     """``mix``: "mixed" (70% encoder, 20% decoder, 10% /v1/generate) or "generate" (only
     /v1/generate, where the replicas' compute dominates over HTTP handling). ``request_for(client,
     i)``, when given, makes each request (path, JSON body as a dict or encoded bytes) instead
-    (scripts/triton_compare.py)."""
+    (scripts/research/triton_compare.py)."""
     stop_at = time.perf_counter() + seconds
     tally = Tally()
 

@@ -24,7 +24,7 @@ from ldlm.serve.runtime.generation import Generation, Sample, WaitingQueue
 # A step of the request with the least work left is at most this much slower than the step it would
 # take alone: where a step's cost grows with its batch (a CPU, a saturated GPU) a short request then
 # runs with little company, and where batching is nearly free (a GPU below its limit) the batch fills.
-# 2, measured on the 2-core CPU (scripts/fairness.py, docs/measurements/fairness-2026-12-01.json): at 3
+# 2, measured on the 2-core CPU (scripts/research/fairness.py, docs/measurements/fairness-2026-12-01.json): at 3
 # the 8-step requests' p99 beside 1000-step ones rose past 3x their p99 alone for ~4% more long throughput.
 LEAD_SLOWDOWN = 2.0
 

@@ -44,7 +44,7 @@ ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 # reason. Checked by ``classify``: a key that matches no raise is reported as stale.
 GPU = (
     "needs a CUDA GPU and a failing TensorRT call (execute, context, profile, capture): no input of ours provokes it, "
-    "and scripts/gpu_check.py runs only the paths that succeed"
+    "and scripts/research/gpu_check.py runs only the paths that succeed"
 )
 DESERIALIZE = (
     "needs a CUDA GPU: TensorRT deserializes plans only there; a corrupt plan whose sha256 matches its manifest would "

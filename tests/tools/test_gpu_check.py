@@ -1,8 +1,8 @@
-"""scripts/gpu_check.py's targets table, and a quick run of its setup and report writing.
+"""scripts/research/gpu_check.py's targets table, and a quick run of its setup and report writing.
 
-The measurements themselves run on the GPU (docs/gpu-run.md); here the verdicts are checked on a
+The measurements themselves run on the GPU (docs/gpu.md); here the verdicts are checked on a
 hand-written report, and the script runs with the tiny config and two stages that are cheap on CPU,
-directly and through its shell wrapper scripts/gpu_check.sh, whose offline install (the GPU
+directly and through its shell wrapper scripts/research/gpu_check.sh, whose offline install (the GPU
 machine's path) runs into a temporary site folder.
 """
 
@@ -19,12 +19,12 @@ from pathlib import Path
 
 from tests import REPO
 
-SCRIPTS = REPO / "scripts"
+SCRIPTS = REPO / "scripts" / "research"
 from ldlm.serve.checks.gpu_targets import target_rows, targets_markdown  # noqa: E402
 
 
 def gpu_check(out: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
-    """scripts/gpu_check.py --tiny --out OUT ARGS in a subprocess, its output captured."""
+    """scripts/research/gpu_check.py --tiny --out OUT ARGS in a subprocess, its output captured."""
     command = [sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--out", str(out), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
@@ -141,7 +141,7 @@ def test_a_stage_that_would_not_fit_the_budget_is_skipped_with_the_time_left(tmp
 
 
 def test_first_preview_is_timed_on_preview_events_only() -> None:
-    """ldlm.serve.checks.traffic.first_preview_seconds (scripts/preview_cost.py's first-preview timing) against a real HTTP server on loopback that streams
+    """ldlm.serve.checks.traffic.first_preview_seconds (scripts/research/preview_cost.py's first-preview timing) against a real HTTP server on loopback that streams
     server-sent events: seed 0 gets its result after 0.4 s and no preview, seed 1 a preview at once
     and its result 0.4 s later. Only seed 1 is timed, at its preview, well before 0.4 s."""
     import threading
@@ -182,9 +182,9 @@ def test_absent_device_is_refused_by_name(tmp_path: Path) -> None:
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-# --- scripts/gpu_check.sh -------------------------------------------------------------------------
+# --- scripts/research/gpu_check.sh ----------------------------------------------------------------
 
-# gpu_check.py's stages in their order, as docs/gpu-run.md lists them.
+# gpu_check.py's stages in their order, as its docstring lists them.
 STAGES = ("parity", "device_loop", "latency", "long_sample", "reference", "throughput", "batching", "http", "previews", "probe_eps")
 WRAPPER_STAGES = "device_loop,probe_eps"
 
@@ -213,7 +213,17 @@ def wrapper_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def run_wrapper(tree: Path, out: Path, env: dict[str, str]) -> tuple[str, dict]:
     """Runs the wrapper's CPU dry run; checks what it wrote; returns setup.log and the report."""
     done = subprocess.run(
-        ["bash", str(tree / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu", "--stages", WRAPPER_STAGES, "--out", str(out)],
+        [
+            "bash",
+            str(tree / "scripts" / "research" / "gpu_check.sh"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--stages",
+            WRAPPER_STAGES,
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -1,4 +1,4 @@
-"""scripts/gpu_profile.py on CPU with the tiny config: its report and the stages that are cheap there.
+"""scripts/research/gpu_profile.py on CPU with the tiny config: its report and the stages that are cheap there.
 
 What it measures is meant for a GPU (CUDA events, kernels, Inductor in CUDA graphs); on CPU the
 host clock and the aten ops stand in, so only the plumbing and the report's shape are checked, and
@@ -16,7 +16,7 @@ from pathlib import Path
 from ldlm.config import SAMPLERS
 from tests import REPO
 
-SCRIPT = REPO / "scripts" / "gpu_profile.py"
+SCRIPT = REPO / "scripts" / "research" / "gpu_profile.py"
 
 
 def test_tiny_run_splits_each_step_and_lists_the_ops(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""scripts/solver_coefficients.py's ScaledSampler, the sampler its search varies: with every multiplier at 1
+"""scripts/research/solver_coefficients.py's ScaledSampler, the sampler its search varies: with every multiplier at 1
 it is dpm3m-psc-unic exactly, and with every multiplier at 0 it is DDIM (against a denoiser that ignores
 the self-conditioning input, the only other thing that sampler changes), so the search starts from the
 shipped sampler and its numbers mean what they say."""
@@ -23,7 +23,9 @@ GRID = tuple(power_grid(6, CONFIG.t_min, 2.0).tolist())
 
 
 def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("solver_coefficients_under_test", REPO / "scripts" / "solver_coefficients.py")
+    spec = importlib.util.spec_from_file_location(
+        "solver_coefficients_under_test", REPO / "scripts" / "research" / "solver_coefficients.py"
+    )
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[spec.name] = module  # type: ignore[union-attr]  # dataclasses resolve their annotations through it
     spec.loader.exec_module(module)  # type: ignore[union-attr]

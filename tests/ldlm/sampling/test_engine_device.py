@@ -102,7 +102,7 @@ def test_device_path_equals_host_path_on_cpu(golden_model: LDLM, sampler: str) -
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA device: the CUDA step loop (no host sync, device noise) "
-    "was not exercised here; scripts/gpu_check.py runs it on the GPU",
+    "was not exercised here; scripts/research/gpu_check.py runs it on the GPU",
 )
 def test_cuda_step_loop_makes_no_host_sync(golden_model: LDLM) -> None:
     model = init_model(preset("tiny"), seed=0).cuda()

@@ -139,7 +139,7 @@ def test_eps_probes_run_on_the_provider_asked_for(tiny_checkpoint: Path, export_
 
 
 def test_compare_with_eager_scores_tokens_against_the_reference_given(tiny_model, tokenizer) -> None:
-    """The shared levels 1 and 3 (run_parity and scripts/gpu_check.py): eager against itself agrees on
+    """The shared levels 1 and 3 (run_parity and scripts/research/gpu_check.py): eager against itself agrees on
     every token; against a reference with 4 of its 16 tokens changed, on exactly 12 of 16."""
     from ldlm.export.graphs import GRAPH_NAMES
     from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens

@@ -161,7 +161,7 @@ def test_ort_gpu_provider_without_onnxruntime_gpu_names_what_is_missing(export_d
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason=f"{NO_CUDA}: CUDA-graph capture and replay of the compiled "
-    "backend were not exercised (scripts/gpu_check.py runs them on the GPU)",
+    "backend were not exercised (scripts/research/gpu_check.py runs them on the GPU)",
 )
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_cuda_graphs_replay_matches_eager_on_cuda(tiny_model: LDLM, graph: str) -> None:

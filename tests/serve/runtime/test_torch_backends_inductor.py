@@ -2,7 +2,7 @@
 against eager, one compile per bucket and none after; and a pipeline on it sampling what eager samples.
 
 On CPU Inductor compiles C++ rather than Triton kernels, and no CUDA graph is captured: the speed
-it buys on a GPU is measured by scripts/gpu_profile.py and scripts/gpu_check.py, not here.
+it buys on a GPU is measured by scripts/research/gpu_profile.py and scripts/research/gpu_check.py, not here.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_inductor_pipeline_samples_what_eager_samples(tiny_checkpoint: Path) -> 
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA device here: Inductor's Triton kernels captured in a CUDA graph were not exercised "
-    "(scripts/gpu_check.py and scripts/gpu_profile.py run them on the GPU)",
+    "(scripts/research/gpu_check.py and scripts/research/gpu_profile.py run them on the GPU)",
 )
 def test_inductor_in_cuda_graphs_matches_eager_on_cuda(tiny_model: LDLM) -> None:
     model = prepare_model(copy.deepcopy(tiny_model), torch.device("cuda"), "fp32")
