@@ -1,7 +1,7 @@
 """The one LDLM configuration: a frozen dataclass, validated once, saved as JSON next to every artifact.
 
-Field statuses follow ``shared/design/ldlm-model.md``: what the paper states is fixed by the
-``base`` preset; everything inferred or guessed is a field, so that a real checkpoint can set it.
+What the paper states is fixed by the ``base`` preset; everything inferred or guessed is a field, so that
+a real checkpoint can set it.
 """
 
 from __future__ import annotations

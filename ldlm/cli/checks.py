@@ -130,7 +130,7 @@ def _add_probe_eps(sub: argparse._SubParsersAction) -> None:
         "attributes, scale and bias) or each INormalizationLayer of an engine set (TensorRT: a one-layer engine) on "
         "rows where eps decides the output (variance 1e-7..1e-4, constant rows, mean 1e4 with a small variance), "
         "against torch's layer_norm with the checkpoint module's eps; solve the implied eps from the outputs; also "
-        "run the 8 fixed cases of the LayerNorm design page. Exit code 0 passed, 1 failed, 3 not run (TensorRT "
+        "run 8 fixed LayerNorm cases with known outputs. Exit code 0 passed, 1 failed, 3 not run (TensorRT "
         "without a GPU: the one-layer engines are built and their eps read back, not executed).",
     )
     p.add_argument("checkpoint", help="checkpoint directory (the modules' eps, weight and bias)")

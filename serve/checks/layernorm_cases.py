@@ -1,4 +1,4 @@
-"""The 8 LayerNorm cases of ``shared/design/layernorm-cases.md`` as fixed probes for any backend.
+"""Eight fixed LayerNorm cases, each with the first values of its known output, as probes for any backend.
 
 Each case is one LayerNorm call: an input, the normalized axes, scale, bias and eps. A backend runs
 it as one node or layer (``serve/checks/eps_probe.py`` supplies the runner); the reference is plain NumPy
@@ -34,7 +34,7 @@ class LayerNormCase:
     scale: np.ndarray | None
     bias: np.ndarray | None
     eps: float = 1e-5
-    golden: tuple[float, ...] | None = None  # the first output values (flattened), from the design page
+    golden: tuple[float, ...] | None = None  # the first output values (flattened), known ahead
 
     def reference(self) -> np.ndarray:
         return numpy_layer_norm(self.x, self.normalized_ndim, self.scale, self.bias, self.eps)
@@ -92,7 +92,7 @@ def layer_norm_cases() -> list[LayerNormCase]:
     ]
 
 
-GOLDEN_ATOL = 1e-4  # the design page gives 4-6 significant digits
+GOLDEN_ATOL = 1e-4  # the golden values have 4-6 significant digits
 
 
 @dataclass
@@ -159,5 +159,5 @@ def check_case(case: LayerNormCase, dtype: str, got: np.ndarray) -> CaseProbe:
         first = got64.reshape(-1)[: len(case.golden)]
         off = float(np.abs(first - np.array(case.golden)).max())
         if off > GOLDEN_ATOL:
-            problems.append(f"first values {np.round(first, 6).tolist()} differ from the design page's {list(case.golden)} by {off:.3g}")
+            problems.append(f"first values {np.round(first, 6).tolist()} differ from the golden {list(case.golden)} by {off:.3g}")
     return CaseProbe(case.name, dtype, True, error, atol, problems)

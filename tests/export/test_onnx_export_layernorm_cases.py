@@ -1,4 +1,4 @@
-"""The LayerNorm cases of shared/design/layernorm-cases.md through OUR code: the MLP of ldlm/layers.py
+"""The fixed LayerNorm cases (serve/checks/layernorm_cases.py) through OUR code: the MLP of ldlm/layers.py
 (whose pre-norm is every LayerNorm of the latent encoder and decoder), exported by our exporter,
 verified by our verifier, and run in ONNX Runtime; then every LayerNorm of the tiny model's exported
 graphs. The reference is always NumPy (tests/reference.py), never torch."""

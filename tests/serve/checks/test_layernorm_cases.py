@@ -1,6 +1,6 @@
-"""The LayerNorm cases of shared/design/layernorm-cases.md, against eager PyTorch and NumPy.
+"""The fixed LayerNorm cases (serve/checks/layernorm_cases.py), against eager PyTorch and NumPy.
 
-Every case checks torch.nn.LayerNorm against the golden values from the design page and against
+Every case checks torch.nn.LayerNorm against the golden values recorded with it and against
 the independent NumPy reference in tests/reference.py. The last tests check our own model: every
 LayerNorm it holds has the configured eps, and lives where the export must find it.
 """
