@@ -103,10 +103,10 @@ def test_sampler_fields() -> None:
     refused("config field dropout=1.0 is invalid; allowed: [0, 1)", dropout=1.0)
     refused("config field dropout=-0.1 is invalid; allowed: [0, 1)", dropout=-0.1)
     refused("config field dropout=nan is invalid; allowed: a finite number", dropout=math.nan)
-    for field in ("t_min", "beta_clip_t"):
+    for field, allowed in (("t_min", "a number in (0, 1), both ends excluded"), ("beta_clip_t", "(0, 1)")):
         assert getattr(config(**{field: 0.001}), field) == 0.001 and getattr(config(**{field: 0.999}), field) == 0.999
-        refused(f"config field {field}=0.0 is invalid; allowed: (0, 1)", **{field: 0.0})
-        refused(f"config field {field}=1.0 is invalid; allowed: (0, 1)", **{field: 1.0})
+        refused(f"config field {field}=0.0 is invalid; allowed: {allowed}", **{field: 0.0})
+        refused(f"config field {field}=1.0 is invalid; allowed: {allowed}", **{field: 1.0})
         refused(f"config field {field}=inf is invalid; allowed: a finite number", **{field: math.inf})
     refused("config field per_stream_kv=1 is invalid; allowed: true or false", per_stream_kv=1)
     refused("config field decode_final='last' is invalid; allowed: 'mean' or 'x0'", decode_final="last")

@@ -116,10 +116,10 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"temperature": -0.1}, "temperature=-0.1 is out of range; allowed: 0..2.0"),
-        ({"temperature": 2.5}, "temperature=2.5 is out of range; allowed: 0..2.0"),
-        ({"top_p": 0.0}, r"top_p=0.0 is out of range; allowed: \(0, 1\]"),
-        ({"top_p": 1.2}, r"top_p=1.2 is out of range; allowed: \(0, 1\]"),
+        ({"temperature": -0.1}, r"temperature=-0.1 is out of range; allowed: a number in \[0, 2\]"),
+        ({"temperature": 2.5}, r"temperature=2.5 is out of range; allowed: a number in \[0, 2\]"),
+        ({"top_p": 0.0}, r"top_p=0.0 is out of range; allowed: a number in \(0, 1\]"),
+        ({"top_p": 1.2}, r"top_p=1.2 is out of range; allowed: a number in \(0, 1\]"),
         ({"top_logprobs": 6}, "logprobs=6 is out of range; allowed: 0..5"),
     ],
 )

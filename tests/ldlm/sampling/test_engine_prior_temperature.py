@@ -71,7 +71,7 @@ def test_tau_comes_from_the_request_else_the_config_else_1() -> None:
 
 @pytest.mark.parametrize("tau", [0, 0.0, -0.5, 1.5, math.nan, math.inf, True, "0.5"])
 def test_a_bad_tau_is_refused_naming_it(tau: object) -> None:
-    with pytest.raises(ValueError, match=r"^PRIOR_TEMPERATURE=.* is out of range; allowed: \(0, 1\]$"):
+    with pytest.raises(ValueError, match=r"^PRIOR_TEMPERATURE=.* is out of range; allowed: a number in \(0, 1\]$"):
         resolve(GenerateRequest(1, 4, prior_temperature=tau), CONFIG, names={"prior_temperature": "PRIOR_TEMPERATURE"})  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match=r"config field prior_temperature=.* is invalid; allowed: unset \(null, meaning 1\) or a number in \(0, 1\]"

@@ -20,7 +20,7 @@ from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
-GENERATE_FIELDS = "n, length, steps, seed, sampler, t_min, grid, prior_temperature, stream, preview_every, prompt, timeout_s"
+GENERATE_FIELDS = "n, length, seed, steps, sampler, t_min, grid, prior_temperature, stream, preview_every, prompt, timeout_s"
 
 
 @pytest.fixture(scope="module")
@@ -174,10 +174,12 @@ def test_echo_puts_the_prompt_before_the_completion(client) -> None:
     assert [c.text for c in echoed.choices] == ["Once upon" + plain.choices[0].text, "The end" + plain.choices[1].text]
 
 
-def test_defaults_are_the_model_configs() -> None:
-    """steps and sampler default to the config's default_steps and default_sampler, not to literals."""
-    models = request_models(BodyLimits(4, 100, 2, 128, default_steps=7, default_sampler="ddim"))
-    body = models.generate.model_validate({})
-    assert (body.steps, body.sampler) == (7, "ddim")
-    with pytest.raises(ValueError, match=r"default_steps=200 is out of range; allowed: 1..100 \(max_steps\)"):
-        request_models(BodyLimits(4, 100, 2, 128, default_steps=200))
+def test_the_plan_fields_default_to_not_given() -> None:
+    """A body fills in none of the plan's fields: the request it makes leaves them to ldlm.sampling.resolve,
+    and /docs shows what that gives (the service's words, passed in as ``defaults``)."""
+    models = request_models(BodyLimits(4, 100, 2, 128, defaults="dpm3m-psc at 12 steps on the tuned grid"))
+    request = models.generate.model_validate({}).to_request(kept=3)
+    assert (request.n, request.length) == (1, 3 + 64)
+    assert (request.steps, request.sampler, request.seed, request.t_min, request.grid, request.prior_temperature) == (None,) * 6
+    steps = models.generate.model_json_schema()["properties"]["steps"]
+    assert steps["default"] is None and "dpm3m-psc at 12 steps on the tuned grid" in steps["description"]
