@@ -2,10 +2,12 @@
 # The main job on a fresh machine, on the embedded default (ONNX Runtime on CPU):
 #   1. take the trained reference checkpoint models/ldlm-austen-tiny (or LDLM_CHECKPOINT; a directory
 #      that does not exist yet is made with ldlm init: random weights, realistic norms)
-#   2. export it to ONNX, verify every LayerNormalization and probe each one's eps
+#   2. export it to ONNX (the decoder keeps its logits, for temperature sampling), verify every
+#      LayerNormalization and probe each one's eps
 #   3. build TensorRT engines, where a TensorRT flavour is installed
 #   4. check parity of ONNX Runtime against eager PyTorch
-#   5. serve it on 127.0.0.1, printing the URL and a ready-to-paste curl (Ctrl-C stops it)
+#   5. serve it on 127.0.0.1, printing a ready-to-paste curl, the playground's link and an OpenAI
+#      example, each asking only for what the server would not choose itself (Ctrl-C stops it)
 # The reference is a small model of Austen and Melville: it writes their words, not good prose.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ if [ -d "$ckpt" ]; then
 else
   echo "  1 checkpoint: $ckpt made with ldlm init --preset tiny (random weights); a short generation"
 fi
-echo "  2 export to ONNX + verify + probe every LayerNorm's eps: $runs/onnx"
+echo "  2 export to ONNX (with the decoder's logits) + verify + probe every LayerNorm's eps: $runs/onnx"
 echo "  3 engines: ${trt:-no TensorRT in .venv: engines skipped (bash scripts/bootstrap.sh cpu,rtx adds TensorRT-RTX)}"
 echo "  4 parity, ONNX Runtime vs eager: $runs/parity"
 echo "  5 serve $runs/onnx on 127.0.0.1:$port until Ctrl-C"
@@ -45,7 +47,8 @@ fi
 echo "(the reference checkpoint writes the corpus's words without much syntax; a random-init one writes gibberish)"
 
 echo "== 2/5 export + verify: $runs/onnx"
-"$ldlm" export "$ckpt" "$runs/onnx" --force --quiet
+# --with-logits: temperature, top_p and logprobs (the OpenAI example below) draw from the decoder's logits
+"$ldlm" export "$ckpt" "$runs/onnx" --with-logits --force --quiet
 "$ldlm" verify-onnx "$runs/onnx"
 "$ldlm" probe-eps "$ckpt" --onnx-dir "$runs/onnx" --quiet  # every LayerNorm alone, where eps decides
 
@@ -57,7 +60,14 @@ else
 fi
 
 echo "== 4/5 parity: ONNX Runtime vs eager -> $runs/parity"
-"$ldlm" parity "$ckpt" --backend ort --out "$runs/parity" --bisect  # exports its own copy with decoder logits
+"$ldlm" parity "$ckpt" --backend ort --onnx-dir "$runs/onnx" --out "$runs/parity" --bisect
 
-echo "== 5/5 serve"
+echo "== 5/5 serve $runs/onnx on http://127.0.0.1:$port (Ctrl-C stops it); once it says 'ldlm serving', try:"
+url="http://127.0.0.1:$port"
+auth=""  # with a key, the examples name it without printing it
+[ -n "${LDLM_API_KEY:-}" ] && auth=" -H \"Authorization: Bearer \$LDLM_API_KEY\""
+echo "  playground: $url/"
+echo "  curl -s $url/v1/generate$auth -H 'Content-Type: application/json' -d '{\"n\": 2, \"length\": 32}'"
+echo "  curl -s $url/v1/completions$auth -H 'Content-Type: application/json' -d '{\"model\": \"ldlm\", \"prompt\": \"It is a truth universally\", \"max_tokens\": 24, \"temperature\": 0.7}'"
+echo "  python -c 'import os; from openai import OpenAI; c = OpenAI(base_url=\"$url/v1\", api_key=os.environ.get(\"LDLM_API_KEY\", \"unused\")); print(c.completions.create(model=\"ldlm\", prompt=\"It is a truth universally\", max_tokens=24, temperature=0.7).choices[0].text)'   # pip install openai"
 exec "$ldlm" serve "$runs/onnx" --backend ort --port "$port"
