@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from ldlm.cli.options import STEPS, device_options, seed_int
+from ldlm.cli.options import STEPS, device_options, float_in, seed_int
 from ldlm.config import SAMPLERS
 from ldlm.limits import MAX_STEPS
+from ldlm.serve.checks.parity_gates import gates_help
 
 
 def _cmd_parity(args: argparse.Namespace) -> None:
@@ -29,6 +30,8 @@ def _cmd_parity(args: argparse.Namespace) -> None:
         provider=args.provider,
         sampler=args.sampler,
     )
+    if args.min_token_agreement is not None:
+        report.accept_token_agreement(args.min_token_agreement, "--min-token-agreement")
     files = write_parity_report(report, args.out)
     for comparison in [*report.graphs, *report.layer_norms]:
         if args.verbose or not comparison.passed:
@@ -102,8 +105,16 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
         "--precision",
         choices=["fp32", "fp16", "bf16", "int8"],
         default="fp32",
-        help="sets atol/rtol, and the dtype of the torch backends (default: fp32); int8: ort on the export's INT8 "
-        "variants, judged by cosine and token agreement (thresholds in the report)",
+        help="sets the gate, and the dtype of the torch backends (default: fp32); int8: ort on the export's INT8 "
+        f"variants. The gates: {gates_help().replace('%', '%%')}",  # argparse formats help with %
+    )
+    p.add_argument(
+        "--min-token-agreement",
+        type=float_in(0.0, 1.0, low_open=True),
+        default=None,
+        metavar="SHARE",
+        help="the end-to-end (and decoder) token agreement to require, in (0, 1], in place of the precision's gate above; "
+        "the report notes it (default: the precision's gate)",
     )
     p.add_argument("--onnx-dir", help="ort: an `ldlm export` directory (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")

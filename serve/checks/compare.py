@@ -9,37 +9,20 @@ either side always fails; comparing nothing is an error, not a pass. A precision
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 
-# (atol, rtol) per precision, for float outputs. FP32 is what ONNX Runtime or TensorRT with TF32
-# off must reach; FP16/BF16 leave room for 10 and 7 mantissa bits.
+# the gates live with their words in parity_gates, free of NumPy for the CLI's help; the checks import them from here
+from ldlm.serve.checks.parity_gates import MIN_COSINE as MIN_COSINE
+from ldlm.serve.checks.parity_gates import TOLERANCES as TOLERANCES
+from ldlm.serve.checks.parity_gates import bounded
+from ldlm.serve.checks.parity_gates import min_cosine as min_cosine
+from ldlm.serve.checks.parity_gates import tolerance as tolerance
+
 # Histogram of absolute errors: one bin per decade, [0, 1e-12), [1e-12, 1e-11), ..., [1e3, inf).
 HISTOGRAM_EDGES: list[float] = [0.0, *(10.0**e for e in range(-12, 4)), float("inf")]
-
-TOLERANCES: dict[str, tuple[float, float]] = {
-    "fp32": (1e-4, 1e-4),
-    "fp16": (2e-2, 2e-2),
-    "bf16": (1e-1, 5e-2),
-    # INT8 weights with activations quantized per call: no elementwise bound holds at every element of a
-    # stress input, so INT8 is judged by direction instead (MIN_COSINE) and by token agreement.
-    "int8": (math.inf, math.inf),
-}
-# The smallest cosine per sample an output may have (every output of every input set, LayerNorm
-# outputs included); -1 (no bound) where the elementwise tolerances decide.
-MIN_COSINE: dict[str, float] = {"int8": 0.999}
-
-
-def tolerance(precision: str) -> tuple[float, float]:
-    if precision not in TOLERANCES:
-        raise ValueError(f"precision={precision!r} has no tolerances; allowed: {', '.join(TOLERANCES)}")
-    return TOLERANCES[precision]
-
-
-def min_cosine(precision: str) -> float:
-    return MIN_COSINE.get(precision, -1.0)
 
 
 @dataclass
@@ -65,18 +48,27 @@ class Comparison:
     cosine_mean: float
     reference_max_abs: float
     abs_error_histogram: list[int]  # counts per HISTOGRAM_EDGES bin
+    cosine_at_least: float = -1.0  # the smallest cosine per sample it passes with; -1: no bound
+
+    @property
+    def bounded(self) -> bool:
+        """Whether elements were held to atol and rtol (int8's are not: its outputs are judged by cosine)."""
+        return bounded(self.atol, self.rtol)
 
     def summary(self) -> str:
         status = "PASSED" if self.passed else "FAILED"
+        cosine = f"cosine min {self.cosine_min:.6f}"
+        if self.cosine_at_least > -1:
+            cosine += f" {'<' if self.cosine_min < self.cosine_at_least else '>='} {self.cosine_at_least:g} required"
+        elements = (
+            f"{self.failed_elements}/{self.elements} elements over atol {self.atol:g} and rtol {self.rtol:g}"
+            if self.bounded
+            else f"no elementwise bound ({self.elements} elements judged by cosine)"
+        )
+        nonfinite = self.nonfinite_reference or self.nonfinite_candidate
         return (
             f"{status} {self.name}: max abs {self.max_abs:.3g}, p99 abs {self.p99_abs:.3g}, max rel {self.max_rel:.3g}, "
-            f"cosine min {self.cosine_min:.6f}, {self.failed_elements}/{self.elements} elements over "
-            f"atol {self.atol:g} and rtol {self.rtol:g}"
-            + (
-                f", NaN/Inf {self.nonfinite_reference}/{self.nonfinite_candidate}"
-                if self.nonfinite_reference or self.nonfinite_candidate
-                else ""
-            )
+            f"{cosine}, {elements}" + (f", NaN/Inf {self.nonfinite_reference}/{self.nonfinite_candidate}" if nonfinite else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,7 +76,8 @@ class Comparison:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Comparison:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        """From ``to_dict``'s form; a field with a default may be absent (reports written before it existed)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING})
 
 
 def compare_outputs(
@@ -131,6 +124,7 @@ def compare_outputs(
         cosine_mean=float(cos.mean()),
         reference_max_abs=float(np.abs(ref[np.isfinite(ref)]).max()) if np.isfinite(ref).any() else math.inf,
         abs_error_histogram=[int(c) for c in np.histogram(diff, bins=HISTOGRAM_EDGES)[0]],
+        cosine_at_least=cosine_at_least,
     )
 
 

@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.files import save_figure, write_atomically
 from ldlm.serve.checks.compare import HISTOGRAM_EDGES
+from ldlm.serve.checks.parity_gates import bounded, gate_text
 from ldlm.serve.checks.parity_result import ParityReport
 
 
@@ -35,13 +36,16 @@ def markdown(report: ParityReport) -> str:
         "",
         f"**{report.summary()}**",
         "",
-        f"Reference: eager PyTorch. An element fails when its error exceeds atol {report.atol:g} and rtol {report.rtol:g}.",
+        f"Reference: eager PyTorch. {report.precision} gate: {gate_text(report.precision)}. {element_rule(report)}",
         f"Providers that ran: {', '.join(f'{g}: {p}' for g, p in report.providers.items())}.",
         "",
         f"End to end (same solver, seed and noise on both sides): token agreement {100 * (report.token_agreement or 0):.2f}% "
-        f"(required {100 * report.token_agreement_required:.0f}%).",
+        f"(required {100 * report.token_agreement_required:g}%).",
         "",
     ]
+    shortfall = report.token_shortfall()
+    if shortfall:
+        lines += [f"**Tokens: {shortfall}.**", ""]
     if report.decoder_token_agreement:
         lines += ["Decoder token ids: " + ", ".join(f"{k} {100 * v:.2f}%" for k, v in report.decoder_token_agreement.items()), ""]
     for title, rows in (("Graph outputs", report.graphs), ("LayerNorm outputs", report.layer_norms)):
@@ -57,12 +61,14 @@ def markdown(report: ParityReport) -> str:
             "An element passes when its abs error is within atol or its rel error within rtol, so a passing row "
             "can show a large max rel: it comes from reference values near 0 (rel = abs / |reference|), where atol "
             "decides."
+            if rows[0].bounded
+            else "No elementwise bound: the failed and min-atol columns do not apply (n/a); the cosine decides."
         )
         for c in rows:
+            failed, to_pass = (f"{c.failed_elements}/{c.elements}", f"{c.min_atol_to_pass:.3g}") if c.bounded else ("n/a", "n/a")
             lines.append(
                 f"| `{c.name}` | {'pass' if c.passed else '**FAIL**'} | {c.max_abs:.3g} | {c.p99_abs:.3g} | {c.max_rel:.3g} | "
-                f"{c.cosine_min:.6f} | {c.failed_elements}/{c.elements} | {c.min_atol_to_pass:.3g} | "
-                f"{c.nonfinite_reference}/{c.nonfinite_candidate} |"
+                f"{c.cosine_min:.6f} | {failed} | {to_pass} | {c.nonfinite_reference}/{c.nonfinite_candidate} |"
             )
         lines += ["", footnote, ""]
     if report.first_divergence:
@@ -76,6 +82,13 @@ def markdown(report: ParityReport) -> str:
         lines += [f"- not exercised: {n}" for n in probes.not_exercised] + [""]
     lines += [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def element_rule(report: ParityReport) -> str:
+    """How an element is judged, or that none is (int8's infinite tolerances bound nothing)."""
+    if bounded(report.atol, report.rtol):
+        return f"An element fails when its error exceeds atol {report.atol:g} and rtol {report.rtol:g}."
+    return f"No element is held to a tolerance at {report.precision}: an output fails when a sample's cosine is below the gate."
 
 
 def plot(report: ParityReport, out: Path) -> list[Path]:
@@ -113,8 +126,8 @@ def _plot_graphs(report: ParityReport, plt: Any) -> Any:
     graphs = graphs_in_pipeline_order(report)
     fig, axes = plt.subplots(1, len(graphs), figsize=(5 * len(graphs), 4.6), squeeze=False)
     labels = ["0"] + [f"{e:.0e}" for e in HISTOGRAM_EDGES[1:-1]]
-    bounded = math.isfinite(report.atol)  # int8 has no elementwise bound (it is judged by cosine): no atol line
-    atol_bin = HISTOGRAM_EDGES.index(min(e for e in HISTOGRAM_EDGES[1:] if e >= report.atol)) if bounded else 0
+    has_bound = math.isfinite(report.atol)  # int8 has no elementwise bound (it is judged by cosine): no atol line
+    atol_bin = HISTOGRAM_EDGES.index(min(e for e in HISTOGRAM_EDGES[1:] if e >= report.atol)) if has_bound else 0
     for ax, graph in zip(axes[0], graphs):
         rows = [c for c in report.graphs if c.name.startswith(graph + "/")]
         for c, style in zip(rows, ["-", "--", ":", "-."] * len(rows)):  # the curves often coincide
@@ -127,7 +140,7 @@ def _plot_graphs(report: ParityReport, plt: Any) -> Any:
                 linewidth=1.6,
                 label=f"{inputs} inputs -> {output}",
             )
-        if bounded:
+        if has_bound:
             ax.axvline(atol_bin, color="red", linestyle="--", label=f"atol {report.atol:g}")
         ax.set_xticks(range(0, len(labels), 3), labels[::3], fontsize=8)
         ax.set_yscale("symlog")
@@ -160,11 +173,8 @@ def _plot_layer_norms(report: ParityReport, plt: Any) -> Any:
     ax.set_ylim(len(rows) - 0.5, -0.5)  # execution order, top to bottom
     ax.set_xlabel("max abs error (log scale)")
     ax.set_title(f"{report.backend} {report.precision} vs eager PyTorch:\nmax abs error per LayerNorm output, in execution order")
-    handles = [
-        Patch(color="tab:blue", label="passed"),
-        Patch(color="tab:red", label="failed"),
-        Line2D([], [], color="red", linestyle="--", label=f"atol {report.atol:g}"),
-    ]
+    handles = [Patch(color="tab:blue", label="passed"), Patch(color="tab:red", label="failed")]
+    handles += [Line2D([], [], color="red", linestyle="--", label=f"atol {bound:g}") for bound in bounds]
     if len(nonzero) < len(rows):
         handles.append(Line2D([], [], color="tab:gray", marker="$0$", linestyle="none", label="error exactly 0: no bar"))
     ax.legend(handles=handles, fontsize=8, loc="lower right")

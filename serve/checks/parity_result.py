@@ -4,6 +4,7 @@ the eps probes), its one PASSED/FAILED line and JSON form, and ``first_divergenc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,8 @@ from ldlm.export.verify import VerifyResult
 from ldlm.serve.checks.compare import Comparison
 from ldlm.serve.checks.eps_probe import EpsProbeReport
 
-TOKEN_AGREEMENT_REQUIRED = {"fp32": 1.0, "fp16": 0.9, "bf16": 0.8, "int8": 0.99}
+# the gate lives in parity_gates with the others; the checks import it from here
+from ldlm.serve.checks.parity_gates import TOKEN_AGREEMENT_REQUIRED as TOKEN_AGREEMENT_REQUIRED
 
 
 @dataclass
@@ -59,7 +61,44 @@ class ParityReport:
             failing = [f"{p.graph}:{p.module} (node {p.node})" for p in self.eps_probes.layer_norms if p.problems]
             if failing:
                 line += f" ({', '.join(failing[:5])}{' ...' if len(failing) > 5 else ''})"
-        return line
+        tokens = self.token_shortfall()
+        return line + (f"; {tokens}" if tokens else "")
+
+    def token_shortfall(self) -> str | None:
+        """When the end-to-end or the decoder's token agreement is below the gate: the figure, the gate,
+        and the ways out at this precision; None when the tokens pass (or none were compared)."""
+        gate = self.token_agreement_required
+        decoder = min(self.decoder_token_agreement.values(), default=None)
+        measured = [(what, value) for what, value in (("token agreement", self.token_agreement), ("decoder token ids", decoder))]
+        short = [(what, value) for what, value in measured if value is not None and value < gate]
+        if not short:
+            return None
+        what, value = min(short, key=lambda item: item[1])
+        said = f"{what} {100 * value:.2f}% is below the {self.precision} gate of {100 * gate:g}%"
+        accept = f"--min-token-agreement {math.floor(100 * value) / 100:g}"  # the figure measured, rounded down
+        if self.precision == "fp32":
+            return f"{said}: fp32 should agree token for token, so look for the divergence (--bisect) rather than lower the gate"
+        if self.precision != "int8":
+            return f"{said}; to accept it, pass {accept}, or run in fp32 (--precision fp32)"
+        if decoder is not None and decoder < gate:
+            graph = (
+                f"the decoder (its token ids agree {100 * decoder:.2f}% on its own inputs): export with --quantize int8 "
+                "--quantize-graphs denoiser, which keeps the decoder fp32"
+            )
+        else:
+            graph = (
+                "the denoiser (the decoder's token ids agree on its own inputs, so the tokens are lost over the denoiser's "
+                "steps): export with a higher --min-cosine, which keeps more of its weight nodes fp32, or serve fp32"
+            )
+        return f"{said}; to accept it, pass {accept}, or keep fp32 for the graph that costs the tokens, {graph}"
+
+    def accept_token_agreement(self, required: float, why: str) -> None:
+        """Judge the tokens by ``required`` in place of the precision's gate, and say so in the notes."""
+        self.notes.append(
+            f"token agreement required: {100 * required:g}% ({why}) in place of the {self.precision} gate of "
+            f"{100 * self.token_agreement_required:g}%"
+        )
+        self.token_agreement_required = required
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,7 +126,9 @@ def first_divergence(report: ParityReport) -> str:
     for comparison in report.layer_norms:
         if not comparison.passed:
             where = comparison.name.rsplit("/", 1)[0]
-            return f"LayerNorm {where} (max abs {comparison.max_abs:.3g} > atol {comparison.atol:g})"
+            if comparison.bounded:
+                return f"LayerNorm {where} (max abs {comparison.max_abs:.3g} > atol {comparison.atol:g})"
+            return f"LayerNorm {where} (cosine min {comparison.cosine_min:.6f} < {comparison.cosine_at_least:g} required)"
     for probe in report.eps_probes.layer_norms if report.eps_probes is not None else []:
         if probe.problems:
             return f"LayerNorm {probe.graph}:{probe.module} run alone (eps probe, node {probe.node}): {probe.problems[0]}"
