@@ -257,13 +257,22 @@ class LDLMPipeline:
         nearer the training data. Whatever is left out (None) is filled in by ``ldlm.sampling.resolve``,
         and the result's ``plan`` says what ran.
         """
-        prefix = None if prompt is None else self.prompt_latents(prompt, length)
+        ids = None if prompt is None else self.text_ids([prompt])[0] if isinstance(prompt, str) else [int(i) for i in prompt]
+        prefix = None if ids is None else self.prompt_latents(ids, length)
         plan = resolve(
             GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature), self.config, schedules=self.schedules
         )
         result = self.decode(self.run_plan(plan, progress, prefix))
         result.plan = plan
-        return result
+        return result if ids is None else self.keep_prompt(result, ids)
+
+    def keep_prompt(self, result: TextResult, ids: Sequence[int]) -> TextResult:
+        """``result`` with its first positions the prompt's own tokens, as given: what the decoder makes of the
+        prompt's latents is not the model's answer, and a prompt must come back verbatim."""
+        token_ids = result.token_ids.clone()
+        token_ids[:, : len(ids)] = torch.tensor(list(ids), dtype=token_ids.dtype)
+        texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, result.lengths)]
+        return TextResult(token_ids, texts, result.lengths, result.logprobs, result.plan)
 
     def prompt_latents(self, prompt: str | Sequence[int], length: int) -> Tensor:
         """A prompt's latents (P, D) to inpaint, P < ``length`` (the continuation needs a position)."""

@@ -154,7 +154,8 @@ def test_resolve_names_fields_as_the_caller_does() -> None:
 
 def test_generate_with_a_prompt_keeps_the_prompts_latents(pipeline: LDLMPipeline) -> None:
     """``LDLMPipeline.generate(prompt=...)``: the prompt's own latents sit at its positions of every sample,
-    and the continuation is conditioned on them (it differs from an unprompted run of the same seed)."""
+    and the continuation is conditioned on them (it differs from an unprompted run of the same seed); the
+    answer starts with the prompt's own tokens, as given, not with what the decoder makes of their latents."""
     prompt = pipeline.tokenizer.encode(["Once upon a time"])[0]
     prefix = pipeline.encode([prompt]).latents[0]
     prompted = pipeline.sample_latents(2, 12, 3, 4, "ddim", prefix=prefix)
@@ -162,6 +163,9 @@ def test_generate_with_a_prompt_keeps_the_prompts_latents(pipeline: LDLMPipeline
     assert torch.equal(prompted[:, : len(prompt)], prefix.expand(2, -1, -1))
     assert not torch.allclose(prompted[:, len(prompt) :], plain[:, len(prompt) :])
     result = pipeline.generate(2, 12, 3, 4, "ddim", prompt="Once upon a time")
-    assert torch.equal(result.token_ids, pipeline.decode(prompted).token_ids)
+    decoded = pipeline.decode(prompted).token_ids
+    assert torch.equal(result.token_ids[:, len(prompt) :], decoded[:, len(prompt) :])  # the continuation, as decoded
+    assert result.token_ids[:, : len(prompt)].tolist() == [prompt, prompt] and decoded[:, : len(prompt)].tolist() != [prompt, prompt]
+    assert all(text.startswith("Once upon a time") for text in result.texts), result.texts
     with pytest.raises(ValueError, match=re.escape(f"the prompt is {len(prompt)} tokens long; allowed: 1..3 tokens (fewer than length=4)")):
         pipeline.generate(1, 4, 2, prompt=prompt)
