@@ -49,7 +49,7 @@ def capped_positive_int(high: int, why: str) -> Callable[[str], int]:
 
 def seed_int(text: str) -> int:
     """A seed: 0..2**63 - 1 everywhere (CLI, HTTP, Triton), so a seed that works in one works in all."""
-    return in_range(SEED)(text)
+    return int(in_range(SEED)(text))
 
 
 def float_in(low: float, high: float, why: str = "", low_open: bool = False, high_open: bool = False) -> Callable[[str], float]:

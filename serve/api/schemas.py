@@ -93,7 +93,8 @@ STRICT_BODY = ConfigDict(extra="forbid")
 
 def ranged(allowed: Range, default: Any, description: str, strict: bool = True) -> Any:
     """A body field bounded by its range in the one table; strict: no booleans or floats for integers."""
-    return Field(default, **allowed.field_bounds(), strict=strict, description=description)
+    bounds: dict[str, Any] = allowed.field_bounds()
+    return Field(default, strict=strict, description=description, **bounds)
 
 
 class SamplingBody(BaseModel):

@@ -15,6 +15,7 @@ take and give device tensors (``run_tensors``), so a GPU pipeline makes no host 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ def info_of(backend: str) -> BackendInfo:
 
 def open_graphs(
     backend: str,
-    path: str | Path,
+    path: str | os.PathLike[str],
     precision: str = "fp32",
     providers: tuple[str, ...] = (),
     threads: int | None = None,
@@ -86,7 +87,7 @@ def open_graphs(
         _check_artifact_dir(info, path, device)
     options = OpenOptions(precision, providers, threads, device, with_logits, memory_arena, cuda_graphs)
     module: Any = implementation(info)
-    return module.open_backend(info, path, options)  # type: ignore[no-any-return]
+    return module.open_backend(info, path, options)
 
 
 def _check_artifact_dir(info: BackendInfo, path: Path, device: str) -> None:
