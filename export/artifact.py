@@ -48,7 +48,12 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
                 "or give ONNX Runtime the export the plans were built from"
             )
         raise ValueError(f"{directory} has no {MANIFEST_FILE}; is it a directory written by `ldlm export`?")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:  # not JSON, or not text at all
+        raise ArtifactError(
+            f"{path} is not valid JSON ({error}): the export is damaged; export the checkpoint again (`ldlm export`)"
+        ) from None
 
 
 def built_plans(directory: Path) -> list[str]:

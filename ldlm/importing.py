@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ldlm.checkpoint import WEIGHTS_FILE, CheckpointError, init_model, read_safetensors, save_checkpoint
+from ldlm.checkpoint import PICKLE_SUFFIXES, WEIGHTS_FILE, CheckpointError, init_model, read_safetensors, save_checkpoint
 from ldlm.config import LDLMConfig, preset
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.import_config import resolve_config
@@ -57,19 +57,60 @@ def choose_mapping(keys: Collection[str]) -> str:
     return OWN_MAPPING if has_ldlm_names(keys) else DEFAULT_MAPPING
 
 
+SOURCES_ALLOWED = "a .safetensors file, a torch.save state dict (.pt, .bin), or a directory holding model.safetensors"
+
+
 def read_source(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], list[str]]:
     """The tensors of a safetensors file or a ``torch.save`` state dict (nested dicts are joined with
-    dots), and the names of entries that are not tensors. A directory means its model.safetensors."""
+    dots), and the names of entries that are not tensors. A directory means its model.safetensors.
+    The file's format is read from its first bytes, not its name; anything else is refused by name."""
     path = Path(path)
     if path.is_dir():
         found = [path / name for name in (WEIGHTS_FILE, PICKLE_FILE) if (path / name).is_file()]
         if not found:
-            raise CheckpointError(f"{path} holds neither {WEIGHTS_FILE} nor {PICKLE_FILE}")
+            raise CheckpointError(f"{path} holds neither {WEIGHTS_FILE} nor {PICKLE_FILE}; allowed: {SOURCES_ALLOWED}")
         path = found[0]
     if not path.is_file():
-        raise CheckpointError(f"source {path} does not exist")
-    if path.suffix == ".safetensors":
+        raise CheckpointError(f"source {path} does not exist; allowed: {SOURCES_ALLOWED}")
+    kind = file_format(path)
+    if kind == "safetensors":
         return read_safetensors(path), []
+    if kind != "torch.save":
+        raise CheckpointError(f"{path} is {kind}, not weights; allowed: {SOURCES_ALLOWED}. {_fix_for(path, kind)}")
+    return _read_state_dict(path)
+
+
+def file_format(path: Path) -> str:
+    """``"safetensors"``, ``"torch.save"`` (a zip archive, or a pickle as the legacy format writes), or in
+    words what else the file is (empty, text, a JSON file, other binary data), from its first bytes."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(512)
+    if not head:
+        return "an empty file"
+    if len(head) >= 9 and 2 <= int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{":
+        return "safetensors"  # an 8-byte header length, then the JSON header
+    pickled = len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5
+    if head.startswith(b"PK\x03\x04") or pickled:
+        return "torch.save"  # torch.save's zip archive, or the legacy format's pickle (protocol 2 to 5)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"binary data of neither format (its first bytes are {head[:8].hex(' ')})"
+    if text.lstrip().startswith(("{", "[")):
+        return "a JSON file"
+    return f"a text file (it starts {text.splitlines()[0][:40]!r})" if text.strip() else "a text file of blank lines"
+
+
+def _fix_for(path: Path, kind: str) -> str:
+    """What to do about a source that is not weights."""
+    if kind.startswith("binary") or path.suffix in (".safetensors", *PICKLE_SUFFIXES):
+        return "If it should be weights, it is damaged or incomplete: fetch or save it again"
+    return "Pass the weights file itself (e.g. model.safetensors), or the directory that holds it"
+
+
+def _read_state_dict(path: Path) -> tuple[dict[str, Tensor], list[str]]:
+    """A torch.save file read with ``weights_only=True``: pickle that needs more than tensors is never run."""
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -78,8 +119,11 @@ def read_source(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], list[s
             f"(torch.load(weights_only=True) refused it: {str(error).splitlines()[0]}). Where you trust the file, "
             "save its state dict alone (torch.save(model.state_dict(), 'weights.pt')) or as safetensors"
         ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as error:
-        raise CheckpointError(f"{path} is neither a safetensors file (name it .safetensors) nor a torch.save state dict: {error}") from None
+    except Exception as error:  # a damaged archive or pickle fails in many ways (RuntimeError, EOFError, IndexError ...)
+        raise CheckpointError(
+            f"{path} starts as a torch.save file but cannot be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}); "
+            "it is damaged or incomplete: save or fetch it again, as safetensors where you can"
+        ) from None
     if not isinstance(data, Mapping):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not a state dict (a mapping of names to tensors)")
     tensors: dict[str, Tensor] = {}
