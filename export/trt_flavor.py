@@ -56,8 +56,8 @@ def load_flavor(name: str | None = None) -> Flavor:
             return Flavor(candidate, importlib.import_module(candidate))
         except ImportError as error:
             errors.append(f"{candidate}: {error}")
-    wanted = f"TensorRT flavour {name!r} is" if name else "no TensorRT flavour is"
-    raise FlavorError(f"{wanted} not installed ({'; '.join(errors)}); install it with {INSTALL_HINT}")
+    missing = f"TensorRT flavour {name!r} is not installed" if name else f"no TensorRT flavour ({', '.join(FLAVORS)}) is installed"
+    raise FlavorError(f"{missing} ({'; '.join(errors)}); install {'it' if name else 'one'} with {INSTALL_HINT}")
 
 
 # --- network definitions: the same flags for every network this package builds ----------------------

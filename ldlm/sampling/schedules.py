@@ -138,8 +138,23 @@ def load_schedules(
     schedules = TunedSchedules.from_json(path.read_text(), str(path))
     expected = sha256 if sha256 is not None else weights_sha256(weights) if weights is not None else None
     if expected is not None and schedules.weights_sha256 != expected:
-        raise ScheduleError(
-            f"{path} was tuned for weights with sha256 {schedules.weights_sha256}, but these weights have sha256 {expected}; "
-            "re-run `ldlm tune-schedule` on this checkpoint, or remove the file to use the default grids"
-        )
+        raise ScheduleError(_other_weights(path, schedules.weights_sha256, expected, weights))
     return schedules
+
+
+def _other_weights(path: Path, tuned: str, found: str, weights: str | os.PathLike[str] | None) -> str:
+    """Weights and grids that do not belong together. The grids record the weights they were tuned on, so
+    without a SHA256SUMS it is the grids that catch damaged weights: the weights are the suspect, and
+    removing the grids would only hide it."""
+    which = f"the weights {weights}" if weights is not None else "the weights they are used with"
+    retune = (
+        f"`ldlm tune-schedule {path.parent} --force`"
+        if weights is not None
+        else "`ldlm tune-schedule CHECKPOINT --force` on their checkpoint, then export it again"
+    )
+    return (
+        f"{which} do not match the weights {path} was tuned on (sha256 {found}; tuned on {tuned}): the weights may be "
+        "corrupt, truncated or replaced. Restore the checkpoint's own weights (a fresh copy from where you got it; its "
+        f"SHA256SUMS, where it has one, names the right hash), or, if they are new weights on purpose, tune their grids "
+        f"with {retune}. Removing {path.name} would only hide the mismatch"
+    )
