@@ -34,7 +34,7 @@ from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
 from ldlm.export.verify import LayerNormSpec, VerifyResult, verify_onnx
 from ldlm.model import LDLM
-from ldlm.sampling.schedules import load_schedules
+from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.serve.checks.compare import min_cosine, tolerance
 from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
@@ -128,6 +128,17 @@ def parity_notes(backend: str, precision: str, device: str, has_manifest: bool) 
     return notes
 
 
+def end_to_end_plan(
+    checkpoint: str | Path, precision: str, sampler: str | None, steps: int | None
+) -> tuple[str | None, int | None, TunedSchedules | None]:
+    """The end-to-end generation's sampler, steps and tuned grids: DDIM@10 (deterministic) unless given; for
+    int8, what a request naming neither is served (None: ``ldlm.sampling.resolve`` fills them in, with the
+    checkpoint's tuned grids), which a quantized engine must keep."""
+    if precision != "int8":
+        return sampler or "ddim", steps or 10, None
+    return sampler, steps, load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)
+
+
 def run_parity(
     checkpoint: str | Path,
     backend: str = DEFAULT_BACKEND,
@@ -143,9 +154,7 @@ def run_parity(
 ) -> ParityReport:
     """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
     checkpoint itself when ``source`` is None; eager and compiled run the checkpoint on ``device``
-    in ``precision``) against CPU fp32 eager on the checkpoint. The end-to-end generation runs ``steps``
-    of ``sampler``: by default DDIM@10 (deterministic), and for int8 what a request naming neither is served
-    (``ldlm.sampling.resolve``'s plan, the checkpoint's tuned grid included), which a quantized engine must keep."""
+    in ``precision``) against CPU fp32 eager on the checkpoint. The end-to-end generation: ``end_to_end_plan``."""
     atol, rtol = tolerance(precision)
     info = info_of(backend)
     torch_backend = info.runs_checkpoint
@@ -157,10 +166,7 @@ def run_parity(
     if given and source is not None:
         check_from_checkpoint(checkpoint, source)  # before the checkpoint loads
     model, tokenizer = load_checkpoint(checkpoint)
-    served = precision == "int8"
-    schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE) if served else None
-    if not served:
-        sampler, steps = sampler or "ddim", steps or 10
+    sampler, steps, schedules = end_to_end_plan(checkpoint, precision, sampler, steps)
     bar = tqdm(total=len(GRAPH_NAMES) + 1 + (not torch_backend) + given, desc="parity", unit="stage", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="ldlm-parity-") as tmp, bar:
         work = Path(tmp)

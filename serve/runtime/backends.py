@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,21 +26,16 @@ from torch import Tensor
 
 from ldlm.config import LDLMConfig
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
-from ldlm.serve.runtime.registry import ARTIFACT_COMMANDS, DEFAULT_BACKEND, BackendInfo, UnknownBackendError, backend_info, implementation
+from ldlm.serve.runtime.registry import (
+    ARTIFACT_COMMANDS,
+    DEFAULT_BACKEND,
+    BackendInfo,
+    OpenOptions,
+    UnknownBackendError,
+    backend_info,
+    implementation,
+)
 from ldlm.tokenizer import TextTokenizer
-
-
-@dataclass(frozen=True)
-class OpenOptions:
-    """How a backend's module opens its graphs (each takes what applies to it)."""
-
-    precision: str = "fp32"
-    providers: tuple[str, ...] = ()  # ONNX Runtime's; (): the backend's own (ort: CPU)
-    threads: int | None = None
-    device: str = "cpu"  # torch backends
-    with_logits: bool = False  # torch backends: the decoder's logits too
-    memory_arena: bool = True  # ONNX Runtime's CPU arena
-    cuda_graphs: bool = False  # TensorRT: replay CUDA graphs
 
 
 def ort_providers(name: str, backend: str = DEFAULT_BACKEND) -> tuple[str, ...]:

@@ -21,8 +21,7 @@ from ldlm.serve.runtime.registry import CPU_PROVIDER
 from ldlm.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
-    from ldlm.serve.runtime.backends import OpenOptions
-    from ldlm.serve.runtime.registry import BackendInfo
+    from ldlm.serve.runtime.registry import BackendInfo, OpenOptions
 
 # --provider of the ort backend: the providers asked for, in order (CPU as the fallback for ops a GPU
 # provider lacks); the first one must really run.

@@ -99,6 +99,19 @@ REFERENCE_BACKEND = EAGER  # what parity and bench compare against: the checkpoi
 PROBE_BACKENDS: dict[Artifact, str] = {"export": ORT, "engines": TRT}  # what runs each artifact's LayerNorms alone (eps probes)
 
 
+@dataclass(frozen=True)
+class OpenOptions:
+    """How a backend's module opens its graphs (each takes what applies to it)."""
+
+    precision: str = "fp32"
+    providers: tuple[str, ...] = ()  # ONNX Runtime's; (): the backend's own (ort: CPU)
+    threads: int | None = None
+    device: str = "cpu"  # torch backends
+    with_logits: bool = False  # torch backends: the decoder's logits too
+    memory_arena: bool = True  # ONNX Runtime's CPU arena
+    cuda_graphs: bool = False  # TensorRT: replay CUDA graphs
+
+
 class UnknownBackendError(ValueError):
     pass
 

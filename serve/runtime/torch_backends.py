@@ -40,8 +40,7 @@ from ldlm.serve.runtime.registry import TORCH_PRECISIONS
 from ldlm.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
-    from ldlm.serve.runtime.backends import OpenOptions
-    from ldlm.serve.runtime.registry import BackendInfo
+    from ldlm.serve.runtime.registry import BackendInfo, OpenOptions
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -18,8 +18,7 @@ from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
 from ldlm.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
-    from ldlm.serve.runtime.backends import OpenOptions
-    from ldlm.serve.runtime.registry import BackendInfo
+    from ldlm.serve.runtime.registry import BackendInfo, OpenOptions
 
 
 class TensorRTBackend(GraphBackend):
