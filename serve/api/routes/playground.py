@@ -1,22 +1,50 @@
 """The playground page at ``/`` and the ``/docs`` Swagger UI, every asset served from this process.
 
-No CDN: the page is one static HTML file with inline script and style (serve/api/routes/static/), and Swagger
+No CDN: the page is one HTML file with inline script and style (serve/api/routes/static/), and Swagger
 UI's JavaScript and CSS (Swagger UI 5, which reads the OpenAPI 3.1 that FastAPI writes) come from the
-``fastapi-offline`` package, so both work offline.
+``fastapi-offline`` package, so both work offline. The page carries this server's defaults (``server_defaults``):
+what a request naming no sampler or steps gets, as ``ldlm.sampling.resolve`` plans it, which the page shows and
+leaves to the server rather than sending numbers of its own.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
+from ldlm.config import SAMPLERS
+from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import HTTPError
 
 STATIC = Path(__file__).parent / "static"
 SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css")
+DEFAULTS_SLOT = '<script id="server-defaults" type="application/json">null</script>'  # in playground.html
+
+
+def server_defaults(service: Any) -> dict[str, Any]:
+    """What this server runs for a request that names no steps: with no sampler (``default``), and per sampler
+    (``samplers``), each ``{"sampler", "steps", "grid"}`` as the scheduler plans it (the checkpoint's tuned
+    defaults included), or ``{"error"}`` where such a request is refused (a default above max_steps)."""
+
+    def planned(sampler: str | None) -> dict[str, Any]:
+        try:
+            plan = service.scheduler.plan(GenerateRequest(1, 1, sampler=sampler))
+        except ValueError as error:
+            return {"error": str(error)}
+        return {"sampler": plan.sampler.name, "steps": plan.steps, "grid": plan.grid}
+
+    return {"default": planned(None), "samplers": {name: planned(name) for name in SAMPLERS}}
+
+
+def page_with_defaults(defaults: dict[str, Any] | None) -> str:
+    """playground.html with ``defaults`` in its JSON slot (``<`` escaped, so no value can close the script)."""
+    page = (STATIC / "playground.html").read_text()
+    return page.replace(DEFAULTS_SLOT, DEFAULTS_SLOT.replace("null", json.dumps(defaults).replace("<", "\\u003c")))
 
 
 def swagger_dir() -> Path | None:
@@ -32,8 +60,10 @@ def create_router() -> APIRouter:
     swagger = swagger_dir()
 
     @router.get("/")
-    async def playground() -> Response:
-        return FileResponse(STATIC / "playground.html", media_type="text/html; charset=utf-8")
+    async def playground(request: Request) -> Response:
+        service = getattr(request.app.state, "service", None)  # the app's LDLMService (server.create_app)
+        defaults = server_defaults(service) if service is not None else None
+        return HTMLResponse(page_with_defaults(defaults), media_type="text/html; charset=utf-8")
 
     @router.get("/docs")
     async def docs() -> HTMLResponse:

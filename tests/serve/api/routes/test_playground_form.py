@@ -17,6 +17,7 @@ from ldlm.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.serve.api.routes.test_playground import CHROMIUM, Browser, run_page  # noqa: E402
+from tests.serve.api.routes.test_playground_defaults import tuned_checkpoint  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -76,18 +77,75 @@ def browser():
 
 
 def test_the_sampler_select_lists_the_servers_samplers_and_its_choice_is_sent(
-    server: RunningServer, browser: Browser, pipeline: LDLMPipeline
+    prompted_server: RunningServer, browser: Browser, pipeline: LDLMPipeline
 ) -> None:
-    browser.open(server.url + "/")
+    browser.open(prompted_server.url + "/")
     browser.wait_for("document.body.dataset.schema === 'ready'")
     options = browser.evaluate("[...document.getElementById('sampler').options].map(o => o.value)")
-    assert options == list(SAMPLERS)  # the server's own list, from its OpenAPI schema
-    assert browser.evaluate("document.getElementById('sampler').value") == pipeline.config.default_sampler
+    assert options == ["", *SAMPLERS]  # the server's own choice (nothing sent), then its own list from its OpenAPI schema
+    assert browser.evaluate("document.getElementById('sampler').value") == ""
+    first = browser.evaluate("document.getElementById('sampler').options[0].textContent")
+    assert first == f"server default ({pipeline.config.default_sampler})"
     assert run_page(browser, "", sampler="ddim") == "done"
     # the independent reference: the eager pipeline with the sampler chosen on the page
     assert (
         browser.evaluate("document.getElementById('preview').textContent") == pipeline.generate(1, 12, 20, seed=5, sampler="ddim").texts[0]
     )
+
+
+@pytest.fixture(scope="module")
+def tuned_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A server whose default sampler runs 3 tuned steps by default (its schedules.json), not the config's default_steps;
+    every preview asked for is sent (the run is short)."""
+    ckpt, _ = tuned_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tuned"))
+    running = RunningServer(
+        LDLMService(str(ckpt), ServerSettings(port=free_port(), backend="eager", preview_budget=1.0, preview_lone_budget=1.0))
+    )
+    yield running, ckpt
+    running.stop()
+    running.service.close()
+
+
+def sent_bodies(browser: Browser) -> list[dict[str, Any]]:
+    return [
+        json.loads(e["params"]["request"]["postData"])
+        for e in browser.events
+        if e.get("method") == "Network.requestWillBeSent" and e["params"]["request"]["url"].endswith("/v1/generate")
+    ]
+
+
+def test_steps_left_empty_are_the_servers_default_shown_and_not_sent(tuned_server: Any, browser: Browser) -> None:
+    running, ckpt = tuned_server
+    config = LDLMPipeline.from_checkpoint(ckpt).config
+    browser.open(running.url + "/")
+    browser.wait_for("document.body.dataset.schema === 'ready'")
+    placeholder = "document.getElementById('steps').placeholder"
+    assert browser.evaluate("document.getElementById('steps').value") == ""
+    assert browser.evaluate(placeholder) == "server's: 3"  # the tuned default, from the server
+    browser.evaluate("(() => { const s = document.getElementById('sampler'); s.value = 'ddim'; s.dispatchEvent(new Event('change')); })()")
+    assert browser.evaluate(placeholder) == f"server's: {config.default_steps}"  # an untuned sampler: the config's
+    browser.evaluate("(() => { const s = document.getElementById('sampler'); s.value = ''; s.dispatchEvent(new Event('change')); })()")
+    browser.evaluate("""(() => { const set = (id, v) => document.getElementById(id).value = v;
+                        set('length', 12); set('seed', 5); set('every', 1); document.getElementById('go').click(); })()""")
+    browser.wait_for("['done', 'error'].includes(document.body.dataset.state)", 60)
+    assert browser.evaluate("document.getElementById('status').textContent") == "Done: 3 steps, 2 previews."
+    assert [sorted(body) for body in sent_bodies(browser)] == [["length", "n", "preview_every", "seed", "stream"]]
+    expected = LDLMPipeline.from_checkpoint(ckpt).generate(1, 12, 3, 5, config.default_sampler, grid="tuned").texts[0]
+    assert browser.evaluate("document.getElementById('preview').textContent") == expected
+
+
+def test_an_error_clears_the_previous_result(tuned_server: Any, browser: Browser) -> None:
+    running, _ = tuned_server
+    browser.open(running.url + "/")
+    browser.wait_for("document.body.dataset.schema === 'ready'")
+    assert run_page(browser, "") == "done"
+    assert browser.evaluate("document.getElementById('preview').textContent") != ""
+    browser.evaluate("""(() => { document.getElementById('length').value = 4096; document.getElementById('go').click(); })()""")
+    browser.wait_for("['done', 'error'].includes(document.body.dataset.state)", 60)
+    assert browser.evaluate("document.body.dataset.state") == "error"
+    assert "4096 is out of range" in browser.evaluate("document.getElementById('status').textContent")
+    assert browser.evaluate("document.getElementById('preview').textContent") == ""  # not the earlier run's text under the error
+    assert not browser.evaluate("document.getElementById('preview').classList.contains('final')")
 
 
 def test_a_prior_temperature_typed_on_the_page_is_sent(server: RunningServer, browser: Browser, pipeline: LDLMPipeline) -> None:
