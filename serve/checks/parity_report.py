@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+from matplotlib.artist import Artist
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
@@ -173,7 +174,7 @@ def _plot_layer_norms(report: ParityReport, plt: Any) -> Any:
     ax.set_ylim(len(rows) - 0.5, -0.5)  # execution order, top to bottom
     ax.set_xlabel("max abs error (log scale)")
     ax.set_title(f"{report.backend} {report.precision} vs eager PyTorch:\nmax abs error per LayerNorm output, in execution order")
-    handles = [Patch(color="tab:blue", label="passed"), Patch(color="tab:red", label="failed")]
+    handles: list[Artist] = [Patch(color="tab:blue", label="passed"), Patch(color="tab:red", label="failed")]
     handles += [Line2D([], [], color="red", linestyle="--", label=f"atol {bound:g}") for bound in bounds]
     if len(nonzero) < len(rows):
         handles.append(Line2D([], [], color="tab:gray", marker="$0$", linestyle="none", label="error exactly 0: no bar"))
