@@ -75,7 +75,7 @@ def _target(args: argparse.Namespace) -> Path:
     """Where the grids go, checked before any work: ``--out``, or the checkpoint's own schedules.json, which sets
     the step count every generation from it takes by default, only with ``--force``. An existing file is
     replaced only with ``--force``."""
-    from ldlm.sampling.schedules import SCHEDULES_FILE
+    from ldlm.sampling.schedules import SCHEDULES_FILE  # per command: building the parser imports no torch
 
     own = Path(args.checkpoint) / SCHEDULES_FILE
     if args.schedules_out is None and not args.force:
@@ -94,7 +94,7 @@ def _target(args: argparse.Namespace) -> Path:
 
 def _current(checkpoint: Path, sha: str) -> TunedSchedules | None:
     """The checkpoint's schedules.json as generation uses it now: None when it has none or one for other weights."""
-    from ldlm.sampling.schedules import ScheduleError, load_schedules
+    from ldlm.sampling.schedules import ScheduleError, load_schedules  # per command: building the parser imports no torch
 
     try:
         return load_schedules(checkpoint, sha256=sha)
@@ -105,7 +105,7 @@ def _current(checkpoint: Path, sha: str) -> TunedSchedules | None:
 def _earlier(out: Path, sha: str, config: LDLMConfig) -> TunedSchedules | None:
     """The grids of the file being replaced that this run keeps (other step counts), or None when it has
     none, was tuned for other weights, or at another t_min or prior temperature."""
-    from ldlm.sampling.schedules import SCHEDULES_FILE, ScheduleError, load_schedules
+    from ldlm.sampling.schedules import SCHEDULES_FILE, ScheduleError, load_schedules  # per command: building the parser imports no torch
 
     if out.name != SCHEDULES_FILE or not out.is_file():
         return None
@@ -123,6 +123,7 @@ def _earlier(out: Path, sha: str, config: LDLMConfig) -> TunedSchedules | None:
 def _report_defaults(args: argparse.Namespace, out: Path, before: TunedSchedules | None, after: TunedSchedules) -> None:
     """Which default step counts the written grids change, old -> new per sampler: in the checkpoint when they
     were written into it, else what they would change there."""
+    # per command: building the parser imports no torch
     from ldlm.checkpoint import load_config
     from ldlm.sampling.schedules import SCHEDULES_FILE
     from ldlm.tuning import default_changes
@@ -143,6 +144,7 @@ def _pipeline(args: argparse.Namespace) -> LDLMPipeline:
     from ldlm.checkpoint import load_checkpoint, load_config
     from ldlm.pipeline import LDLMPipeline
     from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+    from ldlm.serve.runtime.registry import ORT
 
     if args.onnx_dir is None:
         model, tokenizer = load_checkpoint(args.checkpoint, args.device)
@@ -150,7 +152,7 @@ def _pipeline(args: argparse.Namespace) -> LDLMPipeline:
     if args.device != "cpu":
         raise ValueError(f"--device {args.device} applies to eager PyTorch; --onnx-dir tunes on ONNX Runtime on the CPU")
 
-    graphs, config, tokenizer = open_graphs("ort", args.onnx_dir, threads=args.threads)
+    graphs, config, tokenizer = open_graphs(ORT, args.onnx_dir, threads=args.threads)
     if config.config_hash() != load_config(args.checkpoint).config_hash():
         raise ValueError(f"{args.onnx_dir} was exported from another config than {args.checkpoint}'s; export this checkpoint")
     return LDLMPipeline(BackendGraphs(graphs), tokenizer, config=config)

@@ -64,9 +64,7 @@ def run_bench(
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
     The torch backends (eager, compiled, inductor) run on ``device`` in ``precision``; ort on ``provider``, once
     per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants). Generation and
-    the solvers start from the prior at ``prior_temperature`` (default: the config's). ``threads`` (default: the
-    CPUs the load average leaves free) serve torch and ONNX Runtime; a run on oversubscribed CPUs is marked
-    ``reliable: false`` with the reason, and its speed-up ratios are left out (``withhold_ratios``)."""
+    the solvers start from the prior at ``prior_temperature`` (default: the config's); ``threads``: ``default_threads``."""
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     backends = ort_columns(backends, ort_precisions)
     load_start, cpus = load_average(), available_cpus()  # before the export, which is this run's own load
@@ -94,13 +92,19 @@ def run_bench(
         for graphs in graphs_by_backend.values():
             for graph in graphs.values():
                 graph.close()
+    mark_reliability(report, threads, load_start, cpus)
+    return report
+
+
+def mark_reliability(report: dict[str, Any], threads: int, load_start: float, cpus: int) -> None:
+    """Record the load at the end of the run and whether its figures are reliable; an unreliable run says why
+    and leaves out its speed-up ratios (``withhold_ratios``)."""
     report["load_average_1m_end"] = round(load_average(), 2)
     reason = unreliable_reason(threads, load_start, report["load_average_1m_end"], cpus)
     report["reliable"] = reason is None
     if reason is not None:
         report["unreliable_reason"] = reason
         withhold_ratios(report)
-    return report
 
 
 # Ratios of two timings: on oversubscribed CPUs the backends slow unequally (eager far more than ONNX
