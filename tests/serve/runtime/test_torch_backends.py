@@ -138,7 +138,9 @@ def test_missing_cuda_is_a_clear_error() -> None:
     ],
 )
 def test_cli_device_cuda_without_cuda_is_a_message_not_a_traceback(tiny_checkpoint: Path, tmp_path: Path, command: list[str]) -> None:
-    argv = [a.format(ckpt=tiny_checkpoint) for a in command] + ["--out", str(tmp_path / "out")] * (command[0] in ("bench", "parity", "tune-schedule"))
+    argv = [a.format(ckpt=tiny_checkpoint) for a in command] + ["--out", str(tmp_path / "out")] * (
+        command[0] in ("bench", "parity", "tune-schedule")
+    )
     done = subprocess.run([sys.executable, "-m", "ldlm.cli", *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
