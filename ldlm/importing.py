@@ -238,7 +238,7 @@ def check_parity(report: ImportReport, checkpoint: Path, progress: bool) -> None
     """One parity round, ONNX Runtime against eager, on the written checkpoint; raises when it fails."""
     from ldlm.serve.checks.parity import run_parity  # exports and runs ONNX: only when asked
 
-    result = run_parity(checkpoint, "ort", progress=progress)
+    result = run_parity(checkpoint, progress=progress)  # the default backend: ONNX Runtime on the CPU
     report.parity, report.parity_summary = result.to_dict(), result.summary()
     if not result.passed:
         raise ImportCheckpointError(report)

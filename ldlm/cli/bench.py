@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, capped_positive_int_list, device_options, float_in, int_in
 from ldlm.config import INT_RANGES, SAMPLERS
-from ldlm.limits import MAX_N, MAX_STEPS
-from ldlm.serve.api.setting_ranges import MAX_THREADS, SETTING_RANGES
+from ldlm.limits import MAX_N, MAX_STEPS, MAX_THREADS, SETTINGS
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND
 
 # The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.
 # A length is checked against the checkpoint's max_seq_len before any work; here, against any config's.
@@ -162,14 +162,14 @@ def _bench_generation_options(p: argparse.ArgumentParser) -> None:
         default=20.0,
         help="mean arrivals per second, in (0, 1000000] (default: 20)",
     )
-    p.add_argument("--workload-backend", default="ort", help="backend for the workload (default: ort)")
+    p.add_argument("--workload-backend", default=DEFAULT_BACKEND, help=f"backend for the workload (default: {DEFAULT_BACKEND})")
     p.add_argument(
         "--workload-lengths",
         type=capped_positive_int_list(MAX_LENGTH, TOKENS),
         default=[16, 32, 64, 128],
         help="request lengths drawn from; those above the config's max_seq_len are dropped (default: 16,32,64,128)",
     )
-    low, high = SETTING_RANGES["max_batch"]
+    low, high = int(SETTINGS["max_batch"].low), int(SETTINGS["max_batch"].high)
     p.add_argument(
         "--max-batch",
         type=int_in(low, high, " samples per execution (as ldlm serve's max_batch)"),

@@ -9,6 +9,7 @@ from ldlm.cli.options import STEPS, device_options, float_in, seed_int
 from ldlm.config import SAMPLERS
 from ldlm.limits import MAX_STEPS
 from ldlm.serve.checks.parity_gates import gates_help
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND, backend_help, backend_info, backend_names
 
 
 def _cmd_parity(args: argparse.Namespace) -> None:
@@ -16,7 +17,8 @@ def _cmd_parity(args: argparse.Namespace) -> None:
     from ldlm.serve.checks.parity import run_parity
     from ldlm.serve.checks.parity_report import write_parity_report
 
-    source = {"trt": args.engine_dir, "ort": args.onnx_dir}.get(args.backend)  # torch backends run the checkpoint
+    # the artifact the backend runs; the torch backends run the checkpoint itself
+    source = {"engines": args.engine_dir, "export": args.onnx_dir}.get(backend_info(args.backend).opens)
     report = run_parity(
         args.checkpoint,
         args.backend,
@@ -96,10 +98,9 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="checkpoint directory (the eager reference)")
     p.add_argument(
         "--backend",
-        choices=["ort", "trt", "eager", "compiled", "inductor"],
-        default="ort",
-        help="ort, trt, or torch on --device: eager, compiled (shape buckets + CUDA graphs), inductor (compiled, "
-        "plus torch.compile's fused kernels) (default: ort)",
+        choices=backend_names(),
+        default=DEFAULT_BACKEND,
+        help=f"{backend_help()}; the torch backends run on --device (default: {DEFAULT_BACKEND})",
     )
     p.add_argument(
         "--precision",

@@ -31,8 +31,9 @@ from ldlm.serve.checks.bench_latency import (
     unreliable_reason,
 )
 from ldlm.serve.checks.bench_workload import bench_batching
-from ldlm.serve.runtime.backends import ORT_PRECISIONS, TORCH_BACKENDS, BackendGraphs, open_graphs, ort_providers
+from ldlm.serve.runtime.backends import BackendGraphs, info_of, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND, REGISTRY, BackendInfo, backend_names
 
 
 def run_bench(
@@ -48,7 +49,7 @@ def run_bench(
     gen_steps: int = 10,
     workload_requests: int = 60,
     workload_rate: float = 20.0,
-    workload_backend: str = "ort",
+    workload_backend: str = DEFAULT_BACKEND,
     max_batch: int = 8,
     progress: bool = False,
     workload_lengths: Sequence[int] = (16, 32, 64, 128),
@@ -63,7 +64,8 @@ def run_bench(
 ) -> dict[str, Any]:
     """Every section of ``ldlm bench``; ort exports the checkpoint when no ``onnx_dir`` is given.
     The torch backends (eager, compiled, inductor) run on ``device`` in ``precision``; ort on ``provider``, once
-    per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants). Generation and
+    per ``ort_precisions`` entry (a column ``ort`` for fp32, ``ort-int8`` for the INT8 variants; the same for every
+    backend that runs an export). Generation and
     the solvers start from the prior at ``prior_temperature`` (default: the config's); ``threads``: ``default_threads``."""
     check_length(length, load_config(checkpoint).max_seq_len)  # before any export or timing
     backends = ort_columns(backends, ort_precisions)
@@ -139,20 +141,17 @@ def open_pipelines(
     """Each backend's graphs (from its source) and a pipeline on them; the config of the last one opened."""
     graphs_by_backend, pipelines = {}, {}
     for name in backends:
-        if name not in sources:
-            raise ValueError(f"backend={name!r} is unknown; allowed: {', '.join(sources)}")
-        source = sources[name]
+        info, column_precision = column(name)
+        source = sources.get(name)
         if source is None:
-            raise ValueError("backend 'trt' needs an engine directory (--engine-dir)")
-        torch_backend = name in TORCH_BACKENDS
-        backend, _, ort_precision = name.partition("-")  # "ort-int8": backend ort, precision int8
+            raise ValueError(f"backend {info.name!r} needs an engine directory (--engine-dir)")
         graphs, config, tokenizer = open_graphs(
-            backend,
+            info.name,
             source,
-            precision if torch_backend else ort_precision or "fp32",
-            ort_providers(provider),
+            precision if info.runs_checkpoint else column_precision,
+            ort_providers(provider, info.name),
             threads,
-            device if torch_backend else "cpu",
+            device if info.runs_checkpoint else "cpu",
         )
         graphs_by_backend[name] = graphs
         buckets = (16, 32, 64, 128, config.max_seq_len)
@@ -176,43 +175,52 @@ def bench_sources(
     scratch: Path,
     progress: bool,
 ) -> dict[str, str | None]:
-    """What each column opens: the checkpoint (torch), an export (every ort precision: exported into
-    ``scratch``, with the INT8 variants when asked, if no ``onnx_dir`` is given), the engines (trt)."""
-    sources: dict[str, str | None] = {
-        "eager": checkpoint,
-        "compiled": checkpoint,
-        "inductor": checkpoint,
-        "ort": onnx_dir,
-        "trt": engine_dir,
-    }
-    if any(b.startswith("ort") for b in backends) and onnx_dir is None:
+    """What each column opens: the checkpoint (torch), an export (every export backend's precision: exported into
+    ``scratch``, with the INT8 variants when asked, if no ``onnx_dir`` is given), the engines."""
+    export = onnx_dir
+    if export is None and any(column(b)[0].opens == "export" for b in backends):
         quantize = "int8" if "int8" in ort_precisions else None
-        sources["ort"] = str(export_graphs(checkpoint, scratch / "onnx", progress=progress, quantize=quantize).out)
-    sources.update({f"ort-{p}": sources["ort"] for p in ort_precisions if p != "fp32"})
-    return sources
+        export = str(export_graphs(checkpoint, scratch / "onnx", progress=progress, quantize=quantize).out)
+    opened = {"checkpoint": checkpoint, "export": export, "engines": engine_dir}
+    return {name: opened[column(name)[0].opens] for name in backends}
+
+
+def column(name: str) -> tuple[BackendInfo, str]:
+    """A bench column's backend and precision: a backend's name (fp32), or an export backend's name and one of its
+    precisions (``ort-int8``)."""
+    if name in REGISTRY:
+        return info_of(name), "fp32"
+    backend, _, precision = name.rpartition("-")
+    if backend in backend_names("export") and precision in REGISTRY[backend].precisions:
+        return REGISTRY[backend], precision
+    raise ValueError(f"backend={name!r} is unknown; allowed: {', '.join(REGISTRY)}")
 
 
 def ort_columns(backends: Sequence[str], ort_precisions: Sequence[str]) -> list[str]:
-    """``backends`` with ``ort`` replaced by one column per precision: ort (fp32), ort-int8, ..."""
-    if not ort_precisions or any(p not in ORT_PRECISIONS for p in ort_precisions):
-        allowed = ", ".join(ORT_PRECISIONS)
-        raise ValueError(f"precisions {list(ort_precisions)} are invalid for ort; allowed: a non-empty subset of {allowed}")
+    """``backends`` with each export backend replaced by one column per precision: ort (fp32), ort-int8, ..."""
+    for name in backends:
+        info, _ = column(name)
+        if info.opens == "export" and (not ort_precisions or any(p not in info.precisions for p in ort_precisions)):
+            allowed = ", ".join(info.precisions)
+            raise ValueError(f"precisions {list(ort_precisions)} are invalid for {name}; allowed: a non-empty subset of {allowed}")
     out: list[str] = []
     for name in backends:
-        out += [name if p == "fp32" else f"{name}-{p}" for p in ort_precisions] if name == "ort" else [name]
+        out += [name if p == "fp32" else f"{name}-{p}" for p in ort_precisions] if column(name)[0].opens == "export" else [name]
     return out
 
 
 def precision_speedups(report: dict[str, Any]) -> dict[str, float]:
-    """fp32 ONNX Runtime's median over each other ort precision's, per graph cell and for generation,
-    measured side by side in this run."""
+    """An export backend's fp32 median over each of its other precisions' (``ort`` over ``ort-int8``), per graph
+    cell and for generation, measured side by side in this run."""
     out = {}
     for key, entry in [*report["graphs"].items(), ("generation", report["generation"])]:
         for name, cell in entry.items():
-            if name.startswith("ort-") and "ort" in entry and isinstance(cell, dict):
-                unit = "p50_ms" if "p50_ms" in cell else "p50_s"
-                if unit in cell and unit in entry["ort"]:
-                    out[f"{key}:{name}"] = round(entry["ort"][unit] / cell[unit], 3)
+            if name in REGISTRY or not isinstance(cell, dict):
+                continue
+            fp32 = column(name)[0].name
+            unit = "p50_ms" if "p50_ms" in cell else "p50_s"
+            if fp32 in entry and unit in cell and unit in entry[fp32]:
+                out[f"{key}:{name}"] = round(entry[fp32][unit] / cell[unit], 3)
     return out
 
 

@@ -22,6 +22,7 @@ from ldlm.limits import MAX_STEPS, MAX_THREADS
 from ldlm.pipeline import LDLMPipeline
 from ldlm.samplers import get_sampler
 from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.registry import REFERENCE_BACKEND
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -84,10 +85,10 @@ def bench_graphs(
                     "samples_per_s": round(1000 * batch / p50, 2),
                     "provider": backends[name][graph].provider,
                 }
-            if "eager" in entry:
+            if REFERENCE_BACKEND in entry:  # speedup_vs_eager: over the reference, eager fp32
                 for name in entry:
-                    if name != "eager":
-                        entry[name]["speedup_vs_eager"] = round(entry["eager"]["p50_ms"] / entry[name]["p50_ms"], 3)
+                    if name != REFERENCE_BACKEND:
+                        entry[name]["speedup_vs_eager"] = round(entry[REFERENCE_BACKEND]["p50_ms"] / entry[name]["p50_ms"], 3)
             results[f"{graph}/b{batch}/L{length}"] = entry
     return results
 

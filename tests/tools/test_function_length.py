@@ -25,7 +25,6 @@ def long_functions(source: str, name: str, limit: int) -> list[str]:
     ]
 
 
-
 def checked_files(top: str) -> list[Path]:
     return sorted((ROOT / top).rglob("*.py"))
 
@@ -53,4 +52,3 @@ def test_no_long_function(top: str) -> None:
         for problem in long_functions(path.read_text(), str(path.relative_to(ROOT)), FUNCTION_LIMITS[top])
     ]
     assert not found, f"functions over {FUNCTION_LIMITS[top]} lines:\n" + "\n".join(found)
-

@@ -37,7 +37,13 @@ def reference(pipeline: LDLMPipeline, length: int, steps: int, seed: int) -> tup
     return row, pipeline.tokenizer.decode(row)
 
 
-PLAN = {"sampler": "ddim", "steps": 20, "grid": "uniform", "t_min": 0.05, "prior_temperature": 1.0}  # what a ddim@20 request on the tiny config runs, as its answer names it
+PLAN = {
+    "sampler": "ddim",
+    "steps": 20,
+    "grid": "uniform",
+    "t_min": 0.05,
+    "prior_temperature": 1.0,
+}  # what a ddim@20 request on the tiny config runs, as its answer names it
 
 
 def read_events(response: Any) -> list[tuple[str, dict]]:

@@ -557,7 +557,10 @@ def test_key_never_printed_and_openapi_typed(export_dir: Path) -> None:
             process.wait()
     assert key not in output and "$LDLM_API_KEY" in output, output
     bodies = schema["components"]["schemas"]
-    assert bodies["GenerateBody"]["properties"]["n"]["maximum"] == 64 and bodies["GenerateBody"]["properties"]["steps"]["anyOf"][0]["maximum"] == 1000
+    assert (
+        bodies["GenerateBody"]["properties"]["n"]["maximum"] == 64
+        and bodies["GenerateBody"]["properties"]["steps"]["anyOf"][0]["maximum"] == 1000
+    )
     assert bodies["GenerateBody"]["properties"]["length"]["maximum"] == 128 and bodies["TextsBody"]["properties"]["texts"]["maxItems"] == 64
     ok = schema["paths"]["/v1/encode"]["post"]["responses"]
     assert ok["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/EncodeResponse")

@@ -137,7 +137,10 @@ def test_generate_refuses_each_input_outside_its_range(generate_model) -> None:
         with pytest.raises(ValueError, match=f"input {name} is required"):
             model.generate(inputs(pb, **{k: v for k, v in good.items() if k != name}))
     # STEPS left out is resolve's default (the config's 21 for ddim here), refused above this model's max_steps, not cut
-    with pytest.raises(ValueError, match=re.escape("STEPS was not given, and the default for sampler ddim is 21 steps, which is out of range; allowed: 1..5")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("STEPS was not given, and the default for sampler ddim is 21 steps, which is out of range; allowed: 1..5"),
+    ):
         model.generate(inputs(pb, **{k: v for k, v in good.items() if k != "STEPS"}))
     assert pb.calls == []  # nothing reached the graphs
 

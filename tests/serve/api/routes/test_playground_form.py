@@ -50,7 +50,7 @@ def without_prompt(build: Any) -> Any:
 
     def model(limits: Any) -> Any:
         fields = {name: (info.annotation, info) for name, info in build(limits).model_fields.items() if name != "prompt"}
-        return create_model("GenerateBody", __config__=schemas.STRICT_BODY, **fields)
+        return create_model("GenerateBody", __base__=schemas.GenerateFields, **fields)
 
     return model
 
