@@ -46,6 +46,11 @@ import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+if __package__:  # imported as tests.tools.mutation_check
+    from .mutation_promises import PROMISE_MUTATIONS
+else:  # run as a script: this folder is on sys.path, the repository root is not
+    from mutation_promises import PROMISE_MUTATIONS  # type: ignore[no-redef]
+
 ROOT = Path(__file__).resolve().parents[2]
 # The list's own test fails on any edit to a targeted function, so it would "catch" every mutation: it is
 # set aside in every run, and a mutation only it notices counts as survived.
@@ -1963,6 +1968,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ort asked for bf16 fails deep in ONNX Runtime instead of naming the precisions it runs",
     ),
 )
+# the entries that pin the docs' promises, kept with the map of promise to entry (tests/tools/mutation_promises.py)
+MUTATIONS += tuple(Mutation(*fields) for fields in PROMISE_MUTATIONS)
 
 
 def repository_files(root: Path) -> list[str]:
