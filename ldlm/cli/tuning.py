@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ldlm.cli.options import capped_positive_int, capped_positive_int_list, int_in, seed_int
+from ldlm.cli.options import capped_positive_int, capped_positive_int_list, in_range, int_in, seed_int
 from ldlm.config import DEFAULT_TUNING_OBJECTIVE, SAMPLERS, TUNING_OBJECTIVES
-from ldlm.limits import MAX_N, MAX_STEPS
+from ldlm.limits import MAX_N, MAX_STEPS, THREADS
 
 if TYPE_CHECKING:  # for the annotations only: the CLI loads torch per command
     from ldlm.config import LDLMConfig
@@ -214,7 +214,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "tuned on a GPU differ from the CPU's by the draw; a base model tunes in minutes on one GPU, hours on 2 CPU cores "
         "(default: cpu)",
     )
-    p.add_argument("--threads", type=int_in(1, 1024), default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=in_range(THREADS, " threads"), default=None, help=f"CPU threads, {THREADS} (default: torch's)")
     p.add_argument(
         "--out",
         # not "out": the CLI's checks of an output directory (ldlm.cli.refuse_existing_out) do not fit one file

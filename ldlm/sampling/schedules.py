@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ldlm.config import is_prior_temperature
 from ldlm.files import sha256_file, write_atomically
+from ldlm.limits import PRIOR_TEMPERATURE, T_MIN
 
 SCHEDULES_FILE = "schedules.json"
 FORMAT = 1
@@ -96,10 +96,10 @@ class TunedSchedules:
 
     def check(self, where: str = SCHEDULES_FILE) -> None:
         """Every grid is one the samplers can run, and every default names a tuned grid."""
-        if not 0.0 < self.t_min < 1.0:
-            raise ScheduleError(f"{where}: t_min={self.t_min!r} is invalid; allowed: (0, 1)")
-        if not is_prior_temperature(self.prior_temperature):
-            raise ScheduleError(f"{where}: prior_temperature={self.prior_temperature!r} is invalid; allowed: (0, 1]")
+        if self.t_min not in T_MIN:
+            raise ScheduleError(f"{where}: t_min={self.t_min!r} is invalid; allowed: {T_MIN}")
+        if self.prior_temperature not in PRIOR_TEMPERATURE:
+            raise ScheduleError(f"{where}: prior_temperature={self.prior_temperature!r} is invalid; allowed: {PRIOR_TEMPERATURE}")
         for g in self.grids:
             check_times(g.times, g.steps, self.t_min, f"{where}: the {g.sampler} grid of {g.steps} steps")
         for sampler, steps in self.defaults.items():
