@@ -113,6 +113,22 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
         (f"{HARDENING_TEST}::test_huge_batch_is_refused_naming_the_limit",),
         "a /v2 infer of 800 tokens runs on a server capped at 512 (--max-request-tokens)",
     ),
+    (
+        "oldest-idle-connection-kept",
+        "ldlm.serve.api.http_guard:GuardedH11Protocol._shed_idle",
+        "oldest = min(idle, key=lambda c: c.opened_at)",
+        "oldest = max(idle, key=lambda c: c.opened_at)",
+        (f"{HARDENING_TEST}::test_idle_connections_are_shed_so_clients_are_served",),
+        "past --max-connections the newest idle connection is closed, so idle clients hold the oldest forever",
+    ),
+    (
+        "busy-connections-unbounded",
+        "ldlm.serve.api.http_guard:GuardedH11Protocol.connection_made",
+        "if len(self.connections) > self.max_connections and self._open_connections() > self.max_connections and not self._shed_idle():",
+        "if False:",
+        (f"{HARDENING_TEST}::test_all_busy_connections_give_503_with_retry_after_and_json",),
+        "connections past --max-connections are all held open: no 503, no shedding",
+    ),
     # --- the server's process, log and sessions -----------------------------------------------------
     (
         "sigterm-kills-in-flight",
@@ -212,6 +228,14 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
         "return left",
         ("tests/serve/runtime/test_scheduler_fairness.py::test_a_long_request_is_not_starved_by_a_stream_of_short_ones",),
         "a long request never runs while short ones keep arriving (no aging)",
+    ),
+    (
+        "prior-temperature-config-ignored",
+        "ldlm.config:LDLMConfig.prior_temperature_for",
+        "return self.effective_prior_temperature if requested is None else requested",
+        "return 1.0 if requested is None else requested",
+        ("tests/ldlm/sampling/test_engine_prior_temperature.py::test_tau_comes_from_the_request_else_the_config_else_1",),
+        "a checkpoint whose config sets a prior temperature samples at 1 unless each request names it",
     ),
     (
         "prompt-not-kept-verbatim",
@@ -422,6 +446,7 @@ QUANTIZATION = "docs/quantization.md"
 GPU = "docs/gpu.md"
 SCALE_OUT = "docs/scale-out.md"
 README = "README.md"
+ARCHITECTURE = "docs/architecture.md"
 
 
 def pinned(doc: str, quote: str, *mutation_ids: str) -> tuple[tuple[str, str, str], ...]:
@@ -446,6 +471,8 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
         "with every LayerNorm still one float32 `LayerNormalization`, measured before it is kept (`--min-cosine`)",
         "int8-floor-ignored",
     ),
+    # --- docs/architecture.md ---------------------------------------------------------------------------
+    *pinned(ARCHITECTURE, "`config.json` (the `LDLMConfig`, every field, validated on load)", "config-eps-zero-allowed"),
     # --- docs/cli.md ----------------------------------------------------------------------------------------
     *pinned(CLI, "no command leaves a partial output directory behind", "failed-write-leaves-its-temporary-directory"),
     *pinned(CLI, "`--force` replaces an existing one", "checkpoint-overwrite-inverted"),
@@ -503,6 +530,12 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
     *pinned(SERVING, "| 60 s | 504 |", "timeout-answered-500"),
     *pinned(SERVING, "| 10 s, 30 s | connection closed; 408 |", "body-timeout-not-408"),
     *pinned(SERVING, "one execution holds at most `--max-batch` samples", "scheduler-batch-overflows"),
+    *pinned(
+        SERVING,
+        "| `--max-connections` | 1024 | the oldest idle connection is closed; 503 when all are busy |",
+        "oldest-idle-connection-kept",
+        "busy-connections-unbounded",
+    ),
     *pinned(SERVING, "ONNX Runtime's CPU arena is off, so a peak is given back.", "served-arena-kept"),
     *pinned(
         SERVING, "An unhandled error (500) gives the client only the error's type and the request id.", "unhandled-error-leaks-its-message"
@@ -537,6 +570,7 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
         "tuned-grids-of-other-weights-loaded",
         "schedules-grids-unchecked",
     ),
+    *pinned(SAMPLING, "A request that names none gets the config's `prior_temperature` (unset: 1).", "prior-temperature-config-ignored"),
     *pinned(SAMPLING, "τ is in (0, 1]", "prior-temperature-above-one-accepted"),
     *pinned(
         SAMPLING,
