@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from ldlm.files import write_atomically
+
 END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 FIX = f"replace it with the {TOKENIZER_FILE} of the checkpoint it came from, or point at the directory that holds the right one"
@@ -71,7 +73,9 @@ class TextTokenizer:
         return cls(tokenizer, f"{vocab} + {merges}")
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        self.tokenizer.save(str(Path(directory) / TOKENIZER_FILE))
+        """tokenizer.json, written as the tokenizers library writes it, atomically and through Python's own file
+        calls, so a full disk is an OSError naming the file (the library's own writer raises a bare Exception)."""
+        write_atomically(Path(directory) / TOKENIZER_FILE, self.tokenizer.to_str(pretty=True))
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         for i, text in enumerate(texts):

@@ -14,6 +14,7 @@ export interrupted or killed leaves no half-written entry behind.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -115,5 +116,15 @@ def cached_export(
             return CachedExport(entry, weights, reused=True)
         failed = "" if remade is None else f"the cached export in {entry} failed its check ({remade}); "
         say(f"{failed}exporting the checkpoint {checkpoint} to ONNX in {entry} (cached for the next start)")
-        export_graphs(checkpoint, entry, with_logits=with_logits, overwrite=True, progress=progress, quantize=quantize)
+        try:
+            export_graphs(checkpoint, entry, with_logits=with_logits, overwrite=True, progress=progress, quantize=quantize)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left for the export of {checkpoint} (nothing of it was kept); free space there, point "
+                "LDLM_CACHE_DIR at a larger disk, or serve with --no-export-cache",
+                str(Path(root)),
+            ) from None
     return CachedExport(entry, weights, reused=False, remade=remade)

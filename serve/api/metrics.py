@@ -31,7 +31,11 @@ class Metrics:
             "ldlm_request_duration_seconds", "End-to-end request latency", ["model"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.batch_size = Histogram("ldlm_batch_size", "Samples per execution", ["model"], buckets=BATCH_BUCKETS, registry=r)
-        self.queue_depth = Gauge("ldlm_queue_depth", "Requests waiting", ["model"], registry=r)
+        self.queue_depth = Gauge(
+            "ldlm_queue_depth", "Waiting now: a graph's requests in its batcher, or generate's samples in the scheduler", ["model"], registry=r
+        )
+        self.active_samples = Gauge("ldlm_generate_active_samples", "Generation samples in the running batch now", registry=r)
+        self.in_flight = Gauge("ldlm_generate_in_flight", "Generation requests submitted and not yet answered", registry=r)
         # Cancelled work: requests whose client left (reason "disconnect") or whose deadline passed
         # ("timeout"), and the samples that were dropped unfinished because of them (a graph request's
         # rows before its batch ran; a generation's samples still queued or mid-denoising).

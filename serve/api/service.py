@@ -103,11 +103,21 @@ class LDLMService:
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
         self._in_flight_lock = threading.Lock()
         # its own thread, never the scheduler's; its time budget applies while other generations are in flight
+        self._watch(self.metrics)
         self.previews = PreviewDecoder(
             self.pipeline, settings.preview_budget, lambda: self._in_flight, self.metrics.observe_previews, settings.preview_lone_budget
         )
         self.ready = True
         say("ready")
+
+    def _watch(self, metrics: Metrics) -> None:
+        """Queues, the running batch and the requests in flight, read by /metrics when it is scraped: an idle
+        server reads zero everywhere, which is how a run checks that nothing was left behind."""
+        for name, batcher in self.batchers.items():
+            metrics.queue_depth.labels(name).set_function(lambda batcher=batcher: batcher.queued)
+        metrics.queue_depth.labels("generate").set_function(lambda: self.scheduler.queued_samples)
+        metrics.active_samples.set_function(lambda: self.scheduler.active_samples)
+        metrics.in_flight.set_function(lambda: self._in_flight)
 
     def _open_graphs(
         self, source: str, say: Callable[[str], None], progress: bool

@@ -69,3 +69,18 @@ def test_every_command_names_the_broken_file(argv: list[str], broken_checkpoint:
     expected = f"ldlm {argv[0]}: error: {broken_checkpoint / 'tokenizer.json'} is not valid tokenizer JSON (expected value at line 1 column 1); {FIX}"
     assert expected in err, err
     assert not (tmp_path / "onnx").exists()
+
+
+def test_save_writes_what_the_library_writes_and_a_failed_write_is_an_os_error(tmp_path) -> None:
+    """tokenizer.json's bytes are the tokenizers library's own (exports and their hashes unchanged), written by
+    Python, so a failed write (a full disk, a missing folder) is an OSError naming the file, which the CLI and the
+    export cache report as such, not the library's bare Exception."""
+    from ldlm.tokenizer import TOKENIZER_FILE, TextTokenizer
+
+    tokenizer = TextTokenizer.gpt2()
+    tokenizer.save(tmp_path)
+    tokenizer.tokenizer.save(str(tmp_path / "library.json"))
+    assert (tmp_path / TOKENIZER_FILE).read_bytes() == (tmp_path / "library.json").read_bytes()
+    with pytest.raises(OSError) as raised:
+        tokenizer.save(tmp_path / "missing")
+    assert str(tmp_path / "missing") in str(raised.value.filename)

@@ -304,3 +304,20 @@ def test_the_cache_is_under_xdg_cache_home_unless_ldlm_cache_dir_says(clean_env:
     assert cache_root() == tmp_path / "xdg" / "ldlm"
     clean_env.setenv("LDLM_CACHE_DIR", str(tmp_path / "mine"))
     assert cache_root() == tmp_path / "mine"
+
+
+def test_a_full_disk_is_named_and_leaves_no_entry(tiny_checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
+    """No space for the export: one error naming the cache and the ways out, and no entry (half-written or not)."""
+    import errno
+
+    from ldlm.export import onnx_export
+
+    def out_of_space(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.tmp" / "tokenizer.json"))
+
+    monkeypatch.setattr(onnx_export, "export_graphs", out_of_space)
+    monkeypatch.setattr(export_cache, "export_graphs", out_of_space)
+    with pytest.raises(OSError, match="no space left for the export of .*LDLM_CACHE_DIR.*--no-export-cache") as raised:
+        cached_export(str(tiny_checkpoint), tmp_path / "cache", lambda line: None)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache" / "exports").iterdir() if not p.name.endswith(".lock")]
