@@ -18,7 +18,7 @@ why() {
   case "$1" in
     cpu) echo "ONNX Runtime (CPU build), the backend most tests run" ;;
     rtx) echo "TensorRT-RTX, so the engine tests build engines even without a GPU; scripts/demo.sh then builds engines too" ;;
-    test) echo "pytest and the tests' oracles and clients (transformers is the GPT-2 oracle)" ;;
+    test) echo "pytest and the tests' oracles and clients (transformers is the GPT-2 oracle, locust drives the soak)" ;;
     ray) echo "Ray Serve, for the tests of the replica deployment (ldlm serve --ray)" ;;
     lint) echo "the pinned ruff and mypy of the lint gate (scripts/lint.sh)" ;;
   esac

@@ -1,0 +1,54 @@
+"""The soak (scripts/research/soak.py) as CI runs it: a minute of the mixed traffic against `ldlm serve` on the
+reference checkpoint, with one SIGTERM and restart mid-run (and the full-disk start where `mount` is allowed).
+Every request must be accounted for, the server's counters must equal the clients', the SIGTERM must exit 0 and
+the restart reuse the cached export. Locust runs it; the thresholds are the script's own targets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import REPO
+
+pytest.importorskip("locust", reason="the soak's load generator (pip install -e .[test])")
+pytest.importorskip("onnxruntime", reason="the server runs ONNX Runtime (pip install -e .[cpu])")
+
+ALLOWED = {"answered", "left", "server down", "refused:400", "refused:404", "refused:413", "refused:422", "refused:503", "refused:504"}
+
+
+def test_a_minute_with_a_restart_loses_nothing(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "scripts/research/soak.py",
+            "--duration-s",
+            "60",
+            "--users",
+            "4",
+            "--faults",
+            "sigterm,full-disk",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}\n{json.dumps(report['targets'], indent=1)[:3000]}"
+    outcomes = report["traffic"]["outcomes"]
+    assert set(outcomes) <= ALLOWED, outcomes
+    assert outcomes.get("answered", 0) > 50 and outcomes.get("refused:503", 0) > 0  # traffic ran, and a burst overflowed
+    restart = report["faults"]["sigterm"]
+    assert restart["exit_code"] == 0 and not restart["exported"] and restart["recovery_s"] <= 60
+    lifetime = report["traffic"]["last_lifetime"]
+    assert lifetime["clients"] == lifetime["server"] and sum(lifetime["server"].values()) > 0
+    assert report["end"] == {"active_samples": 0, "in_flight": 0, "queued": 0}
+    disk = report["faults"]["full-disk"]
+    assert disk["ok"] if disk["exercised"] else "mount" in disk["why"]
+    assert (tmp_path / "soak.png").stat().st_size > 0
