@@ -337,9 +337,9 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "layernorm-lowered-to-half",
-        "ldlm.export.precision:KEEP_FP32_OPS",
-        'KEEP_FP32_OPS = {"LayerNormalization", ',
-        "KEEP_FP32_OPS = {",
+        "ldlm.export.precision:cast_graph",
+        "is_low = index not in keep and node.op_type in POLYMORPHIC_OPS and _reads_float(node, types)",
+        'is_low = (index not in keep and node.op_type in POLYMORPHIC_OPS or node.op_type == "LayerNormalization") and _reads_float(node, types)',
         ("tests/export/test_precision_values.py::test_lowered_graph_keeps_layer_norm_fp32_and_rounds_matmul_weights",),
         "fp16 and bf16 engines compute every LayerNorm in half precision",
     ),
@@ -397,7 +397,7 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
         "ldlm.export.quantize:FLOAT_MODULES",
         '("time_mlp", "time_proj", "token_decoder.head")',
         '("token_decoder.head",)',
-        (f"{QUANTIZE_TEST}::test_variants_sit_beside_the_fp32_graphs_with_their_own_sha256",),
+        ("tests/export/test_quantize_time_embedding.py",),
         "the int8 denoiser quantizes its time embedding: every position's error moves at every step",
     ),
     # --- artifacts and deployments ----------------------------------------------------------------------
