@@ -42,7 +42,9 @@ class DenoiserGraph(nn.Module):
 
 class DecoderGraph(nn.Module):
     """(latents (B, L, D), attention_mask (B, L)) -> token_ids (B, L) int64 [, logits (B, L, V)].
-    The argmax is in the graph."""
+    The argmax is in the graph. Without logits the token ids come from the head a chunk of the
+    vocabulary at a time (``VocabularyHead``), so the (B, L, V) logits are never made; with them, the
+    logits are made once and the ids are their one argmax."""
 
     def __init__(self, model: LDLM, with_logits: bool = False) -> None:
         super().__init__()
@@ -50,9 +52,10 @@ class DecoderGraph(nn.Module):
         self.with_logits = with_logits
 
     def forward(self, latents: Tensor, attention_mask: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if not self.with_logits:
+            return self.model.decode_tokens(latents, attention_mask.bool())
         logits = self.model.decode_logits(latents, attention_mask.bool())
-        token_ids = logits.argmax(dim=-1)
-        return (token_ids, logits) if self.with_logits else token_ids
+        return logits.argmax(dim=-1), logits
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ POLYMORPHIC_OPS = {
 }
 KEEP_FP32_OPS = {"LayerNormalization", "Softmax", "Pow", "ReduceMean", "ReduceSum", "Sqrt", "Reciprocal", "Exp", "Log"}
 SHAPE_OPS = {"Shape", "Size"}  # their outputs carry no data dependence
+LAYOUT_OPS = {"Reshape", "Pad", "Concat", "Slice", "Squeeze", "Unsqueeze", "Transpose", "Identity"}  # move values, compute none
 
 
 @dataclass(frozen=True)
@@ -183,15 +184,22 @@ def _fp32_nodes(graph: onnx.GraphProto, types: dict[str, int]) -> set[int]:
                 following = [c for name in frontier for c in consumers[name] if nodes[c].op_type in ("Add", "Sqrt", "Div", "Reciprocal")]
                 keep.update(following)
                 frontier = [out for c in following for out in nodes[c].output]
-    # Logits: walk back from ArgMax's input and from any "logits" output to the head's MatMul/Gemm.
+    # Logits: walk back from ArgMax's input and from any "logits" output along every float input to the
+    # head's MatMul/Gemm nodes (a head that takes its argmax a chunk of the vocabulary at a time has one per
+    # chunk, and compares the chunks' maxima), then from the head through layout ops to the features it reads.
     starts = [n.input[0] for n in nodes if n.op_type == "ArgMax"] + [o.name for o in graph.output if "logits" in o.name]
-    for name in starts:
-        while name in producer:
-            i = producer[name]
-            keep.add(i)
-            if nodes[i].op_type in ("MatMul", "Gemm"):
-                break
-            name = next((x for x in nodes[i].input if x in producer), "")
+    walk, seen = [(name, False) for name in starts], set()
+    while walk:
+        name, past_head = walk.pop()
+        if name not in producer or name in seen:
+            continue
+        i = producer[name]
+        if past_head and nodes[i].op_type not in LAYOUT_OPS:
+            continue
+        seen.add(name)
+        keep.add(i)
+        past_head = past_head or nodes[i].op_type in ("MatMul", "Gemm")
+        walk += [(x, past_head) for x in nodes[i].input if types.get(x) == FLOAT]
     # Value dependence on the graph inputs, cut at shape ops.
     dependent = {value.name for value in graph.input}
     for n in nodes:

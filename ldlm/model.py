@@ -56,12 +56,15 @@ class LDLM(nn.Module):
 
     def decode_logits(self, latents: Tensor, mask: Tensor | None = None) -> Tensor:
         """standardized latents (B, L, D) -> logits (B, L, V)."""
-        latents = latents * self.latent_std + self.latent_mean
-        return self.token_decoder(self.latent_decoder(latents, mask), mask)
+        return self.token_decoder(self._latent_decoded(latents, mask), mask)
 
     def decode_tokens(self, latents: Tensor, mask: Tensor | None = None) -> Tensor:
-        """standardized latents (B, L, D) -> token ids (B, L) int64."""
-        return self.decode_logits(latents, mask).argmax(dim=-1)
+        """standardized latents (B, L, D) -> token ids (B, L) int64: ``decode_logits(...).argmax(-1)``,
+        a chunk of the vocabulary at a time (``TokenDecoder.token_ids``)."""
+        return self.token_decoder.token_ids(self._latent_decoded(latents, mask), mask)
+
+    def _latent_decoded(self, latents: Tensor, mask: Tensor | None) -> Tensor:
+        return self.latent_decoder(latents * self.latent_std + self.latent_mean, mask)
 
 
 def count_parameters(module: nn.Module) -> int:

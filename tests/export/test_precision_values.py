@@ -140,3 +140,19 @@ def test_the_head_feeding_argmax_stays_fp32(tmp_path: Path) -> None:
     by_name = {n.name: n for n in low.graph.node}
     assert inits[by_name["head"].input[1]] == TensorProto.FLOAT  # the head's weight is not rounded
     assert inits[by_name["body"].input[1]] == TensorProto.FLOAT16  # the body's is
+
+
+def test_a_chunked_head_stays_fp32_from_its_features_to_the_token_ids(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The exported decoder without logits takes its argmax a chunk of the vocabulary at a time: every chunk's
+    product, the comparison of the chunks' maxima and the features the head reads stay FP32 (a maximum rounded
+    to FP16 would tie with its neighbours' and pick another token)."""
+    from ldlm.export.onnx_export import export_graphs
+
+    export_graphs(tiny_checkpoint, tmp_path / "export", graphs=("decoder",))
+    lower_precision(tmp_path / "export" / "decoder.onnx", tmp_path / "low.onnx", "fp16")
+    nodes = list(onnx.load(str(tmp_path / "low.onnx"), load_external_data=False).graph.node)
+    last_norm = max(i for i, n in enumerate(nodes) if n.op_type == "LayerNormalization")
+    head = nodes[last_norm + 1 :]
+    assert sum(n.op_type in ("MatMul", "Gemm") for n in head) > 1  # one product per chunk
+    lowered = [n.name for n in head if n.op_type == "Cast" and helper.get_attribute_value(n.attribute[0]) == TensorProto.FLOAT16]
+    assert lowered == []

@@ -766,6 +766,47 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/ldlm/test_layers_values.py",),
         "the token decoder only looks left",
     ),
+    # --- the vocabulary head: its argmax a chunk of the vocabulary at a time -------------------------------
+    Mutation(
+        "head-chunk-tie-goes-last",
+        "ldlm.token_decoder:VocabularyHead.forward",
+        "chunk = torch.stack(values, -1).argmax(-1, keepdim=True)",
+        "chunk = len(values) - 1 - torch.stack(values[::-1], -1).argmax(-1, keepdim=True)",
+        ("tests/ldlm/test_token_decoder.py",),
+        "a token tied across two chunks of the vocabulary is the later one, not argmax's first",
+    ),
+    Mutation(
+        "head-chunk-offset-dropped",
+        "ldlm.token_decoder:VocabularyHead.forward",
+        "ids.append(index + start)",
+        "ids.append(index)",
+        ("tests/ldlm/test_token_decoder.py",),
+        "every token past the first chunk of the vocabulary comes back as a small id",
+    ),
+    Mutation(
+        "row-max-block-offset-dropped",
+        "ldlm.token_decoder:row_max",
+        "(best * block + within)",
+        "(best + within)",
+        ("tests/ldlm/test_token_decoder.py",),
+        "a token past the first block of a chunk comes back as another",
+    ),
+    Mutation(
+        "head-vocabulary-unchunked",
+        "ldlm.token_decoder:VocabularyHead.forward",
+        "for start, stop in vocabulary_chunks(self.out_features):",
+        "for start, stop in [(0, self.out_features)]:",
+        ("tests/export/test_graphs_head.py",),
+        "the decoder makes the whole (B*L, V) logits and scans them with one ArgMax: 3x slower",
+    ),
+    Mutation(
+        "head-chunk-maxima-lowered-to-fp16",
+        "ldlm.export.precision:_fp32_nodes",
+        "walk += [(x, past_head) for x in nodes[i].input if types.get(x) == FLOAT]",
+        "walk += [(x, past_head) for x in nodes[i].input[:1] if types.get(x) == FLOAT]",
+        ("tests/export/test_precision_values.py",),
+        "an fp16 decoder compares the vocabulary chunks' maxima rounded to fp16 (ties pick other tokens)",
+    ),
     # --- config and checkpoint ------------------------------------------------------------------------
     Mutation(
         "config-int-range-top-refused",
