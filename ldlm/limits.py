@@ -18,6 +18,10 @@ MAX_TIMEOUT_S = 86400.0  # request, header and body timeouts: finite, at most a 
 MAX_DELAY_MS = 60000.0  # a batching window longer than the default request timeout would only time requests out
 MAX_TEMPERATURE = 2.0  # the token decoder's temperature: OpenAI's range, 0..2
 MAX_TOP_LOGPROBS = 5  # log-probability alternatives per token: OpenAI's legacy completions, 0..5
+# Prompt guidance's weight w (ldlm/sampling/engine.py): 0 ignores the prompt, 1 is inpainting alone; classifier-free
+# guidance of diffusion models rarely goes past single digits, and on the reference checkpoint w = 3 already
+# leaves no corpus words (docs/sampling.md)
+MAX_PROMPT_STRENGTH = 4.0
 # Shares of wall time that decoding streamed previews may take (serve/api/streaming.py), in (0, 1]:
 PREVIEW_BUDGET = 0.05  # beside other generations
 PREVIEW_LONE_BUDGET = 1.0 / 3.0  # while a stream's own generation is the only one: at most 1.5x its plain run
@@ -65,6 +69,7 @@ def number(low: float, high: float, low_open: bool = False, high_open: bool = Fa
 
 T_MIN = number(0, 1, low_open=True, high_open=True)  # the last time of a sampling grid
 PRIOR_TEMPERATURE = number(0, 1, low_open=True)  # x_1 ~ N(0, tau^2 I): above 1 starts wider than training saw
+PROMPT_STRENGTH = number(0, MAX_PROMPT_STRENGTH)
 SEED = Range(0, MAX_SEED)
 TEMPERATURE = number(0, MAX_TEMPERATURE)
 TOP_P = number(0, 1, low_open=True)
@@ -109,6 +114,7 @@ def body_ranges(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, ma
         "texts": Range(1, max_texts, unit=" items"),
         "t_min": T_MIN,
         "prior_temperature": PRIOR_TEMPERATURE,
+        "prompt_strength": PROMPT_STRENGTH,
         "temperature": TEMPERATURE,
         "top_p": TOP_P,
         "logprobs": TOP_LOGPROBS,

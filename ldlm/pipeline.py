@@ -243,6 +243,7 @@ class LDLMPipeline:
         prompt: str | Sequence[int] | None = None,
         grid: str | None = None,
         prior_temperature: float | None = None,
+        prompt_strength: float | None = None,
     ) -> TextResult:
         """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
 
@@ -254,14 +255,15 @@ class LDLMPipeline:
         a kind of ``ldlm.schedule.time_grid`` or ``"tuned"`` (default: the tuned grid where the checkpoint
         has one for this sampler and step count, else the sampler's own). ``prior_temperature`` in (0, 1]:
         the prior's standard deviation (default: the config's, else 1); below 1 trades diversity for text
-        nearer the training data. Whatever is left out (None) is filled in by ``ldlm.sampling.resolve``,
-        and the result's ``plan`` says what ran.
+        nearer the training data. ``prompt_strength`` (range: ``ldlm.limits.PROMPT_STRENGTH``): the prompt's guidance weight (default 1:
+        inpainting alone; other values denoise each sample a second time blind to the prompt and extrapolate,
+        ldlm/sampling/engine.py); without a prompt it changes nothing. Whatever is left out (None) is filled
+        in by ``ldlm.sampling.resolve``, and the result's ``plan`` says what ran.
         """
         ids = None if prompt is None else self.text_ids([prompt])[0] if isinstance(prompt, str) else [int(i) for i in prompt]
         prefix = None if ids is None else self.prompt_latents(ids, length)
-        plan = resolve(
-            GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature), self.config, schedules=self.schedules
-        )
+        request = GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature, prompt_strength)
+        plan = resolve(request, self.config, schedules=self.schedules)
         result = self.decode(self.run_plan(plan, progress, prefix))
         result.plan = plan
         return result if ids is None else self.keep_prompt(result, ids)
@@ -293,9 +295,10 @@ class LDLMPipeline:
         prefix: Tensor | None = None,
         grid: str | None = None,
         prior_temperature: float | None = None,
+        prompt_strength: float | None = None,
     ) -> Tensor:
         """The standardized latents (n, length, D) that ``generate`` decodes, all samples in lockstep."""
-        request = GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature)
+        request = GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature, prompt_strength)
         return self.run_plan(resolve(request, self.config, schedules=self.schedules), progress, prefix)
 
     def run_plan(self, plan: SamplingPlan, progress: bool = False, prefix: Tensor | None = None) -> Tensor:

@@ -7,9 +7,9 @@ import json
 import sys
 import time
 
-from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, open_unit_float, positive_int, seed_int
+from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, in_range, open_unit_float, positive_int, seed_int
 from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
-from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS
+from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS, PROMPT_STRENGTH
 
 
 def _cmd_init(args: argparse.Namespace) -> None:
@@ -50,7 +50,17 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     # what is left out (None) is filled in by ldlm.sampling.resolve, as for a request over HTTP
     result = pipeline.generate(
-        args.n, args.length, args.steps, args.seed, args.sampler, args.t_min, not args.quiet, args.prompt, args.grid, args.prior_temperature
+        args.n,
+        args.length,
+        args.steps,
+        args.seed,
+        args.sampler,
+        args.t_min,
+        not args.quiet,
+        args.prompt,
+        args.grid,
+        args.prior_temperature,
+        args.prompt_strength,
     )
     elapsed = time.perf_counter() - start
     if args.json:
@@ -189,16 +199,31 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="the times the sampler steps through: tuned (the checkpoint's schedules.json, see tune-schedule), or uniform, "
         "power, logsnr (default: tuned where the checkpoint has one for this sampler and step count, else the sampler's own)",
     )
+    _add_prompt_options(p)
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _add_prompt_options(p: argparse.ArgumentParser) -> None:
+    """generate's --prompt and its guidance weight."""
     p.add_argument(
         "--prompt",
         default=None,
         help="text every sample starts with, conditioned by prefix inpainting; fewer tokens than --length, which counts "
         "the prompt too (how well the rest follows depends on the trained model)",
     )
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_generate)
+    p.add_argument(
+        "--prompt-strength",
+        type=in_range(PROMPT_STRENGTH),
+        default=None,
+        help=f"the prompt's guidance weight w, {PROMPT_STRENGTH}: each step denoises every sample a second time blind to "
+        "the prompt and moves its continuation to x0_blind + w (x0_prompted - x0_blind); 0 ignores the prompt, above 1 "
+        "pushes away from where the sample would go without it, at twice the denoiser work; without --prompt it "
+        "changes nothing (default: 1, inpainting alone: on the reference checkpoint no weight made the corpus's "
+        "next words likelier, docs/sampling.md)",
+    )
 
 
 def _add_reconstruct(sub: argparse._SubParsersAction) -> None:

@@ -18,12 +18,20 @@ Prefix inpainting, the training-free conditioning of diffusion models: the first
 sample's x_t are reset at every step to the prompt's latents forward-noised to that step's time
 (with the sample's own prefix noise), and its final latent holds the prompt's latents exactly there.
 How well the continuation follows the prompt depends on the trained model.
+
+Prompt guidance (a plan's ``prompt_strength`` w, 1 by default: inpainting alone): a guided sample's
+rows are denoised twice in the same call, as they are and blind to the prompt (its positions masked
+out as keys, so the continuation sees only itself), and its continuation's x0_hat is extrapolated from
+the blind one, x0_blind + w (x0_prompted - x0_blind), as classifier-free guidance does between
+conditional and unconditional predictions. w > 1 moves the continuation further from where it would go
+without the prompt, w < 1 nearer (0: the denoiser ignores the prompt); it costs a second row per
+sample and step. What it buys on the reference checkpoint is in docs/sampling.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +61,7 @@ class SampleState:
     step: int = 0
     prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
     prefix_noise: NoiseSource | None = None  # the forward noise of the inpainted prefix
+    guidance: Tensor | None = None  # (L, 1) a guided prompt's weights: 1 at the prompt's positions, w after
 
     @property
     def length(self) -> int:
@@ -77,6 +86,9 @@ class StepBatch:
     t_next: Tensor  # (B,)
     x0_prev: Tensor  # (B, padded, D)
     mask: Tensor  # (B, padded) bool, True at real positions
+    # Rows past len(states) are prompt-blind copies of these states' rows (prompt guidance): the denoiser's
+    # B is len(states) + len(blind).
+    blind: tuple[int, ...] = ()
 
 
 class SamplingEngine:
@@ -106,13 +118,23 @@ class SamplingEngine:
             raise ValueError(f"prefix has shape {tuple(prefix.shape)}; allowed: (P, {d_model}) with P < length={plan.length}")
         times = to_device(plan.times(self.schedule).float(), self.device)
         prefix = None if prefix is None else prefix.to(self.device)
+        guidance = None if prefix is None else self.guidance(prefix.shape[0], plan.length, plan.prompt_strength)
         states = []
         for seed in sample_seeds(plan.seed, plan.n):
             stream = NoiseStream(seed, (plan.length, d_model), self.noise_device)
             prefix_noise = None if prefix is None else NoiseStream(seed ^ 1, tuple(prefix.shape), self.noise_device)
             prior = plan.prior_temperature * stream.draw().to(self.device)
-            states.append(self.state(plan.sampler, times, stream, prior, prefix, prefix_noise))
+            states.append(self.state(plan.sampler, times, stream, prior, prefix, prefix_noise, guidance))
         return states
+
+    def guidance(self, prompt: int, length: int, strength: float) -> Tensor | None:
+        """A prompt's guidance weights (length, 1): 1 at its ``prompt`` positions, ``strength`` after;
+        None at strength 1, which is inpainting alone (no second row)."""
+        if strength == 1.0:
+            return None
+        weights = torch.full((length, 1), float(strength), device=self.device)
+        weights[:prompt] = 1.0
+        return weights
 
     @staticmethod
     def state(
@@ -122,31 +144,43 @@ class SamplingEngine:
         prior: Tensor,
         prefix: Tensor | None = None,
         prefix_noise: NoiseSource | None = None,
+        guidance: Tensor | None = None,
     ) -> SampleState:
-        """One sample at t = 1 from ``prior`` (L, D); self-conditioning starts empty (zeros), with no past."""
+        """One sample at t = 1 from ``prior`` (L, D); self-conditioning starts empty (zeros), with no past.
+        ``guidance``: a prompt's weights (``SamplingEngine.guidance``), None for inpainting alone."""
         zeros = torch.zeros_like(prior)
-        return SampleState(sampler, times.to(prior.dtype), noise, prior, prior, zeros, zeros, prefix=prefix, prefix_noise=prefix_noise)
+        guidance = None if guidance is None else guidance.to(prior.dtype)
+        return SampleState(
+            sampler, times.to(prior.dtype), noise, prior, prior, zeros, zeros, prefix=prefix, prefix_noise=prefix_noise, guidance=guidance
+        )
 
     # --- one step -------------------------------------------------------------------------------
 
     def batch(self, states: list[SampleState], padded: int | None = None) -> StepBatch:
-        """The denoiser's inputs for ``states``, right-padded to ``padded`` (default: the longest)."""
+        """The denoiser's inputs for ``states``, right-padded to ``padded`` (default: the longest), then
+        a prompt-blind copy of each guided sample's row (``StepBatch.blind``)."""
         padded = max(s.length for s in states) if padded is None else padded
         for state in states:
             if state.prefix is not None:
                 state.x = self._inpaint(state)
-        mask = torch.zeros(len(states), padded, dtype=torch.bool, device=self.device)
-        for i, state in enumerate(states):
+        blind = tuple(i for i, s in enumerate(states) if s.guidance is not None)
+        rows = states + [states[i] for i in blind]
+        mask = torch.zeros(len(rows), padded, dtype=torch.bool, device=self.device)
+        for i, state in enumerate(rows):
             mask[i, : state.length] = True
-        t = torch.stack([s.times[s.step] for s in states])  # device tensors: no host round trip
-        t_next = torch.stack([s.times[s.step + 1] for s in states])
+        for k, i in enumerate(blind):
+            mask[len(states) + k, : states[i].prefix.shape[0]] = False  # type: ignore[union-attr]
+        t = torch.stack([s.times[s.step] for s in rows])  # device tensors: no host round trip
+        t_next = torch.stack([s.times[s.step + 1] for s in rows])
         stack = self._stacker(padded)
-        return StepBatch(states, stack([s.x for s in states]), t, t_next, stack([s.x0_prev for s in states]), mask)
+        return StepBatch(states, stack([s.x for s in rows]), t, t_next, stack([s.x0_prev for s in rows]), mask, blind)
 
     def advance(self, batch: StepBatch, x0_hat: Tensor) -> list[SampleState]:
         """Each sample of ``batch`` one step on, given the denoiser's ``x0_hat`` (B, padded, D): one
         sampler step per sampler in the batch, over its own rows and their own pasts. Returns the
         samples that reached t_min."""
+        if batch.blind:
+            batch, x0_hat = self._guided(batch, x0_hat)
         by_sampler: dict[str, list[int]] = {}
         for i, state in enumerate(batch.states):
             by_sampler.setdefault(state.sampler.name, []).append(i)
@@ -199,6 +233,19 @@ class SamplingEngine:
         x_prev = stack([s.x_prev if s.x_prev is not None else torch.zeros_like(s.x) for s in group])
         t_prev = torch.stack([s.times[max(s.step - 1, 0)] for s in group])  # the first step has no past: not redone
         return sampler.correct(self.schedule, x, x_prev, x0_hat, t_prev, t, past)
+
+    def _guided(self, batch: StepBatch, x0_hat: Tensor) -> tuple[StepBatch, Tensor]:
+        """The batch without its blind rows, and each guided sample's x0_hat extrapolated from its blind
+        row's by its weights: x0_blind + w (x0_hat - x0_blind) (the prompt's own positions: x0_hat)."""
+        b = len(batch.states)
+        rows = to_device(torch.tensor(batch.blind), self.device)
+        weights = self._stacker(x0_hat.shape[1])([batch.states[i].guidance for i in batch.blind])  # type: ignore[misc]
+        blind = x0_hat[b:]
+        guided = blind + weights * (x0_hat[rows] - blind)
+        kept = replace(
+            batch, x=batch.x[:b], t=batch.t[:b], t_next=batch.t_next[:b], x0_prev=batch.x0_prev[:b], mask=batch.mask[:b], blind=()
+        )
+        return kept, x0_hat[:b].index_copy(0, rows, guided.to(x0_hat.dtype))
 
     def _inpaint(self, state: SampleState) -> Tensor:
         """x_t with its first P positions reset to the prompt's latents forward-noised to the sample's time."""

@@ -1,5 +1,5 @@
 """A generation request and its sampling plan: the one place where a request's settings (sampler,
-steps, t_min, grid, prior temperature, seed) are filled in and checked, each refusal naming the value and
+steps, t_min, grid, prior temperature, seed, prompt strength) are filled in and checked, each refusal naming the value and
 the allowed range.
 
 Every generating path (``LDLMPipeline.generate``, the continuous-batching scheduler behind /v1/generate and
@@ -21,18 +21,23 @@ import torch
 from torch import Tensor
 
 from ldlm.config import SAMPLERS, TUNED_GRID, LDLMConfig
-from ldlm.limits import PRIOR_TEMPERATURE, T_MIN
+from ldlm.limits import PRIOR_TEMPERATURE, PROMPT_STRENGTH, T_MIN
 from ldlm.samplers import Sampler, get_sampler
 from ldlm.sampling.noise import check_seed
 from ldlm.sampling.schedules import TunedSchedules
 from ldlm.schedule import GRIDS, TangentSchedule, time_grid
 
+# A prompt's guidance weight when a request names none: inpainting alone, no second denoiser row (on the
+# reference checkpoint no weight both moved the continuation and made the corpus's next words likelier:
+# docs/sampling.md)
+DEFAULT_PROMPT_STRENGTH = 1.0
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """What a caller asks for; None: not given, filled in by ``resolve`` (the tuned or the config's
-    ``default_steps``, ``default_sampler``, ``t_min``, ``prior_temperature``, seed 0; the grid is the tuned
-    one where it applies, else the sampler's own)."""
+    ``default_steps``, ``default_sampler``, ``t_min``, ``prior_temperature``, seed 0, prompt strength 1; the
+    grid is the tuned one where it applies, else the sampler's own)."""
 
     n: int
     length: int
@@ -42,6 +47,7 @@ class GenerateRequest:
     t_min: float | None = None
     grid: str | None = None
     prior_temperature: float | None = None
+    prompt_strength: float | None = None  # a prompt's guidance weight (ldlm/sampling/engine.py); no prompt: no effect
 
 
 @dataclass(frozen=True)
@@ -65,15 +71,18 @@ class SamplingPlan:
     grid: str  # a kind of ldlm.schedule.time_grid, or "tuned"
     tuned_times: tuple[float, ...] | None = None  # the tuned grid's times (grid="tuned")
     prior_temperature: float = 1.0  # x_1 ~ N(0, prior_temperature^2 I)
+    prompt_strength: float = DEFAULT_PROMPT_STRENGTH  # a prompt's guidance weight w (1: inpainting alone)
 
     def summary(self) -> dict[str, str | int | float]:
-        """What ran, as every answer names it: sampler, steps, grid ("tuned" or its kind), t_min, prior temperature."""
+        """What ran, as every answer names it: sampler, steps, grid ("tuned" or its kind), t_min, prior
+        temperature, prompt strength."""
         return {
             "sampler": self.sampler.name,
             "steps": self.steps,
             "grid": self.grid,
             "t_min": self.t_min,
             "prior_temperature": self.prior_temperature,
+            "prompt_strength": self.prompt_strength,
         }
 
     def times(self, schedule: TangentSchedule) -> Tensor:
@@ -109,6 +118,9 @@ def resolve(
     tau = config.prior_temperature_for(request.prior_temperature)
     PRIOR_TEMPERATURE.check(name("prior_temperature"), tau)
     tau = float(tau)
+    strength = DEFAULT_PROMPT_STRENGTH if request.prompt_strength is None else request.prompt_strength
+    PROMPT_STRENGTH.check(name("prompt_strength"), strength)
+    strength = float(strength)
     # tuned grids, and the step counts they made the defaults, hold only for the runs they were tuned for
     here = schedules if schedules is not None and schedules.tuned_for(float(t_min), tau) else None
     sampler_name = config.default_sampler if request.sampler is None else request.sampler
@@ -123,11 +135,11 @@ def resolve(
     if request.grid == TUNED and tuned is None:
         raise ValueError(_no_tuned_grid(sampler.name, steps, float(t_min), tau, schedules))
     if request.grid is None and tuned is not None or request.grid == TUNED:
-        return SamplingPlan(n, length, steps, seed, sampler, float(t_min), TUNED, tuned.times, tau)  # type: ignore[union-attr]
+        return SamplingPlan(n, length, steps, seed, sampler, float(t_min), TUNED, tuned.times, tau, strength)  # type: ignore[union-attr]
     grid = sampler.grid if request.grid is None else request.grid
     if grid not in GRIDS:
         raise ValueError(f"grid={grid!r} is unknown; allowed: {', '.join((*GRIDS, TUNED))}")
-    return SamplingPlan(n, length, steps, seed, sampler, float(t_min), grid, prior_temperature=tau)
+    return SamplingPlan(n, length, steps, seed, sampler, float(t_min), grid, prior_temperature=tau, prompt_strength=strength)
 
 
 def _default_steps(sampler: str, config: LDLMConfig, here: TunedSchedules | None, limits: RequestLimits, name: str) -> int:

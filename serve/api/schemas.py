@@ -44,6 +44,7 @@ class Plan(BaseModel):
     grid: str = Field(..., description=f"its time grid: {TUNED_GRID} (the checkpoint's, from `ldlm tune-schedule`) or {', '.join(GRIDS)}")
     t_min: float = Field(..., description="the grid's last time")
     prior_temperature: float = Field(..., description="the prior's standard deviation tau")
+    prompt_strength: float = Field(..., description="a prompt's guidance weight w (1: inpainting alone; no prompt: no effect)")
 
 
 class GenerateResponse(TextsResponse):
@@ -105,17 +106,22 @@ class SamplingBody(BaseModel):
     def sampling_request(self, n: int, length: int, seed: int | None) -> GenerateRequest:
         """The request this body asks for, every field it leaves out left to ``ldlm.sampling.resolve``."""
         fields: Any = self
-        return GenerateRequest(n, length, fields.steps, seed, fields.sampler, fields.t_min, fields.grid, fields.prior_temperature)
+        return GenerateRequest(
+            n, length, fields.steps, seed, fields.sampler, fields.t_min, fields.grid, fields.prior_temperature, fields.prompt_strength
+        )
 
 
 def sampling_fields(limits: BodyLimits, prefix: str = "") -> dict[str, Any]:
-    """steps, sampler, t_min, grid and prior_temperature as both request bodies take them (/v1/generate's,
-    /v1/completions' extra_body), each null unless given; ``prefix`` marks fields that are LDLM's own."""
+    """steps, sampler, t_min, grid, prior_temperature and prompt_strength as both request bodies take them
+    (/v1/generate's, /v1/completions' extra_body), each null unless given; ``prefix`` marks fields that are LDLM's own."""
     r = limits.ranges()
-    t, tau = r["t_min"], r["prior_temperature"]
+    t, tau, w = r["t_min"], r["prior_temperature"], r["prompt_strength"]
     t_min = f"{prefix}last time of the grid: {t} (default: the model config's t_min)"
     prior = f"{prefix}the prior's standard deviation tau ({tau}): x_1 ~ N(0, tau^2 I); below 1 trades diversity for text "
     prior += "nearer the training data (default: the model config's prior_temperature, else 1)"
+    strength = f"{prefix}the prompt's guidance weight w ({w}): each step also denoises the sample blind to the prompt and "
+    strength += "moves its continuation to x0_blind + w (x0_prompted - x0_blind), at twice the denoiser work; 0 ignores the "
+    strength += "prompt; no prompt: no effect (default: 1, inpainting alone)"
     defaults = f" (default: chosen by the server for the sampler; {limits.defaults})" if limits.defaults else ""
     return {
         "steps": (int | None, ranged(r["steps"], None, f"{prefix}denoising steps ({r['steps']}){defaults}")),
@@ -126,6 +132,7 @@ def sampling_fields(limits: BodyLimits, prefix: str = "") -> dict[str, Any]:
         "t_min": (float | None, ranged(t, None, t_min, strict=False)),
         "grid": (GridName | None, Field(None, description=f"{prefix}{GRID_HELP}")),
         "prior_temperature": (float | None, ranged(tau, None, prior, strict=False)),
+        "prompt_strength": (float | None, ranged(w, None, strength, strict=False)),
     }
 
 

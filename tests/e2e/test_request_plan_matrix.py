@@ -105,3 +105,32 @@ def test_every_path_runs_and_names_the_same_plan(served: tuple[Path, RunningServ
     expected_steps = TUNED_DEFAULTS.get(chosen) if tuned else None
     assert plan["steps"] == (expected_steps or LDLMConfig.load(checkpoint / "config.json").default_steps)
     assert plan["grid"] == ("tuned" if expected_steps else plan["grid"])
+
+
+def test_a_prompts_strength_reaches_every_path(served: tuple[Path, RunningServer]) -> None:
+    """A prompt guided at prompt_strength 4 (two rows per sample and step): the CLI, /v1/generate and
+    /v1/completions continue it with Python's tokens and name its strength in the plan; without the strength
+    the continuation differs."""
+    checkpoint, server = served
+    pipeline = LDLMPipeline.from_checkpoint(str(checkpoint))
+    prompt, strength = "It is a truth", 4.0
+    ids = pipeline.tokenizer.encode([prompt])[0]
+    python = pipeline.generate(1, len(ids) + LENGTH, seed=SEED, prompt=prompt, prompt_strength=strength)
+    assert python.plan is not None and python.plan.prompt_strength == strength
+    after = python.ids()[0][len(ids) :]
+    assert after != pipeline.generate(1, len(ids) + LENGTH, seed=SEED, prompt=prompt).ids()[0][len(ids) :]
+    argv = ["generate", str(checkpoint), "--n", "1", "--length", str(len(ids) + LENGTH), "--seed", str(SEED)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "--prompt", prompt, "--prompt-strength", str(strength), "--json", "--quiet"]) == 0
+    cli = json.loads(out.getvalue())
+    assert (cli["token_ids"], cli["plan"]) == (python.ids(), python.plan.summary())
+    body = {"n": 1, "length": LENGTH, "seed": SEED, "prompt": prompt, "prompt_strength": strength}
+    http = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
+    assert (http["token_ids"], http["plan"]) == ([after], python.plan.summary())
+    with openai_client(server) as client:
+        completion = client.completions.create(
+            model="ldlm", prompt=prompt, max_tokens=LENGTH, seed=SEED, extra_body={"prompt_strength": strength}
+        )
+    assert completion.model_extra["ldlm_plan"] == python.plan.summary()
+    assert completion.choices[0].text == pipeline.tokenizer.decode(after).split("<|endoftext|>")[0]

@@ -68,6 +68,9 @@ def test_every_numeric_option_has_a_range(command: str, parser: argparse.Argumen
         ("bench", "--workload-rate", "0", "a number in (0, 1000000] arrivals per second, 0 excluded"),
         ("bench", "--workload-lengths", "16,70000", "1..65536 tokens (the largest max_seq_len a config may have)"),
         ("bench", "--max-batch", "65537", "1..65536 samples per execution (as ldlm serve's max_batch)"),
+        # generate: the request fields' ranges (ldlm.limits), as the server's bodies check them
+        ("generate", "--prompt-strength", "4.5", "a number in [0, 4]"),
+        ("generate", "--prompt-strength", "-0.5", "a number in [0, 4]"),
         # serve: the server's own ranges (ServerSettings)
         ("serve", "--threads", "-3", "1..1024 threads"),
         ("serve", "--port", "65536", "0..65535"),
@@ -114,6 +117,8 @@ def test_the_message_names_option_value_and_range(
         ("bench", "--batches", "64"),
         ("bench", "--threads", "1024"),
         ("bench", "--workload-requests", "0"),
+        ("generate", "--prompt-strength", "0"),
+        ("generate", "--prompt-strength", "4"),
         ("serve", "--port", "0"),
         ("serve", "--threads", "1"),
         ("serve", "--max-delay-ms", "0"),

@@ -43,6 +43,7 @@ PLAN = {
     "grid": "uniform",
     "t_min": 0.05,
     "prior_temperature": 1.0,
+    "prompt_strength": 1.0,
 }  # what a ddim@20 request on the tiny config runs, as its answer names it
 
 
@@ -94,3 +95,19 @@ def test_a_prompt_too_long_for_the_length_is_refused_naming_both(server: Running
     )
     blank = httpx.post(f"{server.url}/v1/generate", json={**body, "length": 8, "prompt": "  "}, timeout=60)
     assert blank.status_code == 400 and "is blank" in blank.json()["error"]
+
+
+def test_a_prompt_strength_reaches_the_scheduler_plain_and_streamed(server: RunningServer, pipeline: LDLMPipeline) -> None:
+    """prompt_strength guides the served samples as the pipeline's: the scheduler's engine reads it from the plan."""
+    body = {"n": 2, "length": 10, "steps": 6, "seed": 3, "sampler": "ddim", "prompt": PROMPT, "prompt_strength": 2.5}
+    ids = pipeline.tokenizer.encode([PROMPT])[0]
+    guided = pipeline.generate(2, len(ids) + 10, 6, 3, "ddim", prompt=ids, prompt_strength=2.5)
+    inpainted = pipeline.generate(2, len(ids) + 10, 6, 3, "ddim", prompt=ids)
+    rows = [row[len(ids) :].tolist() for row in guided.token_ids]
+    assert rows != [row[len(ids) :].tolist() for row in inpainted.token_ids]  # the strength changes the continuation
+    plan = {**PLAN, "steps": 6, "prompt_strength": 2.5}
+    answer = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
+    assert answer == {"texts": [pipeline.tokenizer.decode(r) for r in rows], "token_ids": rows, "plan": plan}
+    with httpx.stream("POST", f"{server.url}/v1/generate", json={**body, "stream": True, "preview_every": 2}, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        assert read_events(response)[-1][1] == answer

@@ -20,7 +20,9 @@ from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
-GENERATE_FIELDS = "n, length, seed, steps, sampler, t_min, grid, prior_temperature, stream, preview_every, prompt, timeout_s"
+GENERATE_FIELDS = (
+    "n, length, seed, steps, sampler, t_min, grid, prior_temperature, prompt_strength, stream, preview_every, prompt, timeout_s"
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,8 @@ def client(server: RunningServer):
         ("/v1/generate", {"t_min": 0}, "t_min: 0 is out of range; allowed: a number in (0, 1), both ends excluded"),
         ("/v1/generate", {"prior_temperature": 1.5}, "prior_temperature: 1.5 is out of range; allowed: a number in (0, 1]"),
         ("/v1/generate", {"prior_temperature": 0}, "prior_temperature: 0 is out of range; allowed: a number in (0, 1]"),
+        ("/v1/generate", {"prompt_strength": 4.5}, "prompt_strength: 4.5 is out of range; allowed: a number in [0, 4]"),
+        ("/v1/generate", {"prompt_strength": -1}, "prompt_strength: -1 is out of range; allowed: a number in [0, 4]"),
         ("/v1/generate", {"stream": 1}, "stream: 1 is not a boolean; allowed: true or false"),
         (
             "/v1/generate",
@@ -93,7 +97,7 @@ def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: 
             {"extra_body": {"temprature": 1}},
             "temprature",
             "unknown field 'temprature'; allowed: model, prompt, max_tokens, n, seed, "
-            "stream, stream_options, stop, echo, user, steps, sampler, t_min, grid, prior_temperature, timeout_s, temperature, "
+            "stream, stream_options, stop, echo, user, steps, sampler, t_min, grid, prior_temperature, prompt_strength, timeout_s, temperature, "
             "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix",
         ),
         (
@@ -101,6 +105,7 @@ def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: 
             "prior_temperature",
             "prior_temperature: 2 is out of range; allowed: a number in (0, 1]",
         ),
+        ({"extra_body": {"prompt_strength": 5}}, "prompt_strength", "prompt_strength: 5 is out of range; allowed: a number in [0, 4]"),
         ({"n": True}, "n", "n: true is a boolean; allowed: an integer in 1..4"),
         ({"extra_body": {"seed": 1e30}}, "seed", "seed: 1e+30 is not an integer; allowed: an integer in 0..9223372036854775807"),
     ],
@@ -180,6 +185,7 @@ def test_the_plan_fields_default_to_not_given() -> None:
     models = request_models(BodyLimits(4, 100, 2, 128, defaults="dpm3m-psc at 12 steps on the tuned grid"))
     request = models.generate.model_validate({}).to_request(kept=3)
     assert (request.n, request.length) == (1, 3 + 64)
-    assert (request.steps, request.sampler, request.seed, request.t_min, request.grid, request.prior_temperature) == (None,) * 6
+    fields = (request.steps, request.sampler, request.seed, request.t_min, request.grid, request.prior_temperature, request.prompt_strength)
+    assert fields == (None,) * 7
     steps = models.generate.model_json_schema()["properties"]["steps"]
     assert steps["default"] is None and "dpm3m-psc at 12 steps on the tuned grid" in steps["description"]

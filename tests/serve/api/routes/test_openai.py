@@ -447,3 +447,14 @@ def test_an_export_without_logits_refuses_sampling_naming_the_fix(tiny_checkpoin
                 assert raised.value.body["param"] == param  # type: ignore[index]
     finally:
         running.stop()
+
+
+def test_a_prompt_strength_in_extra_body_guides_the_completion(client, pipeline: LDLMPipeline) -> None:
+    prompt = "The weather today is"
+    ids = pipeline.tokenizer.encode([prompt])[0]
+    extra = {"steps": STEPS, "sampler": "ddim", "prompt_strength": 2.0}
+    result = client.completions.create(model="ldlm", prompt=prompt, max_tokens=9, seed=3, extra_body=extra)
+    guided = pipeline.generate(1, len(ids) + 9, STEPS, 3, "ddim", prompt=ids, prompt_strength=2.0).token_ids[0, len(ids) :].tolist()
+    text, reason, _ = expected_choice(guided, pipeline.config.eos_token_id, pipeline.tokenizer.decode)
+    assert (result.choices[0].text, result.choices[0].finish_reason) == (text, reason)
+    assert result.model_extra["ldlm_plan"]["prompt_strength"] == 2.0
