@@ -1,5 +1,9 @@
-"""Dynamic batching for one graph: requests that arrive within ``max_delay_ms`` of each other run
-as one batch of at most ``max_batch`` samples.
+"""Dynamic batching for one graph: requests run in batches of at most ``max_batch`` samples.
+
+When a batch starts, as Triton's queue delay: a request that arrives to an idle batcher (nothing
+queued, no batch running) runs at once, with whatever else is queued by the time the worker takes it.
+One that arrives while others wait or a batch runs waits for company: up to ``max_delay_ms`` after
+it arrived, or until ``max_batch`` samples are queued, whichever comes first.
 
 A request whose future is cancelled before its batch runs (its client went away or its deadline
 passed) leaves the queue without running: it takes no rows of any batch, and ``dropped_samples``
@@ -61,6 +65,7 @@ class _Pending:
     length: int | None
     future: Future[dict[str, np.ndarray]] = field(default_factory=Future)
     queued_at: float = field(default_factory=time.perf_counter)
+    alone: bool = False  # arrived to an idle batcher: runs without waiting for company
 
 
 class DynamicBatcher(QueueWorker):
@@ -87,6 +92,7 @@ class DynamicBatcher(QueueWorker):
         self.on_drop = on_drop
         self.dropped_samples = 0
         self._queue: deque[_Pending] = deque()
+        self._running = False  # a batch is executing (under _cond)
         seq_axes = {s["name"]: s["shape"].index("seq") for s in backend.inputs if "seq" in s["shape"]}
         self._seq_axes = seq_axes
         self._out_seq_axes = {o["name"]: o["shape"].index("seq") for o in backend.outputs if "seq" in o["shape"]}
@@ -107,6 +113,9 @@ class DynamicBatcher(QueueWorker):
             self._check_open(f"the {self.backend.graph} batcher")
             if len(self._queue) + len(chunks) > self.max_queue:
                 raise QueueFullError(f"{self.backend.graph} queue is full ({len(self._queue)} requests waiting, max {self.max_queue})")
+            alone = not self._queue and not self._running
+            for chunk in chunks:
+                chunk.alone = alone
             self._queue.extend(chunks)
             self._cond.notify()
         for chunk in chunks:  # a cancelled request wakes the worker, which drops it (and stops waiting for it)
@@ -129,19 +138,22 @@ class DynamicBatcher(QueueWorker):
     def _loop(self) -> None:
         while True:
             with self._cond:
+                self._running = False
                 self._drop_cancelled()
                 while not self._queue and not self._stopping:
                     self._cond.wait()
                     self._drop_cancelled()
                 if not self._queue and self._stopping:
                     return
-                deadline = self._queue[0].queued_at + self.max_delay_s
+                first = self._queue[0]
+                deadline = first.queued_at + (0.0 if first.alone else self.max_delay_s)
                 while not self._stopping and self._size() < self.max_batch and (left := deadline - time.perf_counter()) > 0:
                     self._cond.wait(left)
                     self._drop_cancelled()
                     if not self._queue:
                         break
                 batch = self._take()
+                self._running = bool(batch)
             if batch:
                 self._run(batch)
 

@@ -766,6 +766,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/ldlm/test_layers_values.py",),
         "the token decoder only looks left",
     ),
+    # --- when a batch starts: at once for a request at an idle batcher, after the window for the others ---
+    Mutation(
+        "batcher-holds-a-lone-request",
+        "ldlm.serve.runtime.batcher:DynamicBatcher._loop",
+        "deadline = first.queued_at + (0.0 if first.alone else self.max_delay_s)",
+        "deadline = first.queued_at + self.max_delay_s",
+        ("tests/serve/runtime/test_batcher_delay.py",),
+        "a request alone at an idle server waits max_delay_ms for company that never comes",
+    ),
+    Mutation(
+        "batcher-busy-counts-as-idle",
+        "ldlm.serve.runtime.batcher:DynamicBatcher.submit",
+        "alone = not self._queue and not self._running",
+        "alone = not self._queue",
+        ("tests/serve/runtime/test_batcher_delay.py",),
+        "a request that arrives during a batch runs alone after it instead of waiting for the requests behind it",
+    ),
     # --- the vocabulary head: its argmax a chunk of the vocabulary at a time -------------------------------
     Mutation(
         "head-chunk-tie-goes-last",

@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.model import LDLM  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from ldlm.serve.runtime.batcher import DynamicBatcher  # noqa: E402
 from ldlm.tokenizer import TextTokenizer  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
@@ -83,12 +84,20 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def wait_for_company(batcher: DynamicBatcher) -> None:
+    """As if a batch were running: requests that arrive now wait for company (up to the window, or a full
+    batch) rather than run at once as they do at an idle batcher."""
+    with batcher._cond:
+        batcher._running = True
+
+
 def test_concurrent_requests_of_two_lengths_get_their_single_run_values(batching_server: RunningServer, tiny_model: LDLM) -> None:
     rows = [[464, 2068, 7586, 21831], [40, 1101, 257, 890, 6827, 546, 41270, 44258, 11, 290, 1110]]
     with httpx.Client(base_url=batching_server.url, timeout=60, headers=KEY) as http:
         before = http.get("/metrics").text
         answers: dict[int, httpx.Response] = {}
         paths = ["/v2/models/encoder/infer", "/v2/models/encoder/versions/1/infer"]  # both routes, one batch
+        wait_for_company(batching_server.service.batchers["encoder"])  # at an idle batcher the first would run alone
 
         def send(i: int) -> None:
             answers[i] = http.post(paths[i], json=encoder_body(rows[i]))

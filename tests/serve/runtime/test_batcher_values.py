@@ -27,14 +27,15 @@ def feeds(graph: str, lengths: list[int], d: int) -> list[dict[str, np.ndarray]]
 
 
 def run_batched(backend: EagerBackend, inputs: list[dict[str, np.ndarray]]) -> tuple[list[dict[str, np.ndarray]], list[int]]:
-    """Submit every request before the worker can start a batch (max_batch = their total, a long
-    delay), so they run as one batch; the observer records the batch sizes."""
+    """Submit every request before the worker can look at the queue (its lock held), so they arrive
+    together and run as one batch; the observer records the batch sizes."""
     sizes: list[int] = []
     batcher = DynamicBatcher(
         backend, max_batch=len(inputs), max_delay_ms=60_000, observer=lambda batch, queued, compute: sizes.append(batch)
     )
     try:
-        futures = [batcher.submit(feed) for feed in inputs]
+        with batcher._cond:
+            futures = [batcher.submit(feed) for feed in inputs]
         results = [f.result(timeout=60) for f in futures]
     finally:
         batcher.close(timeout_s=30)
@@ -74,7 +75,8 @@ def test_errors_reach_every_request_and_the_worker_lives_on(tiny_model: LDLM) ->
     inputs = feeds("decoder", [4, 6], tiny_model.config.d_model)
     batcher = DynamicBatcher(backend, max_batch=2, max_delay_ms=60_000)
     try:
-        first = [batcher.submit(feed) for feed in inputs]
+        with batcher._cond:  # both arrive before the worker looks: one batch, which fails
+            first = [batcher.submit(feed) for feed in inputs]
         for future in first:
             with pytest.raises(RuntimeError, match="device lost"):
                 future.result(timeout=60)

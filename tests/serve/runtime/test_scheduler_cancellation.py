@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerationScheduler  # noqa: E402
-from tests.serve.api.test_server_values import metric  # noqa: E402
+from tests.serve.api.test_server_values import metric, wait_for_company  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body  # noqa: E402
 
 LONG = {"n": 64, "length": 128, "steps": 1000, "seed": 0, "sampler": "ddim"}  # 64,000 sample-steps: tens of seconds here
@@ -143,15 +143,18 @@ def test_a_client_that_leaves_while_its_request_is_being_queued_leaves_nothing_q
 
 
 def test_a_graph_request_cancelled_while_it_waits_never_runs(export_dir: Path) -> None:
-    """Batches of 2 with a 30 s window: request A waits for company, its client leaves; B and C then
-    fill one batch of their own (with A still queued, A and B would run and C would wait 30 s)."""
+    """Batches of 2 with a 30 s window, at a batcher that is not idle: request A waits for company, its
+    client leaves; B and C then fill one batch of their own (with A still queued, A and B would run and C
+    would wait 30 s)."""
     settings = ServerSettings(port=free_port(), max_batch=2, max_delay_ms=30_000, request_timeout_s=60)
     running = RunningServer(LDLMService(str(export_dir), settings))
     try:
         batcher = running.service.batchers["encoder"]
+        wait_for_company(batcher)
         with client_that_leaves(running.url, "/v2/models/encoder/infer", infer_body()):  # it leaves once A is queued
             wait_until(lambda: batcher.queued == 1, 60, "request A waiting for company")
         wait_until(lambda: batcher.queued == 0, 60, "the abandoned request leaving the queue")
+        wait_for_company(batcher)  # the worker, idle again, would run B at once
         answers: list[httpx.Response] = []
         threads = [
             threading.Thread(
