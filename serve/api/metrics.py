@@ -32,7 +32,10 @@ class Metrics:
         )
         self.batch_size = Histogram("ldlm_batch_size", "Samples per execution", ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge(
-            "ldlm_queue_depth", "Waiting now: a graph's requests in its batcher, or generate's samples in the scheduler", ["model"], registry=r
+            "ldlm_queue_depth",
+            "Waiting now: a graph's requests in its batcher, or generate's samples in the scheduler",
+            ["model"],
+            registry=r,
         )
         self.active_samples = Gauge("ldlm_generate_active_samples", "Generation samples in the running batch now", registry=r)
         self.in_flight = Gauge("ldlm_generate_in_flight", "Generation requests submitted and not yet answered", registry=r)
@@ -45,7 +48,7 @@ class Metrics:
         self.previews_sent = Counter("ldlm_previews_sent", "Streamed previews decoded and sent", registry=r)
         self.previews_skipped = Counter(
             "ldlm_previews_skipped",
-            "Streamed previews skipped for the preview budget (a newer one replaced them while other work was in flight)",
+            "Streamed previews dropped undecoded: beyond the preview budget, or their request already answered",
             registry=r,
         )
         self.preview_seconds = Counter("ldlm_preview_decode_seconds", "Time spent decoding previews", registry=r)
@@ -70,7 +73,7 @@ class Metrics:
         )
 
     def observe_previews(self, decoded: int, skipped: int, seconds: float) -> None:
-        """A PreviewDecoder observer: one decoder call for previews (or a pass that only skipped some)."""
+        """The scheduler's preview observer (serve/runtime/delivery.py): one decoder call for previews, or previews dropped."""
         self.previews_sent.inc(decoded)
         self.previews_skipped.inc(skipped)
         self.preview_seconds.inc(seconds)

@@ -2,12 +2,13 @@
 
 ``LDLMService`` opens the graphs of one artifact, puts a ``DynamicBatcher`` in front of each graph, one
 ``LDLMPipeline`` over the batchers and a step-level ``GenerationScheduler`` in front of generation, and
-owns the metrics, the preview decoder and the JSON worker processes. It knows nothing of HTTP: the routers (``routes.kserve``, ``routes.text``,
+owns the metrics and the JSON worker processes. It knows nothing of HTTP: the routers (``routes.kserve``, ``routes.text``,
 ``routes.openai``, ``routes.metrics``) are built from it.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import tempfile
 import threading
@@ -29,12 +30,11 @@ from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.serve.api.export_cache import cached_export
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
-from ldlm.serve.api.streaming import PreviewDecoder
 from ldlm.serve.runtime.backends import BackendGraphs, info_of, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.registry import DEFAULT_BACKEND
-from ldlm.serve.runtime.scheduler import GenerationScheduler
+from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import length_buckets
 from ldlm.tokenizer import TextTokenizer
 
@@ -102,11 +102,7 @@ class LDLMService:
         self.json_workers = self._json_pool()
         self._in_flight = 0  # generation requests submitted and not yet answered (streams included)
         self._in_flight_lock = threading.Lock()
-        # its own thread, never the scheduler's; its time budget applies while other generations are in flight
         self._watch(self.metrics)
-        self.previews = PreviewDecoder(
-            self.pipeline, settings.preview_budget, lambda: self._in_flight, self.metrics.observe_previews, settings.preview_lone_budget
-        )
         self.ready = True
         say("ready")
 
@@ -114,7 +110,7 @@ class LDLMService:
         """Queues, the running batch and the requests in flight, read by /metrics when it is scraped: an idle
         server reads zero everywhere, which is how a run checks that nothing was left behind."""
         for name, batcher in self.batchers.items():
-            metrics.queue_depth.labels(name).set_function(lambda batcher=batcher: batcher.queued)
+            metrics.queue_depth.labels(name).set_function(functools.partial(getattr, batcher, "queued"))
         metrics.queue_depth.labels("generate").set_function(lambda: self.scheduler.queued_samples)
         metrics.active_samples.set_function(lambda: self.scheduler.active_samples)
         metrics.in_flight.set_function(lambda: self._in_flight)
@@ -197,6 +193,8 @@ class LDLMService:
             engine=SamplingEngine(self.pipeline.schedule, config.decode_final, device),
             denoise=BackendGraphs(graphs).denoise,
             limits=RequestLimits(self.settings.max_n, self.settings.max_steps),
+            previews=PreviewShares(self.settings.preview_budget, self.settings.preview_lone_budget),
+            on_previews=self.metrics.observe_previews,
         )
 
     def body_limits(self) -> BodyLimits:
@@ -226,8 +224,7 @@ class LDLMService:
         deadline_s: float | None = None,
         decoding: Any = None,
     ) -> Future[Any]:
-        """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight: a
-        streamed request's previews have the lone preview budget only while it is the one generation in flight.
+        """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight.
         ``decoding``: its ``TokenSampling`` (None: argmax)."""
         future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s, decoding)
         with self._in_flight_lock:
@@ -238,7 +235,6 @@ class LDLMService:
     def _generation_done(self, future: Future[Any]) -> None:
         with self._in_flight_lock:
             self._in_flight -= 1
-        self.previews.nudge()  # a preview rest taken because of this request can end
 
     @staticmethod
     def _json_pool() -> ProcessPoolExecutor:
@@ -257,7 +253,6 @@ class LDLMService:
         """Finish everything queued, then stop the workers (graceful shutdown)."""
         self.ready = False
         self.scheduler.close()
-        self.previews.close()
         for batcher in self.batchers.values():
             batcher.close()
         for graph in self.graphs.values():

@@ -109,5 +109,7 @@ def test_schedules_json_keeps_tau_and_reads_1_where_it_has_none() -> None:
     assert TunedSchedules.from_json(text).prior_temperature == 0.6
     assert TunedSchedules.from_json(text.replace('"prior_temperature": 0.6,', "")).prior_temperature == 1.0
     for bad in ("0", "1.5", "NaN"):
-        with pytest.raises(ScheduleError, match=rf"prior_temperature={bad if bad != 'NaN' else 'nan'}.* is invalid; allowed: \(0, 1\]"):
+        with pytest.raises(
+            ScheduleError, match=rf"prior_temperature={bad if bad != 'NaN' else 'nan'}.* is invalid; allowed: a number in \(0, 1\]"
+        ):
             TunedSchedules.from_json(text.replace('"prior_temperature": 0.6', f'"prior_temperature": {bad}'))
