@@ -22,9 +22,9 @@ MAX_TOP_LOGPROBS = 5  # log-probability alternatives per token: OpenAI's legacy 
 # checkpoint w = 3 already leaves 23% of the generated tokens in the held-out text, against 71% at 1 (docs/sampling.md):
 # past 4 a continuation is the extrapolation's, not the model's
 MAX_PROMPT_STRENGTH = 4.0
-# Shares of wall time that decoding streamed previews may take (serve/api/streaming.py), in (0, 1]:
+# Shares of wall time that decoding streamed previews may take (serve/runtime/delivery.py), in (0, 1]:
 PREVIEW_BUDGET = 0.05  # beside other generations
-PREVIEW_LONE_BUDGET = 1.0 / 3.0  # while a stream's own generation is the only one: at most 1.5x its plain run
+PREVIEW_LONE_BUDGET = 1.0  # while a stream's own generation is the only one: every preview it asks for
 
 
 @dataclass(frozen=True)

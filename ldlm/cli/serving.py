@@ -98,7 +98,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 
 def preview_options(p: argparse.ArgumentParser) -> None:
-    """The shares of wall time that streamed previews may take (serve/api/streaming.py)."""
+    """The shares of wall time that streamed previews may take (serve/runtime/delivery.py)."""
     p.add_argument(
         "--preview-budget",
         type=setting("preview_budget"),
@@ -110,8 +110,8 @@ def preview_options(p: argparse.ArgumentParser) -> None:
         "--preview-lone-budget",
         type=setting("preview_lone_budget"),
         default=PREVIEW_LONE_BUDGET,
-        help="the same while a stream's generation is the only one: a lone stream takes at most 1 / (1 - share) times "
-        "its plain run; 1 sends every preview asked for, in order (default: 1/3, at most 1.5x)",
+        help="the same while a stream's generation is the only one; 1 sends every preview asked for, in step order "
+        f"(default: {PREVIEW_LONE_BUDGET:g})",
     )
 
 

@@ -1,40 +1,146 @@
 """Delivering what a generation step produced: previews of running samples, and the answers of
 requests whose samples have all finished (the argmax ones decoded together, in one decoder call;
-one that draws its tokens at a temperature decoded alone, since its settings and seed are its own)."""
+one that draws its tokens at a temperature decoded alone, since its settings and seed are its own).
+
+Previews (``PreviewDecodes``). After every step the samples whose request asked for previews every
+``preview_every`` steps, and stand at a multiple of it below their last step, are due. Every due
+preview of the step, of every request and sample, is decoded in one decoder call, which runs while
+the next step does; the call is collected at the next step, before that step's previews and answers,
+so each request's hook gets its previews in step order and before its answer. A due preview is
+dropped (never decoded, and counted as skipped) exactly when:
+
+- its request is already answered: cancelled (its client left, its time ran out) or failed; or
+- its decoder call fails (logged; a preview never ends a request); or
+- decoding previews is over its share of the wall time: after a call of B seconds at share s < 1,
+  previews due within B x (1 - s) / s seconds of its end are dropped. The share is ``busy`` while
+  more than one generation is in flight (queued or running) and ``alone`` while the previewed request
+  is the only one. At a share of 1 (``alone``'s default) nothing is dropped for time: a request alone
+  on the server gets every preview it asks for.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ldlm.limits import BUDGET, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import SamplingEngine
-from ldlm.serve.runtime.generation import Generation, Sample
+from ldlm.serve.runtime.generation import Generation, Preview, Sample
 from ldlm.serve.runtime.queueing import resolve_future
 
 log = logging.getLogger("ldlm.serve")
 
+PreviewObserver = Callable[[int, int, float], None]  # (previews decoded and handed on, previews dropped, decode seconds)
 
-class Delivery:
-    def __init__(self, engine: SamplingEngine, pipeline: LDLMPipeline) -> None:
-        self.engine = engine
-        self.pipeline = pipeline  # its decode (through the decoder's batcher in the server)
 
-    def previews(self, samples: list[Sample]) -> None:
-        """Each running sample's x0_hat to its request's hook, every ``preview_every`` steps (not after the last).
-        The hook runs on the scheduler's thread, so it must only hand the tensor on."""
-        for sample in samples:
-            request, state = sample.request, sample.state
-            if state.done or not request.preview_every or state.step % request.preview_every:
+@dataclass(frozen=True)
+class PreviewShares:
+    """The share of wall time decoding previews may take (module docs): ``busy`` beside other generations,
+    ``alone`` while the previewed request is the only one; 1: no limit."""
+
+    busy: float = PREVIEW_BUDGET
+    alone: float = PREVIEW_LONE_BUDGET
+
+    def __post_init__(self) -> None:
+        BUDGET.check("preview_budget", self.busy)
+        BUDGET.check("preview_lone_budget", self.alone)
+
+
+_Due = tuple[Generation, int, int]  # (request, sample index, step)
+
+
+class PreviewDecodes:
+    """One decoder call per step for the step's due previews, on a thread of its own (module docs)."""
+
+    def __init__(self, pipeline: LDLMPipeline, shares: PreviewShares | None = None, observer: PreviewObserver | None = None) -> None:
+        self.pipeline = pipeline
+        self.shares = shares or PreviewShares()
+        self.observer = observer
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ldlm-previews")
+        self._call: tuple[list[_Due], float, Future[tuple[TextResult, float]]] | None = None  # (due, share, decode)
+        self._resume_at = 0.0  # no call starts before this (perf_counter), while a share below 1 holds
+
+    def step(self, samples: list[Sample], alone: bool) -> None:
+        """After a step of ``samples``: hand on the last call's previews, then start this step's call.
+        ``alone``: no generation is in flight but the previewed one."""
+        self.collect()
+        due = [s for s in samples if _is_due(s)]
+        if not due:
+            return
+        share = self.shares.alone if alone else self.shares.busy
+        if share < 1 and time.perf_counter() < self._resume_at:
+            self._observe(0, len(due), 0.0)
+            return
+        latents, mask = ragged_batch([s.state.x0_hat for s in due])  # copied here: the next step moves on
+        self._call = ([(s.request, s.index, s.state.step) for s in due], share, self._worker.submit(self._decode, latents, mask))
+
+    def collect(self) -> None:
+        """Wait for the call in flight, if any, and hand each request its previews (in sample order)."""
+        if self._call is None:
+            return
+        due, share, call = self._call
+        self._call = None
+        try:
+            decoded, seconds = call.result()
+        except Exception:  # a preview is a nicety: never let it end a request or the scheduler
+            log.exception("decoding previews failed; they are skipped")
+            self._observe(0, len(due), 0.0)
+            return
+        if share < 1:
+            self._resume_at = time.perf_counter() + seconds * (1 - share) / share
+        by_request: dict[Generation, list[Preview]] = {}
+        for row, (request, index, step) in enumerate(due):
+            ids = decoded.token_ids[row, : decoded.lengths[row]].tolist()
+            by_request.setdefault(request, []).append(Preview(index, step, ids, decoded.texts[row]))
+        dropped = 0
+        for request, previews in by_request.items():
+            if request.future.done():
+                dropped += len(previews)
                 continue
             try:
-                request.on_preview(sample.index, state.step, state.x0_hat)  # type: ignore[misc]
+                request.on_preview(previews)  # type: ignore[misc]
             except Exception as error:  # a broken hook ends its own request, with its error, never the batch
                 log.exception("preview hook failed; its request ends with the error")
                 resolve_future(request.future, error=error)
+        self._observe(len(due) - dropped, dropped, seconds)
+
+    def close(self) -> None:
+        self._call = None
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _decode(self, latents: Tensor, mask: Tensor) -> tuple[TextResult, float]:
+        started = time.perf_counter()
+        decoded = self.pipeline.decode(latents, mask)
+        return decoded, time.perf_counter() - started
+
+    def _observe(self, decoded: int, dropped: int, seconds: float) -> None:
+        if self.observer is not None:
+            self.observer(decoded, dropped, seconds)
+
+
+def _is_due(sample: Sample) -> bool:
+    request, state = sample.request, sample.state
+    every = request.preview_every
+    return bool(request.on_preview and every and not state.done and state.step % every == 0 and not request.future.done())
+
+
+class Delivery:
+    def __init__(self, engine: SamplingEngine, pipeline: LDLMPipeline, previews: PreviewDecodes | None = None) -> None:
+        self.engine = engine
+        self.pipeline = pipeline  # its decode (through the decoder's batcher in the server)
+        self.preview_decodes = previews or PreviewDecodes(pipeline)
+
+    def previews(self, samples: list[Sample], alone: bool = True) -> None:
+        """The step's due previews (``PreviewDecodes.step``); hooks run on the scheduler's thread, so they must only hand them on."""
+        self.preview_decodes.step(samples, alone)
 
     def finish(self, finished: list[Sample]) -> None:
         """Record finished samples; decode the argmax requests they complete in one decoder call, and
@@ -63,6 +169,9 @@ class Delivery:
             )
             start += n
 
+    def close(self) -> None:
+        self.preview_decodes.close()
+
     def _decode_sampled(self, request: Generation) -> None:
         """One request whose tokens are drawn from the logits; its error (e.g. no logits output) is its own."""
         try:
@@ -74,11 +183,16 @@ class Delivery:
         resolve_future(request.future, result)
 
 
-def decode_ragged(pipeline: LDLMPipeline, latents: list[Tensor]) -> TextResult:
-    """Latents of different lengths, each (L_i, D), in one decoder call: right-padded to the longest,
-    the padding masked; each row's ``lengths`` entry is its own L_i."""
+def ragged_batch(latents: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Latents of different lengths, each (L_i, D) -> one batch right-padded to the longest and its mask."""
     longest = max(z.shape[0] for z in latents)
     mask = torch.zeros(len(latents), longest, dtype=torch.bool)
     for i, z in enumerate(latents):
         mask[i, : z.shape[0]] = True
-    return pipeline.decode(torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents]), mask)
+    return torch.stack([F.pad(z, (0, 0, 0, longest - z.shape[0])) for z in latents]), mask
+
+
+def decode_ragged(pipeline: LDLMPipeline, latents: list[Tensor]) -> TextResult:
+    """Latents of different lengths, each (L_i, D), in one decoder call: right-padded to the longest,
+    the padding masked; each row's ``lengths`` entry is its own L_i."""
+    return pipeline.decode(*ragged_batch(latents))

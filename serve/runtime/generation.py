@@ -16,7 +16,18 @@ from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest, SampleState, SamplingPlan
 from ldlm.token_sampling import TokenSampling
 
-PreviewHook = Callable[[int, int, Tensor], None]  # (sample index, steps done, x0_hat (L, D)); must not block
+
+@dataclass(frozen=True)
+class Preview:
+    """One sample's x0_hat after ``step`` steps, decoded: its token ids (its own length) and their text."""
+
+    index: int
+    step: int
+    token_ids: list[int]
+    text: str
+
+
+PreviewHook = Callable[[list[Preview]], None]  # one step's previews of a request, in sample order; must not block
 
 
 @dataclass(eq=False)

@@ -15,8 +15,10 @@ exactly the tokens ``LDLMPipeline.generate`` gives it, whatever else shares its 
 submitted request gets exactly one answer: its result, or the exception that stopped it.
 
 Per request, optionally: a prompt's latents to condition on by prefix inpainting, and a preview hook
-called every k steps with each sample's current x0_hat. Cancelling a request's future frees its
-slots at the next step; that is how a client that went away stops its generation.
+that gets each sample's current x0_hat decoded every k steps: every due preview of a step, across
+requests and samples, in one decoder call (``delivery``, which says when a preview is dropped).
+Cancelling a request's future frees its slots at the next step; that is how a client that went away
+stops its generation.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import DenoiseFn, GenerateRequest, RequestLimits, SamplingEngine, SamplingPlan, resolve
 from ldlm.serve.runtime.admission import Admission
 from ldlm.serve.runtime.cost import CostModel
-from ldlm.serve.runtime.delivery import Delivery, decode_ragged
+from ldlm.serve.runtime.delivery import Delivery, PreviewDecodes, PreviewObserver, PreviewShares, decode_ragged
 from ldlm.serve.runtime.executor import StepExecutor, StepObserver
 from ldlm.serve.runtime.generation import Generation, PreviewHook, Sample, WaitingQueue
 from ldlm.serve.runtime.policy import make_policy
@@ -40,7 +42,7 @@ from ldlm.serve.runtime.queueing import QueueFullError, QueueWorker, resolve_fut
 from ldlm.token_sampling import TokenSampling
 
 Policy = Literal["continuous", "static"]
-__all__ = ["GenerateRequest", "GenerationScheduler", "Policy", "PreviewHook", "decode_ragged"]
+__all__ = ["GenerateRequest", "GenerationScheduler", "Policy", "PreviewHook", "PreviewShares", "decode_ragged"]
 
 
 class GenerationScheduler(QueueWorker):
@@ -56,11 +58,14 @@ class GenerationScheduler(QueueWorker):
         engine: SamplingEngine | None = None,
         denoise: DenoiseFn | None = None,
         limits: RequestLimits | None = None,
+        previews: PreviewShares | None = None,
+        on_previews: PreviewObserver | None = None,
     ) -> None:
         """``pipeline`` resolves requests against its config, encodes nothing and decodes the finished
-        samples; ``engine`` and ``denoise`` (default: the pipeline's) are where the steps run, e.g. the
-        graphs' device while the pipeline decodes through the server's batchers. ``limits``: the caps
-        every request is resolved under (a server's max_n and max_steps)."""
+        samples and the previews; ``engine`` and ``denoise`` (default: the pipeline's) are where the steps
+        run, e.g. the graphs' device while the pipeline decodes through the server's batchers. ``limits``:
+        the caps every request is resolved under (a server's max_n and max_steps). ``previews``: the share of
+        wall time decoding previews may take (delivery.py); ``on_previews``: told of every preview call and drop."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
         self.pipeline = pipeline
@@ -72,7 +77,7 @@ class GenerationScheduler(QueueWorker):
         self.admission = Admission(cost, self.policy)
         self.engine = engine or pipeline.engine
         self.executor = StepExecutor(self.engine, denoise or pipeline.graphs.denoise, pipeline.bucket_length, cost, observer)
-        self.delivery = Delivery(self.engine, pipeline)
+        self.delivery = Delivery(self.engine, pipeline, PreviewDecodes(pipeline, previews, on_previews))
         self._waiting = WaitingQueue()
         self._active: list[Sample] = []
         self._submitted = 0
@@ -94,7 +99,8 @@ class GenerationScheduler(QueueWorker):
         """Queue a request; bad input raises here, at once, with the sampling engine's messages.
 
         ``prefix`` (P, D), P < length: condition every sample on these latents at its first P
-        positions. ``on_preview``: called every ``preview_every`` steps (not after the last).
+        positions. ``on_preview``: gets the request's previews of every ``preview_every``-th step (not
+        the last), decoded, in step order and before its answer (delivery.py: when one is dropped).
         ``deadline_s``: refuse the request now if it is estimated to take longer (see ``admission``).
         ``decoding``: a temperature, nucleus, seed and log-probabilities for its tokens (default: argmax)."""
         plan = self.plan(spec)
@@ -166,6 +172,11 @@ class GenerationScheduler(QueueWorker):
             solo_s = self.cost.solo_s(plan.n, plan.steps, bucket)
             return self.admission.estimate(plan.n * plan.steps, bucket, solo_s, self._live(), time.perf_counter())
 
+    def close(self, timeout_s: float | None = None) -> None:
+        """Answer everything queued or running (QueueWorker.close), then stop the preview decoder."""
+        super().close(timeout_s)
+        self.delivery.close()
+
     # --- the worker ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -179,10 +190,11 @@ class GenerationScheduler(QueueWorker):
                 self._active = self.policy.select(self._active, self._waiting, time.perf_counter())
                 if not self._active:
                     continue
+                alone = len(self._live()) == 1  # the previewed request is the only generation in flight
             batch = list(self._active)
             try:
                 finished = self.executor.execute(batch)
-                self.delivery.previews(batch)
+                self.delivery.previews(batch, alone)
                 if finished:
                     done = {id(s) for s in finished}
                     self._active = [s for s in self._active if id(s) not in done]

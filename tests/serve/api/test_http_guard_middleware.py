@@ -17,7 +17,7 @@ from ldlm.serve.api.http_guard import GuardMiddleware, read_body  # noqa: E402
 from ldlm.serve.api.kserve_tensors import ProtocolError  # noqa: E402
 from ldlm.serve.api.metrics import Metrics  # noqa: E402
 from ldlm.serve.api.service import ServerSettings  # noqa: E402
-from ldlm.serve.api.streaming import PreviewDecoder, sse  # noqa: E402
+from ldlm.serve.api.streaming import sse  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
 from ldlm.serve.runtime.queueing import QueueFullError  # noqa: E402
 
@@ -197,18 +197,3 @@ def test_sse_framing() -> None:
     assert sse({"a": 1, "b": [1, 2]}) == b'data: {"a":1,"b":[1,2]}\n\n'
     assert sse("[DONE]") == b"data: [DONE]\n\n"
     assert sse({"x": "y"}, "preview") == b'event: preview\ndata: {"x":"y"}\n\n'
-
-
-def test_preview_budget_bounds_and_forget_drops_only_its_stream() -> None:
-    for bad in (0, -0.5, 1.0001):
-        with pytest.raises(ValueError, match=f"budget={bad} is out of range; allowed: a number in \\(0, 1\\]"):
-            PreviewDecoder(None, bad)  # type: ignore[arg-type]
-    decoder = PreviewDecoder(None, 1.0)  # type: ignore[arg-type]  # the edge itself is allowed
-    decoder.close()  # its thread ends: what follows only touches the pending table
-    one, two = object(), object()
-    for stream in (one, two):
-        for index in (0, 1):
-            decoder.offer(stream, index, 5, None)  # type: ignore[arg-type]
-    decoder.forget(one)  # type: ignore[arg-type]
-    assert sorted(index for stream, index in decoder._pending if stream is two) == [0, 1]
-    assert not any(stream is one for stream, _ in decoder._pending)

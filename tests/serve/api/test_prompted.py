@@ -68,9 +68,10 @@ def test_a_prompted_generation_answers_what_follows_the_prompt(server: RunningSe
 
 
 def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServer, pipeline: LDLMPipeline, monkeypatch) -> None:
-    offered: dict[int, Any] = {}  # step -> the x0_hat the scheduler handed over, decoded below by the eager pipeline
-    offer = server.service.previews.offer
-    monkeypatch.setattr(server.service.previews, "offer", lambda s, i, step, x0: (offered.__setitem__(step, x0), offer(s, i, step, x0)))
+    offered: list[Any] = []  # the x0_hat of each preview call, in step order, decoded below by the eager pipeline
+    decodes = server.service.scheduler.delivery.preview_decodes
+    decode = decodes._decode
+    monkeypatch.setattr(decodes, "_decode", lambda latents, mask: (offered.append(latents), decode(latents, mask))[1])
     body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT, "stream": True, "preview_every": 5}
     with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()
@@ -80,9 +81,9 @@ def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServe
     ids, text = reference(pipeline, 12, 20, 7)
     assert events[-1][1] == {"texts": [text], "token_ids": [ids], "plan": PLAN}
     kept = len(pipeline.tokenizer.encode([PROMPT])[0])
-    for _, event in events[:-1]:
+    for x0, (_, event) in zip(offered, events[:-1], strict=True):
         sample = event["samples"][0]
-        whole = pipeline.decode(offered[sample["step"]][None].float()).token_ids[0].tolist()
+        whole = pipeline.decode(x0.float()).token_ids[0].tolist()
         assert sample["text"] == pipeline.tokenizer.decode(whole[kept:]), sample  # the positions after the prompt
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.runtime.generation import Preview
 from ldlm.serve.runtime.queueing import QueueFullError
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
@@ -70,7 +71,7 @@ def test_a_failing_denoiser_answers_every_request(pipeline: LDLMPipeline) -> Non
 
 
 def test_a_failing_preview_hook_ends_its_request_with_its_error(pipeline: LDLMPipeline, caplog: pytest.LogCaptureFixture) -> None:
-    def broken_hook(index: int, step: int, x0_hat: torch.Tensor) -> None:
+    def broken_hook(previews: list[Preview]) -> None:
         raise ValueError("preview sink broke")
 
     scheduler = GenerationScheduler(pipeline, max_batch=4, start=False)
