@@ -9,6 +9,8 @@ clients leaving mid-request, bursts above the generation queue, hostile bodies. 
 
   sigterm    SIGTERM with requests in flight: the process must exit 0; the same command restarts it
   sigkill    SIGKILL: the restart must find a clean cache (no temporary files) and reuse it (no export)
+  ray-replica  with --ray (`ldlm serve --ray --replicas 2`): one replica's process killed; traffic must go on on
+             the other, and Ray must bring the replica back
   full-disk  before the run, a 1 MiB tmpfs as the export cache (LDLM_CACHE_DIR): the start must fail with a clear error and
              leave nothing half-written (needs `mount`; recorded as not exercised where it is not permitted)
 
@@ -16,7 +18,7 @@ It samples the server's RSS (its process and children) every 10 s and scrapes /m
 that the queues and the running batch are empty, that every request is accounted for, and that the server's
 request counters equal the clients' for the last server lifetime. JSON and a PNG out.
 
-  .venv/bin/python scripts/research/soak.py --duration-s 1800 --out docs/measurements/soak-cpu-<date>
+  .venv/bin/python scripts/research/soak.py --duration-s 1800 --users 6 --out runs/soak  (docs/measurements/soak-cpu-2026-12-06.json)
   .venv/bin/python scripts/research/soak.py --duration-s 60 --faults sigterm --checkpoint <tiny> (what CI runs)
 """
 
@@ -43,7 +45,8 @@ from ldlm.files import write_atomically  # noqa: E402
 from ldlm.serve.checks.loopback import free_port, serve_command, wait_ready  # noqa: E402
 
 TRAFFIC = Path(__file__).with_name("soak_traffic.py")
-FAULTS = ("sigterm", "sigkill", "full-disk")
+FAULTS = ("sigterm", "sigkill", "full-disk", "ray-replica")
+REPLICA = "ServeReplica:ldlm"  # in a Ray Serve replica's process title
 CLEAN = {"answered", "left", "server down"}  # with "refused:<4xx>", "refused:503", "refused:504": clean answers
 SAMPLE_S = 10.0
 
@@ -167,15 +170,59 @@ def restart(server: Server, sig: int, marker: Path, at_s: float) -> dict[str, An
     }
 
 
+def replica_pids() -> list[int]:
+    """The processes of this machine's ldlm Ray Serve replicas."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if REPLICA in cmdline.read_bytes().decode(errors="replace"):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def kill_replica(marker: Path, at_s: float, replicas: int = 2) -> dict[str, Any]:
+    """SIGKILL one replica while traffic runs; seconds until Ray has ``replicas`` again without it. The marker
+    says so to the clients: answers refused while a replica is gone are counted apart, not as clean ones."""
+    before = replica_pids()
+    if len(before) < replicas:
+        return {"exercised": False, "why": f"{len(before)} replica processes found, {replicas} expected"}
+    marker.write_text("REPLICA")
+    started = time.perf_counter()
+    os.kill(before[0], signal.SIGKILL)
+    while time.perf_counter() - started < 300:
+        now = replica_pids()
+        if before[0] not in now and len(now) >= replicas:
+            break
+        time.sleep(0.5)
+    restored = time.perf_counter() - started
+    marker.unlink()
+    return {
+        "exercised": True,
+        "at_s": round(at_s, 1),
+        "killed_pid": before[0],
+        "restored_s": round(restored, 1),
+        "replicas_after": len(replica_pids()),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("traffic-*.json"):
         old.unlink()
-    report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "duration_s": args.duration_s, "users": args.users, "faults": {}}
+    report: dict[str, Any] = {
+        "checkpoint": str(args.checkpoint),
+        "duration_s": args.duration_s,
+        "users": args.users,
+        "ray": args.ray,
+        "faults": {},
+    }
     if "full-disk" in args.faults:
         report["faults"]["full-disk"] = full_disk(Path(args.checkpoint), out)
-    server = Server(Path(args.checkpoint), out / "cache", free_port(), out / "server.log", ["--max-queue", str(args.max_queue)])
+    flags = ["--max-queue", str(args.max_queue), *(["--ray", "--replicas", "2", "--threads", "1"] if args.ray else [])]
+    server = Server(Path(args.checkpoint), out / "cache", free_port(), out / "server.log", flags)
     report["first_start"] = server.start()
     plan = {fault: args.duration_s * (i + 1) / (len(args.faults) + 1) for i, fault in enumerate(f for f in args.faults if f != "full-disk")}
     traffic, began = start_traffic(server.url, args.users, args.duration_s, out, 16 * args.max_queue + 32), time.perf_counter()
@@ -185,6 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for fault, at in list(plan.items()):
             if now >= at:
                 del plan[fault]
+                if fault == "ray-replica":
+                    report["faults"][fault] = kill_replica(out / "server-down", now)
+                    continue
                 sig = signal.SIGTERM if fault == "sigterm" else signal.SIGKILL
                 report["faults"][fault] = restart(server, sig, out / "server-down", now)
                 last_epoch = report["faults"][fault].pop("epoch")
@@ -244,7 +294,9 @@ def percentile(values: list[float], q: float) -> float:
 def targets(report: dict[str, Any]) -> dict[str, Any]:
     """Each target, its measured value and whether it is met (None: not measurable in a run this short)."""
     outcomes = report["traffic"]["outcomes"]
-    bad_5xx = sum(n for o, n in outcomes.items() if o.startswith("refused:5") and o not in ("refused:503", "refused:504"))
+    bad_5xx = sum(
+        n for o, n in outcomes.items() if o.startswith("refused:5") and o not in ("refused:503", "refused:504") and "replica" not in o
+    )
     rows: dict[str, Any] = {
         "no_answer": {
             "value": sum(n for o, n in outcomes.items() if o.startswith("no answer")),
@@ -253,6 +305,7 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
         "no_connection_while_up": {"value": outcomes.get("no connection", 0), "met": outcomes.get("no connection", 0) == 0},
         "unparseable": {"value": outcomes.get("unparseable", 0), "met": outcomes.get("unparseable", 0) == 0},
         "5xx_other_than_503_504": {"value": bad_5xx, "met": bad_5xx == 0},
+        "5xx_while_a_replica_was_down": {"value": sum(n for o, n in outcomes.items() if "replica" in o), "met": None},
         "503_without_retry_after": {
             "value": outcomes.get("503 without Retry-After", 0),
             "met": outcomes.get("503 without Retry-After", 0) == 0,
@@ -269,24 +322,34 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
         "value": [f["recovery_s"] for f in restarts],
         "met": all(f["recovery_s"] <= 60 and not f["exported"] and not f["temporary_files_after"] for f in restarts),
     }
-    lifetime = report["traffic"]["last_lifetime"]
-    rows["metrics_match_clients"] = {"value": lifetime, "met": lifetime["clients"] == lifetime["server"]}
+    lifetime = report["traffic"]["last_lifetime"]  # on Ray each replica counts its own: not comparable from one scrape
+    rows["metrics_match_clients"] = {"value": lifetime, "met": None if report["ray"] else lifetime["clients"] == lifetime["server"]}
+    replica = report["faults"].get("ray-replica")
+    if replica is not None:
+        rows["ray_replica_restored"] = {
+            "value": replica,
+            "met": replica.get("exercised") and replica["replicas_after"] >= 2 and replica["restored_s"] < 300,
+        }
     rows.update(trends(report))
     return rows
 
 
 def trends(report: dict[str, Any]) -> dict[str, Any]:
-    """RSS growth from minute 5 to the end, and a small generate's p99 in the last minute against minute 5:
-    only for runs of at least 10 minutes (before minute 5 the server is still warming up)."""
+    """RSS growth within the last server lifetime, from 5 minutes after its start (warm-up) to the end, and a
+    small generate's p99 in the last minute against minute 5: only for runs of at least 10 minutes."""
     if report["duration_s"] < 600:
         return {"rss_growth": {"value": None, "met": None}, "p99_drift": {"value": None, "met": None}}
-    rss = [s["rss_mb"] for s in report["samples"] if s["t_s"] >= 300]
-    growth = rss[-1] / rss[0] - 1 if rss else float("nan")
+    born = max([0.0, *(f["at_s"] for f in report["faults"].values() if "recovery_s" in f)])
+    rss = [s["rss_mb"] for s in report["samples"] if s["t_s"] >= born + 300]
+    growth = rss[-1] / rss[0] - 1 if len(rss) > 1 else float("nan")
     latency = report["traffic"]["latency"]
     last = int(report["duration_s"] // 60) - 1
     p5, pn = latency.get("generate small@5", {}).get("p99_ms"), latency.get(f"generate small@{last}", {}).get("p99_ms")
     drift = pn / p5 if p5 and pn else float("nan")
-    return {"rss_growth": {"value": round(growth, 3), "met": growth <= 0.10}, "p99_drift": {"value": round(drift, 2), "met": drift <= 1.5}}
+    return {
+        "rss_growth": {"value": round(growth, 3), "window_s": [born + 300, report["duration_s"]], "met": growth <= 0.10},
+        "p99_drift": {"value": round(drift, 2), "met": drift <= 1.5},
+    }
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -323,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=8, help="Locust users (default: 8)")
     parser.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue, small so bursts overflow it (default: 4)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, from {', '.join(FAULTS)} (default: all)")
+    parser.add_argument("--ray", action="store_true", help="serve with --ray --replicas 2 (the ray-replica fault needs it)")
     parser.add_argument("--out", default="runs/soak", help="folder for the report, the plot and the logs (default: runs/soak)")
     args = parser.parse_args(argv)
     args.faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in args.faults if f not in FAULTS]
     if unknown:
         parser.error(f"--faults {','.join(unknown)} unknown; allowed: {', '.join(FAULTS)}")
+    if ("ray-replica" in args.faults) != args.ray:
+        parser.error("--faults ray-replica and --ray go together: the fault kills one of --ray's replicas")
     report = run(args)
     out = Path(args.out)
     write_atomically(out / "soak.json", json.dumps(report, indent=1) + "\n")

@@ -11,6 +11,7 @@ back, never by what was hoped for:
   no connection     no connection while the server was up
   no answer         connected and sent, then no status: a lost request (a SIGTERM must never cause one)
   unparseable       a status with a body that does not parse
+  (replica killed)  a 5xx while the soak had killed one of Ray's replicas, counted apart
 
 Each Locust process writes its counts and per-minute latencies to ``$SOAK_OUT/traffic-<pid>.json`` when it quits.
 """
@@ -77,6 +78,8 @@ def parses(response: httpx.Response) -> bool:
 def classify(response: httpx.Response) -> str:
     if not parses(response):
         return "unparseable"
+    if response.status_code >= 500 and DOWN.exists() and DOWN.read_text() == "REPLICA":
+        return f"refused:{response.status_code} (replica killed)"
     if response.status_code < 300:
         return "answered"
     if response.status_code == 503 and "retry-after" not in response.headers:
