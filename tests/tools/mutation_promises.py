@@ -296,6 +296,14 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
         "a failed export, build or import leaves its half-written directory beside OUT",
     ),
     (
+        "force-removes-before-the-work",
+        "ldlm.files:atomic_directory",
+        "    refuse_existing(out, overwrite)\n",
+        "    refuse_existing(out, overwrite)\n    shutil.rmtree(out, ignore_errors=True)\n",
+        ("tests/ldlm/test_files_atomic_directory.py",),
+        "a --force replace that fails halfway has already deleted the earlier output",
+    ),
+    (
         "verify-eps-unchecked",
         "ldlm.export.verify:_check_node",
         "if not eps_matches(eps, spec.eps):",
@@ -474,7 +482,12 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
     # --- docs/architecture.md ---------------------------------------------------------------------------
     *pinned(ARCHITECTURE, "`config.json` (the `LDLMConfig`, every field, validated on load)", "config-eps-zero-allowed"),
     # --- docs/cli.md ----------------------------------------------------------------------------------------
-    *pinned(CLI, "no command leaves a partial output directory behind", "failed-write-leaves-its-temporary-directory"),
+    *pinned(
+        CLI,
+        "no command leaves a partial output directory behind",
+        "failed-write-leaves-its-temporary-directory",
+        "force-removes-before-the-work",
+    ),
     *pinned(CLI, "`--force` replaces an existing one", "checkpoint-overwrite-inverted"),
     *pinned(CLI, "a file that needs full pickle is refused, never run", "import-runs-pickle"),
     *pinned(
