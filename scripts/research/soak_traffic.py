@@ -215,14 +215,16 @@ class Traffic(User):
 
     @task(1)
     def openai_client(self) -> None:
-        """The official client, as users call it (its own connection handling, no retries)."""
+        """The official client, as users call it, plain and streamed (its own connection handling, no retries)."""
         import openai
 
         start, clock = time.time(), time.perf_counter()
         try:
+            stream = random.random() < 0.5
             with openai.OpenAI(base_url=f"{self.host}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-                completion = client.completions.create(model="ldlm", prompt=PROMPT, max_tokens=8, extra_body={"steps": 4})
-            outcome = "answered" if completion.choices and isinstance(completion.choices[0].text, str) else "unparseable"
+                made = client.completions.create(model="ldlm", prompt=PROMPT, max_tokens=8, stream=stream, extra_body={"steps": 4})
+                choices = [c for chunk in made for c in chunk.choices] if stream else made.choices
+            outcome = "answered" if choices and all(isinstance(c.text, str) for c in choices) else "unparseable"
         except openai.APIStatusError as error:
             outcome = f"refused:{error.status_code}"
         except openai.APIConnectionError as error:
