@@ -4,15 +4,16 @@ one that draws its tokens at a temperature decoded alone, since its settings and
 
 Previews (``PreviewDecodes``). After every step the samples whose request asked for previews every
 ``preview_every`` steps, and stand at a multiple of it below their last step, are due. Every due
-preview of the step, of every request and sample, is decoded in one decoder call, which runs while
-the next step does; the call is collected at the next step, before that step's previews and answers,
-so each request's hook gets its previews in step order and before its answer. A due preview is
-dropped (never decoded, and counted as skipped) exactly when:
+preview of the step, of every request and sample, is decoded in one decoder call, on the previews'
+own thread, while the steps go on; calls run in step order, each request's hook gets its previews
+from that thread in step order, and a request whose previews are still being decoded when it finishes
+is answered right after them. A due preview is dropped (never decoded, and counted as skipped)
+exactly when:
 
 - its request is already answered: cancelled (its client left, its time ran out) or failed; or
 - its decoder call fails (logged; a preview never ends a request); or
-- decoding previews is over its share of the wall time: after a call of B seconds at share s < 1,
-  previews due within B x (1 - s) / s seconds of its end are dropped. The share is ``busy`` while
+- decoding previews is over its share of the wall time, ``s`` < 1: a call is still running, or the
+  last one, of B seconds, ended less than B x (1 - s) / s seconds ago. The share is ``busy`` while
   more than one generation is in flight (queued or running) and ``alone`` while the previewed request
   is the only one. At a share of 1 (``alone``'s default) nothing is dropped for time: a request alone
   on the server gets every preview it asks for.
@@ -20,6 +21,7 @@ dropped (never decoded, and counted as skipped) exactly when:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -65,39 +67,59 @@ class PreviewDecodes:
         self.shares = shares or PreviewShares()
         self.observer = observer
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ldlm-previews")
-        self._call: tuple[list[_Due], float, Future[tuple[TextResult, float]]] | None = None  # (due, share, decode)
+        self._last: Future[None] | None = None  # the newest call: calls run one after another, in step order
+        self._pending: dict[Generation, Future[None]] = {}  # each request's newest call not yet handed on
         self._resume_at = 0.0  # no call starts before this (perf_counter), while a share below 1 holds
 
     def step(self, samples: list[Sample], alone: bool) -> None:
-        """After a step of ``samples``: hand on the last call's previews, then start this step's call.
+        """After a step of ``samples``: start the call of its due previews, or drop them (module docs).
         ``alone``: no generation is in flight but the previewed one."""
-        self.collect()
+        for request in [r for r, call in self._pending.items() if call.done()]:  # handed on: forget them (cancelled ones too)
+            del self._pending[request]
         due = [s for s in samples if _is_due(s)]
         if not due:
             return
         share = self.shares.alone if alone else self.shares.busy
-        if share < 1 and time.perf_counter() < self._resume_at:
+        if share < 1 and (time.perf_counter() < self._resume_at or (self._last is not None and not self._last.done())):
             self._observe(0, len(due), 0.0)
             return
         latents, mask = ragged_batch([s.state.x0_hat for s in due])  # copied here: the next step moves on
-        self._call = ([(s.request, s.index, s.state.step) for s in due], share, self._worker.submit(self._decode, latents, mask))
+        rows = [(s.request, s.index, s.state.step) for s in due]
+        self._last = call = self._worker.submit(self._call, rows, latents, mask, share)
+        for request, *_ in rows:
+            self._pending[request] = call
 
-    def collect(self) -> None:
-        """Wait for the call in flight, if any, and hand each request its previews (in sample order)."""
-        if self._call is None:
-            return
-        due, share, call = self._call
-        self._call = None
+    def after_previews(self, request: Generation, answer: Callable[[], None]) -> None:
+        """Run ``answer`` once ``request``'s previews are handed on: at once, or on the previews' thread after them."""
+        call = self._pending.pop(request, None)
+        if call is None or call.done():
+            answer()
+        else:
+            self._worker.submit(answer)
+
+    def wait(self) -> None:
+        """Until every call started so far is over and its previews handed on."""
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        """Finish the calls and answers queued, then stop the thread."""
+        self._worker.shutdown(wait=True)
+
+    def _call(self, rows: list[_Due], latents: Tensor, mask: Tensor, share: float) -> None:
+        """One decoder call, on the previews' thread; each request gets its own previews, in sample order."""
+        started = time.perf_counter()
         try:
-            decoded, seconds = call.result()
+            decoded = self.pipeline.decode(latents, mask)
         except Exception:  # a preview is a nicety: never let it end a request or the scheduler
             log.exception("decoding previews failed; they are skipped")
-            self._observe(0, len(due), 0.0)
+            self._observe(0, len(rows), 0.0)
             return
+        seconds = time.perf_counter() - started
         if share < 1:
             self._resume_at = time.perf_counter() + seconds * (1 - share) / share
         by_request: dict[Generation, list[Preview]] = {}
-        for row, (request, index, step) in enumerate(due):
+        for row, (request, index, step) in enumerate(rows):
             ids = decoded.token_ids[row, : decoded.lengths[row]].tolist()
             by_request.setdefault(request, []).append(Preview(index, step, ids, decoded.texts[row]))
         dropped = 0
@@ -110,16 +132,7 @@ class PreviewDecodes:
             except Exception as error:  # a broken hook ends its own request, with its error, never the batch
                 log.exception("preview hook failed; its request ends with the error")
                 resolve_future(request.future, error=error)
-        self._observe(len(due) - dropped, dropped, seconds)
-
-    def close(self) -> None:
-        self._call = None
-        self._worker.shutdown(wait=True, cancel_futures=True)
-
-    def _decode(self, latents: Tensor, mask: Tensor) -> tuple[TextResult, float]:
-        started = time.perf_counter()
-        decoded = self.pipeline.decode(latents, mask)
-        return decoded, time.perf_counter() - started
+        self._observe(len(rows) - dropped, dropped, seconds)
 
     def _observe(self, decoded: int, dropped: int, seconds: float) -> None:
         if self.observer is not None:
@@ -139,7 +152,7 @@ class Delivery:
         self.preview_decodes = previews or PreviewDecodes(pipeline)
 
     def previews(self, samples: list[Sample], alone: bool = True) -> None:
-        """The step's due previews (``PreviewDecodes.step``); hooks run on the scheduler's thread, so they must only hand them on."""
+        """The step's due previews (``PreviewDecodes.step``); hooks run on the previews' thread, so they must only hand them on."""
         self.preview_decodes.step(samples, alone)
 
     def finish(self, finished: list[Sample]) -> None:
@@ -164,9 +177,8 @@ class Delivery:
         for request in argmax:
             n, length = request.plan.n, request.plan.length
             rows = slice(start, start + n)
-            resolve_future(
-                request.future, TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows], plan=request.plan)
-            )
+            result = TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows], plan=request.plan)
+            self.preview_decodes.after_previews(request, functools.partial(resolve_future, request.future, result))
             start += n
 
     def close(self) -> None:
@@ -180,7 +192,7 @@ class Delivery:
             resolve_future(request.future, error=error)
             return
         result.plan = request.plan
-        resolve_future(request.future, result)
+        self.preview_decodes.after_previews(request, functools.partial(resolve_future, request.future, result))
 
 
 def ragged_batch(latents: list[Tensor]) -> tuple[Tensor, Tensor]:

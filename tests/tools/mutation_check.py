@@ -774,6 +774,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/serve/runtime/test_delivery_previews.py",),
         "a step decodes one due preview; the other streams' and samples' are lost",
     ),
+    Mutation(
+        "preview-calls-pile-up-within-a-share",
+        "ldlm.serve.runtime.delivery:PreviewDecodes.step",
+        "(self._last is not None and not self._last.done())",
+        "False",
+        ("tests/serve/runtime/test_delivery_previews.py",),
+        "beside other work, preview calls queue behind a slow one instead of being dropped",
+    ),
     # --- when a batch starts: at once for a request at an idle batcher, after the window for the others ---
     Mutation(
         "batcher-holds-a-lone-request",
@@ -973,7 +981,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "preview-answered-request-handed-on",
-        "ldlm.serve.runtime.delivery:PreviewDecodes.collect",
+        "ldlm.serve.runtime.delivery:PreviewDecodes._call",
         "if request.future.done():",
         "if False:",
         ("tests/serve/runtime/test_delivery_previews.py",),
@@ -1834,18 +1842,18 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "previews-never-rest",
         "ldlm.serve.runtime.delivery:PreviewDecodes.step",
-        "if share < 1 and time.perf_counter() < self._resume_at:",
-        "if False:",
+        "time.perf_counter() < self._resume_at or",
+        "False or",
         ("tests/serve/runtime/test_delivery_previews.py", "tests/serve/api/test_streaming_previews.py"),
         "previews within a share take as much time as they like",
     ),
     Mutation(
-        "preview-call-never-collected",
-        "ldlm.serve.runtime.delivery:PreviewDecodes.step",
-        "        self.collect()",
-        "        pass",
+        "preview-answer-before-its-previews",
+        "ldlm.serve.runtime.delivery:PreviewDecodes.after_previews",
+        "if call is None or call.done():",
+        "if True:",
         ("tests/serve/runtime/test_delivery_previews.py",),
-        "each step's preview call replaces the last before it is handed on: streams get none",
+        "a stream's result goes out before its last previews, which then never arrive",
     ),
     Mutation(
         "int8-floor-keeps-the-wrong-nodes",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -70,8 +71,10 @@ def test_a_prompted_generation_answers_what_follows_the_prompt(server: RunningSe
 def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServer, pipeline: LDLMPipeline, monkeypatch) -> None:
     offered: list[Any] = []  # the x0_hat of each preview call, in step order, decoded below by the eager pipeline
     decodes = server.service.scheduler.delivery.preview_decodes
-    decode = decodes._decode
-    monkeypatch.setattr(decodes, "_decode", lambda latents, mask: (offered.append(latents), decode(latents, mask))[1])
+    real = decodes.pipeline
+    monkeypatch.setattr(
+        decodes, "pipeline", SimpleNamespace(decode=lambda latents, mask: (offered.append(latents), real.decode(latents, mask))[1])
+    )
     body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT, "stream": True, "preview_every": 5}
     with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -52,8 +53,8 @@ def test_one_decoder_call_per_step_for_every_request_and_sample(pipeline: LDLMPi
     """Two requests (so the busy share applies: 1 here, nothing dropped for time)."""
     scheduler = GenerationScheduler(pipeline, max_batch=8, start=False, previews=PreviewShares(busy=1.0))
     rows: list[int] = []
-    decode = scheduler.delivery.preview_decodes._decode
-    scheduler.delivery.preview_decodes._decode = lambda latents, mask: (rows.append(latents.shape[0]), decode(latents, mask))[1]  # type: ignore[method-assign]
+    decodes = scheduler.delivery.preview_decodes
+    decodes.pipeline = SimpleNamespace(decode=lambda latents, mask: (rows.append(latents.shape[0]), pipeline.decode(latents, mask))[1])  # type: ignore[assignment]
     specs = [
         GenerateRequest(n=2, length=6, steps=7, seed=3, sampler="ddim"),
         GenerateRequest(n=1, length=9, steps=7, seed=4, sampler="ddim"),
@@ -89,12 +90,15 @@ class Clock:
 
 
 class FakeDecoder:
-    """The pipeline's decode: ``seconds`` on the clock per call; rows recorded."""
+    """The pipeline's decode: ``seconds`` on the clock per call, held while ``gate`` is clear; rows recorded."""
 
     def __init__(self, clock: Clock, seconds: float) -> None:
         self.clock, self.seconds, self.calls = clock, seconds, []  # type: ignore[var-annotated]
+        self.gate = threading.Event()
+        self.gate.set()
 
     def decode(self, latents: torch.Tensor, mask: torch.Tensor) -> TextResult:
+        assert self.gate.wait(60)
         self.clock.now += self.seconds
         self.calls.append(latents.shape[0])
         return TextResult(torch.zeros(latents.shape[:2], dtype=torch.long), ["x"] * latents.shape[0], [latents.shape[1]] * latents.shape[0])
@@ -107,8 +111,8 @@ def due_sample(step: int, hook: Any, every: int = 1) -> Sample:
 
 
 def test_within_a_share_previews_due_during_the_rest_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At a share of 1/4 a call of 2 s is followed by 6 s in which due previews are dropped and counted;
-    alone at the default share every one is decoded."""
+    """At a share of 1/4 a call of 2 s is followed by 6 s in which due previews are dropped and counted,
+    as are those due while a call runs; alone at the default share every one is decoded, in order."""
     clock = Clock()
     monkeypatch.setattr(delivery_module.time, "perf_counter", clock)
     decoder = FakeDecoder(clock, 2.0)
@@ -117,24 +121,31 @@ def test_within_a_share_previews_due_during_the_rest_are_dropped(monkeypatch: py
     got: list[int] = []
     hook = lambda previews: got.extend(p.step for p in previews)  # noqa: E731
     try:
-        for step, at in ((1, 0.0), (2, 1.0), (3, 5.9), (4, 0.2), (5, 0.0)):  # clock moves between steps (plus 2 s per call)
+        # clock moves between steps (plus 2 s per call): call 1 ends at 102, rest until 108
+        for step, at in ((1, 0.0), (2, 1.0), (3, 4.5), (4, 0.5), (5, 0.0)):
             clock.now += at
             decodes.step([due_sample(step, hook)], alone=False)
-        decodes.collect()
-        assert got == [1, 4] and decoder.calls == [1, 1]  # 2 and 3 within 6 s of call 1's end; 5 within call 4's rest
+            decodes.wait()
+        assert got == [1, 4] and decoder.calls == [1, 1]  # 2 (103) and 3 (107.5) rest; 4 at 108; 5 rests after it
         assert sum(dropped for _, dropped, _ in seen) == 3 and sum(sent for sent, _, _ in seen) == 2
-        for step in range(6, 10):  # alone, at the default share of 1: every preview, none dropped for time
+        clock.now += 100
+        decoder.gate.clear()
+        decodes.step([due_sample(6, hook)], alone=False)
+        decodes.step([due_sample(7, hook)], alone=False)  # call 6 still runs: dropped
+        decoder.gate.set()
+        decodes.wait()
+        assert got == [1, 4, 6]
+        for step in range(8, 12):  # alone, at the default share of 1: every preview, none dropped for time
             decodes.step([due_sample(step, hook)], alone=True)
-        decodes.collect()
-        assert got == [1, 4, 6, 7, 8, 9]
+        decodes.wait()
+        assert got == [1, 4, 6, 8, 9, 10, 11] and sum(dropped for _, dropped, _ in seen) == 4
     finally:
         decodes.close()
 
 
-def test_previews_of_an_answered_request_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_previews_of_an_answered_request_are_dropped() -> None:
     """Cancelled before its preview is due: not decoded. Cancelled while its call runs: not handed on. Both counted."""
-    clock = Clock()
-    decoder = FakeDecoder(clock, 0.0)
+    decoder = FakeDecoder(Clock(), 0.0)
     seen: list[tuple[int, int, float]] = []
     decodes = PreviewDecodes(decoder, observer=lambda *counts: seen.append(counts))  # type: ignore[arg-type]
     got: list[int] = []
@@ -145,12 +156,36 @@ def test_previews_of_an_answered_request_are_dropped(monkeypatch: pytest.MonkeyP
         decodes.step([gone], alone=True)
         assert decoder.calls == []  # nothing due: no call
         leaving, staying = due_sample(2, hook), due_sample(2, hook)
-        decodes.step([leaving, staying], alone=False)
+        decoder.gate.clear()
+        decodes.step([leaving, staying], alone=True)
         leaving.request.future.cancel()  # its client leaves while the call runs
-        decodes.collect()
+        decoder.gate.set()
+        decodes.wait()
         assert decoder.calls == [2] and got == [2]  # one row each; only the staying request's is handed on
-        assert seen[-1][:2] == (1, 1)
+        assert [counts[:2] for counts in seen] == [(1, 1)]  # (handed on, dropped) of the one call
     finally:
+        decodes.close()
+
+
+def test_an_answer_waits_for_its_previews_and_only_for_them() -> None:
+    """A request that finishes while its previews are decoded is answered right after they are handed on;
+    one with none pending is answered at once."""
+    decoder = FakeDecoder(Clock(), 0.0)
+    decodes = PreviewDecodes(decoder)  # type: ignore[arg-type]
+    order: list[str] = []
+    try:
+        streamed, plain = due_sample(3, lambda previews: order.append("preview")), due_sample(3, None)
+        decoder.gate.clear()
+        decodes.step([streamed, plain], alone=True)
+        decodes.after_previews(streamed.request, lambda: order.append("streamed answer"))
+        decodes.after_previews(plain.request, lambda: order.append("plain answer"))
+        assert order == ["plain answer"]  # not behind the call: its request has no preview in it
+        decoder.gate.set()
+        decodes.wait()
+        decodes.close()  # the queued answer runs before the thread stops
+        assert order == ["plain answer", "preview", "streamed answer"]
+    finally:
+        decoder.gate.set()
         decodes.close()
 
 
@@ -164,7 +199,7 @@ def test_a_failed_call_drops_its_previews_and_the_request_goes_on(caplog: pytest
     sample = due_sample(1, lambda previews: pytest.fail("no preview was decoded"))
     try:
         decodes.step([sample], alone=True)
-        decodes.collect()
+        decodes.wait()
     finally:
         decodes.close()
     assert seen == [(0, 1, 0.0)] and not sample.request.future.done()
@@ -180,8 +215,8 @@ def test_preview_shares_are_in_zero_one(field: str) -> None:
     assert PreviewShares(**{field: 1.0})  # the edge itself is allowed
 
 
-def test_the_hook_runs_on_the_schedulers_thread_after_the_step(pipeline: LDLMPipeline) -> None:
-    """Hooks must only hand previews on: they run on the scheduler's thread, never the decoder's."""
+def test_hooks_run_on_the_previews_thread_not_the_schedulers(pipeline: LDLMPipeline) -> None:
+    """The steps never wait for a preview: its call and its hook run on the previews' own thread."""
     threads: list[str] = []
     scheduler = GenerationScheduler(pipeline, max_batch=2)
     try:
@@ -193,4 +228,4 @@ def test_the_hook_runs_on_the_schedulers_thread_after_the_step(pipeline: LDLMPip
         future.result(timeout=60)
     finally:
         scheduler.close()
-    assert threads == ["ldlm-generation", "ldlm-generation"]
+    assert len(threads) == 2 and all(name.startswith("ldlm-previews") for name in threads), threads
