@@ -3,9 +3,9 @@
 A ``GenerationStream`` submits one request to the scheduler with a preview hook. The scheduler decodes
 the previews of every stream in one decoder call per step and hands each stream its own, in step order
 and before its result (serve/runtime/delivery.py says exactly when a preview is dropped: its request is
-answered, the call failed, or the server is busy and previews have had their share of the time). The hook
-runs on the scheduler's thread and only hands them to the stream's event loop, which sends one event per
-step.
+answered, its call failed, or previews have had their share of the time, which by default limits them
+only beside other work). The hook runs on the scheduler's preview thread and only hands them to the
+stream's event loop, which sends one event per step.
 
 When the client goes away the response's generator is cancelled; its ``finally`` cancels the request's
 future, and the scheduler drops its samples at its next step, and its previews with them.
@@ -66,7 +66,7 @@ class GenerationStream:
         self._wake = asyncio.Event()
         self.future = submit(spec, prefix, self._hook if preview_every > 0 else None, preview_every)
 
-    def _hook(self, previews: list[Preview]) -> None:  # on the scheduler's thread: hand over only
+    def _hook(self, previews: list[Preview]) -> None:  # on the scheduler's preview thread: hand over only
         shown = [
             {"index": p.index, "step": p.step, "text": text_after(p.token_ids, self.kept, self.tokenizer) if self.kept else p.text}
             for p in previews
