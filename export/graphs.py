@@ -16,6 +16,9 @@ from torch import Tensor, nn
 from ldlm.model import LDLM
 
 GRAPH_NAMES: tuple[str, ...] = ("encoder", "denoiser", "decoder")
+# What the exported graphs compute and how: raised when that changes with no change of weights or versions
+# (2: the decoder's vocabulary head chunked, its bias folded in), so an export cache made before is not reused.
+GRAPHS_FORMAT = 2
 
 
 class EncoderGraph(nn.Module):

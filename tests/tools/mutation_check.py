@@ -1988,8 +1988,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "http-body-fills-in-steps",
         "ldlm.serve.api.schemas:SamplingBody.sampling_request",
-        "return GenerateRequest(n, length, fields.steps, seed,",
-        "return GenerateRequest(n, length, fields.steps or 5, seed,",
+        "n, length, fields.steps, seed, fields.sampler,",
+        "n, length, fields.steps or 5, seed, fields.sampler,",
         ("tests/e2e/test_request_plan_matrix.py",),
         "a request naming no steps runs another plan over HTTP than from the CLI",
     ),

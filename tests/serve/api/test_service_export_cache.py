@@ -321,3 +321,11 @@ def test_a_full_disk_is_named_and_leaves_no_entry(tiny_checkpoint: Path, tmp_pat
         cached_export(str(tiny_checkpoint), tmp_path / "cache", lambda line: None)
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache" / "exports").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_new_graphs_format_is_a_new_entry(tiny_checkpoint: Path, monkeypatch) -> None:
+    """Graphs computed another way by a newer exporter (same weights, same versions) are not served from an old entry."""
+    before, _ = export_cache.export_key(tiny_checkpoint, True, None)
+    monkeypatch.setattr(export_cache, "GRAPHS_FORMAT", export_cache.GRAPHS_FORMAT + 1)
+    after, _ = export_cache.export_key(tiny_checkpoint, True, None)
+    assert after != before

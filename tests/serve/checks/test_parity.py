@@ -127,11 +127,11 @@ def test_eps_probes_run_on_the_provider_asked_for(tiny_checkpoint: Path, export_
     (it places no node, so ONNX Runtime runs them on CPU), put under a provider name for this test."""
     import onnxruntime
 
-    from ldlm.serve.runtime import backends
+    from ldlm.serve.runtime import ort_backend
 
     if "AzureExecutionProvider" not in onnxruntime.get_available_providers():
         pytest.skip("this onnxruntime has no second provider to ask for (AzureExecutionProvider)")
-    monkeypatch.setitem(backends.ORT_PROVIDERS, "azure", ("AzureExecutionProvider", "CPUExecutionProvider"))
+    monkeypatch.setitem(ort_backend.ORT_PROVIDERS, "azure", ("AzureExecutionProvider", "CPUExecutionProvider"))
     report = run_parity(tiny_checkpoint, "ort", source=export_dir, steps=2, provider="azure")
     assert set(report.providers.values()) == {"AzureExecutionProvider"}
     assert report.eps_probes is not None and report.eps_probes.runtime.endswith(" AzureExecutionProvider"), report.eps_probes.runtime
