@@ -59,8 +59,8 @@ def test_a_promise_edited_out_or_an_entry_removed_is_named(tmp_path: Path) -> No
     assert stale_promises(tmp_path, (row,), {"bind-any"}) == [
         "docs/page.md: no longer says 'binds 127.0.0.1 unless told' (pinned by bind-any)"
     ]
-    others = (("docs/measurements/x.md", "x", "bind-any"), ("docs/gone.md", "x", "bind-any"))
+    others = (("docs/measurements/README.md", "x", "bind-any"), ("docs/gone.md", "x", "bind-any"))
     assert stale_promises(tmp_path, others, {"bind-any"}) == [
-        "docs/measurements/x.md: not README.md or a page of docs/",
+        "docs/measurements/README.md: not README.md or a page of docs/",
         "docs/gone.md: no such file",
     ]
