@@ -225,7 +225,7 @@ def test_a_full_checkpoint_tells_its_whole_config(tiny_checkpoint: Path, tmp_pat
 def test_a_failed_parity_round_leaves_nothing(hf_sources: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
 
-    def nothing_compared(checkpoint: Path, backend: str, **_: Any) -> ParityReport:
+    def nothing_compared(checkpoint: Path, backend: str = "ort", **_: Any) -> ParityReport:
         seen.append(sorted(p.name for p in Path(checkpoint).iterdir()))
         return ParityReport(backend, "fp32", {}, 1e-4, 1e-4)  # compared nothing: a failure, not a pass
 
