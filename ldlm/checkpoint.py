@@ -24,6 +24,7 @@ from ldlm.device import resolve_device
 from ldlm.files import atomic_directory, sha256_file
 from ldlm.layers import RMSNorm
 from ldlm.model import LDLM
+from ldlm.sampling.schedules import TunedSchedules, load_schedules
 from ldlm.tokenizer import TOKENIZER_FILE, TextTokenizer
 
 CONFIG_FILE = "config.json"
@@ -254,3 +255,8 @@ def preset_or_checkpoint(name: str, seed: int = 0) -> tuple[LDLM, TextTokenizer]
     if Path(name).is_dir():
         return load_checkpoint(name)
     return init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2()
+
+
+def checkpoint_schedules(directory: str | os.PathLike[str]) -> TunedSchedules | None:
+    """A checkpoint's tuned step grids (schedules.json), refused when tuned for other weights than its own; None: not tuned."""
+    return load_schedules(directory, weights=Path(directory) / WEIGHTS_FILE)

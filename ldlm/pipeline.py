@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from ldlm.buckets import bucket_for
-from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
+from ldlm.checkpoint import WEIGHTS_FILE, checkpoint_schedules, load_checkpoint
 from ldlm.config import LDLMConfig
 from ldlm.sampling import GenerateRequest, SamplingEngine, SamplingPlan, resolve, run_lockstep
-from ldlm.sampling.schedules import TunedSchedules, load_schedules
+from ldlm.sampling.schedules import TunedSchedules
 from ldlm.schedule import TangentSchedule
 from ldlm.token_sampling import TokenLogprobs, TokenSampling, choose_tokens
 from ldlm.tokenizer import TextTokenizer
@@ -101,7 +101,7 @@ class LDLMPipeline:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], device: str | torch.device = "cpu") -> LDLMPipeline:
         model, tokenizer = load_checkpoint(path, device)
-        return cls(model, tokenizer, device, schedules=load_schedules(path, weights=Path(path) / WEIGHTS_FILE))
+        return cls(model, tokenizer, device, schedules=checkpoint_schedules(path))
 
     @classmethod
     def from_export(
@@ -130,7 +130,7 @@ class LDLMPipeline:
             backend or DEFAULT_BACKEND, path, precision, threads=threads, device=device, with_logits=True
         )
         if (Path(path) / WEIGHTS_FILE).is_file():
-            schedules = load_schedules(path, weights=Path(path) / WEIGHTS_FILE)
+            schedules = checkpoint_schedules(path)
         else:  # an export carries its checkpoint's grids in its manifest; an engine directory carries none
             schedules = read_schedules(path) if (Path(path) / MANIFEST_FILE).is_file() else None
         on = getattr(graphs["denoiser"], "device", "cpu")  # torch and TensorRT graphs: sample where they run

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ldlm.checkpoint import WEIGHTS_FILE
+from ldlm.checkpoint import checkpoint_schedules
 from ldlm.config import SAMPLERS, LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, read_schedules
 from ldlm.export.onnx_export import export_graphs
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, RequestLimits, SamplingEngine
-from ldlm.sampling.schedules import TunedSchedules, load_schedules
+from ldlm.sampling.schedules import TunedSchedules
 from ldlm.serve.api.export_cache import cached_export
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
@@ -149,7 +149,7 @@ class LDLMService:
     def _schedules(source: str, say: Callable[[str], None], config: LDLMConfig) -> TunedSchedules | None:
         """The tuned step grids of ``source`` (a checkpoint's schedules.json, or an export's), said at start."""
         if is_checkpoint(source):
-            schedules = load_schedules(source, weights=Path(source) / WEIGHTS_FILE)
+            schedules = checkpoint_schedules(source)
         else:
             schedules = read_schedules(source) if (Path(source) / MANIFEST_FILE).is_file() else None
         if schedules is None:

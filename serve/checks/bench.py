@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ldlm.checkpoint import WEIGHTS_FILE, load_config
+from ldlm.checkpoint import checkpoint_schedules, load_config
 from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.pipeline import LDLMPipeline, check_length
-from ldlm.sampling.schedules import TunedSchedules, load_schedules
+from ldlm.sampling.schedules import TunedSchedules
 from ldlm.serve.checks.bench_latency import (
     available_cpus,
     bench_generation,
@@ -74,7 +74,7 @@ def run_bench(
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ldlm-bench-") as tmp:
         sources = bench_sources(checkpoint, backends, onnx_dir, engine_dir, ort_precisions, Path(tmp), progress)
-        schedules = load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)  # tuned grids, where tuned
+        schedules = checkpoint_schedules(checkpoint)  # tuned grids, where tuned
         graphs_by_backend, pipelines, config = open_pipelines(backends, sources, precision, provider, threads, device, schedules)
         report: dict[str, Any] = {"checkpoint": str(checkpoint), "threads": threads, "runs": runs, "torch": torch.__version__}
         report.update(config_sha256=config.config_hash(), load_average_1m=round(load_start, 2), cpus=cpus, host=host_isa())

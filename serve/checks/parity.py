@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
+from ldlm.checkpoint import checkpoint_schedules, load_checkpoint
 from ldlm.export.artifact import check_from_checkpoint, read_manifest
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
 from ldlm.export.verify import LayerNormSpec, VerifyResult, verify_onnx
 from ldlm.model import LDLM
-from ldlm.sampling.schedules import TunedSchedules, load_schedules
+from ldlm.sampling.schedules import TunedSchedules
 from ldlm.serve.checks.compare import min_cosine, tolerance
 from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
@@ -136,7 +136,7 @@ def end_to_end_plan(
     checkpoint's tuned grids), which a quantized engine must keep."""
     if precision != "int8":
         return sampler or "ddim", steps or 10, None
-    return sampler, steps, load_schedules(checkpoint, weights=Path(checkpoint) / WEIGHTS_FILE)
+    return sampler, steps, checkpoint_schedules(checkpoint)
 
 
 def run_parity(

@@ -32,16 +32,11 @@ class BackendInfo:
     module: str  # the module with its ``open_backend``
     summary: str  # one line for --help
     providers: tuple[str, ...] = ()  # ONNX Runtime's providers, in order; () for ort: from --provider
-    needs: str = ""  # what to install when its runtime is missing
 
     @property
     def runs_checkpoint(self) -> bool:
         """A torch backend: the checkpoint's own modules on a torch device; no artifact, so no verifier or eps probes."""
         return self.opens == "checkpoint"
-
-    @property
-    def runs_onnx_runtime(self) -> bool:
-        return self.opens == "export"
 
 
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -73,7 +68,6 @@ REGISTRY: dict[str, BackendInfo] = {
             ("fp32", "fp16", "int8"),  # the CPU provider has no bf16 kernels; int8: an export's variants
             "ldlm.serve.runtime.ort_backend",
             "ONNX Runtime on an export (--provider picks CPU, CUDA or TensorRT)",
-            needs="pip install -e .[cpu] (or .[gpu] for the CUDA and TensorRT providers)",
         ),
         BackendInfo(
             ORT_CUDA,
@@ -82,7 +76,6 @@ REGISTRY: dict[str, BackendInfo] = {
             "ldlm.serve.runtime.ort_backend",
             "ONNX Runtime's CUDA provider on an export",
             providers=("CUDAExecutionProvider", CPU_PROVIDER),
-            needs="pip install -e .[gpu] (onnxruntime-gpu, in place of onnxruntime)",
         ),
         BackendInfo(
             TRT,
@@ -90,7 +83,6 @@ REGISTRY: dict[str, BackendInfo] = {
             ("fp32", "fp16", "bf16", "int8", "fp8"),
             "ldlm.serve.runtime.trt_backend",
             "TensorRT engines built ahead of time",
-            needs="pip install -e .[rtx] (TensorRT for RTX), or NVIDIA TensorRT from NVIDIA's index",
         ),
     )
 }
