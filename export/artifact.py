@@ -22,14 +22,14 @@ from typing import Any
 
 import onnx
 
-from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE
-from ldlm.config import LDLMConfig
 from ldlm.files import sha256_file
-from ldlm.sampling.schedules import SCHEDULES_FILE, TunedSchedules, load_schedules
-from ldlm.tokenizer import TOKENIZER_FILE
+from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from ldlm.model.config import LDLMConfig
+from ldlm.model.tokenizer import TOKENIZER_FILE
+from ldlm.sampling.tuned_grids import SCHEDULES_FILE, TunedSchedules, load_schedules
 
 MANIFEST_FILE = "manifest.json"  # written by ldlm.export.onnx_export beside the ONNX files
-PLAN_SUFFIX = ".plan"  # ldlm.export.engine writes <graph>.plan and, beside it, <graph>.plan.json
+PLAN_SUFFIX = ".plan"  # ldlm.export.engine_builder writes <graph>.plan and, beside it, <graph>.plan.json
 MANIFEST_SUFFIX = ".plan.json"
 
 
@@ -245,3 +245,17 @@ def check_external_data(directory: Path, onnx_file: str, listed: set[str]) -> No
                     f"{directory / onnx_file} reads tensor {tensor.name!r} from {location!r}, "
                     f"which {directory / MANIFEST_FILE} does not list; re-export it"
                 )
+
+
+class PlanMismatchError(ValueError):
+    """The plan was built for another TensorRT or GPU, or is corrupt; the message says what to rebuild."""
+
+
+def read_plan_manifest(plan: str | Path) -> dict[str, Any]:
+    plan = Path(plan)
+    manifest = plan.with_name(plan.name.removesuffix(PLAN_SUFFIX) + MANIFEST_SUFFIX)
+    if not plan.is_file():
+        raise PlanMismatchError(f"plan {plan} does not exist; build it with `ldlm build-engine`")
+    if not manifest.is_file():
+        raise PlanMismatchError(f"plan {plan} has no manifest {manifest.name}; rebuild it with `ldlm build-engine`")
+    return json.loads(manifest.read_text())

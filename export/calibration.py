@@ -32,12 +32,12 @@ import torch
 from onnxruntime.quantization import CalibrationDataReader
 from torch import Tensor
 
-from ldlm.checkpoint import WEIGHTS_FILE
 from ldlm.export.quantize import Feed
+from ldlm.model.checkpoint import WEIGHTS_FILE
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampling.engine import run_lockstep
+from ldlm.sampling.loop import run_lockstep
 from ldlm.sampling.request import GenerateRequest, SamplingPlan, resolve
-from ldlm.sampling.schedules import weights_sha256
+from ldlm.sampling.tuned_grids import weights_sha256
 
 CALIBRATION_TEXTS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
 
 GRAPH_NAMES: tuple[str, ...] = ("encoder", "denoiser", "decoder")
 # What the exported graphs compute and how: raised when that changes with no change of weights or versions

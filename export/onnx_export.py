@@ -27,11 +27,10 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-import ldlm
-from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
-from ldlm.config import LDLMConfig
+from ldlm import __version__
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
+from ldlm.export.layernorm.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
 from ldlm.export.quantize import (
     DEFAULT_MIN_COSINE,
     DEFAULT_QUANTIZED_GRAPHS,
@@ -42,12 +41,13 @@ from ldlm.export.quantize import (
     require_quantizer,
     variant_file,
 )
-from ldlm.export.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
 from ldlm.files import atomic_directory, refuse_existing
 from ldlm.interrupts import raise_if_interrupted
-from ldlm.model import LDLM
-from ldlm.sampling.schedules import SCHEDULES_FILE, TunedSchedules, load_schedules, weights_sha256
-from ldlm.tokenizer import TOKENIZER_FILE, TextTokenizer
+from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from ldlm.model.config import LDLMConfig
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TOKENIZER_FILE, TextTokenizer
+from ldlm.sampling.tuned_grids import SCHEDULES_FILE, TunedSchedules, load_schedules, weights_sha256
 
 SUPPORTED_OPSETS: tuple[int, ...] = (18, 20)  # 17 comes out as 18 from dynamo; 23 has Attention, unknown to TensorRT 10
 DEFAULT_OPSET = 18
@@ -170,7 +170,7 @@ def export_graphs(
     model, tokenizer = load_checkpoint(checkpoint)
     config = model.config
     metadata = {
-        "ldlm.version": ldlm.__version__,
+        "ldlm.version": __version__,
         "ldlm.config_sha256": config.config_hash(),
         "ldlm.opset": str(opset),
     }
@@ -283,7 +283,7 @@ def _manifest_entry(path: Path, io: GraphIO, specs: list[LayerNormSpec]) -> dict
 def _manifest(config: LDLMConfig, opset: int, entries: dict[str, Any], tokenizer: Path, weights: str, schedules: Path) -> dict[str, Any]:
     tuned = {"schedules": {"file": schedules.name, "sha256": sha256_file(schedules)}} if schedules.is_file() else {}
     return {
-        "ldlm_version": ldlm.__version__,
+        "ldlm_version": __version__,
         "torch_version": torch.__version__,
         "onnx_version": onnx.__version__,
         "exporter": "torch.onnx.export(dynamo=True)",

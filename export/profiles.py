@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ldlm.config import LDLMConfig
+from ldlm.model.config import LDLMConfig
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
+from ldlm.export.layernorm.verify import LayerNormSpec, VerifyResult, verify_all, verify_onnx
 from ldlm.export.quantize import FLOAT_MODULES, float_kept_nodes, require_quantizer
 from ldlm.export.trt_flavor import Flavor
-from ldlm.export.verify import LayerNormSpec, VerifyResult, verify_all, verify_onnx
 
 if TYPE_CHECKING:
     from ldlm.export.calibration import CalibrationSettings

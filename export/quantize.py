@@ -48,8 +48,8 @@ import numpy as np
 import onnx
 from tqdm import tqdm
 
-from ldlm.export.verify import node_name_scopes
-from ldlm.serve.checks.compare import sample_cosines
+from ldlm.export.layernorm.compare import sample_cosines
+from ldlm.export.layernorm.verify import node_name_scopes
 
 Feed = dict[str, np.ndarray]  # one ONNX Runtime feed: input name -> array
 

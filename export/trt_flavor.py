@@ -3,7 +3,8 @@
 
 Both share the builder, parser, profile and runtime API this package uses, so everything else
 takes the imported module and runs one code path. Imports are lazy: neither is a hard dependency.
-The network creation flags every parse and build here uses (``network_flags``) live here too.
+The network creation flags every parse and build here uses (``network_flags``) live here too, and the checked
+binding of torch tensors to an execution context (``bind``) that the runtime and the eps probes share.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import importlib
 import re
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor
 
 FLAVORS: tuple[str, ...] = ("tensorrt", "tensorrt_rtx")
 INSTALL_HINT = "pip install -e .[rtx] (TensorRT-RTX), or NVIDIA TensorRT from NVIDIA's index or container"
@@ -155,3 +157,30 @@ def gpu_info(device: Any = None) -> GpuInfo:
         return GpuInfo(None, None)
     major, minor = torch.cuda.get_device_capability(device)
     return GpuInfo(torch.cuda.get_device_name(device), f"{major}.{minor}")
+
+
+def set_input_shape(context: Any, name: str, shape: tuple[int, ...]) -> None:
+    if not context.set_input_shape(name, shape):
+        raise RuntimeError(f"TensorRT rejected shape {shape} for input {name} (outside the context's profile?)")
+
+
+def set_tensor_address(context: Any, name: str, tensor: Tensor) -> None:
+    if not context.set_tensor_address(name, tensor.data_ptr()):
+        raise RuntimeError(f"TensorRT rejected the address of tensor {name} (shape {tuple(tensor.shape)}, {tensor.dtype})")
+
+
+def bind(
+    context: Any, inputs: dict[str, Tensor], output_names: Sequence[str], dtypes: dict[str, torch.dtype], device: torch.device
+) -> dict[str, Tensor]:
+    """Set every input's shape and address, allocate each output at the shape TensorRT infers."""
+    for name, tensor in inputs.items():
+        set_input_shape(context, name, tuple(tensor.shape))
+        set_tensor_address(context, name, tensor)
+    outputs = {}
+    for name in output_names:
+        shape = tuple(context.get_tensor_shape(name))
+        if any(size < 0 for size in shape):
+            raise RuntimeError(f"TensorRT could not infer the shape of output {name} ({shape}); are all input shapes set?")
+        outputs[name] = torch.empty(shape, dtype=dtypes[name], device=device)
+        set_tensor_address(context, name, outputs[name])
+    return outputs

@@ -11,22 +11,24 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ldlm.checkpoint import CheckpointError, init_model, load_checkpoint, save_checkpoint
-    from ldlm.config import LDLMConfig, preset
-    from ldlm.model import LDLM
+    from ldlm.model.checkpoint import CheckpointError, init_model, load_checkpoint, save_checkpoint
+    from ldlm.model.config import LDLMConfig, preset
+    from ldlm.model.ldlm import LDLM
+    from ldlm.model.tokenizer import TextTokenizer
     from ldlm.pipeline import LDLMPipeline
-    from ldlm.tokenizer import TextTokenizer
+    from ldlm.serve.runtime.backends import open_pipeline
 
 _EXPORTS = {
-    "LDLMConfig": "ldlm.config",
-    "preset": "ldlm.config",
-    "LDLM": "ldlm.model",
+    "LDLMConfig": "ldlm.model.config",
+    "preset": "ldlm.model.config",
+    "LDLM": "ldlm.model.ldlm",
     "LDLMPipeline": "ldlm.pipeline",
-    "TextTokenizer": "ldlm.tokenizer",
-    "CheckpointError": "ldlm.checkpoint",
-    "init_model": "ldlm.checkpoint",
-    "load_checkpoint": "ldlm.checkpoint",
-    "save_checkpoint": "ldlm.checkpoint",
+    "open_pipeline": "ldlm.serve.runtime.backends",
+    "TextTokenizer": "ldlm.model.tokenizer",
+    "CheckpointError": "ldlm.model.checkpoint",
+    "init_model": "ldlm.model.checkpoint",
+    "load_checkpoint": "ldlm.model.checkpoint",
+    "save_checkpoint": "ldlm.model.checkpoint",
 }
 __all__ = [
     "__version__",
@@ -34,6 +36,7 @@ __all__ = [
     "preset",
     "LDLM",
     "LDLMPipeline",
+    "open_pipeline",
     "TextTokenizer",
     "CheckpointError",
     "init_model",

@@ -72,7 +72,7 @@ def refuse_unsafe_target(out: str | os.PathLike[str], inputs: Mapping[str, str |
 
 # What each ldlm writer leaves in its output, so that a directory of someone's own files is never
 # taken for one (``manifest.json`` alone is a common name: its content must be ldlm's too).
-TRITON_GENERATE_CONFIG = "ldlm_generate/config.pbtxt"  # ldlm.export.triton_repo's BLS model
+TRITON_GENERATE_CONFIG = "ldlm_generate/config.pbtxt"  # ldlm.serve.deploy.triton_repo's BLS model
 
 
 def ldlm_output(directory: Path) -> str | None:

@@ -18,7 +18,7 @@ MAX_TIMEOUT_S = 86400.0  # request, header and body timeouts: finite, at most a 
 MAX_DELAY_MS = 60000.0  # a batching window longer than the default request timeout would only time requests out
 MAX_TEMPERATURE = 2.0  # the token decoder's temperature: OpenAI's range, 0..2
 MAX_TOP_LOGPROBS = 5  # log-probability alternatives per token: OpenAI's legacy completions, 0..5
-# Prompt guidance's weight w (ldlm/sampling/engine.py): 0 ignores the prompt, 1 is inpainting alone. On the reference
+# Prompt guidance's weight w (ldlm/sampling/loop.py): 0 ignores the prompt, 1 is inpainting alone. On the reference
 # checkpoint w = 3 already leaves 23% of the generated tokens in the held-out text, against 71% at 1 (docs/sampling.md):
 # past 4 a continuation is the extrapolation's, not the model's
 MAX_PROMPT_STRENGTH = 4.0

@@ -14,20 +14,19 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from ldlm.buckets import bucket_for
-from ldlm.checkpoint import WEIGHTS_FILE, checkpoint_schedules, load_checkpoint
-from ldlm.config import LDLMConfig
+from ldlm.model.checkpoint import load_checkpoint
+from ldlm.model.config import LDLMConfig
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.sampling import GenerateRequest, SamplingEngine, SamplingPlan, resolve, run_lockstep
-from ldlm.sampling.schedules import TunedSchedules
-from ldlm.schedule import TangentSchedule
-from ldlm.token_sampling import TokenLogprobs, TokenSampling, choose_tokens
-from ldlm.tokenizer import TextTokenizer
+from ldlm.sampling.schedule import TangentSchedule
+from ldlm.sampling.tokens import TokenLogprobs, TokenSampling, choose_tokens
+from ldlm.sampling.tuned_grids import TunedSchedules, checkpoint_schedules
 
 
 def _preview(text: str, limit: int = 40) -> str:
@@ -81,7 +80,7 @@ class LDLMPipeline:
         schedules: TunedSchedules | None = None,
     ) -> None:
         """``schedules``: the checkpoint's tuned step grids (used by default where one is tuned; see
-        ldlm/sampling/schedules.py)."""
+        ldlm/sampling/tuned_grids.py)."""
         if isinstance(graphs, nn.Module):
             graphs = graphs.to(device).eval()
         self.graphs = graphs
@@ -102,39 +101,6 @@ class LDLMPipeline:
     def from_checkpoint(cls, path: str | os.PathLike[str], device: str | torch.device = "cpu") -> LDLMPipeline:
         model, tokenizer = load_checkpoint(path, device)
         return cls(model, tokenizer, device, schedules=checkpoint_schedules(path))
-
-    @classmethod
-    def from_export(
-        cls,
-        path: str | os.PathLike[str],
-        backend: str | None = None,
-        precision: str = "fp32",
-        device: str = "cpu",
-        threads: int | None = None,
-        buckets: Sequence[int] = (),
-    ) -> LDLMPipeline:
-        """The pipeline on another backend than eager PyTorch: ``path`` is an ``ldlm export`` directory
-        (``backend="ort"``, the default: ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an
-        ``ldlm build-engine`` directory (``"trt"``), or a checkpoint (``"eager"``, ``"compiled"``,
-        ``"inductor"``, on ``device`` in ``precision``). Every file an export's manifest names is
-        checked first; its tuned step grids, where it has them, are used as ``from_checkpoint`` uses a
-        checkpoint's. ``threads``: ONNX Runtime's intra-op threads (default: its own). Drawing tokens at
-        a temperature needs the decoder's logits: an export made with ``ldlm export --with-logits``, or
-        any torch backend."""
-        # ldlm.serve and ldlm.export build on this module: loaded when a caller opens a backend
-        from ldlm.export.artifact import MANIFEST_FILE, read_schedules
-        from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
-        from ldlm.serve.runtime.registry import DEFAULT_BACKEND
-
-        graphs, config, tokenizer = open_graphs(
-            backend or DEFAULT_BACKEND, path, precision, threads=threads, device=device, with_logits=True
-        )
-        if (Path(path) / WEIGHTS_FILE).is_file():
-            schedules = checkpoint_schedules(path)
-        else:  # an export carries its checkpoint's grids in its manifest; an engine directory carries none
-            schedules = read_schedules(path) if (Path(path) / MANIFEST_FILE).is_file() else None
-        on = getattr(graphs["denoiser"], "device", "cpu")  # torch and TensorRT graphs: sample where they run
-        return cls(BackendGraphs(graphs), tokenizer, on, config=config, buckets=buckets, schedules=schedules)
 
     def bucket_length(self, length: int) -> int:
         """The padded length for a batch whose longest sequence has ``length`` positions."""
@@ -247,17 +213,17 @@ class LDLMPipeline:
     ) -> TextResult:
         """Sample n sequences of ``length`` tokens with ``steps`` denoiser calls each.
 
-        ``sampler`` is one of ``ldlm.config.SAMPLERS`` (default: the config's ``default_sampler``).
+        ``sampler`` is one of ``ldlm.model.config.SAMPLERS`` (default: the config's ``default_sampler``).
         Every sampler but ``"sde"`` is deterministic given the seed (the prior is still seeded);
         ``"sde"`` draws fresh noise every step, also from the seed. ``prompt`` (a text or its token
         ids, shorter than ``length``): every sample starts with it, by prefix inpainting
-        (ldlm/sampling/engine.py), and its text is the prompt's followed by the continuation. ``grid``:
-        a kind of ``ldlm.schedule.time_grid`` or ``"tuned"`` (default: the tuned grid where the checkpoint
+        (ldlm/sampling/loop.py), and its text is the prompt's followed by the continuation. ``grid``:
+        a kind of ``ldlm.sampling.schedule.time_grid`` or ``"tuned"`` (default: the tuned grid where the checkpoint
         has one for this sampler and step count, else the sampler's own). ``prior_temperature`` in (0, 1]:
         the prior's standard deviation (default: the config's, else 1); below 1 trades diversity for text
         nearer the training data. ``prompt_strength`` (range: ``ldlm.limits.PROMPT_STRENGTH``): the prompt's guidance weight (default 1:
         inpainting alone; other values denoise each sample a second time blind to the prompt and extrapolate,
-        ldlm/sampling/engine.py); without a prompt it changes nothing. Whatever is left out (None) is filled
+        ldlm/sampling/loop.py); without a prompt it changes nothing. Whatever is left out (None) is filled
         in by ``ldlm.sampling.resolve``, and the result's ``plan`` says what ran.
         """
         ids = None if prompt is None else self.text_ids([prompt])[0] if isinstance(prompt, str) else [int(i) for i in prompt]

@@ -23,11 +23,11 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ldlm.checkpoint import init_model, load_checkpoint, save_checkpoint
-from ldlm.config import preset
 from ldlm.export.onnx_export import export_graphs
-from ldlm.model import LDLM
-from ldlm.tokenizer import TextTokenizer
+from ldlm.model.checkpoint import init_model, load_checkpoint, save_checkpoint
+from ldlm.model.config import preset
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
 
 
 def peak_rss_mb() -> float:

@@ -30,8 +30,11 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export
-from ldlm.serve.checks.traffic import encoder_body, latent_width, run_clients, write_report
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export  # noqa: E402
+from scripts.harness.traffic import encoder_body, latent_width, run_clients, write_report  # noqa: E402
 
 
 def measure_overhead(url: str, source: str, requests: int) -> dict:

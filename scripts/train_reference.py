@@ -37,15 +37,15 @@ from typing import Any
 
 import torch
 
-from ldlm.checkpoint import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, init_model, save_checkpoint, write_checksums
 from ldlm.cli.options import prior_temperature
-from ldlm.config import preset
-from ldlm.corpus import Corpus, CorpusError, load_corpus, load_documents
 from ldlm.device import DeviceError, resolve_device
 from ldlm.files import atomic_directory, refuse_existing
-from ldlm.model import LDLM, count_parameters
-from ldlm.tokenizer import TextTokenizer
+from ldlm.model.checkpoint import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, init_model, save_checkpoint, write_checksums
+from ldlm.model.config import preset
+from ldlm.model.ldlm import LDLM, count_parameters
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.training import TrainingPlan, train
+from ldlm.training.corpus import Corpus, CorpusError, load_corpus, load_documents
 from ldlm.training.evaluation import held_out_windows, text_statistics, unigram_entropy_bits, words
 from ldlm.training.plan import FOCUS_T
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 
 from ldlm.export.artifact import MANIFEST_FILE, read_manifest, sha256_file
-from ldlm.export.verify import node_name_scopes
+from ldlm.export.layernorm.verify import node_name_scopes
 
 ENCODER_LN = "model.feature_model.h.1.ln_2"  # a LayerNorm of the tiny export's encoder graph
 

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ldlm.checkpoint import init_model, save_checkpoint
-from ldlm.config import LDLMConfig, preset
-from ldlm.model import LDLM
+from ldlm.model.checkpoint import init_model, save_checkpoint
+from ldlm.model.config import LDLMConfig, preset
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
 
 torch.set_num_threads(2)
 

@@ -1,5 +1,5 @@
 """The LDLM's three graphs written out again in NumPy float64, from the architecture as documented
-(ldlm/model.py's docstring), for the value tests: no torch in the math,
+(ldlm/model/ldlm.py's docstring), for the value tests: no torch in the math,
 only the weights are read from the module's state_dict.
 
 Shapes: B batch, T positions, D features, H heads, hd = D / H. Masks are (B, T) bool, True = real.

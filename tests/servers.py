@@ -15,7 +15,7 @@ from ldlm.serve.api.server import create_app, server_config
 from ldlm.serve.api.service import LDLMService
 
 # One port picker and one readiness wait (for a server in its own process) for the scripts and the tests.
-from ldlm.serve.checks.loopback import free_port, wait_ready  # noqa: F401
+from scripts.harness.loopback import free_port, wait_ready  # noqa: F401
 
 
 class RunningServer:

@@ -53,7 +53,7 @@ def _cmd_verify_onnx(args: argparse.Namespace) -> None:
 
 def _cmd_build_engine(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.export.engine import BuildOptions, build_engines, plan_summary
+    from ldlm.export.engine_builder import BuildOptions, build_engines, plan_summary
     from ldlm.export.profiles import EngineProfile
 
     calibration = None
@@ -80,7 +80,7 @@ def _cmd_build_engine(args: argparse.Namespace) -> None:
 
 def _cmd_triton_repo(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.export.triton_repo import list_models, write_triton_repo
+    from ldlm.serve.deploy.triton_repo import list_models, write_triton_repo
 
     cc_plans = {}
     for item in args.cc_plan or ():

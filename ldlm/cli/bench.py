@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, capped_positive_int_list, device_options, float_in, int_in
-from ldlm.config import INT_RANGES, SAMPLERS
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_THREADS, SETTINGS
+from ldlm.model.config import INT_RANGES, SAMPLERS
 from ldlm.serve.runtime.registry import DEFAULT_BACKEND
 
 # The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.

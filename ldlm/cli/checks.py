@@ -6,9 +6,9 @@ import argparse
 import json
 
 from ldlm.cli.options import STEPS, device_options, float_in, seed_int
-from ldlm.config import SAMPLERS
+from ldlm.export.layernorm.tolerances import gates_help
 from ldlm.limits import MAX_STEPS
-from ldlm.serve.checks.parity_gates import gates_help
+from ldlm.model.config import SAMPLERS
 from ldlm.serve.runtime.registry import DEFAULT_BACKEND, backend_help, backend_info, backend_names
 
 
@@ -54,7 +54,7 @@ def _cmd_parity(args: argparse.Namespace) -> None:
 
 def _cmd_probe_eps(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.serve.checks.eps_probe import write_eps_report
+    from ldlm.export.layernorm.eps_probe import write_eps_report
     from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 
     report = probe_layer_norm_eps(

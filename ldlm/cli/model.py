@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 
 from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, in_range, open_unit_float, positive_int, seed_int
-from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS, PROMPT_STRENGTH
+from ldlm.model.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 
 
 def _cmd_init(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from tqdm.auto import tqdm
 
-    from ldlm.checkpoint import init_model, refuse_replacing_more_than_saved, save_checkpoint
-    from ldlm.config import preset
     from ldlm.files import refuse_existing
-    from ldlm.tokenizer import TextTokenizer
+    from ldlm.model.checkpoint import init_model, refuse_replacing_more_than_saved, save_checkpoint
+    from ldlm.model.config import preset
+    from ldlm.model.tokenizer import TextTokenizer
 
     refuse_existing(args.out, args.force)  # before the model is built, which takes a while at base size
     refuse_replacing_more_than_saved(args.out)  # a trained checkpoint is not replaced by random weights
@@ -40,7 +41,7 @@ def _cmd_init(args: argparse.Namespace) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.checkpoint import load_config
+    from ldlm.model.checkpoint import load_config
     from ldlm.pipeline import LDLMPipeline
 
     config = load_config(args.checkpoint)  # the length's limit, before the model is built
@@ -88,10 +89,11 @@ def _cmd_reconstruct(args: argparse.Namespace) -> None:
 
 def _cmd_import_checkpoint(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.config import preset
-    from ldlm.import_config import parse_assignments
-    from ldlm.import_report import ImportCheckpointError
-    from ldlm.importing import import_checkpoint
+    from ldlm.importing.config import parse_assignments
+    from ldlm.importing.convert import import_checkpoint
+    from ldlm.importing.report import ImportCheckpointError
+    from ldlm.model.config import preset
+    from ldlm.serve.checks.parity import run_parity  # exports and runs ONNX: only when the round runs
 
     overrides = parse_assignments(args.set or [])
     try:
@@ -104,9 +106,8 @@ def _cmd_import_checkpoint(args: argparse.Namespace) -> None:
             args.allow_missing or [],
             args.seed,
             args.tokenizer_dir,
-            parity=not args.skip_parity,
+            parity=None if args.skip_parity else functools.partial(run_parity, progress=not args.quiet),
             overwrite=args.force,
-            progress=not args.quiet,
         )
     except ImportCheckpointError as error:
         if args.json:  # the whole report on stdout; the error line (every problem) follows on stderr

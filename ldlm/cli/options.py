@@ -94,7 +94,7 @@ def _number(value: float) -> str:
 STEPS = capped_positive_int(MAX_STEPS, " denoising steps (as ldlm serve's max_steps)")
 # A time of the diffusion grid, such as --t-min.
 open_unit_float = in_range(T_MIN)
-# The prior's standard deviation (ldlm.config's prior_temperature).
+# The prior's standard deviation (ldlm.model.config's prior_temperature).
 prior_temperature = in_range(PRIOR_TEMPERATURE)
 
 

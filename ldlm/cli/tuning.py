@@ -1,4 +1,4 @@
-"""``ldlm tune-schedule``: search a checkpoint's step grids and write its schedules.json (ldlm/tuning.py)."""
+"""``ldlm tune-schedule``: search a checkpoint's step grids and write its schedules.json (ldlm/training/grid_search.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ldlm.cli.options import capped_positive_int, capped_positive_int_list, in_range, int_in, seed_int
-from ldlm.config import DEFAULT_TUNING_OBJECTIVE, SAMPLERS, TUNING_OBJECTIVES
 from ldlm.limits import MAX_N, MAX_STEPS, THREADS
+from ldlm.model.config import DEFAULT_TUNING_OBJECTIVE, SAMPLERS, TUNING_OBJECTIVES
 
 if TYPE_CHECKING:  # for the annotations only: the CLI loads torch per command
-    from ldlm.config import LDLMConfig
+    from ldlm.model.config import LDLMConfig
     from ldlm.pipeline import LDLMPipeline
-    from ldlm.sampling.schedules import TunedGrid, TunedSchedules
+    from ldlm.sampling.tuned_grids import TunedGrid, TunedSchedules
 
 MAX_EVALUATIONS = 100_000  # sampling runs per step count: hours even on tiny
 
@@ -24,9 +24,9 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     import torch
 
-    from ldlm.checkpoint import WEIGHTS_FILE, load_config
-    from ldlm.sampling.schedules import weights_sha256
-    from ldlm.tuning import Tuner, TuningInterrupted, TuningSettings, check_reference_steps, schedules_of, tune_grid
+    from ldlm.model.checkpoint import WEIGHTS_FILE, load_config
+    from ldlm.sampling.tuned_grids import weights_sha256
+    from ldlm.training.grid_search import Tuner, TuningInterrupted, TuningSettings, check_reference_steps, schedules_of, tune_grid
 
     out = _target(args)
     check_reference_steps(args.reference_steps, args.steps, "--reference-steps")
@@ -75,7 +75,7 @@ def _target(args: argparse.Namespace) -> Path:
     """Where the grids go, checked before any work: ``--out``, or the checkpoint's own schedules.json, which sets
     the step count every generation from it takes by default, only with ``--force``. An existing file is
     replaced only with ``--force``."""
-    from ldlm.sampling.schedules import SCHEDULES_FILE  # per command: building the parser imports no torch
+    from ldlm.sampling.tuned_grids import SCHEDULES_FILE  # per command: building the parser imports no torch
 
     own = Path(args.checkpoint) / SCHEDULES_FILE
     if args.schedules_out is None and not args.force:
@@ -94,7 +94,7 @@ def _target(args: argparse.Namespace) -> Path:
 
 def _current(checkpoint: Path, sha: str) -> TunedSchedules | None:
     """The checkpoint's schedules.json as generation uses it now: None when it has none or one for other weights."""
-    from ldlm.sampling.schedules import ScheduleError, load_schedules  # per command: building the parser imports no torch
+    from ldlm.sampling.tuned_grids import ScheduleError, load_schedules  # per command: building the parser imports no torch
 
     try:
         return load_schedules(checkpoint, sha256=sha)
@@ -105,7 +105,7 @@ def _current(checkpoint: Path, sha: str) -> TunedSchedules | None:
 def _earlier(out: Path, sha: str, config: LDLMConfig) -> TunedSchedules | None:
     """The grids of the file being replaced that this run keeps (other step counts), or None when it has
     none, was tuned for other weights, or at another t_min or prior temperature."""
-    from ldlm.sampling.schedules import SCHEDULES_FILE, ScheduleError, load_schedules  # per command: building the parser imports no torch
+    from ldlm.sampling.tuned_grids import SCHEDULES_FILE, ScheduleError, load_schedules  # per command: building the parser imports no torch
 
     if out.name != SCHEDULES_FILE or not out.is_file():
         return None
@@ -124,9 +124,9 @@ def _report_defaults(args: argparse.Namespace, out: Path, before: TunedSchedules
     """Which default step counts the written grids change, old -> new per sampler: in the checkpoint when they
     were written into it, else what they would change there."""
     # per command: building the parser imports no torch
-    from ldlm.checkpoint import load_config
-    from ldlm.sampling.schedules import SCHEDULES_FILE
-    from ldlm.tuning import default_changes
+    from ldlm.model.checkpoint import load_config
+    from ldlm.sampling.tuned_grids import SCHEDULES_FILE
+    from ldlm.training.grid_search import default_changes
 
     changes = default_changes(load_config(args.checkpoint), before, after)
     shown = ", ".join(f"{s} {old} -> {new}" if old != new else f"{s} {old} (unchanged)" for s, (old, new) in changes.items())
@@ -141,7 +141,7 @@ def _pipeline(args: argparse.Namespace) -> LDLMPipeline:
     """The checkpoint in eager PyTorch, or its export on ONNX Runtime (``--onnx-dir``), without its tuned grids:
     the search names every grid it runs, and a schedules.json tuned for other weights is what it replaces."""
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.checkpoint import load_checkpoint, load_config
+    from ldlm.model.checkpoint import load_checkpoint, load_config
     from ldlm.pipeline import LDLMPipeline
     from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
     from ldlm.serve.runtime.registry import ORT

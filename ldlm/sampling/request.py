@@ -5,7 +5,7 @@ the allowed range.
 Every generating path (``LDLMPipeline.generate``, the continuous-batching scheduler behind /v1/generate and
 /v1/completions, Triton's ``ldlm_generate``, parity, bench) resolves its request here, and no front end
 fills in a default of its own: what a request leaves out (None) is the config's default, or, where the
-checkpoint has tuned step grids (``schedules``, ldlm/sampling/schedules.py) tuned for the request's t_min
+checkpoint has tuned step grids (``schedules``, ldlm/sampling/tuned_grids.py) tuned for the request's t_min
 and prior temperature, the tuned default: the sampler's tuned step count and its tuned grid
 (``grid="tuned"``). Per-request caps (``RequestLimits``) are those of the caller: the server's and
 Triton's come from its settings; a Python caller of the pipeline has none. ``SamplingPlan.summary``
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ldlm.config import SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.limits import PRIOR_TEMPERATURE, PROMPT_STRENGTH, T_MIN
-from ldlm.samplers import Sampler, get_sampler
+from ldlm.model.config import SAMPLERS, TUNED_GRID, LDLMConfig
 from ldlm.sampling.noise import check_seed
-from ldlm.sampling.schedules import TunedSchedules
-from ldlm.schedule import GRIDS, TangentSchedule, time_grid
+from ldlm.sampling.samplers import Sampler, get_sampler
+from ldlm.sampling.schedule import GRIDS, TangentSchedule, time_grid
+from ldlm.sampling.tuned_grids import TunedSchedules
 
 # A prompt's guidance weight when a request names none: inpainting alone, no second denoiser row (on the
 # reference checkpoint no weight both moved the continuation and made the corpus's next words likelier:
@@ -47,7 +47,7 @@ class GenerateRequest:
     t_min: float | None = None
     grid: str | None = None
     prior_temperature: float | None = None
-    prompt_strength: float | None = None  # a prompt's guidance weight (ldlm/sampling/engine.py); no prompt: no effect
+    prompt_strength: float | None = None  # a prompt's guidance weight (ldlm/sampling/loop.py); no prompt: no effect
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class SamplingPlan:
     seed: int
     sampler: Sampler
     t_min: float
-    grid: str  # a kind of ldlm.schedule.time_grid, or "tuned"
+    grid: str  # a kind of ldlm.sampling.schedule.time_grid, or "tuned"
     tuned_times: tuple[float, ...] | None = None  # the tuned grid's times (grid="tuned")
     prior_temperature: float = 1.0  # x_1 ~ N(0, prior_temperature^2 I)
     prompt_strength: float = DEFAULT_PROMPT_STRENGTH  # a prompt's guidance weight w (1: inpainting alone)

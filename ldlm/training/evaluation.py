@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.schedule import TangentSchedule, forward_noise
-from ldlm.tokenizer import TextTokenizer
+from ldlm.sampling.schedule import TangentSchedule, forward_noise
 from ldlm.training.objectives import device_of, self_conditioned_x0, windows
 
 WORD = re.compile(r"[A-Za-z]+")

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ldlm.model import LDLM
-from ldlm.schedule import TangentSchedule, forward_noise
+from ldlm.model.ldlm import LDLM
+from ldlm.sampling.schedule import TangentSchedule, forward_noise
 from ldlm.training.plan import DENOISER_LENGTHS, FOCUS_T, TrainingPlan
 
 STAGES = ("features", "autoencoder", "autoencoder_long", "latents", "denoiser", "decoder", "done")

@@ -27,10 +27,10 @@ import math
 
 import torch
 
-from ldlm.latent_decoder import LatentDecoder
-from ldlm.latent_encoder import LatentEncoder
-from ldlm.layers import LatentAttention
-from ldlm.model import LDLM
+from ldlm.model.latent_decoder import LatentDecoder
+from ldlm.model.latent_encoder import LatentEncoder
+from ldlm.model.layers import LatentAttention
+from ldlm.model.ldlm import LDLM
 
 
 def position_sinusoids(count: int, dim: int, heads: int, period: float) -> torch.Tensor:

@@ -27,11 +27,11 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from ldlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_state_dict, read_safetensors
-from ldlm.corpus import Corpus
 from ldlm.files import atomic_directory
-from ldlm.model import LDLM
-from ldlm.schedule import TangentSchedule
+from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_state_dict, read_safetensors
+from ldlm.model.ldlm import LDLM
+from ldlm.sampling.schedule import TangentSchedule
+from ldlm.training.corpus import Corpus
 from ldlm.training.evaluation import denoiser_evaluation, reconstruction_accuracy
 from ldlm.training.objectives import (
     STAGES,

@@ -39,8 +39,11 @@ from typing import Any
 
 import httpx
 
-from ldlm.serve.checks.loopback import free_port, serve_command, stop_server, tiny_export, wait_ready
-from ldlm.serve.checks.traffic import write_report
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.loopback import free_port, serve_command, stop_server, tiny_export, wait_ready  # noqa: E402
+from scripts.harness.traffic import write_report  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -39,13 +39,17 @@ import httpx
 import numpy as np
 from torch import nn
 
-from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
 from ldlm.files import write_atomically
+from ldlm.model.config import LDLMConfig
+from ldlm.model.token_decoder import VocabularyHead
 from ldlm.serve.checks.bench_latency import graph_feed, timed_call
-from ldlm.serve.checks.loopback import free_port, start_server, stop_server, tiny_export
 from ldlm.serve.runtime.backends import open_graphs
-from ldlm.token_decoder import VocabularyHead
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.loopback import free_port, start_server, stop_server, tiny_export  # noqa: E402
 
 REFERENCE = "models/ldlm-austen-tiny"
 LENGTH = 128

@@ -142,16 +142,17 @@ from typing import Any
 import torch
 
 import ldlm
-from ldlm.checkpoint import WEIGHTS_FILE, init_model, load_checkpoint, save_checkpoint
-from ldlm.config import SAMPLERS, LDLMConfig, preset
 from ldlm.device import DeviceError, resolve_device
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.files import write_atomically
-from ldlm.model import LDLM
+from ldlm.model.checkpoint import WEIGHTS_FILE, init_model, load_checkpoint, save_checkpoint
+from ldlm.model.config import SAMPLERS, LDLMConfig, preset
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling.request import GenerateRequest as SamplingRequest
 from ldlm.sampling.request import resolve
-from ldlm.sampling.schedules import load_schedules
+from ldlm.sampling.tuned_grids import load_schedules
 from ldlm.serve.checks.bench_latency import bench_generation, bench_graphs, graph_feed
 from ldlm.serve.checks.bench_workload import WORKLOAD_STEPS, mixed_workload, run_workload, workload_lengths_used
 from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens
@@ -159,12 +160,10 @@ from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, InductorBackend, length_buckets, prepare_model
-from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_service import http_stage, previews_stage, probe_eps_stage  # noqa: E402
-
-from ldlm.serve.checks.gpu_targets import summary_markdown  # noqa: E402
+from gpu_targets import summary_markdown  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from ldlm.checkpoint import init_model
-from ldlm.config import SAMPLERS, preset
+from ldlm.model.checkpoint import init_model
+from ldlm.model.config import SAMPLERS, preset
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.torch_backends import CompiledBackend, InductorBackend, length_buckets, prepare_model
-from ldlm.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_check import Run  # noqa: E402

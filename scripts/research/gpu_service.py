@@ -16,12 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ldlm.checkpoint import init_model, save_checkpoint
-from ldlm.config import preset
+from ldlm.model.checkpoint import init_model, save_checkpoint
+from ldlm.model.config import preset
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.checks import traffic
-from ldlm.serve.checks.loopback import free_port, serve_command, start_server, stop_server
 from ldlm.serve.runtime.graph_backend import GraphBackend
-from ldlm.tokenizer import TextTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.loopback import free_port, serve_command, start_server, stop_server  # noqa: E402
 
 
 def kserve_encoder_body(length: int, seed: int) -> bytes:

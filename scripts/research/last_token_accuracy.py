@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ldlm.checkpoint import load_checkpoint
 from ldlm.files import write_atomically
+from ldlm.model.checkpoint import load_checkpoint
 from ldlm.training.evaluation import last_token_accuracy, own_position_share
 from ldlm.training.objectives import standard_features
 

@@ -27,6 +27,7 @@ import argparse
 import os
 import re
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -37,8 +38,12 @@ from urllib.parse import urlparse
 import httpx
 
 from ldlm.limits import PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
-from ldlm.serve.checks.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export
-from ldlm.serve.checks.traffic import first_preview_seconds, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.loopback import LOOPBACK, free_port, start_server, stop_server, tiny_export  # noqa: E402
+from scripts.harness.traffic import first_preview_seconds, write_report  # noqa: E402
 
 
 def run_threads(target: Callable[[int], None], count: int) -> None:

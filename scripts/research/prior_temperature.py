@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ldlm.corpus import load_corpus, load_documents
 from ldlm.files import save_figure, write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, resolve
+from ldlm.training.corpus import load_corpus, load_documents
 from ldlm.training.evaluation import bigram_log_likelihood, corpus_word_share, held_out_windows, unigram_entropy_bits, words
 
 

@@ -26,7 +26,7 @@ Methods: ``inpainting`` (the engine's default: the prompt's latents forward-nois
 the same at twice the steps (the guided methods' denoiser work); ``clean self-conditioning`` (the prompt's
 clean latents as the self-conditioning input at its positions); ``clean prompt in x_t`` (the prompt held
 clean, not noised); ``RePaint`` (each step taken, noised back up to its start and taken again,
-Lugmayr et al. 2022); and prompt guidance at each ``--strengths`` weight (ldlm/sampling/engine.py, the
+Lugmayr et al. 2022); and prompt guidance at each ``--strengths`` weight (ldlm/sampling/loop.py, the
 plan's ``prompt_strength``). ``true latents`` decodes the windows' own encoded latents: what the measures
 read for a continuation that follows its prompt exactly. ``adopt`` names the methods that at most double
 the denoiser rows, halve inpainting's equal share, and raise its own-minus-other log-probability by more
@@ -52,7 +52,7 @@ from torch import Tensor
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import DenoiseFn, GenerateRequest, NoiseStream, SampleState, resolve, run_lockstep
-from ldlm.schedule import per_sample
+from ldlm.sampling.schedule import per_sample
 
 WINDOWS = Path(__file__).resolve().parents[2] / "tests" / "data" / "reference-held-out-windows.json"
 NEAR = 4  # the continuation's first positions, where a prompt's neighbours should count most

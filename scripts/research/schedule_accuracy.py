@@ -4,7 +4,7 @@
 
 For each preset (a random-init checkpoint with random norms, as ``ldlm init --norm-init random``, or a
 checkpoint directory) and each sampler of ``--samplers``, the grids of ``--steps`` are tuned as
-``ldlm tune-schedule`` tunes them (ldlm/tuning.py: power scan, search on the tuning seed and length,
+``ldlm tune-schedule`` tunes them (ldlm/training/grid_search.py: power scan, search on the tuning seed and length,
 the lowest validation error of the default, best power and searched grids kept; DDIM@--reference-steps
 as the reference), then every kept grid is scored on held-out seeds at every held-out length: the
 relative error of the final latent and the token agreement with the reference, beside the sampler's
@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from ldlm.checkpoint import preset_or_checkpoint
-from ldlm.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES
 from ldlm.device import resolve_device
 from ldlm.files import save_figure, write_atomically
+from ldlm.model.checkpoint import preset_or_checkpoint
+from ldlm.model.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tuning import Tuner, TuningSettings, matches_ddim50, tune_grid
+from ldlm.training.grid_search import Tuner, TuningSettings, matches_ddim50, tune_grid
 
 DDIM_STEPS = (10, 20, 50, 100)
 
@@ -118,7 +118,7 @@ def main() -> None:
         "--objective",
         choices=TUNING_OBJECTIVES,
         default=DEFAULT_TUNING_OBJECTIVE,
-        help="what the search minimizes (ldlm/tuning.py; default: %(default)s)",
+        help="what the search minimizes (ldlm/training/grid_search.py; default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="init seed of the random checkpoints (default: 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the loopback helpers, when run as a script from any folder
 
 from ldlm.files import write_atomically  # noqa: E402
-from ldlm.serve.checks.loopback import free_port, serve_command, wait_ready  # noqa: E402
+from scripts.harness.loopback import free_port, serve_command, wait_ready  # noqa: E402
 
 TRAFFIC = Path(__file__).with_name("soak_traffic.py")
 FAULTS = ("sigterm", "sigkill", "full-disk", "ray-replica")

@@ -9,7 +9,7 @@ on the decoded tokens' agreement. Self-conditioning is on, as the model is train
 stochastic ``sde`` solver samples another path by design and is left out.
 
 A Gaussian oracle section gives the same errors against the exact ODE solution, and each solver's
-observed order (log-log slope over 50..200 steps); see tests/ldlm/test_samplers.py.
+observed order (log-log slope over 50..200 steps); see tests/ldlm/sampling/test_samplers.py.
 
     python scripts/research/solver_accuracy.py --out docs/measurements/solvers-2026-12-01.json
 
@@ -30,12 +30,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ldlm.checkpoint import preset_or_checkpoint
 from ldlm.files import save_figure, write_atomically
+from ldlm.model.checkpoint import preset_or_checkpoint
 from ldlm.pipeline import LDLMPipeline
-from ldlm.samplers import SAMPLERS_BY_NAME
 from ldlm.sampling import run_sampler
-from ldlm.schedule import TangentSchedule
+from ldlm.sampling.samplers import SAMPLERS_BY_NAME
+from ldlm.sampling.schedule import TangentSchedule
 
 DETERMINISTIC = [name for name, solver in SAMPLERS_BY_NAME.items() if not solver.stochastic]
 SHAPES = {"tiny": (8, 64), "base": (2, 32)}  # (samples, tokens) per preset: base runs 2,000 steps on a CPU

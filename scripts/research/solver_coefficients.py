@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Per-step solver coefficients searched with the grid: how far they take a few-step sampler on a
 checkpoint, beyond the tuned grid that ``ldlm tune-schedule`` ships (a measurement of a method the
-product does not ship: ldlm/samplers.py has no per-step coefficients).
+product does not ship: ldlm/sampling/samplers.py has no per-step coefficients).
 
 For dpm3m-psc-unic at ``--steps`` N, the search is over 3N numbers, from the checkpoint's tuned grid
 (its ``schedules.json``) with every coefficient at 1:
-  - the grid's N step-size logits (ldlm/tuning.py's ``grid_of``);
+  - the grid's N step-size logits (ldlm/training/grid_search.py's ``grid_of``);
   - k_i, a multiplier on step i's multistep correction: the step's x0 is m0 + k_i (x0_multistep - m0);
   - c_i, a multiplier on the corrector's change at step i: x <- x + c_i (x_redone - x)
 (S4S-style learned solver coefficients, without gradients: Nelder-Mead, ``--evaluations`` runs).
@@ -37,10 +37,10 @@ from torch import Tensor
 
 from ldlm.files import write_atomically
 from ldlm.pipeline import LDLMPipeline
-from ldlm.samplers import Sampler, StepResult, ddim_step, get_sampler, multistep_x0, predicted_self_conditioning
 from ldlm.sampling import GenerateRequest, resolve, run_lockstep
-from ldlm.schedule import per_sample
-from ldlm.tuning import Samples, Tuner, TuningSettings, grid_of, logits_of, nelder_mead
+from ldlm.sampling.samplers import Sampler, StepResult, ddim_step, get_sampler, multistep_x0, predicted_self_conditioning
+from ldlm.sampling.schedule import per_sample
+from ldlm.training.grid_search import Samples, Tuner, TuningSettings, grid_of, logits_of, nelder_mead
 
 SAMPLER = "dpm3m-psc-unic"
 

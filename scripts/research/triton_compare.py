@@ -37,10 +37,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ldlm.serve.checks.loopback import free_port, start_server, stop_server, tiny_export
-from ldlm.serve.checks.traffic import generate_body, run_clients, write_report
 from ldlm.serve.deploy.triton_env import DEFAULT_CACHE, prepare_env  # noqa: E402
 from ldlm.serve.deploy.triton_server import start_server as start_triton  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.loopback import free_port, start_server, stop_server, tiny_export  # noqa: E402
+from scripts.harness.traffic import generate_body, run_clients, write_report  # noqa: E402
 
 MAX_BATCH = 16  # ldlm serve's default max_batch; Triton's max_batch_size is set to the same
 
@@ -196,7 +200,7 @@ def main() -> None:
     if not 1 <= args.length <= 4096 or not 1 <= args.gen_length <= 4096 or not 1 <= args.gen_steps <= 1000:
         parser.error("--length and --gen-length must be in 1..4096, --gen-steps in 1..1000")
 
-    from ldlm.export.triton_repo import write_triton_repo
+    from ldlm.serve.deploy.triton_repo import write_triton_repo
 
     env = prepare_env(args.cache)
     report: dict = {"host": host(), "settings": {**vars(args), "max_batch": MAX_BATCH, "order": "A B B A per workload"}}

@@ -27,13 +27,13 @@ from pathlib import Path
 import onnx
 import torch
 
-import ldlm
-from ldlm.checkpoint import WEIGHTS_FILE, load_config
+from ldlm import __version__
 from ldlm.export.artifact import ArtifactError, check_artifacts, read_manifest, read_schedules, sha256_file
 from ldlm.export.graphs import GRAPHS_FORMAT
 from ldlm.export.onnx_export import export_graphs
-from ldlm.sampling.schedules import SCHEDULES_FILE
-from ldlm.tokenizer import TOKENIZER_FILE
+from ldlm.model.checkpoint import WEIGHTS_FILE, load_config
+from ldlm.model.tokenizer import TOKENIZER_FILE
+from ldlm.sampling.tuned_grids import SCHEDULES_FILE
 
 
 def cache_root() -> Path:
@@ -62,7 +62,7 @@ def export_key(checkpoint: Path, with_logits: bool, quantize: str | None = None)
         "config_sha256": load_config(checkpoint).config_hash(),
         # copied into the export: another tokenizer or tuned grids with the same weights is another export
         "files": {name: sha256_file(checkpoint / name) for name in (TOKENIZER_FILE, SCHEDULES_FILE) if (checkpoint / name).is_file()},
-        "ldlm_version": ldlm.__version__,
+        "ldlm_version": __version__,
         "graphs_format": GRAPHS_FORMAT,
         "torch_version": torch.__version__,
         "onnx_version": onnx.__version__,

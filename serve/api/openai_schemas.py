@@ -1,7 +1,7 @@
 """The request body of OpenAI's completions, as this diffusion model can honour it.
 
 ``temperature``, ``top_p`` and ``logprobs`` act at the token decoder, which gives a distribution over
-tokens at every position (ldlm/token_sampling.py); temperature 0, the default, is its argmax. OpenAI
+tokens at every position (ldlm/sampling/tokens.py); temperature 0, the default, is its argmax. OpenAI
 parameters that mean nothing to a diffusion sampler are accepted only at the value that asks
 for nothing, else refused (400) naming the parameter; LDLM's own (steps, sampler, t_min, timeout_s)
 are extra body fields. The body carries this server's limits, so ``completion_body`` builds it per app.
@@ -17,9 +17,9 @@ from pydantic import BaseModel, Field, create_model
 
 from ldlm.limits import TEMPERATURE, TOP_LOGPROBS, TOP_P
 from ldlm.sampling import GenerateRequest
+from ldlm.sampling.tokens import TokenSampling
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, SamplingBody, ranged, sampling_fields, timeout_field
-from ldlm.token_sampling import TokenSampling
 
 MODEL_ID = "ldlm"
 
@@ -42,7 +42,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
 
 
-# The token decoder's own: how each token is chosen from its distribution (ldlm/token_sampling.py).
+# The token decoder's own: how each token is chosen from its distribution (ldlm/sampling/tokens.py).
 DECODING_FIELDS: dict[str, Any] = {
     "temperature": (
         float | None,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.serve.api.errors import HTTPError
-from ldlm.tokenizer import TextTokenizer
 
 
 def prompt_prefix(pipeline: LDLMPipeline, prompt: str, length: int) -> tuple[Tensor | None, int]:

@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
-from ldlm.config import GRIDS, SAMPLERS, TUNED_GRID
 from ldlm.limits import Range, body_ranges
+from ldlm.model.config import GRIDS, SAMPLERS, TUNED_GRID
 from ldlm.sampling import GenerateRequest
 
 
@@ -78,7 +78,7 @@ class RequestModels:
     limits: dict[str, Range]  # field -> allowed range, for messages
 
 
-# The sampler names a request may give: ldlm.config.SAMPLERS, the one list, as a type that pydantic
+# The sampler names a request may give: ldlm.model.config.SAMPLERS, the one list, as a type that pydantic
 # validates and /openapi.json lists.
 SamplerName = Literal[SAMPLERS]  # type: ignore[valid-type]
 GridName = Literal[(TUNED_GRID, *GRIDS)]  # type: ignore[valid-type]

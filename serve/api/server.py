@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 from fastapi import FastAPI
 
-import ldlm
+from ldlm import __version__
 from ldlm.interrupts import raise_if_interrupted
 from ldlm.serve.api.errors import add_error_handlers
 from ldlm.serve.api.http_guard import GuardMiddleware, JsonLogFormatter, guarded_protocol
@@ -54,7 +54,7 @@ def create_app(service: LDLMService) -> FastAPI:
 
     app = FastAPI(
         title="ldlm",
-        version=ldlm.__version__,
+        version=__version__,
         lifespan=lifespan,
         responses=ERROR_RESPONSES,
         docs_url=None,

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ldlm.checkpoint import checkpoint_schedules
-from ldlm.config import SAMPLERS, LDLMConfig
 from ldlm.export.artifact import MANIFEST_FILE, read_schedules
 from ldlm.export.onnx_export import export_graphs
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS
+from ldlm.model.config import SAMPLERS, LDLMConfig
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest, RequestLimits, SamplingEngine
-from ldlm.sampling.schedules import TunedSchedules
+from ldlm.sampling.tuned_grids import TunedSchedules, checkpoint_schedules
 from ldlm.serve.api.export_cache import cached_export
 from ldlm.serve.api.metrics import Metrics
 from ldlm.serve.api.schemas import BodyLimits
@@ -36,7 +36,6 @@ from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.registry import DEFAULT_BACKEND
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import length_buckets
-from ldlm.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)

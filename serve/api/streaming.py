@@ -21,12 +21,12 @@ from typing import Any
 
 from torch import Tensor
 
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
 from ldlm.serve.api.prompted import after_prompt, text_after
 from ldlm.serve.runtime.generation import Preview
-from ldlm.tokenizer import TextTokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ldlm.checkpoint import checkpoint_schedules, load_config
-from ldlm.config import LDLMConfig
 from ldlm.export.onnx_export import export_graphs
+from ldlm.model.checkpoint import load_config
+from ldlm.model.config import LDLMConfig
 from ldlm.pipeline import LDLMPipeline, check_length
-from ldlm.sampling.schedules import TunedSchedules
+from ldlm.sampling.tuned_grids import TunedSchedules, checkpoint_schedules
 from ldlm.serve.checks.bench_latency import (
     available_cpus,
     bench_generation,

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ldlm.config import GRIDS, TUNED_GRID, LDLMConfig
 from ldlm.limits import MAX_STEPS, MAX_THREADS
+from ldlm.model.config import GRIDS, TUNED_GRID, LDLMConfig
 from ldlm.pipeline import LDLMPipeline
-from ldlm.samplers import get_sampler
+from ldlm.sampling.samplers import get_sampler
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.registry import REFERENCE_BACKEND
 
@@ -186,7 +186,7 @@ def bench_generation(
 
 def parse_solver_specs(text: str) -> list[tuple[str, int, str | None]]:
     """'ddim@50,dpm3m-psc@10:tuned' -> [('ddim', 50, None), ('dpm3m-psc', 10, 'tuned')], each name checked
-    (a grid after ':' is one of ldlm.config's GRIDS or 'tuned'; None: the default for that sampler and step count)."""
+    (a grid after ':' is one of ldlm.model.config's GRIDS or 'tuned'; None: the default for that sampler and step count)."""
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         spec, _, grid = item.partition(":")

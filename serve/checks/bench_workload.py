@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ldlm.config import LDLMConfig
+from ldlm.model.config import LDLMConfig
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.checks.bench_latency import percentile
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler

@@ -9,12 +9,13 @@ import os
 import time
 from pathlib import Path
 
-from ldlm.checkpoint import load_checkpoint
 from ldlm.export.artifact import check_from_checkpoint
-from ldlm.model import LDLM
-from ldlm.serve.checks.eps_probe import EpsProbeReport
-from ldlm.serve.checks.eps_probe_ort import probe_onnx_export
-from ldlm.serve.checks.eps_probe_trt import probe_engines
+from ldlm.export.layernorm.eps_probe import EpsProbeReport
+from ldlm.export.layernorm.eps_probe_ort import probe_onnx_export
+from ldlm.export.layernorm.eps_probe_trt import probe_engines
+from ldlm.model.checkpoint import load_checkpoint
+from ldlm.model.ldlm import LDLM
+from ldlm.serve.runtime.registry import PROBE_BACKENDS
 
 
 def probe_layer_norm_eps(
@@ -38,9 +39,11 @@ def probe_layer_norm_eps(
     model = checkpoint if isinstance(checkpoint, LDLM) else load_checkpoint(checkpoint)[0]
     start = time.perf_counter()
     if engine_dir is not None:
-        report = probe_engines(model, Path(engine_dir), None if onnx_dir is None else Path(onnx_dir), seed, flavor, progress)
+        report = probe_engines(
+            model, Path(engine_dir), None if onnx_dir is None else Path(onnx_dir), seed, flavor, progress, backend=PROBE_BACKENDS["engines"]
+        )
     else:
-        report = probe_onnx_export(model, Path(onnx_dir), seed, providers, progress)  # type: ignore[arg-type]
+        report = probe_onnx_export(model, Path(onnx_dir), seed, providers, progress, backend=PROBE_BACKENDS["export"])  # type: ignore[arg-type]
     report.seconds = round(time.perf_counter() - start, 3)
     return report
 

@@ -8,7 +8,7 @@ Three levels, all against eager as the reference:
   3. end to end: the same seed and noise through eager and engine generation with the
      deterministic sampler, as token agreement.
 Given an artifact (an export or engine directory), the structural verifier runs first; and every
-LayerNorm is also probed alone on inputs where eps decides (serve/checks/eps_probe.py), on the backend
+LayerNorm is also probed alone on inputs where eps decides (export/layernorm/eps_probe.py), on the backend
 under test: a wrong epsilon is invisible at ordinary activations. The torch backends (eager, compiled)
 run the checkpoint's own modules: with no artifact, neither the verifier nor the probes apply.
 ``bisect`` names the first LayerNorm (in execution order) whose output diverges.
@@ -28,30 +28,29 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ldlm.checkpoint import checkpoint_schedules, load_checkpoint
-from ldlm.export.artifact import check_from_checkpoint, read_manifest
+from ldlm.export.artifact import check_from_checkpoint, read_manifest, read_plan_manifest
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
+from ldlm.export.layernorm.compare import min_cosine, tolerance
+from ldlm.export.layernorm.eps_probe_trt import locate_plan_onnx
+from ldlm.export.layernorm.verify import LayerNormSpec, VerifyResult, verify_onnx
 from ldlm.export.onnx_export import export_graphs, graph_layer_norm_specs
-from ldlm.export.verify import LayerNormSpec, VerifyResult, verify_onnx
-from ldlm.model import LDLM
-from ldlm.sampling.schedules import TunedSchedules
-from ldlm.serve.checks.compare import min_cosine, tolerance
+from ldlm.model.checkpoint import load_checkpoint
+from ldlm.model.ldlm import LDLM
+from ldlm.sampling.tuned_grids import TunedSchedules, checkpoint_schedules
 from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
-from ldlm.serve.checks.eps_probe_trt import locate_plan_onnx
 from ldlm.serve.checks.parity_end_to_end import compare_with_eager
 from ldlm.serve.checks.parity_graphs import compare_layer_norms
 from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED, ParityReport, first_divergence
 from ldlm.serve.runtime.backends import info_of, open_graphs, ort_providers
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.registry import DEFAULT_BACKEND
-from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
 from ldlm.serve.runtime.torch_backends import EagerBackend
 
 AfterGraph = Callable[[ParityReport, str, EagerBackend, dict[str, dict[str, np.ndarray]]], None]
 
 
 def verify_artifact(model: LDLM, backend: str, source: Path) -> list[VerifyResult]:
-    """The structural verifier (export/verify.py) on every graph of the artifact, against the
+    """The structural verifier (export/layernorm/verify.py) on every graph of the artifact, against the
     checkpoint's own modules: the export's ONNX files, or for engines the ONNX each plan was built from."""
     results = []
     for name in GRAPH_NAMES:

@@ -10,16 +10,16 @@ import numpy as np
 import torch
 
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.model import LDLM
+from ldlm.export.layernorm.compare import tolerance
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampling.schedules import TunedSchedules
-from ldlm.serve.checks.compare import tolerance
+from ldlm.sampling.tuned_grids import TunedSchedules
 from ldlm.serve.checks.parity_graphs import compare_graph, input_sets
 from ldlm.serve.checks.parity_result import TOKEN_AGREEMENT_REQUIRED, ParityReport
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.torch_backends import EagerBackend
-from ldlm.tokenizer import TextTokenizer
 
 
 def eager_tokens(

@@ -12,14 +12,14 @@ import numpy as np
 import onnx
 import torch
 
-from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
-from ldlm.model import LDLM
-from ldlm.serve.checks.compare import compare_outputs, min_cosine
+from ldlm.export.layernorm.compare import compare_outputs, min_cosine
+from ldlm.export.layernorm.verify import LayerNormSpec, pair_layer_norm_nodes
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.checks.parity_result import ParityReport
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.ort_backend import OrtBackend
 from ldlm.serve.runtime.torch_backends import EagerBackend
-from ldlm.tokenizer import TextTokenizer
 
 REAL_TEXT = [
     "The quick brown fox jumps over the lazy dog.",

@@ -15,9 +15,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.export.layernorm.compare import HISTOGRAM_EDGES
+from ldlm.export.layernorm.tolerances import bounded, gate_text
 from ldlm.files import save_figure, write_atomically
-from ldlm.serve.checks.compare import HISTOGRAM_EDGES
-from ldlm.serve.checks.parity_gates import bounded, gate_text
 from ldlm.serve.checks.parity_result import ParityReport
 
 

@@ -8,12 +8,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ldlm.export.verify import VerifyResult
-from ldlm.serve.checks.compare import Comparison
-from ldlm.serve.checks.eps_probe import EpsProbeReport
+from ldlm.export.layernorm.compare import Comparison
+from ldlm.export.layernorm.eps_probe import EpsProbeReport
 
 # the gate lives in parity_gates with the others; the checks import it from here
-from ldlm.serve.checks.parity_gates import TOKEN_AGREEMENT_REQUIRED as TOKEN_AGREEMENT_REQUIRED
+from ldlm.export.layernorm.tolerances import TOKEN_AGREEMENT_REQUIRED as TOKEN_AGREEMENT_REQUIRED
+from ldlm.export.layernorm.verify import VerifyResult
 
 
 @dataclass

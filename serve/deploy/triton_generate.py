@@ -7,7 +7,7 @@ engine, with the same per-sample noise streams as our runner), so a seed gives t
 The ``ldlm`` package must be importable in Triton's Python environment (see docs/scale-out.md).
 
 Inputs (one request each): N (1..max_n), LENGTH, STEPS (1..max_steps), SEED (INT64 [1]), SAMPLER
-(BYTES [1], a name of ldlm.config.SAMPLERS; default: the config's default_sampler), optional T_MIN
+(BYTES [1], a name of ldlm.model.config.SAMPLERS; default: the config's default_sampler), optional T_MIN
 (FP32 [1]) and PRIOR_TEMPERATURE (FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
 """
 
@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
 
-from ldlm.config import LDLMConfig
 from ldlm.limits import MAX_N, MAX_STEPS
+from ldlm.model.config import LDLMConfig
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.sampling import GenerateRequest, RequestLimits, SamplingEngine, resolve, run_lockstep
-from ldlm.sampling.schedules import load_schedules
-from ldlm.schedule import TangentSchedule
-from ldlm.tokenizer import TextTokenizer
+from ldlm.sampling.schedule import TangentSchedule
+from ldlm.sampling.tuned_grids import load_schedules
 
 TRITON_NAMES = {
     "n": "N",

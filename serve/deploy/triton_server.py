@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from ldlm.serve.deploy.ports import free_port
 from ldlm.serve.deploy.triton_env import TritonEnv, TritonEnvError
-from ldlm.serve.ports import free_port
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +24,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ldlm.config import LDLMConfig
+from ldlm.export.artifact import MANIFEST_FILE, read_schedules
+from ldlm.model.checkpoint import WEIGHTS_FILE
+from ldlm.model.config import LDLMConfig
+from ldlm.model.tokenizer import TextTokenizer
+from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling.tuned_grids import checkpoint_schedules
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
 from ldlm.serve.runtime.registry import (
     ARTIFACT_COMMANDS,
@@ -35,7 +40,6 @@ from ldlm.serve.runtime.registry import (
     backend_info,
     implementation,
 )
-from ldlm.tokenizer import TextTokenizer
 
 
 def ort_providers(name: str, backend: str = DEFAULT_BACKEND) -> tuple[str, ...]:
@@ -147,3 +151,28 @@ class BackendGraphs:
         if not self.has_logits:
             raise BackendError("the decoder has no logits output; export it with `ldlm export --with-logits`")
         return self._run("decoder", {"latents": latents.float(), "attention_mask": mask.long()}, "logits", latents)
+
+
+def open_pipeline(
+    path: str | os.PathLike[str],
+    backend: str | None = None,
+    precision: str = "fp32",
+    device: str = "cpu",
+    threads: int | None = None,
+    buckets: Sequence[int] = (),
+) -> LDLMPipeline:
+    """The pipeline on another backend than eager PyTorch: ``path`` is an ``ldlm export`` directory
+    (``backend="ort"``, the default: ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an
+    ``ldlm build-engine`` directory (``"trt"``), or a checkpoint (``"eager"``, ``"compiled"``,
+    ``"inductor"``, on ``device`` in ``precision``). Every file an export's manifest names is
+    checked first; its tuned step grids, where it has them, are used as ``LDLMPipeline.from_checkpoint`` uses a
+    checkpoint's. ``threads``: ONNX Runtime's intra-op threads (default: its own). Drawing tokens at
+    a temperature needs the decoder's logits: an export made with ``ldlm export --with-logits``, or
+    any torch backend."""
+    graphs, config, tokenizer = open_graphs(backend or DEFAULT_BACKEND, path, precision, threads=threads, device=device, with_logits=True)
+    if (Path(path) / WEIGHTS_FILE).is_file():
+        schedules = checkpoint_schedules(path)
+    else:  # an export carries its checkpoint's grids in its manifest; an engine directory carries none
+        schedules = read_schedules(path) if (Path(path) / MANIFEST_FILE).is_file() else None
+    on = getattr(graphs["denoiser"], "device", "cpu")  # torch and TensorRT graphs: sample where they run
+    return LDLMPipeline(BackendGraphs(graphs), tokenizer, on, config=config, buckets=buckets, schedules=schedules)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest, SampleState, SamplingPlan
-from ldlm.token_sampling import TokenSampling
+from ldlm.sampling.tokens import TokenSampling
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
-from ldlm.config import LDLMConfig
 from ldlm.export.artifact import check_artifacts, describe_io, read_manifest
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.export.precision import lower_precision
+from ldlm.model.config import LDLMConfig
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
 from ldlm.serve.runtime.registry import CPU_PROVIDER
-from ldlm.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from ldlm.serve.runtime.registry import BackendInfo, OpenOptions

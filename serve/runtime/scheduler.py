@@ -10,7 +10,7 @@ counts and lengths, share one denoiser call. With ``policy="continuous"`` new sa
 running batch at the next step and finished ones leave at once; ``policy="static"`` admits a batch
 only when the previous one has fully finished (the baseline that continuous batching must beat).
 
-Every sample keeps its own state in the sampling engine (ldlm/sampling/engine.py), so a request gets
+Every sample keeps its own state in the sampling engine (ldlm/sampling/loop.py), so a request gets
 exactly the tokens ``LDLMPipeline.generate`` gives it, whatever else shares its batches. Every
 submitted request gets exactly one answer: its result, or the exception that stopped it.
 
@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import DenoiseFn, GenerateRequest, RequestLimits, SamplingEngine, SamplingPlan, resolve
+from ldlm.sampling.tokens import TokenSampling
 from ldlm.serve.runtime.admission import Admission
 from ldlm.serve.runtime.cost import CostModel
 from ldlm.serve.runtime.delivery import Delivery, PreviewDecodes, PreviewObserver, PreviewShares, decode_ragged
@@ -39,7 +40,6 @@ from ldlm.serve.runtime.executor import StepExecutor, StepObserver
 from ldlm.serve.runtime.generation import Generation, PreviewHook, Sample, WaitingQueue
 from ldlm.serve.runtime.policy import make_policy
 from ldlm.serve.runtime.queueing import QueueFullError, QueueWorker, resolve_future
-from ldlm.token_sampling import TokenSampling
 
 Policy = Literal["continuous", "static"]
 __all__ = ["GenerateRequest", "GenerationScheduler", "Policy", "PreviewHook", "PreviewShares", "decode_ragged"]

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ldlm.export.artifact import PlanMismatchError
+from ldlm.export.trt_flavor import bind, set_input_shape, set_tensor_address
+
 log = logging.getLogger(__name__)
-
-
-class PlanMismatchError(ValueError):
-    """The plan was built for another TensorRT or GPU, or is corrupt; the message says what to rebuild."""
 
 
 # TensorRT DataType name -> torch dtype. INT4, FP4 and E8M0 are packed or scale-only types with no
@@ -70,33 +69,6 @@ def batch_chunks(batch: int, ranges: Sequence[tuple[int, int]]) -> list[int]:
         chunks.append(max(fitting))
         left -= chunks[-1]
     return chunks
-
-
-def set_input_shape(context: Any, name: str, shape: tuple[int, ...]) -> None:
-    if not context.set_input_shape(name, shape):
-        raise RuntimeError(f"TensorRT rejected shape {shape} for input {name} (outside the context's profile?)")
-
-
-def set_tensor_address(context: Any, name: str, tensor: Tensor) -> None:
-    if not context.set_tensor_address(name, tensor.data_ptr()):
-        raise RuntimeError(f"TensorRT rejected the address of tensor {name} (shape {tuple(tensor.shape)}, {tensor.dtype})")
-
-
-def bind(
-    context: Any, inputs: dict[str, Tensor], output_names: Sequence[str], dtypes: dict[str, torch.dtype], device: torch.device
-) -> dict[str, Tensor]:
-    """Set every input's shape and address, allocate each output at the shape TensorRT infers."""
-    for name, tensor in inputs.items():
-        set_input_shape(context, name, tuple(tensor.shape))
-        set_tensor_address(context, name, tensor)
-    outputs = {}
-    for name in output_names:
-        shape = tuple(context.get_tensor_shape(name))
-        if any(size < 0 for size in shape):
-            raise RuntimeError(f"TensorRT could not infer the shape of output {name} ({shape}); are all input shapes set?")
-        outputs[name] = torch.empty(shape, dtype=dtypes[name], device=device)
-        set_tensor_address(context, name, outputs[name])
-    return outputs
 
 
 @dataclass

@@ -28,16 +28,16 @@ import torch
 from torch import Tensor, nn
 
 from ldlm.buckets import bucket_for
-from ldlm.checkpoint import WEIGHTS_FILE, load_checkpoint
-from ldlm.config import LDLMConfig
 from ldlm.device import DeviceError
 from ldlm.device import resolve_device as core_resolve_device
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
-from ldlm.layers import RMSNorm
-from ldlm.model import LDLM
+from ldlm.model.checkpoint import WEIGHTS_FILE, load_checkpoint
+from ldlm.model.config import LDLMConfig
+from ldlm.model.layers import RMSNorm
+from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
 from ldlm.serve.runtime.registry import TORCH_PRECISIONS
-from ldlm.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from ldlm.serve.runtime.registry import BackendInfo, OpenOptions

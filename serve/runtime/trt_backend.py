@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ldlm.config import LDLMConfig
 from ldlm.export.artifact import PLAN_SUFFIX, check_engine_dir
 from ldlm.export.graphs import GRAPH_NAMES
+from ldlm.model.config import LDLMConfig
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
-from ldlm.serve.runtime.tensorrt_engine import TensorRTEngine
-from ldlm.tokenizer import TextTokenizer
+from ldlm.serve.runtime.trt_runtime import TensorRTEngine
 
 if TYPE_CHECKING:
     from ldlm.serve.runtime.registry import BackendInfo, OpenOptions

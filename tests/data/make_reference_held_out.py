@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ldlm.corpus import load_corpus
-from ldlm.tokenizer import TextTokenizer
+from ldlm.model.tokenizer import TextTokenizer
+from ldlm.training.corpus import load_corpus
 
 OUT = Path(__file__).parent / "reference-held-out-windows.json"
 WINDOWS, LENGTH, SEED = 24, 128, 0
@@ -25,7 +25,7 @@ def main(corpus: Path) -> None:
     held_out = load_corpus(TextTokenizer.gpt2(), corpus).held_out
     starts = np.random.default_rng(SEED).integers(0, len(held_out) - LENGTH, WINDOWS)
     windows = [held_out[s : s + LENGTH].tolist() for s in starts]
-    source = f"ldlm.corpus.load_corpus held-out ids, {WINDOWS} windows of {LENGTH} at seeded starts (seed {SEED})"
+    source = f"ldlm.training.corpus.load_corpus held-out ids, {WINDOWS} windows of {LENGTH} at seeded starts (seed {SEED})"
     OUT.write_text(json.dumps({"source": source, "windows": windows}) + "\n")
     print(f"wrote {OUT}")
 

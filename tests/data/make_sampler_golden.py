@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ldlm.checkpoint import init_model
-from ldlm.config import preset
+from ldlm.model.checkpoint import init_model
+from ldlm.model.config import preset
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
 
 GOLDEN_PATH = Path(__file__).parent / "sampler_golden_cpu.json"
 

@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ldlm.serve.checks.loopback import free_port, serve_command, stop_server, tiny_export, wait_ready
-from ldlm.serve.checks.traffic import latent_width, write_report
+from scripts.harness.loopback import free_port, serve_command, stop_server, tiny_export, wait_ready
+from scripts.harness.traffic import latent_width, write_report
 
 TEXT = (
     "Latent diffusion for language models first maps text into a continuous latent space with an autoencoder, "

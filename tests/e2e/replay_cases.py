@@ -5,7 +5,7 @@ same kind, gets no 500, no traceback, no silent acceptance of an unknown field, 
 slowed by abandoned work. This is that script; it stays as a regression tool.
 
 Setup: `ldlm init` makes a tiny checkpoint and `ldlm export` exports it, in a scratch folder; the
-servers are `ldlm serve` child processes on 127.0.0.1 (ldlm.serve.checks.loopback).
+servers are `ldlm serve` child processes on 127.0.0.1 (scripts.harness.loopback).
 
 1. CLI: caps (--steps, --n, --seed, --length, --t-min) refused in a second with one error line naming the
    value and the range; `init` errors name the user's path and never `overwrite=True`; `reconstruct` of a
@@ -49,8 +49,8 @@ from typing import Any
 
 import httpx
 
-from ldlm.serve.checks.loopback import free_port, start_server, stop_server
-from ldlm.serve.checks.traffic import write_report
+from scripts.harness.loopback import free_port, start_server, stop_server
+from scripts.harness.traffic import write_report
 
 SMALL_GENERATION = {"n": 1, "length": 8, "steps": 2}  # the issue's follow-up request (normally ~0.02 s)
 SMALL_AFTER_ABANDONED_S = 3.0  # "fast": the issue saw 57 s; one denoising step of the abandoned batch may still be in flight
@@ -934,7 +934,7 @@ def with_server(report: Report, onnx: str, work: Path, name: str, env: dict[str,
 
 
 def plain_server_cases(report: Report, url: str, port: int) -> None:
-    from ldlm.serve.checks.traffic import decoder_body, encoder_body, latent_width
+    from scripts.harness.traffic import decoder_body, encoder_body, latent_width
 
     with httpx.Client(base_url=url, timeout=60) as http:
         abandoned(report, http, {"n": 64, "length": 128, "steps": 1000})  # the issue's request, on a fresh server
@@ -970,7 +970,7 @@ def main() -> int:
     onnx = str(work / "onnx")
 
     def keyed_cases(url: str, port: int) -> None:
-        from ldlm.serve.checks.traffic import encoder_body
+        from scripts.harness.traffic import encoder_body
 
         with httpx.Client(base_url=url, timeout=60) as http:
             api_key_cases(report, http, key, encoder_body(4, 0))

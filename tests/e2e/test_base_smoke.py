@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ldlm.checkpoint import init_model
-from ldlm.config import preset
+from ldlm.model.checkpoint import init_model
+from ldlm.model.config import preset
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
 
 
 def test_base_generate_and_reconstruct() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ldlm.checkpoint import CheckpointError, load_checkpoint
+from ldlm.model.checkpoint import CheckpointError, load_checkpoint
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.checks.parity import run_parity
 from ldlm.training.evaluation import last_token_accuracy, words
@@ -48,7 +48,7 @@ def test_the_reference_keeps_the_last_token_at_every_window_length() -> None:
 
 
 def test_the_reference_writes_the_corpus_words_and_random_weights_do_not() -> None:
-    from ldlm.checkpoint import init_model
+    from ldlm.model.checkpoint import init_model
 
     model, tokenizer = load_checkpoint(REFERENCE)
     texts = LDLMPipeline(model, tokenizer).generate(8, 32, seed=0).texts
@@ -73,7 +73,7 @@ def test_the_reference_denoiser_reads_its_neighbours(monkeypatch: pytest.MonkeyP
     committed one before this recipe: 86% corpus words, below independent draws by frequency). With another
     window's neighbours, this one gets fewer tokens right from the same x_t; a denoiser that reads nothing
     but its own position gets as many."""
-    from ldlm.schedule import TangentSchedule
+    from ldlm.sampling.schedule import TangentSchedule
     from ldlm.training.evaluation import neighbour_reliance
 
     model, _ = load_checkpoint(REFERENCE)

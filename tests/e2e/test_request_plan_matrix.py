@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from ldlm.checkpoint import WEIGHTS_FILE
 from ldlm.cli import main
-from ldlm.config import SAMPLERS, LDLMConfig
+from ldlm.model.checkpoint import WEIGHTS_FILE
+from ldlm.model.config import SAMPLERS, LDLMConfig
 from ldlm.pipeline import LDLMPipeline
-from ldlm.sampling.schedules import TunedGrid, TunedSchedules, weights_sha256
+from ldlm.sampling.tuned_grids import TunedGrid, TunedSchedules, weights_sha256
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from tests.servers import RunningServer, free_port, openai_client
 

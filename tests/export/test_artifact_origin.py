@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.checkpoint import init_model, save_checkpoint
 from ldlm.cli import main
 from ldlm.export.artifact import MANIFEST_FILE, check_from_checkpoint, sha256_file
 from ldlm.export.onnx_export import export_graphs
+from ldlm.model.checkpoint import init_model, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_an_export_from_before_the_record_is_not_refused(tiny_checkpoint: Path, 
 def test_build_engine_carries_the_record_into_each_plan(other_export: Path, tmp_path: Path, capsys, tiny_checkpoint: Path) -> None:
     """A real build (TensorRT-RTX builds ahead of time without a GPU), then probe-eps refuses it."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no engine was built")
-    from ldlm.export.engine import BuildOptions, build_engines
+    from ldlm.export.engine_builder import BuildOptions, build_engines
     from ldlm.export.profiles import EngineProfile, ShapeRange
 
     small = BuildOptions(profiles=(EngineProfile(ShapeRange(1, 1, 2), ShapeRange(1, 8, 16)),))

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.config import FLOAT_RANGES, INT_RANGES, LDLMConfig, preset
 from ldlm.export.artifact import ArtifactError
 from ldlm.export.onnx_export import verify_export
 from ldlm.files import atomic_directory
+from ldlm.model.config import FLOAT_RANGES, INT_RANGES, LDLMConfig, preset
 from ldlm.serve.runtime.backends import open_graphs
 from ldlm.serve.runtime.graph_backend import BackendError
 from tests.artifacts import reseal_manifest

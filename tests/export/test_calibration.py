@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from ldlm.checkpoint import init_model, save_checkpoint
-from ldlm.config import LDLMConfig
 from ldlm.export.artifact import read_manifest
 from ldlm.export.calibration import (
     CALIBRATION_TEXTS,
@@ -24,8 +22,10 @@ from ldlm.export.calibration import (
     denoiser_feeds,
     encoder_feeds,
 )
+from ldlm.model.checkpoint import init_model, save_checkpoint
+from ldlm.model.config import LDLMConfig
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
 
 SMALL = CalibrationSettings(samples=4, length=8, seed=3)
 
@@ -48,7 +48,7 @@ def alpha_sigma(t: np.ndarray, d: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_denoiser_feeds_are_the_default_samplers_steps_on_the_default_grid(trajectory, tiny_config: LDLMConfig) -> None:
-    assert tiny_config.default_sampler == "dpm3m-psc"  # its grid is "power" (ldlm/samplers.py)
+    assert tiny_config.default_sampler == "dpm3m-psc"  # its grid is "power" (ldlm/sampling/samplers.py)
     grid = power_grid(tiny_config.default_steps, tiny_config.t_min)
     assert len(trajectory) == tiny_config.default_steps  # one denoiser call per step, the last time t_min not called
     for k, feed in enumerate(trajectory):

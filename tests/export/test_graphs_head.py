@@ -13,11 +13,11 @@ import onnx
 import pytest
 import torch
 
-from ldlm.checkpoint import save_checkpoint
 from ldlm.export.onnx_export import export_graphs
-from ldlm.model import LDLM
-from ldlm.token_decoder import ARGMAX_BLOCK, VOCABULARY_CHUNK
-from ldlm.tokenizer import TextTokenizer
+from ldlm.model.checkpoint import save_checkpoint
+from ldlm.model.ldlm import LDLM
+from ldlm.model.token_decoder import ARGMAX_BLOCK, VOCABULARY_CHUNK
+from ldlm.model.tokenizer import TextTokenizer
 
 ort = pytest.importorskip("onnxruntime", reason="runs the exported decoders (pip install -e .[cpu])")
 

@@ -15,7 +15,7 @@ import torch
 import ldlm
 from ldlm.export.artifact import MANIFEST_FILE, sha256_file
 from ldlm.export.onnx_export import export_graphs, verify_export
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
 
 # Only the tests that run a graph need ONNX Runtime; the manifest and verification tests run without it.
 needs_ort = pytest.mark.skipif(

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.checkpoint import init_model, save_checkpoint
-from ldlm.config import preset
 from ldlm.export.artifact import ArtifactError, check_artifacts, check_engine_dir, check_file, check_tokenizer
-from ldlm.export.verify import VerificationError, VerifyResult, verify_all
+from ldlm.export.layernorm.verify import VerificationError, VerifyResult, verify_all
+from ldlm.model.checkpoint import init_model, save_checkpoint
+from ldlm.model.config import preset
 
 
 def raises(error: type[Exception], message: str):
@@ -112,13 +112,13 @@ def test_export_inputs_are_named(export_dir: Path, tmp_path: Path, tiny_model) -
 
 
 def _tokenizer():
-    from ldlm.tokenizer import TextTokenizer
+    from ldlm.model.tokenizer import TextTokenizer
 
     return TextTokenizer.gpt2()
 
 
 def test_precision_profiles_and_engine_options(export_dir: Path, tmp_path: Path) -> None:
-    from ldlm.export.engine import BuildOptions, build_engines
+    from ldlm.export.engine_builder import BuildOptions, build_engines
     from ldlm.export.precision import lower_precision
     from ldlm.export.profiles import EngineProfile, ShapeRange, profile_shapes
 
@@ -170,7 +170,7 @@ def test_verification_failures_name_every_failing_graph() -> None:
 
 
 def test_triton_repository_inputs(export_dir: Path, tmp_path: Path) -> None:
-    from ldlm.export.triton_repo import RepositoryError, write_triton_repo
+    from ldlm.serve.deploy.triton_repo import RepositoryError, write_triton_repo
 
     out = tmp_path / "repo"
     with raises(RepositoryError, f"{tmp_path / 'nope'} is not a directory; allowed: an `ldlm export` or `ldlm build-engine` directory"):
@@ -207,7 +207,7 @@ def test_triton_repository_inputs(export_dir: Path, tmp_path: Path) -> None:
 
 def test_triton_config_validation_names_what_differs(monkeypatch) -> None:
     pytest.importorskip("tritonclient.grpc", reason="config.pbtxt is validated with tritonclient's schema (pip install -e .[test])")
-    from ldlm.export.triton_repo import RepositoryError, validate_config
+    from ldlm.serve.deploy.triton_repo import RepositoryError, validate_config
 
     io = {
         "inputs": [{"name": "x", "dtype": "FLOAT", "shape": ["batch", 4]}],

@@ -1,4 +1,4 @@
-"""The fixed LayerNorm cases (serve/checks/layernorm_cases.py) through OUR code: the MLP of ldlm/layers.py
+"""The fixed LayerNorm cases (export/layernorm/cases.py) through OUR code: the MLP of ldlm/model/layers.py
 (whose pre-norm is every LayerNorm of the latent encoder and decoder), exported by our exporter,
 verified by our verifier, and run in ONNX Runtime; then every LayerNorm of the tiny model's exported
 graphs. The reference is always NumPy (tests/reference.py), never torch."""
@@ -16,9 +16,9 @@ from torch import nn
 
 from ldlm.export.artifact import read_manifest
 from ldlm.export.graphs import GraphIO
+from ldlm.export.layernorm.verify import LAYER_NORM_OP, LayerNormSpec, layer_norm_specs, pair_layer_norm_nodes, verify_onnx
 from ldlm.export.onnx_export import export_graph
-from ldlm.export.verify import LAYER_NORM_OP, LayerNormSpec, layer_norm_specs, pair_layer_norm_nodes, verify_onnx
-from ldlm.layers import MLP
+from ldlm.model.layers import MLP
 from tests.reference import layer_norm as np_layer_norm
 
 ort = pytest.importorskip("onnxruntime", reason="every case runs the exported graph (pip install -e .[cpu])")

@@ -13,10 +13,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ldlm.export.artifact import read_manifest
 from ldlm.export.calibration import CalibrationSettings, FeedReader, calibration_reader, denoiser_feeds
+from ldlm.export.layernorm.verify import LayerNormSpec, verify_onnx
+from ldlm.export.layernorm.verify_quantized import check_precision_claim, check_quantized_layer_norms, check_quantized_rms_norms
 from ldlm.export.qdq import QdqError, write_qdq
 from ldlm.export.quantize import float_kept_nodes
-from ldlm.export.verify import LayerNormSpec, verify_onnx
-from ldlm.export.verify_quantized import check_precision_claim, check_quantized_layer_norms, check_quantized_rms_norms
 from ldlm.pipeline import LDLMPipeline
 
 ort = pytest.importorskip("onnxruntime")

@@ -14,13 +14,13 @@ import pytest
 
 import ldlm.export.qdq as qdq
 from ldlm.cli import main
+from ldlm.export.artifact import read_plan_manifest
 from ldlm.export.calibration import CalibrationSettings
-from ldlm.export.engine import BuildOptions, build_engines
-from ldlm.export.layernorm_network import parse_onnx_network, read_normalization_layers
+from ldlm.export.engine_builder import BuildOptions, build_engines
+from ldlm.export.layernorm.trt_network import parse_onnx_network, read_normalization_layers
+from ldlm.export.layernorm.verify import VerificationError
 from ldlm.export.profiles import EngineProfile, ShapeRange
 from ldlm.export.trt_flavor import EngineBuildError, load_flavor
-from ldlm.export.verify import VerificationError
-from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
 
 trt_rtx = pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e .[rtx]); no Q/DQ engine was built")
 SMALL = (EngineProfile(ShapeRange(1, 2, 4), ShapeRange(1, 16, 64)),)
@@ -91,7 +91,7 @@ def test_a_qdq_graph_tensorrt_rtx_refuses_is_reported_plainly_and_leaves_nothing
     """ONNX Runtime's int32 biases (``QuantizeBias``, here on the time projections' Gemms) are what TensorRT's
     parser refuses in a Q/DQ graph: made for real, so the refusal is TensorRT-RTX's own. Our verifier stops
     that graph first (an INT32 zero point); with that one check set aside, the graph reaches TensorRT-RTX."""
-    import ldlm.export.verify as verify
+    import ldlm.export.layernorm.verify as verify
 
     monkeypatch.setattr(qdq, "QDQ_EXTRA_OPTIONS", {**qdq.QDQ_EXTRA_OPTIONS, "QuantizeBias": True})
     monkeypatch.setattr(qdq, "float_kept_nodes", lambda model: [])  # quantize the Gemms too: they carry the biases

@@ -12,9 +12,9 @@ import onnx
 import pytest
 
 from ldlm.export.artifact import MANIFEST_FILE, ArtifactError, check_artifacts, read_manifest, sha256_file
+from ldlm.export.layernorm.verify import LayerNormSpec, node_name_scopes, verify_onnx
 from ldlm.export.onnx_export import export_graphs, verify_export
 from ldlm.export.quantize import DEFAULT_QUANTIZED_GRAPHS, FLOAT_MODULES, QUANTIZABLE_GRAPHS
-from ldlm.export.verify import LayerNormSpec, node_name_scopes, verify_onnx
 from ldlm.serve.checks.eps_probe_artifact import probe_layer_norm_eps
 from ldlm.serve.runtime.backends import open_graphs
 from ldlm.serve.runtime.graph_backend import BackendError
@@ -195,7 +195,7 @@ def test_an_edited_variant_file_is_refused_by_its_sha256(int8_export: Path, tmp_
 def test_a_layer_norm_computing_in_fp16_is_named_and_fp64_is_allowed() -> None:
     from onnx import TensorProto, helper
 
-    from ldlm.export.verify_quantized import check_quantized_layer_norms
+    from ldlm.export.layernorm.verify_quantized import check_quantized_layer_norms
 
     def one_node(dtype: int) -> onnx.ModelProto:
         node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], name="ln", axis=-1, epsilon=1e-5)

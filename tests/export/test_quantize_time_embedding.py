@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from ldlm.export.verify import node_name_scopes
+from ldlm.export.layernorm.verify import node_name_scopes
 
 pytest.importorskip("onnxruntime.quantization", reason="INT8 variants need ONNX Runtime's quantization tools (pip install -e .[cpu])")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ldlm.cli import main
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.tokenizer import TextTokenizer
 
 SHORT = "Hello world"
 LONG = "A much longer sentence about latent diffusion models."

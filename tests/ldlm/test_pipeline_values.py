@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
 from ldlm.pipeline import LDLMPipeline
 
 TEXTS = ["one two three four five six seven", "five", "A short line."]

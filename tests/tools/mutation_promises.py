@@ -19,8 +19,8 @@ SERVER_TEST = "tests/serve/api/test_server.py"
 HARDENING_TEST = "tests/serve/api/test_server_hardening.py"
 GUARD_TEST = "tests/serve/api/test_http_guard_middleware.py"
 CACHE_TEST = "tests/serve/api/test_service_export_cache.py"
-TUNING_TEST = "tests/ldlm/test_tuning.py"
-VERIFY_TEST = "tests/export/test_verify.py"
+TUNING_TEST = "tests/ldlm/training/test_grid_search.py"
+VERIFY_TEST = "tests/export/layernorm/test_verify.py"
 QUANTIZE_TEST = "tests/export/test_quantize.py"
 
 PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
@@ -193,7 +193,7 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
         "ldlm.limits:PRIOR_TEMPERATURE",
         "number(0, 1, low_open=True)",
         "number(0, 2, low_open=True)",
-        ("tests/ldlm/sampling/test_engine_prior_temperature.py::test_a_bad_tau_is_refused_naming_it",),
+        ("tests/ldlm/sampling/test_loop_prior_temperature.py::test_a_bad_tau_is_refused_naming_it",),
         "a prior temperature of 1.5 runs: samples start wider than the denoiser was trained from",
     ),
     (
@@ -231,10 +231,10 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "prior-temperature-config-ignored",
-        "ldlm.config:LDLMConfig.prior_temperature_for",
+        "ldlm.model.config:LDLMConfig.prior_temperature_for",
         "return self.effective_prior_temperature if requested is None else requested",
         "return 1.0 if requested is None else requested",
-        ("tests/ldlm/sampling/test_engine_prior_temperature.py::test_tau_comes_from_the_request_else_the_config_else_1",),
+        ("tests/ldlm/sampling/test_loop_prior_temperature.py::test_tau_comes_from_the_request_else_the_config_else_1",),
         "a checkpoint whose config sets a prior temperature samples at 1 unless each request names it",
     ),
     (
@@ -242,13 +242,13 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
         "ldlm.pipeline:LDLMPipeline.generate",
         "return result if ids is None else self.keep_prompt(result, ids)",
         "return result",
-        ("tests/ldlm/sampling/test_engine.py::test_generate_with_a_prompt_keeps_the_prompts_latents",),
+        ("tests/ldlm/sampling/test_loop.py::test_generate_with_a_prompt_keeps_the_prompts_latents",),
         "a prompted sample starts with what the decoder makes of the prompt's latents, not the prompt",
     ),
     # --- tuned step grids -------------------------------------------------------------------------------
     (
         "tuned-grids-of-other-weights-loaded",
-        "ldlm.sampling.schedules:load_schedules",
+        "ldlm.sampling.tuned_grids:load_schedules",
         "if expected is not None and schedules.weights_sha256 != expected:",
         "if False:",
         (f"{TUNING_TEST}::test_schedules_of_other_weights_are_refused_naming_both_hashes",),
@@ -256,7 +256,7 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "schedules-grids-unchecked",
-        "ldlm.sampling.schedules:TunedSchedules.check",
+        "ldlm.sampling.tuned_grids:TunedSchedules.check",
         'check_times(g.times, g.steps, self.t_min, f"{where}: the {g.sampler} grid of {g.steps} steps")',
         "pass",
         (f"{TUNING_TEST}::test_a_grid_edited_by_hand_is_refused_naming_what_is_wrong",),
@@ -264,26 +264,26 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "default-steps-not-the-fewest",
-        "ldlm.tuning:schedules_of",
+        "ldlm.training.grid_search:schedules_of",
         "if g.sampler not in defaults and matches_ddim50(g):",
         "if matches_ddim50(g):",
-        ("tests/ldlm/test_tuning_defaults.py",),
+        ("tests/ldlm/training/test_grid_search_defaults.py",),
         "the default step count is the most tuned steps that match DDIM@50, not the fewest",
     ),
     (
         "default-matches-ddim50-on-error-alone",
-        "ldlm.tuning:matches_ddim50",
+        "ldlm.training.grid_search:matches_ddim50",
         'ours[n]["error"] <= ddim[n]["error"] and ours[n]["tokens"] >= ddim[n]["tokens"]',
         'ours[n]["error"] <= ddim[n]["error"]',
-        ("tests/ldlm/test_tuning_defaults.py",),
+        ("tests/ldlm/training/test_grid_search_defaults.py",),
         "a grid with fewer of DDIM@50's tokens becomes the default",
     ),
     (
         "default-matches-ddim50-at-one-length",
-        "ldlm.tuning:matches_ddim50",
+        "ldlm.training.grid_search:matches_ddim50",
         "return all(",
         "return any(",
-        ("tests/ldlm/test_tuning_defaults.py",),
+        ("tests/ldlm/training/test_grid_search_defaults.py",),
         "a grid as good as DDIM@50 at one held-out length only becomes the default",
     ),
     # --- export, verification, engines ------------------------------------------------------------------
@@ -305,7 +305,7 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "verify-eps-unchecked",
-        "ldlm.export.verify:_check_node",
+        "ldlm.export.layernorm.verify:_check_node",
         "if not eps_matches(eps, spec.eps):",
         "if False:",
         (f"{VERIFY_TEST}::test_changed_eps_is_rejected",),
@@ -313,15 +313,15 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "eps-compared-as-float64",
-        "ldlm.export.verify:eps_matches",
+        "ldlm.export.layernorm.verify:eps_matches",
         "np.float32(eps) == np.float32(module_eps)",
         "eps == module_eps",
-        ("tests/export/test_verify_values.py::test_eps_compared_as_float32_per_node",),
+        ("tests/export/layernorm/test_verify_values.py::test_eps_compared_as_float32_per_node",),
         "every exported LayerNorm fails verification: 1e-5 is 9.99999975e-06 as an ONNX attribute",
     ),
     (
         "verify-decomposed-not-looked-for",
-        "ldlm.export.verify:verify_onnx",
+        "ldlm.export.layernorm.verify:verify_onnx",
         "problems += find_decomposed_layer_norms(model.graph)",
         "problems += []",
         (f"{VERIFY_TEST}::test_decomposed_layer_norm_is_rejected",),
@@ -329,7 +329,7 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "verify-checker-skipped",
-        "ldlm.export.verify:verify_onnx",
+        "ldlm.export.layernorm.verify:verify_onnx",
         "onnx.checker.check_model(str(path), full_check=True)",
         "None",
         (f"{VERIFY_TEST}::test_checker_failure_and_unreadable_file_are_reported",),
@@ -337,10 +337,10 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "network-eps-unchecked",
-        "ldlm.export.layernorm_network:check_network_layer_norms",
+        "ldlm.export.layernorm.trt_network:check_network_layer_norms",
         "if not eps_matches(layer.epsilon, spec.eps):",
         "if False:",
-        ("tests/export/test_layernorm_network.py::test_each_network_rule_is_enforced",),
+        ("tests/export/layernorm/test_trt_network.py::test_each_network_rule_is_enforced",),
         "an engine whose INormalizationLayer runs at another eps is built",
     ),
     (
@@ -353,42 +353,42 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "plan-from-another-tensorrt-loaded",
-        "ldlm.serve.runtime.tensorrt_engine:check_plan_manifest",
+        "ldlm.serve.runtime.trt_runtime:check_plan_manifest",
         'if manifest.get("flavor") != flavor.name or manifest.get("trt_version") != flavor.version:',
         'if manifest.get("flavor") != flavor.name:',
-        ("tests/export/test_engine.py::test_plan_from_another_version_or_gpu_is_refused",),
+        ("tests/export/test_engine_builder.py::test_plan_from_another_version_or_gpu_is_refused",),
         "a plan built by another TensorRT version is loaded, and fails or misbehaves inside TensorRT",
     ),
     (
         "plan-from-another-gpu-loaded",
-        "ldlm.serve.runtime.tensorrt_engine:check_plan_manifest",
+        "ldlm.serve.runtime.trt_runtime:check_plan_manifest",
         "if not flavor.is_rtx and built_cc is not None and built_cc != gpu.compute_capability:",
         "if False:",
-        ("tests/export/test_engine.py::test_plan_from_another_version_or_gpu_is_refused",),
+        ("tests/export/test_engine_builder.py::test_plan_from_another_version_or_gpu_is_refused",),
         "an NVIDIA TensorRT plan built for another GPU is loaded",
     ),
     (
         "eps-probe-wrong-eps-passes",
-        "ldlm.serve.checks.eps_probe:analyse_outputs",
+        "ldlm.export.layernorm.eps_probe:analyse_outputs",
         "if probe.implied_eps_rel_error > probe.eps_rtol:",
         "if False:",
-        ("tests/serve/checks/test_eps_probe_math.py::test_a_wrong_eps_is_named_with_the_implied_value",),
+        ("tests/export/layernorm/test_eps_probe_math.py::test_a_wrong_eps_is_named_with_the_implied_value",),
         "a LayerNorm whose implied eps is off is not named by the probes",
     ),
     (
         "parity-fp32-token-gate-lowered",
-        "ldlm.serve.checks.parity_gates:TOKEN_AGREEMENT_REQUIRED",
+        "ldlm.export.layernorm.tolerances:TOKEN_AGREEMENT_REQUIRED",
         '"fp32": 1.0',
         '"fp32": 0.99',
-        ("tests/serve/checks/test_parity_gates.py::test_the_gates_are_stated_per_precision_in_the_help",),
+        ("tests/export/layernorm/test_tolerances.py::test_the_gates_are_stated_per_precision_in_the_help",),
         "fp32 parity passes with 1% of the tokens changed",
     ),
     (
         "parity-fp32-atol-loosened",
-        "ldlm.serve.checks.parity_gates:TOLERANCES",
+        "ldlm.export.layernorm.tolerances:TOLERANCES",
         '"fp32": (1e-4, 1e-4)',
         '"fp32": (1e-3, 1e-4)',
-        ("tests/serve/checks/test_parity_gates.py::test_the_gates_are_stated_per_precision_in_the_help",),
+        ("tests/export/layernorm/test_tolerances.py::test_the_gates_are_stated_per_precision_in_the_help",),
         "fp32 parity passes outputs ten times further from eager than documented",
     ),
     # --- quantization ---------------------------------------------------------------------------------
@@ -422,10 +422,10 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     ),
     (
         "triton-repo-copies-unchecked-export",
-        "ldlm.export.triton_repo:check_source",
+        "ldlm.serve.deploy.triton_repo:check_source",
         "check_artifacts(source, json.loads((source / MANIFEST_FILE).read_text()))",
         "None",
-        ("tests/export/test_triton_repo.py::test_bad_sources_and_existing_output",),
+        ("tests/serve/deploy/test_triton_repo.py::test_bad_sources_and_existing_output",),
         "ldlm triton-repo copies an export whose files no longer match its manifest",
     ),
     (

@@ -20,7 +20,7 @@ from pathlib import Path
 from tests import REPO
 
 SCRIPTS = REPO / "scripts" / "research"
-from ldlm.serve.checks.gpu_targets import target_rows, targets_markdown  # noqa: E402
+from scripts.research.gpu_targets import target_rows, targets_markdown  # noqa: E402
 
 
 def gpu_check(out: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
@@ -141,13 +141,13 @@ def test_a_stage_that_would_not_fit_the_budget_is_skipped_with_the_time_left(tmp
 
 
 def test_first_preview_is_timed_on_preview_events_only() -> None:
-    """ldlm.serve.checks.traffic.first_preview_seconds (scripts/research/preview_cost.py's first-preview timing) against a real HTTP server on loopback that streams
+    """scripts.harness.traffic.first_preview_seconds (scripts/research/preview_cost.py's first-preview timing) against a real HTTP server on loopback that streams
     server-sent events: seed 0 gets its result after 0.4 s and no preview, seed 1 a preview at once
     and its result 0.4 s later. Only seed 1 is timed, at its preview, well before 0.4 s."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from ldlm.serve.checks.traffic import first_preview_seconds
+    from scripts.harness.traffic import first_preview_seconds
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:

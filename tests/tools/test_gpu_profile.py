@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ldlm.config import SAMPLERS
+from ldlm.model.config import SAMPLERS
 from tests import REPO
 
 SCRIPT = REPO / "scripts" / "research" / "gpu_profile.py"

@@ -10,11 +10,11 @@ import sys
 
 import torch
 
-from ldlm.config import preset
-from ldlm.samplers import Sampler, get_sampler
+from ldlm.model.config import preset
 from ldlm.sampling import SamplingEngine, run_lockstep
 from ldlm.sampling.noise import NoiseStream
-from ldlm.schedule import TangentSchedule, power_grid
+from ldlm.sampling.samplers import Sampler, get_sampler
+from ldlm.sampling.schedule import TangentSchedule, power_grid
 from tests import REPO
 
 MU, S = 0.3, 0.5

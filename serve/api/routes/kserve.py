@@ -15,7 +15,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-import ldlm
+from ldlm import __version__
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.kserve import kserve_datatype, tensor_metadata
 from ldlm.serve.api.offload import infer_response, parse_infer_body, run_blocking, wait
@@ -36,7 +36,7 @@ def create_router(service: LDLMService) -> APIRouter:
 
     @router.get("/v2")
     async def server_metadata() -> dict[str, Any]:
-        return {"name": "ldlm", "version": ldlm.__version__, "extensions": ["binary_tensor_data"]}
+        return {"name": "ldlm", "version": __version__, "extensions": ["binary_tensor_data"]}
 
     @router.get("/v2/health/live")
     async def live() -> Response:

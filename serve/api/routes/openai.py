@@ -15,7 +15,7 @@ the prompt before it. ``temperature`` (0, the default: the token decoder's argma
 ``logprobs`` act where the model has a distribution over tokens, at the token decoder: each token
 is drawn from softmax(logits / temperature) within the nucleus, seeded by ``seed``, and ``logprobs``
 gives each completion token's log-probability and its top alternatives in OpenAI's legacy shape
-(ldlm/token_sampling.py); with ``echo``, the prompt's tokens come first, each with the decoder's
+(ldlm/sampling/tokens.py); with ``echo``, the prompt's tokens come first, each with the decoder's
 log-probability of it at its position (every position has one here, the first included, where
 OpenAI's left-to-right models give null). OpenAI parameters that mean nothing to a diffusion sampler (best_of, the
 penalties, logit_bias, suffix) are accepted only at the value that asks for nothing, else refused
@@ -40,15 +40,15 @@ import torch
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest
+from ldlm.sampling.tokens import TokenLogprobs, TokenSampling
 from ldlm.serve.api.errors import REQUEST_ERRORS, HTTPError, error_status, openai_error
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
 from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_body, token_sampling
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
-from ldlm.token_sampling import TokenLogprobs, TokenSampling
-from ldlm.tokenizer import TextTokenizer
 
 # One prompt's token ids, its scheduler request, and how its tokens are chosen (None: argmax).
 Prepared = list[tuple[list[int], GenerateRequest, TokenSampling | None]]

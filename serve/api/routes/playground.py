@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
-from ldlm.config import SAMPLERS
+from ldlm.model.config import SAMPLERS
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import HTTPError
 

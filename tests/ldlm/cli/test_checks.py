@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ldlm.cli import main
+from ldlm.export.layernorm.compare import compare_outputs
 from ldlm.serve.checks import parity
-from ldlm.serve.checks.compare import compare_outputs
 from ldlm.serve.checks.parity_result import ParityReport
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import ldlm.checkpoint
+import ldlm.model.checkpoint
 from ldlm.cli import main
 
 
@@ -87,7 +87,7 @@ def test_init_on_an_existing_directory_refuses_before_building(
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     built: list[object] = []
-    monkeypatch.setattr(ldlm.checkpoint, "init_model", lambda *args: built.append(args))
+    monkeypatch.setattr(ldlm.model.checkpoint, "init_model", lambda *args: built.append(args))
     assert main(["init", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"ldlm init: error: {out} already exists; pass --force to replace it, or choose another output directory" in err

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.checkpoint import load_config
 from ldlm.cli import main
-from ldlm.sampling.schedules import TunedGrid, TunedSchedules, load_schedules, weights_sha256
-from ldlm.tuning import TuningSettings, default_changes
+from ldlm.model.checkpoint import load_config
+from ldlm.sampling.tuned_grids import TunedGrid, TunedSchedules, load_schedules, weights_sha256
+from ldlm.training.grid_search import TuningSettings, default_changes
 
 # the smallest run the command accepts: one sample of 6 tokens, 4 evaluations
 SMALL = ["--sampler", "ddim", "--evaluations", "4", "--tune-n", "1", "--tune-length", "6", "--held-out-n", "1"]
@@ -57,10 +57,12 @@ def test_the_checkpoints_own_schedules_are_written_only_with_force(tiny_checkpoi
 
 def tuned_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """The search replaced by one that returns a 2-step ddim grid matching DDIM@50: what is written where, and
-    what the command says of it, do not depend on the search (tests/ldlm/test_tuning.py runs it)."""
-    import ldlm.tuning
+    what the command says of it, do not depend on the search (tests/ldlm/training/test_grid_search.py runs it)."""
+    import ldlm.training.grid_search
 
-    monkeypatch.setattr(ldlm.tuning, "tune_grid", lambda tuner, steps, progress=False: TunedGrid("ddim", 2, (1.0, 0.5, 0.05), MATCHING))
+    monkeypatch.setattr(
+        ldlm.training.grid_search, "tune_grid", lambda tuner, steps, progress=False: TunedGrid("ddim", 2, (1.0, 0.5, 0.05), MATCHING)
+    )
 
 
 def test_a_trial_run_writes_its_out_and_says_what_the_defaults_would_become(

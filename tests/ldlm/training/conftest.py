@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ldlm.checkpoint import init_model
-from ldlm.config import LDLMConfig
-from ldlm.corpus import Corpus
-from ldlm.model import LDLM
+from ldlm.model.checkpoint import init_model
+from ldlm.model.config import LDLMConfig
+from ldlm.model.ldlm import LDLM
 from ldlm.training import TrainingPlan
+from ldlm.training.corpus import Corpus
 
 MICRO = LDLMConfig(
     d_model=32,

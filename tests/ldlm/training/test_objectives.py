@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ldlm.corpus import Corpus
-from ldlm.model import LDLM
-from ldlm.schedule import TangentSchedule
+from ldlm.model.ldlm import LDLM
+from ldlm.sampling.schedule import TangentSchedule
+from ldlm.training.corpus import Corpus
 from ldlm.training.objectives import (
     UNSEEN_LOGIT,
     VocabularyHead,

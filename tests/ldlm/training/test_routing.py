@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ldlm.checkpoint import init_model
-from ldlm.config import preset
-from ldlm.corpus import Corpus
+from ldlm.model.checkpoint import init_model
+from ldlm.model.config import preset
 from ldlm.training import train
+from ldlm.training.corpus import Corpus
 from ldlm.training.evaluation import own_position_share
 from ldlm.training.routing import align_routing, position_sinusoids
 from tests.ldlm.training.conftest import MICRO, MICRO_PLAN

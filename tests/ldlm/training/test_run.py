@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ldlm.training.run as run_module
-from ldlm.checkpoint import init_model
-from ldlm.corpus import Corpus
+from ldlm.model.checkpoint import init_model
 from ldlm.training import train
+from ldlm.training.corpus import Corpus
 from ldlm.training.evaluation import reconstruction_accuracy
 from ldlm.training.run import STATE_FILE
 from tests.ldlm.training.conftest import MICRO, MICRO_PLAN

@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
 
-from ldlm.config import SAMPLERS  # noqa: E402
+from ldlm.model.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
@@ -57,7 +57,7 @@ def client(server: RunningServer):
         (
             "/v1/generate",
             {"sampler": "euler"},
-            'sampler: "euler" is unknown; allowed: '  # every name in ldlm.config.SAMPLERS
+            'sampler: "euler" is unknown; allowed: '  # every name in ldlm.model.config.SAMPLERS
             + ", ".join(repr(name) for name in SAMPLERS[:-1])
             + f" or {SAMPLERS[-1]!r}",
         ),

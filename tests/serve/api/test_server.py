@@ -50,7 +50,7 @@ def _needs_the_serving_stack(request: pytest.FixtureRequest) -> None:
         pytest.skip(f"{', '.join(MISSING)} not installed (pip install -e .[cpu,test]); the service was not exercised")
 
 
-from ldlm.model import LDLM  # noqa: E402
+from ldlm.model.ldlm import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.queueing import QueueFullError  # noqa: E402

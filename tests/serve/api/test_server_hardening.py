@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import settings as hypothesis_settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ldlm.model import LDLM  # noqa: E402
+from ldlm.model.ldlm import LDLM  # noqa: E402
 from ldlm.serve.api import offload as server_module  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port, infer_body, wait_ready  # noqa: E402

@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
-from ldlm.model import LDLM  # noqa: E402
+from ldlm.model.ldlm import LDLM  # noqa: E402
+from ldlm.model.tokenizer import TextTokenizer  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.batcher import DynamicBatcher  # noqa: E402
-from ldlm.tokenizer import TextTokenizer  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 KEY = {"Authorization": "Bearer k3y"}

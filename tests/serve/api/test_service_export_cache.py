@@ -17,15 +17,15 @@ from tokenizers import Tokenizer, pre_tokenizers
 
 pytest.importorskip("onnxruntime", reason="the service serves the export on ONNX Runtime (pip install -e .[cpu])")
 
-from ldlm.checkpoint import init_model, save_checkpoint  # noqa: E402
-from ldlm.config import LDLMConfig  # noqa: E402
 from ldlm.export.artifact import read_schedules  # noqa: E402
 from ldlm.files import atomic_directory  # noqa: E402
-from ldlm.sampling.schedules import SCHEDULES_FILE, TunedGrid, TunedSchedules  # noqa: E402
+from ldlm.model.checkpoint import init_model, save_checkpoint  # noqa: E402
+from ldlm.model.config import LDLMConfig  # noqa: E402
+from ldlm.model.tokenizer import TOKENIZER_FILE, TextTokenizer  # noqa: E402
+from ldlm.sampling.tuned_grids import SCHEDULES_FILE, TunedGrid, TunedSchedules  # noqa: E402
 from ldlm.serve.api import export_cache  # noqa: E402
 from ldlm.serve.api.export_cache import cache_root, cached_export, entry_problem  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
-from ldlm.tokenizer import TOKENIZER_FILE, TextTokenizer  # noqa: E402
 
 
 def sha256(path: Path) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ldlm.serve.checks.bench_latency as bench
-from ldlm.config import preset
+from ldlm.model.config import preset
 from ldlm.serve.checks.bench_latency import bench_graphs, percentile
 from ldlm.serve.checks.bench_report import bench_summary
 from ldlm.serve.checks.bench_workload import WORKLOAD_STEPS, mixed_workload, workload_lengths_used

@@ -13,8 +13,8 @@ import pytest
 
 from ldlm.cli import main
 from ldlm.export.artifact import read_manifest
-from ldlm.export.verify import LayerNormSpec, pair_layer_norm_nodes
-from ldlm.serve.checks.compare import Comparison, compare_outputs
+from ldlm.export.layernorm.compare import Comparison, compare_outputs
+from ldlm.export.layernorm.verify import LayerNormSpec, pair_layer_norm_nodes
 from ldlm.serve.checks.parity import run_parity
 from ldlm.serve.checks.parity_report import write_parity_report
 from tests.artifacts import reseal_manifest

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ldlm.config import preset
-from ldlm.serve.checks.compare import min_cosine
+from ldlm.export.layernorm.compare import min_cosine
+from ldlm.model.config import preset
 from ldlm.serve.checks.parity import run_parity
 
 

@@ -13,8 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from ldlm.export.layernorm.compare import Comparison, compare_outputs  # noqa: E402
 from ldlm.serve.checks.bench_report import bench_figure, plot_bench  # noqa: E402
-from ldlm.serve.checks.compare import Comparison, compare_outputs  # noqa: E402
 from ldlm.serve.checks.parity_report import _plot_graphs, _plot_layer_norms, plot  # noqa: E402
 from ldlm.serve.checks.parity_result import ParityReport  # noqa: E402
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ldlm.export.verify import VerifyResult
-from ldlm.serve.checks.compare import compare_outputs
-from ldlm.serve.checks.eps_probe import EpsProbeReport
+from ldlm.export.layernorm.compare import compare_outputs
+from ldlm.export.layernorm.eps_probe import EpsProbeReport
+from ldlm.export.layernorm.verify import VerifyResult
 from ldlm.serve.checks.parity_result import ParityReport, first_divergence
 
 REF = np.array([[1.0, 2.0, 3.0]])

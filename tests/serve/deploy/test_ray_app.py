@@ -35,7 +35,7 @@ triton = pytest.importorskip("tritonclient.http", reason="the Triton client unde
 
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from ldlm.model import LDLM  # noqa: E402
+from ldlm.model.ldlm import LDLM  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import ServerSettings  # noqa: E402
 from ldlm.serve.deploy.ray_app import (  # noqa: E402

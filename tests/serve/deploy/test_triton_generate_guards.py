@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ldlm.config import preset
+from ldlm.model.config import preset
 from tests import REPO
 
 ROOT = REPO
@@ -181,7 +181,7 @@ def test_an_edited_tokenizer_in_the_repository_is_refused(generate_model, tmp_pa
 
     make, _ = generate_model
     tokenizer = tmp_path / "1" / "tokenizer.json"
-    from ldlm.tokenizer import TextTokenizer
+    from ldlm.model.tokenizer import TextTokenizer
 
     TextTokenizer.gpt2().save(tokenizer.parent)
     found = hashlib.sha256(tokenizer.read_bytes()).hexdigest()

@@ -14,9 +14,9 @@ import numpy as np
 import onnx
 import pytest
 
-from ldlm.config import SAMPLERS, LDLMConfig
-from ldlm.export.triton_repo import write_triton_repo
+from ldlm.model.config import SAMPLERS, LDLMConfig
 from ldlm.pipeline import LDLMPipeline
+from ldlm.serve.deploy.triton_repo import write_triton_repo
 
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the test extra) talks to the server")
 ort = pytest.importorskip("onnxruntime", reason="the graph models run ONNX Runtime, and so does their reference")

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from ldlm.checkpoint import CheckpointError, init_model
-from ldlm.config import preset
+from ldlm.model.checkpoint import CheckpointError, init_model
+from ldlm.model.config import preset
 
 
 def raises(error: type[Exception], message: str):
@@ -41,8 +41,8 @@ def test_devices_are_named() -> None:
 
 
 def test_pipeline_sampler_and_solver_inputs(pipeline) -> None:
-    from ldlm.samplers import get_sampler
-    from ldlm.schedule import time_grid
+    from ldlm.sampling.samplers import get_sampler
+    from ldlm.sampling.schedule import time_grid
 
     with raises(ValueError, "no sequences given; allowed: at least one"):
         pipeline.check_token_ids([])
@@ -63,7 +63,7 @@ def test_pipeline_sampler_and_solver_inputs(pipeline) -> None:
 def test_tokenizer_inputs(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models
 
-    from ldlm.tokenizer import TextTokenizer
+    from ldlm.model.tokenizer import TextTokenizer
 
     with raises(ValueError, "tokenizer has no '<|endoftext|>' token; a GPT-2 BPE vocabulary is required"):
         TextTokenizer(Tokenizer(models.BPE()))
@@ -231,8 +231,8 @@ def test_backend_inputs_and_sources(tiny_model, export_dir: Path) -> None:
 
 
 def test_tensorrt_files_and_binding_on_cpu(tmp_path: Path) -> None:
-    from ldlm.serve.runtime.tensorrt_engine import read_plan_manifest
-    from ldlm.serve.runtime.tensorrt_executor import PlanMismatchError, bind
+    from ldlm.export.artifact import PlanMismatchError, read_plan_manifest
+    from ldlm.export.trt_flavor import bind
 
     plan = tmp_path / "encoder.plan"
     with raises(PlanMismatchError, f"plan {plan} does not exist; build it with `ldlm build-engine`"):
@@ -254,11 +254,11 @@ def test_tensorrt_files_and_binding_on_cpu(tmp_path: Path) -> None:
 
 
 def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Path) -> None:
+    from ldlm.export.layernorm.compare import tolerance
+    from ldlm.export.layernorm.eps_probe_ort import OrtNodeRunner
+    from ldlm.export.layernorm.eps_probe_trt import probe_engines, run_normalization_plan
     from ldlm.serve.checks.bench import run_bench
     from ldlm.serve.checks.bench_latency import parse_solver_specs
-    from ldlm.serve.checks.compare import tolerance
-    from ldlm.serve.checks.eps_probe_ort import OrtNodeRunner
-    from ldlm.serve.checks.eps_probe_trt import probe_engines, run_normalization_plan
 
     assert parse_solver_specs("ddim@50, dpm3m-psc@1,") == [("ddim", 50, None), ("dpm3m-psc", 1, None)]
     assert parse_solver_specs("dpm3m-psc@10:tuned,ddim@5:power") == [("dpm3m-psc", 10, "tuned"), ("ddim", 5, "power")]
@@ -281,7 +281,7 @@ def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Pa
     ):
         OrtNodeRunner(("CPUExecutionProvider", "NoSuchExecutionProvider"))
     with raises(ValueError, f"{tmp_path} has no encoder.plan, denoiser.plan, decoder.plan; make one with `ldlm build-engine`"):
-        probe_engines(tiny_model, tmp_path, None, 0, None)
+        probe_engines(tiny_model, tmp_path, None, 0, None, backend="trt")
     if not torch.cuda.is_available():
         with raises(RuntimeError, "running a TensorRT plan needs a CUDA GPU; torch.cuda.is_available() is False"):
             run_normalization_plan(None, None, np.zeros((1, 4), np.float32))  # type: ignore[arg-type]
@@ -290,9 +290,9 @@ def test_check_options_are_named(tiny_checkpoint: Path, tiny_model, tmp_path: Pa
 def test_parity_refuses_an_export_of_another_config(tiny_checkpoint: Path, export_dir: Path, tmp_path: Path) -> None:
     import dataclasses
 
-    from ldlm.checkpoint import save_checkpoint
+    from ldlm.model.checkpoint import save_checkpoint
+    from ldlm.model.tokenizer import TextTokenizer
     from ldlm.serve.checks.parity import run_parity
-    from ldlm.tokenizer import TextTokenizer
 
     pytest.importorskip("onnxruntime")
     other = save_checkpoint(init_model(dataclasses.replace(preset("tiny"), t_min=0.1), seed=0), TextTokenizer.gpt2(), tmp_path / "other")
@@ -321,9 +321,9 @@ def test_a_plan_whose_bytes_differ_from_its_manifest_is_refused_before_tensorrt_
     """The sha256 check runs after the GPU checks; with those stood in for, it runs here and must
     refuse the plan before TensorRT deserializes a byte of it."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is the .[rtx] extra")
+    from ldlm.export.artifact import PlanMismatchError
     from ldlm.export.trt_flavor import GpuInfo
     from ldlm.serve.runtime import tensorrt_engine
-    from ldlm.serve.runtime.tensorrt_executor import PlanMismatchError
 
     plan = tmp_path / "encoder.plan"
     plan.write_bytes(b"edited plan bytes")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.torch_backends import EagerBackend
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.torch_backends import EagerBackend
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.samplers import ddim_step
 from ldlm.sampling import NoiseStream, sample_seeds
-from ldlm.schedule import time_grid
+from ldlm.sampling.samplers import ddim_step
+from ldlm.sampling.schedule import time_grid
 from ldlm.serve.runtime import delivery as delivery_module
 from ldlm.serve.runtime.delivery import PreviewDecodes, PreviewShares
 from ldlm.serve.runtime.generation import Generation, Preview, Sample

@@ -70,7 +70,7 @@ def test_every_entry_names_a_module_that_opens_it(name: str) -> None:
 
 
 def test_trt_precisions_are_what_build_engine_builds() -> None:
-    from ldlm.export.engine import BUILD_PRECISIONS
+    from ldlm.export.engine_builder import BUILD_PRECISIONS
 
     assert set(backend_info("trt").precisions) == set(BUILD_PRECISIONS)
 

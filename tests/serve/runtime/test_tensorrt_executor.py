@@ -6,7 +6,7 @@ ICudaEngine (``StandInEngine``): it answers the same calls, and its ``execute_as
 the inputs at the addresses bound and writes y = 2x + mask at the output's address (host memory,
 through ctypes), so a wrong address, a wrong shape or another thread's binding gives wrong numbers.
 What it does not exercise: real TensorRT kernels, CUDA streams, CUDA graph capture and replay
-(``tests/export/test_engine.py::test_engine_runs_on_gpu`` covers those on a GPU).
+(``tests/export/test_engine_builder.py::test_engine_runs_on_gpu`` covers those on a GPU).
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from ldlm.config import LDLMConfig
+from ldlm.export.artifact import PlanMismatchError
 from ldlm.files import write_atomically
+from ldlm.model.config import LDLMConfig
 from ldlm.serve.runtime.backends import serving_limits
-from ldlm.serve.runtime.tensorrt_engine import RuntimeCacheFile, runtime_cache_path
-from ldlm.serve.runtime.tensorrt_executor import TORCH_DTYPES, PlanExecutor, PlanMismatchError, batch_chunks, torch_dtype
+from ldlm.serve.runtime.tensorrt_executor import TORCH_DTYPES, PlanExecutor, batch_chunks, torch_dtype
+from ldlm.serve.runtime.trt_runtime import RuntimeCacheFile, runtime_cache_path
 
 STAND_IN_TRT = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"))
 AXES = {"x": {"batch": 0, "seq": 1}, "mask": {"batch": 0, "seq": 1}, "y": {"batch": 0, "seq": 1}}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
 from ldlm.pipeline import LDLMPipeline, bucket_for
 from ldlm.serve.checks.bench_latency import graph_feed
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs, ort_providers

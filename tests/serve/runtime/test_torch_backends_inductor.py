@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from ldlm.model import LDLM
+from ldlm.model.ldlm import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.checks.bench_latency import graph_feed
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs

@@ -19,9 +19,9 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
-from ldlm.samplers import ddim_step  # noqa: E402
 from ldlm.sampling import NoiseStream, RequestLimits, sample_seeds  # noqa: E402
-from ldlm.schedule import time_grid  # noqa: E402
+from ldlm.sampling.samplers import ddim_step  # noqa: E402
+from ldlm.sampling.schedule import time_grid  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler  # noqa: E402
@@ -377,7 +377,7 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_their_log_probabilities(cli
 def test_sampled_completions_draw_from_the_nucleus_seeded(client, pipeline: LDLMPipeline) -> None:
     """The served draw equals the eager one for the same seed, every drawn token lies in NumPy's nucleus of
     the eager logits, and its reported logprob is NumPy's log_softmax there."""
-    from ldlm.token_sampling import TokenSampling
+    from ldlm.sampling.tokens import TokenSampling
 
     args = {"prompt": "", "max_tokens": 10, "n": 2, "seed": 5, "temperature": 1.5, "top_p": 0.6}
     result = complete(client, **args, logprobs=1)

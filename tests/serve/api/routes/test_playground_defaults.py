@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from ldlm.checkpoint import load_config
-from ldlm.config import SAMPLERS
+from ldlm.model.checkpoint import load_config
+from ldlm.model.config import SAMPLERS
 from ldlm.sampling import GenerateRequest, resolve
-from ldlm.sampling.schedules import TunedGrid, TunedSchedules, weights_sha256
+from ldlm.sampling.tuned_grids import TunedGrid, TunedSchedules, weights_sha256
 from ldlm.serve.api.routes.playground import page_with_defaults, server_defaults
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from tests.servers import RunningServer, free_port

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 
-from ldlm.config import SAMPLERS  # noqa: E402
+from ldlm.model.config import SAMPLERS  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.serve.api.routes.test_playground import CHROMIUM, Browser, run_page  # noqa: E402
