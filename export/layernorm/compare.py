@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-# the gates live with their words in parity_gates, free of NumPy for the CLI's help; the checks import them from here
+# the gates live with their words in tolerances, free of NumPy for the CLI's help; the checks import them from here
 from ldlm.export.layernorm.tolerances import MIN_COSINE as MIN_COSINE
 from ldlm.export.layernorm.tolerances import TOLERANCES as TOLERANCES
 from ldlm.export.layernorm.tolerances import bounded

@@ -1,6 +1,6 @@
-"""Sampling: a request resolved into a plan (``request``), per-sample noise (``noise``), and the engine
-that moves per-sample states one denoiser call at a time (``engine``). The samplers' math is in
-ldlm/sampling/samplers.py, the schedule in ldlm/sampling/schedule.py."""
+"""Sampling: the samplers' math (``samplers``) on the noise schedule (``schedule``), a request resolved into a plan
+(``request``) with per-sample noise (``noise``), the loop that moves any mix of samples one denoiser call at a time
+(``loop``), tuned step grids (``tuned_grids``) and the choice of tokens from logits (``tokens``)."""
 
 from ldlm.sampling.loop import DenoiseFn, SampleState, SamplingEngine, StepBatch, run_lockstep, run_sampler
 from ldlm.sampling.noise import NoiseSource, NoiseStream, sample_seeds, to_device

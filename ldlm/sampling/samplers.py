@@ -3,7 +3,7 @@
 A sampler turns the denoiser's x0_hat at time t into the state at t_next. Each call is batched with
 per-sample times (B,), and everything a method remembers of earlier steps (``Past``: the previous
 x0_hat and its log-SNR, most recent first) is passed in and handed back, never kept inside, so one
-batch can hold samples of different samplers at different steps. ldlm/sampling.py holds that
+batch can hold samples of different samplers at different steps. ``ldlm.sampling.loop`` holds that
 per-sample state and is the one caller of ``Sampler.step``.
 
 Methods (lambda = log(alpha / sigma), h = lambda(t_next) - lambda(t) > 0, ``ddim_step(x, D)`` =

@@ -4,7 +4,7 @@ scripts/research/gpu_check.sh): parity of every GPU backend against CPU fp32 eag
 1024-token sample, tokens/s, continuous against static batching, the HTTP service on loopback, and
 what streamed previews cost there. Writes OUT/gpu_check.json (rewritten after every stage, so a
 run cut short keeps what it measured) and OUT/gpu_check.md (every figure against the targets in
-ldlm/serve/checks/gpu_targets.py, each met, missed, or not measured and why). Stages that cannot run say why;
+scripts/research/gpu_targets.py, each met, missed, or not measured and why). Stages that cannot run say why;
 a stage that fails records its error and the run goes on. Nothing is downloaded: the GPU machine
 has no network, so the packages its image lacks travel as wheels.
 

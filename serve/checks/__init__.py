@@ -1,1 +1,2 @@
-"""The checks that measure: eager-vs-backend parity, per-LayerNorm eps probes and the benchmark."""
+"""The checks that measure a backend against eager PyTorch: parity (which runs the LayerNorm eps probes of
+``ldlm.export.layernorm`` on the artifact) and the benchmark."""

@@ -11,7 +11,7 @@ from typing import Any
 from ldlm.export.layernorm.compare import Comparison
 from ldlm.export.layernorm.eps_probe import EpsProbeReport
 
-# the gate lives in parity_gates with the others; the checks import it from here
+# the gate lives in ldlm.export.layernorm.tolerances with the others; the checks import it from here
 from ldlm.export.layernorm.tolerances import TOKEN_AGREEMENT_REQUIRED as TOKEN_AGREEMENT_REQUIRED
 from ldlm.export.layernorm.verify import VerifyResult
 

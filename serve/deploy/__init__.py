@@ -1,1 +1,2 @@
-"""Running the service elsewhere: the Triton Python-backend sampling loop and the Ray Serve app."""
+"""Running the service elsewhere: the Triton model repository and its Python-backend models, a local tritonserver,
+and the Ray Serve app."""

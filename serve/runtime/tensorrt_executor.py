@@ -6,8 +6,8 @@ An execution context is not thread-safe, and the server calls one engine from se
 scheduler's and each graph's batcher), so bind + enqueue run under one lock, with one context per
 optimization profile (a profile serves one context at a time in older TensorRT). With NVIDIA
 TensorRT it can capture one CUDA graph per (profile, shapes); TensorRT-RTX captures its own
-(``cuda_graph_strategy``, set by ``tensorrt_engine``), which also handles its lazily compiled
-shape-specialized kernels. Streams, dtype conversion and the plan's files are ``tensorrt_engine``'s.
+(``cuda_graph_strategy``, set by ``trt_runtime``), which also handles its lazily compiled
+shape-specialized kernels. Streams, dtype conversion and the plan's files are ``trt_runtime``'s.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Shared fixtures and the independent references sit in tests/ itself, and nothing
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tests import REPO
@@ -57,3 +58,56 @@ def test_the_rule_refuses_a_test_away_from_its_module(tmp_path: Path) -> None:
     assert "names no module of export/" in (misplaced(TESTS / "export" / "test_scheduler.py") or "")
     assert "mirrors a package folder" in (misplaced(TESTS / "misc" / "test_x.py") or "")
     assert "mirrors a package folder" in (misplaced(TESTS / "test_pipeline.py") or "")
+
+
+def layout_section(readme: str) -> str:
+    start = readme.index("## Layout\n")
+    block = readme[start:].split("```", 2)[1]
+    return block
+
+
+def named_modules(block: str) -> dict[str, set[str]]:
+    """The README's layout tree read back: each folder (as a path) -> the module files named under it. A line
+    whose first word ends in "/" opens a folder inside the nearest open one to its left; other lines belong to
+    the folder opened last."""
+    open_folders: list[tuple[int, str]] = []
+    named: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent, first = len(line) - len(line.lstrip()), line.split()[0].rstrip(",")
+        if first.endswith("/") and indent < 20:
+            while open_folders and open_folders[-1][0] >= indent:
+                open_folders.pop()
+            parent = open_folders[-1][1] if open_folders else ""
+            open_folders.append((indent, parent + first))
+            line = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
+        if open_folders:
+            named.setdefault(open_folders[-1][1], set()).update(re.findall(r"\b(\w+\.py)\b", line))
+    return named
+
+
+def layout_problems(readme: str) -> list[str]:
+    named = named_modules(layout_section(readme))
+    problems = []
+    for top in ("ldlm", "export", "serve"):
+        for folder in sorted({p.parent for p in (REPO / top).rglob("*.py")}):
+            key = str(folder.relative_to(REPO)) + "/"
+            modules = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+            shown = named.get(key, set()) - {"__init__.py"}
+            problems += [f"{key}{m} is not in the README's layout" for m in sorted(modules - shown)]
+            problems += [f"the README's layout names {key}{m}, which does not exist" for m in sorted(shown - modules)]
+    return problems
+
+
+def test_the_readme_layout_names_every_module_in_its_folder() -> None:
+    problems = layout_problems((REPO / "README.md").read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layout_check_sees_a_module_left_out() -> None:
+    """The check itself: the README with one module's name taken out of its folder's lines is refused."""
+    readme = (REPO / "README.md").read_text()
+    assert layout_problems(readme.replace("tensorrt_executor.py,", "", 1)) == [
+        "serve/runtime/tensorrt_executor.py is not in the README's layout"
+    ]

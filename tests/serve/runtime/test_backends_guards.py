@@ -323,15 +323,15 @@ def test_a_plan_whose_bytes_differ_from_its_manifest_is_refused_before_tensorrt_
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is the .[rtx] extra")
     from ldlm.export.artifact import PlanMismatchError
     from ldlm.export.trt_flavor import GpuInfo
-    from ldlm.serve.runtime import tensorrt_engine
+    from ldlm.serve.runtime import trt_runtime
 
     plan = tmp_path / "encoder.plan"
     plan.write_bytes(b"edited plan bytes")
     (tmp_path / "encoder.plan.json").write_text(json.dumps({"flavor": "tensorrt_rtx", "plan_sha256": "0" * 64}))
     if not torch.cuda.is_available():
         with raises(RuntimeError, f"running {plan} needs a CUDA GPU; torch.cuda.is_available() is False"):
-            tensorrt_engine.TensorRTEngine(plan)
-    monkeypatch.setattr(tensorrt_engine, "gpu_info", lambda device=None: GpuInfo("stand-in GPU", "9.0"))
-    monkeypatch.setattr(tensorrt_engine, "check_plan_manifest", lambda manifest, flavor, gpu: None)
+            trt_runtime.TensorRTEngine(plan)
+    monkeypatch.setattr(trt_runtime, "gpu_info", lambda device=None: GpuInfo("stand-in GPU", "9.0"))
+    monkeypatch.setattr(trt_runtime, "check_plan_manifest", lambda manifest, flavor, gpu: None)
     with raises(PlanMismatchError, f"{plan} does not match the sha256 in its manifest (corrupt or replaced); rebuild it"):
-        tensorrt_engine.TensorRTEngine(plan)
+        trt_runtime.TensorRTEngine(plan)
