@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ldlm.device import resolve_device
 from ldlm.files import atomic_directory, sha256_file
-from ldlm.model.config import LDLMConfig, preset
+from ldlm.model.config import LDLMConfig
 from ldlm.model.layers import RMSNorm
 from ldlm.model.ldlm import LDLM
 from ldlm.model.tokenizer import TOKENIZER_FILE, TextTokenizer
@@ -246,11 +246,3 @@ def load_gpt2_weights(model: LDLM, gpt2_dir: Path) -> None:
     # default mean_resizing, without its sampled noise).
     mask = wte[config.mask_token_id] if config.mask_token_id < wte.shape[0] else wte.mean(dim=0)
     model.latent_decoder.mask_embedding.copy_(mask)
-
-
-def preset_or_checkpoint(name: str, seed: int = 0) -> tuple[LDLM, TextTokenizer]:
-    """What the measurement scripts call a model: a checkpoint directory (a trained one, such as the
-    reference checkpoint), or a preset's seeded random init with random norms."""
-    if Path(name).is_dir():
-        return load_checkpoint(name)
-    return init_model(preset(name), seed, norm_init="random"), TextTokenizer.gpt2()

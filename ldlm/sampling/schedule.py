@@ -1,7 +1,7 @@
 """The noise schedule: the tangent schedule, its log-SNR, the time grids and the forward process.
 
-Pure functions of t; the samplers that step along a grid are in ldlm/sampling/samplers.py, the engine that
-runs them in ldlm/sampling.py.
+Pure functions of t; the samplers that step along a grid are in ``ldlm.sampling.samplers``, the loop that
+runs them in ``ldlm.sampling.loop``.
 
 Forward process (variance preserving):   x_t = alpha_t x0 + sigma_t eps,  alpha_t^2 + sigma_t^2 = 1
 Tangent schedule (d = 3):                 alpha_t = (1 + d^2 tan^2(pi t / 2))^(-1/2)

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,14 @@ import torch
 
 from ldlm.device import resolve_device
 from ldlm.files import save_figure, write_atomically
-from ldlm.model.checkpoint import preset_or_checkpoint
 from ldlm.model.config import DEFAULT_TUNING_OBJECTIVE, TUNING_OBJECTIVES
 from ldlm.pipeline import LDLMPipeline
 from ldlm.training.grid_search import Tuner, TuningSettings, matches_ddim50, tune_grid
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.models import preset_or_checkpoint  # noqa: E402
 
 DDIM_STEPS = (10, 20, 50, 100)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,15 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ldlm.files import save_figure, write_atomically
-from ldlm.model.checkpoint import preset_or_checkpoint
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import run_sampler
 from ldlm.sampling.samplers import SAMPLERS_BY_NAME
 from ldlm.sampling.schedule import TangentSchedule
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
+
+from scripts.harness.models import preset_or_checkpoint  # noqa: E402
 
 DETERMINISTIC = [name for name, solver in SAMPLERS_BY_NAME.items() if not solver.stochastic]
 SHAPES = {"tiny": (8, 64), "base": (2, 32)}  # (samples, tokens) per preset: base runs 2,000 steps on a CPU
