@@ -30,8 +30,9 @@ sample and step. What it buys on the reference checkpoint is in docs/sampling.md
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ from tqdm.auto import tqdm
 from ldlm.model.config import DecodeFinal
 from ldlm.sampling.noise import BatchNoiseRows, NoiseSource, NoiseStream, sample_seeds, to_device
 from ldlm.sampling.request import SamplingPlan
-from ldlm.sampling.samplers import Past, Sampler, get_sampler, push_past
+from ldlm.sampling.samplers import Sampler, get_sampler, push_past
 from ldlm.sampling.schedule import TangentSchedule, forward_noise
 
 DenoiseFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (x_t, t, x0_prev, mask) -> x0_hat
@@ -89,6 +90,79 @@ class StepBatch:
     # Rows past len(states) are prompt-blind copies of these states' rows (prompt guidance): the denoiser's
     # B is len(states) + len(blind).
     blind: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one sampler step reads, every tensor batch-first with fixed shapes for a given (batch, length,
+    sampler): a captured step's static inputs. The past and the noise are inputs, not state kept inside,
+    so every sampler captures: the sde sampler's noise is drawn outside by each sample's own seeded stream
+    (a draw inside a graph would come from one generator for the whole batch, and a sample's numbers would
+    depend on its batch)."""
+
+    x: Tensor  # (B, L, D) the state at t
+    t: Tensor  # (B,)
+    t_next: Tensor  # (B,)
+    x0_prev: Tensor  # (B, L, D) the self-conditioning input
+    mask: Tensor  # (B, L) bool, True at real positions
+    past_x0: tuple[Tensor, ...] = ()  # sampler.history entries, each (B, L, D), most recent first
+    past_lam: tuple[Tensor, ...] = ()  # their log-SNR, each (B,) float64, NaN where a sample has no such step
+    noise: Tensor | None = None  # (B, L, D) the stochastic sampler's draw for this step
+    x_prev: Tensor | None = None  # (B, L, D) the corrector's: the state the last step started from
+    t_prev: Tensor | None = None  # (B,) its time
+
+    def named(self) -> dict[str, Tensor]:
+        """Every tensor by a flat name (the past's entries as past_x0.0, past_x0.1, ...), for static buffers."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        for kind in ("past_x0", "past_lam"):
+            out |= {f"{kind}.{k}": value for k, value in enumerate(getattr(self, kind))}
+        return out
+
+    def with_named(self, tensors: Mapping[str, Tensor]) -> StepInputs:
+        """These inputs with every tensor replaced by the one ``tensors`` holds under its ``named`` name."""
+        changes: dict[str, Any] = {n: tensors[n] for n in self.named() if "." not in n}
+        for kind in ("past_x0", "past_lam"):
+            changes[kind] = tuple(tensors[f"{kind}.{k}"] for k in range(len(getattr(self, kind))))
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What one sampler step gives back, batch-first: the next state, and what the sample keeps of this step."""
+
+    x: Tensor  # (B, L, D) the state at t_next
+    x_mean: Tensor  # its noise-free part
+    x0_hat: Tensor  # the denoiser's output at t (previews, decode_final="x0", the next step's past)
+    x0_prev: Tensor  # the next denoiser call's self-conditioning input
+    x_start: Tensor  # the state the step started from (corrected where the sampler has a corrector)
+    lam: Tensor | None  # (B,) float64 log-SNR at t, pushed onto the past; None for a sampler without one
+
+
+FusedStepFn = Callable[[Sampler, TangentSchedule, StepInputs], StepOutputs]
+
+
+def sampler_update(sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs, x0_hat: Tensor) -> StepOutputs:
+    """The sampler's update of one step given the denoiser's ``x0_hat``: the corrector (where the sampler
+    has one) redoes the last step, then the step itself. Tensor operations only, no host sync: it runs
+    inside a captured CUDA graph as it runs here."""
+    past = list(zip(inputs.past_x0, inputs.past_lam))
+    x = inputs.x
+    if sampler.corrector:
+        x = sampler.correct(schedule, x, inputs.x_prev, x0_hat, inputs.t_prev, inputs.t, past)  # type: ignore[arg-type]
+    result = sampler.step(schedule, x, x0_hat, inputs.t, inputs.t_next, past, inputs.noise)
+    lam = schedule.log_snr(inputs.t) if sampler.history else None
+    return StepOutputs(result.x, result.x_mean, x0_hat, result.x0_prev, x, lam)
+
+
+def fused_step(denoise: DenoiseFn) -> FusedStepFn:
+    """One step as one callable: ``denoise`` then ``sampler_update``, uncaptured, at the inputs' own shape
+    (the reference of a captured step; ``advance_fused`` takes it)."""
+
+    def step(sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> StepOutputs:
+        x0_hat = denoise(inputs.x, inputs.t, inputs.x0_prev, inputs.mask)
+        return sampler_update(sampler, schedule, inputs, x0_hat)
+
+    return step
 
 
 class SamplingEngine:
@@ -199,40 +273,60 @@ class SamplingEngine:
             latent = torch.cat([state.prefix.to(latent.dtype), latent[state.prefix.shape[0] :]])
         return latent
 
+    def advance_fused(self, batch: StepBatch, step: FusedStepFn) -> list[SampleState]:
+        """``advance`` with the denoiser call inside ``step``: ``step(sampler, schedule, inputs)`` is the
+        denoiser and the sampler's update together (``fused_step``; on CUDA one captured graph per bucket and
+        sampler), so the host only gathers the samples' state and hands the results back. Same numbers as
+        ``batch``'s denoiser call followed by ``advance``. One sampler per batch and no prompt guidance (the
+        blind rows' extrapolation sits between the denoiser and the step): ``fusable`` says which batches."""
+        if not self.fusable(batch):
+            raise ValueError(
+                f"advance_fused takes one sampler and no prompt-guided rows; this batch has samplers "
+                f"{sorted({s.sampler.name for s in batch.states})} and {len(batch.blind)} blind rows: use advance"
+            )
+        group, sampler = batch.states, batch.states[0].sampler
+        inputs = self._gather(group, StepInputs(batch.x, batch.t, batch.t_next, batch.x0_prev, batch.mask))
+        self._scatter(group, step(sampler, self.schedule, inputs))
+        for state in group:
+            state.step += 1
+        return [s for s in group if s.done]
+
+    @staticmethod
+    def fusable(batch: StepBatch) -> bool:
+        """Whether ``advance_fused`` takes ``batch``: its samples share one sampler and none is prompt-guided."""
+        return not batch.blind and len({s.sampler.name for s in batch.states}) == 1
+
     def _step_group(self, group: list[SampleState], rows: Tensor | slice, batch: StepBatch, x0_hat: Tensor) -> None:
         """The sampler step of the samples in ``group`` (one sampler; their ``rows`` of the batch)."""
-        sampler, schedule = group[0].sampler, self.schedule
-        stack = self._stacker(batch.x.shape[1])
-        x_g, x0_g, t_g, t_next_g = batch.x[rows], x0_hat[rows], batch.t[rows], batch.t_next[rows]
-        past = []
-        for k in range(sampler.history):  # a sample with fewer past steps gets a missing (NaN) lambda there
-            past.append(
-                (
-                    stack([s.past[k][0] if k < len(s.past) else torch.zeros_like(s.x) for s in group]),
-                    torch.stack([s.past[k][1] if k < len(s.past) else self._missing for s in group]),
-                )
-            )
+        rowwise = StepInputs(batch.x[rows], batch.t[rows], batch.t_next[rows], batch.x0_prev[rows], batch.mask[rows])
+        self._scatter(group, sampler_update(group[0].sampler, self.schedule, self._gather(group, rowwise), x0_hat[rows]))
+
+    def _gather(self, group: list[SampleState], inputs: StepInputs) -> StepInputs:
+        """``inputs`` with what the group's sampler reads of each sample's own state: its past (a sample with
+        fewer past steps gets zeros and a missing (NaN) lambda there), the state the corrector redoes, and
+        this step's noise, each stacked over the group's rows."""
+        sampler, stack = group[0].sampler, self._stacker(inputs.x.shape[1])
+        past_x0 = tuple(stack([s.past[k][0] if k < len(s.past) else torch.zeros_like(s.x) for s in group]) for k in range(sampler.history))
+        past_lam = tuple(torch.stack([s.past[k][1] if k < len(s.past) else self._missing for s in group]) for k in range(sampler.history))
         noise = stack([s.noise.draw() for s in group]) if sampler.stochastic else None
+        x_prev = t_prev = None
         if sampler.corrector:
-            x_g = self._corrected(group, sampler, x_g, x0_g, t_g, past)
-        result = sampler.step(schedule, x_g, x0_g, t_g, t_next_g, past, noise)
-        lam = schedule.log_snr(t_g) if sampler.history else None
+            x_prev = stack([s.x_prev if s.x_prev is not None else torch.zeros_like(s.x) for s in group])
+            t_prev = torch.stack([s.times[max(s.step - 1, 0)] for s in group])  # the first step has no past: not redone
+        return replace(inputs, past_x0=past_x0, past_lam=past_lam, noise=noise, x_prev=x_prev, t_prev=t_prev)
+
+    @staticmethod
+    def _scatter(group: list[SampleState], out: StepOutputs) -> None:
+        """Each sample's own rows of ``out`` (cut to its length) become its state."""
+        sampler = group[0].sampler
         for i, state in enumerate(group):
             n = state.length
             if sampler.corrector:
-                state.x_prev = x_g[i, :n]
-            state.x, state.x_mean = result.x[i, :n], result.x_mean[i, :n]
-            state.x0_hat, state.x0_prev = x0_g[i, :n], result.x0_prev[i, :n]
-            if lam is not None:
-                state.past = push_past(state.past, state.x0_hat, lam[i], sampler.history)
-
-    def _corrected(self, group: list[SampleState], sampler: Sampler, x: Tensor, x0_hat: Tensor, t: Tensor, past: Past) -> Tensor:
-        """The group's states at t redone by the sampler's corrector. An inpainted prompt's positions are
-        redone too, harmlessly: each step resets them before the denoiser sees them."""
-        stack = self._stacker(x.shape[1])
-        x_prev = stack([s.x_prev if s.x_prev is not None else torch.zeros_like(s.x) for s in group])
-        t_prev = torch.stack([s.times[max(s.step - 1, 0)] for s in group])  # the first step has no past: not redone
-        return sampler.correct(self.schedule, x, x_prev, x0_hat, t_prev, t, past)
+                state.x_prev = out.x_start[i, :n]
+            state.x, state.x_mean = out.x[i, :n], out.x_mean[i, :n]
+            state.x0_hat, state.x0_prev = out.x0_hat[i, :n], out.x0_prev[i, :n]
+            if out.lam is not None:
+                state.past = push_past(state.past, state.x0_hat, out.lam[i], sampler.history)
 
     def _guided(self, batch: StepBatch, x0_hat: Tensor) -> tuple[StepBatch, Tensor]:
         """The batch without its blind rows, and each guided sample's x0_hat extrapolated from its blind

@@ -11,6 +11,10 @@ captured per (graph, batch bucket, length bucket) on first use, so a denoiser ca
 replay plus the copies into its static input buffers. With ``cuda_graphs=False`` (the default on
 CPU) the same buckets and padding run the module directly, which is how CPU tests check them.
 
+``FusedSteps`` goes one further for the denoiser: its call and the sampler's update (self-conditioning and the
+corrector included) as one step per (bucket, sampler), on CUDA one captured graph each, driven by
+``SamplingEngine.advance_fused``.
+
 ``inductor`` (``InductorBackend``) is ``compiled`` with torch.compile's kernels, one static compile per bucket (about
 15 s for the base denoiser on an H200): 1.46-2.04x faster there (docs/measurements/gpu-profile-h200-2026-12-04.json).
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,6 +40,9 @@ from ldlm.model.config import LDLMConfig
 from ldlm.model.layers import RMSNorm
 from ldlm.model.ldlm import LDLM
 from ldlm.model.tokenizer import TextTokenizer
+from ldlm.sampling.loop import StepInputs, StepOutputs, sampler_update
+from ldlm.sampling.samplers import Sampler
+from ldlm.sampling.schedule import TangentSchedule
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
 from ldlm.serve.runtime.registry import TORCH_PRECISIONS
 
@@ -278,6 +285,120 @@ class InductorBackend(CompiledBackend):
         buckets = len(self.batch_buckets) * len(self.seq_buckets)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)
         return cast(nn.Module, torch.compile(module, dynamic=False))  # an OptimizedModule, itself a Module
+
+
+@dataclass
+class _PreparedStep:
+    graph: Any  # torch.cuda.CUDAGraph; None without CUDA graphs (the step runs uncaptured on the buffers)
+    inputs: dict[str, Tensor]  # static input buffers by StepInputs.named(), filled before each step
+    outputs: StepOutputs | None  # the graph's static output buffers, overwritten by each replay
+
+
+class FusedSteps:
+    """A compiled denoiser's fused steps (``ldlm.sampling.loop.advance_fused``'s ``step``): the denoiser call
+    and the sampler's update (corrector and self-conditioning included) as one callable per (batch bucket,
+    length bucket, sampler, schedule). On CUDA each is captured once as one CUDA graph, so a step is the
+    copies into its static inputs, one replay and the copies out: the host only picks the graph. Without
+    CUDA graphs (CPU) the same buckets, padding and math run uncaptured, which is how CPU tests check them.
+
+    Every sampler captures: the past enters as fixed-count inputs (a missing step: zeros and a NaN lambda)
+    and the sde sampler's noise is drawn before the replay by each sample's own stream. What is not fused:
+    a batch mixing samplers, and prompt guidance (``SamplingEngine.fusable``); those take ``advance``.
+    """
+
+    def __init__(self, backend: CompiledBackend) -> None:
+        if backend.graph != "denoiser":
+            raise BackendError(f"fused steps run the denoiser graph, not {backend.graph!r}")
+        self.backend = backend
+        self.prepared: dict[tuple[Any, ...], _PreparedStep] = {}
+        self.output = backend.output_names.index("x0_hat")
+
+    def __call__(self, sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> StepOutputs:
+        backend = self.backend
+        batch, length = inputs.x.shape[:2]
+        top = backend.batch_buckets[-1]
+        if batch > top:  # as the backend's own calls: chunks of the largest bucket
+            named = inputs.named()
+            parts = [
+                self(sampler, schedule, inputs.with_named({n: t[i : i + top] for n, t in named.items()})) for i in range(0, batch, top)
+            ]
+            return _concat(parts)
+        key = (*backend.bucket(batch, length), sampler, schedule, inputs.x.dtype)
+        with backend._lock:  # the module, its pool and the static buffers are shared: one step at a time
+            prepared = self.prepared.get(key) or self._prepare(key, sampler, schedule, inputs)
+            fill_step(prepared.inputs, inputs.named())
+            if prepared.graph is not None:
+                prepared.graph.replay()
+                outputs = cast(StepOutputs, prepared.outputs)  # set wherever a graph is
+            else:  # the same static buffers, uncaptured: what CPU tests check
+                outputs = self.run(sampler, schedule, inputs.with_named(prepared.inputs))
+            # Always a copy: the next replay overwrites the static outputs.
+            cut = (None if o is None else _cut(o, batch, length, o.ndim > 1).clone() for o in _outputs(outputs))
+            return StepOutputs(*cut)  # type: ignore[arg-type]  # None only where the step gave None
+
+    def run(self, sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> StepOutputs:
+        """One step at the buffers' (bucket) shape: the denoiser as ``BackendGraphs.denoise`` feeds it (the
+        compute dtype in, FP32 out), then the sampler's update; what a CUDA graph captures."""
+        backend = self.backend
+        feed = {"x_t": inputs.x, "t": inputs.t, "x0_prev": inputs.x0_prev, "attention_mask": inputs.mask.long()}
+        tensors = {spec["name"]: feed[spec["name"]].to(backend.device, backend.input_dtype(spec)) for spec in backend.inputs}
+        x0_hat = backend._module_outputs(tensors)[self.output].float().to(inputs.x.dtype)
+        return sampler_update(sampler, schedule, inputs, x0_hat)
+
+    def _prepare(self, key: tuple[Any, ...], sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> _PreparedStep:
+        """The bucket's static input buffers and, with CUDA graphs, the step captured on them."""
+        device = self.backend.device
+        static = _step_buffers(inputs.named(), key[0], key[1], device)
+        self.prepared[key] = _PreparedStep(None, static, None)
+        if not self.backend.cuda_graphs:
+            return self.prepared[key]
+        fill_step(static, inputs.named())  # the warm-up runs on real values
+        template = inputs.with_named(static)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS handles, kernel choice, allocator
+            for _ in range(2):
+                self.run(sampler, schedule, template)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's other threads may run CUDA work while this one captures.
+        with torch.cuda.graph(graph, pool=self.backend.pool, capture_error_mode="thread_local"):
+            outputs = self.run(sampler, schedule, template)
+        self.prepared[key] = _PreparedStep(graph, static, outputs)
+        return self.prepared[key]
+
+
+def _step_buffers(named: Mapping[str, Tensor], batch: int, length: int, device: torch.device) -> dict[str, Tensor]:
+    """Zeros of the bucket's shape for each of a step's inputs (batch first; (B, L, ...) ones padded in length too)."""
+    return {
+        n: torch.zeros((batch, length, *t.shape[2:]) if t.ndim > 1 else (batch,), dtype=t.dtype, device=device) for n, t in named.items()
+    }
+
+
+def fill_step(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
+    """Copy a step's ``tensors`` into the top-left corner of the bucket-shaped ``buffers``. Padded positions
+    of real rows are zeros, masked out (every step's math is per position, the denoiser masks them as
+    keys); padded rows repeat the first row, so they are ordinary, finite steps whose outputs are dropped
+    (zeros would put them at t = 0, where sigma is 0)."""
+    for name, buffer in buffers.items():
+        value = tensors[name]
+        batch = value.shape[0]
+        if buffer.shape == value.shape:
+            buffer.copy_(value)
+            continue
+        buffer.zero_()
+        region = (slice(0, batch), slice(0, value.shape[1])) if value.ndim > 1 else (slice(0, batch),)
+        buffer[region].copy_(value)
+        buffer[batch:] = buffer[:1]
+
+
+def _outputs(out: StepOutputs) -> tuple[Tensor | None, ...]:
+    return tuple(getattr(out, f.name) for f in fields(StepOutputs))
+
+
+def _concat(parts: Sequence[StepOutputs]) -> StepOutputs:
+    columns = zip(*(_outputs(p) for p in parts))
+    return StepOutputs(*(None if column[0] is None else torch.cat(column) for column in columns))  # type: ignore[arg-type]
 
 
 def fill_padded(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], seq_names: set[str]) -> None:

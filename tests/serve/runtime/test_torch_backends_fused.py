@@ -1,0 +1,129 @@
+"""Fused steps (the denoiser call and the sampler's update as one callable per bucket and sampler) against
+today's unfused path: the compiled backend's denoiser call, then ``SamplingEngine.advance``.
+
+The reference is the path every server step takes now (``BackendGraphs.denoise`` on the compiled backend,
+which pads to the same buckets, then the engine's ``advance``); the fused path must give bit-identical
+states (torch.equal) for every sampler, with samples joining and leaving, lengths below the bucket and
+batches that share a bucket at other sizes (stale static buffers would show). On CPU the fused step runs
+uncaptured on its static buffers; the CUDA graph capture of it runs only on a GPU (skipped here).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from ldlm.model.config import SAMPLERS, LDLMConfig
+from ldlm.model.ldlm import LDLM
+from ldlm.sampling import GenerateRequest, SampleState, SamplingEngine, resolve
+from ldlm.sampling.schedule import TangentSchedule
+from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
+from ldlm.serve.runtime.graph_backend import BackendError
+from ldlm.serve.runtime.registry import COMPILED
+from ldlm.serve.runtime.torch_backends import CompiledBackend, FusedSteps, prepare_model
+
+SCHEDULE = TangentSchedule()
+# (n, length, steps, joins at step): 4 samples fill bucket 4, 5 rows take bucket 8, then 3 rows reuse
+# bucket 4's buffers; lengths 12 and 7 sit below the 16 bucket, and the joiners have no past yet.
+Groups = tuple[tuple[int, int, int, int], ...]
+GROUPS: Groups = ((4, 12, 3, 0), (1, 16, 6, 1), (2, 7, 3, 3))
+
+
+def start(engine: SamplingEngine, config: LDLMConfig, sampler: str, k: int, groups: Groups = GROUPS) -> list[SampleState]:
+    states = []
+    for g, (n, length, steps, joins) in enumerate(groups):
+        if joins == k:
+            request = GenerateRequest(n=n, length=length, steps=steps, seed=10 + g, sampler=sampler)
+            states += engine.start(resolve(request, config), config.d_model)
+    return states
+
+
+def state_tensors(state: SampleState) -> list[torch.Tensor]:
+    """Everything a sample carries to its next step and its result."""
+    kept = [state.x, state.x_mean, state.x0_hat, state.x0_prev] + ([] if state.x_prev is None else [state.x_prev])
+    return kept + [t for entry in state.past for t in entry]
+
+
+def run_both(backend: CompiledBackend, config: LDLMConfig, sampler: str, padded: int | None, groups: Groups = GROUPS) -> None:
+    """Both paths side by side, step by step, every state compared after every step."""
+    unfused, fused = SamplingEngine(SCHEDULE), SamplingEngine(SCHEDULE)
+    denoise, steps = BackendGraphs({"denoiser": backend}).denoise, FusedSteps(backend)
+    live_u: list[SampleState] = []
+    live_f: list[SampleState] = []
+    for k in range(7):
+        live_u += start(unfused, config, sampler, k, groups)
+        live_f += start(fused, config, sampler, k, groups)
+        if not live_f:
+            break
+        batch_u, batch_f = unfused.batch(live_u, padded), fused.batch(live_f, padded)
+        assert SamplingEngine.fusable(batch_f)
+        unfused.advance(batch_u, denoise(batch_u.x, batch_u.t, batch_u.x0_prev, batch_u.mask))
+        fused.advance_fused(batch_f, steps)
+        for i, (a, b) in enumerate(zip(live_u, live_f)):
+            for j, (x, y) in enumerate(zip(state_tensors(a), state_tensors(b), strict=True)):
+                assert torch.equal(x, y), f"{sampler}: step {k}, sample {i}, tensor {j} differs"
+        live_u, live_f = [s for s in live_u if not s.done], [s for s in live_f if not s.done]
+    assert not live_u and not live_f
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_checkpoint: Path) -> tuple[CompiledBackend, LDLMConfig]:
+    graphs, config, _ = open_graphs(COMPILED, tiny_checkpoint)
+    return graphs["denoiser"], config  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_fused_steps_equal_the_unfused_path(compiled: tuple[CompiledBackend, LDLMConfig], sampler: str) -> None:
+    backend, config = compiled
+    run_both(backend, config, sampler, padded=16)  # as the server's executor pads: to the length bucket
+
+
+def test_fused_steps_pad_lengths_below_the_bucket(compiled: tuple[CompiledBackend, LDLMConfig]) -> None:
+    backend, config = compiled
+    run_both(backend, config, "dpm3m-psc-unic", padded=None)  # batches of 12 and 7 positions: padded to 16 inside
+    # one sample of 16 positions, then one of 12 in the same (1, 16) bucket: its buffers' last 4 positions must not keep the first's
+    run_both(backend, config, "dpm2m", padded=None, groups=((1, 16, 2, 0), (1, 12, 3, 2)))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fused_steps_in_reduced_precision(tiny_model: LDLM, tiny_config: LDLMConfig, precision: str) -> None:
+    """The compute dtype in, FP32 out, as BackendGraphs.denoise feeds the backend."""
+    model = prepare_model(copy.deepcopy(tiny_model), torch.device("cpu"), precision)
+    run_both(CompiledBackend(model, "denoiser"), tiny_config, "dpm3m-psc", padded=16)
+
+
+def test_batches_above_the_largest_bucket_run_in_chunks(tiny_model: LDLM, tiny_config: LDLMConfig) -> None:
+    backend = CompiledBackend(copy.deepcopy(tiny_model), "denoiser", batch_buckets=(1, 2))
+    run_both(backend, tiny_config, "sde", padded=16)
+
+
+def test_only_the_denoiser_fuses(compiled: tuple[CompiledBackend, LDLMConfig], tiny_model: LDLM) -> None:
+    with pytest.raises(BackendError, match="fused steps run the denoiser graph, not 'decoder'"):
+        FusedSteps(CompiledBackend(copy.deepcopy(tiny_model), "decoder"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA graph capture of fused steps was not exercised")
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_captured_steps_equal_the_uncaptured_ones(tiny_model: LDLM, tiny_config: LDLMConfig, sampler: str) -> None:
+    """On CUDA: one graph per bucket and sampler, replayed, against the same step uncaptured on the same device
+    (the unfused path runs the denoiser's own per-bucket graph: other kernels' order, so compared closely, not bitwise)."""
+    model = prepare_model(copy.deepcopy(tiny_model), torch.device("cuda"), "fp32")
+    captured = CompiledBackend(model, "denoiser")
+    plain = CompiledBackend(model, "denoiser", cuda_graphs=False)
+    engines = SamplingEngine(SCHEDULE, device="cuda", noise_device="cpu"), SamplingEngine(SCHEDULE, device="cuda", noise_device="cpu")
+    steps = FusedSteps(captured), FusedSteps(plain)
+    lives: tuple[list[SampleState], list[SampleState]] = ([], [])
+    for k in range(7):
+        for engine, live, step in zip(engines, lives, steps):
+            live += start(engine, tiny_config, sampler, k)
+            engine.advance_fused(engine.batch(live, 16), step)
+        for a, b in zip(*lives):
+            for x, y in zip(state_tensors(a), state_tensors(b), strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, equal_nan=True)
+        for live in lives:
+            live[:] = [s for s in live if not s.done]
+    assert all(key[2].name == sampler for key in steps[0].prepared) and all(p.graph is not None for p in steps[0].prepared.values())
