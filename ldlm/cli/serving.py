@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
 
 from ldlm.cli.options import capped_positive_int, device_options, float_in, in_range
 from ldlm.limits import MAX_DELAY_MS, MAX_THREADS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS, TIMEOUT_S
-from ldlm.serve.runtime.registry import DEFAULT_BACKEND, backend_help, backend_names
+from ldlm.serve.runtime.registry import backend_help, backend_names, default_backend
 
 MAX_REPLICAS = 4096  # RayOptions' limit
 MAX_REPLICA_CPUS = 1024.0
@@ -35,6 +36,30 @@ def api_key(option: str | None, environ: Mapping[str, str]) -> str | None:
     return key
 
 
+def compile_cache(environ: MutableMapping[str, str], root: Path) -> None:
+    """Keep torch.compile's caches (Inductor's FX graph and AOTAutograd caches, Triton's kernels) under the
+    service's own cache, ``root``/torch-compile, unless $TORCHINDUCTOR_CACHE_DIR says where: torch's default is
+    /tmp/torchinductor_$USER, which a reboot or a fresh container empties, so every start would compile again."""
+    environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "torch-compile"))
+
+
+def refuse_ray_only(args: argparse.Namespace) -> None:
+    """The Ray Serve options given without --ray, as an error naming them."""
+    ray_only = {
+        "--ray-address": args.ray_address,
+        "--replicas": args.replicas,
+        "--autoscale": args.autoscale,
+        "--replica-cpus": args.replica_cpus,
+        "--replica-gpus": args.replica_gpus,
+    }
+    if any(value is not None for value in ray_only.values()):
+        given = [flag for flag, value in ray_only.items() if value is not None]
+        raise ValueError(
+            f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --ray; add --ray, or leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     key = api_key(args.api_key, os.environ)  # before anything loads
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
@@ -42,10 +67,11 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from ldlm.serve.api.server import serve
     from ldlm.serve.api.service import ServerSettings
 
+    compile_cache(os.environ, cache_root())  # before the first compile reads it
     settings = ServerSettings(
         host=args.host,
         port=args.port,
-        backend=args.backend,
+        backend=args.backend or "",  # none named: the service's default for --device
         max_batch=args.max_batch,
         max_delay_ms=args.max_delay_ms,
         max_queue=args.max_queue,
@@ -81,19 +107,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         )
         run_on_ray(args.source, settings, options, args.ray_address)
         return
-    ray_only = {
-        "--ray-address": args.ray_address,
-        "--replicas": args.replicas,
-        "--autoscale": args.autoscale,
-        "--replica-cpus": args.replica_cpus,
-        "--replica-gpus": args.replica_gpus,
-    }
-    if any(value is not None for value in ray_only.values()):
-        given = [flag for flag, value in ray_only.items() if value is not None]
-        raise ValueError(
-            f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --ray; add --ray, or leave "
-            f"{'it' if len(given) == 1 else 'them'} out"
-        )
+    refuse_ray_only(args)
     serve(args.source, settings, args.log_level)
 
 
@@ -131,9 +145,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend",
         choices=backend_names(),
-        default=DEFAULT_BACKEND,
         help=f"{backend_help()}. The torch backends run on --device; inductor compiles each bucket on its first call "
-        f"(seconds to a minute) (default: {DEFAULT_BACKEND})",
+        f"(seconds to a minute; kept in $TORCHINDUCTOR_CACHE_DIR, by default under the cache below, for the next start) "
+        f"(default: {default_backend('cuda')} with --device cuda, else {default_backend()})",
     )
     p.add_argument(
         "--no-export-cache",

@@ -33,7 +33,7 @@ from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.runtime.backends import BackendGraphs, info_of, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.graph_backend import GraphBackend
-from ldlm.serve.runtime.registry import DEFAULT_BACKEND
+from ldlm.serve.runtime.registry import default_backend
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import length_buckets
 
@@ -42,7 +42,7 @@ from ldlm.serve.runtime.torch_backends import length_buckets
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    backend: str = DEFAULT_BACKEND
+    backend: str = ""  # "": none named, registry.default_backend(device) runs (the fast path on CUDA)
     max_batch: int = 16  # samples per graph execution; larger requests run in chunks of this size
     max_delay_ms: float = 0.0  # how long a batch waits for company; 0: whatever queued while the last ran
     max_queue: int = 256  # requests waiting per graph before 503
@@ -68,6 +68,8 @@ class ServerSettings:
     export_cache: str | None = None  # a checkpoint on an export backend: where its verified export is kept (None: a scratch export)
 
     def __post_init__(self) -> None:
+        if not self.backend:
+            object.__setattr__(self, "backend", default_backend(self.device))  # frozen: set once, here
         for name, allowed in SETTINGS.items():  # the ranges `ldlm serve`'s options parse with
             value = getattr(self, name)
             if value is not None or name != "threads":  # threads: None is ONNX Runtime's own choice

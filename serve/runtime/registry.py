@@ -87,6 +87,10 @@ REGISTRY: dict[str, BackendInfo] = {
     )
 }
 DEFAULT_BACKEND = ORT  # serve, parity and bench: ONNX Runtime on the CPU runs everywhere
+# What `ldlm serve --device cuda` runs when no backend is named: Inductor's kernels inside the per-bucket CUDA graphs,
+# 1.46-2.04x the eager kernels' speed on an H200 (docs/measurements/gpu-profile-h200-2026-12-04.json); its parity
+# against CPU fp32 eager is a stage of scripts/research/gpu_check.py.
+CUDA_DEFAULT_BACKEND = INDUCTOR
 REFERENCE_BACKEND = EAGER  # what parity and bench compare against: the checkpoint's own modules, fp32 on the CPU
 PROBE_BACKENDS: dict[Artifact, str] = {"export": ORT, "engines": TRT}  # what runs each artifact's LayerNorms alone (eps probes)
 
@@ -102,6 +106,13 @@ class OpenOptions:
     with_logits: bool = False  # torch backends: the decoder's logits too
     memory_arena: bool = True  # ONNX Runtime's CPU arena
     cuda_graphs: bool = False  # TensorRT: replay CUDA graphs
+
+
+def default_backend(device: str = "cpu") -> str:
+    """The backend the service runs when none is named: the torch fast path on a CUDA device (``cuda``,
+    ``cuda:N``; a machine without one is refused when the device is resolved, naming why), else
+    ``DEFAULT_BACKEND``, which needs no GPU. The one place this choice is made."""
+    return CUDA_DEFAULT_BACKEND if device.split(":", 1)[0] == "cuda" else DEFAULT_BACKEND
 
 
 class UnknownBackendError(ValueError):
