@@ -6,6 +6,8 @@
   that stalls mid-body is answered 408 instead of holding a worker and delaying shutdown), and the
   mapping of errors to status codes, so the process survives every bad request and clients never
   see internals. Every error has one shape: ``{"error": "<message naming the value and the allowed range>"}``.
+  A ``shortcut`` (the KServe infer route) runs in place of the app for the requests it claims, with all of
+  the above around it.
 - ``guarded_protocol``: uvicorn's h11 connection, plus what uvicorn lacks: a deadline for a
   request's headers (a connection that never sends a byte, or trickles its headers, is closed
   after ``header_timeout_s``, also between keep-alive requests) and a connection limit that sheds
@@ -21,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -46,8 +49,8 @@ class GuardMiddleware:
     def is_open(cls, path: str) -> bool:
         return path in cls.OPEN_PATHS or path.startswith(cls.OPEN_PREFIXES)
 
-    def __init__(self, app: Any, service: LDLMService) -> None:
-        self.app, self.service = app, service
+    def __init__(self, app: Any, service: LDLMService, shortcut: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.app, self.service, self.shortcut = app, service, shortcut
         key = service.settings.api_key
         self.expected_auth = f"Bearer {key}".encode() if key else None
 
@@ -75,7 +78,8 @@ class GuardMiddleware:
                 if not hmac.compare_digest(given, self.expected_auth):  # no timing hint about the key
                     return await _reply(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}, scope["path"])
             body = await read_body(receive, headers.get("content-length"), settings.max_body_bytes, settings.body_timeout_s)
-            await self._run_until_disconnect(scope, body, receive, send_wrapper, status)
+            app = (self.shortcut(scope) if self.shortcut is not None else None) or self.app
+            await self._run_until_disconnect(app, scope, body, receive, send_wrapper, status)
         except Exception as error:
             code, message, extra = error_status(error)
             if isinstance(error, (DeadlineUnreachableError, RequestTooLargeError)):
@@ -111,8 +115,10 @@ class GuardMiddleware:
                 },
             )
 
-    async def _run_until_disconnect(self, scope: dict[str, Any], body: bytes, receive: Any, send: Any, status: dict[str, Any]) -> None:
-        """Run the app with ``body`` replayed; if the client disconnects before the answer is complete,
+    async def _run_until_disconnect(
+        self, app: Any, scope: dict[str, Any], body: bytes | bytearray, receive: Any, send: Any, status: dict[str, Any]
+    ) -> None:
+        """Run ``app`` (the app, or a shortcut) with ``body`` replayed; if the client disconnects before the answer is complete,
         cancel the app's task. Starlette does not do this for plain (non-streamed) responses: a handler
         would wait for its generation to the end, holding scheduler slots and batcher rows for nobody.
         Cancelling the task cancels the future it awaits (``offload.wait``), and a cancelled future leaves
@@ -134,23 +140,23 @@ class GuardMiddleware:
             while (await receive())["type"] != "http.disconnect":
                 pass
             disconnected.set()
-            if not status.get("complete") and not app.done():
+            if not status.get("complete") and not task.done():
                 status["disconnected"] = True
-                app.cancel()
+                task.cancel()
 
-        app = asyncio.ensure_future(self.app(scope, replay, send))
+        task = asyncio.ensure_future(app(scope, replay, send))
         watcher = asyncio.ensure_future(watch())
         try:
-            await app
+            await task
         except asyncio.CancelledError:
             if not status.get("disconnected"):
                 raise  # the server itself is being cancelled (shutdown): not ours to swallow
         finally:
             watcher.cancel()
-            app.cancel()  # when the middleware's own task is cancelled, the app's goes with it
+            task.cancel()  # when the middleware's own task is cancelled, the app's goes with it
 
 
-async def read_body(receive: Any, content_length: str | None, limit: int, timeout_s: float) -> bytes:
+async def read_body(receive: Any, content_length: str | None, limit: int, timeout_s: float) -> bytes | bytearray:
     """The whole request body, at most ``limit`` bytes (413) within ``timeout_s`` (408)."""
     if content_length is not None and (not content_length.isdigit() or int(content_length) > limit):
         raise HTTPError(413, f"body of {content_length} bytes exceeds the limit of {limit} bytes (--max-body-mb)")
@@ -169,7 +175,9 @@ async def read_body(receive: Any, content_length: str | None, limit: int, timeou
             raise HTTPError(413, f"body exceeds the limit of {limit} bytes (--max-body-mb)", {"Connection": "close"})
         parts.append(chunk)
         if not message.get("more_body", False):
-            return b"".join(parts)
+            # one chunk as it came; several joined into a bytearray (the one copy a join makes anyway), whose
+            # binary tensors are then writable views that reach the graph uncopied
+            return parts[0] if len(parts) == 1 else bytearray().join(parts)
 
 
 def _model_of(path: str) -> str | None:

@@ -65,7 +65,7 @@ def create_app(service: LDLMService) -> FastAPI:
         "as in the request schemas.",
     )
     app.state.service = service
-    app.add_middleware(GuardMiddleware, service=service)
+    app.add_middleware(GuardMiddleware, service=service, shortcut=kserve.infer_shortcut(service))
     add_error_handlers(app, text_models.limits)
     app.include_router(kserve.create_router(service))
     app.include_router(text.create_router(service, text_models))

@@ -200,6 +200,10 @@ class DynamicBatcher(QueueWorker):
             release_freed_memory()
 
     def _concatenate(self, batch: list[_Pending]) -> dict[str, np.ndarray]:
+        if len(batch) == 1 and all(a.flags.writeable for a in batch[0].inputs.values()):
+            # a batch of one needs no padding: its own arrays, uncopied. A read-only one (a view of a
+            # request's bytes) is copied below: torch.from_numpy warns on it, and a graph may write its inputs.
+            return batch[0].inputs
         longest = max((p.length or 0) for p in batch)
         merged = {}
         for name in self.backend.input_names:

@@ -134,7 +134,8 @@ def test_served_sessions_give_peak_memory_back(hardened: RunningServer) -> None:
 # --- 2. nothing scales with a request on the event loop ----------------------------------------
 
 
-def test_json_decoding_and_encoding_run_off_the_event_loop(hardened: RunningServer, monkeypatch) -> None:
+def record_threads(monkeypatch) -> dict[str, str]:
+    """The thread each codec call runs on, by the call's name."""
     threads: dict[str, str] = {}
     for name in ("parse_body", "encode_infer_response", "json_bytes"):
         original = getattr(server_module, name)
@@ -144,6 +145,13 @@ def test_json_decoding_and_encoding_run_off_the_event_loop(hardened: RunningServ
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(server_module, name, recording)
+    return threads
+
+
+def test_json_decoding_and_encoding_run_off_the_event_loop(hardened: RunningServer, monkeypatch) -> None:
+    monkeypatch.setattr(server_module, "INLINE_BODY_BYTES", 0)  # every body is "large"
+    monkeypatch.setattr(server_module, "INLINE_JSON_VALUES", 0)
+    threads = record_threads(monkeypatch)
     assert post(hardened, "/v2/models/encoder/infer", json=infer_body()).status_code == 200
     assert post(hardened, "/v1/encode", json={"texts": ["off the loop"]}).status_code == 200
     loop_thread = hardened.thread.name  # uvicorn's event loop runs in the RunningServer thread
@@ -151,8 +159,30 @@ def test_json_decoding_and_encoding_run_off_the_event_loop(hardened: RunningServ
     assert all(name != loop_thread for name in threads.values()), threads
 
 
+def test_small_kserve_requests_are_coded_on_the_event_loop(hardened: RunningServer, monkeypatch) -> None:
+    """Within the inline bounds a thread hop costs more than the work: decoding and encoding stay on the loop,
+    and one byte over a bound sends each back to a thread."""
+    threads = record_threads(monkeypatch)
+    body = json.dumps(infer_body()).encode()
+    response = post(hardened, "/v2/models/encoder/infer", content=body)
+    assert response.status_code == 200
+    values = int(np.prod(response.json()["outputs"][0]["shape"]))
+    loop_thread = hardened.thread.name
+    assert threads == {"parse_body": loop_thread, "encode_infer_response": loop_thread}
+    content, headers = binary_ids(1, 3)
+    binary = post(hardened, "/v2/models/encoder/infer", content=content, headers=headers)
+    assert binary.status_code == 200 and threads["parse_body"] == loop_thread
+    threads.clear()
+    monkeypatch.setattr(server_module, "INLINE_BODY_BYTES", len(body) - 1)
+    monkeypatch.setattr(server_module, "INLINE_JSON_VALUES", values - 1)
+    assert post(hardened, "/v2/models/encoder/infer", content=body).json()["outputs"] == response.json()["outputs"]
+    assert set(threads) == {"parse_body", "encode_infer_response"} and loop_thread not in threads.values(), threads
+
+
 def test_large_json_is_coded_in_a_worker_process(hardened: RunningServer, tiny_model: LDLM, monkeypatch) -> None:
     """Above the thresholds, json.loads/dumps run in another process: a thread would hold the GIL."""
+    monkeypatch.setattr(server_module, "INLINE_BODY_BYTES", 0)
+    monkeypatch.setattr(server_module, "INLINE_JSON_VALUES", 0)
     monkeypatch.setattr(server_module, "JSON_WORKER_BYTES", 0)
     monkeypatch.setattr(server_module, "JSON_WORKER_ELEMENTS", 0)
     service = hardened.service
