@@ -12,12 +12,19 @@
   every --every steps, alternating, on an otherwise idle `ldlm serve` of the checkpoint's export on
   127.0.0.1 (default settings): per-mode medians, their ratio, and the previews each stream got;
 - kserve: the overhead of KServe v2 over the in-process runner, on a random-init tiny export's encoder
-  at batch 1 x 16 tokens, with JSON and binary tensors (`ldlm serve` of that export on 127.0.0.1).
+  at batch 1 x 16 tokens, with JSON and binary tensors (`ldlm serve` of that export on 127.0.0.1), from
+  two clients: httpx (what a Python caller uses; about 1 ms of the figure is its own work) and a bare
+  keep-alive HTTP/1.1 socket (the server's overhead and the wire's). With --against REV, the same
+  requests also go to an `ldlm serve` of REV's code (a git worktree), alternating: before and after,
+  side by side in one run.
+
+--parts picks which of the four run (default: all).
 
 The machine may be shared: modes alternate run by run, the JSON records the load average, and every
 figure is a median over --repeats runs.
 
     .venv/bin/python scripts/research/fixed_costs.py --out runs/fixed_costs.json
+    .venv/bin/python scripts/research/fixed_costs.py --parts kserve --against HEAD~1
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import collections
 import contextlib
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +58,11 @@ from ldlm.serve.runtime.backends import open_graphs
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
 
-from scripts.harness.loopback import free_port, start_server, stop_server, tiny_export  # noqa: E402
+from scripts.harness.loopback import free_port, start_server, stop_server, tiny_export, wait_ready  # noqa: E402
 
 REFERENCE = "models/ldlm-austen-tiny"
 LENGTH = 128
+PARTS = ("graphs", "head", "stream", "kserve")
 
 
 def median_ms(call: Callable[[], Any], repeats: int) -> float:
@@ -206,26 +216,110 @@ def encoder_bodies(seq: int) -> dict[str, tuple[bytes, dict[str, str]]]:
     }
 
 
-def kserve_overhead(source: Path, url: str, repeats: int, seq: int = 16) -> dict[str, Any]:
-    """KServe v2 over HTTP against the same graph run in this process (ONNX Runtime), alternating."""
+class RawClient:
+    """A bare keep-alive HTTP/1.1 POST on one socket: what is left of a client once its own work is removed."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the request leaves at once, as httpx's does
+
+    def post(self, path: str, content: bytes, headers: dict[str, str]) -> None:
+        head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Content-Length": str(len(content))}.items())
+        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: loopback\r\n{head}\r\n".encode() + content)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += self.receive()
+        status, _, rest = data.partition(b"\r\n\r\n")
+        lines = status.decode("latin-1").split("\r\n")
+        length = next(int(line.split(":")[1]) for line in lines if line.lower().startswith("content-length:"))
+        while len(rest) < length:
+            rest += self.receive()
+        if not lines[0].startswith("HTTP/1.1 200"):
+            raise RuntimeError(f"POST {path}: {lines[0]}: {rest[:300]!r}")
+
+    def receive(self) -> bytes:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise RuntimeError("the server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class HttpxClient:
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=60)
+
+    def post(self, path: str, content: bytes, headers: dict[str, str]) -> None:
+        self.http.post(path, content=content, headers=headers).raise_for_status()
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def kserve_overhead(source: Path, urls: dict[str, str], repeats: int, seq: int = 16) -> dict[str, Any]:
+    """KServe v2 over HTTP, per server in ``urls`` and per client, against the same graph run in this
+    process (ONNX Runtime): every request of a repeat goes once to each, alternating."""
     graphs, config, _ = open_graphs("ort", source)
     runner = timed_call(graphs["encoder"], graph_feed(config, "encoder", 1, seq))
     bodies = encoder_bodies(seq)
-    times: dict[str, list[float]] = {"runner": [], "json": [], "binary": []}
-    with httpx.Client(base_url=url, timeout=60) as http:
+    clients = {(server, name): kind(url) for server, url in urls.items() for name, kind in (("httpx", HttpxClient), ("raw", RawClient))}
+    times: dict[tuple[str, ...], list[float]] = collections.defaultdict(list)
+    try:
         for _ in range(repeats):
-            times["runner"].append(median_ms(runner, 1))
-            for kind, (content, headers) in bodies.items():
-                started = time.perf_counter()
-                http.post("/v2/models/encoder/infer", content=content, headers=headers).raise_for_status()
-                times[kind].append(1000 * (time.perf_counter() - started))
-    p50 = {kind: round(statistics.median(values), 3) for kind, values in times.items()}
-    return {
-        "graph": f"encoder, batch 1 x {seq} tokens",
-        **{f"{kind}_p50_ms": ms for kind, ms in p50.items()},
-        "json_overhead_ms": round(p50["json"] - p50["runner"], 3),
-        "binary_overhead_ms": round(p50["binary"] - p50["runner"], 3),
-    }
+            times[("runner",)].append(median_ms(runner, 1))
+            for key, client in clients.items():
+                for body, (content, headers) in bodies.items():
+                    started = time.perf_counter()
+                    client.post("/v2/models/encoder/infer", content, headers)
+                    times[(*key, body)].append(1000 * (time.perf_counter() - started))
+    finally:
+        for client in clients.values():
+            client.close()
+    p50 = {key: round(statistics.median(values), 3) for key, values in times.items()}
+    runner_ms = p50.pop(("runner",))
+    result: dict[str, Any] = {"graph": f"encoder, batch 1 x {seq} tokens", "runner_p50_ms": runner_ms, "servers": dict(urls)}
+    for (server, client, body), ms in p50.items():
+        entry = result.setdefault(server, {}).setdefault(client, {})
+        entry[f"{body}_p50_ms"] = ms
+        entry[f"{body}_overhead_ms"] = round(ms - runner_ms, 3)
+    return result
+
+
+@contextlib.contextmanager
+def served_revision(revision: str, source: Path, work: Path) -> Iterator[str]:
+    """``ldlm serve`` with the package's code as of ``revision`` (a git worktree of this repository)."""
+    tree = work / "revision"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision], check=True, capture_output=True)
+    port = free_port()
+    command = [sys.executable, "-P", "-c", REVISION_BOOT, str(tree), "serve", str(source), "--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(process, f"http://127.0.0.1:{port}", timeout_s=600)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(process)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False, capture_output=True)
+
+
+# The package from a worktree: its three source folders under the names the installed package maps them to
+# (pyproject's package-dir), found before the editable install's finder.
+REVISION_BOOT = """
+import sys
+from importlib.util import spec_from_file_location
+root = sys.argv.pop(1)
+homes = {"ldlm": root + "/ldlm", "ldlm.export": root + "/export", "ldlm.serve": root + "/serve"}
+class Finder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        home = homes.get(name)
+        return spec_from_file_location(name, home + "/__init__.py", submodule_search_locations=[home]) if home else None
+sys.meta_path.insert(0, Finder)
+from ldlm.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
 
 
 @contextlib.contextmanager
@@ -236,6 +330,15 @@ def served(source: Path, flags: list[str]) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_server(process)
+
+
+def kserve_part(work: Path, against: str | None, repeats: int) -> dict[str, Any]:
+    tiny = tiny_export(work / "tiny", progress=False)
+    with contextlib.ExitStack() as stack:
+        urls = {"this": stack.enter_context(served(tiny, []))}
+        if against is not None:
+            urls[against] = stack.enter_context(served_revision(against, tiny, work))
+        return {**kserve_overhead(tiny, urls, repeats), "against": against}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -249,8 +352,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-steps", type=int, default=40, help="the lone stream's steps (default: 40)")
     p.add_argument("--stream-length", type=int, default=LENGTH, help=f"the lone stream's tokens (default: {LENGTH})")
     p.add_argument("--every", type=int, default=5, help="steps between the lone stream's previews (default: 5)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"which parts run, comma-separated (default: {','.join(PARTS)})")
+    p.add_argument("--against", metavar="REV", help="kserve: also serve this git revision's code, side by side (e.g. HEAD~1)")
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     args = p.parse_args(argv)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    if not args.parts or set(args.parts) - set(PARTS):
+        p.error(f"--parts {','.join(args.parts)!r}: allowed: one or more of {', '.join(PARTS)}")
     if args.repeats < 1 or args.every < 1 or args.stream_steps < 2:
         p.error(f"--repeats {args.repeats}, --every {args.every}, --stream-steps {args.stream_steps}: allowed: >= 1, >= 1, >= 2")
     return args
@@ -263,21 +371,24 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": args.checkpoint,
         "device": args.device,
         "repeats": args.repeats,
+        "parts": args.parts,
         "load_average": list(os.getloadavg()),
     }
     with tempfile.TemporaryDirectory(prefix="ldlm-fixed-costs-") as scratch:
         work = Path(scratch)
-        export = export_graphs(args.checkpoint, work / "export").out
-        source, backend = (args.checkpoint, args.backend) if gpu else (str(export), "ort")
-        report["graphs"] = graph_costs(source, backend, args.device, args.repeats)
-        if not gpu:
+        if {"graphs", "stream"} & set(args.parts):
+            export = export_graphs(args.checkpoint, work / "export").out
+            source, backend = (args.checkpoint, args.backend) if gpu else (str(export), "ort")
+        if "graphs" in args.parts:
+            report["graphs"] = graph_costs(source, backend, args.device, args.repeats)
+        if "head" in args.parts and not gpu:
             report["head"] = head_profiles(args.checkpoint, work, args.repeats)
-        flags = ["--backend", args.backend, "--device", args.device] if gpu else []
-        with served(Path(source), flags) as url:
-            report["stream"] = lone_stream(url, args.stream_steps, args.stream_length, args.every, args.repeats)
-        tiny = tiny_export(work / "tiny", progress=False)
-        with served(tiny, []) as url:
-            report["kserve"] = kserve_overhead(tiny, url, 10 * args.repeats)
+        if "stream" in args.parts:
+            flags = ["--backend", args.backend, "--device", args.device] if gpu else []
+            with served(Path(source), flags) as url:
+                report["stream"] = lone_stream(url, args.stream_steps, args.stream_length, args.every, args.repeats)
+        if "kserve" in args.parts:
+            report["kserve"] = kserve_part(work, args.against, 10 * args.repeats)
     report["load_average_end"] = list(os.getloadavg())
     text = json.dumps(report, indent=2) + "\n"
     if args.out is None:

