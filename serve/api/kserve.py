@@ -191,13 +191,13 @@ def _flag(parameters: dict[str, Any], key: str, where: str) -> bool:
 def encode_infer_response(model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
     """The response body and headers; binary outputs follow the JSON header."""
     entries: list[str] = []
-    blobs: list[np.ndarray] = []
+    blobs: list[memoryview] = []
     for name, binary in requested_outputs(request, outputs):
         array = np.ascontiguousarray(outputs[name])
         entry: dict[str, Any] = {"name": name, "datatype": kserve_datatype(array.dtype), "shape": list(array.shape)}
         if binary:
             entry["parameters"] = {"binary_data_size": array.nbytes}
-            blobs.append(array.reshape(-1).view(np.uint8))  # a view: the join below is the one copy
+            blobs.append(array.reshape(-1).view(np.uint8).data)  # a view: the join below is the one copy
             entries.append(json.dumps(entry, separators=(",", ":")))
         else:
             entries.append(json.dumps(entry, separators=(",", ":"))[:-1] + ',"data":' + json_data(array) + "}")
