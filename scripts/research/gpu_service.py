@@ -19,12 +19,11 @@ import torch
 from ldlm.model.checkpoint import init_model, save_checkpoint
 from ldlm.model.config import preset
 from ldlm.model.tokenizer import TextTokenizer
-from ldlm.serve.checks import traffic
 from ldlm.serve.runtime.graph_backend import GraphBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
-
+from scripts.harness import traffic  # noqa: E402
 from scripts.harness.loopback import free_port, serve_command, start_server, stop_server  # noqa: E402
 
 

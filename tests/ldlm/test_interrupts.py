@@ -81,7 +81,7 @@ def test_an_engine_build_is_cancelled_at_the_step_after_a_ctrl_c(export_dir: Pat
     TensorRT's callbacks: the monitor's next step returns False, which cancels the build, and
     build_engines reports the Ctrl-C, not a failed build, and leaves nothing."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX builds engines without a GPU; it is not installed")
-    from ldlm.export import engine
+    from ldlm.export import engine_builder as engine
 
     steps: list[bool] = []
     real_progress = engine.BuildProgress
@@ -149,7 +149,7 @@ def test_a_ctrl_c_in_tensorrts_logger_cancels_the_build_and_is_delivered_once(
     cancels the build, and build_engines raises it, once: the next build runs. The same from Python
     without the CLI's handler."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX builds engines without a GPU; it is not installed")
-    from ldlm.export import engine
+    from ldlm.export import engine_builder as engine
     from ldlm.export.trt_flavor import flavor_logger, load_flavor
 
     flavor = load_flavor("tensorrt_rtx")

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from ldlm import key_mapping
 from ldlm.cli import main
+from ldlm.importing import key_mapping
 from ldlm.importing.convert import import_checkpoint
 from ldlm.importing.report import ImportCheckpointError
 from ldlm.model.checkpoint import CheckpointError, init_model, load_checkpoint
