@@ -11,7 +11,7 @@ from pathlib import Path
 from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, capped_positive_int_list, device_options, float_in, int_in
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_THREADS, SETTINGS
 from ldlm.model.config import INT_RANGES, SAMPLERS
-from ldlm.serve.runtime.registry import DEFAULT_BACKEND
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND, EAGER, default_precision
 
 # The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.
 # A length is checked against the checkpoint's max_seq_len before any work; here, against any config's.
@@ -51,7 +51,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         progress=not args.quiet,
         workload_lengths=args.workload_lengths,
         device=args.device,
-        precision=args.precision,
+        precision=args.precision or default_precision(EAGER, args.device),  # the torch backends' default
         provider=args.provider,
         gen_sampler=args.gen_sampler,
         solver_specs=parse_solver_specs(args.solvers),

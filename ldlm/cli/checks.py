@@ -9,7 +9,15 @@ from ldlm.cli.options import STEPS, device_options, float_in, seed_int
 from ldlm.export.layernorm.tolerances import gates_help
 from ldlm.limits import MAX_STEPS
 from ldlm.model.config import SAMPLERS
-from ldlm.serve.runtime.registry import DEFAULT_BACKEND, backend_help, backend_info, backend_names
+from ldlm.serve.runtime.registry import (
+    CUDA_DEFAULT_PRECISION,
+    DEFAULT_BACKEND,
+    DEFAULT_PRECISION,
+    backend_help,
+    backend_info,
+    backend_names,
+    default_precision,
+)
 
 
 def _cmd_parity(args: argparse.Namespace) -> None:
@@ -22,7 +30,7 @@ def _cmd_parity(args: argparse.Namespace) -> None:
     report = run_parity(
         args.checkpoint,
         args.backend,
-        args.precision,
+        args.precision or default_precision(args.backend, args.device),
         source,
         bisect=args.bisect,
         seed=args.seed,
@@ -105,8 +113,9 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--precision",
         choices=["fp32", "fp16", "bf16", "int8"],
-        default="fp32",
-        help="sets the gate, and the dtype of the torch backends (default: fp32); int8: ort on the export's INT8 "
+        default=None,
+        help="sets the gate, and the precision of the torch backends (default: what `ldlm serve` runs, "
+        f"{CUDA_DEFAULT_PRECISION} for a torch backend on --device cuda, else {DEFAULT_PRECISION}); int8: ort on the export's INT8 "
         f"variants. The gates: {gates_help().replace('%', '%%')}",  # argparse formats help with %
     )
     p.add_argument(

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ldlm.limits import MAX_STEPS, PRIOR_TEMPERATURE, SEED, T_MIN, Range
+from ldlm.serve.runtime.registry import CUDA_DEFAULT_PRECISION, DEFAULT_PRECISION
 
 
 def positive_int(text: str) -> int:
@@ -136,8 +137,9 @@ def device_options(p: argparse.ArgumentParser, precision: bool = True) -> None:
         p.add_argument(
             "--precision",
             choices=["fp32", "bf16", "fp16", "int8"],
-            default="fp32",
-            help="torch backends' dtype; LayerNorm, RMSNorm, softmax and logits stay FP32 (default: fp32). "
+            default=None,
+            help="torch backends' matmuls and attention; the residual stream, LayerNorm, RMSNorm, softmax and logits stay FP32 "
+            f"(default: {CUDA_DEFAULT_PRECISION} for a torch backend on --device cuda, else {DEFAULT_PRECISION}). "
             "int8: ort only, the export's INT8 variants (ldlm export --quantize int8; a checkpoint is exported with them)",
         )
     p.add_argument(

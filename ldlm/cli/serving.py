@@ -80,7 +80,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         api_key=key,
         threads=args.threads,
         device=args.device,
-        precision=args.precision,
+        precision=args.precision or "",  # none named: the default for the backend on --device
         provider=args.provider,
         max_request_samples=args.max_request_samples,
         max_request_tokens=args.max_request_tokens,

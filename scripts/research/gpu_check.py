@@ -625,7 +625,7 @@ def main() -> None:
         with_logits = open_candidates(model, device, with_logits=True)
         serving = {
             name: {
-                g: (CompiledBackend if isinstance(b, CompiledBackend) else EagerBackend)(b.module.model, g)  # type: ignore[attr-defined]
+                g: (CompiledBackend if isinstance(b, CompiledBackend) else EagerBackend)(b.model, g)  # type: ignore[attr-defined]
                 for g, b in graphs.items()
             }
             for name, graphs in with_logits.items()
@@ -635,7 +635,7 @@ def main() -> None:
         # buckets costs a compile (about 15 s for the base denoiser on an H200)
         inductor: dict[str, GraphBackend] | None = None
         try:
-            inductor = {g: InductorBackend(b.module.model, g) for g, b in serving["compiled-bf16"].items()}  # type: ignore[attr-defined]
+            inductor = {g: InductorBackend(b.model, g) for g, b in serving["compiled-bf16"].items()}  # type: ignore[attr-defined]
         except Exception as error:  # the other backends' stages run without it
             run.report["inductor_setup_error"] = f"{type(error).__name__}: {error}"[:1000]
         run.report["setup_s"] = round(time.perf_counter() - start, 1)

@@ -33,7 +33,7 @@ from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.runtime.backends import BackendGraphs, info_of, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.graph_backend import GraphBackend
-from ldlm.serve.runtime.registry import default_backend
+from ldlm.serve.runtime.registry import default_backend, default_precision
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import length_buckets
 
@@ -60,7 +60,7 @@ class ServerSettings:
     api_key: str | None = None
     threads: int | None = None
     device: str = "cpu"  # torch backends (eager, compiled)
-    precision: str = "fp32"
+    precision: str = ""  # "": none named, registry.default_precision(backend, device) (fp16 for torch on CUDA)
     provider: str = "cpu"  # backend ort's ONNX Runtime providers: cpu, cuda, tensorrt
     preview_budget: float = PREVIEW_BUDGET  # share of wall time that decoding streamed previews may take beside other work
     preview_lone_budget: float = PREVIEW_LONE_BUDGET  # the same while a stream's own generation is the only one
@@ -70,6 +70,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.backend:
             object.__setattr__(self, "backend", default_backend(self.device))  # frozen: set once, here
+        if not self.precision:
+            object.__setattr__(self, "precision", default_precision(self.backend, self.device))
         for name, allowed in SETTINGS.items():  # the ranges `ldlm serve`'s options parse with
             value = getattr(self, name)
             if value is not None or name != "threads":  # threads: None is ONNX Runtime's own choice

@@ -38,6 +38,7 @@ from ldlm.serve.runtime.registry import (
     OpenOptions,
     UnknownBackendError,
     backend_info,
+    default_precision,
     implementation,
 )
 
@@ -156,7 +157,7 @@ class BackendGraphs:
 def open_pipeline(
     path: str | os.PathLike[str],
     backend: str | None = None,
-    precision: str = "fp32",
+    precision: str | None = None,
     device: str = "cpu",
     threads: int | None = None,
     buckets: Sequence[int] = (),
@@ -164,12 +165,15 @@ def open_pipeline(
     """The pipeline on another backend than eager PyTorch: ``path`` is an ``ldlm export`` directory
     (``backend="ort"``, the default: ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an
     ``ldlm build-engine`` directory (``"trt"``), or a checkpoint (``"eager"``, ``"compiled"``,
-    ``"inductor"``, on ``device`` in ``precision``). Every file an export's manifest names is
+    ``"inductor"``, on ``device`` in ``precision``; None: ``ldlm serve``'s default, fp16 for these on CUDA, else
+    fp32). Every file an export's manifest names is
     checked first; its tuned step grids, where it has them, are used as ``LDLMPipeline.from_checkpoint`` uses a
     checkpoint's. ``threads``: ONNX Runtime's intra-op threads (default: its own). Drawing tokens at
     a temperature needs the decoder's logits: an export made with ``ldlm export --with-logits``, or
     any torch backend."""
-    graphs, config, tokenizer = open_graphs(backend or DEFAULT_BACKEND, path, precision, threads=threads, device=device, with_logits=True)
+    backend = backend or DEFAULT_BACKEND
+    precision = precision or default_precision(backend, device)
+    graphs, config, tokenizer = open_graphs(backend, path, precision, threads=threads, device=device, with_logits=True)
     if (Path(path) / WEIGHTS_FILE).is_file():
         schedules = checkpoint_schedules(path)
     else:  # an export carries its checkpoint's grids in its manifest; an engine directory carries none

@@ -91,6 +91,11 @@ DEFAULT_BACKEND = ORT  # serve, parity and bench: ONNX Runtime on the CPU runs e
 # 1.46-2.04x the eager kernels' speed on an H200 (docs/measurements/gpu-profile-h200-2026-12-04.json); its parity
 # against CPU fp32 eager is a stage of scripts/research/gpu_check.py.
 CUDA_DEFAULT_BACKEND = INDUCTOR
+# What the torch backends run on CUDA when no precision is named: fp16 matmuls with the residual stream, norms and
+# logits in FP32 kept 99.7% of fp32's tokens on the trained reference, bf16 97.9%
+# (docs/measurements/precision-tokens-reference-cpu-2026-12-06.json). Everything else runs fp32 unless told.
+CUDA_DEFAULT_PRECISION = "fp16"
+DEFAULT_PRECISION = "fp32"
 REFERENCE_BACKEND = EAGER  # what parity and bench compare against: the checkpoint's own modules, fp32 on the CPU
 PROBE_BACKENDS: dict[Artifact, str] = {"export": ORT, "engines": TRT}  # what runs each artifact's LayerNorms alone (eps probes)
 
@@ -113,6 +118,13 @@ def default_backend(device: str = "cpu") -> str:
     ``cuda:N``; a machine without one is refused when the device is resolved, naming why), else
     ``DEFAULT_BACKEND``, which needs no GPU. The one place this choice is made."""
     return CUDA_DEFAULT_BACKEND if device.split(":", 1)[0] == "cuda" else DEFAULT_BACKEND
+
+
+def default_precision(backend: str, device: str = "cpu") -> str:
+    """The precision a command runs ``backend`` in when none is named: ``CUDA_DEFAULT_PRECISION`` for a torch backend
+    on a CUDA device, else ``DEFAULT_PRECISION`` (an export or engines run as written). The one place this is chosen."""
+    on_cuda = device.split(":", 1)[0] == "cuda"
+    return CUDA_DEFAULT_PRECISION if on_cuda and backend_info(backend).runs_checkpoint else DEFAULT_PRECISION
 
 
 class UnknownBackendError(ValueError):

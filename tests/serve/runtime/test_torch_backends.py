@@ -91,30 +91,35 @@ def test_compiled_pipeline_samples_what_eager_samples(tiny_checkpoint: Path) -> 
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_keeps_norms_and_logits_in_fp32(tiny_model: LDLM) -> None:
-    model = prepare_model(copy.deepcopy(tiny_model), torch.device("cpu"), "bf16")
+def test_bf16_runs_matmuls_in_bf16_and_keeps_the_residual_stream_norms_and_logits_in_fp32(tiny_model: LDLM) -> None:
+    model = copy.deepcopy(prepare_model(copy.deepcopy(tiny_model), torch.device("cpu"), "bf16"))  # a copy keeps it all
     assert model.denoiser.blocks[0].attn.q_proj.weight.dtype == torch.bfloat16
     assert model.denoiser.blocks[0].attn_norm.weight.dtype == torch.float32
     assert model.token_decoder.head.weight.dtype == torch.float32
-    norm = model.token_decoder.norm
     seen: dict[str, torch.Tensor] = {}
-    norm.register_forward_hook(lambda m, args, out: seen.update(x=args[0]))  # after the upcast hook
+    model.denoiser.blocks[0].attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(q=out))
+    model.denoiser.blocks[0].register_forward_hook(lambda m, args, out: seen.update(block=out))
+    EagerBackend(model, "denoiser").run(ragged_feed(tiny_model, "denoiser"))
+    assert seen["q"].dtype == torch.bfloat16  # the matmul in bf16 ...
+    assert seen["block"].dtype == torch.float32  # ... added to an FP32 residual stream
+    norm = model.token_decoder.norm
+    norm.register_forward_hook(lambda m, args, out: seen.update(x=args[0]))
     decoder = EagerBackend(model, "decoder", with_logits=True)
     feed = ragged_feed(tiny_model, "decoder")
     out = decoder.run_tensors({n: torch.from_numpy(a) for n, a in feed.items()})
-    assert seen["x"].dtype == torch.float32  # the LayerNorm computed in FP32 ...
+    assert seen["x"].dtype == torch.float32  # the LayerNorm's input and weights FP32 ...
     with torch.inference_mode():
         expected = F.layer_norm(seen["x"], norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        logits = F.linear(expected, model.token_decoder.head.weight, model.token_decoder.head.bias)
+    # ... and the head computed in FP32 from its output: fp32's logits wherever fp32's LayerNorm output is.
     assert out["logits"].dtype == torch.float32
-    # ... and the head saw the FP32 LayerNorm output cast to bf16 and back up: logits from FP32 weights.
-    with torch.inference_mode():
-        logits = F.linear(expected.to(torch.bfloat16).float(), model.token_decoder.head.weight, model.token_decoder.head.bias)
-    torch.testing.assert_close(out["logits"], logits)
+    torch.testing.assert_close(out["logits"], logits, atol=1e-6, rtol=1e-6)
     # bf16 against fp32 on the same inputs: close, not equal.
     reference = EagerBackend(tiny_model, "decoder", with_logits=True).run(feed)["logits"]
     valid = feed["attention_mask"].astype(bool)
     cos = F.cosine_similarity(torch.from_numpy(reference[valid]), out["logits"][torch.from_numpy(valid)], dim=-1)
     assert cos.min() > 0.99
+    assert not np.array_equal(reference[valid], out["logits"][torch.from_numpy(valid)].numpy())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the no-CUDA messages cannot be seen here")
