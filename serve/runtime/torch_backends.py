@@ -72,7 +72,7 @@ def check_precision(precision: str, backend: str) -> torch.dtype:
 
 def prepare_model(model: LDLM, device: torch.device, precision: str) -> LDLM:
     """Move ``model`` to ``device`` and, for bf16 or fp16, cast its Linear layers' weights (not the vocabulary
-    head's), which the backends run under ``low_precision``. In place (the model is the backend's own copy).
+    head's), which the backends run under ``LowPrecision``. In place (the model is the backend's own copy).
     TF32 stays off for FP32 matmuls, as for parity."""
     dtype = check_precision(precision, "eager")
     model = model.to(device).eval()
@@ -132,7 +132,7 @@ class EagerBackend(GraphBackend):
         self.model = model  # the prepared LDLM this graph is part of
         self.device = next(model.parameters()).device
         self.dtype = compute_dtype(model)
-        self.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        self.precision = next(name for name, dtype in TORCH_DTYPES.items() if dtype == self.dtype)
         self.module = io.module.eval() if self.dtype == torch.float32 else LowPrecision(io.module.eval(), self.dtype, self.device)
         self.seq_names: set[str] = {str(s["name"]) for s in specs if "seq" in s["shape"]}
         self.seq_outputs = {o["name"] for o in outs if "seq" in o["shape"]}
