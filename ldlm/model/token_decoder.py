@@ -9,17 +9,34 @@ from torch import Tensor, nn
 from ldlm.model.config import LDLMConfig
 from ldlm.model.layers import MLP, SelfAttention, attention_bias
 
-# Token ids are the argmax of the logits, computed VOCABULARY_CHUNK columns of the head at a time, so the
-# (B*L, V) logits never exist whole: a chunk stays in the CPU's cache between its product and its reduction,
-# and no allocation grows with the vocabulary (at 8 x 128 positions and GPT-2's vocabulary the whole logits
-# are 206 MB, allocated and freed at every call). The reference checkpoint's decoder in ONNX Runtime on
-# 2 CPU cores, whole graph at 1 x 128 / 8 x 128 positions: 1024 columns 16.9 / 85 ms, 2048 15.5 / 90 ms,
-# 4096 14.7 / 107 ms, 8192 15.5 / 127 ms (the whole logits, as one argmax: 57 / 360 ms).
+# Token ids are the argmax of the logits, found in two passes so the (B*L, V) logits never exist whole and
+# never get scanned by an ArgMax (ONNX Runtime's ArgMax runs about ten times slower than its ReduceMax):
+#   1. VOCABULARY_CHUNK columns of the head at a time, the product and at once the maximum of each ARGMAX_BLOCK
+#      columns (a chunk stays in the CPU's cache between the two, and no allocation grows with the vocabulary);
+#   2. the argmax of those block maxima (V / ARGMAX_BLOCK of them) picks a block per row, and that block's
+#      ARGMAX_BLOCK logits, computed again, pick the column.
+# The reference checkpoint's head alone in ONNX Runtime on 2 CPU cores at 1 x 128 / 8 x 128 positions: 1024
+# columns 9.4 / 58 ms, 2048 8.7 / 69 ms; an argmax inside every chunk (gathered per row) took 10.7 / 77 ms and
+# the whole logits with one ArgMax 57 / 360 ms. The decoder's b1 cost is the one a preview pays.
 VOCABULARY_CHUNK = 2048
-# Within a chunk, the maximum of each ARGMAX_BLOCK columns first (a vectorized reduction), then the argmax of
-# those block maxima and of the one block that holds the winner: ONNX Runtime's ArgMax (and TopK) scans
-# about ten times slower than its ReduceMax.
 ARGMAX_BLOCK = 64
+
+
+def block_argmax(rows: Tensor, weight: Tensor, chunk: int = VOCABULARY_CHUNK, block: int = ARGMAX_BLOCK) -> Tensor:
+    """rows (N, K), weight (V, K) -> the first index of each row's maximum of ``rows @ weight.T``, (N,) int64,
+    in the two passes above. A near-tie inside the winning block is decided by its logits computed again, which
+    may round differently from the chunk's product in their last bit; an exact tie goes to the first index."""
+    if chunk % block:
+        raise ValueError(f"chunk={chunk} is not a multiple of block={block}; allowed: a positive multiple of it")
+    vocab = weight.shape[0]
+    blocks = -(-vocab // block)
+    # Whole blocks: the last column repeated. A copy ties with it and comes after it, so it never wins.
+    weight = torch.cat([weight, weight[-1:].expand(blocks * block - vocab, -1)])
+    maxima = [F.linear(rows, weight[start : start + chunk]).unflatten(1, (-1, block)).amax(-1) for start in range(0, blocks * block, chunk)]
+    best = torch.cat(maxima, 1).argmax(-1, keepdim=True)  # (N, 1): the first block holding the maximum
+    columns = best * block + torch.arange(block, device=rows.device)  # (N, block): that block's columns
+    logits = (weight[columns] @ rows.unsqueeze(-1)).squeeze(-1)  # (N, block)
+    return best.squeeze(-1) * block + logits.argmax(-1)
 
 
 class TokenDecoderBlock(nn.Module):
@@ -35,42 +52,15 @@ class TokenDecoderBlock(nn.Module):
         return x + self.mlp(x)
 
 
-def vocabulary_chunks(vocab_size: int, chunk: int = VOCABULARY_CHUNK, block: int = ARGMAX_BLOCK) -> list[tuple[int, int]]:
-    """The [start, stop) column ranges the head's argmax runs over: ``chunk`` columns each (a multiple of
-    ``block``), then the rest split into whole blocks and a tail shorter than one block."""
-    if chunk % block:
-        raise ValueError(f"chunk={chunk} is not a multiple of block={block}; allowed: a positive multiple of it")
-    bounds = list(range(0, vocab_size, chunk))
-    last = bounds[-1]
-    whole = last + (vocab_size - last) // block * block
-    spans = [(start, start + chunk) for start in bounds[:-1]] + [(last, whole)]
-    if whole < vocab_size:
-        spans.append((whole, vocab_size))
-    return [(start, stop) for start, stop in spans if stop > start]
-
-
-def row_max(logits: Tensor, block: int = ARGMAX_BLOCK) -> tuple[Tensor, Tensor]:
-    """logits (N, C) -> (max (N,), its first index (N,) int64), as ``logits.max(-1)``: by blocks of
-    ``block`` columns where C is a multiple of it (module notes), else by one argmax."""
-    n, width = logits.shape
-    if width % block:
-        return logits.max(-1)
-    blocks = logits.reshape(n, width // block, block)
-    block_max = blocks.amax(-1)  # (N, C / block)
-    best = block_max.argmax(-1, keepdim=True)  # the first block holding the maximum
-    within = blocks.gather(1, best.unsqueeze(-1).expand(-1, -1, block)).argmax(-1)  # its first maximum
-    return block_max.gather(1, best).squeeze(-1), (best * block + within).squeeze(-1)
-
-
 class VocabularyHead(nn.Linear):
     """features (..., D) -> logits (..., V), or with ``ids_only`` their argmax (...) int64.
 
     The bias is one more column of the weight, read by a column of ones appended to the features: the
     product adds it, rather than a second pass over the logits (ONNX Runtime fuses no bias into a
     MatMul on (B, L, D), and a Gemm on the (B*L, D) rows leaves a copy of the logits to reshape them).
-    ``ids_only`` goes a chunk of the vocabulary at a time (``vocabulary_chunks``) and returns exactly
-    ``logits.argmax(-1)``: the first index of the maximum, ties included. It is the head's forward, so
-    exported nodes keep the head's module path (export/quantize.py keeps them float by it)."""
+    ``ids_only`` returns ``logits.argmax(-1)`` (the first index of the maximum, ties included) without the
+    whole logits (``block_argmax``). It is the head's forward, so exported nodes keep the head's module path
+    (export/quantize.py keeps them float by it)."""
 
     def forward(self, x: Tensor, ids_only: bool = False) -> Tensor:
         weight = self.weight
@@ -79,16 +69,7 @@ class VocabularyHead(nn.Linear):
             x = F.pad(x, (0, 1), value=1.0)
         if not ids_only:
             return F.linear(x, weight)
-        rows = x.reshape(-1, x.shape[-1])
-        values, ids = [], []
-        for start, stop in vocabulary_chunks(self.out_features):
-            value, index = row_max(F.linear(rows, weight[start:stop]))
-            values.append(value)
-            ids.append(index + start)
-        if len(ids) == 1:
-            return ids[0].reshape(x.shape[:-1])
-        chunk = torch.stack(values, -1).argmax(-1, keepdim=True)  # the first chunk holding the maximum
-        return torch.stack(ids, -1).gather(-1, chunk).reshape(x.shape[:-1])
+        return block_argmax(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1])
 
 
 class TokenDecoder(nn.Module):

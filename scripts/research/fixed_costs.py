@@ -6,17 +6,19 @@
   cost in denoiser steps;
 - head: ONNX Runtime's profile of the exported decoder at 8 x 128 (SessionOptions.enable_profiling):
   milliseconds per op type and the vocabulary head's share (the nodes after the token decoder's final
-  LayerNorm), for the decoder as exported and, beside it, for the head as it was before it was chunked
-  (nn.Linear, then one ArgMax over the whole logits), exported from the same checkpoint (CPU only);
+  LayerNorm), for the decoder as exported and, beside it, for a head that makes the whole logits (nn.Linear,
+  then one ArgMax over them), exported from the same checkpoint (CPU only);
 - stream: one request of --stream-steps steps at --stream-length tokens, plain and streamed with a preview
   every --every steps, alternating, on an otherwise idle `ldlm serve` of the checkpoint's export on
   127.0.0.1 (default settings): per-mode medians, their ratio, and the previews each stream got;
 - kserve: the overhead of KServe v2 over the in-process runner, on a random-init tiny export's encoder
   at batch 1 x 16 tokens, with JSON and binary tensors (`ldlm serve` of that export on 127.0.0.1), from
   two clients: httpx (what a Python caller uses; about 1 ms of the figure is its own work) and a bare
-  keep-alive HTTP/1.1 socket (the server's overhead and the wire's). With --against REV, the same
-  requests also go to an `ldlm serve` of REV's code (a git worktree), alternating: before and after,
-  side by side in one run.
+  keep-alive HTTP/1.1 socket (the server's overhead and the wire's).
+
+With --against REV, every part also measures REV's code (a git worktree), alternating with this code's:
+REV's export of the checkpoint (graphs, head, stream) and `ldlm serve` from REV (stream, kserve). Before
+and after, side by side in one run.
 
 --parts picks which of the four run (default: all).
 
@@ -24,7 +26,7 @@ The machine may be shared: modes alternate run by run, the JSON records the load
 figure is a median over --repeats runs.
 
     .venv/bin/python scripts/research/fixed_costs.py --out runs/fixed_costs.json
-    .venv/bin/python scripts/research/fixed_costs.py --parts kserve --against HEAD~1
+    .venv/bin/python scripts/research/fixed_costs.py --against HEAD~1
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -75,30 +78,38 @@ def median_ms(call: Callable[[], Any], repeats: int) -> float:
     return round(1000 * statistics.median(times), 2)
 
 
-def graph_costs(source: str, backend: str, device: str, repeats: int) -> dict[str, Any]:
-    """p50 of the decoder and the denoiser at batch 1 and 8 x LENGTH, alternating graph by graph."""
-    graphs, config, _ = open_graphs(backend, source, device=device)
-    result: dict[str, Any] = {"backend": backend, "device": device, "provider": graphs["decoder"].provider}
+def graph_costs(sources: dict[str, str], backend: str, device: str, repeats: int) -> dict[str, Any]:
+    """p50 of the decoder and the denoiser at batch 1 and 8 x LENGTH for each of ``sources`` (label -> export or
+    checkpoint), alternating graph by graph and source by source."""
+    opened = {label: open_graphs(backend, source, device=device) for label, source in sources.items()}
+    result: dict[str, Any] = {"backend": backend, "device": device}
     for batch in (1, 8):
-        calls = {name: timed_call(graphs[name], graph_feed(config, name, batch, LENGTH)) for name in ("denoiser", "decoder")}
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(repeats):
-            for name, call in calls.items():
-                times[name].append(median_ms(call, 1))
-        p50 = {name: round(statistics.median(values), 2) for name, values in times.items()}
-        result[f"b{batch}"] = {
-            **{f"{name}_p50_ms": ms for name, ms in p50.items()},
-            "decoder_in_steps": round(p50["decoder"] / p50["denoiser"], 2),
+        calls = {
+            (label, name): timed_call(graphs[name], graph_feed(config, name, batch, LENGTH))
+            for label, (graphs, config, _) in opened.items()
+            for name in ("denoiser", "decoder")
         }
-    for graph in graphs.values():
-        graph.close()
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+        for _ in range(repeats):
+            for key, call in calls.items():
+                times[key].append(median_ms(call, 1))
+        for label in sources:
+            p50 = {name: round(statistics.median(times[(label, name)]), 2) for name in ("denoiser", "decoder")}
+            result.setdefault(label, {})[f"b{batch}"] = {
+                **{f"{name}_p50_ms": ms for name, ms in p50.items()},
+                "decoder_in_steps": round(p50["decoder"] / p50["denoiser"], 2),
+            }
+    for graphs, _, _ in opened.values():
+        result["provider"] = graphs["decoder"].provider
+        for graph in graphs.values():
+            graph.close()
     return result
 
 
 @contextlib.contextmanager
 def whole_logits_head() -> Iterator[None]:
-    """The head as it was before it was chunked: nn.Linear, then one ArgMax over the whole logits."""
-    chunked = VocabularyHead.forward
+    """A head that makes the whole logits: nn.Linear, then one ArgMax over them."""
+    two_pass = VocabularyHead.forward
 
     def forward(self: VocabularyHead, x: Any, ids_only: bool = False) -> Any:
         logits = nn.Linear.forward(self, x)
@@ -108,7 +119,7 @@ def whole_logits_head() -> Iterator[None]:
     try:
         yield
     finally:
-        VocabularyHead.forward = chunked  # type: ignore[method-assign]
+        VocabularyHead.forward = two_pass  # type: ignore[method-assign]
 
 
 def profile_decoder(path: Path, batch: int, repeats: int) -> dict[str, Any]:
@@ -147,14 +158,14 @@ def profile_decoder(path: Path, batch: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def head_profiles(checkpoint: str, work: Path, repeats: int) -> dict[str, Any]:
-    export_graphs(checkpoint, work / "chunked", graphs=("decoder",))
+def head_profiles(checkpoint: str, work: Path, repeats: int, against: tuple[str, Path] | None) -> dict[str, Any]:
+    """The decoder's profile as exported now, beside the whole-logits head's and, with ``against`` (label,
+    export), that export's decoder."""
+    export_graphs(checkpoint, work / "now", graphs=("decoder",))
     with whole_logits_head():
         export_graphs(checkpoint, work / "whole", graphs=("decoder",))
-    return {
-        name: [profile_decoder(work / name / "decoder.onnx", batch, repeats) for batch in (1, 8)]
-        for name in ("whole", "chunked")  # the head before (whole logits) and as exported now
-    }
+    decoders = {"now": work / "now", "whole": work / "whole", **dict([against] if against else [])}
+    return {name: [profile_decoder(folder / "decoder.onnx", batch, repeats) for batch in (1, 8)] for name, folder in decoders.items()}
 
 
 def read_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
@@ -170,35 +181,42 @@ def read_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
     return events
 
 
-def lone_stream(url: str, steps: int, length: int, every: int, repeats: int) -> dict[str, Any]:
-    """One request at a time, plain and streamed alternating: medians, ratio, previews per stream."""
+def lone_stream(urls: dict[str, str], steps: int, length: int, every: int, repeats: int) -> dict[str, Any]:
+    """One request at a time, plain and streamed, alternating mode by mode and server by server (``urls``: label ->
+    server): per server the medians, their ratio and the previews each stream got."""
     body = {"n": 1, "length": length, "steps": steps, "seed": 3}
-    times: dict[str, list[float]] = {"plain": [], "streamed": []}
-    previews = []
-    with httpx.Client(base_url=url, timeout=600) as http:
-        http.post("/v1/generate", json=body).raise_for_status()  # warm-up
+    modes = {"plain": body, "streamed": {**body, "stream": True, "preview_every": every}}
+    times: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    previews: dict[str, list[list[int]]] = collections.defaultdict(list)
+    clients = {label: httpx.Client(base_url=url, timeout=600) for label, url in urls.items()}
+    try:
+        for http in clients.values():
+            http.post("/v1/generate", json=body).raise_for_status()  # warm-up
         for _ in range(repeats):
-            started = time.perf_counter()
-            http.post("/v1/generate", json=body).raise_for_status()
-            times["plain"].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            with http.stream("POST", "/v1/generate", json={**body, "stream": True, "preview_every": every}) as response:
-                response.raise_for_status()
-                events = read_events(response)
-            times["streamed"].append(time.perf_counter() - started)
-            previews.append([e["samples"][0]["step"] for kind, e in events if kind == "preview"])
-    medians = {mode: round(statistics.median(values), 4) for mode, values in times.items()}
+            for (label, http), (mode, request) in itertools.product(clients.items(), modes.items()):
+                started = time.perf_counter()
+                with http.stream("POST", "/v1/generate", json=request) as response:
+                    response.raise_for_status()
+                    events = read_events(response) if mode == "streamed" else response.read()
+                times[(label, mode)].append(time.perf_counter() - started)
+                if mode == "streamed":
+                    previews[label].append([e["samples"][0]["step"] for kind, e in events if kind == "preview"])
+    finally:
+        for http in clients.values():
+            http.close()
     asked = list(range(every, steps, every))
-    return {
-        "body": {**body, "preview_every": every},
-        "plain_s": medians["plain"],
-        "streamed_s": medians["streamed"],
-        "ratio": round(medians["streamed"] / medians["plain"], 3),
-        "previews_asked": asked,
-        "streams_with_every_preview": sum(p == asked for p in previews),
-        "streams": len(previews),
-        "previews": previews,
-    }
+    result: dict[str, Any] = {"body": {**body, "preview_every": every}, "previews_asked": asked}
+    for label in urls:
+        plain, streamed = (round(statistics.median(times[(label, mode)]), 4) for mode in modes)
+        result[label] = {
+            "plain_s": plain,
+            "streamed_s": streamed,
+            "ratio": round(streamed / plain, 3),
+            "streams_with_every_preview": sum(p == asked for p in previews[label]),
+            "streams": len(previews[label]),
+            "previews": previews[label],
+        }
+    return result
 
 
 def encoder_bodies(seq: int) -> dict[str, tuple[bytes, dict[str, str]]]:
@@ -289,19 +307,32 @@ def kserve_overhead(source: Path, urls: dict[str, str], repeats: int, seq: int =
 
 
 @contextlib.contextmanager
-def served_revision(revision: str, source: Path, work: Path) -> Iterator[str]:
-    """``ldlm serve`` with the package's code as of ``revision`` (a git worktree of this repository)."""
+def revision_tree(revision: str, work: Path) -> Iterator[Path]:
+    """A git worktree of this repository at ``revision``, removed afterwards."""
     tree = work / "revision"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision], check=True, capture_output=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False, capture_output=True)
+
+
+def revision_cli(tree: Path, *args: str) -> list[str]:
+    """The command line of ``ldlm ARGS`` run with the code in ``tree``."""
+    return [sys.executable, "-P", "-c", REVISION_BOOT, str(tree), *args]
+
+
+@contextlib.contextmanager
+def served_revision(tree: Path, source: Path) -> Iterator[str]:
+    """``ldlm serve`` of ``source`` with the code in ``tree``."""
     port = free_port()
-    command = [sys.executable, "-P", "-c", REVISION_BOOT, str(tree), "serve", str(source), "--port", str(port), "--log-level", "warning"]
+    command = revision_cli(tree, "serve", str(source), "--port", str(port), "--log-level", "warning")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_ready(process, f"http://127.0.0.1:{port}", timeout_s=600)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_server(process)
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False, capture_output=True)
 
 
 # The package from a worktree: its three source folders under the names the installed package maps them to
@@ -332,13 +363,23 @@ def served(source: Path, flags: list[str]) -> Iterator[str]:
         stop_server(process)
 
 
-def kserve_part(work: Path, against: str | None, repeats: int) -> dict[str, Any]:
+def kserve_part(work: Path, against: tuple[str, Path] | None, repeats: int) -> dict[str, Any]:
     tiny = tiny_export(work / "tiny", progress=False)
     with contextlib.ExitStack() as stack:
         urls = {"this": stack.enter_context(served(tiny, []))}
         if against is not None:
-            urls[against] = stack.enter_context(served_revision(against, tiny, work))
-        return {**kserve_overhead(tiny, urls, repeats), "against": against}
+            urls[against[0]] = stack.enter_context(served_revision(against[1], tiny))
+        return {**kserve_overhead(tiny, urls, repeats), "against": against and against[0]}
+
+
+def stream_part(sources: dict[str, Path], flags: list[str], tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The lone stream on a server of each source: this code's, and ``tree``'s for any other label."""
+    with contextlib.ExitStack() as stack:
+        urls = {
+            label: stack.enter_context(served(source, flags) if label == "this" else served_revision(tree or ROOT, source))
+            for label, source in sources.items()
+        }
+        return lone_stream(urls, args.stream_steps, args.stream_length, args.every, args.repeats)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -353,7 +394,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-length", type=int, default=LENGTH, help=f"the lone stream's tokens (default: {LENGTH})")
     p.add_argument("--every", type=int, default=5, help="steps between the lone stream's previews (default: 5)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"which parts run, comma-separated (default: {','.join(PARTS)})")
-    p.add_argument("--against", metavar="REV", help="kserve: also serve this git revision's code, side by side (e.g. HEAD~1)")
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        help="also measure this git revision's code, side by side: its export (graphs, head, stream) and its server "
+        "(stream, kserve); with --device cuda, kserve only (e.g. HEAD~1)",
+    )
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     args = p.parse_args(argv)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
@@ -364,9 +410,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def measure(args: argparse.Namespace, work: Path, tree: Path | None) -> dict[str, Any]:
+    """Every part of ``args.parts``, for this code and, with ``tree`` (``args.against``'s worktree), for that."""
+    gpu, report = args.device != "cpu", {}
+    sources: dict[str, Path] = {}
+    if {"graphs", "head", "stream"} & set(args.parts):
+        sources["this"] = Path(args.checkpoint) if gpu else export_graphs(args.checkpoint, work / "export").out
+        if tree is not None and not gpu:
+            subprocess.run(revision_cli(tree, "export", args.checkpoint, str(work / "against-export"), "--quiet"), check=True)
+            sources[args.against] = work / "against-export"
+    if "graphs" in args.parts:
+        backend = args.backend if gpu else "ort"
+        report["graphs"] = graph_costs({label: str(source) for label, source in sources.items()}, backend, args.device, args.repeats)
+    if "head" in args.parts and not gpu:
+        against = (args.against, sources[args.against]) if tree is not None else None
+        report["head"] = head_profiles(args.checkpoint, work, args.repeats, against)
+    if "stream" in args.parts:
+        flags = ["--backend", args.backend, "--device", args.device] if gpu else []
+        report["stream"] = stream_part(sources, flags, tree, args)
+    if "kserve" in args.parts:
+        report["kserve"] = kserve_part(work, (args.against, tree) if tree is not None else None, 10 * args.repeats)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    gpu = args.device != "cpu"
     report: dict[str, Any] = {
         "checkpoint": args.checkpoint,
         "device": args.device,
@@ -374,21 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         "parts": args.parts,
         "load_average": list(os.getloadavg()),
     }
-    with tempfile.TemporaryDirectory(prefix="ldlm-fixed-costs-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="ldlm-fixed-costs-") as scratch, contextlib.ExitStack() as stack:
         work = Path(scratch)
-        if {"graphs", "stream"} & set(args.parts):
-            export = export_graphs(args.checkpoint, work / "export").out
-            source, backend = (args.checkpoint, args.backend) if gpu else (str(export), "ort")
-        if "graphs" in args.parts:
-            report["graphs"] = graph_costs(source, backend, args.device, args.repeats)
-        if "head" in args.parts and not gpu:
-            report["head"] = head_profiles(args.checkpoint, work, args.repeats)
-        if "stream" in args.parts:
-            flags = ["--backend", args.backend, "--device", args.device] if gpu else []
-            with served(Path(source), flags) as url:
-                report["stream"] = lone_stream(url, args.stream_steps, args.stream_length, args.every, args.repeats)
-        if "kserve" in args.parts:
-            report["kserve"] = kserve_part(work, args.against, 10 * args.repeats)
+        tree = stack.enter_context(revision_tree(args.against, work)) if args.against else None
+        report.update(measure(args, work, tree))
     report["load_average_end"] = list(os.getloadavg())
     text = json.dumps(report, indent=2) + "\n"
     if args.out is None:

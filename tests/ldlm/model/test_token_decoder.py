@@ -1,5 +1,5 @@
-"""The vocabulary head: its logits against nn.Linear's, and its chunked argmax against the argmax of the
-whole logits (NumPy's, an independent reference), ties between chunks, blocks and the tail included."""
+"""The vocabulary head: its logits against nn.Linear's, and its two-pass argmax against the argmax of the
+whole logits (NumPy's, an independent reference), ties between chunks, blocks and the last block included."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ldlm.model.token_decoder import ARGMAX_BLOCK, VOCABULARY_CHUNK, VocabularyHead, vocabulary_chunks
+from ldlm.model.token_decoder import ARGMAX_BLOCK, VOCABULARY_CHUNK, VocabularyHead, block_argmax
 
 D = 8
-# two whole chunks, three whole blocks and a tail of five columns
+# two whole chunks, three whole blocks and a last block of five columns
 V = 2 * VOCABULARY_CHUNK + 3 * ARGMAX_BLOCK + 5
 TAIL = V - 5
 
@@ -24,14 +24,24 @@ def head(seed: int = 0) -> VocabularyHead:
     return module
 
 
-def test_chunks_cover_the_vocabulary_in_whole_blocks_and_one_short_tail() -> None:
-    spans = vocabulary_chunks(V)
-    assert spans[0][0] == 0 and spans[-1][1] == V
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, in order
-    assert [stop - start for start, stop in spans] == [VOCABULARY_CHUNK, VOCABULARY_CHUNK, 3 * ARGMAX_BLOCK, 5]
-    assert vocabulary_chunks(10) == [(0, 10)] and vocabulary_chunks(64, 64, 64) == [(0, 64)]
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 37, 64])
+@pytest.mark.parametrize(("chunk", "block"), [(4, 4), (8, 4), (12, 4), (64, 16)])
+def test_block_argmax_is_numpys_argmax(vocab: int, chunk: int, block: int) -> None:
+    """In float64 (no rounding to speak of), for vocabularies of whole blocks and not, one chunk and many. The
+    third feature is a bias of about -50, and the first row reads only it: every logit of that row is negative,
+    and the columns that fill the last block must still never win."""
+    gen = torch.Generator().manual_seed(vocab * chunk + block)
+    rows, weight = torch.randn(50, 3, generator=gen, dtype=torch.float64), torch.randn(vocab, 3, generator=gen, dtype=torch.float64)
+    weight[:, 2] = -50 + 0.1 * weight[:, 2]
+    rows[:, 2] = 1.0
+    rows[0, :2] = 0.0
+    expected = (rows.numpy() @ weight.numpy().T).argmax(-1)
+    np.testing.assert_array_equal(block_argmax(rows, weight, chunk, block).numpy(), expected)
+
+
+def test_a_chunk_of_partial_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="chunk=100 is not a multiple of block=64"):
-        vocabulary_chunks(V, 100)
+        block_argmax(torch.zeros(1, 2), torch.zeros(3, 2), 100, 64)
 
 
 @torch.no_grad()
@@ -60,9 +70,9 @@ def test_token_ids_are_the_argmax_of_the_whole_logits() -> None:
         (10, 20),  # one block
         (100, 1000),  # one chunk, two blocks
         (500, VOCABULARY_CHUNK + 500),  # two chunks
-        (VOCABULARY_CHUNK + 7, 2 * VOCABULARY_CHUNK + 70),  # a whole chunk and the last blocks
-        (2 * VOCABULARY_CHUNK + 3, TAIL + 2),  # the last blocks and the tail
-        (TAIL, TAIL + 4),  # within the tail
+        (VOCABULARY_CHUNK + 7, 2 * VOCABULARY_CHUNK + 70),  # a whole chunk and the last chunk
+        (2 * VOCABULARY_CHUNK + 3, TAIL + 2),  # the last chunk's whole blocks and its last block
+        (TAIL, TAIL + 4),  # within the last block
     ],
 )
 @torch.no_grad()
