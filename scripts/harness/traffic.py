@@ -1,6 +1,6 @@
 """Client traffic for the measuring scripts (load_test, triton_compare, attack_check, fairness,
-preview_cost, gpu_service): KServe v2 and /v1 request bodies, N concurrent clients for M seconds, and
-the JSON report they write. Traffic goes to loopback only (the scripts check their --url)."""
+preview_cost, gpu_service, fixed_costs) and the tests: KServe v2 and /v1 request bodies, Server-Sent Events
+read back, N concurrent clients for M seconds, and the JSON report they write. Traffic goes to loopback only (the scripts check their --url)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,34 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 
 from ldlm.files import write_atomically
+
+
+def sse_events(lines: Iterable[str]) -> list[tuple[str, Any]]:
+    """Server-Sent Events as (event name, decoded data); the name is "message" when absent."""
+    events: list[tuple[str, Any]] = []
+    name, data = "message", list[str]()
+    for line in [*lines, ""]:
+        if line == "":
+            if data:
+                payload = "\n".join(data)
+                try:
+                    events.append((name, json.loads(payload)))
+                except ValueError:
+                    events.append((name, payload))
+            name, data = "message", []
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+    return events
 
 
 def encoder_body(length: int, seed: int) -> dict:

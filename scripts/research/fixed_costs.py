@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
 
 from scripts.harness.loopback import free_port, start_server, stop_server, tiny_export, wait_ready  # noqa: E402
+from scripts.harness.traffic import sse_events  # noqa: E402
 
 REFERENCE = "models/ldlm-austen-tiny"
 LENGTH = 128
@@ -168,19 +169,6 @@ def head_profiles(checkpoint: str, work: Path, repeats: int, against: tuple[str,
     return {name: [profile_decoder(folder / "decoder.onnx", batch, repeats) for batch in (1, 8)] for name, folder in decoders.items()}
 
 
-def read_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
-    events, kind, data = [], "message", ""
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            kind = line[7:]
-        elif line.startswith("data: "):
-            data += line[6:]
-        elif line == "" and data:
-            events.append((kind, json.loads(data)))
-            kind, data = "message", ""
-    return events
-
-
 def lone_stream(urls: dict[str, str], steps: int, length: int, every: int, repeats: int) -> dict[str, Any]:
     """One request at a time, plain and streamed, alternating mode by mode and server by server (``urls``: label ->
     server): per server the medians, their ratio and the previews each stream got."""
@@ -197,7 +185,7 @@ def lone_stream(urls: dict[str, str], steps: int, length: int, every: int, repea
                 started = time.perf_counter()
                 with http.stream("POST", "/v1/generate", json=request) as response:
                     response.raise_for_status()
-                    events = read_events(response) if mode == "streamed" else response.read()
+                    events = sse_events(response.iter_lines()) if mode == "streamed" else response.read()
                 times[(label, mode)].append(time.perf_counter() - started)
                 if mode == "streamed":
                     previews[label].append([e["samples"][0]["step"] for kind, e in events if kind == "preview"])

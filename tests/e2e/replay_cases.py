@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from scripts.harness.loopback import free_port, start_server, stop_server
-from scripts.harness.traffic import write_report
+from scripts.harness.traffic import sse_events, write_report
 
 SMALL_GENERATION = {"n": 1, "length": 8, "steps": 2}  # the issue's follow-up request (normally ~0.02 s)
 SMALL_AFTER_ABANDONED_S = 3.0  # "fast": the issue saw 57 s; one denoising step of the abandoned batch may still be in flight
@@ -262,26 +262,6 @@ def abandoned(report: Report, http: httpx.Client, big: dict[str, Any]) -> None:
         observed,
         passed,
     )
-
-
-def sse_events(lines: list[str]) -> list[tuple[str, Any]]:
-    """Server-Sent Events as (event name, decoded data); the name is "message" when absent."""
-    events: list[tuple[str, Any]] = []
-    name, data = "message", list[str]()
-    for line in [*lines, ""]:
-        if line == "":
-            if data:
-                payload = "\n".join(data)
-                try:
-                    events.append((name, json.loads(payload)))
-                except ValueError:
-                    events.append((name, payload))
-            name, data = "message", []
-        elif line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
-    return events
 
 
 def streamed_previews(report: Report, http: httpx.Client) -> None:

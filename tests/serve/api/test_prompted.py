@@ -4,7 +4,6 @@ the checkpoint the served graphs were exported from; real server on 127.0.0.1, r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +15,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from scripts.harness.traffic import sse_events  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
 PROMPT = "Once upon a time"
@@ -48,17 +48,6 @@ PLAN = {
 }  # what a ddim@20 request on the tiny config runs, as its answer names it
 
 
-def read_events(response: Any) -> list[tuple[str, dict]]:
-    """(event name, its data's JSON) of each Server-Sent Event."""
-    events, name = [], ""
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            events.append((name, json.loads(line[6:])))
-    return events
-
-
 def test_a_prompted_generation_answers_what_follows_the_prompt(server: RunningServer, pipeline: LDLMPipeline) -> None:
     body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT}
     answer = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
@@ -78,7 +67,7 @@ def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServe
     body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT, "stream": True, "preview_every": 5}
     with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()
-        events = read_events(response)
+        events = sse_events(response.iter_lines())
     assert [k for k, _ in events] == ["preview"] * 3 + ["result"]  # an idle server: steps 5, 10, 15, then the result
     assert [e["samples"][0]["step"] for _, e in events[:-1]] == [5, 10, 15]
     ids, text = reference(pipeline, 12, 20, 7)
@@ -114,4 +103,4 @@ def test_a_prompt_strength_reaches_the_scheduler_plain_and_streamed(server: Runn
     assert answer == {"texts": [pipeline.tokenizer.decode(r) for r in rows], "token_ids": rows, "plan": plan}
     with httpx.stream("POST", f"{server.url}/v1/generate", json={**body, "stream": True, "preview_every": 2}, timeout=60) as response:
         assert response.status_code == 200, response.read()
-        assert read_events(response)[-1][1] == answer
+        assert sse_events(response.iter_lines())[-1][1] == answer

@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest  # noqa: E402
-from tests.serve.api.routes.test_openai import read_events  # noqa: E402
+from scripts.harness.traffic import sse_events  # noqa: E402
 from tests.serve.api.test_server_values import metric  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
@@ -47,7 +47,7 @@ def budget_server(export_dir: Path):
 def stream(server: RunningServer, body: dict) -> list[tuple[str, dict]]:
     with httpx.stream("POST", f"{server.url}/v1/generate", json={**body, "stream": True}, timeout=120) as response:
         assert response.status_code == 200, response.read()
-        return read_events(response)
+        return sse_events(response.iter_lines())
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from ldlm.sampling.schedule import time_grid  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.runtime.graph_backend import BackendError  # noqa: E402
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler  # noqa: E402
+from scripts.harness.traffic import sse_events  # noqa: E402
 from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
 
 STEPS = 4
@@ -231,20 +232,6 @@ def test_a_failed_generation_ends_the_stream_with_an_error_chunk_then_done(serve
 # --- /v1/generate with stream: true: previews, then the result ----------------------------------
 
 
-def read_events(response) -> list[tuple[str, dict]]:
-    """SSE parsed by hand from the raw lines: event name and JSON data per blank-line block."""
-    events, kind, data = [], "message", ""
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            kind = line[7:]
-        elif line.startswith("data: "):
-            data += line[6:]
-        elif line == "" and data:
-            events.append((kind, json.loads(data)))
-            kind, data = "message", ""
-    return events
-
-
 def x0_hat_reference(pipeline: LDLMPipeline, length: int, seed: int, steps: int, after: int) -> list[str]:
     """The x0_hat of a DDIM run after ``after`` denoiser calls, decoded: what a preview shows."""
     model, grid = pipeline.graphs, time_grid(steps, pipeline.config.t_min)
@@ -266,7 +253,7 @@ def test_generate_stream_previews_then_result(server: RunningServer, pipeline: L
     body = {"n": 2, "length": 12, "steps": 41, "seed": 4, "sampler": "ddim", "stream": True, "preview_every": 4}
     with httpx.stream("POST", f"{server.url}/v1/generate", json=body, timeout=60) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        events = read_events(response)
+        events = sse_events(response.iter_lines())
     kinds = [k for k, _ in events]
     assert kinds[-1] == "result" and set(kinds[:-1]) == {"preview"}
     shown = {(s["index"], s["step"]): s["text"] for k, e in events if k == "preview" for s in e["samples"]}
