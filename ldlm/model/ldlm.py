@@ -60,7 +60,7 @@ class LDLM(nn.Module):
 
     def decode_tokens(self, latents: Tensor, mask: Tensor | None = None) -> Tensor:
         """standardized latents (B, L, D) -> token ids (B, L) int64: ``decode_logits(...).argmax(-1)``,
-        a chunk of the vocabulary at a time (``TokenDecoder.token_ids``)."""
+        without the whole logits (``TokenDecoder.token_ids``)."""
         return self.token_decoder.token_ids(self._latent_decoded(latents, mask), mask)
 
     def _latent_decoded(self, latents: Tensor, mask: Tensor | None) -> Tensor:

@@ -136,6 +136,10 @@ class DynamicBatcher(QueueWorker):
                 self._cond.notify()
 
     def _loop(self) -> None:
+        with self.backend.worker_context():  # e.g. a CUDA stream of its own (GraphBackend.worker_context)
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 self._running = False

@@ -6,6 +6,7 @@ TensorRT) and ``torch_backends`` (eager, compiled, inductor).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,11 @@ class GraphBackend(ABC):
 
     def run(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
         return self._run(self.check_inputs(inputs))
+
+    def worker_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What a thread that runs this graph alone (a batcher's worker) holds while it lives: nothing here; a
+        torch graph on CUDA gives it a CUDA stream of its own (``EagerBackend.worker_context``)."""
+        return contextlib.nullcontext()
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
         """Names, dtypes and shapes against the contract; a consistent batch and sequence length."""

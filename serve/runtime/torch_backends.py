@@ -23,9 +23,10 @@ corrector included) as one step per (bucket, sampler), on CUDA one captured grap
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -138,6 +139,14 @@ class EagerBackend(GraphBackend):
         self.seq_outputs = {o["name"] for o in outs if "seq" in o["shape"]}
         self.provider = f"torch {torch.__version__} eager on {self.device}" + ("" if self.precision == "fp32" else f" ({self.precision})")
 
+    def worker_context(self) -> contextlib.AbstractContextManager[Any]:
+        """On CUDA, a stream of this thread's own. On the default stream a batcher's graph (a preview's decode)
+        would queue behind the scheduler's denoiser steps, and each of its copies to the host would wait for
+        them; on its own stream it overlaps them."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.Stream(self.device))
+
     @torch.inference_mode()
     def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Tensors in (any device; checked on their shapes alone, no copy to the host), tensors
@@ -199,7 +208,8 @@ class CompiledBackend(EagerBackend):
             raise BackendError(f"CUDA graphs need a CUDA device; this backend runs on {self.device}")
         self.captured: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # one pool per graph
-        self._lock = threading.Lock()  # static buffers are shared: one replay at a time
+        self._lock = threading.Lock()  # static buffers are shared: one replay at a time (``exclusive``)
+        self._last_use: Any = None  # torch.cuda.Event after the last user's work, on its stream
         self.module = self.compile(self.module)
         mode = "CUDA graphs" if self.cuda_graphs else "static buckets, no CUDA graphs"
         self.provider = f"torch {torch.__version__} compiled{self.compiler} ({mode}) on {self.device} ({self.precision})"
@@ -211,6 +221,22 @@ class CompiledBackend(EagerBackend):
     def bucket(self, batch: int, length: int) -> tuple[int, int]:
         return bucket_for(batch, self.batch_buckets), bucket_for(length, self.seq_buckets)
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The module, its pool and the static buffers, for one user at a time: in the host's order under the lock
+        and, on CUDA, in the GPU's too: threads on streams of their own (``worker_context``) would otherwise
+        fill the buffers while another stream's replay still reads them. The caller's stream waits for the last
+        user's work first."""
+        with self._lock:
+            if self._last_use is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._last_use)
+            try:
+                yield
+            finally:
+                if self.device.type == "cuda":
+                    self._last_use = torch.cuda.Event()
+                    self._last_use.record(torch.cuda.current_stream(self.device))
+
     def _forward(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         # Batches above the largest bucket run in chunks of the largest bucket.
         batch, length = self._batch_and_length(tensors)
@@ -219,7 +245,7 @@ class CompiledBackend(EagerBackend):
             parts = [self._forward({n: t[i : i + top] for n, t in tensors.items()}) for i in range(0, batch, top)]
             return {n: torch.cat([p[n] for p in parts]) for n in self.output_names}
         key = self.bucket(batch, length)
-        with self._lock:
+        with self.exclusive():
             if self.cuda_graphs:
                 captured = self.captured.get(key) or self._capture(key)
                 fill_padded(captured.inputs, tensors, self.seq_names)
@@ -332,7 +358,7 @@ class FusedSteps:
             ]
             return _concat(parts)
         key = (*backend.bucket(batch, length), sampler, schedule, inputs.x.dtype)
-        with backend._lock:  # the module, its pool and the static buffers are shared: one step at a time
+        with backend.exclusive():  # the module, its pool and the static buffers are shared: one step at a time
             prepared = self.prepared.get(key) or self._prepare(key, sampler, schedule, inputs)
             fill_step(prepared.inputs, inputs.named())
             if prepared.graph is not None:

@@ -785,11 +785,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- when a batch starts: at once for a request at an idle batcher, after the window for the others ---
     Mutation(
         "batcher-holds-a-lone-request",
-        "ldlm.serve.runtime.batcher:DynamicBatcher._loop",
+        "ldlm.serve.runtime.batcher:DynamicBatcher._serve",
         "deadline = first.queued_at + (0.0 if first.alone else self.max_delay_s)",
         "deadline = first.queued_at + self.max_delay_s",
         ("tests/serve/runtime/test_batcher_delay.py",),
         "a request alone at an idle server waits max_delay_ms for company that never comes",
+    ),
+    Mutation(
+        "batcher-graph-off-its-worker-context",
+        "ldlm.serve.runtime.batcher:DynamicBatcher._loop",
+        "with self.backend.worker_context():",
+        "if True:",
+        ("tests/serve/runtime/test_batcher_streams.py",),
+        "on CUDA a batcher's graph runs on the default stream, queued behind the scheduler's denoiser steps",
     ),
     Mutation(
         "batcher-busy-counts-as-idle",
