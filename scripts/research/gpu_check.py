@@ -33,30 +33,30 @@ Stages, in order
 ----------------
 - parity: every graph output on random, padded and outlier inputs (max abs error, cosine), decoder
   token agreement, end-to-end token agreement with the deterministic sampler (ddim) on the
-  reference's CPU noise. Eager fp32 / bf16 / fp16 and compiled bf16 on CUDA (and ONNX Runtime's
+  reference's CPU noise. Eager fp32 / bf16 / fp16 and compiled fp16 on CUDA (and ONNX Runtime's
   CUDA / TensorRT EPs when onnxruntime-gpu is there) against eager fp32 on CPU.
 - device_loop: the sampler's step loop under torch.cuda.set_sync_debug_mode("error") (a host sync
   raises); a profile of one batch-1 denoiser call (CUDA graph launches against kernel launches).
-  Compiled bf16.
+  Compiled fp16.
 - latency: each graph at batch 1, 8, 64, L = 128, p50/p99 and the speed-up against eager fp32 on
-  the GPU (TF32 off). Eager fp32, eager bf16, compiled bf16 (+ ORT GPU).
+  the GPU (TF32 off). Eager fp32, eager fp16, compiled fp16 (+ ORT GPU).
 - long_sample: one 1024-token sample, 50 steps, batch 1, noise to token ids (ddim; for compiled
   also every other solver, and for compiled and inductor the server's default solver at its default
-  step count). Compiled bf16, inductor bf16 (its first call per bucket compiles, untimed), eager
-  bf16, eager fp32.
+  step count). Compiled fp16, inductor fp16 (its first call per bucket compiles, untimed), eager
+  fp16, eager fp32.
 - reference: the trained reference checkpoint (models/ldlm-austen-tiny) with its tuned step grids:
   the request that names neither sampler nor steps (the tuned default), DDIM@50 and the untuned
   default, on every torch backend against CPU fp32 eager (token agreement on the same CPU noise),
   and the batch-1 latency of each with device noise, as served.
 - throughput: generated tokens/s at batch 64, 128, 256 (L = 128, 50 steps), and the best. Compiled
-  bf16; inductor bf16 at the largest batch only.
+  fp16; inductor fp16 at the largest batch only.
 - batching: continuous against static on the bench's mixed-arrival workload (lengths 16-128, 5-40
   steps) at an arrival rate of 1.5x the measured saturated capacity: throughput and p99. Compiled
-  bf16.
-- http: `ldlm serve --backend compiled --device cuda --precision bf16` in its own process on
+  fp16.
+- http: `ldlm serve --backend compiled --device cuda` (its default precision, fp16) in its own process on
   127.0.0.1: the overhead over the raw runner at batch 1 (encoder, 16 tokens, p50), then 16
   clients for 10 s of mixed requests: p50, p99, errors.
-- previews: `ldlm serve` (compiled bf16) with --preview-budget 1 --preview-lone-budget 1, so no preview is skipped; 16
+- previews: `ldlm serve` (compiled fp16) with --preview-budget 1 --preview-lone-budget 1, so no preview is skipped; 16
   clients of /v1/generate (128 tokens, 50 sde steps), with and without `stream: true` previews
   every 5 steps, side by side in alternating order, 2 rounds: the throughput cost (target <= 10%),
   previews received per request, and the time to the first preview at batch 1.
@@ -163,7 +163,7 @@ from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, Ind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_service import http_stage, previews_stage, probe_eps_stage  # noqa: E402
-from gpu_targets import summary_markdown  # noqa: E402
+from gpu_targets import SERVED, SERVED_EAGER, SERVED_INDUCTOR, SERVED_PRECISION, summary_markdown  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(
@@ -225,14 +225,15 @@ SIZES: dict[str, dict[str, Any]] = {
         ref_runs=2,
     ),
 }
-# name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline.
+# name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline, SERVED (compiled, in
+# the precision `ldlm serve --device cuda` runs by default) the served path.
 TORCH_CANDIDATES = {
     "eager": ("eager", "fp32"),
     "eager-bf16": ("eager", "bf16"),
     "eager-fp16": ("eager", "fp16"),
-    "compiled-bf16": ("compiled", "bf16"),
+    SERVED: ("compiled", SERVED_PRECISION),
 }
-LATENCY_BACKENDS = ("eager", "eager-bf16", "compiled-bf16")
+LATENCY_BACKENDS = ("eager", SERVED_EAGER, SERVED)
 STAGES = ("parity", "device_loop", "latency", "long_sample", "reference", "throughput", "batching", "http", "previews", "probe_eps")
 REFERENCE_CHECKPOINT = Path(__file__).resolve().parents[2] / "models" / "ldlm-austen-tiny"
 
@@ -349,7 +350,7 @@ def parity_stage(
     ref_tokens = eager_tokens(model, tokenizer, n, length, steps, 0)
     result: dict[str, Any] = {"reference": "eager fp32 on CPU", "generation": {"n": n, "length": length, "steps": steps, "sampler": "ddim"}}
     for name, graphs in candidates.items():
-        precision = "bf16" if "bf16" in name else "fp16" if "fp16" in name else "fp32"
+        precision = TORCH_CANDIDATES[name][1] if name in TORCH_CANDIDATES else "fp32"
         report = compare_with_eager(model, tokenizer, graphs, name, precision, 0, steps, n, length, reference_tokens=ref_tokens)
         per_output: dict[str, dict[str, float]] = {}
         for c in report.graphs:  # worst over the input sets, per graph output
@@ -425,12 +426,12 @@ def long_sample_stage(
         "batch": 1,
         "measures": "sample_latents + decode to token ids (host copy included), p50 of runs",
     }
-    for name in (n for n in ("compiled-bf16", "inductor-bf16", "eager-bf16", "eager") if n in backends):
+    for name in (n for n in (SERVED, SERVED_INDUCTOR, SERVED_EAGER, "eager") if n in backends):
         pipe = LDLMPipeline(BackendGraphs(backends[name]), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
         # every solver at the target's step count on the served backend, and the server's default
         # solver at the server's default step count (the row a request that names neither gets)
-        rows = [(sampler, steps) for sampler in SAMPLERS] if name == "compiled-bf16" else [("ddim", steps)]
-        if name in ("compiled-bf16", "inductor-bf16"):
+        rows = [(sampler, steps) for sampler in SAMPLERS] if name == SERVED else [("ddim", steps)]
+        if name in (SERVED, SERVED_INDUCTOR):
             rows.append((config.default_sampler, config.default_steps))
         for sampler, count in rows:
 
@@ -631,11 +632,11 @@ def main() -> None:
             for name, graphs in with_logits.items()
             if name in LATENCY_BACKENDS
         }
-        # compiled bf16 plus torch.compile: in the long sample and throughput only, each of its
+        # the served path plus torch.compile: in the long sample and throughput only, each of its
         # buckets costs a compile (about 15 s for the base denoiser on an H200)
         inductor: dict[str, GraphBackend] | None = None
         try:
-            inductor = {g: InductorBackend(b.model, g) for g, b in serving["compiled-bf16"].items()}  # type: ignore[attr-defined]
+            inductor = {g: InductorBackend(b.model, g) for g, b in serving[SERVED].items()}  # type: ignore[attr-defined]
         except Exception as error:  # the other backends' stages run without it
             run.report["inductor_setup_error"] = f"{type(error).__name__}: {error}"[:1000]
         run.report["setup_s"] = round(time.perf_counter() - start, 1)
@@ -647,19 +648,19 @@ def main() -> None:
         run.report["stages"]["ort_gpu"] = ort_notes or {"opened": sorted(ort_graphs)}
 
         run.stage("parity", lambda: parity_stage(model, tokenizer, {**with_logits, **ort_graphs}, sizes), 40)
-        run.stage("device_loop", lambda: device_loop_stage(serving["compiled-bf16"], tokenizer, model.config, device), 20)
+        run.stage("device_loop", lambda: device_loop_stage(serving[SERVED], tokenizer, model.config, device), 20)
         run.stage("latency", lambda: latency_stage({**serving, **ort_graphs}, model.config, sizes), 60)
         run.stage(
             "long_sample",
             lambda: long_sample_stage(
-                {**serving, **({"inductor-bf16": inductor} if inductor else {})}, tokenizer, model.config, device, sizes
+                {**serving, **({SERVED_INDUCTOR: inductor} if inductor else {})}, tokenizer, model.config, device, sizes
             ),
             90,
         )
         run.stage("reference", lambda: reference_stage(device, sizes), 30)
-        run.stage("throughput", lambda: throughput_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes, inductor), 70)
-        run.stage("batching", lambda: batching_stage(serving["compiled-bf16"], tokenizer, model.config, device, sizes), 40)
-        run.stage("http", lambda: http_stage(checkpoint, serving["compiled-bf16"]["encoder"], device, sizes, out), 60)
+        run.stage("throughput", lambda: throughput_stage(serving[SERVED], tokenizer, model.config, device, sizes, inductor), 70)
+        run.stage("batching", lambda: batching_stage(serving[SERVED], tokenizer, model.config, device, sizes), 40)
+        run.stage("http", lambda: http_stage(checkpoint, serving[SERVED]["encoder"], device, sizes, out), 60)
         run.stage("previews", lambda: previews_stage(checkpoint, device, sizes, out), 60)
         run.stage("probe_eps", lambda: probe_eps_stage(work), 30)
     run.write()

@@ -35,13 +35,13 @@ def kserve_encoder_body(length: int, seed: int) -> bytes:
 
 
 def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
-    """``ldlm serve`` (compiled bf16 on the device) in its own process on 127.0.0.1: the overhead of
+    """``ldlm serve`` (compiled, in its default precision on the device) in its own process on 127.0.0.1: the overhead of
     the service over the raw runner at batch 1 (encoder, 16 tokens, binary output), then a short
     bounded load of mixed requests from concurrent clients."""
     import httpx
 
     port = free_port()
-    flags = ["--backend", "compiled", "--device", str(device), "--precision", "bf16", "--max-batch", "16"]
+    flags = ["--backend", "compiled", "--device", str(device), "--max-batch", "16"]
     url = f"http://127.0.0.1:{port}"
     result: dict[str, Any] = {"command": " ".join(serve_command(checkpoint, port, flags)[1:])}
     log_path = out / "server.log"
@@ -86,7 +86,7 @@ def http_stage(checkpoint: Path, raw_encoder: GraphBackend, device: torch.device
 
 
 def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
-    """On the GPU: what streamed previews every 5 steps cost. ``ldlm serve`` (compiled bf16)
+    """On the GPU: what streamed previews every 5 steps cost. ``ldlm serve`` (compiled, its default precision)
     runs with ``--preview-budget 1 --preview-lone-budget 1``, so no preview is skipped to save time; the same concurrent
     load of /v1/generate requests runs with and without ``stream: true``, side by side in
     alternating order; then the time to the first preview event at batch 1."""
@@ -99,8 +99,6 @@ def previews_stage(checkpoint: Path, device: torch.device, sizes: dict[str, Any]
         "compiled",
         "--device",
         str(device),
-        "--precision",
-        "bf16",
         "--max-batch",
         "16",
         "--preview-budget",

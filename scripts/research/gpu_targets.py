@@ -8,7 +8,14 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from ldlm.serve.runtime.registry import EAGER, INDUCTOR
+from ldlm.serve.runtime.registry import COMPILED, EAGER, INDUCTOR, default_precision
+
+# The precision `ldlm serve --device cuda` runs by default, which the served path's stages time, and the names of
+# its torch candidates in a report.
+SERVED_PRECISION = default_precision(COMPILED, "cuda")
+SERVED = f"{COMPILED}-{SERVED_PRECISION}"
+SERVED_EAGER = f"{EAGER}-{SERVED_PRECISION}"
+SERVED_INDUCTOR = f"{INDUCTOR}-{SERVED_PRECISION}"
 
 # (measure, target text, where the figure is in the report, comparison)
 Getter = Callable[[dict[str, Any]], Any]
@@ -29,38 +36,36 @@ def _long_sample(r: dict[str, Any]) -> tuple[float, str]:
     others = "; ".join(
         f"{key.split('/', 1)[1]} {entry['p50_ms']} ms"
         for key, entry in s.items()
-        if key.startswith("compiled-bf16/") and key != "compiled-bf16/ddim"
+        if key.startswith(f"{SERVED}/") and key != f"{SERVED}/ddim"
     )
-    also = _inductor_beside(s.get("inductor-bf16/ddim", {}), "p50_ms", "{} ms")
-    return s["compiled-bf16/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, compiled bf16; {others}{also}"
+    also = _inductor_beside(s.get(f"{SERVED_INDUCTOR}/ddim", {}), "p50_ms", "{} ms")
+    return s[f"{SERVED}/ddim"]["p50_ms"], f"{s['length']} tokens, {s['steps']} ddim steps, {SERVED}; {others}{also}"
 
 
 def _inductor_beside(entry: dict[str, Any], field: str, shape: str) -> str:
     """The inductor backend's figure for a note, where it was measured (it is no target's verdict)."""
-    return f"; inductor bf16 {shape.format(entry[field], **entry)}" if field in entry else ""
+    return f"; {SERVED_INDUCTOR} {shape.format(entry[field], **entry)}" if field in entry else ""
 
 
 def _default_sample(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "long_sample")
-    key = next(k for k in s if k.startswith("compiled-bf16/") and k.endswith("(server default)"))
-    inductor: dict[str, Any] = next((v for k, v in s.items() if k.startswith("inductor-bf16/") and k.endswith("(server default)")), {})
+    key = next(k for k in s if k.startswith(f"{SERVED}/") and k.endswith("(server default)"))
+    inductor: dict[str, Any] = next((v for k, v in s.items() if k.startswith(f"{SERVED_INDUCTOR}/") and k.endswith("(server default)")), {})
     also = _inductor_beside(inductor, "p50_ms", "{} ms")
-    return s[key]["p50_ms"], f"{s['length']} tokens, {key.split('/', 1)[1]}, compiled bf16{also}"
+    return s[key]["p50_ms"], f"{s['length']} tokens, {key.split('/', 1)[1]}, {SERVED}{also}"
 
 
 def _tokens_per_s(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "throughput")
     also = _inductor_beside(s.get(INDUCTOR, {}), "tokens_per_s", "{:,.0f} at batch {batch}")
-    return s["best"]["tokens_per_s"], f"batch {s['best']['batch']}, length {s['length']}, {s['steps']} steps, compiled bf16{also}"
+    return s["best"]["tokens_per_s"], f"batch {s['best']['batch']}, length {s['length']}, {s['steps']} steps, {SERVED}{also}"
 
 
 def _compiled_speedup(r: dict[str, Any]) -> tuple[float, str]:
     graphs = _stage(r, "latency")["graphs"]
     key = next(k for k in graphs if k.startswith("denoiser/b1/"))
     cell = graphs[key]
-    return cell["compiled-bf16"][
-        "speedup_vs_eager"
-    ], f"{key}: eager fp32 {cell[EAGER]['p50_ms']} ms, compiled bf16 {cell['compiled-bf16']['p50_ms']} ms"
+    return cell[SERVED]["speedup_vs_eager"], f"{key}: eager fp32 {cell[EAGER]['p50_ms']} ms, {SERVED} {cell[SERVED]['p50_ms']} ms"
 
 
 def _batching(r: dict[str, Any]) -> tuple[tuple[float, float], str]:
@@ -76,11 +81,11 @@ def _overhead(r: dict[str, Any]) -> tuple[float, str]:
     return o["overhead_p50_ms"], f"HTTP p50 {o['http_p50_ms']} ms - runner p50 {o['runner_p50_ms']} ms ({o['graph']}, batch 1)"
 
 
-def _bf16_agreement(r: dict[str, Any]) -> tuple[float, str]:
+def _served_agreement(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "parity")
-    names = [n for n in ("eager-bf16", "compiled-bf16") if n in s]
+    names = [n for n in (SERVED_EAGER, SERVED) if n in s]
     if not names:
-        raise LookupError("no bf16 backend in the parity stage")
+        raise LookupError(f"no {SERVED_PRECISION} backend in the parity stage")
     worst = min(s[n]["token_agreement"] for n in names)
     cosines = "; ".join(f"{n} cosine min " + ", ".join(f"{o} {v['cosine_min']:.5f}" for o, v in s[n]["outputs"].items()) for n in names)
     return worst, cosines
@@ -121,9 +126,9 @@ TARGETS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[Any, str]], Calla
     ),
     ("service overhead over the raw runner, p50", "<= 2 ms", _overhead, lambda v: v <= 2, lambda v: f"{v:.3f} ms"),
     (
-        "bf16 against fp32, deterministic sampler",
+        f"{SERVED_PRECISION} (served by default) against fp32, deterministic sampler",
         "token agreement >= 99%",
-        _bf16_agreement,
+        _served_agreement,
         lambda v: v >= 0.99,
         lambda v: f"{100 * v:.2f}%",
     ),

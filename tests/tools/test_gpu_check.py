@@ -34,11 +34,11 @@ def report(**overrides: object) -> dict:
         "long_sample": {
             "length": 1024,
             "steps": 50,
-            "compiled-bf16/ddim": {"p50_ms": 80.0},
-            "compiled-bf16/sde": {"p50_ms": 90.0},
-            "compiled-bf16/dpm3m-psc@21 (server default)": {"p50_ms": 40.01, "steps": 21},
-            "inductor-bf16/ddim": {"p50_ms": 60.0},
-            "inductor-bf16/dpm3m-psc@21 (server default)": {"p50_ms": 30.0, "steps": 21},
+            "compiled-fp16/ddim": {"p50_ms": 80.0},
+            "compiled-fp16/sde": {"p50_ms": 90.0},
+            "compiled-fp16/dpm3m-psc@21 (server default)": {"p50_ms": 40.01, "steps": 21},
+            "inductor-fp16/ddim": {"p50_ms": 60.0},
+            "inductor-fp16/dpm3m-psc@21 (server default)": {"p50_ms": 30.0, "steps": 21},
         },
         "throughput": {
             "length": 128,
@@ -46,12 +46,12 @@ def report(**overrides: object) -> dict:
             "best": {"batch": 256, "tokens_per_s": 19999.0},
             "inductor": {"batch": 256, "tokens_per_s": 25000.0},
         },
-        "latency": {"graphs": {"denoiser/b1/L128": {"eager": {"p50_ms": 9.0}, "compiled-bf16": {"p50_ms": 3.0, "speedup_vs_eager": 3.0}}}},
+        "latency": {"graphs": {"denoiser/b1/L128": {"eager": {"p50_ms": 9.0}, "compiled-fp16": {"p50_ms": 3.0, "speedup_vs_eager": 3.0}}}},
         "batching": {"throughput_ratio": 1.4, "p99_ratio": 1.05, "requests": 100, "rate_per_s": 50, "max_batch": 16},
         "http": {"overhead": {"overhead_p50_ms": 1.5, "http_p50_ms": 3.0, "runner_p50_ms": 1.5, "graph": "encoder"}},
         "parity": {
-            "eager-bf16": {"token_agreement": 0.995, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.9991}}},
-            "compiled-bf16": {"token_agreement": 0.99, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.999}}},
+            "eager-fp16": {"token_agreement": 0.995, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.9991}}},
+            "compiled-fp16": {"token_agreement": 0.99, "outputs": {"denoiser/x0_hat": {"cosine_min": 0.999}}},
         },
         "previews": {
             "throughput_cost": 0.1001,
@@ -76,13 +76,13 @@ def test_each_target_is_judged_at_its_boundary() -> None:
     # missed; 1.5 ms met; 99% met; previews cost 10.01%, missed.
     assert verdicts(report()) == ["met", "MISSED", "MISSED", "met", "MISSED", "met", "met", "MISSED"]
     assert verdicts(report(previews={**report()["stages"]["previews"], "throughput_cost": 0.1}))[-1] == "met"
-    at_40 = {**report()["stages"]["long_sample"], "compiled-bf16/dpm3m-psc@21 (server default)": {"p50_ms": 40.0, "steps": 21}}
+    at_40 = {**report()["stages"]["long_sample"], "compiled-fp16/dpm3m-psc@21 (server default)": {"p50_ms": 40.0, "steps": 21}}
     assert verdicts(report(long_sample=at_40))[1] == "met"
     rows = target_rows(report())
     assert rows[1]["measured"] == "40.0 ms" and "dpm3m-psc@21 (server default)" in rows[1]["note"]
     # the verdicts are the served compiled backend's; inductor's figures are beside them, not in them
-    assert rows[0]["note"].endswith("; inductor bf16 60.0 ms") and "inductor bf16 60.0 ms" not in rows[0]["measured"]
-    assert rows[2]["note"].endswith("inductor bf16 25,000 at batch 256")
+    assert rows[0]["note"].endswith("; inductor-fp16 60.0 ms") and "inductor-fp16 60.0 ms" not in rows[0]["measured"]
+    assert rows[2]["note"].endswith("inductor-fp16 25,000 at batch 256")
     assert rows[2]["measured"] == "19,999" and rows[4]["measured"] == "x1.40, p99 x1.05"
     assert "denoiser/x0_hat 0.99900" in rows[6]["note"]
     assert rows[7]["measured"] == "10.0%" and "9.0 of 9 previews per request" in rows[7]["note"]
@@ -242,7 +242,7 @@ def run_wrapper(tree: Path, out: Path, env: dict[str, str]) -> tuple[str, dict]:
     summary = (out / "gpu_check.md").read_text()
     assert "## device_loop" in summary and "## probe_eps" in summary
     assert (
-        "| bf16 against fp32, deterministic sampler | token agreement >= 99% | - | not measured | stage parity skipped: not selected (--stages) |"
+        "| fp16 (served by default) against fp32, deterministic sampler | token agreement >= 99% | - | not measured | stage parity skipped: not selected (--stages) |"
         in summary
     )
     return setup, data
