@@ -4,7 +4,7 @@
 - graphs: the decoder's and the denoiser's p50 at batch 1 and 8 x 128 tokens on the checkpoint (ONNX
   Runtime on the CPU; with --device cuda the torch backend --backend, default eager), and the decoder's
   cost in denoiser steps;
-- head: ONNX Runtime's profile of the exported decoder at 8 x 128 (SessionOptions.enable_profiling):
+- head: ONNX Runtime's profile of the exported decoder at 1 and 8 x 128 (SessionOptions.enable_profiling):
   milliseconds per op type and the vocabulary head's share (the nodes after the token decoder's final
   LayerNorm), for the decoder as exported and, beside it, for a head that makes the whole logits (nn.Linear,
   then one ArgMax over them), exported from the same checkpoint (CPU only);
@@ -123,50 +123,64 @@ def whole_logits_head() -> Iterator[None]:
         VocabularyHead.forward = two_pass  # type: ignore[method-assign]
 
 
-def profile_decoder(path: Path, batch: int, repeats: int) -> dict[str, Any]:
-    """ONNX Runtime's own profile of one decoder: ms per call by op type, and the head's share of the nodes' time."""
-    import onnx
-    import onnxruntime as ort
+class ProfiledDecoder:
+    """One decoder under ONNX Runtime's own profiler, as the server runs it (workers asleep between calls, no arena)."""
 
-    graph = onnx.load(str(path), load_external_data=False).graph
-    last_norm = max(i for i, n in enumerate(graph.node) if n.op_type == "LayerNormalization")
-    head = {n.name for n in graph.node[last_norm + 1 :]}
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(path.parent / "profile")
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the server runs it
-    options.enable_cpu_mem_arena = False
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    feed = graph_feed(LDLMConfig.load(path.parent / "config.json"), "decoder", batch, LENGTH)
-    wall = median_ms(lambda: session.run(None, feed), repeats)
-    events = json.loads(Path(session.end_profiling()).read_text())
-    calls = repeats + 1
-    by_op: collections.Counter[str] = collections.Counter()
-    in_head = total = 0.0
-    for event in events:
-        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-            by_op[event["args"]["op_name"]] += event["dur"] / 1000 / calls
-            total += event["dur"]
-            in_head += event["dur"] if event["name"].removesuffix("_kernel_time") in head else 0
-    return {
-        "batch": batch,
-        "p50_ms": wall,
-        "op_ms": {op: round(ms, 2) for op, ms in by_op.most_common(8)},
-        "nodes_ms": round(total / 1000 / calls, 2),
-        "head_ms": round(in_head / 1000 / calls, 2),
-        "head_share": round(in_head / total, 3),
-        "head_nodes": len(head),
-    }
+    def __init__(self, path: Path, batch: int) -> None:
+        import onnx
+        import onnxruntime as ort
+
+        graph = onnx.load(str(path), load_external_data=False).graph
+        last_norm = max(i for i, n in enumerate(graph.node) if n.op_type == "LayerNormalization")
+        self.head = {n.name for n in graph.node[last_norm + 1 :]}
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(path.parent / f"profile-b{batch}")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.enable_cpu_mem_arena = False
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.feed = graph_feed(LDLMConfig.load(path.parent / "config.json"), "decoder", batch, LENGTH)
+        self.batch, self.times = batch, list[float]()
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        self.session.run(None, self.feed)
+        self.times.append(time.perf_counter() - started)
+
+    def summary(self) -> dict[str, Any]:
+        """ms per call by op type, and the head's share of the nodes' time."""
+        events = json.loads(Path(self.session.end_profiling()).read_text())
+        calls = len(self.times)
+        by_op: collections.Counter[str] = collections.Counter()
+        in_head = total = 0.0
+        for event in events:
+            if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                by_op[event["args"]["op_name"]] += event["dur"] / 1000 / calls
+                total += event["dur"]
+                in_head += event["dur"] if event["name"].removesuffix("_kernel_time") in self.head else 0
+        return {
+            "batch": self.batch,
+            "p50_ms": round(1000 * statistics.median(self.times[1:]), 2),  # the first call warms up
+            "op_ms": {op: round(ms, 2) for op, ms in by_op.most_common(8)},
+            "nodes_ms": round(total / 1000 / calls, 2),
+            "head_ms": round(in_head / 1000 / calls, 2),
+            "head_share": round(in_head / total, 3),
+            "head_nodes": len(self.head),
+        }
 
 
 def head_profiles(checkpoint: str, work: Path, repeats: int, against: tuple[str, Path] | None) -> dict[str, Any]:
     """The decoder's profile as exported now, beside the whole-logits head's and, with ``against`` (label,
-    export), that export's decoder."""
+    export), that export's decoder; their calls alternate."""
     export_graphs(checkpoint, work / "now", graphs=("decoder",))
     with whole_logits_head():
         export_graphs(checkpoint, work / "whole", graphs=("decoder",))
     decoders = {"now": work / "now", "whole": work / "whole", **dict([against] if against else [])}
-    return {name: [profile_decoder(folder / "decoder.onnx", batch, repeats) for batch in (1, 8)] for name, folder in decoders.items()}
+    profiled = {(name, batch): ProfiledDecoder(folder / "decoder.onnx", batch) for name, folder in decoders.items() for batch in (1, 8)}
+    for _ in range(repeats + 1):
+        for decoder in profiled.values():
+            decoder.run()
+    return {name: [profiled[(name, batch)].summary() for batch in (1, 8)] for name in decoders}
 
 
 def lone_stream(urls: dict[str, str], steps: int, length: int, every: int, repeats: int) -> dict[str, Any]:
