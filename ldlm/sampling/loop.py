@@ -63,6 +63,7 @@ class SampleState:
     prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
     prefix_noise: NoiseSource | None = None  # the forward noise of the inpainted prefix
     guidance: Tensor | None = None  # (L, 1) a guided prompt's weights: 1 at the prompt's positions, w after
+    held_noise: Tensor | None = None  # this step's noise, drawn by a fused step that failed: its retry takes it
 
     @property
     def length(self) -> int:
@@ -278,7 +279,8 @@ class SamplingEngine:
         denoiser and the sampler's update together (``fused_step``; on CUDA one captured graph per bucket and
         sampler), so the host only gathers the samples' state and hands the results back. Same numbers as
         ``batch``'s denoiser call followed by ``advance``. One sampler per batch and no prompt guidance (the
-        blind rows' extrapolation sits between the denoiser and the step): ``fusable`` says which batches."""
+        blind rows' extrapolation sits between the denoiser and the step): ``fusable`` says which batches. A ``step``
+        that raises changes no sample: this step's noise is held for whatever runs the step instead."""
         if not self.fusable(batch):
             raise ValueError(
                 f"advance_fused takes one sampler and no prompt-guided rows; this batch has samplers "
@@ -286,7 +288,14 @@ class SamplingEngine:
             )
         group, sampler = batch.states, batch.states[0].sampler
         inputs = self._gather(group, StepInputs(batch.x, batch.t, batch.t_next, batch.x0_prev, batch.mask))
-        self._scatter(group, step(sampler, self.schedule, inputs))
+        try:
+            out = step(sampler, self.schedule, inputs)
+        except Exception:
+            if inputs.noise is not None:  # the step is not taken: whatever runs it again must draw the same noise
+                for state, row in zip(group, inputs.noise):
+                    state.held_noise = row[: state.length]
+            raise
+        self._scatter(group, out)
         for state in group:
             state.step += 1
         return [s for s in group if s.done]
@@ -308,12 +317,18 @@ class SamplingEngine:
         sampler, stack = group[0].sampler, self._stacker(inputs.x.shape[1])
         past_x0 = tuple(stack([s.past[k][0] if k < len(s.past) else torch.zeros_like(s.x) for s in group]) for k in range(sampler.history))
         past_lam = tuple(torch.stack([s.past[k][1] if k < len(s.past) else self._missing for s in group]) for k in range(sampler.history))
-        noise = stack([s.noise.draw() for s in group]) if sampler.stochastic else None
+        noise = stack([self._draw(s) for s in group]) if sampler.stochastic else None
         x_prev = t_prev = None
         if sampler.corrector:
             x_prev = stack([s.x_prev if s.x_prev is not None else torch.zeros_like(s.x) for s in group])
             t_prev = torch.stack([s.times[max(s.step - 1, 0)] for s in group])  # the first step has no past: not redone
         return replace(inputs, past_x0=past_x0, past_lam=past_lam, noise=noise, x_prev=x_prev, t_prev=t_prev)
+
+    @staticmethod
+    def _draw(state: SampleState) -> Tensor:
+        """This step's noise: the draw a failed fused step held back, else the stream's next."""
+        held, state.held_noise = state.held_noise, None
+        return held if held is not None else state.noise.draw()
 
     @staticmethod
     def _scatter(group: list[SampleState], out: StepOutputs) -> None:

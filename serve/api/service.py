@@ -35,7 +35,7 @@ from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.registry import default_backend, default_precision
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
-from ldlm.serve.runtime.torch_backends import length_buckets
+from ldlm.serve.runtime.torch_backends import fused_steps, length_buckets
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,7 @@ class LDLMService:
             limits=RequestLimits(self.settings.max_n, self.settings.max_steps),
             previews=PreviewShares(self.settings.preview_budget, self.settings.preview_lone_budget),
             on_previews=self.metrics.observe_previews,
+            fused=fused_steps(graphs["denoiser"]),
         )
 
     def body_limits(self) -> BodyLimits:

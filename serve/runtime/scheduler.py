@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ldlm.pipeline import LDLMPipeline, TextResult
 from ldlm.sampling import DenoiseFn, GenerateRequest, RequestLimits, SamplingEngine, SamplingPlan, resolve
+from ldlm.sampling.loop import FusedStepFn
 from ldlm.sampling.tokens import TokenSampling
 from ldlm.serve.runtime.admission import Admission
 from ldlm.serve.runtime.cost import CostModel
@@ -60,12 +61,14 @@ class GenerationScheduler(QueueWorker):
         limits: RequestLimits | None = None,
         previews: PreviewShares | None = None,
         on_previews: PreviewObserver | None = None,
+        fused: FusedStepFn | None = None,
     ) -> None:
         """``pipeline`` resolves requests against its config, encodes nothing and decodes the finished
         samples and the previews; ``engine`` and ``denoise`` (default: the pipeline's) are where the steps
         run, e.g. the graphs' device while the pipeline decodes through the server's batchers. ``limits``:
         the caps every request is resolved under (a server's max_n and max_steps). ``previews``: the share of
-        wall time decoding previews may take (delivery.py); ``on_previews``: told of every preview call and drop."""
+        wall time decoding previews may take (delivery.py); ``on_previews``: told of every preview call and drop.
+        ``fused``: the denoiser's fused steps, where its graph has them (``StepExecutor``)."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
         self.pipeline = pipeline
@@ -76,7 +79,7 @@ class GenerationScheduler(QueueWorker):
         self.policy = make_policy(policy, cost, max_batch)
         self.admission = Admission(cost, self.policy)
         self.engine = engine or pipeline.engine
-        self.executor = StepExecutor(self.engine, denoise or pipeline.graphs.denoise, pipeline.bucket_length, cost, observer)
+        self.executor = StepExecutor(self.engine, denoise or pipeline.graphs.denoise, pipeline.bucket_length, cost, observer, fused)
         self.delivery = Delivery(self.engine, pipeline, PreviewDecodes(pipeline, previews, on_previews))
         self._waiting = WaitingQueue()
         self._active: list[Sample] = []

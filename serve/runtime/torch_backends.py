@@ -402,6 +402,12 @@ class FusedSteps:
         return self.prepared[key]
 
 
+def fused_steps(graph: GraphBackend) -> FusedSteps | None:
+    """The fused steps a server's scheduler takes for this denoiser: a compiled one's (``compiled``, ``inductor``),
+    none for the others, which run the denoiser and the sampler's update apart."""
+    return FusedSteps(graph) if isinstance(graph, CompiledBackend) and graph.graph == "denoiser" else None
+
+
 def _step_buffers(named: Mapping[str, Tensor], batch: int, length: int, device: torch.device) -> dict[str, Tensor]:
     """Zeros of the bucket's shape for each of a step's inputs (batch first; (B, L, ...) ones padded in length too)."""
     return {

@@ -139,7 +139,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-drops-self-conditioning",
-        "ldlm.serve.runtime.executor:StepExecutor.execute",
+        "ldlm.serve.runtime.executor:StepExecutor._step",
         "self.denoise(batch.x, batch.t, batch.x0_prev, batch.mask)",
         "self.denoise(batch.x, batch.t, torch.zeros_like(batch.x), batch.mask)",
         ("tests/serve/runtime/test_scheduler.py", "tests/serve/runtime/test_scheduler_values.py"),
@@ -781,6 +781,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "False",
         ("tests/serve/runtime/test_delivery_previews.py",),
         "beside other work, preview calls queue behind a slow one instead of being dropped",
+    ),
+    # --- fused steps: every batch of one sampler, and a failure that changes no sample ---------------------
+    Mutation(
+        "executor-never-fuses",
+        "ldlm.serve.runtime.executor:StepExecutor._step",
+        "if self.fused is not None and self.engine.fusable(batch):",
+        "if False:",
+        ("tests/serve/runtime/test_scheduler_fused.py",),
+        "a compiled denoiser's steps run the denoiser and the sampler's update apart: one CUDA graph per step lost",
+    ),
+    Mutation(
+        "fused-failure-loses-the-noise",
+        "ldlm.sampling.loop:SamplingEngine.advance_fused",
+        "state.held_noise = row[: state.length]",
+        "state.held_noise = None",
+        ("tests/serve/runtime/test_scheduler_fused.py",),
+        "an sde sample whose fused step failed draws new noise for its retry: other tokens than its seed's",
     ),
     # --- when a batch starts: at once for a request at an idle batcher, after the window for the others ---
     Mutation(

@@ -6,6 +6,7 @@ tests/serve/api/test_server_guards.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -162,6 +163,9 @@ class BlockingBackend:
 
     def check_inputs(self, inputs):
         return {"x": np.asarray(inputs["x"], np.float32)}
+
+    def worker_context(self):
+        return contextlib.nullcontext()
 
     def run(self, inputs):
         self.started.set()
