@@ -18,7 +18,7 @@ from ldlm.export.precision import lower_precision
 from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
-from ldlm.serve.runtime.registry import CPU_PROVIDER
+from ldlm.serve.runtime.registry import CPU_PROVIDER, ORT
 
 if TYPE_CHECKING:
     from ldlm.serve.runtime.registry import BackendInfo, OpenOptions
@@ -33,7 +33,7 @@ ORT_PROVIDERS: dict[str, tuple[str, ...]] = {
 
 
 class OrtBackend(GraphBackend):
-    backend = "ort"
+    backend = ORT
 
     def __init__(
         self,
@@ -95,7 +95,7 @@ def providers_for(info: BackendInfo, provider: str = "cpu") -> tuple[str, ...]:
     """The providers ``info`` runs on: its own (ort-cuda), or for ort those of ``--provider``."""
     if info.providers:
         if provider != "cpu":
-            raise BackendError(f"provider={provider!r} applies to backend 'ort' only; backend {info.name!r} runs {info.providers[0]}")
+            raise BackendError(f"provider={provider!r} applies to backend {ORT!r} only; backend {info.name!r} runs {info.providers[0]}")
         return info.providers
     if provider not in ORT_PROVIDERS:
         raise BackendError(f"provider={provider!r} is unknown; allowed: {', '.join(ORT_PROVIDERS)}")

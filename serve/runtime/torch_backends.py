@@ -47,7 +47,7 @@ from ldlm.sampling.loop import StepInputs, StepOutputs, sampler_update
 from ldlm.sampling.samplers import Sampler
 from ldlm.sampling.schedule import TangentSchedule
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
-from ldlm.serve.runtime.registry import TORCH_PRECISIONS
+from ldlm.serve.runtime.registry import COMPILED, EAGER, INDUCTOR, TORCH_PRECISIONS
 
 if TYPE_CHECKING:
     from ldlm.serve.runtime.registry import BackendInfo, OpenOptions
@@ -75,7 +75,7 @@ def prepare_model(model: LDLM, device: torch.device, precision: str) -> LDLM:
     """Move ``model`` to ``device`` and, for bf16 or fp16, cast its Linear layers' weights (not the vocabulary
     head's), which the backends run under ``LowPrecision``. In place (the model is the backend's own copy).
     TF32 stays off for FP32 matmuls, as for parity."""
-    dtype = check_precision(precision, "eager")
+    dtype = check_precision(precision, EAGER)
     model = model.to(device).eval()
     if dtype == torch.float32:
         return model
@@ -117,7 +117,7 @@ class EagerBackend(GraphBackend):
     model's device and in its precision (see ``prepare_model``). Float outputs come
     back as FP32."""
 
-    backend = "eager"
+    backend = EAGER
 
     def __init__(self, model: LDLM, graph: str, with_logits: bool = False) -> None:
         io = graph_io(model, graph, with_logits)
@@ -186,7 +186,7 @@ class _Captured:
 class CompiledBackend(EagerBackend):
     """Static shape buckets and, on CUDA, one captured CUDA graph per (batch bucket, length bucket)."""
 
-    backend = "compiled"
+    backend = COMPILED
     compiler = ""  # who compiled the module's kernels, for the provider string ("": eager kernels)
 
     def __init__(
@@ -309,7 +309,7 @@ class CompiledBackend(EagerBackend):
 class InductorBackend(CompiledBackend):
     """``CompiledBackend`` with the module compiled by torch.compile (Inductor), inside each bucket's CUDA graph."""
 
-    backend = "inductor"
+    backend = INDUCTOR
     compiler = " by Inductor"
 
     def compile(self, module: nn.Module) -> nn.Module:

@@ -15,6 +15,7 @@ from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.registry import TRT
 from ldlm.serve.runtime.trt_runtime import TensorRTEngine
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ class TensorRTBackend(GraphBackend):
     """A plan on the GPU. Batches larger than the engine's profiles run as several executions
     (``batch_limit`` is the largest one execution takes); sequences are capped by the profiles."""
 
-    backend = "trt"
+    backend = TRT
 
     def __init__(self, plan: Path, graph: str, max_seq_len: int, cuda_graphs: bool = False) -> None:
         self.engine = TensorRTEngine(plan, cuda_graphs=cuda_graphs)
