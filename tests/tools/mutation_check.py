@@ -2139,9 +2139,18 @@ def run_pytest(python: Path, repo: Path, args: list[str], timeout_s: float) -> t
         return "timeout", time.perf_counter() - started, [], out[-2000:]
     seconds = time.perf_counter() - started
     output = done.stdout + done.stderr
-    failing = [line.split(" ", 2)[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     status = {0: "passed", 1: "failed"}.get(done.returncode, "error")
-    return status, seconds, failing, output[-2000:]
+    return status, seconds, failing_tests(output), output[-2000:]
+
+
+# pytest's short summary names a failing test as "FAILED tests/x.py::test - why" (an error in collection or a
+# fixture: "ERROR tests/x.py..."); a captured log record at level ERROR ("ERROR    logger:file.py:12 ...") is not one.
+SUMMARY_LINE = re.compile(r"^(?:FAILED|ERROR) (tests/\S+)")
+
+
+def failing_tests(output: str) -> list[str]:
+    """The test ids of pytest's short summary lines in ``output``."""
+    return [match.group(1) for line in output.splitlines() if (match := SUMMARY_LINE.match(line))]
 
 
 DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)

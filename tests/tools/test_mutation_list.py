@@ -22,6 +22,7 @@ from tests.tools.mutation_check import (
     SURVIVED,
     Mutation,
     check_mutations,
+    failing_tests,
     locate,
     mirror_of,
     mutated,
@@ -158,3 +159,16 @@ def test_only_a_failure_of_the_modules_own_tests_counts_as_caught(tree: Path, tm
     write_report(tmp_path / "report.json", results, quick=False)
     report = json.loads((tmp_path / "report.json").read_text())
     assert (report["mutations"], report["caught"], report["caught_elsewhere"], report["survived"]) == (4, 1, 2, 1)
+
+
+def test_failing_tests_are_read_from_pytests_summary_not_from_captured_logs() -> None:
+    output = "\n".join(
+        [
+            "ERROR    ldlm.serve:executor.py:72 the fused denoiser step failed; steps run unfused from now on",
+            "FAILED tests/serve/runtime/test_x.py::test_a[1-2] - AssertionError: assert 1 == 2",
+            "ERROR tests/serve/test_y.py::test_b - RuntimeError: fixture broke",
+            "ERROR tests/serve/test_z.py",
+            "1 failed, 1 error in 2.0s",
+        ]
+    )
+    assert failing_tests(output) == ["tests/serve/runtime/test_x.py::test_a[1-2]", "tests/serve/test_y.py::test_b", "tests/serve/test_z.py"]
