@@ -10,7 +10,8 @@
   then one ArgMax over them), exported from the same checkpoint (CPU only);
 - stream: one request of --stream-steps steps at --stream-length tokens, plain and streamed with a preview
   every --every steps, alternating, on an otherwise idle `ldlm serve` of the checkpoint's export on
-  127.0.0.1 (default settings): per-mode medians, their ratio, and the previews each stream got;
+  127.0.0.1 (default settings, and with --stream-variant FLAGS one more started with them): per-mode
+  medians, their ratio, and the previews each stream got;
 - kserve: the overhead of KServe v2 over the in-process runner, on a random-init tiny export's encoder
   at batch 1 x 16 tokens, with JSON and binary tensors (`ldlm serve` of that export on 127.0.0.1), from
   two clients: httpx (what a Python caller uses; about 1 ms of the figure is its own work) and a bare
@@ -37,6 +38,7 @@ import contextlib
 import itertools
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -375,12 +377,16 @@ def kserve_part(work: Path, against: tuple[str, Path] | None, repeats: int) -> d
 
 
 def stream_part(sources: dict[str, Path], flags: list[str], tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
-    """The lone stream on a server of each source: this code's, and ``tree``'s for any other label."""
+    """The lone stream on a server of each source (this code's, and ``tree``'s for any other label) and, with
+    --stream-variant, on one more of this code's started with those flags."""
     with contextlib.ExitStack() as stack:
         urls = {
             label: stack.enter_context(served(source, flags) if label == "this" else served_revision(tree or ROOT, source))
             for label, source in sources.items()
         }
+        if args.stream_variant:
+            variant = flags + shlex.split(args.stream_variant)
+            urls[f"this {args.stream_variant}"] = stack.enter_context(served(sources["this"], variant))
         return lone_stream(urls, args.stream_steps, args.stream_length, args.every, args.repeats)
 
 
@@ -395,6 +401,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-steps", type=int, default=40, help="the lone stream's steps (default: 40)")
     p.add_argument("--stream-length", type=int, default=LENGTH, help=f"the lone stream's tokens (default: {LENGTH})")
     p.add_argument("--every", type=int, default=5, help="steps between the lone stream's previews (default: 5)")
+    p.add_argument(
+        "--stream-variant",
+        metavar="FLAGS",
+        help='stream: also on a server of this code started with these `ldlm serve` flags, side by side (e.g. "--threads 1")',
+    )
     p.add_argument("--parts", default=",".join(PARTS), help=f"which parts run, comma-separated (default: {','.join(PARTS)})")
     p.add_argument(
         "--against",
