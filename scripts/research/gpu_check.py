@@ -53,6 +53,9 @@ Stages, in order
 - batching: continuous against static on the bench's mixed-arrival workload (lengths 16-128, 5-40
   steps) at an arrival rate of 1.5x the measured saturated capacity: throughput and p99. Compiled
   fp16.
+- fused: the server's scheduler with the served backend's fused steps (the denoiser call and the sampler's
+  update as one CUDA graph per step) against the same scheduler unfused, side by side: one 1024-token sample of
+  50 dpm3m-psc steps, p50 of each and whether their tokens agree. Compiled fp16.
 - http: `ldlm serve --backend compiled --device cuda` (its default precision, fp16) in its own process on
   127.0.0.1: the overhead over the raw runner at batch 1 (encoder, 16 tokens, p50), then 16
   clients for 10 s of mixed requests: p50, p99, errors.
@@ -159,7 +162,7 @@ from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
-from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, InductorBackend, length_buckets, prepare_model
+from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, InductorBackend, fused_steps, length_buckets, prepare_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_service import http_stage, previews_stage, probe_eps_stage  # noqa: E402
@@ -234,7 +237,19 @@ TORCH_CANDIDATES = {
     SERVED: ("compiled", SERVED_PRECISION),
 }
 LATENCY_BACKENDS = ("eager", SERVED_EAGER, SERVED)
-STAGES = ("parity", "device_loop", "latency", "long_sample", "reference", "throughput", "batching", "http", "previews", "probe_eps")
+STAGES = (
+    "parity",
+    "device_loop",
+    "latency",
+    "long_sample",
+    "reference",
+    "throughput",
+    "batching",
+    "fused",
+    "http",
+    "previews",
+    "probe_eps",
+)
 REFERENCE_CHECKPOINT = Path(__file__).resolve().parents[2] / "models" / "ldlm-austen-tiny"
 
 
@@ -528,6 +543,43 @@ def throughput_stage(
     return result
 
 
+def fused_stage(
+    graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
+) -> dict[str, Any]:
+    """The server's scheduler with its fused steps (``FusedSteps``: on CUDA one graph per step for the denoiser call and
+    the sampler's update) against the same scheduler unfused, side by side: one long_len-token sample of long_steps
+    dpm3m-psc steps, p50 of each, and whether their tokens are the same."""
+    fused = fused_steps(graphs["denoiser"])
+    if fused is None:
+        return {"skipped": f"{graphs['denoiser'].provider} has no fused steps"}
+    length, steps = min(sizes["long_len"], config.max_seq_len), sizes["long_steps"]
+    pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
+    schedulers = {"unfused": GenerationScheduler(pipe, 1), "fused": GenerationScheduler(pipe, 1, fused=fused)}
+    request = GenerateRequest(n=1, length=length, steps=steps, seed=0, sampler="dpm3m-psc")
+    times: dict[str, list[float]] = {name: [] for name in schedulers}
+    try:
+        tokens = {name: s.submit(request).result().token_ids for name, s in schedulers.items()}  # warm-up: captures
+        for _ in range(sizes["long_runs"]):
+            for name, scheduler in schedulers.items():
+                start = time.perf_counter()
+                scheduler.submit(request).result()
+                times[name].append(time.perf_counter() - start)
+        taken = schedulers["fused"].executor.fused_steps
+    finally:
+        for scheduler in schedulers.values():
+            scheduler.close()
+    p50 = {name: round(1000 * statistics.median(values), 2) for name, values in times.items()}
+    return {
+        "length": length,
+        "steps": steps,
+        "sampler": "dpm3m-psc",
+        **{f"{name}_p50_ms": ms for name, ms in p50.items()},
+        "speedup": round(p50["unfused"] / p50["fused"], 3),
+        "fused_steps": taken,
+        "tokens_equal": bool(torch.equal(tokens["fused"], tokens["unfused"])),
+    }
+
+
 def batching_stage(
     graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
 ) -> dict[str, Any]:
@@ -660,6 +712,7 @@ def main() -> None:
         run.stage("reference", lambda: reference_stage(device, sizes), 30)
         run.stage("throughput", lambda: throughput_stage(serving[SERVED], tokenizer, model.config, device, sizes, inductor), 70)
         run.stage("batching", lambda: batching_stage(serving[SERVED], tokenizer, model.config, device, sizes), 40)
+        run.stage("fused", lambda: fused_stage(serving[SERVED], tokenizer, model.config, device, sizes), 20)
         run.stage("http", lambda: http_stage(checkpoint, serving[SERVED]["encoder"], device, sizes, out), 60)
         run.stage("previews", lambda: previews_stage(checkpoint, device, sizes, out), 60)
         run.stage("probe_eps", lambda: probe_eps_stage(work), 30)

@@ -102,7 +102,7 @@ def test_missing_or_failed_stages_are_not_measured_with_the_reason() -> None:
 
 def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     # every selected stage must run: on a loaded 2-core runner the default 300 s budget skipped one
-    stages = "device_loop,reference,http,previews,probe_eps"
+    stages = "device_loop,reference,fused,http,previews,probe_eps"
     done = gpu_check(tmp_path, "--device", "cpu", "--stages", stages, "--budget-s", "3600", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -115,6 +115,8 @@ def test_tiny_dry_run_writes_the_json_and_the_summary(tmp_path: Path) -> None:
     http = data["stages"]["http"]  # the same server, under load, against the in-process runner
     assert http.get("server_exit_code") == 0 and http["overhead"]["requests"] == 30 and http["load"]["answered"] > 0, http
     assert (tmp_path / "server.log").is_file()
+    fused = data["stages"]["fused"]  # the scheduler's fused steps, uncaptured on CPU, beside the unfused ones
+    assert fused["tokens_equal"] is True and fused["fused_steps"] == 3 * fused["steps"], fused  # warm-up and 2 runs
     assert data["stages"]["parity"] == {"skipped": "not selected (--stages)"}
     reference = data["stages"]["reference"]  # the trained checkpoint: its tuned default, as its schedules.json names it
     schedules = json.loads((REPO / "models" / "ldlm-austen-tiny" / "schedules.json").read_text())
@@ -185,7 +187,19 @@ def test_absent_device_is_refused_by_name(tmp_path: Path) -> None:
 # --- scripts/research/gpu_check.sh ----------------------------------------------------------------
 
 # gpu_check.py's stages in their order, as its docstring lists them.
-STAGES = ("parity", "device_loop", "latency", "long_sample", "reference", "throughput", "batching", "http", "previews", "probe_eps")
+STAGES = (
+    "parity",
+    "device_loop",
+    "latency",
+    "long_sample",
+    "reference",
+    "throughput",
+    "batching",
+    "fused",
+    "http",
+    "previews",
+    "probe_eps",
+)
 WRAPPER_STAGES = "device_loop,probe_eps"
 
 
