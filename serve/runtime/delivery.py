@@ -5,7 +5,8 @@ one that draws its tokens at a temperature decoded alone, since its settings and
 Previews (``PreviewDecodes``). After every step the samples whose request asked for previews every
 ``preview_every`` steps, and stand at a multiple of it below their last step, are due. Every due
 preview of the step, of every request and sample, is decoded in one decoder call, on the previews'
-own thread, while the steps go on; calls run in step order, each request's hook gets its previews
+own thread, while the steps go on (in a server the call goes through the decoder's batcher, which on CUDA
+runs it on a stream of its own: ``GraphBackend.worker_context``); calls run in step order, each request's hook gets its previews
 from that thread in step order, and a request whose previews are still being decoded when it finishes
 is answered right after them. A due preview is dropped (never decoded, and counted as skipped)
 exactly when:
