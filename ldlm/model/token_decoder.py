@@ -29,14 +29,23 @@ def block_argmax(rows: Tensor, weight: Tensor, chunk: int = VOCABULARY_CHUNK, bl
     if chunk % block:
         raise ValueError(f"chunk={chunk} is not a multiple of block={block}; allowed: a positive multiple of it")
     vocab = weight.shape[0]
-    blocks = -(-vocab // block)
-    # Whole blocks: the last column repeated. A copy ties with it and comes after it, so it never wins.
-    weight = torch.cat([weight, weight[-1:].expand(blocks * block - vocab, -1)])
-    maxima = [F.linear(rows, weight[start : start + chunk]).unflatten(1, (-1, block)).amax(-1) for start in range(0, blocks * block, chunk)]
+    width = -(-vocab // block) * block  # whole blocks
+    maxima = [
+        F.linear(rows, _filled(weight[start : start + chunk], min(chunk, width - start))).unflatten(1, (-1, block)).amax(-1)
+        for start in range(0, width, chunk)
+    ]
     best = torch.cat(maxima, 1).argmax(-1, keepdim=True)  # (N, 1): the first block holding the maximum
-    columns = best * block + torch.arange(block, device=rows.device)  # (N, block): that block's columns
+    # That block's columns, those past the vocabulary read as the last one (as _filled made them).
+    columns = (best * block + torch.arange(block, device=rows.device)).clamp(max=vocab - 1)  # (N, block)
     logits = (weight[columns] @ rows.unsqueeze(-1)).squeeze(-1)  # (N, block)
     return best.squeeze(-1) * block + logits.argmax(-1)
+
+
+def _filled(columns: Tensor, size: int) -> Tensor:
+    """A chunk of the head's columns filled up to ``size`` (whole blocks) with copies of its last column: a copy ties
+    with that column and comes after it, so it never wins. Only the last chunk is short, so only it is copied."""
+    missing = size - columns.shape[0]
+    return torch.cat([columns, columns[-1:].expand(missing, -1)]) if missing > 0 else columns
 
 
 class TokenDecoderBlock(nn.Module):
