@@ -13,6 +13,7 @@ from ldlm.serve.runtime.registry import (
     CUDA_DEFAULT_PRECISION,
     DEFAULT_BACKEND,
     DEFAULT_PRECISION,
+    RUN_PRECISIONS,
     backend_help,
     backend_info,
     backend_names,
@@ -112,7 +113,7 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=["fp32", "fp16", "bf16", "int8"],
+        choices=RUN_PRECISIONS,
         default=None,
         help="sets the gate, and the precision of the torch backends (default: what `ldlm serve` runs, "
         f"{CUDA_DEFAULT_PRECISION} for a torch backend on --device cuda, else {DEFAULT_PRECISION}); int8: ort on the export's INT8 "

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ldlm.limits import MAX_STEPS, PRIOR_TEMPERATURE, SEED, T_MIN, Range
-from ldlm.serve.runtime.registry import CUDA_DEFAULT_PRECISION, DEFAULT_PRECISION
+from ldlm.serve.runtime.registry import CUDA_DEFAULT_PRECISION, DEFAULT_PRECISION, RUN_PRECISIONS
 
 
 def positive_int(text: str) -> int:
@@ -136,7 +136,7 @@ def device_options(p: argparse.ArgumentParser, precision: bool = True) -> None:
     if precision:
         p.add_argument(
             "--precision",
-            choices=["fp32", "bf16", "fp16", "int8"],
+            choices=RUN_PRECISIONS,
             default=None,
             help="torch backends' matmuls and attention; the residual stream, LayerNorm, RMSNorm, softmax and logits stay FP32 "
             f"(default: {CUDA_DEFAULT_PRECISION} for a torch backend on --device cuda, else {DEFAULT_PRECISION}). "

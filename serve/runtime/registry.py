@@ -86,6 +86,9 @@ REGISTRY: dict[str, BackendInfo] = {
         ),
     )
 }
+# What --precision may name at run time (serve, parity, bench): what the checkpoint and export backends run; an
+# engine's precision is built into it.
+RUN_PRECISIONS: tuple[str, ...] = tuple(dict.fromkeys(p for b in REGISTRY.values() if b.opens != "engines" for p in b.precisions))
 DEFAULT_BACKEND = ORT  # serve, parity and bench: ONNX Runtime on the CPU runs everywhere
 # What `ldlm serve --device cuda` runs when no backend is named: Inductor's kernels inside the per-bucket CUDA graphs,
 # 1.46-2.04x the eager kernels' speed on an H200 (docs/measurements/gpu-profile-h200-2026-12-04.json); its parity
@@ -117,14 +120,17 @@ def default_backend(device: str = "cpu") -> str:
     """The backend the service runs when none is named: the torch fast path on a CUDA device (``cuda``,
     ``cuda:N``; a machine without one is refused when the device is resolved, naming why), else
     ``DEFAULT_BACKEND``, which needs no GPU. The one place this choice is made."""
-    return CUDA_DEFAULT_BACKEND if device.split(":", 1)[0] == "cuda" else DEFAULT_BACKEND
+    return CUDA_DEFAULT_BACKEND if _on_cuda(device) else DEFAULT_BACKEND
 
 
 def default_precision(backend: str, device: str = "cpu") -> str:
     """The precision a command runs ``backend`` in when none is named: ``CUDA_DEFAULT_PRECISION`` for a torch backend
     on a CUDA device, else ``DEFAULT_PRECISION`` (an export or engines run as written). The one place this is chosen."""
-    on_cuda = device.split(":", 1)[0] == "cuda"
-    return CUDA_DEFAULT_PRECISION if on_cuda and backend_info(backend).runs_checkpoint else DEFAULT_PRECISION
+    return CUDA_DEFAULT_PRECISION if _on_cuda(device) and backend_info(backend).runs_checkpoint else DEFAULT_PRECISION
+
+
+def _on_cuda(device: str) -> bool:
+    return device.split(":", 1)[0] == "cuda"
 
 
 class UnknownBackendError(ValueError):
