@@ -161,6 +161,7 @@ from ldlm.serve.checks.bench_workload import WORKLOAD_STEPS, mixed_workload, run
 from ldlm.serve.checks.parity_end_to_end import compare_with_eager, eager_tokens
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.graph_backend import GraphBackend
+from ldlm.serve.runtime.registry import COMPILED, EAGER
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, InductorBackend, fused_steps, length_buckets, prepare_model
 
@@ -231,10 +232,10 @@ SIZES: dict[str, dict[str, Any]] = {
 # name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline, SERVED (compiled, in
 # the precision `ldlm serve --device cuda` runs by default) the served path.
 TORCH_CANDIDATES = {
-    "eager": ("eager", "fp32"),
-    "eager-bf16": ("eager", "bf16"),
-    "eager-fp16": ("eager", "fp16"),
-    SERVED: ("compiled", SERVED_PRECISION),
+    EAGER: (EAGER, "fp32"),
+    f"{EAGER}-bf16": (EAGER, "bf16"),
+    f"{EAGER}-fp16": (EAGER, "fp16"),
+    SERVED: (COMPILED, SERVED_PRECISION),
 }
 LATENCY_BACKENDS = ("eager", SERVED_EAGER, SERVED)
 STAGES = (
