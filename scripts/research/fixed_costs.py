@@ -379,11 +379,15 @@ def kserve_part(work: Path, against: tuple[str, Path] | None, repeats: int) -> d
 def stream_part(sources: dict[str, Path], flags: list[str], tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     """The lone stream on a server of each source (this code's, and ``tree``'s for any other label) and, with
     --stream-variant, on one more of this code's started with those flags."""
+
+    def server(label: str, source: Path) -> contextlib.AbstractContextManager[str]:
+        if label == "this":
+            return served(source, flags)
+        assert tree is not None, f"{label}: a source of another revision comes with its worktree"
+        return served_revision(tree, source)
+
     with contextlib.ExitStack() as stack:
-        urls = {
-            label: stack.enter_context(served(source, flags) if label == "this" else served_revision(tree or ROOT, source))
-            for label, source in sources.items()
-        }
+        urls = {label: stack.enter_context(server(label, source)) for label, source in sources.items()}
         if args.stream_variant:
             variant = flags + shlex.split(args.stream_variant)
             urls[f"this {args.stream_variant}"] = stack.enter_context(served(sources["this"], variant))

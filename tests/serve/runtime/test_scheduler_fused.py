@@ -9,11 +9,11 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
 
 from ldlm.model.ldlm import LDLM
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling import GenerateRequest
+from ldlm.sampling.loop import FusedStepFn, StepOutputs
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from ldlm.serve.runtime.backends import BackendGraphs
 from ldlm.serve.runtime.scheduler import GenerationScheduler
@@ -28,13 +28,13 @@ REQUESTS = (
 )
 
 
-def run(pipeline: LDLMPipeline, backend: CompiledBackend, fused: object | None) -> tuple[list[list[list[int]]], GenerationScheduler]:
+def run(pipeline: LDLMPipeline, backend: CompiledBackend, fused: FusedStepFn | None) -> tuple[list[list[list[int]]], GenerationScheduler]:
     scheduler = GenerationScheduler(
         pipeline,
         max_batch=8,
         start=False,
         denoise=BackendGraphs({"denoiser": backend}).denoise,
-        fused=fused,  # type: ignore[arg-type]
+        fused=fused,
     )
     try:
         futures = [scheduler.submit(r) for r in REQUESTS]  # all queued before the first step: one batch
@@ -61,7 +61,7 @@ def test_a_failing_fused_step_falls_back_to_unfused_steps(
     backend = CompiledBackend(tiny_model, "denoiser")
     expected, _ = run(pipeline, backend, None)
 
-    def refused(*args: object) -> object:
+    def refused(*args: object) -> StepOutputs:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     with caplog.at_level(logging.ERROR, logger="ldlm.serve"):
@@ -88,4 +88,3 @@ def test_the_server_steps_a_compiled_denoiser_fused(tiny_checkpoint: Path, backe
         assert service.scheduler.executor.fused_steps == (3 if fused else 0)
     finally:
         service.close()
-    torch.set_grad_enabled(True)
