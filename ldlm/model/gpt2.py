@@ -33,15 +33,18 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = GPT2MLP(dim)
 
-    def forward(self, x: Tensor, attn_bias: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x), attn_bias)
+    def forward(self, x: Tensor, attn_bias: Tensor | None) -> Tensor:
+        """``attn_bias`` holds causality and padding together; None: no padding, causal through SDPA's is_causal."""
+        x = x + self.attn(self.ln_1(x), attn_bias, causal=attn_bias is None)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT2Features(nn.Module):
     """input_ids (B, T), attention_mask (B, T) -> hidden_states[feature_layer] (B, T, D).
 
-    Only ``config.feature_blocks`` blocks exist; ``ln_f`` is never applied to an index below -1.
+    Only ``config.feature_blocks`` blocks exist; ``ln_f`` is never applied to an index below -1. Without
+    ``attention_mask`` (every position real) no bias tensor is made: causality is SDPA's ``is_causal``, so the
+    flash kernel stays eligible on CUDA. With one, causality and padding are one merged bias, as exported.
     """
 
     def __init__(self, config: LDLMConfig) -> None:
@@ -55,7 +58,7 @@ class GPT2Features(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(positions)[None]  # (B, T, D)
-        bias = attention_bias(attention_mask, x.dtype, causal_len=input_ids.shape[1])  # (B|1, 1, T, T)
+        bias = None if attention_mask is None else attention_bias(attention_mask, x.dtype, causal_len=input_ids.shape[1])  # (B, 1, T, T)
         for block in self.h:
             x = block(x, bias)
         return x

@@ -2,7 +2,10 @@
 
 Shapes: B batch, T query positions, S key positions, D features, H heads, hd = D / H.
 Padding masks are (B, T) bool tensors, True at real tokens; padding is on the right. Each model part
-turns its mask into one additive attention bias per forward pass and hands it to every block.
+turns its mask into one additive attention bias per forward pass and hands it to every block. A mask of
+None means every position is real: then no bias tensor is made at all and SDPA runs without ``attn_mask``
+(causal attention through ``is_causal``), which is what lets PyTorch pick its flash or memory-efficient
+kernels on CUDA; an all-zero bias would compute the same numbers but keep the flash kernel out.
 """
 
 from __future__ import annotations
@@ -88,7 +91,11 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 class SelfAttention(nn.Module):
-    """GPT-2-style multi-head self-attention: fused qkv with biases. Causality, if any, is in the bias."""
+    """GPT-2-style multi-head self-attention: fused qkv with biases.
+
+    Causality is either in ``attn_bias`` (merged with padding by ``attention_bias``) or, with no bias at all,
+    ``causal=True``: SDPA's own ``is_causal``, which keeps the flash kernel eligible on CUDA (a bias tensor rules
+    it out). SDPA refuses both at once, so a caller passes one or the other."""
 
     def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
@@ -96,10 +103,10 @@ class SelfAttention(nn.Module):
         self.c_attn = nn.Linear(dim, 3 * dim)
         self.c_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: Tensor, attn_bias: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, attn_bias: Tensor | None = None, causal: bool = False) -> Tensor:
         q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)
         q, k, v = (split_heads(z, self.n_heads) for z in (q, k, v))  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=causal)
         return self.c_proj(merge_heads(y))
 
 

@@ -30,7 +30,7 @@ from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
 from ldlm.sampling.tuned_grids import checkpoint_schedules
-from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.graph_backend import MASK, BackendError, GraphBackend
 from ldlm.serve.runtime.registry import (
     ARTIFACT_COMMANDS,
     DEFAULT_BACKEND,
@@ -118,7 +118,11 @@ class GraphRunner(Protocol):
 
 class BackendGraphs:
     """The ``InferenceGraphs`` methods on top of anything that runs a graph by name: GraphBackends,
-    or the server's DynamicBatchers in front of them (torch tensors in and out)."""
+    or the server's DynamicBatchers in front of them (torch tensors in and out).
+
+    Every method takes a mask of None: every position of every row is real (the sampling loop's ``denoise`` for a
+    batch with no padding). On every backend the result is the all-ones mask's; on the torch backends the encoder
+    and the denoiser then run attention with no mask at all (``torch_backends.MaskFree``)."""
 
     def __init__(self, graphs: Mapping[str, GraphRunner]) -> None:
         self.graphs = dict(graphs)
@@ -131,15 +135,27 @@ class BackendGraphs:
             return runner.run_tensors(feed)[output].to(like.device)
         return torch.from_numpy(runner.run(feed)[output]).to(like.device)
 
-    def encode_latents(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        return self._run("encoder", {"input_ids": input_ids, "attention_mask": attention_mask.long()}, "latents", input_ids)
+    def _with_mask(self, graph: str, feed: dict[str, Tensor], mask: Tensor | None, like: Tensor) -> dict[str, Tensor]:
+        """``feed`` and its attention_mask. ``mask`` None (every position of every row real) leaves it out for a
+        GraphBackend (``graph_backend.MASK``: torch's then run attention with no mask, which SDPA's flash kernels
+        need; the others fill in ones) and gives any other runner (a batcher) ones on the host, as it takes arrays."""
+        if mask is not None:
+            return {**feed, MASK: mask.long()}
+        if isinstance(self.graphs[graph], GraphBackend):
+            return feed
+        return {**feed, MASK: torch.ones(like.shape[:2], dtype=torch.int64)}
 
-    def denoise(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor) -> Tensor:
-        feed = {"x_t": x_t.float(), "t": t.float(), "x0_prev": x0_prev.float(), "attention_mask": mask.long()}
+    def encode_latents(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """``attention_mask`` None: no padding. A torch backend also runs a host mask of all ones without a mask."""
+        return self._run("encoder", self._with_mask("encoder", {"input_ids": input_ids}, attention_mask, input_ids), "latents", input_ids)
+
+    def denoise(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor | None) -> Tensor:
+        """``mask`` None: no row has padding, so a torch backend's attention runs with no mask (flash-eligible)."""
+        feed = self._with_mask("denoiser", {"x_t": x_t.float(), "t": t.float(), "x0_prev": x0_prev.float()}, mask, x_t)
         return self._run("denoiser", feed, "x0_hat", x_t).to(x_t.dtype)
 
-    def decode_tokens(self, latents: Tensor, mask: Tensor) -> Tensor:
-        return self._run("decoder", {"latents": latents.float(), "attention_mask": mask.long()}, "token_ids", latents)
+    def decode_tokens(self, latents: Tensor, mask: Tensor | None) -> Tensor:
+        return self._run("decoder", self._with_mask("decoder", {"latents": latents.float()}, mask, latents), "token_ids", latents)
 
     @property
     def has_logits(self) -> bool:
@@ -147,11 +163,11 @@ class BackendGraphs:
         runner: Any = self.graphs["decoder"]
         return "logits" in (getattr(runner, "output_names", None) or getattr(getattr(runner, "backend", None), "output_names", []))
 
-    def decode_logits(self, latents: Tensor, mask: Tensor) -> Tensor:
+    def decode_logits(self, latents: Tensor, mask: Tensor | None) -> Tensor:
         """latents (B, L, D) -> the decoder's logits (B, L, V), FP32; a BackendError where it has none."""
         if not self.has_logits:
             raise BackendError("the decoder has no logits output; export it with `ldlm export --with-logits`")
-        return self._run("decoder", {"latents": latents.float(), "attention_mask": mask.long()}, "logits", latents)
+        return self._run("decoder", self._with_mask("decoder", {"latents": latents.float()}, mask, latents), "logits", latents)
 
 
 def open_pipeline(

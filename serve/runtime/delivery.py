@@ -2,10 +2,14 @@
 requests whose samples have all finished (the argmax ones decoded together, in one decoder call;
 one that draws its tokens at a temperature decoded alone, since its settings and seed are its own).
 
+Nothing here makes the scheduler's thread wait on the device: it only gathers the rows to decode (a
+device copy, queued) and hands them to the delivery thread, which decodes them and answers, in step
+order; on CUDA that thread first waits for the copy's event, so the steps go on meanwhile.
+
 Previews (``PreviewDecodes``). After every step the samples whose request asked for previews every
-``preview_every`` steps, and stand at a multiple of it below their last step, are due. Every due
-preview of the step, of every request and sample, is decoded in one decoder call, on the previews'
-own thread, while the steps go on (in a server the call goes through the decoder's batcher, which on CUDA
+``preview_every`` steps, and stand at a multiple of it below their last step, are due (``SlotTable.due``).
+Every due preview of the step, of every request and sample, is decoded in one decoder call, on the
+delivery thread, while the steps go on (in a server the call goes through the decoder's batcher, which on CUDA
 runs it on a stream of its own: ``GraphBackend.worker_context``); calls run in step order, each request's hook gets its previews
 from that thread in step order, and a request whose previews are still being decoded when it finishes
 is answered right after them. A due preview is dropped (never decoded, and counted as skipped)
@@ -28,6 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +40,7 @@ from torch import Tensor
 
 from ldlm.limits import BUDGET, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.sampling import SamplingEngine
+from ldlm.sampling import SampleState, SamplingEngine
 from ldlm.serve.runtime.generation import Generation, Preview, Sample
 from ldlm.serve.runtime.queueing import resolve_future
 
@@ -61,42 +66,33 @@ _Due = tuple[Generation, int, int]  # (request, sample index, step)
 
 
 class PreviewDecodes:
-    """One decoder call per step for the step's due previews, on a thread of its own (module docs)."""
+    """One decoder call per step for the step's due previews, on the delivery thread (module docs)."""
 
     def __init__(self, pipeline: LDLMPipeline, shares: PreviewShares | None = None, observer: PreviewObserver | None = None) -> None:
         self.pipeline = pipeline
         self.shares = shares or PreviewShares()
         self.observer = observer
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ldlm-previews")
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ldlm-delivery")  # previews and answers, in step order
         self._last: Future[None] | None = None  # the newest call: calls run one after another, in step order
-        self._pending: dict[Generation, Future[None]] = {}  # each request's newest call not yet handed on
         self._resume_at = 0.0  # no call starts before this (perf_counter), while a share below 1 holds
 
-    def step(self, samples: list[Sample], alone: bool) -> None:
-        """After a step of ``samples``: start the call of its due previews, or drop them (module docs).
+    def step(self, due: list[Sample], alone: bool) -> None:
+        """After a step: start the call of its ``due`` previews (``SlotTable.due``), or drop them (module docs).
         ``alone``: no generation is in flight but the previewed one."""
-        for request in [r for r, call in self._pending.items() if call.done()]:  # handed on: forget them (cancelled ones too)
-            del self._pending[request]
-        due = [s for s in samples if _is_due(s)]
+        due = sorted((s for s in due if s.request.on_preview and not s.request.future.done()), key=lambda s: (s.request.order, s.index))
         if not due:
             return
         share = self.shares.alone if alone else self.shares.busy
         if share < 1 and (time.perf_counter() < self._resume_at or (self._last is not None and not self._last.done())):
             self._observe(0, len(due), 0.0)
             return
-        latents, mask = ragged_batch([s.state.x0_hat for s in due])  # copied here: the next step moves on
+        latents, mask = slot_rows([s.state for s in due], "x0_hat")  # copied here: the next step moves on
         rows = [(s.request, s.index, s.state.step) for s in due]
-        self._last = call = self._worker.submit(self._call, rows, latents, mask, share)
-        for request, *_ in rows:
-            self._pending[request] = call
+        self._last = self._worker.submit(self._call, rows, latents, mask, share, ready_event(latents))
 
-    def after_previews(self, request: Generation, answer: Callable[[], None]) -> None:
-        """Run ``answer`` once ``request``'s previews are handed on: at once, or on the previews' thread after them."""
-        call = self._pending.pop(request, None)
-        if call is None or call.done():
-            answer()
-        else:
-            self._worker.submit(answer)
+    def then(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the delivery thread after every call started so far (an answer after its previews)."""
+        self._worker.submit(work)
 
     def wait(self) -> None:
         """Until every call started so far is over and its previews handed on."""
@@ -107,10 +103,12 @@ class PreviewDecodes:
         """Finish the calls and answers queued, then stop the thread."""
         self._worker.shutdown(wait=True)
 
-    def _call(self, rows: list[_Due], latents: Tensor, mask: Tensor, share: float) -> None:
-        """One decoder call, on the previews' thread; each request gets its own previews, in sample order."""
+    def _call(self, rows: list[_Due], latents: Tensor, mask: Tensor, share: float, ready: Any) -> None:
+        """One decoder call, on the delivery thread; each request gets its own previews, in sample order."""
         started = time.perf_counter()
         try:
+            if ready is not None:
+                ready.synchronize()
             decoded = self.pipeline.decode(latents, mask)
         except Exception:  # a preview is a nicety: never let it end a request or the scheduler
             log.exception("decoding previews failed; they are skipped")
@@ -140,12 +138,6 @@ class PreviewDecodes:
             self.observer(decoded, dropped, seconds)
 
 
-def _is_due(sample: Sample) -> bool:
-    request, state = sample.request, sample.state
-    every = request.preview_every
-    return bool(request.on_preview and every and not state.done and state.step % every == 0 and not request.future.done())
-
-
 class Delivery:
     def __init__(self, engine: SamplingEngine, pipeline: LDLMPipeline, previews: PreviewDecodes | None = None) -> None:
         self.engine = engine
@@ -157,8 +149,9 @@ class Delivery:
         self.preview_decodes.step(samples, alone)
 
     def finish(self, finished: list[Sample]) -> None:
-        """Record finished samples; decode the argmax requests they complete in one decoder call, and
-        each request that samples its tokens (its own temperature, nucleus and seed) on its own."""
+        """Record finished samples' latents; the requests they complete are decoded and answered on the
+        delivery thread, after their previews: the argmax ones in one decoder call, each request that samples
+        its tokens (its own temperature, nucleus and seed) on its own."""
         complete: list[Generation] = []
         for sample in finished:
             request = sample.request
@@ -166,24 +159,36 @@ class Delivery:
             request.remaining -= 1
             if request.remaining == 0 and not request.future.done():
                 complete.append(request)
+        if complete:
+            latents = [z for r in complete for z in r.latents]
+            self.preview_decodes.then(functools.partial(self._answer, complete, ready_event(latents[0])))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.preview_decodes.close()
+
+    def _answer(self, complete: list[Generation], ready: Any) -> None:
+        """On the delivery thread: decode ``complete``'s latents and answer each; a failed decode answers its own requests with the error."""
+        if ready is not None:
+            ready.synchronize()
         argmax = [r for r in complete if r.decoding is None or not r.decoding.needs_logits]
         for request in complete:
             if request.decoding is not None and request.decoding.needs_logits:
                 self._decode_sampled(request)
         if not argmax:
             return
-        latents = [z for r in argmax for z in r.latents]
-        decoded = decode_ragged(self.pipeline, latents)  # type: ignore[arg-type]
+        try:
+            decoded = decode_ragged(self.pipeline, [z for r in argmax for z in r.latents])  # type: ignore[misc]
+        except Exception as error:
+            for request in argmax:
+                resolve_future(request.future, error=error)
+            return
         start = 0
         for request in argmax:
             n, length = request.plan.n, request.plan.length
             rows = slice(start, start + n)
             result = TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows], plan=request.plan)
-            self.preview_decodes.after_previews(request, functools.partial(resolve_future, request.future, result))
+            resolve_future(request.future, result)
             start += n
-
-    def close(self) -> None:
-        self.preview_decodes.close()
 
     def _decode_sampled(self, request: Generation) -> None:
         """One request whose tokens are drawn from the logits; its error (e.g. no logits output) is its own."""
@@ -193,7 +198,34 @@ class Delivery:
             resolve_future(request.future, error=error)
             return
         result.plan = request.plan
-        self.preview_decodes.after_previews(request, functools.partial(resolve_future, request.future, result))
+        resolve_future(request.future, result)
+
+
+def ready_event(tensor: Tensor) -> Any:
+    """On CUDA, an event after the work queued so far on this thread's stream (what made ``tensor``): the
+    delivery thread waits on it, the scheduler's thread never does. None elsewhere."""
+    if tensor.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def slot_rows(states: list[SampleState], name: str) -> tuple[Tensor, Tensor]:
+    """Copies of ``states``' rows of one state tensor (``x0_hat``) from their persistent batches, one gather per
+    table, cut to the longest sample and right-padded across tables, and the mask of each sample's length."""
+    parts: list[Tensor] = []
+    order: list[SampleState] = []
+    for table in {id(s.table): s.table for s in states}.values():
+        own = [s for s in states if s.table is table]
+        parts.append(table.rows(name, own))  # type: ignore[union-attr]
+        order += own
+    longest = max(s.length for s in states)
+    rows = torch.cat([F.pad(p[:, :longest], (0, 0, 0, max(0, longest - p.shape[1]))) for p in parts])
+    if order != states:  # back to the callers' order
+        rows = rows[torch.tensor([order.index(s) for s in states], device=rows.device)]
+    mask = torch.arange(longest)[None] < torch.tensor([s.length for s in states])[:, None]
+    return rows, mask
 
 
 def ragged_batch(latents: list[Tensor]) -> tuple[Tensor, Tensor]:

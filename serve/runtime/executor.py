@@ -1,16 +1,19 @@
-"""Executing one step of a generation batch: one denoiser call per length bucket, then the sampling
-engine's ``advance``; or, where the graph has them (``FusedSteps`` of a compiled denoiser), the denoiser call
-and the sampler's update as one fused step. The executor knows no policy and no request: samples in, samples out."""
+"""Executing one step of a generation batch: every running sample lives in the persistent batch of its length
+bucket (``SlotTable``), and a step is one denoiser call per bucket and each sampler's update over its rows; or,
+where the graph has them (``FusedSteps`` of a compiled denoiser), the denoiser call and the update as one fused
+step. The executor knows no policy and no request: it is told which samples run (``run``, only when that set
+changes), steps them, and hands back those that finished and those due a preview."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from ldlm.sampling import DenoiseFn, SampleState, SamplingEngine, StepBatch
+from ldlm.sampling import DenoiseFn, SampleState, SamplingEngine, SlotTable
 from ldlm.sampling.loop import FusedStepFn
 from ldlm.serve.runtime.cost import CostModel
 from ldlm.serve.runtime.generation import Sample
@@ -18,6 +21,15 @@ from ldlm.serve.runtime.generation import Sample
 log = logging.getLogger("ldlm.serve")
 
 StepObserver = Callable[[int, float, float], None]  # (batch size, 0, compute seconds) per denoiser call
+
+
+@dataclass
+class StepResult:
+    """What one step produced: the samples that reached t_min (their ``state.latent`` set, their slots
+    freed) and the running samples due a preview now."""
+
+    finished: list[Sample] = field(default_factory=list)
+    due: list[Sample] = field(default_factory=list)
 
 
 class StepExecutor:
@@ -30,54 +42,75 @@ class StepExecutor:
         observer: StepObserver | None = None,
         fused: FusedStepFn | None = None,
     ) -> None:
-        """``fused``: the denoiser call and the sampler's update as one step (``SamplingEngine.advance_fused``),
-        taken by every batch it can take (``SamplingEngine.fusable``); the others call ``denoise``."""
+        """``fused``: the denoiser call and the sampler's update as one step (``SlotTable.step_fused``), taken by
+        every bucket whose rows it can take (``SlotTable.fusable``); the others call ``denoise``."""
         self.engine = engine
         self.denoise = denoise
         self.bucket_length = bucket_length
         self.cost = cost
         self.observer = observer
         self.fused = fused
+        self.tables: dict[int, SlotTable] = {}  # one persistent batch per length bucket
+        self._samples: dict[int, Sample] = {}  # by id of its state, while it holds a slot
         self.denoiser_calls = 0
         self.fused_steps = 0  # of denoiser_calls, those made inside a fused step
         self.samples_stepped = 0
 
-    @torch.inference_mode()
-    def execute(self, samples: list[Sample]) -> list[Sample]:
-        """Every sample one step on; returns those that finished. One denoiser call per length bucket:
-        padding a 16-token sample to 128 would cost more than the extra call."""
-        buckets: dict[int, list[Sample]] = {}
+    def run(self, samples: list[Sample]) -> None:
+        """The samples the next steps move (the policy's choice; called when it changes): newcomers take free
+        slots, admitted samples left out keep theirs and resume where they stopped."""
+        by_bucket: dict[int, list[SampleState]] = {bucket: [] for bucket in self.tables}
         for sample in samples:
-            buckets.setdefault(self.bucket_length(sample.state.length), []).append(sample)
-        finished: list[Sample] = []
-        for bucket, group in buckets.items():
-            started = time.perf_counter()
-            batch = self.engine.batch([s.state for s in group], bucket)
-            done = {id(state) for state in self._step(batch, started)}
-            self.denoiser_calls += 1
-            self.samples_stepped += len(group)
-            finished += [s for s in group if id(s.state) in done]
-            self.cost.observe(bucket, len(group), time.perf_counter() - started)
-            for sample in group:
-                sample.request.work -= 1
-        return finished
+            by_bucket.setdefault(self.bucket_length(sample.state.length), []).append(sample.state)
+            self._samples[id(sample.state)] = sample
+        for bucket, states in by_bucket.items():
+            if bucket not in self.tables:
+                self.tables[bucket] = self.engine.table(bucket)
+            self.tables[bucket].run(states)
 
-    def _step(self, batch: StepBatch, started: float) -> list[SampleState]:
-        """One step of ``batch``, fused where it can be. A fused step that fails (a capture the GPU refuses)
-        changes no sample: this batch and every later one take the unfused path, and the log says why."""
-        if self.fused is not None and self.engine.fusable(batch):
+    def release(self, samples: list[Sample]) -> None:
+        """Samples that will not run again (their request ended) give their slots up."""
+        holding = [s for s in samples if s.state.table is not None]
+        for table in {id(s.state.table): s.state.table for s in holding}.values():
+            table.release([s.state for s in holding if s.state.table is table])  # type: ignore[union-attr]
+        for sample in samples:
+            self._samples.pop(id(sample.state), None)
+
+    @torch.inference_mode()
+    def execute(self) -> StepResult:
+        """Every running sample one step on. One denoiser call per length bucket: padding a 16-token sample to
+        128 would cost more than the extra call."""
+        result = StepResult()
+        for bucket, table in self.tables.items():
+            size = table.running
+            if not size:
+                continue
+            started = time.perf_counter()
+            finished = self._step(table, started)
+            self.denoiser_calls += 1
+            self.samples_stepped += size
+            self.cost.observe(bucket, size, time.perf_counter() - started)
+            result.finished += [self._samples.pop(id(state)) for state in finished]
+            result.due += [self._samples[id(state)] for state in table.due()]
+        return result
+
+    def _step(self, table: SlotTable, started: float) -> list[SampleState]:
+        """One step of ``table``'s running rows, fused where it can be. A fused step that fails (a capture the GPU
+        refuses) changes no sample: this step and every later one take the unfused path, and the log says why."""
+        size = table.running
+        if self.fused is not None and table.fusable():
             try:
-                done = self.engine.advance_fused(batch, self.fused)
+                done = table.step_fused(self.fused)
             except Exception:
                 log.exception("the fused denoiser step failed; steps run unfused from now on")
                 self.fused = None
             else:
                 self.fused_steps += 1
-                self._observe(len(batch.states), started)
+                self._observe(size, started)
                 return done
-        x0_hat = self.denoise(batch.x, batch.t, batch.x0_prev, batch.mask)
-        self._observe(len(batch.states), started)
-        return self.engine.advance(batch, x0_hat)
+        done = table.step(self.denoise)
+        self._observe(size, started)
+        return done
 
     def _observe(self, size: int, started: float) -> None:
         if self.observer is not None:

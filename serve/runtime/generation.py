@@ -46,10 +46,15 @@ class Generation:
     decoding: TokenSampling | None = None  # how its tokens are chosen from the decoder's logits (None: argmax)
     order: int = 0  # submission order: ties, and first come first served
     bucket: int = 0  # the length bucket its samples run in
-    work: int = 0  # sample-steps left (n x steps at submit)
+    samples: list[Sample] = field(default_factory=list)
     solo_s: float | None = None  # its time alone, as estimated at submit
     waited_s: float = 0.0  # time with some sample waiting for a slot, before waiting_since
     waiting_since: float | None = None
+
+    @property
+    def work(self) -> int:
+        """Sample-steps left: read off its samples' step counters when a decision needs it, never counted per step."""
+        return sum(self.plan.steps - s.state.step for s in self.samples)
 
 
 @dataclass(eq=False)

@@ -16,6 +16,10 @@ import torch
 from torch import Tensor
 
 NUMPY_DTYPES = {"FLOAT": np.float32, "INT64": np.int64, "FLOAT16": np.float16, "INT32": np.int32, "BOOL": np.bool_}
+# The one input a caller may leave out: no attention_mask means every position of every row is real. ``run`` (and
+# so ONNX Runtime and TensorRT's host path) fills in an all-ones mask; the torch backends' ``run_tensors`` then run
+# attention with no mask at all, so SDPA may take its flash kernels; TensorRT's builds an all-ones one on its GPU.
+MASK = "attention_mask"
 
 
 class BackendError(ValueError):
@@ -45,34 +49,54 @@ class GraphBackend(ABC):
         return contextlib.nullcontext()
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
-        """Names, dtypes and shapes against the contract; a consistent batch and sequence length."""
-        missing = [n for n in self.input_names if n not in inputs]
-        unknown = [n for n in inputs if n not in self.input_names]
-        if missing or unknown:
-            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
+        """Names, dtypes and shapes against the contract; a consistent batch and sequence length. A left-out
+        ``attention_mask`` comes back as all ones (every position real), so every backend's ``_run`` gets one."""
+        self._check_names(inputs)
         arrays: dict[str, np.ndarray] = {}
         sizes: dict[str, int] = {}
         for spec in self.inputs:
             name = spec["name"]
+            if name not in inputs:  # the mask, left out
+                continue
             value = inputs[name]
             array = value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
             dtype = NUMPY_DTYPES[spec["dtype"]]
             self._check_one(spec, array.dtype.kind, str(array.dtype), tuple(array.shape), sizes)
             arrays[name] = np.ascontiguousarray(array, dtype=dtype)
         self._check_sizes(sizes)
+        if MASK in self.input_names and MASK not in arrays:
+            arrays[MASK] = np.ones(self.mask_shape(arrays), dtype=np.int64)
         return arrays
 
     def check_tensors(self, inputs: Mapping[str, Tensor]) -> None:
-        """``check_inputs`` for torch tensors on any device: shapes and dtypes only, no copy to the host."""
+        """``check_inputs`` for torch tensors on any device: shapes and dtypes only, no copy to the host. The
+        mask may be left out; the caller decides what that means (``MASK``)."""
+        self._check_names(inputs)
         sizes: dict[str, int] = {}
-        missing = [n for n in self.input_names if n not in inputs]
-        if missing or len(inputs) != len(self.input_names):
-            raise BackendError(f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}")
         for spec in self.inputs:
+            if spec["name"] not in inputs:  # the mask, left out
+                continue
             value = inputs[spec["name"]]
             kind = "f" if value.is_floating_point() else "b" if value.dtype == torch.bool else "i"
             self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
         self._check_sizes(sizes)
+
+    def _check_names(self, inputs: Mapping[str, Any]) -> None:
+        """Exactly the graph's inputs, where ``attention_mask`` alone may be left out (``MASK``)."""
+        missing = [n for n in self.input_names if n not in inputs and n != MASK]
+        unknown = [n for n in inputs if n not in self.input_names]
+        if missing or unknown:
+            raise BackendError(
+                f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}"
+                + (f" ({MASK} may be left out: every position real)" if MASK in self.input_names else "")
+            )
+
+    def mask_shape(self, inputs: Mapping[str, Any]) -> tuple[int, int]:
+        """(batch, seq) of these inputs, read off the first one with both axes other than the mask: the shape of the
+        all-ones mask a left-out one stands for."""
+        spec = next(s for s in self.inputs if s["name"] != MASK and {"batch", "seq"} <= set(s["shape"]) and s["name"] in inputs)
+        shape, axes = inputs[spec["name"]].shape, list(spec["shape"])
+        return int(shape[axes.index("batch")]), int(shape[axes.index("seq")])
 
     def _check_one(self, spec: dict[str, Any], kind: str, dtype: str, shape: tuple[int, ...], sizes: dict[str, int]) -> None:
         """One input's dtype kind and shape against its spec; symbolic sizes collected in ``sizes``."""

@@ -24,6 +24,7 @@ stops its generation.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Literal
@@ -82,7 +83,9 @@ class GenerationScheduler(QueueWorker):
         self.executor = StepExecutor(self.engine, denoise or pipeline.graphs.denoise, pipeline.bucket_length, cost, observer, fused)
         self.delivery = Delivery(self.engine, pipeline, PreviewDecodes(pipeline, previews, on_previews))
         self._waiting = WaitingQueue()
-        self._active: list[Sample] = []
+        self._active: dict[int, Sample] = {}  # the running samples, by id, in the order the policy chose them
+        self._requests: dict[int, Generation] = {}  # every request in flight (running or waiting), by id
+        self._ended: deque[Generation] = deque()  # answered requests (done callbacks, any thread): the loop drops them
         self._submitted = 0
         self.on_drop = on_drop  # samples of a cancelled or failed request dropped unfinished, for metrics
         self.dropped_samples = 0
@@ -110,6 +113,9 @@ class GenerationScheduler(QueueWorker):
         if preview_every < 0:
             raise ValueError(f"preview_every={preview_every} is out of range; allowed: >= 0 (0: no previews)")
         states = self.engine.start(plan, self.pipeline.config.d_model, prefix)
+        preview_every = preview_every if on_preview else 0
+        for state in states:
+            state.watch = preview_every
         request = Generation(
             spec,
             plan,
@@ -117,22 +123,24 @@ class GenerationScheduler(QueueWorker):
             [None] * plan.n,
             plan.n,
             on_preview=on_preview,
-            preview_every=preview_every if on_preview else 0,
+            preview_every=preview_every,
             decoding=decoding,
         )
-        samples = [Sample(request, i, state) for i, state in enumerate(states)]
+        request.samples = [Sample(request, i, state) for i, state in enumerate(states)]
         with self._cond:
             self._check_open("the scheduler")
-            if self._waiting.count + len(samples) > self.max_queue:
-                self._drop_done()  # cancelled requests' samples do not hold queue places
-            if self._waiting.count + len(samples) > self.max_queue:
+            if self._waiting.count + plan.n > self.max_queue:
+                self._count_drops(self._waiting.drop_done())  # cancelled requests' samples do not hold queue places
+            if self._waiting.count + plan.n > self.max_queue:
                 raise QueueFullError(f"generation queue is full ({self._waiting.count} samples waiting, max {self.max_queue})")
             self._submitted += 1
-            request.order, request.work = self._submitted, plan.n * plan.steps
+            request.order = self._submitted
             request.bucket = self.pipeline.bucket_length(plan.length)
             self.admission.price(request, deadline_s, self._live())
-            self._waiting.add(request, samples)
+            self._waiting.add(request, request.samples)
+            self._requests[id(request)] = request
             self._cond.notify()
+        request.future.add_done_callback(lambda _, request=request: self._ended.append(request))  # type: ignore[misc]
         return request.future
 
     def plan(self, spec: GenerateRequest) -> SamplingPlan:
@@ -183,6 +191,7 @@ class GenerationScheduler(QueueWorker):
     # --- the worker ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        changed = False  # the running set must be chosen again (a failed step emptied it)
         while True:
             with self._cond:
                 while not self._waiting.count and not self._active and not self._stopping:
@@ -190,35 +199,47 @@ class GenerationScheduler(QueueWorker):
                 if self._stopping and not self._waiting.count and not self._active:
                     return
                 self._drop_done()  # a request that was cancelled or timed out frees its slots at once
-                self._active = self.policy.select(self._active, self._waiting, time.perf_counter())
+                if self._waiting or changed:  # otherwise the running set stands: nothing to decide
+                    running = list(self._active.values())
+                    chosen = self.policy.select(running, self._waiting, time.perf_counter())
+                    if chosen is not running:
+                        self._active = {id(s): s for s in chosen}
+                        self.executor.run(chosen)
+                    changed = False
                 if not self._active:
                     continue
-                alone = len(self._live()) == 1  # the previewed request is the only generation in flight
-            batch = list(self._active)
+                alone = len(self._requests) == 1  # the previewed request is the only generation in flight
             try:
-                finished = self.executor.execute(batch)
-                self.delivery.previews(batch, alone)
-                if finished:
-                    done = {id(s) for s in finished}
-                    self._active = [s for s in self._active if id(s) not in done]
-                    self.delivery.finish(finished)
+                step = self.executor.execute()
+                for sample in step.finished:
+                    del self._active[id(sample)]
+                self.delivery.previews(step.due, alone)
+                self.delivery.finish(step.finished)
             except Exception as error:  # every request in the batch gets the error, none hangs
+                batch = list(self._active.values())
                 for sample in batch:
                     resolve_future(sample.request.future, error=error)
-                stopped = {id(s) for s in batch}
-                self._active = [s for s in self._active if id(s) not in stopped]
+                self.executor.release(batch)
+                self._active, changed = {}, True
 
     def _live(self) -> list[Generation]:
         """Every request with a sample running or waiting (under the lock)."""
-        live = {id(s.request): s.request for s in self._active}
-        live.update((id(r), r) for r in self._waiting.requests())
-        return list(live.values())
+        return [r for r in self._requests.values() if not r.future.done()]
 
     def _drop_done(self) -> None:
-        """Samples of requests already answered (cancelled, timed out, failed) leave the batch and the queue."""
-        dropped = len(self._active)
-        self._active = [s for s in self._active if not s.request.future.done()]
-        dropped = dropped - len(self._active) + self._waiting.drop_done()
+        """Requests answered since the last step (finished, cancelled, timed out, failed) leave: the samples of
+        those that ended early leave the batch and the queue and give their slots up. Work per ended request,
+        none per running sample."""
+        dropped = self._waiting.drop_done() if self._ended else 0
+        while self._ended:
+            request = self._ended.popleft()
+            self._requests.pop(id(request), None)
+            running = [s for s in request.samples if self._active.pop(id(s), None) is not None]
+            dropped += len(running)
+            self.executor.release(request.samples)
+        self._count_drops(dropped)
+
+    def _count_drops(self, dropped: int) -> None:
         if dropped:
             self.dropped_samples += dropped
             if self.on_drop is not None:

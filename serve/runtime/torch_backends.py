@@ -17,6 +17,11 @@ CPU) the same buckets and padding run the module directly, which is how CPU test
 corrector included) as one step per (bucket, sampler), on CUDA one captured graph each, driven by
 ``SamplingEngine.advance_fused``.
 
+Without padding the encoder and the denoiser run attention with no mask at all (``MaskFree``), so on CUDA SDPA may
+take its flash or memory-efficient kernels: when the caller leaves ``attention_mask`` out (``BackendGraphs`` with a
+mask of None), or for the encoder, when its mask is on the host and all ones. ``compiled`` keeps such a batch
+mask-free where its length is its bucket's, and captures it apart from the masked one.
+
 ``inductor`` (``InductorBackend``) is ``compiled`` with torch.compile's kernels, one static compile per bucket (about
 15 s for the base denoiser on an H200): 1.46-2.04x faster there (docs/measurements/gpu-profile-h200-2026-12-04.json).
 """
@@ -27,7 +32,7 @@ import contextlib
 import threading
 import types
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -46,7 +51,7 @@ from ldlm.model.tokenizer import TextTokenizer
 from ldlm.sampling.loop import StepInputs, StepOutputs, sampler_update
 from ldlm.sampling.samplers import Sampler
 from ldlm.sampling.schedule import TangentSchedule
-from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.graph_backend import MASK, BackendError, GraphBackend
 from ldlm.serve.runtime.registry import COMPILED, EAGER, INDUCTOR, TORCH_PRECISIONS
 
 if TYPE_CHECKING:
@@ -112,6 +117,31 @@ class LowPrecision(nn.Module):
             return self.module(*args)
 
 
+# The graphs that have a mask-free module: the decoder runs once per request, always with its mask.
+MASK_FREE_GRAPHS: tuple[str, ...] = ("encoder", "denoiser")
+
+
+class MaskFree(nn.Module):
+    """A graph's computation for a batch with no padding, without its ``attention_mask`` input: the LDLM method the
+    exported graph calls (``ldlm.export.graphs``), with a mask of None. No mask tensor reaches attention (the
+    model makes no bias from None; GPT-2's causality is SDPA's ``is_causal``), so SDPA may take the flash or
+    memory-efficient kernels on CUDA. An all-ones mask gives the same numbers as an additive bias of zeros,
+    which rules the flash kernel out."""
+
+    def __init__(self, model: LDLM, graph: str) -> None:
+        super().__init__()
+        if graph not in MASK_FREE_GRAPHS:
+            raise BackendError(f"graph {graph!r} has no mask-free module; allowed: {', '.join(MASK_FREE_GRAPHS)}")
+        self.model, self.graph = model, graph
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        if self.graph == "denoiser":
+            x_t, t, x0_prev = inputs
+            return self.model.denoise(x_t, t, x0_prev, None)
+        (input_ids,) = inputs
+        return self.model.encode_latents(input_ids, None)
+
+
 class EagerBackend(GraphBackend):
     """The reference: the graph's torch module, run as exported (same wrapper, same names), on the
     model's device and in its precision (see ``prepare_model``). Float outputs come
@@ -134,10 +164,15 @@ class EagerBackend(GraphBackend):
         self.device = next(model.parameters()).device
         self.dtype = compute_dtype(model)
         self.precision = next(name for name, dtype in TORCH_DTYPES.items() if dtype == self.dtype)
-        self.module = io.module.eval() if self.dtype == torch.float32 else LowPrecision(io.module.eval(), self.dtype, self.device)
+        self.module = self._wrapped(io.module.eval())
+        # What runs a batch with no padding, without the mask input (``MaskFree``); None: the graph always takes one.
+        self.free_module = self._wrapped(MaskFree(model, graph).eval()) if graph in MASK_FREE_GRAPHS else None
         self.seq_names: set[str] = {str(s["name"]) for s in specs if "seq" in s["shape"]}
         self.seq_outputs = {o["name"] for o in outs if "seq" in o["shape"]}
         self.provider = f"torch {torch.__version__} eager on {self.device}" + ("" if self.precision == "fp32" else f" ({self.precision})")
+
+    def _wrapped(self, module: nn.Module) -> nn.Module:
+        return module if self.dtype == torch.float32 else LowPrecision(module, self.dtype, self.device)
 
     def worker_context(self) -> contextlib.AbstractContextManager[Any]:
         """On CUDA, a stream of this thread's own. On the default stream a batcher's graph (a preview's decode)
@@ -150,22 +185,50 @@ class EagerBackend(GraphBackend):
     @torch.inference_mode()
     def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Tensors in (any device; checked on their shapes alone, no copy to the host), tensors
-        out on this backend's device."""
+        out on this backend's device. ``attention_mask`` may be left out: every position is real. A batch that
+        ``mask_free`` finds so runs ``free_module`` with no mask; a graph without one gets ones on the device."""
         self.check_tensors(inputs)
-        return self._forward({s["name"]: inputs[s["name"]].to(self.device, self.input_dtype(s), non_blocking=True) for s in self.inputs})
+        free = self.mask_free(inputs)
+        tensors = {
+            s["name"]: inputs[s["name"]].to(self.device, self.input_dtype(s), non_blocking=True)
+            for s in self.inputs
+            if s["name"] in inputs and not (free and s["name"] == MASK)
+        }
+        if not free and MASK in self.input_names and MASK not in tensors:
+            tensors[MASK] = torch.ones(self.mask_shape(tensors), dtype=torch.int64, device=self.device)
+        return self._forward(tensors)
+
+    def mask_free(self, inputs: Mapping[str, Tensor]) -> bool:
+        """Whether these inputs run without a mask: a graph with a mask-free module, called without a mask, or
+        the encoder, with a mask on the host that is all ones (the tokenizer's, for prompts without padding).
+
+        Only a CPU mask is read. ``bool(mask.all())`` on a CUDA tensor copies the answer to the host, which
+        waits for every kernel queued before it: the host would stall at each call instead of queuing the next
+        work (what keeps the GPU busy), and inside a CUDA graph capture it fails. So the denoiser, whose masks
+        live on the sampling device, is told by its caller: no mask means no padding."""
+        if self.free_module is None:
+            return False
+        mask = inputs.get(MASK)
+        if mask is None:
+            return True
+        return self.graph == "encoder" and mask.device.type == "cpu" and bool(mask.all())
 
     def input_dtype(self, spec: dict[str, Any]) -> torch.dtype:
         """int64 stays; every float input is FP32, as the residual stream is (autocast casts for the matmuls)."""
         return torch.int64 if spec["dtype"] == "INT64" else torch.float32
 
-    def _batch_and_length(self, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
-        mask = tensors["attention_mask"]
-        return mask.shape[0], mask.shape[1]
-
     def _forward(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        result = self.module(*(tensors[n] for n in self.input_names))
-        values = result if isinstance(result, tuple) else (result,)
+        values = self._module_outputs(tensors)
         return {n: v.float() if v.is_floating_point() else v for n, v in zip(self.output_names, values)}
+
+    def _module_outputs(self, tensors: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        """The graph's module on ``tensors``; ``free_module`` where they hold no mask (``run_tensors`` sees to it that
+        only a graph with one gets none)."""
+        if MASK in tensors or self.free_module is None:
+            result = self.module(*(tensors[n] for n in self.input_names))
+        else:
+            result = self.free_module(*(tensors[n] for n in self.input_names if n != MASK))
+        return result if isinstance(result, tuple) else (result,)
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = self.run_tensors({n: torch.from_numpy(a) for n, a in inputs.items()})
@@ -184,7 +247,9 @@ class _Captured:
 
 
 class CompiledBackend(EagerBackend):
-    """Static shape buckets and, on CUDA, one captured CUDA graph per (batch bucket, length bucket)."""
+    """Static shape buckets and, on CUDA, one captured CUDA graph per (batch bucket, length bucket, masked): a batch
+    with no mask whose length is its bucket's runs ``free_module`` (no mask in attention); one whose length is
+    padded up to its bucket needs a mask for the padding, so it takes the masked path."""
 
     backend = COMPILED
     compiler = ""  # who compiled the module's kernels, for the provider string ("": eager kernels)
@@ -206,11 +271,12 @@ class CompiledBackend(EagerBackend):
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise BackendError(f"CUDA graphs need a CUDA device; this backend runs on {self.device}")
-        self.captured: dict[tuple[int, int], _Captured] = {}
+        self.captured: dict[tuple[int, int, bool], _Captured] = {}  # by (batch bucket, length bucket, masked)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # one pool per graph
         self._lock = threading.Lock()  # static buffers are shared: one replay at a time (``exclusive``)
         self._last_use: Any = None  # torch.cuda.Event after the last user's work, on its stream
         self.module = self.compile(self.module)
+        self.free_module = None if self.free_module is None else self.compile(self.free_module)
         mode = "CUDA graphs" if self.cuda_graphs else "static buckets, no CUDA graphs"
         self.provider = f"torch {torch.__version__} compiled{self.compiler} ({mode}) on {self.device} ({self.precision})"
 
@@ -239,12 +305,15 @@ class CompiledBackend(EagerBackend):
 
     def _forward(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         # Batches above the largest bucket run in chunks of the largest bucket.
-        batch, length = self._batch_and_length(tensors)
+        batch, length = self.mask_shape(tensors)
         top = self.batch_buckets[-1]
         if batch > top:
             parts = [self._forward({n: t[i : i + top] for n, t in tensors.items()}) for i in range(0, batch, top)]
             return {n: torch.cat([p[n] for p in parts]) for n in self.output_names}
-        key = self.bucket(batch, length)
+        batch_bucket, length_bucket = self.bucket(batch, length)
+        if MASK not in tensors and length_bucket != length:  # the padded positions must be masked out: the masked path
+            tensors = {**tensors, MASK: torch.ones(batch, length, dtype=torch.int64, device=self.device)}
+        key = (batch_bucket, length_bucket, MASK in tensors)
         with self.exclusive():
             if self.cuda_graphs:
                 captured = self.captured.get(key) or self._capture(key)
@@ -263,10 +332,14 @@ class CompiledBackend(EagerBackend):
             }
 
     def warm_up(self, batches: Sequence[int], lengths: Sequence[int]) -> None:
-        """Capture the buckets of these shapes now rather than on the first request."""
+        """Capture (and for inductor, compile) the buckets of these shapes now rather than on the first request:
+        masked and, where the graph has one, mask-free."""
         for batch in batches:
             for length in lengths:
-                self.run_tensors(self.example_inputs(batch, length))
+                inputs = self.example_inputs(batch, length)
+                self.run_tensors(inputs)
+                if self.free_module is not None:
+                    self.run_tensors({n: t for n, t in inputs.items() if n != MASK})
 
     def example_inputs(self, batch: int, length: int) -> dict[str, Tensor]:
         """Zeros of the contract's shapes (ones for the mask), on this backend's device."""
@@ -282,16 +355,15 @@ class CompiledBackend(EagerBackend):
             for spec in self.inputs
         }
 
-    def _blank_inputs(self, batch: int, length: int) -> dict[str, Tensor]:
-        return {n: torch.zeros(shape, dtype=dtype, device=self.device) for n, (shape, dtype) in self._shapes(batch, length).items()}
+    def _blank_inputs(self, batch: int, length: int, masked: bool = True) -> dict[str, Tensor]:
+        """Zeros of the bucket's shapes; without the mask where the bucket runs mask-free."""
+        shapes = self._shapes(batch, length)
+        return {n: torch.zeros(shape, dtype=dtype, device=self.device) for n, (shape, dtype) in shapes.items() if masked or n != MASK}
 
-    def _module_outputs(self, tensors: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
-        result = self.module(*(tensors[n] for n in self.input_names))
-        return result if isinstance(result, tuple) else (result,)
-
-    def _capture(self, key: tuple[int, int]) -> _Captured:
+    def _capture(self, key: tuple[int, int, bool]) -> _Captured:
         static = self._blank_inputs(*key)
-        static["attention_mask"].fill_(1)
+        if MASK in static:
+            static[MASK].fill_(1)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS handles, kernel choice, allocator
@@ -316,7 +388,8 @@ class InductorBackend(CompiledBackend):
         # Static shapes, as measured. Past recompile_limit shapes Dynamo runs eagerly, silently: every bucket gets one.
         import torch._dynamo
 
-        buckets = len(self.batch_buckets) * len(self.seq_buckets)
+        # Two per bucket: the masked module and the mask-free one (``MaskFree``) may share a code object (LowPrecision's).
+        buckets = 2 * len(self.batch_buckets) * len(self.seq_buckets)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)
         return cast(nn.Module, torch.compile(module, dynamic=False))  # an OptimizedModule, itself a Module
 
@@ -338,6 +411,10 @@ class FusedSteps:
     Every sampler captures: the past enters as fixed-count inputs (a missing step: zeros and a NaN lambda)
     and the sde sampler's noise is drawn before the replay by each sample's own stream. What is not fused:
     a batch mixing samplers, and prompt guidance (``SamplingEngine.fusable``); those take ``advance``.
+
+    ``StepInputs.mask`` may be None: no row has padding. Where the length is its bucket's the step then runs the
+    mask-free denoiser (no mask in attention), prepared apart from the masked step of the same bucket; where the
+    length is padded up to its bucket, a mask of the real positions is made for it and the step is the masked one.
     """
 
     def __init__(self, backend: CompiledBackend) -> None:
@@ -357,7 +434,10 @@ class FusedSteps:
                 self(sampler, schedule, inputs.with_named({n: t[i : i + top] for n, t in named.items()})) for i in range(0, batch, top)
             ]
             return _concat(parts)
-        key = (*backend.bucket(batch, length), sampler, schedule, inputs.x.dtype)
+        batch_bucket, length_bucket = backend.bucket(batch, length)
+        if inputs.mask is None and length_bucket != length:  # the bucket's padding must be masked out
+            inputs = replace(inputs, mask=torch.ones(batch, length, dtype=torch.bool, device=inputs.x.device))
+        key = (batch_bucket, length_bucket, sampler, schedule, inputs.x.dtype, inputs.mask is not None)
         with backend.exclusive():  # the module, its pool and the static buffers are shared: one step at a time
             prepared = self.prepared.get(key) or self._prepare(key, sampler, schedule, inputs)
             fill_step(prepared.inputs, inputs.named())
@@ -372,10 +452,16 @@ class FusedSteps:
 
     def run(self, sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> StepOutputs:
         """One step at the buffers' (bucket) shape: the denoiser as ``BackendGraphs.denoise`` feeds it (FP32 in
-        and out), then the sampler's update; what a CUDA graph captures."""
+        and out; no mask: the mask-free module), then the sampler's update; what a CUDA graph captures."""
         backend = self.backend
-        feed = {"x_t": inputs.x, "t": inputs.t, "x0_prev": inputs.x0_prev, "attention_mask": inputs.mask.long()}
-        tensors = {spec["name"]: feed[spec["name"]].to(backend.device, backend.input_dtype(spec)) for spec in backend.inputs}
+        feed = {"x_t": inputs.x, "t": inputs.t, "x0_prev": inputs.x0_prev}
+        if inputs.mask is not None:
+            feed[MASK] = inputs.mask.long()
+        tensors = {
+            spec["name"]: feed[spec["name"]].to(backend.device, backend.input_dtype(spec))
+            for spec in backend.inputs
+            if spec["name"] in feed
+        }
         x0_hat = backend._module_outputs(tensors)[self.output].float().to(inputs.x.dtype)
         return sampler_update(sampler, schedule, inputs, x0_hat)
 

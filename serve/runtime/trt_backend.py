@@ -14,7 +14,7 @@ from ldlm.export.artifact import PLAN_SUFFIX, check_engine_dir
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
-from ldlm.serve.runtime.graph_backend import BackendError, GraphBackend
+from ldlm.serve.runtime.graph_backend import MASK, BackendError, GraphBackend
 from ldlm.serve.runtime.registry import TRT
 from ldlm.serve.runtime.trt_runtime import TensorRTEngine
 
@@ -38,9 +38,14 @@ class TensorRTBackend(GraphBackend):
         self.precision = manifest["precision"]
 
     def run_tensors(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Tensors in (any device; checked on their shapes alone), tensors out on the GPU, float outputs as FP32."""
+        """Tensors in (any device; checked on their shapes alone), tensors out on the GPU, float outputs as FP32.
+        A left-out ``attention_mask`` (every position real) is all ones, made on the GPU: an engine has the mask
+        input whatever its values, and a mask made on the host would cost a copy per call."""
         self.check_tensors(inputs)
-        outputs = self.engine.run(dict(inputs))
+        feed = dict(inputs)
+        if MASK in self.input_names and MASK not in feed:
+            feed[MASK] = torch.ones(self.mask_shape(feed), dtype=torch.int64, device=self.device)
+        outputs = self.engine.run(feed)
         return {n: outputs[n].float() if outputs[n].is_floating_point() else outputs[n] for n in self.output_names}
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

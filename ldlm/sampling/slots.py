@@ -1,0 +1,405 @@
+"""The persistent batch: every admitted sample's state in preallocated rows ("slots") of one length bucket.
+
+A step's host work must not grow with its batch. So the state lives in tensors allocated once per table
+(grown by doubling when full): admission writes a sample into a free slot, finishing frees it, and a
+step works on the slots as they stand. What changes between steps is which slots run, an index tensor
+made again only when that set changes, never a copy of every sample's state. A step is a fixed number
+of tensor operations whatever the batch holds:
+
+  times    each running slot's t, t_next and t_prev, read on the host from its grid and sent in one copy;
+  gather   the running rows of x, x0_prev and the mask (one index_select each);
+  denoise  one call for the rows, plus a prompt-blind copy of each guided row (prompt guidance);
+  update   one ``sampler_update`` per sampler in the batch, over its rows, its past gathered the same way;
+  scatter  the results back into their slots (one index_copy_ each).
+
+Per-sample work is left only where a sample's own random stream draws: the sde sampler's noise and an
+inpainted prompt's forward noise, one draw per such sample and step (a generator per sample is what keeps a
+sample's numbers independent of its batch). The host's bookkeeping (step counters, step totals, samplers,
+lengths) is NumPy over slots, so the samples that finished, or are due to be watched (previews), are found
+by a few vectorized operations, not a loop over the batch.
+
+Positions past a sample's length are padding: masked out of the denoiser's keys and held at zero (the
+sampler's update zeroes x0_hat there), exactly the zeros a freshly padded batch would hold, so a sample's
+numbers do not depend on the bucket or the other rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ldlm.sampling.noise import to_device
+from ldlm.sampling.samplers import SAMPLERS_BY_NAME, Sampler
+from ldlm.sampling.schedule import forward_noise
+from ldlm.sampling.step import DenoiseFn, FusedStepFn, StepInputs, StepOutputs, sampler_update
+
+if TYPE_CHECKING:  # loop.py imports this module
+    from ldlm.sampling.loop import SampleState, SamplingEngine
+
+HISTORY = max(s.history for s in SAMPLERS_BY_NAME.values())  # past x0_hat kept per slot: the most any sampler reads
+FIRST_CAPACITY = 8
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The running slots of one sampler: their positions in the step's rows (None: every row) and the slots."""
+
+    sampler: Sampler
+    pos: Tensor | None
+    slots: Tensor
+    slots_np: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Which slots run and how they split, made when that set changes and kept while it holds."""
+
+    slots_np: np.ndarray
+    slots: Tensor
+    groups: tuple[_Group, ...]
+    prompted: np.ndarray  # positions (in the step's rows) of the samples with a prompt to inpaint
+    prompted_pos: Tensor | None  # the same on the device; None where every row has a prompt
+    prompted_slots: Tensor | None
+    guided_pos: Tensor | None  # rows with prompt guidance: each gets a blind copy
+    blind_mask: Tensor | None  # the blind copies' mask: the prompt's positions out
+    weights: Tensor | None  # (G, L, 1) the guided rows' guidance weights
+    full: bool  # no padding: every running sample fills the table's length and no row is blind
+
+
+class SlotTable:
+    """The persistent state of the samples of one row length (see the module's docstring)."""
+
+    def __init__(self, engine: SamplingEngine, length: int) -> None:
+        self.engine = engine
+        self.length = length
+        self.capacity = 0
+        self.state: dict[str, Tensor] = {}  # per slot, batch first
+        self.owner: list[SampleState | None] = []
+        self._free: list[int] = []
+        self.k = np.zeros(0, dtype=np.int64)  # steps taken
+        self.steps = np.zeros(0, dtype=np.int64)  # steps to take
+        self.lengths = np.zeros(0, dtype=np.int64)
+        self.codes = np.zeros(0, dtype=np.int64)  # each slot's sampler, as its index in self.samplers
+        self.samplers: list[Sampler] = []  # every sampler this table has held (its own objects: a caller may bring one)
+        self.watch = np.zeros(0, dtype=np.int64)  # look at x0_hat every this many steps (previews); 0: never
+        self.prompted = np.zeros(0, dtype=bool)
+        self.guided = np.zeros(0, dtype=bool)
+        self.times = np.zeros((0, 1))  # each slot's grid, in the state's precision
+        self._running = np.zeros(0, dtype=np.int64)
+        self._layout: _Layout | None = None
+        self._held: dict[int, Tensor] = {}  # noise drawn by a fused step that failed, by slot: its retry takes it
+        self.dtype: torch.dtype | None = None
+
+    # --- admission and release --------------------------------------------------------------------
+
+    def admit(self, states: list[SampleState]) -> None:
+        """Write each of ``states`` (not yet in a table) into a free slot, at its step 0."""
+        if not states:
+            return
+        for state in states:
+            if state.table is not None:
+                raise ValueError("a sample is admitted once; it already holds a slot")
+            if state.length > self.length:
+                raise ValueError(f"a sample of length {state.length} does not fit this table; allowed: <= {self.length}")
+        self._reserve(len(states), states[0])
+        slots = [self._free.pop() for _ in states]
+        self._write_rows(states, slots)
+        self._write_host(states, slots)
+
+    def run(self, states: list[SampleState]) -> None:
+        """The samples the next steps move (admitted here if new); admitted ones left out keep their slots."""
+        self.admit([s for s in states if s.table is None])
+        running = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
+        if not np.array_equal(running, self._running):
+            self._running, self._layout = running, None
+
+    def release(self, states: list[SampleState]) -> None:
+        """Free ``states``' slots (they finished, or their request ended); they leave the running set."""
+        slots = [s.slot for s in states]
+        for state, slot in zip(states, slots):
+            if state.table is not self:
+                raise ValueError("a sample is released by the table that holds it")
+            state.final_step, state.table = int(self.k[slot]), None
+            self.owner[slot] = None
+            self._held.pop(slot, None)
+        self._free += slots
+        leaving = np.isin(self._running, slots)
+        if leaving.any():
+            self._running, self._layout = self._running[~leaving], None
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def fusable(self) -> bool:
+        """Whether ``step_fused`` takes the running rows: one sampler and no prompt guidance."""
+        layout = self._current()
+        return len(layout.groups) == 1 and layout.guided_pos is None
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def step(self, denoise: DenoiseFn) -> list[SampleState]:
+        """Every running sample one step on: one denoiser call, then each sampler's update over its rows.
+        Returns the samples that reached t_min (their slots freed, each ``latent`` set)."""
+        layout = self._current()
+        inputs = self._inputs(layout)
+        x, t, x0_prev, mask = inputs.x, inputs.t, inputs.x0_prev, inputs.mask
+        if layout.guided_pos is not None:
+            g = layout.guided_pos
+            x, t, x0_prev = torch.cat([x, x[g]]), torch.cat([t, t[g]]), torch.cat([x0_prev, x0_prev[g]])
+            mask = torch.cat([mask, layout.blind_mask])  # type: ignore[list-item]
+        x0_hat = denoise(x, t, x0_prev, mask)  # type: ignore[arg-type]
+        if layout.guided_pos is not None:
+            x0_hat = self._guide(layout, x0_hat)
+        for group in layout.groups:
+            rows = inputs if group.pos is None else _rows(inputs, group.pos)
+            group_x0 = x0_hat if group.pos is None else x0_hat[group.pos]
+            group_inputs, past = self._group_inputs(group, rows)
+            self._store(group, sampler_update(group.sampler, self.engine.schedule, group_inputs, group_x0), past)
+        return self._advance(layout)
+
+    def step_fused(self, fused: FusedStepFn) -> list[SampleState]:
+        """``step`` with the denoiser call inside ``fused(sampler, schedule, inputs)`` (denoiser and update as
+        one; on CUDA one captured graph per bucket and sampler): the same numbers. Takes what ``fusable``
+        says. A ``fused`` that raises changes no sample: this step's noise is held for whatever runs it instead."""
+        layout = self._current()
+        if not self.fusable():
+            names = sorted({g.sampler.name for g in layout.groups})
+            blind = 0 if layout.guided_pos is None else len(layout.guided_pos)
+            raise ValueError(f"a fused step takes one sampler and no prompt-guided rows; these rows have samplers {names} and {blind} guided")
+        group = layout.groups[0]
+        inputs, past = self._group_inputs(group, self._inputs(layout))
+        try:
+            out = fused(group.sampler, self.engine.schedule, inputs)
+        except Exception:
+            if inputs.noise is not None:  # the step is not taken: whatever runs it again must draw the same noise
+                for slot, row in zip(group.slots_np.tolist(), inputs.noise):
+                    self._held[slot] = row[: int(self.lengths[slot])]
+            raise
+        self._store(group, out, past)
+        return self._advance(layout)
+
+    def due(self) -> list[SampleState]:
+        """The running samples whose x0_hat is due to be watched now: a multiple of their ``watch`` steps, not the last."""
+        slots = self._running
+        every, k = self.watch[slots], self.k[slots]
+        hit = slots[(every > 0) & (k < self.steps[slots]) & (k % np.maximum(every, 1) == 0)]
+        return [self.owner[s] for s in hit.tolist()]  # type: ignore[misc]
+
+    def rows(self, name: str, states: list[SampleState]) -> Tensor:
+        """Copies of ``states``' rows of one state tensor (``x0_hat``, ``x_mean``, ``mask``, ...), in their order."""
+        index = to_device(torch.tensor([s.slot for s in states]), self.engine.device)
+        return self.state[name].index_select(0, index)
+
+    # --- the step's parts -------------------------------------------------------------------------
+
+    def _inputs(self, layout: _Layout) -> StepInputs:
+        """The running rows' step inputs; a prompt's positions first reset by prefix inpainting."""
+        slots = layout.slots_np
+        k = self.k[slots]
+        times = np.stack([self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]])
+        t, t_next, t_prev = to_device(torch.from_numpy(times), self.engine.device)  # one copy, in the state's dtype
+        if len(layout.prompted):
+            self._inpaint(layout, t if layout.prompted_pos is None else t.index_select(0, layout.prompted_pos))
+        s = self.state
+        x, x0_prev, mask = (s[n].index_select(0, layout.slots) for n in ("x", "x0_prev", "mask"))
+        return StepInputs(x, t, t_next, x0_prev, mask, t_prev=t_prev)
+
+    def _group_inputs(self, group: _Group, rows: StepInputs) -> tuple[StepInputs, tuple[Tensor, Tensor] | None]:
+        """``rows`` with what ``group``'s sampler reads of its slots: its past (zeros and a NaN lambda where a
+        sample has no such step yet), the state the corrector redoes, and this step's noise."""
+        sampler, s = group.sampler, self.state
+        past = None
+        changes: dict[str, object] = {"t_prev": None}
+        if sampler.history:
+            past = s["past_x0"].index_select(0, group.slots), s["past_lam"].index_select(0, group.slots)
+            changes["past_x0"] = tuple(past[0][:, j] for j in range(sampler.history))
+            changes["past_lam"] = tuple(past[1][:, j] for j in range(sampler.history))
+        if sampler.corrector:
+            changes["x_prev"], changes["t_prev"] = s["x_prev"].index_select(0, group.slots), rows.t_prev
+        if sampler.stochastic:
+            changes["noise"] = self._noise(group.slots_np)
+        return replace(rows, **changes), past  # type: ignore[arg-type]
+
+    def _store(self, group: _Group, out: StepOutputs, past: tuple[Tensor, Tensor] | None) -> None:
+        """The update's outputs into ``group``'s slots; this step's x0_hat and lambda pushed onto the past."""
+        s, index = self.state, group.slots
+        for name, value in (("x", out.x), ("x_mean", out.x_mean), ("x0_hat", out.x0_hat), ("x0_prev", out.x0_prev)):
+            s[name].index_copy_(0, index, value.to(self.dtype))
+        if group.sampler.corrector:
+            s["x_prev"].index_copy_(0, index, out.x_start.to(self.dtype))
+        if out.lam is not None and past is not None:
+            s["past_x0"].index_copy_(0, index, torch.cat([out.x0_hat.to(self.dtype)[:, None], past[0][:, : HISTORY - 1]], 1))
+            s["past_lam"].index_copy_(0, index, torch.cat([out.lam[:, None], past[1][:, : HISTORY - 1]], 1))
+
+    def _advance(self, layout: _Layout) -> list[SampleState]:
+        """Count the step; the samples that finished leave with their latents (one gather for all of them)."""
+        slots = layout.slots_np
+        self.k[slots] += 1
+        done = slots[self.k[slots] >= self.steps[slots]]
+        if not len(done):
+            return []
+        index = to_device(torch.from_numpy(done), self.engine.device)
+        s = self.state
+        latents = s["x_mean" if self.engine.decode_final == "mean" else "x0_hat"].index_select(0, index)
+        if self.prompted[done].any():  # the prompt's latents exactly at the prompt's positions
+            latents = torch.where(s["prefix_mask"].index_select(0, index)[..., None], s["prefix"].index_select(0, index), latents)
+        finished: list[SampleState] = [self.owner[slot] for slot in done.tolist()]  # type: ignore[misc]
+        for i, state in enumerate(finished):
+            state.latent = latents[i, : state.length]
+        self.release(finished)
+        return finished
+
+    def _guide(self, layout: _Layout, x0_hat: Tensor) -> Tensor:
+        """Each guided row's x0_hat extrapolated from its blind copy's: x0_blind + w (x0_hat - x0_blind)."""
+        b, g = len(layout.slots_np), layout.guided_pos
+        blind = x0_hat[b:]
+        guided = blind + layout.weights * (x0_hat[g] - blind)  # type: ignore[operator]
+        return x0_hat[:b].index_copy(0, g, guided.to(x0_hat.dtype))  # type: ignore[arg-type]
+
+    def _inpaint(self, layout: _Layout, t: Tensor) -> None:
+        """x_t of the prompted slots with the prompt's positions reset to its latents forward-noised to t."""
+        slots, s = layout.prompted_slots, self.state
+        draws = [self.owner[slot].prefix_noise.draw() for slot in layout.slots_np[layout.prompted].tolist()]  # type: ignore[union-attr]
+        noise = self._pad(draws).to(self.engine.device)
+        noised = forward_noise(self.engine.schedule, s["prefix"].index_select(0, slots), t, noise)  # type: ignore[arg-type]
+        x = torch.where(s["prefix_mask"].index_select(0, slots)[..., None], noised.to(self.dtype), s["x"].index_select(0, slots))  # type: ignore[arg-type]
+        s["x"].index_copy_(0, slots, x)  # type: ignore[arg-type]
+
+    def _noise(self, slots: np.ndarray) -> Tensor:
+        """This step's noise of each of ``slots``: a failed fused step's held draw, else its stream's next."""
+        draws = [self._held.pop(slot) if slot in self._held else self.owner[slot].noise.draw() for slot in slots.tolist()]  # type: ignore[union-attr]
+        return self._pad(draws).to(self.engine.device, self.dtype)
+
+    def _pad(self, rows: list[Tensor]) -> Tensor:
+        return torch.stack([F.pad(r, (0, 0, 0, self.length - r.shape[0])) for r in rows])
+
+    # --- the layout -----------------------------------------------------------------------------
+
+    def _current(self) -> _Layout:
+        if self._layout is None:
+            if not len(self._running):
+                raise ValueError("no sample is running in this table; run() some first")
+            self._layout = self._make_layout()
+        return self._layout
+
+    def _make_layout(self) -> _Layout:
+        """Index tensors of the running set: its slots, its sampler groups, its prompted and guided rows."""
+        device, slots = self.engine.device, self._running
+        codes = self.codes[slots]
+        groups = []
+        for code in np.unique(codes).tolist():
+            pos = np.flatnonzero(codes == code)
+            whole = len(pos) == len(slots)
+            group_slots = to_device(torch.from_numpy(slots[pos]), device)
+            pos_t = None if whole else to_device(torch.from_numpy(pos), device)
+            groups.append(_Group(self.samplers[code], pos_t, group_slots, slots[pos]))
+        prompted = np.flatnonzero(self.prompted[slots])
+        guided = np.flatnonzero(self.guided[slots])
+        prompted_slots = to_device(torch.from_numpy(slots[prompted]), device) if len(prompted) else None
+        prompted_pos = to_device(torch.from_numpy(prompted), device) if 0 < len(prompted) < len(slots) else None
+        guided_pos = blind_mask = weights = None
+        if len(guided):
+            guided_pos = to_device(torch.from_numpy(guided), device)
+            index = to_device(torch.from_numpy(slots[guided]), device)
+            s = self.state
+            blind_mask = s["mask"].index_select(0, index) & ~s["prefix_mask"].index_select(0, index)
+            weights = s["guidance"].index_select(0, index)
+        full = bool((self.lengths[slots] == self.length).all()) and not len(guided)
+        all_slots = to_device(torch.from_numpy(slots.copy()), device)
+        return _Layout(slots.copy(), all_slots, tuple(groups), prompted, prompted_pos, prompted_slots, guided_pos, blind_mask, weights, full)
+
+    # --- storage ----------------------------------------------------------------------------------
+
+    def _reserve(self, more: int, like: SampleState) -> None:
+        """At least ``more`` free slots, the storage doubled as often as needed (its rows kept)."""
+        if self.dtype is None:
+            self.dtype = like.prior.dtype
+            self.times = self.times.astype(torch.empty(0, dtype=self.dtype).numpy().dtype)  # a step's times sent as they are
+        elif like.prior.dtype != self.dtype:
+            raise ValueError(f"a table holds one dtype; this one holds {self.dtype}, not {like.prior.dtype}")
+        capacity = max(self.capacity, FIRST_CAPACITY)
+        while capacity - self.capacity + len(self._free) < more:
+            capacity *= 2
+        if capacity == self.capacity:
+            return
+        self._grow(capacity, like.prior.shape[1])
+
+    def _grow(self, capacity: int, d_model: int) -> None:
+        old, self.capacity = self.capacity, capacity
+        length, dtype, device = self.length, self.dtype, self.engine.device
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype, float | bool]] = {
+            **{n: ((length, d_model), dtype, 0.0) for n in ("x", "x_mean", "x0_hat", "x0_prev", "x_prev", "prefix")},  # type: ignore[misc]
+            "past_x0": ((HISTORY, length, d_model), dtype, 0.0),  # type: ignore[dict-item]
+            "past_lam": ((HISTORY,), torch.float64, float("nan")),  # a past step not taken: NaN
+            "mask": ((length,), torch.bool, False),
+            "prefix_mask": ((length,), torch.bool, False),
+            "guidance": ((length, 1), dtype, 0.0),  # type: ignore[dict-item]
+        }
+        for name, (shape, kind, fill) in shapes.items():
+            grown = torch.full((capacity, *shape), fill, dtype=kind, device=device)
+            if name in self.state:
+                grown[:old] = self.state[name]
+            self.state[name] = grown
+        more = capacity - old
+        for name in ("k", "steps", "lengths", "codes", "watch", "prompted", "guided"):
+            column = getattr(self, name)
+            setattr(self, name, np.concatenate([column, np.zeros(more, dtype=column.dtype)]))
+        self.times = np.concatenate([self.times, np.zeros((more, self.times.shape[1]), dtype=self.times.dtype)])
+        self.owner += [None] * more
+        self._free += range(capacity - 1, old - 1, -1)  # lowest slot first
+        self._layout = None
+
+    def _write_rows(self, states: list[SampleState], slots: list[int]) -> None:
+        """The device state of new samples at step 0: the prior, empty self-conditioning, no past."""
+        s, device = self.state, self.engine.device
+        index = to_device(torch.tensor(slots), device)
+        prior = self._pad([st.prior for st in states]).to(self.engine.device)
+        for name in ("x", "x_mean"):
+            s[name].index_copy_(0, index, prior)
+        for name in ("x0_hat", "x0_prev", "x_prev", "past_x0", "prefix", "guidance"):
+            s[name].index_fill_(0, index, 0.0)
+        s["past_lam"].index_fill_(0, index, float("nan"))
+        lengths = to_device(torch.tensor([st.length for st in states]), device)
+        s["mask"].index_copy_(0, index, torch.arange(self.length, device=device)[None] < lengths[:, None])
+        s["prefix_mask"].index_fill_(0, index, False)
+        for slot, st in zip(slots, states):  # a prompt's rows: only where there is one
+            if st.prefix is not None:
+                p = st.prefix.shape[0]
+                s["prefix"][slot, :p] = st.prefix.to(self.dtype)
+                s["prefix_mask"][slot, :p] = True
+            if st.guidance is not None:
+                s["guidance"][slot, : st.length] = st.guidance
+
+    def _write_host(self, states: list[SampleState], slots: list[int]) -> None:
+        longest = max(st.steps for st in states) + 1
+        if longest > self.times.shape[1]:
+            self.times = np.pad(self.times, ((0, 0), (0, longest - self.times.shape[1])))
+        for st, slot in zip(states, slots):
+            grid = st.times.detach().to("cpu", self.dtype).numpy()  # on the host once, at admission
+            self.times[slot, : len(grid)] = grid
+            self.k[slot], self.steps[slot], self.lengths[slot] = 0, st.steps, st.length
+            self.codes[slot], self.watch[slot] = self._code(st.sampler), st.watch
+            self.prompted[slot], self.guided[slot] = st.prefix is not None, st.guidance is not None
+            self.owner[slot], st.table, st.slot = st, self, slot
+
+
+    def _code(self, sampler: Sampler) -> int:
+        for code, known in enumerate(self.samplers):
+            if known is sampler:
+                return code
+        self.samplers.append(sampler)
+        return len(self.samplers) - 1
+
+
+def _rows(inputs: StepInputs, pos: Tensor) -> StepInputs:
+    """``inputs`` at the rows ``pos`` (batch-first tensors; the t_prev as well)."""
+    pick: Callable[[Tensor | None], Tensor | None] = lambda v: None if v is None else v.index_select(0, pos)  # noqa: E731
+    return replace(inputs, x=pick(inputs.x), t=pick(inputs.t), t_next=pick(inputs.t_next), x0_prev=pick(inputs.x0_prev),
+                   mask=pick(inputs.mask), t_prev=pick(inputs.t_prev))  # fmt: skip
