@@ -2,14 +2,16 @@
 requests whose samples have all finished (the argmax ones decoded together, in one decoder call;
 one that draws its tokens at a temperature decoded alone, since its settings and seed are its own).
 
-Nothing here makes the scheduler's thread wait on the device: it only gathers the rows to decode (a
-device copy, queued) and hands them to the delivery thread, which decodes them and answers, in step
-order; on CUDA that thread first waits for the copy's event, so the steps go on meanwhile.
+Nothing here makes the scheduler's thread wait on the device or the decoder: it only gathers the rows to
+decode (a device copy, queued) and hands them on: previews to the previews' thread, finished requests to
+the answers' thread, which decodes them and answers each (a request whose previews are still being
+decoded right after them, on the previews' thread). On CUDA each thread first waits for the copy's
+event, so the steps go on meanwhile.
 
 Previews (``PreviewDecodes``). After every step the samples whose request asked for previews every
 ``preview_every`` steps, and stand at a multiple of it below their last step, are due (``SlotTable.due``).
 Every due preview of the step, of every request and sample, is decoded in one decoder call, on the
-delivery thread, while the steps go on (in a server the call goes through the decoder's batcher, which on CUDA
+previews' own thread, while the steps go on (in a server the call goes through the decoder's batcher, which on CUDA
 runs it on a stream of its own: ``GraphBackend.worker_context``); calls run in step order, each request's hook gets its previews
 from that thread in step order, and a request whose previews are still being decoded when it finishes
 is answered right after them. A due preview is dropped (never decoded, and counted as skipped)
@@ -66,19 +68,22 @@ _Due = tuple[Generation, int, int]  # (request, sample index, step)
 
 
 class PreviewDecodes:
-    """One decoder call per step for the step's due previews, on the delivery thread (module docs)."""
+    """One decoder call per step for the step's due previews, on a thread of its own (module docs)."""
 
     def __init__(self, pipeline: LDLMPipeline, shares: PreviewShares | None = None, observer: PreviewObserver | None = None) -> None:
         self.pipeline = pipeline
         self.shares = shares or PreviewShares()
         self.observer = observer
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ldlm-delivery")  # previews and answers, in step order
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ldlm-previews")
+        self._pending: dict[Generation, Future[None]] = {}  # each request's newest call not yet handed on (scheduler's thread)
         self._last: Future[None] | None = None  # the newest call: calls run one after another, in step order
         self._resume_at = 0.0  # no call starts before this (perf_counter), while a share below 1 holds
 
     def step(self, due: list[Sample], alone: bool) -> None:
         """After a step: start the call of its ``due`` previews (``SlotTable.due``), or drop them (module docs).
         ``alone``: no generation is in flight but the previewed one."""
+        for request in [r for r, call in self._pending.items() if call.done()]:  # handed on: forget them (cancelled ones too)
+            del self._pending[request]
         due = sorted((s for s in due if s.request.on_preview and not s.request.future.done()), key=lambda s: (s.request.order, s.index))
         if not due:
             return
@@ -88,11 +93,21 @@ class PreviewDecodes:
             return
         latents, mask = slot_rows([s.state for s in due], "x0_hat")  # copied here: the next step moves on
         rows = [(s.request, s.index, s.state.step) for s in due]
-        self._last = self._worker.submit(self._call, rows, latents, mask, share, ready_event(latents))
+        self._last = call = self._worker.submit(self._call, rows, latents, mask, share, ready_event(latents))
+        for request, *_ in rows:
+            self._pending[request] = call
 
-    def then(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on the delivery thread after every call started so far (an answer after its previews)."""
-        self._worker.submit(work)
+    def pending(self, request: Generation) -> Future[None] | None:
+        """On the scheduler's thread: the call holding ``request``'s newest previews, None when none is pending."""
+        return self._pending.pop(request, None)
+
+    def after_previews(self, call: Future[None] | None, answer: Callable[[], None]) -> None:
+        """Run ``answer`` once ``call``'s previews are handed on (``pending``): at once, or on the previews'
+        thread right after them. Any thread may call it."""
+        if call is None or call.done():
+            answer()
+        else:
+            self._worker.submit(answer)
 
     def wait(self) -> None:
         """Until every call started so far is over and its previews handed on."""
@@ -104,7 +119,7 @@ class PreviewDecodes:
         self._worker.shutdown(wait=True)
 
     def _call(self, rows: list[_Due], latents: Tensor, mask: Tensor, share: float, ready: Any) -> None:
-        """One decoder call, on the delivery thread; each request gets its own previews, in sample order."""
+        """One decoder call, on the previews' thread; each request gets its own previews, in sample order."""
         started = time.perf_counter()
         try:
             if ready is not None:
@@ -143,6 +158,7 @@ class Delivery:
         self.engine = engine
         self.pipeline = pipeline  # its decode (through the decoder's batcher in the server)
         self.preview_decodes = previews or PreviewDecodes(pipeline)
+        self._answers = ThreadPoolExecutor(1, thread_name_prefix="ldlm-answers")  # finished requests, in step order
 
     def previews(self, samples: list[Sample], alone: bool = True) -> None:
         """The step's due previews (``PreviewDecodes.step``); hooks run on the previews' thread, so they must only hand them on."""
@@ -150,7 +166,7 @@ class Delivery:
 
     def finish(self, finished: list[Sample]) -> None:
         """Record finished samples' latents; the requests they complete are decoded and answered on the
-        delivery thread, after their previews: the argmax ones in one decoder call, each request that samples
+        answers' thread, after their previews: the argmax ones in one decoder call, each request that samples
         its tokens (its own temperature, nucleus and seed) on its own."""
         complete: list[Generation] = []
         for sample in finished:
@@ -160,20 +176,24 @@ class Delivery:
             if request.remaining == 0 and not request.future.done():
                 complete.append(request)
         if complete:
-            latents = [z for r in complete for z in r.latents]
-            self.preview_decodes.then(functools.partial(self._answer, complete, ready_event(latents[0])))  # type: ignore[arg-type]
+            calls = {request: self.preview_decodes.pending(request) for request in complete}
+            self._answers.submit(self._answer, calls, ready_event(complete[0].latents[0]))  # type: ignore[arg-type]
 
     def close(self) -> None:
+        """Answer what finished (its previews first), then stop both threads."""
+        self._answers.shutdown(wait=True)
         self.preview_decodes.close()
 
-    def _answer(self, complete: list[Generation], ready: Any) -> None:
-        """On the delivery thread: decode ``complete``'s latents and answer each; a failed decode answers its own requests with the error."""
+    def _answer(self, calls: dict[Generation, Future[None] | None], ready: Any) -> None:
+        """On the answers' thread: decode the complete requests' latents and answer each after its previews; a
+        failed decode answers its own requests with the error."""
         if ready is not None:
             ready.synchronize()
+        complete = list(calls)
         argmax = [r for r in complete if r.decoding is None or not r.decoding.needs_logits]
         for request in complete:
             if request.decoding is not None and request.decoding.needs_logits:
-                self._decode_sampled(request)
+                self._decode_sampled(request, calls[request])
         if not argmax:
             return
         try:
@@ -187,10 +207,10 @@ class Delivery:
             n, length = request.plan.n, request.plan.length
             rows = slice(start, start + n)
             result = TextResult(decoded.token_ids[rows, :length], decoded.texts[rows], decoded.lengths[rows], plan=request.plan)
-            resolve_future(request.future, result)
+            self.preview_decodes.after_previews(calls[request], functools.partial(resolve_future, request.future, result))
             start += n
 
-    def _decode_sampled(self, request: Generation) -> None:
+    def _decode_sampled(self, request: Generation, previews: Future[None] | None) -> None:
         """One request whose tokens are drawn from the logits; its error (e.g. no logits output) is its own."""
         try:
             result = self.pipeline.decode(torch.stack(request.latents), sampling=request.decoding)  # type: ignore[arg-type]
@@ -198,12 +218,12 @@ class Delivery:
             resolve_future(request.future, error=error)
             return
         result.plan = request.plan
-        resolve_future(request.future, result)
+        self.preview_decodes.after_previews(previews, functools.partial(resolve_future, request.future, result))
 
 
 def ready_event(tensor: Tensor) -> Any:
     """On CUDA, an event after the work queued so far on this thread's stream (what made ``tensor``): the
-    delivery thread waits on it, the scheduler's thread never does. None elsewhere."""
+    thread that decodes it waits on it, the scheduler's thread never does. None elsewhere."""
     if tensor.device.type != "cuda":
         return None
     event = torch.cuda.Event()

@@ -72,17 +72,49 @@ def test_a_mixed_batch_advances_each_sample_as_it_would_alone() -> None:
     engine = SamplingEngine(SCHEDULE)
     alone = [run_lockstep(engine, [state], denoise)[0] for state in states(engine)]
     mixed = states(engine)
+    table = engine.table(max(length for _, _, length in specs))
+    table.run(mixed)
     finished_at: dict[int, int] = {}
     step = 0
-    while len(finished_at) < len(mixed):
-        running = [s for s in mixed if not s.done]
-        batch = engine.batch(running)
-        for state in engine.advance(batch, denoise(batch.x, batch.t, batch.x0_prev, batch.mask)):
+    while table.running:
+        for state in table.step(denoise):
             finished_at[mixed.index(state)] = step + 1
         step += 1
     assert finished_at == {i: steps for i, (_, steps, _) in enumerate(specs)}
     for i, state in enumerate(mixed):
         torch.testing.assert_close(engine.latent(state), alone[i], rtol=0, atol=0, msg=specs[i][0])
+
+
+def test_samples_that_join_late_pause_and_reuse_slots_keep_their_numbers() -> None:
+    """The persistent batch changed between steps: samples admitted while others run, a sample left out of some
+    steps (its slot kept, it resumes where it stopped), and a newcomer in a finished sample's freed slot. Every
+    latent is its run alone, bit for bit; the table never grew past what was live at once."""
+    d, length = 4, 6
+    weight = torch.randn(d, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64) / 3
+
+    def denoise(x_t, t, x0_prev, mask):
+        return torch.tanh(x_t @ weight + 0.5 * x0_prev + t[:, None, None]) * mask[..., None]
+
+    def state(engine: SamplingEngine, seed: int, name: str, steps: int, n: int):
+        stream = NoiseStream(seed, (n, d))
+        return engine.state(get_sampler(name), time_grid(steps, 0.05, get_sampler(name).grid, SCHEDULE), stream, stream.draw().double())
+
+    specs = [(0, "dpm3m-psc", 5, 6), (1, "dpm3m-psc-unic", 6, 4), (2, "sde", 4, 5), (3, "dpm2m", 5, 3), (4, "ddim", 3, 6)]
+    engine = SamplingEngine(SCHEDULE)
+    alone = [run_lockstep(engine, [state(engine, *spec)], denoise)[0] for spec in specs]
+    samples = [state(engine, *spec) for spec in specs]
+    table = engine.table(length)
+    plan = {0: [0, 1], 1: [0, 1, 2], 2: [1, 2], 3: [0, 1, 2, 3], 4: [0, 1, 2, 3]}  # sample 0 sits out step 2
+    for k in range(12):
+        chosen = [samples[i] for i in plan.get(k, range(len(samples))) if not samples[i].done and (k < 5 or i != 2)]
+        chosen += [samples[4]] if k >= 5 and not samples[4].done and samples[4] not in chosen else []
+        if not chosen:
+            break
+        table.run(chosen)
+        table.step(denoise)
+    assert all(s.done for s in samples) and table.capacity == 8
+    for i, s in enumerate(samples):
+        torch.testing.assert_close(engine.latent(s), alone[i], rtol=0, atol=0, msg=specs[i][1])
 
 
 def test_a_prompt_is_held_at_its_positions_and_noised_to_each_steps_time() -> None:

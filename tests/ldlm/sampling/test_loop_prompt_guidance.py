@@ -47,15 +47,21 @@ def test_a_guided_step_extrapolates_from_the_prompt_blind_prediction(strength: f
     cond, blind = 2.0, -1.0
     denoise, calls = prompted_or_blind(cond, blind)
     engine = SamplingEngine(SCHEDULE, "x0")
-    plan = resolve(GenerateRequest(1, LENGTH, 1, 5, "ddim", prompt_strength=strength), CONFIG)
+    plan = resolve(GenerateRequest(1, LENGTH, 2, 5, "ddim", prompt_strength=strength), CONFIG)
     states = engine.start(plan, D, torch.ones(P, D))
-    latent = run_lockstep(engine, states, denoise)[0]
+    table = engine.table(LENGTH)
+    table.run(states)
+    table.step(denoise)
+    x0_hat = table.rows("x0_hat", states)[0]
     ((x, mask),) = calls
     assert x.shape[0] == 2 and torch.equal(x[0], x[1])  # the sample's row, then its blind copy
     assert mask[0].tolist() == [True] * LENGTH and mask[1].tolist() == [False] * P + [True] * (LENGTH - P)
     expected = blind + strength * (cond - blind)  # written out: classifier-free guidance's extrapolation
-    torch.testing.assert_close(states[0].x0_hat[P:], torch.full((LENGTH - P, D), expected))
-    torch.testing.assert_close(states[0].x0_hat[:P], torch.full((P, D), cond))  # the prompt's own positions: unguided
+    torch.testing.assert_close(x0_hat[P:], torch.full((LENGTH - P, D), expected))
+    torch.testing.assert_close(x0_hat[:P], torch.full((P, D), cond))  # the prompt's own positions: unguided
+    table.step(denoise)
+    latent = engine.latent(states[0])
+    torch.testing.assert_close(latent[P:], torch.full((LENGTH - P, D), expected))  # decode_final="x0": the last x0_hat
     assert torch.equal(latent[:P], torch.ones(P, D))
 
 
@@ -66,7 +72,7 @@ def test_the_guided_state_steps_from_the_guided_prediction() -> None:
     engine = SamplingEngine(SCHEDULE)
     plan = resolve(GenerateRequest(1, LENGTH, 1, 5, "ddim", 0.3, prompt_strength=2.5), CONFIG)
     state = engine.start(plan, D, torch.ones(P, D))[0]
-    prior = state.x.clone()
+    prior = state.prior.clone()
     latent = run_lockstep(engine, [state], denoise)[0]
     alpha = 1 / math.sqrt(1 + 9 * math.tan(math.pi * 0.3 / 2) ** 2)
     torch.testing.assert_close(latent[P:], alpha * 2.5 + math.sqrt(1 - alpha**2) * prior[P:])
@@ -101,11 +107,16 @@ def test_a_guided_sample_leaves_its_batch_neighbours_as_they_are_alone() -> None
 
     alone = [run_lockstep(engine, [start(spec)], mixing)[0] for spec in specs]
     states = [start(spec) for spec in specs]
-    while any(not s.done for s in states):
-        live = [s for s in states if not s.done]
-        batch = engine.batch(live, 9)
-        assert batch.x.shape[0] == len(live) + sum(s.guidance is not None for s in live)
-        engine.advance(batch, mixing(batch.x, batch.t, batch.x0_prev, batch.mask))
+    table, rows = engine.table(9), []
+
+    def counting(x_t, t, x0_prev, mask):
+        rows.append(x_t.shape[0])
+        return mixing(x_t, t, x0_prev, mask)
+
+    table.run(states)
+    while table.running:
+        table.step(counting)
+    assert rows == [6, 6, 6, 4]  # each guided row twice (a blind copy), until the 3-step sde one finishes
     for state, expected, spec in zip(states, alone, specs):
         torch.testing.assert_close(engine.latent(state), expected, rtol=0, atol=1e-6, msg=str(spec[1:]))
 

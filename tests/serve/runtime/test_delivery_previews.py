@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.sampling import NoiseStream, sample_seeds
-from ldlm.sampling.samplers import ddim_step
-from ldlm.sampling.schedule import time_grid
+from ldlm.sampling import NoiseStream, SamplingEngine, sample_seeds
+from ldlm.sampling.samplers import ddim_step, get_sampler
+from ldlm.sampling.schedule import TangentSchedule, time_grid
 from ldlm.serve.runtime import delivery as delivery_module
 from ldlm.serve.runtime.delivery import PreviewDecodes, PreviewShares
 from ldlm.serve.runtime.generation import Generation, Preview, Sample
@@ -105,9 +105,13 @@ class FakeDecoder:
 
 
 def due_sample(step: int, hook: Any, every: int = 1) -> Sample:
+    """A sample of a real persistent batch, its step counter set to ``step`` (of ``step + 1``)."""
     request = Generation(None, None, Future(), [None], 1, on_preview=hook, preview_every=every)  # type: ignore[arg-type]
-    state = type("State", (), {"done": False, "step": step, "x0_hat": torch.zeros(4, 2)})()
-    return Sample(request, 0, state)  # type: ignore[arg-type]
+    engine = SamplingEngine(TangentSchedule())
+    state = engine.state(get_sampler("ddim"), time_grid(step + 1, 0.1), NoiseStream(0, (4, 2)), torch.zeros(4, 2))
+    engine.table(4).run([state])
+    state.table.k[state.slot] = step  # type: ignore[union-attr]
+    return Sample(request, 0, state)
 
 
 def test_within_a_share_previews_due_during_the_rest_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,8 +181,8 @@ def test_an_answer_waits_for_its_previews_and_only_for_them() -> None:
         streamed, plain = due_sample(3, lambda previews: order.append("preview")), due_sample(3, None)
         decoder.gate.clear()
         decodes.step([streamed, plain], alone=True)
-        decodes.after_previews(streamed.request, lambda: order.append("streamed answer"))
-        decodes.after_previews(plain.request, lambda: order.append("plain answer"))
+        decodes.after_previews(decodes.pending(streamed.request), lambda: order.append("streamed answer"))
+        decodes.after_previews(decodes.pending(plain.request), lambda: order.append("plain answer"))
         assert order == ["plain answer"]  # not behind the call: its request has no preview in it
         decoder.gate.set()
         decodes.wait()

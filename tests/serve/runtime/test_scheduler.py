@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -86,3 +88,26 @@ def test_a_failing_preview_hook_ends_its_request_with_its_error(pipeline: LDLMPi
     finally:
         scheduler.close()
     assert "preview hook failed" in caplog.text
+
+
+def test_the_schedulers_thread_never_decodes(pipeline: LDLMPipeline) -> None:
+    """Finished requests and previews are decoded on the delivery threads: a step never waits for a decoder
+    call (and its device-to-host copy). Staggered requests, so samples finish while others still step."""
+    threads: list[str] = []
+
+    class Recording(LDLMPipeline):
+        def decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return super().decode(*args, **kwargs)
+
+    recording = Recording(pipeline.graphs, pipeline.tokenizer, config=pipeline.config)
+    scheduler = GenerationScheduler(recording, max_batch=8)
+    try:
+        futures = [scheduler.submit(GenerateRequest(n=2, length=6, steps=3 + k, seed=k, sampler="ddim")) for k in range(4)]
+        futures.append(scheduler.submit(GenerateRequest(n=1, length=6, steps=6, seed=9), on_preview=lambda p: None, preview_every=2))
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        scheduler.close()
+    assert len(results) == 5 and threads, "every request was answered through a decoder call"
+    assert not [name for name in threads if name.startswith("ldlm-generation")], threads
+    assert {name.split("_")[0] for name in threads} == {"ldlm-answers", "ldlm-previews"}

@@ -24,7 +24,7 @@ def test_a_short_request_takes_a_slot_at_the_next_step_and_the_long_one_resumes(
 
         def observe(batch: int, queued: float, compute: float) -> None:
             # runs inside this iteration's scheduler only, so the loop's current names are the right ones
-            order.append([s.request.spec.seed for s in scheduler._active])  # noqa: B023
+            order.append([s.request.spec.seed for s in scheduler._active.values()])  # noqa: B023
             if len(order) == 1:  # noqa: B023
                 futures.append(scheduler.submit(short))  # noqa: B023
 
@@ -50,7 +50,7 @@ def test_a_long_request_is_not_starved_by_a_stream_of_short_ones(pipeline: LDLMP
     futures = []
 
     def observe(batch: int, queued: float, compute: float) -> None:
-        ran.append(scheduler._active[0].request.spec.seed)
+        ran.append(next(iter(scheduler._active.values())).request.spec.seed)
         if len(ran) < 300 and not futures[0].done():
             futures.append(scheduler.submit(GenerateRequest(n=1, length=6, steps=1, seed=1000 + len(ran), sampler="ddim")))
 
@@ -153,7 +153,7 @@ def test_a_short_request_gets_little_company_where_batching_costs(
     futures = []
 
     def observe(batch: int, queued: float, compute: float) -> None:
-        batches.append(sorted((s.request.spec.seed for s in scheduler._active), reverse=True))
+        batches.append(sorted((s.request.spec.seed for s in scheduler._active.values()), reverse=True))
         if len(batches) == 1:
             futures.append(scheduler.submit(short))
 
