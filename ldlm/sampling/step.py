@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor
 
 from ldlm.sampling.samplers import Sampler
-from ldlm.sampling.schedule import TangentSchedule
+from ldlm.sampling.schedule import StepSchedule, TangentSchedule
 
 DenoiseFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (x_t, t, x0_prev, mask) -> x0_hat
 
@@ -75,6 +75,7 @@ def sampler_update(sampler: Sampler, schedule: TangentSchedule, inputs: StepInpu
     padded batch: the persistent batch keeps its rows between steps, and padding must not drift."""
     if inputs.mask is not None:
         x0_hat = x0_hat * inputs.mask[..., None]
+    schedule = StepSchedule(schedule)
     past = list(zip(inputs.past_x0, inputs.past_lam))
     x = inputs.x
     if sampler.corrector:

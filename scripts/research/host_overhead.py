@@ -12,8 +12,8 @@ lockstep loop the pipeline's own ``run_plan`` over the same ``BackendGraphs``. E
 denoiser call: the steps are counted and timed there.
 
 Per (path, sampler, batch): exactly ``batch`` samples of length 16 step together (the scheduler: ``batch``
-requests of --per-request samples and 1000 steps each, the server's default max_steps, all queued before its
-worker starts, with max_batch = batch; lockstep: one plan of ``batch`` samples), and after 8 warm-up steps:
+requests of --per-request samples and 100000 steps each, all queued before its worker starts, with max_batch =
+batch; lockstep: one plan of ``batch`` samples), and after 8 warm-up steps:
 
 - op counts, from torch.profiler (CPU, every thread) over 6 steps, from one stub call to the one 6 steps later
   (a marker recorded in the stub), on the thread that steps: ``torch_ops_per_step`` counts the dispatcher's
@@ -21,8 +21,10 @@ worker starts, with max_batch = batch; lockstep: one plan of ``batch`` samples),
   calls); ``kernel_ops_per_step`` those of them that would launch a GPU kernel: the op or an op nested in it is
   not in ``NO_KERNEL_OPS`` (views, metadata, allocations, and wrappers such as aten::to, clone, reshape or
   contiguous, which launch one only through a nested copy_); ``syncs_per_step`` those that wait for the device
-  (``SYNC_OPS``: aten::item and the like). The counts are counts: they do not depend on the machine's load. They
-  are those of a CPU run: a GPU run's host-to-device copies of host-built tensors do not show here.
+  (``SYNC_OPS``: aten::item and the like). For the fused path, ``in_graph_*_per_step``: those of them inside
+  ``FusedSteps.run``, the part of a fused step a CUDA graph captures: on a GPU one replay launches them and the
+  host dispatches only the rest. The counts are counts: they do not depend on the machine's load. They are those
+  of a CPU run: a GPU run's host-to-device copies of host-built tensors do not show here.
 - ``host_ms_per_step_p50``: a separate window without the profiler (--window-s, 10 to 400 steps): the wall time
   between the first and the last stub call over the steps between, median over --repeats runs. One intra-op
   thread (--threads), so the figure is the host's, not a thread pool's.
@@ -42,6 +44,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -69,12 +72,13 @@ OUT_FILE = "host_overhead.json"
 PATHS = ("scheduler unfused", "scheduler fused", "lockstep")
 SAMPLERS = ("ddim", "dpm3m-psc")
 LENGTH = 16
-REQUEST_STEPS = 1000  # ldlm.limits.MAX_STEPS: the server's default max_steps
+REQUEST_STEPS = 100_000  # a scheduler without limits takes any count: no request finishes while it is measured
 WARMUP_STEPS = 8  # past the samplers' history (dpm3m keeps 3 steps): every step after is alike
 PROFILE_STEPS = 6
 MIN_TIMED_STEPS, MAX_TIMED_STEPS = 10, 400
-TIMEOUT_S = 600.0
+TIMEOUT_S = 120.0  # for steps that should come within seconds
 MARKER = "host_overhead.network"  # recorded by the stub while profiling: where each denoiser call is
+IN_GRAPH = "host_overhead.in_graph"  # the range of a fused step that a CUDA graph captures (FusedSteps.run)
 
 # Top-level aten ops that launch no kernel by themselves: views and metadata, allocations, host syncs (counted
 # apart), and wrappers that launch one only through a nested op (aten::to, _to_copy, clone, contiguous and reshape
@@ -212,13 +216,26 @@ def subtree(event: FunctionEvent) -> Iterator[str]:
         yield from subtree(child)
 
 
-def nested_in_aten(event: FunctionEvent) -> bool:
+def nested_in(event: FunctionEvent, within: Callable[[str], bool]) -> bool:
+    """Whether an event that encloses ``event`` has a name ``within`` takes."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith("aten::"):
+        if within(parent.name):
             return True
         parent = parent.cpu_parent
     return False
+
+
+def is_aten(name: str) -> bool:
+    return name.startswith("aten::")
+
+
+def op_counts(ops: Sequence[FunctionEvent], steps: int, prefix: str = "") -> dict[str, float]:
+    """Top-level ``ops`` per step, and those of them that launch a kernel or wait for the device."""
+    kernels = sum(any(is_aten(n) and n not in NO_KERNEL_OPS for n in subtree(e)) for e in ops)
+    syncs = sum(any(n in SYNC_OPS for n in subtree(e)) for e in ops)
+    counts = {"torch_ops_per_step": len(ops), "kernel_ops_per_step": kernels, "syncs_per_step": syncs}
+    return {prefix + name: round(count / steps, 2) for name, count in counts.items()}
 
 
 def step_counts(events: Sequence[FunctionEvent], skip: int) -> dict[str, Any]:
@@ -227,22 +244,36 @@ def step_counts(events: Sequence[FunctionEvent], skip: int) -> dict[str, Any]:
     if len(markers) < 2 or len({m.thread for m in markers}) != 1:
         raise RuntimeError(f"{len(markers)} denoiser calls were marked on {len({m.thread for m in markers})} threads; need >= 2 on one")
     thread, start, end = markers[0].thread, markers[0].time_range.start, markers[-1].time_range.start
-    top = [
-        e
-        for e in events
-        if e.thread == thread and e.name.startswith("aten::") and start <= e.time_range.start < end and not nested_in_aten(e)
-    ]
+    top = [e for e in events if e.thread == thread and is_aten(e.name) and start <= e.time_range.start < end and not nested_in(e, is_aten)]
     steps = len(markers) - 1
-    kernels = sum(any(n.startswith("aten::") and n not in NO_KERNEL_OPS for n in subtree(e)) for e in top)
-    syncs = sum(any(n in SYNC_OPS for n in subtree(e)) for e in top)
+    counts: dict[str, Any] = op_counts(top, steps)
+    if any(e.name == IN_GRAPH for e in events):  # a fused step: what of it a CUDA graph replays on a GPU
+        counts |= op_counts([e for e in top if nested_in(e, IN_GRAPH.__eq__)], steps, "in_graph_")
     by_name = collections.Counter(e.name for e in top)
-    return {
-        "torch_ops_per_step": round(len(top) / steps, 2),
-        "kernel_ops_per_step": round(kernels / steps, 2),
-        "syncs_per_step": round(syncs / steps, 2),
-        "steps_profiled": steps,
-        "top_ops_per_step": {name: round(count / steps, 2) for name, count in by_name.most_common(12)},
-    }
+    top_ops = {name: round(count / steps, 2) for name, count in by_name.most_common(12)}
+    return counts | {"steps_profiled": steps, "top_ops_per_step": top_ops}
+
+
+@contextlib.contextmanager
+def in_graph_marked(steps: Any) -> Iterator[None]:
+    """``steps.run`` (``FusedSteps.run``: the part of a fused step a CUDA graph captures) recorded as IN_GRAPH
+    meanwhile, where the fused steps have one."""
+    import torch
+
+    run = getattr(steps, "run", None)
+    if run is None:
+        yield
+        return
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(IN_GRAPH):
+            return run(*args, **kwargs)
+
+    steps.run = marked
+    try:
+        yield
+    finally:
+        del steps.run
 
 
 def per_step_ms(stamps: Sequence[float]) -> dict[str, Any]:
@@ -298,7 +329,8 @@ def scheduler_row(stack: Stack, sampler: str, batch: int, fused: bool, options: 
             if not stub.wait_for(WARMUP_STEPS, TIMEOUT_S):
                 raise RuntimeError(f"the network stub saw {len(stub.stamps)} calls in {TIMEOUT_S} s")
             if options.profile:
-                row |= step_counts(profiled(stub, lambda: stub.wait_for(len(stub.stamps) + PROFILE_STEPS + 1, TIMEOUT_S)), 0)
+                with in_graph_marked(steps):
+                    row |= step_counts(profiled(stub, lambda: stub.wait_for(len(stub.stamps) + PROFILE_STEPS + 1, TIMEOUT_S)), 0)
             calls, stepped = scheduler.denoiser_calls, getattr(scheduler, "samples_stepped", None)
             row |= timed_window(stub, options.window_s)
             if stepped is not None:
@@ -317,7 +349,7 @@ def check_requests(futures: Sequence[Any], denoiser_calls: int, stub_calls: int)
     if failed:
         raise RuntimeError(f"a request failed while measured: {failed[0]!r}")
     if any(f.done() for f in futures):
-        raise RuntimeError(f"a request finished while measured: {REQUEST_STEPS} steps are too few for --window-s")
+        raise RuntimeError(f"a request finished while measured: {REQUEST_STEPS} steps were too few")
     if abs(denoiser_calls - stub_calls) > 1:
         raise RuntimeError(f"{denoiser_calls} denoiser calls, {stub_calls} of them through the stub: the network is not removed")
 
@@ -383,6 +415,12 @@ def revision_tree(revision: str, work: Path) -> contextlib.AbstractContextManage
     return worktree(revision, work)
 
 
+def described(tree: Path) -> str:
+    """The commit a tree is at, "-dirty" where it has uncommitted changes."""
+    done = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
 def run_worker(label: str, tree: Path, args: argparse.Namespace, profile: bool, out: Path) -> list[dict[str, Any]]:
     """One repeat of every row by a worker process with the code in ``tree``."""
     command = [sys.executable, "-P", "-c", WORKER_BOOT, str(tree), str(SCRIPT), "--worker", str(out), "--code", label]
@@ -391,21 +429,26 @@ def run_worker(label: str, tree: Path, args: argparse.Namespace, profile: bool, 
     command += ["--profile"] if profile else []
     done = subprocess.run(command, cwd=tree, stdout=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"the worker of {label} ({tree}) failed with exit status {done.returncode}")
+        raise RuntimeError(f"the worker of {label} ({tree}) failed with exit status {done.returncode} (its error is above)")
     rows: list[dict[str, Any]] = json.loads(out.read_text())
     return rows
 
 
-def measure(codes: Mapping[str, Path], args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    """Every repeat of every code, alternating (which code goes first alternates too); op counts on the first."""
-    runs = []
+def measure(codes: Mapping[str, Path], args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every repeat of every code, alternating (which code goes first alternates too), op counts on the first; and
+    the workers that failed (a code that does not run leaves the other's figures)."""
+    runs, failed = [], []
     for repeat in range(args.repeats):
-        order = list(codes.items()) if repeat % 2 == 0 else list(reversed(codes.items()))
+        order = list(codes.items())[:: 1 if repeat % 2 == 0 else -1]
         for label, tree in order:
             print(f"repeat {repeat + 1}/{args.repeats}, {label}:", file=sys.stderr, flush=True)
             out = work / f"rows-{repeat}-{list(codes).index(label)}.json"
-            runs += [{"code": label, **row} for row in run_worker(label, tree, args, repeat == 0, out)]
-    return runs
+            try:
+                runs += [{"code": label, **row} for row in run_worker(label, tree, args, repeat == 0, out)]
+            except RuntimeError as error:
+                print(error, file=sys.stderr, flush=True)
+                failed.append(f"repeat {repeat + 1}: {error}")
+    return runs, failed
 
 
 def summarize(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -451,7 +494,9 @@ def listed(kind: Callable[[str], Any], allowed: Sequence[Any] | None = None) -> 
     def parse(text: str) -> list[Any]:
         values = [kind(part.strip()) for part in text.split(",") if part.strip()]
         if not values or (allowed is not None and set(values) - set(allowed)):
-            raise argparse.ArgumentTypeError(f"{text!r}: allowed: a comma-separated list" + (f" of {', '.join(allowed)}" if allowed else ""))
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: allowed: a comma-separated list" + (f" of {', '.join(allowed)}" if allowed else "")
+            )
         return values
 
     return parse
@@ -490,13 +535,16 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "window_s": args.window_s,
         "against": args.against,
+        "torch": importlib.metadata.version("torch"),
         "load_average": list(os.getloadavg()),
     }
     with tempfile.TemporaryDirectory(prefix="ldlm-host-overhead-") as scratch, contextlib.ExitStack() as stack:
         work = Path(scratch)
         codes = {"now": ROOT} | ({args.against: stack.enter_context(revision_tree(args.against, work))} if args.against else {})
-        rows = summarize(measure(codes, args, work))
-    report |= {"load_average_end": list(os.getloadavg()), "rows": rows}
+        report["codes"] = {label: described(tree) for label, tree in codes.items()}
+        runs, failed = measure(codes, args, work)
+    rows = summarize(runs)
+    report |= {"load_average_end": list(os.getloadavg()), "rows": rows} | ({"failed_workers": failed} if failed else {})
     if args.against:
         report["comparison"] = compare(rows, args.against)
     text = json.dumps(report, indent=2) + "\n"
@@ -507,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.out.mkdir(parents=True, exist_ok=True)
         write_atomically(args.out / OUT_FILE, text)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

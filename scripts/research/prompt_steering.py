@@ -110,19 +110,27 @@ def repaint_lockstep(setup: Setup, states: list[SampleState], denoise: DenoiseFn
     (x_t = a x_t' + sqrt(sigma_t^2 - a^2 sigma_t'^2) eps, a = alpha_t / alpha_t'), and the step taken again
     from there; the step's past is restored first, so a multistep sampler does not see the same time twice."""
     engine, schedule = setup.pipeline.engine, setup.pipeline.schedule
-    streams = [NoiseStream(seed ^ 2, (setup.length, states[0].x.shape[1])) for seed in seeds]
+    streams = [NoiseStream(seed ^ 2, (setup.length, states[0].prior.shape[1])) for seed in seeds]
+    table = engine.table(setup.length)
+    table.run(states)
+    slots = [s.slot for s in states]
+    index, rows = torch.tensor(slots), table.state
     for _ in range(states[0].steps):
-        saved = [(s.past, s.x_prev) for s in states]
-        batch = engine.batch(states)
-        engine.advance(batch, denoise(batch.x, batch.t, batch.x0_prev, batch.mask))
-        for state, stream, (past, x_prev) in zip(states, streams, saved):
-            t, t_next = state.times[state.step - 1 : state.step], state.times[state.step : state.step + 1]
+        saved = {name: rows[name][index].clone() for name in ("past_x0", "past_lam", "x_prev")}
+        table.steps[slots] += 1  # the first pass must not finish a sample: its step is taken again
+        table.step(denoise)
+        table.steps[slots] -= 1
+        for state, stream in zip(states, streams):
+            k = int(table.k[state.slot])
+            t, t_next = state.times[k - 1 : k], state.times[k : k + 1]
             a = schedule.alpha(t) / schedule.alpha(t_next)
             spread = (schedule.sigma(t) ** 2 - a**2 * schedule.sigma(t_next) ** 2).clamp_min(0).sqrt()
-            state.x = (per_sample(a) * state.x[None] + per_sample(spread) * stream.draw()[None])[0]
-            state.step, state.past, state.x_prev = state.step - 1, past, x_prev
-        batch = engine.batch(states)
-        engine.advance(batch, denoise(batch.x, batch.t, batch.x0_prev, batch.mask))
+            x = rows["x"][state.slot, : setup.length]
+            rows["x"][state.slot, : setup.length] = (per_sample(a) * x[None] + per_sample(spread) * stream.draw()[None])[0]
+            table.k[state.slot] = k - 1
+        for name, value in saved.items():
+            rows[name][index] = value
+        table.step(denoise)
     return torch.stack([engine.latent(s) for s in states])
 
 
