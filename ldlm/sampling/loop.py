@@ -37,7 +37,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ldlm.model.config import DecodeFinal
-from ldlm.sampling.noise import BatchNoiseRows, NoiseSource, NoiseStream, sample_seeds, to_device
+from ldlm.sampling.noise import BatchNoiseRows, NoiseSource, NoiseStream, sample_seeds
 from ldlm.sampling.request import SamplingPlan
 from ldlm.sampling.samplers import Sampler, get_sampler
 from ldlm.sampling.schedule import TangentSchedule
@@ -65,7 +65,7 @@ class SampleState:
     """One sample: what it was started with, and where its running state lives (a ``SlotTable``'s slot)."""
 
     sampler: Sampler
-    times: Tensor  # (steps + 1,) on the engine's device, in the state's dtype
+    times: Tensor  # (steps + 1,) on the host, in the state's dtype: a step's times are read there (SlotTable)
     noise: NoiseSource  # the prior came from it; the sde sampler draws from it every step
     prior: Tensor  # (L, D) the state at t = 1
     prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
@@ -117,7 +117,7 @@ class SamplingEngine:
         ``prefix`` (P, D), P < length: condition every sample on these latents at its first P positions."""
         if prefix is not None and not (prefix.ndim == 2 and prefix.shape[0] < plan.length and prefix.shape[1] == d_model):
             raise ValueError(f"prefix has shape {tuple(prefix.shape)}; allowed: (P, {d_model}) with P < length={plan.length}")
-        times = to_device(plan.times(self.schedule).float(), self.device)
+        times = plan.times(self.schedule).float()
         prefix = None if prefix is None else prefix.to(self.device)
         guidance = None if prefix is None else self.guidance(prefix.shape[0], plan.length, plan.prompt_strength)
         states = []
@@ -150,7 +150,7 @@ class SamplingEngine:
         """One sample at t = 1 from ``prior`` (L, D); self-conditioning starts empty (zeros), with no past.
         ``guidance``: a prompt's weights (``SamplingEngine.guidance``), None for inpainting alone."""
         guidance = None if guidance is None else guidance.to(prior.dtype)
-        return SampleState(sampler, times.to(prior.dtype), noise, prior, prefix, prefix_noise, guidance)
+        return SampleState(sampler, times.to("cpu", prior.dtype), noise, prior, prefix, prefix_noise, guidance)
 
     def table(self, length: int) -> SlotTable:
         """An empty persistent batch for samples of up to ``length`` positions (a length bucket)."""
@@ -192,6 +192,5 @@ def run_sampler(
     noise (references such as a Gaussian oracle). The grid keeps the prior's dtype (float64 stays exact)."""
     engine = SamplingEngine(schedule, decode_final, prior.device)
     method, rows = get_sampler(sampler), BatchNoiseRows(draw_noise)
-    times = to_device(grid, prior.device)
-    states = [engine.state(method, times, rows.row(i), prior[i]) for i in range(prior.shape[0])]
+    states = [engine.state(method, grid, rows.row(i), prior[i]) for i in range(prior.shape[0])]
     return run_lockstep(engine, states, lambda x_t, t, x0_prev, mask: denoise(x_t, t, x0_prev), progress=progress)

@@ -382,7 +382,7 @@ class SlotTable:
         if longest > self.times.shape[1]:
             self.times = np.pad(self.times, ((0, 0), (0, longest - self.times.shape[1])))
         for st, slot in zip(states, slots):
-            grid = st.times.detach().to("cpu", self.dtype).numpy()  # on the host once, at admission
+            grid = st.times.detach().to("cpu", self.dtype).numpy()  # a host tensor: no copy
             self.times[slot, : len(grid)] = grid
             self.k[slot], self.steps[slot], self.lengths[slot] = 0, st.steps, st.length
             self.codes[slot], self.watch[slot] = self._code(st.sampler), st.watch

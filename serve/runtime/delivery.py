@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ldlm.limits import BUDGET, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET
 from ldlm.pipeline import LDLMPipeline, TextResult
-from ldlm.sampling import SampleState, SamplingEngine
+from ldlm.sampling import SampleState, SamplingEngine, to_device
 from ldlm.serve.runtime.generation import Generation, Preview, Sample
 from ldlm.serve.runtime.queueing import resolve_future
 
@@ -243,7 +243,7 @@ def slot_rows(states: list[SampleState], name: str) -> tuple[Tensor, Tensor]:
     longest = max(s.length for s in states)
     rows = torch.cat([F.pad(p[:, :longest], (0, 0, 0, max(0, longest - p.shape[1]))) for p in parts])
     if order != states:  # back to the callers' order
-        rows = rows[torch.tensor([order.index(s) for s in states], device=rows.device)]
+        rows = rows.index_select(0, to_device(torch.tensor([order.index(s) for s in states]), rows.device))
     mask = torch.arange(longest)[None] < torch.tensor([s.length for s in states])[:, None]
     return rows, mask
 

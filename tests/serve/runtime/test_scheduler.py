@@ -7,8 +7,15 @@ import threading
 import pytest
 import torch
 
+from ldlm.model.checkpoint import init_model
+from ldlm.model.config import preset
+from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.runtime.generation import Preview
+from ldlm.sampling import resolve
+from ldlm.serve.runtime.cost import CostModel
+from ldlm.serve.runtime.delivery import slot_rows
+from ldlm.serve.runtime.executor import StepExecutor
+from ldlm.serve.runtime.generation import Preview, Sample
 from ldlm.serve.runtime.queueing import QueueFullError
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
 
@@ -111,3 +118,33 @@ def test_the_schedulers_thread_never_decodes(pipeline: LDLMPipeline) -> None:
     assert len(results) == 5 and threads, "every request was answered through a decoder call"
     assert not [name for name in threads if name.startswith("ldlm-generation")], threads
     assert {name.split("_")[0] for name in threads} == {"ldlm-answers", "ldlm-previews"}
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: a served step's promise of no host sync (CUDA's sync debug mode over admission, "
+    "steps, finishes and previews' gathers) was not exercised here",
+)
+def test_a_served_step_makes_no_host_sync_on_cuda() -> None:
+    pipe = LDLMPipeline(init_model(preset("tiny"), seed=0).cuda(), TextTokenizer.gpt2(), device="cuda")
+    states = []
+    for k in range(3):  # staggered: other lengths (buckets) and step counts, so samples finish while others step
+        states += pipe.engine.start(resolve(GenerateRequest(2, 8 + 8 * k, 3 + k, k), pipe.config), pipe.config.d_model)
+    for state in states:
+        state.watch = 2
+    executor = StepExecutor(pipe.engine, pipe.graphs.denoise, pipe.bucket_length, CostModel(8))
+    samples = [Sample(None, i, state) for i, state in enumerate(states)]  # type: ignore[arg-type]
+    executor.run(samples[:2])
+    executor.execute()  # warm-up: lazy CUDA initialisation may sync
+    finished = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        executor.run(samples)  # admission beside a running sample
+        while any(table.running for table in executor.tables.values()):
+            step = executor.execute()
+            finished += step.finished
+            if step.due:
+                slot_rows([s.state for s in step.due], "x0_hat")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(finished) == len(samples) and all(torch.isfinite(s.state.latent).all() for s in finished)  # type: ignore[arg-type]
