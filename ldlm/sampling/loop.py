@@ -59,7 +59,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(eq=False)  # a sample is itself, not its values (and tensors have no truth value)
 class SampleState:
     """One sample: what it was started with, and where its running state lives (a ``SlotTable``'s slot)."""

@@ -93,7 +93,8 @@ class SlotTable:
         self.times = np.zeros((0, 1))  # each slot's grid, in the state's precision
         self._running = np.zeros(0, dtype=np.int64)
         self._layout: _Layout | None = None
-        self._held: dict[int, Tensor] = {}  # noise drawn by a fused step that failed, by slot: its retry takes it
+        self._drawn: dict[tuple[str, int], Tensor] = {}  # this step's draws, by (stream, slot)
+        self._held: dict[tuple[str, int], Tensor] = {}  # the draws of a fused step that failed: its retry takes them
         self.dtype: torch.dtype | None = None
 
     # --- admission and release --------------------------------------------------------------------
@@ -127,7 +128,8 @@ class SlotTable:
                 raise ValueError("a sample is released by the table that holds it")
             state.final_step, state.table = int(self.k[slot]), None
             self.owner[slot] = None
-            self._held.pop(slot, None)
+            self._held.pop(("noise", slot), None)
+            self._held.pop(("prefix", slot), None)
         self._free += slots
         leaving = np.isin(self._running, slots)
         if leaving.any():
@@ -172,15 +174,15 @@ class SlotTable:
         if not self.fusable():
             names = sorted({g.sampler.name for g in layout.groups})
             blind = 0 if layout.guided_pos is None else len(layout.guided_pos)
-            raise ValueError(f"a fused step takes one sampler and no prompt-guided rows; these rows have samplers {names} and {blind} guided")
+            raise ValueError(
+                f"a fused step takes one sampler and no prompt-guided rows; these rows have samplers {names} and {blind} guided"
+            )
         group = layout.groups[0]
         inputs, past = self._group_inputs(group, self._inputs(layout))
         try:
             out = fused(group.sampler, self.engine.schedule, inputs)
         except Exception:
-            if inputs.noise is not None:  # the step is not taken: whatever runs it again must draw the same noise
-                for slot, row in zip(group.slots_np.tolist(), inputs.noise):
-                    self._held[slot] = row[: int(self.lengths[slot])]
+            self._held.update(self._drawn)  # the step is not taken: whatever runs it again must draw the same noise
             raise
         self._store(group, out, past)
         return self._advance(layout)
@@ -203,6 +205,7 @@ class SlotTable:
         """The running rows' step inputs; a prompt's positions first reset by prefix inpainting."""
         slots = layout.slots_np
         k = self.k[slots]
+        self._drawn = {}
         times = np.stack([self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]])
         t, t_next, t_prev = to_device(torch.from_numpy(times), self.engine.device)  # one copy, in the state's dtype
         if len(layout.prompted):
@@ -266,16 +269,24 @@ class SlotTable:
     def _inpaint(self, layout: _Layout, t: Tensor) -> None:
         """x_t of the prompted slots with the prompt's positions reset to its latents forward-noised to t."""
         slots, s = layout.prompted_slots, self.state
-        draws = [self.owner[slot].prefix_noise.draw() for slot in layout.slots_np[layout.prompted].tolist()]  # type: ignore[union-attr]
+        draws = [self._draw("prefix", slot) for slot in layout.slots_np[layout.prompted].tolist()]
         noise = self._pad(draws).to(self.engine.device)
         noised = forward_noise(self.engine.schedule, s["prefix"].index_select(0, slots), t, noise)  # type: ignore[arg-type]
         x = torch.where(s["prefix_mask"].index_select(0, slots)[..., None], noised.to(self.dtype), s["x"].index_select(0, slots))  # type: ignore[arg-type]
         s["x"].index_copy_(0, slots, x)  # type: ignore[arg-type]
 
     def _noise(self, slots: np.ndarray) -> Tensor:
-        """This step's noise of each of ``slots``: a failed fused step's held draw, else its stream's next."""
-        draws = [self._held.pop(slot) if slot in self._held else self.owner[slot].noise.draw() for slot in slots.tolist()]  # type: ignore[union-attr]
-        return self._pad(draws).to(self.engine.device, self.dtype)
+        """This step's noise of each of ``slots`` (the stochastic sampler's)."""
+        return self._pad([self._draw("noise", slot) for slot in slots.tolist()]).to(self.engine.device, self.dtype)
+
+    def _draw(self, stream: str, slot: int) -> Tensor:
+        """The next draw of a slot's ``stream`` ("noise" or the prompt's "prefix"): a failed fused step's held
+        draw, else the stream's next; kept for this step, in case it fails."""
+        held = self._held.pop((stream, slot), None)
+        owner = self.owner[slot]
+        source = owner.noise if stream == "noise" else owner.prefix_noise  # type: ignore[union-attr]
+        self._drawn[(stream, slot)] = draw = held if held is not None else source.draw()  # type: ignore[union-attr]
+        return draw
 
     def _pad(self, rows: list[Tensor]) -> Tensor:
         return torch.stack([F.pad(r, (0, 0, 0, self.length - r.shape[0])) for r in rows])
@@ -313,7 +324,9 @@ class SlotTable:
             weights = s["guidance"].index_select(0, index)
         full = bool((self.lengths[slots] == self.length).all()) and not len(guided)
         all_slots = to_device(torch.from_numpy(slots.copy()), device)
-        return _Layout(slots.copy(), all_slots, tuple(groups), prompted, prompted_pos, prompted_slots, guided_pos, blind_mask, weights, full)
+        return _Layout(
+            slots.copy(), all_slots, tuple(groups), prompted, prompted_pos, prompted_slots, guided_pos, blind_mask, weights, full
+        )
 
     # --- storage ----------------------------------------------------------------------------------
 
@@ -388,7 +401,6 @@ class SlotTable:
             self.codes[slot], self.watch[slot] = self._code(st.sampler), st.watch
             self.prompted[slot], self.guided[slot] = st.prefix is not None, st.guidance is not None
             self.owner[slot], st.table, st.slot = st, self, slot
-
 
     def _code(self, sampler: Sampler) -> int:
         for code, known in enumerate(self.samplers):

@@ -794,8 +794,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "fused-failure-loses-the-noise",
         "ldlm.sampling.slots:SlotTable.step_fused",
-        "self._held[slot] = row[: int(self.lengths[slot])]",
-        "self._held.pop(slot, None)",
+        "self._held.update(self._drawn)",
+        "self._held.clear()",
         ("tests/serve/runtime/test_scheduler_fused.py",),
         "an sde sample whose fused step failed draws new noise for its retry: other tokens than its seed's",
     ),

@@ -61,3 +61,25 @@ def test_mixed_samplers_and_guided_prompts_are_not_fused() -> None:
     assert not table.fusable()
     table.run(ddim)
     assert table.fusable()
+
+
+def test_a_failed_fused_step_changes_no_sample_not_even_its_noise() -> None:
+    """A prompted sde sample whose fused step raised, then stepped unfused: the state of a run that never failed.
+    Both its streams (the sde noise and the prompt's forward noise) give the failed step's draws to the retry."""
+    prompt = torch.randn(3, CONFIG.d_model, generator=torch.Generator().manual_seed(4))
+    plan = resolve(GenerateRequest(n=2, length=7, steps=4, seed=8, sampler="sde"), CONFIG)
+    engines = SamplingEngine(SCHEDULE), SamplingEngine(SCHEDULE)
+    tables, lives = [e.table(8) for e in engines], [e.start(plan, CONFIG.d_model, prompt) for e in engines]
+    for table, live in zip(tables, lives):
+        table.run(live)
+
+    def failing(sampler, schedule, inputs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("capture refused")
+
+    with pytest.raises(RuntimeError, match="capture refused"):
+        tables[1].step_fused(failing)
+    while tables[0].running:
+        tables[0].step(denoise)
+        tables[1].step(denoise)
+    for a, b in zip(*lives):
+        assert torch.equal(engines[0].latent(a), engines[1].latent(b))
