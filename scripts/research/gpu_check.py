@@ -27,7 +27,7 @@ Its environment variables:
     GPU_CHECK_FORCE_INSTALL  unset           1: install even when the packages are importable
                                              already, i.e. take the GPU machine's path (the
                                              tests do, offline)
-    GPU_CHECK_TIMEOUT_S      330             this script is stopped after this many seconds
+    GPU_CHECK_TIMEOUT_S      400             this script is stopped after this many seconds
 
 Stages, in order
 ----------------
@@ -53,9 +53,15 @@ Stages, in order
 - batching: continuous against static on the bench's mixed-arrival workload (lengths 16-128, 5-40
   steps) at an arrival rate of 1.5x the measured saturated capacity: throughput and p99. Compiled
   fp16.
-- fused: the server's scheduler with the served backend's fused steps (the denoiser call and the sampler's
-  update as one CUDA graph per step) against the same scheduler unfused, side by side: one 1024-token sample of
-  50 dpm3m-psc steps, p50 of each and whether their tokens agree. Compiled fp16.
+- fused: the server's scheduler with the backend's fused steps (the denoiser call and the sampler's update as one
+  CUDA graph per step) against the same scheduler unfused, side by side: one 1024-token sample of 50 dpm3m-psc
+  steps, p50 of each and whether their tokens agree. The served default, inductor fp16 (`ldlm serve --device
+  cuda`; its buckets compiled by long_sample when that ran), and compiled fp16; each row ran, was skipped (why)
+  or failed (where) on its own.
+- attention: one denoiser call at batch 1 x 1024 with no mask (no padding: SDPA without a mask, flash-eligible),
+  with an all-ones mask (the masked kernels, nothing padded) and with a padded row (the last eighth masked), p50
+  of each, the largest difference between the first two, and on CUDA the attention kernels each path launched.
+  Inductor fp16 (while the budget allows its compile of the mask-free bucket) and compiled fp16.
 - http: `ldlm serve --backend compiled --device cuda` (its default precision, fp16) in its own process on
   127.0.0.1: the overhead over the raw runner at batch 1 (encoder, 16 tokens, p50), then 16
   clients for 10 s of mixed requests: p50, p99, errors.
@@ -66,8 +72,10 @@ Stages, in order
 - probe_eps: `ldlm probe-eps` on tiny engines, only if NVIDIA TensorRT is importable (it is not on
   the H200 image).
 
-Each stage checks the time left (--budget-s, default 300 s) and is skipped with the reason if it
-would not fit. The default is sized for the GPU; the CPU dry run below gives itself more.
+Each stage checks the time left (--budget-s, default 360 s) and is skipped with the reason if it
+would not fit; one that fails records its error and where (the innermost frame, and the traceback's tail).
+The Markdown's "Stages" table says, for each, whether it ran, was skipped (why) or failed (where). The default is
+sized for the GPU; the CPU dry run below gives itself more.
 
 Before the GPU run (on a CPU machine)
 -------------------------------------
@@ -85,9 +93,9 @@ must be there. .whl/ and runs/ are git-ignored.
 On the GPU machine
 ------------------
 Copy the checkout with .whl/ and run `bash scripts/research/gpu_check.sh --out $OUT` with a wall-clock
-limit of about 420 s. The pip install from .whl/ takes about 20-30 s, then at most 330 s of checks
-(typically about 4 minutes on the base config by the estimates below), which leaves margin for the
-transfers. What comes back: gpu_check.json, gpu_check.md, setup.log, server.log.
+limit of about 480 s (8 minutes, compile included). The pip install from .whl/ takes about 20-30 s, then at
+most 400 s of checks (GPU_CHECK_TIMEOUT_S; the stages fit the 360 s budget, typically about 4.5 minutes on the
+base config by the estimates below), which leaves margin for the transfers. What comes back: gpu_check.json, gpu_check.md, setup.log, server.log.
 
 To rerun only the stages that failed:
 
@@ -133,6 +141,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -198,6 +207,7 @@ SIZES: dict[str, dict[str, Any]] = {
         preview_steps=50,
         ref_n=16,
         ref_runs=10,
+        attn_runs=30,
     ),
     "tiny": dict(
         parity_n=2,
@@ -227,6 +237,7 @@ SIZES: dict[str, dict[str, Any]] = {
         preview_steps=10,
         ref_n=2,
         ref_runs=2,
+        attn_runs=3,
     ),
 }
 # name -> (backend, precision); "eager" (fp32 on the check's device) is the latency baseline, SERVED (compiled, in
@@ -247,6 +258,7 @@ STAGES = (
     "throughput",
     "batching",
     "fused",
+    "attention",
     "http",
     "previews",
     "probe_eps",
@@ -284,7 +296,7 @@ class Run:
             try:
                 result = fn()
             except Exception as error:  # record it, go on with the other stages
-                result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=6)[-3000:]}
+                result = failure(error)
             if isinstance(result, dict):
                 result["stage_s"] = round(time.perf_counter() - start, 2)
         self.report["stages"][name] = result
@@ -297,6 +309,18 @@ class Run:
         write_atomically(self.out / f"{self.name}.json", json.dumps(self.report, indent=2, default=str) + "\n")  # never half-written
         if self.markdown is not None:
             write_atomically(self.out / f"{self.name}.md", self.markdown(self.report))
+
+
+def failure(error: Exception, limit: int = 1000) -> dict[str, Any]:
+    """What a failed stage (or a row of one) records: the error, where it was raised (the innermost frame), and
+    the traceback's tail."""
+    frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+    where = f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" if frame else "?"
+    return {
+        "error": f"{type(error).__name__}: {error}"[:limit],
+        "where": where,
+        "traceback": "".join(traceback.format_exception(error, limit=6))[-3000:],
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -545,22 +569,44 @@ def throughput_stage(
 
 
 def fused_stage(
-    graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, sizes: dict[str, Any]
+    candidates: dict[str, dict[str, GraphBackend] | str],
+    tokenizer: TextTokenizer,
+    config: LDLMConfig,
+    device: torch.device,
+    sizes: dict[str, Any],
+) -> dict[str, Any]:
+    """Each candidate's fused steps against its unfused ones (``fused_against_unfused``): the served default
+    (inductor fp16) first, then compiled fp16. A candidate given as a string was not opened: that is why it is
+    skipped. One row's failure is recorded with where it happened, and the others still run."""
+    length, steps = min(sizes["long_len"], config.max_seq_len), sizes["long_steps"]
+    result: dict[str, Any] = {"length": length, "steps": steps, "sampler": "dpm3m-psc", "served_default": SERVED_INDUCTOR}
+    for name, graphs in candidates.items():
+        if isinstance(graphs, str):
+            result[name] = {"skipped": graphs}
+            continue
+        try:
+            result[name] = fused_against_unfused(graphs, tokenizer, config, device, length, steps, sizes["long_runs"])
+        except Exception as error:  # the other candidates' rows stand without it
+            result[name] = failure(error)
+    return result
+
+
+def fused_against_unfused(
+    graphs: dict[str, GraphBackend], tokenizer: TextTokenizer, config: LDLMConfig, device: torch.device, length: int, steps: int, runs: int
 ) -> dict[str, Any]:
     """The server's scheduler with its fused steps (``FusedSteps``: on CUDA one graph per step for the denoiser call and
-    the sampler's update) against the same scheduler unfused, side by side: one long_len-token sample of long_steps
-    dpm3m-psc steps, p50 of each, and whether their tokens are the same."""
+    the sampler's update) against the same scheduler unfused, side by side: one sample of ``length`` tokens and
+    ``steps`` dpm3m-psc steps, p50 of each, and whether their tokens are the same."""
     fused = fused_steps(graphs["denoiser"])
     if fused is None:
         return {"skipped": f"{graphs['denoiser'].provider} has no fused steps"}
-    length, steps = min(sizes["long_len"], config.max_seq_len), sizes["long_steps"]
     pipe = LDLMPipeline(BackendGraphs(graphs), tokenizer, device, config=config, buckets=length_buckets(config.max_seq_len))
     schedulers = {"unfused": GenerationScheduler(pipe, 1), "fused": GenerationScheduler(pipe, 1, fused=fused)}
     request = GenerateRequest(n=1, length=length, steps=steps, seed=0, sampler="dpm3m-psc")
     times: dict[str, list[float]] = {name: [] for name in schedulers}
     try:
-        tokens = {name: s.submit(request).result().token_ids for name, s in schedulers.items()}  # warm-up: captures
-        for _ in range(sizes["long_runs"]):
+        tokens = {name: s.submit(request).result().token_ids for name, s in schedulers.items()}  # warm-up: compiles, captures
+        for _ in range(runs):
             for name, scheduler in schedulers.items():
                 start = time.perf_counter()
                 scheduler.submit(request).result()
@@ -571,14 +617,94 @@ def fused_stage(
             scheduler.close()
     p50 = {name: round(1000 * statistics.median(values), 2) for name, values in times.items()}
     return {
-        "length": length,
-        "steps": steps,
-        "sampler": "dpm3m-psc",
+        "backend": graphs["denoiser"].provider,
         **{f"{name}_p50_ms": ms for name, ms in p50.items()},
         "speedup": round(p50["unfused"] / p50["fused"], 3),
-        "fused_steps": taken,
+        "fused_steps": taken,  # of the fused scheduler's steps, those that ran fused (a failed capture falls back)
         "tokens_equal": bool(torch.equal(tokens["fused"], tokens["unfused"])),
     }
+
+
+# A mask-free inductor bucket is one more compile (about 15 s for the base denoiser): its row runs only with this
+# much of the budget left, and says so otherwise.
+ATTENTION_INDUCTOR_NEEDS_S = 45.0
+
+
+def attention_stage(
+    candidates: dict[str, dict[str, GraphBackend] | str],
+    config: LDLMConfig,
+    device: torch.device,
+    sizes: dict[str, Any],
+    left_s: Callable[[], float],
+) -> dict[str, Any]:
+    """The denoiser at batch 1 x long_len without a mask (no padding: no mask reaches SDPA, so its flash kernels are
+    eligible on CUDA) beside the masked path, with nothing padded and with a padded row (``attention_timings``)."""
+    length = min(sizes["long_len"], config.max_seq_len)
+    result: dict[str, Any] = {
+        "batch": 1,
+        "length": length,
+        "runs": sizes["attn_runs"],
+        "measures": "BackendGraphs.denoise on device tensors, synced, p50; rows interleaved",
+    }
+    for name, graphs in candidates.items():
+        if isinstance(graphs, str):
+            result[name] = {"skipped": graphs}
+        elif name == SERVED_INDUCTOR and left_s() < ATTENTION_INDUCTOR_NEEDS_S:
+            result[name] = {
+                "skipped": f"time budget: {left_s():.0f} s left, a mask-free compile needs about {ATTENTION_INDUCTOR_NEEDS_S:.0f} s"
+            }
+        else:
+            try:
+                result[name] = attention_timings(graphs["denoiser"], config, device, length, sizes["attn_runs"])
+            except Exception as error:  # the other candidate's row stands without it
+                result[name] = failure(error)
+    return result
+
+
+def attention_timings(backend: GraphBackend, config: LDLMConfig, device: torch.device, length: int, runs: int) -> dict[str, Any]:
+    """p50 of one denoiser call with no mask, an all-ones mask and a padded one (same bucket), their first calls
+    untimed (compile, capture); how far apart the outputs without a mask and with all ones are; on CUDA the
+    attention kernels each path launches."""
+    graphs = BackendGraphs({"denoiser": backend})
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, length, config.d_model, generator=gen).to(device)
+    t, x0_prev = torch.full((1,), 0.5, device=device), torch.zeros_like(x)
+    full = torch.ones(1, length, dtype=torch.bool, device=device)
+    padded = full.clone()
+    padded[:, length - max(1, length // 8) :] = False
+    masks: dict[str, torch.Tensor | None] = {"no_mask": None, "all_ones_mask": full, "padded_mask": padded}
+    outputs = {name: graphs.denoise(x, t, x0_prev, mask) for name, mask in masks.items()}
+    times: dict[str, list[float]] = {name: [] for name in masks}
+    for _ in range(runs):
+        for name, mask in masks.items():
+            sync(device)
+            start = time.perf_counter()
+            graphs.denoise(x, t, x0_prev, mask)
+            sync(device)
+            times[name].append(1000 * (time.perf_counter() - start))
+    p50 = {name: round(statistics.median(values), 4) for name, values in times.items()}
+    entry: dict[str, Any] = {"backend": backend.provider, **{f"{name}_p50_ms": ms for name, ms in p50.items()}}
+    entry["speedup_no_mask_vs_all_ones"] = round(p50["all_ones_mask"] / p50["no_mask"], 3)
+    entry["no_mask_vs_all_ones_max_abs"] = float((outputs["no_mask"] - outputs["all_ones_mask"]).abs().max())
+    entry["attention_kernels"] = attention_kernels(backend, x, t, x0_prev, full) if device.type == "cuda" else "not on CUDA"
+    return entry
+
+
+def attention_kernels(backend: Any, x: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor, full: torch.Tensor) -> dict[str, list[str]]:
+    """The CUDA kernels whose names say attention (flash, fmha, efficient, sdpa, attention) that one call of the
+    backend's module launches without a mask and with the all-ones mask, outside any CUDA graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pattern = re.compile(r"flash|fmha|efficient|sdpa|attention", re.IGNORECASE)
+    calls = {"no_mask": lambda: backend.free_module(x, t, x0_prev), "all_ones_mask": lambda: backend.module(x, t, x0_prev, full.long())}
+    kernels: dict[str, list[str]] = {}
+    with torch.inference_mode():
+        for name, call in calls.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize(x.device)
+            kernels[name] = sorted({e.name[:120] for e in prof.events() if pattern.search(e.name)})[:8]
+    return kernels
 
 
 def batching_stage(
@@ -635,9 +761,9 @@ def main() -> None:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=300.0,
+        default=360.0,
         help="seconds for the whole run: a stage that would not fit in what is left is skipped, with the reason. Sized "
-        "for the GPU; a CPU dry run of every stage (--tiny) takes longer, so give it more, e.g. 3600 (default: 300)",
+        "for the GPU; a CPU dry run of every stage (--tiny) takes longer, so give it more, e.g. 3600 (default: 360)",
     )
     parser.add_argument("--stages", help=f"comma-separated subset, e.g. for a rerun (default: all of {', '.join(STAGES)})")
     args = parser.parse_args()
@@ -713,7 +839,10 @@ def main() -> None:
         run.stage("reference", lambda: reference_stage(device, sizes), 30)
         run.stage("throughput", lambda: throughput_stage(serving[SERVED], tokenizer, model.config, device, sizes, inductor), 70)
         run.stage("batching", lambda: batching_stage(serving[SERVED], tokenizer, model.config, device, sizes), 40)
-        run.stage("fused", lambda: fused_stage(serving[SERVED], tokenizer, model.config, device, sizes), 20)
+        # the served default (inductor fp16) beside compiled fp16; inductor's row says why where it was not opened
+        served = {SERVED_INDUCTOR: inductor or f"not opened: {run.report.get('inductor_setup_error', '?')}", SERVED: serving[SERVED]}
+        run.stage("fused", lambda: fused_stage(served, tokenizer, model.config, device, sizes), 30)
+        run.stage("attention", lambda: attention_stage(served, model.config, device, sizes, run.left_s), 15)
         run.stage("http", lambda: http_stage(checkpoint, serving[SERVED]["encoder"], device, sizes, out), 60)
         run.stage("previews", lambda: previews_stage(checkpoint, device, sizes, out), 60)
         run.stage("probe_eps", lambda: probe_eps_stage(work), 30)

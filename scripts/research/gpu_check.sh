@@ -2,14 +2,15 @@
 # The prepared GPU run (see scripts/research/gpu_check.py's docstring): no network there. Installs the wheels
 # carried in .whl/ (made here by scripts/research/gpu_bundle.sh) and this tree into /tmp/ldlm-site, unless
 # the packages are importable already, then runs scripts/research/gpu_check.py, which writes
-# OUT/gpu_check.json and OUT/gpu_check.md (and server.log, setup.log).
+# OUT/gpu_check.json and OUT/gpu_check.md (and server.log, setup.log). With the install, about 7 minutes at most:
+# run it under a wall-clock limit of about 480 s (8 minutes, Inductor's compiles included).
 #   bash scripts/research/gpu_check.sh [--tiny] [--out DIR] [--budget-s S]     (OUT: --out, else $OUT, else runs/gpu_check)
 # Environment:
 #   PYTHON                   the interpreter (default: python3)
 #   GPU_CHECK_SITE           where the packages are installed (default: /tmp/ldlm-site)
 #   GPU_CHECK_FORCE_INSTALL  1: install even when the packages are importable already (the GPU
 #                            machine's path; tests/tools/test_gpu_check.py runs it offline this way)
-#   GPU_CHECK_TIMEOUT_S      stop gpu_check.py after this many seconds (default: 330)
+#   GPU_CHECK_TIMEOUT_S      stop gpu_check.py after this many seconds (default: 400)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 py="${PYTHON:-python3}"
@@ -56,7 +57,7 @@ if ! "$py" -P -c "$imports; import ldlm; print('ldlm from', ldlm.__file__)" >>"$
   cat "$setup" >&2
   exit 3
 fi
-timeout "${GPU_CHECK_TIMEOUT_S:-330}" "$py" scripts/research/gpu_check.py --out "$out" "${args[@]}"
+timeout "${GPU_CHECK_TIMEOUT_S:-400}" "$py" scripts/research/gpu_check.py --out "$out" "${args[@]}"
 status=$?
-[ "$status" = 124 ] && echo "gpu_check: stopped at ${GPU_CHECK_TIMEOUT_S:-330} s; $out/gpu_check.json holds the stages that finished" >&2
+[ "$status" = 124 ] && echo "gpu_check: stopped at ${GPU_CHECK_TIMEOUT_S:-400} s; $out/gpu_check.json holds the stages that finished" >&2
 exit "$status"

@@ -91,6 +91,39 @@ def _served_agreement(r: dict[str, Any]) -> tuple[float, str]:
     return worst, cosines
 
 
+def _row(stage: dict[str, Any], stage_name: str, name: str) -> dict[str, Any]:
+    """One candidate's row of a stage with rows per backend, or a LookupError saying why it has none."""
+    row = stage.get(name)
+    if not isinstance(row, dict):
+        raise LookupError(f"stage {stage_name} has no {name} row")
+    for reason in ("skipped", "error"):
+        if reason in row:
+            raise LookupError(f"{stage_name} {name} {reason}: {str(row[reason])[:160]}" + (f" at {row['where']}" if "where" in row else ""))
+    return row
+
+
+def _fused(r: dict[str, Any]) -> tuple[tuple[bool, float], str]:
+    s = _stage(r, "fused")
+    row = _row(s, "fused", SERVED_INDUCTOR)
+    other = s.get(SERVED, {})
+    also = f"; {SERVED} x{other['speedup']}, tokens {'equal' if other['tokens_equal'] else 'DIFFER'}" if "speedup" in other else ""
+    return (row["tokens_equal"], row["speedup"]), (
+        f"{SERVED_INDUCTOR} (served default), {s['length']} tokens, {s['steps']} {s['sampler']} steps, batch 1: unfused "
+        f"{row['unfused_p50_ms']} ms, fused {row['fused_p50_ms']} ms, {row['fused_steps']} steps fused{also}"
+    )
+
+
+def _denoiser_step(r: dict[str, Any]) -> tuple[float, str]:
+    s = _stage(r, "attention")
+    row = _row(s, "attention", SERVED_INDUCTOR)
+    other = s.get(SERVED, {})
+    also = f"; {SERVED} {other['no_mask_p50_ms']} ms" if "no_mask_p50_ms" in other else ""
+    return row["no_mask_p50_ms"], (
+        f"{SERVED_INDUCTOR}, batch {s['batch']} x {s['length']}, no padding (no mask in attention); all-ones mask "
+        f"{row['all_ones_mask_p50_ms']} ms, a padded row {row['padded_mask_p50_ms']} ms{also}"
+    )
+
+
 def _preview_cost(r: dict[str, Any]) -> tuple[float, str]:
     s = _stage(r, "previews")
     return s["throughput_cost"], (
@@ -131,6 +164,20 @@ TARGETS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[Any, str]], Calla
         _served_agreement,
         lambda v: v >= 0.99,
         lambda v: f"{100 * v:.2f}%",
+    ),
+    (
+        "fused steps against unfused, the served default, batch 1",
+        "identical tokens, >= 1.3x",
+        _fused,
+        lambda v: v[0] and v[1] >= 1.3,
+        lambda v: f"tokens {'identical' if v[0] else 'DIFFER'}, x{v[1]:.2f}",
+    ),
+    (
+        "denoiser call, batch 1 x 1024 tokens, no padding, the served default",
+        "<= 0.9 ms",
+        _denoiser_step,
+        lambda v: v <= 0.9,
+        lambda v: f"{v:.3f} ms",
     ),
     (
         "streamed previews every 5 steps, never skipped: throughput cost",
@@ -182,6 +229,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
     if report.get("tiny"):
         lines += ["> Dry run with the tiny config: the figures below exercise the script, they are not comparable with the targets.", ""]
     lines += ["## Targets", "", targets_markdown(target_rows(report)), ""]
+    lines += ["## Stages", "", "| stage | what happened |", "|---|---|"] + [f"| {n} | {s} |" for n, s in stage_statuses(stages)] + [""]
     parity = stages.get("parity", {})
     candidates = [k for k, v in parity.items() if isinstance(v, dict) and "outputs" in v]
     if candidates:
@@ -203,13 +251,49 @@ def summary_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | {100 * parity[name]['token_agreement']:.2f}% | {dec} |")
         lines.append("")
     lines += _latency_markdown(stages.get("latency", {}).get("graphs", {}))
-    for name in ("device_loop", "long_sample", "reference", "throughput", "batching", "http", "previews", "probe_eps", "ort_gpu"):
+    for name in (
+        "device_loop",
+        "long_sample",
+        "reference",
+        "throughput",
+        "batching",
+        "fused",
+        "attention",
+        "http",
+        "previews",
+        "probe_eps",
+        "ort_gpu",
+    ):
         if name in stages:
             lines += [f"## {name}", "", "```", json.dumps(_brief(stages[name]), indent=1, default=str)[:4000], "```", ""]
     errors = {k: v["error"] for k, v in stages.items() if isinstance(v, dict) and "error" in v}
     if errors:
         lines += ["## Stage errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]
     return "\n".join(lines)
+
+
+def _status(result: dict[str, Any]) -> str | None:
+    """'skipped: why' or 'FAILED at where: error' for a stage or a row of one; None where it ran."""
+    if "skipped" in result:
+        return f"skipped: {str(result['skipped'])[:200]}"
+    if "error" in result:
+        return f"FAILED at {result.get('where', '?')}: {str(result['error'])[:200]}"
+    return None
+
+
+def stage_statuses(stages: dict[str, Any]) -> list[tuple[str, str]]:
+    """Whether each stage ran (and in how long), was skipped (why) or failed (where); then each of its rows per
+    backend that was skipped or failed on its own (the fused and attention stages' candidates, say)."""
+    rows: list[tuple[str, str]] = []
+    for name, result in stages.items():
+        if not isinstance(result, dict):
+            continue
+        status = _status(result)
+        if status is None and result and all(isinstance(v, str) for v in result.values()):  # notes, not figures (ort_gpu's)
+            status = "; ".join(f"{k}: {v}" for k, v in result.items())[:300]
+        rows.append((name, status or (f"ran in {result['stage_s']} s" if "stage_s" in result else "ran")))
+        rows += [(f"{name} / {k}", status) for k, v in result.items() if isinstance(v, dict) and (status := _status(v)) is not None]
+    return [(n, s.replace("|", "/").replace("\n", " ")) for n, s in rows]
 
 
 def _brief(value: Any) -> Any:

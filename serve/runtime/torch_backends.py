@@ -9,7 +9,7 @@ trained reference this keeps 99.7% of fp32's tokens in fp16 and 97.9% in bf16, o
 
 ``compiled`` (``CompiledBackend``) serves static shapes: inputs are padded up to a (batch bucket,
 length bucket), the padding masked through ``attention_mask``, and on CUDA one CUDA graph is
-captured per (graph, batch bucket, length bucket) on first use, so a denoiser call is one graph
+captured per (graph, batch bucket, length bucket, masked or not) on first use, so a denoiser call is one graph
 replay plus the copies into its static input buffers. With ``cuda_graphs=False`` (the default on
 CPU) the same buckets and padding run the module directly, which is how CPU tests check them.
 

@@ -177,7 +177,7 @@ def test_cuda_graphs_replay_matches_eager_on_cuda(tiny_model: LDLM, graph: str) 
     assert compiled.cuda_graphs
     feed = ragged_feed(tiny_model, graph)
     first, second = compiled.run(feed), compiled.run(feed)  # capture, then replay
-    assert list(compiled.captured) == [(4, 16)]
+    assert list(compiled.captured) == [(4, 16, True)]  # (batch bucket, length bucket, masked)
     reference = eager.run(feed)
     valid = feed["attention_mask"].astype(bool)
     for name in eager.output_names:

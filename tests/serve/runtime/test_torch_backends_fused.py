@@ -1,11 +1,12 @@
 """Fused steps (the denoiser call and the sampler's update as one callable per bucket and sampler) against
-today's unfused path: the compiled backend's denoiser call, then ``SamplingEngine.advance``.
+today's unfused path: the compiled backend's denoiser call, then the sampler's update, each in a persistent
+batch (``SlotTable.step`` against ``SlotTable.step_fused``).
 
 The reference is the path every server step takes now (``BackendGraphs.denoise`` on the compiled backend,
-which pads to the same buckets, then the engine's ``advance``); the fused path must give bit-identical
-states (torch.equal) for every sampler, with samples joining and leaving, lengths below the bucket and
-batches that share a bucket at other sizes (stale static buffers would show). On CPU the fused step runs
-uncaptured on its static buffers; the CUDA graph capture of it runs only on a GPU (skipped here).
+which pads to the same buckets, then the sampler's update); the fused path must give bit-identical
+states (every slot's every tensor) for every sampler, with samples joining and leaving, tables shorter than the
+length bucket and batches that share a bucket at other sizes (stale static buffers would show). On CPU the
+fused step runs uncaptured on its static buffers; the CUDA graph capture of it runs only on a GPU (skipped here).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ldlm.model.config import SAMPLERS, LDLMConfig
 from ldlm.model.ldlm import LDLM
 from ldlm.sampling import GenerateRequest, SampleState, SamplingEngine, resolve
 from ldlm.sampling.schedule import TangentSchedule
+from ldlm.sampling.slots import SlotTable
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 from ldlm.serve.runtime.graph_backend import BackendError
 from ldlm.serve.runtime.registry import COMPILED
@@ -41,16 +43,18 @@ def start(engine: SamplingEngine, config: LDLMConfig, sampler: str, k: int, grou
     return states
 
 
-def state_tensors(state: SampleState) -> list[torch.Tensor]:
-    """Everything a sample carries to its next step and its result."""
-    kept = [state.x, state.x_mean, state.x0_hat, state.x0_prev] + ([] if state.x_prev is None else [state.x_prev])
-    return kept + [t for entry in state.past for t in entry]
+def assert_tables_equal(a: SlotTable, b: SlotTable, exact: bool, message: str) -> None:
+    """Every slot's every tensor (the same admission order gives the same slots); NaN where a step is missing."""
+    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": 1e-5}
+    for name, value in a.state.items():
+        torch.testing.assert_close(value, b.state[name], equal_nan=True, msg=f"{message}: {name}", **tolerance)
 
 
-def run_both(backend: CompiledBackend, config: LDLMConfig, sampler: str, padded: int | None, groups: Groups = GROUPS) -> None:
-    """Both paths side by side, step by step, every state compared after every step."""
+def run_both(backend: CompiledBackend, config: LDLMConfig, sampler: str, length: int, groups: Groups = GROUPS) -> None:
+    """Both paths side by side in tables of ``length`` positions, step by step, every state compared after every step."""
     unfused, fused = SamplingEngine(SCHEDULE), SamplingEngine(SCHEDULE)
     denoise, steps = BackendGraphs({"denoiser": backend}).denoise, FusedSteps(backend)
+    tables = unfused.table(length), fused.table(length)
     live_u: list[SampleState] = []
     live_f: list[SampleState] = []
     for k in range(7):
@@ -58,13 +62,13 @@ def run_both(backend: CompiledBackend, config: LDLMConfig, sampler: str, padded:
         live_f += start(fused, config, sampler, k, groups)
         if not live_f:
             break
-        batch_u, batch_f = unfused.batch(live_u, padded), fused.batch(live_f, padded)
-        assert SamplingEngine.fusable(batch_f)
-        unfused.advance(batch_u, denoise(batch_u.x, batch_u.t, batch_u.x0_prev, batch_u.mask))
-        fused.advance_fused(batch_f, steps)
-        for i, (a, b) in enumerate(zip(live_u, live_f)):
-            for j, (x, y) in enumerate(zip(state_tensors(a), state_tensors(b), strict=True)):
-                assert torch.equal(x, y), f"{sampler}: step {k}, sample {i}, tensor {j} differs"
+        tables[0].run(live_u)
+        tables[1].run(live_f)
+        assert tables[1].fusable()
+        tables[0].step(denoise)
+        tables[1].step_fused(steps)
+        assert_tables_equal(*tables, exact=True, message=f"{sampler}: step {k}")
+        assert [s.step for s in live_u] == [s.step for s in live_f]
         live_u, live_f = [s for s in live_u if not s.done], [s for s in live_f if not s.done]
     assert not live_u and not live_f
 
@@ -78,26 +82,41 @@ def compiled(tiny_checkpoint: Path) -> tuple[CompiledBackend, LDLMConfig]:
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_fused_steps_equal_the_unfused_path(compiled: tuple[CompiledBackend, LDLMConfig], sampler: str) -> None:
     backend, config = compiled
-    run_both(backend, config, sampler, padded=16)  # as the server's executor pads: to the length bucket
+    run_both(backend, config, sampler, length=16)  # as the server's tables are: a length bucket
 
 
 def test_fused_steps_pad_lengths_below_the_bucket(compiled: tuple[CompiledBackend, LDLMConfig]) -> None:
     backend, config = compiled
-    run_both(backend, config, "dpm3m-psc-unic", padded=None)  # batches of 12 and 7 positions: padded to 16 inside
-    # one sample of 16 positions, then one of 12 in the same (1, 16) bucket: its buffers' last 4 positions must not keep the first's
-    run_both(backend, config, "dpm2m", padded=None, groups=((1, 16, 2, 0), (1, 12, 3, 2)))
+    run_both(backend, config, "dpm3m-psc-unic", length=12, groups=((4, 12, 3, 0), (2, 7, 3, 3)))  # rows of 12: padded to 16 inside
+    # one sample in a table of 16 positions, then one in a table of 12 through the same fused steps and (1, 16) bucket:
+    # its buffers' last 4 positions must not keep the first's
+    steps = FusedSteps(backend)
+    for length in (16, 12):
+        engines = SamplingEngine(SCHEDULE), SamplingEngine(SCHEDULE)
+        tables = engines[0].table(length), engines[1].table(length)
+        lives = [
+            e.start(resolve(GenerateRequest(n=1, length=length, steps=3, seed=length, sampler="dpm2m"), config), config.d_model)
+            for e in engines
+        ]
+        for k in range(3):
+            for table, live in zip(tables, lives):
+                table.run([s for s in live if not s.done])
+            tables[0].step(BackendGraphs({"denoiser": backend}).denoise)
+            tables[1].step_fused(steps)
+            assert_tables_equal(*tables, exact=True, message=f"table {length}, step {k}")
+    assert sorted(key[:2] for key in steps.prepared) == [(1, 16)]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_fused_steps_in_reduced_precision(tiny_model: LDLM, tiny_config: LDLMConfig, precision: str) -> None:
     """The compute dtype in, FP32 out, as BackendGraphs.denoise feeds the backend."""
     model = prepare_model(copy.deepcopy(tiny_model), torch.device("cpu"), precision)
-    run_both(CompiledBackend(model, "denoiser"), tiny_config, "dpm3m-psc", padded=16)
+    run_both(CompiledBackend(model, "denoiser"), tiny_config, "dpm3m-psc", length=16)
 
 
 def test_batches_above_the_largest_bucket_run_in_chunks(tiny_model: LDLM, tiny_config: LDLMConfig) -> None:
     backend = CompiledBackend(copy.deepcopy(tiny_model), "denoiser", batch_buckets=(1, 2))
-    run_both(backend, tiny_config, "sde", padded=16)
+    run_both(backend, tiny_config, "sde", length=16)
 
 
 def test_only_the_denoiser_fuses(compiled: tuple[CompiledBackend, LDLMConfig], tiny_model: LDLM) -> None:
@@ -115,15 +134,16 @@ def test_captured_steps_equal_the_uncaptured_ones(tiny_model: LDLM, tiny_config:
     captured = CompiledBackend(model, "denoiser")
     plain = CompiledBackend(model, "denoiser", cuda_graphs=False)
     engines = SamplingEngine(SCHEDULE, device="cuda", noise_device="cpu"), SamplingEngine(SCHEDULE, device="cuda", noise_device="cpu")
+    tables = engines[0].table(16), engines[1].table(16)
     steps = FusedSteps(captured), FusedSteps(plain)
     lives: tuple[list[SampleState], list[SampleState]] = ([], [])
     for k in range(7):
-        for engine, live, step in zip(engines, lives, steps):
+        for engine, table, live, step in zip(engines, tables, lives, steps):
             live += start(engine, tiny_config, sampler, k)
-            engine.advance_fused(engine.batch(live, 16), step)
-        for a, b in zip(*lives):
-            for x, y in zip(state_tensors(a), state_tensors(b), strict=True):
-                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, equal_nan=True)
+            if live:
+                table.run(live)
+                table.step_fused(step)
+        assert_tables_equal(*tables, exact=False, message=f"{sampler}: step {k}")
         for live in lives:
             live[:] = [s for s in live if not s.done]
     assert all(key[2].name == sampler for key in steps[0].prepared) and all(p.graph is not None for p in steps[0].prepared.values())

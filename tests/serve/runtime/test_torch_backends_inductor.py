@@ -79,6 +79,6 @@ def test_inductor_in_cuda_graphs_matches_eager_on_cuda(tiny_model: LDLM) -> None
     assert inductor.cuda_graphs
     feed = graph_feed(tiny_model.config, "denoiser", 3, 10, seed=5)
     first, second = inductor.run(feed)["x0_hat"], inductor.run(feed)["x0_hat"]  # compile and capture, then replay
-    assert list(inductor.captured) == [(4, 16)]
+    assert list(inductor.captured) == [(4, 16, True)]  # (batch bucket, length bucket, masked)
     np.testing.assert_array_equal(first, second)
     np.testing.assert_allclose(first, eager.run(feed)["x0_hat"], atol=1e-4, rtol=1e-4)

@@ -250,3 +250,45 @@ def test_tensorrt_without_a_mask_feeds_its_engine_all_ones_on_its_device(tiny_mo
     assert torch.equal(fed[0][MASK], torch.ones(2, 6, dtype=torch.int64)) and out.dtype == torch.float32
     backend.run({"x_t": x.numpy(), "t": t.numpy(), "x0_prev": x0_prev.numpy()})  # the host path: check_inputs fills it
     assert torch.equal(fed[1][MASK], torch.ones(2, 6, dtype=torch.int64))
+
+
+# --- on CUDA ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: the mask-free CUDA graphs (and that no mask is read on the device) were not exercised",
+)
+def test_mask_free_batches_capture_graphs_of_their_own_on_cuda(tiny_model: LDLM) -> None:
+    """fp16, as served: a mask-free bucket is its own captured graph (and fused step) beside the masked one, replays
+    the same numbers, matches the all-ones mask closely, and no call syncs with the host (a CUDA mask is never read)."""
+    model = prepare_model(copy.deepcopy(tiny_model), torch.device("cuda"), "fp16")
+    backend = CompiledBackend(model, "denoiser")
+    graphs = BackendGraphs({"denoiser": backend})
+    x, t, x0_prev = (a.cuda() for a in denoiser_args(tiny_model.config, 3, 16))
+    full = ones(3, 16).cuda()
+    free, masked = graphs.denoise(x, t, x0_prev, None), graphs.denoise(x, t, x0_prev, full)  # capture both
+    assert sorted(backend.captured) == [(4, 16, False), (4, 16, True)]
+    torch.testing.assert_close(free, masked, rtol=2e-2, atol=2e-2)
+    encoder = BackendGraphs({"encoder": CompiledBackend(model, "encoder")})
+    ids = torch.zeros(3, 16, dtype=torch.int64, device="cuda")
+    encoder.encode_latents(ids, full)  # capture
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = graphs.denoise(x, t, x0_prev, None)  # a replay
+        encoder.encode_latents(ids, full)  # a CUDA mask of all ones: not read, so the masked path, and no sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, free)
+    steps = FusedSteps(backend)
+    sampler, schedule = get_sampler("dpm2m"), TangentSchedule()
+    step_free = steps(sampler, schedule, cuda_step(tiny_model.config, None))
+    step_masked = steps(sampler, schedule, cuda_step(tiny_model.config, full))
+    assert sorted(key[-1] for key in steps.prepared) == [False, True] and all(p.graph is not None for p in steps.prepared.values())
+    torch.testing.assert_close(step_free.x0_hat, step_masked.x0_hat, rtol=2e-2, atol=2e-2)
+
+
+def cuda_step(config: LDLMConfig, mask: torch.Tensor | None) -> StepInputs:
+    """``step_inputs`` at length 16 on the GPU, with ``mask``."""
+    inputs = step_inputs(config, 16, None)
+    return StepInputs(inputs.x.cuda(), inputs.t.cuda(), inputs.t_next.cuda(), inputs.x0_prev.cuda(), mask)  # type: ignore[arg-type]
