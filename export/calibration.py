@@ -122,13 +122,14 @@ def denoiser_feeds(pipeline: LDLMPipeline, settings: CalibrationSettings) -> tup
     states = pipeline.engine.start(plan, pipeline.config.d_model)
     feeds: list[Feed] = []
 
-    def recording_denoise(x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor) -> Tensor:
+    def recording_denoise(x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor | None) -> Tensor:
+        full = torch.ones(x_t.shape[:2], dtype=torch.bool) if mask is None else mask  # None: no padding
         feeds.append(
             {
                 "x_t": _array(x_t, np.float32),
                 "t": _array(t, np.float32),
                 "x0_prev": _array(x0_prev, np.float32),
-                "attention_mask": _array(mask, np.int64),  # the graphs take an int64 mask (export/graphs.py)
+                "attention_mask": _array(full, np.int64),  # the graphs take an int64 mask (export/graphs.py)
             }
         )
         return pipeline.graphs.denoise(x_t, t, x0_prev, mask)

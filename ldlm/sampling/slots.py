@@ -25,7 +25,6 @@ numbers do not depend on the bucket or the other rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -155,8 +154,8 @@ class SlotTable:
         if layout.guided_pos is not None:
             g = layout.guided_pos
             x, t, x0_prev = torch.cat([x, x[g]]), torch.cat([t, t[g]]), torch.cat([x0_prev, x0_prev[g]])
-            mask = torch.cat([mask, layout.blind_mask])  # type: ignore[list-item]
-        x0_hat = denoise(x, t, x0_prev, mask)  # type: ignore[arg-type]
+            mask = torch.cat([mask, layout.blind_mask])  # type: ignore[list-item]  # guided: never full, so a mask
+        x0_hat = denoise(x, t, x0_prev, mask)
         if layout.guided_pos is not None:
             x0_hat = self._guide(layout, x0_hat)
         for group in layout.groups:
@@ -192,7 +191,7 @@ class SlotTable:
         slots = self._running
         every, k = self.watch[slots], self.k[slots]
         hit = slots[(every > 0) & (k < self.steps[slots]) & (k % np.maximum(every, 1) == 0)]
-        return [self.owner[s] for s in hit.tolist()]  # type: ignore[misc]
+        return [self.owner[s] for s in hit.tolist()]
 
     def rows(self, name: str, states: list[SampleState]) -> Tensor:
         """Copies of ``states``' rows of one state tensor (``x0_hat``, ``x_mean``, ``mask``, ...), in their order."""
@@ -211,7 +210,8 @@ class SlotTable:
         if len(layout.prompted):
             self._inpaint(layout, t if layout.prompted_pos is None else t.index_select(0, layout.prompted_pos))
         s = self.state
-        x, x0_prev, mask = (s[n].index_select(0, layout.slots) for n in ("x", "x0_prev", "mask"))
+        x, x0_prev = s["x"].index_select(0, layout.slots), s["x0_prev"].index_select(0, layout.slots)
+        mask = None if layout.full else s["mask"].index_select(0, layout.slots)  # None: attention may take flash kernels
         return StepInputs(x, t, t_next, x0_prev, mask, t_prev=t_prev)
 
     def _group_inputs(self, group: _Group, rows: StepInputs) -> tuple[StepInputs, tuple[Tensor, Tensor] | None]:
@@ -253,7 +253,7 @@ class SlotTable:
         latents = s["x_mean" if self.engine.decode_final == "mean" else "x0_hat"].index_select(0, index)
         if self.prompted[done].any():  # the prompt's latents exactly at the prompt's positions
             latents = torch.where(s["prefix_mask"].index_select(0, index)[..., None], s["prefix"].index_select(0, index), latents)
-        finished: list[SampleState] = [self.owner[slot] for slot in done.tolist()]  # type: ignore[misc]
+        finished: list[SampleState] = [self.owner[slot] for slot in done.tolist()]
         for i, state in enumerate(finished):
             state.latent = latents[i, : state.length]
         self.release(finished)
@@ -411,7 +411,10 @@ class SlotTable:
 
 
 def _rows(inputs: StepInputs, pos: Tensor) -> StepInputs:
-    """``inputs`` at the rows ``pos`` (batch-first tensors; the t_prev as well)."""
-    pick: Callable[[Tensor | None], Tensor | None] = lambda v: None if v is None else v.index_select(0, pos)  # noqa: E731
-    return replace(inputs, x=pick(inputs.x), t=pick(inputs.t), t_next=pick(inputs.t_next), x0_prev=pick(inputs.x0_prev),
-                   mask=pick(inputs.mask), t_prev=pick(inputs.t_prev))  # fmt: skip
+    """``inputs`` at the rows ``pos`` (batch-first tensors; the mask and t_prev where there are)."""
+
+    def pick(value: Tensor | None) -> Tensor | None:
+        return None if value is None else value.index_select(0, pos)
+
+    x, t, t_next, x0_prev = (v.index_select(0, pos) for v in (inputs.x, inputs.t, inputs.t_next, inputs.x0_prev))
+    return replace(inputs, x=x, t=t, t_next=t_next, x0_prev=x0_prev, mask=pick(inputs.mask), t_prev=pick(inputs.t_prev))

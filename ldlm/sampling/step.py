@@ -14,7 +14,7 @@ from torch import Tensor
 from ldlm.sampling.samplers import Sampler
 from ldlm.sampling.schedule import StepSchedule, TangentSchedule
 
-DenoiseFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (x_t, t, x0_prev, mask) -> x0_hat
+DenoiseFn = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]  # (x_t, t, x0_prev, mask or None: no padding) -> x0_hat
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class StepInputs:
     t: Tensor  # (B,)
     t_next: Tensor  # (B,)
     x0_prev: Tensor  # (B, L, D) the self-conditioning input
-    mask: Tensor  # (B, L) bool, True at real positions
+    mask: Tensor | None  # (B, L) bool, True at real positions; None: every position is real (no padding)
     past_x0: tuple[Tensor, ...] = ()  # sampler.history entries, each (B, L, D), most recent first
     past_lam: tuple[Tensor, ...] = ()  # their log-SNR, each (B,) float64, NaN where a sample has no such step
     noise: Tensor | None = None  # (B, L, D) the stochastic sampler's draw for this step

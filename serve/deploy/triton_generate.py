@@ -106,7 +106,7 @@ class TritonPythonModel:
         mask = np.ones((plan.n, plan.length), dtype=np.int64)
         chunk = self.bls_max_batch or plan.n
 
-        def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor, _: torch.Tensor | None) -> torch.Tensor:
             # t is a per-sample scalar: config.pbtxt declares dims [1] (reshaped to [] for the model)
             feed = {
                 "x_t": x_t.float().numpy(),

@@ -54,6 +54,7 @@ def test_a_mixed_batch_advances_each_sample_as_it_would_alone() -> None:
     weight = torch.randn(d, d, generator=gen, dtype=torch.float64) / 3
 
     def denoise(x_t, t, x0_prev, mask):  # position-wise, so padding cannot leak into real rows
+        mask = torch.ones(x_t.shape[:2], dtype=torch.bool) if mask is None else mask  # None: no padding
         return torch.tanh(x_t @ weight + 0.5 * x0_prev + t[:, None, None]) * mask[..., None]
 
     # two of each multistep sampler, at other steps and lengths: each row's past is its own
@@ -93,6 +94,7 @@ def test_samples_that_join_late_pause_and_reuse_slots_keep_their_numbers() -> No
     weight = torch.randn(d, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64) / 3
 
     def denoise(x_t, t, x0_prev, mask):
+        mask = torch.ones(x_t.shape[:2], dtype=torch.bool) if mask is None else mask  # None: no padding
         return torch.tanh(x_t @ weight + 0.5 * x0_prev + t[:, None, None]) * mask[..., None]
 
     def state(engine: SamplingEngine, seed: int, name: str, steps: int, n: int):

@@ -19,6 +19,7 @@ WEIGHT = torch.randn(CONFIG.d_model, CONFIG.d_model, generator=torch.Generator()
 
 
 def denoise(x_t, t, x0_prev, mask):  # position-wise, so padding cannot leak into real rows
+    mask = torch.ones(x_t.shape[:2], dtype=torch.bool) if mask is None else mask  # None: no padding
     return torch.tanh(x_t @ WEIGHT + 0.5 * x0_prev + t[:, None, None]) * mask[..., None]
 
 

@@ -28,6 +28,7 @@ def prompted_or_blind(cond: float, blind: float):
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def denoise(x_t, t, x0_prev, mask):
+        mask = torch.ones(x_t.shape[:2], dtype=torch.bool) if mask is None else mask  # None: no padding
         calls.append((x_t.clone(), mask.clone()))
         value = torch.where(mask[:, :1, None], torch.tensor(cond), torch.tensor(blind))
         return value.expand(x_t.shape).clone()
@@ -36,6 +37,7 @@ def prompted_or_blind(cond: float, blind: float):
 
 
 def mixing(x_t, t, x0_prev, mask):
+    mask = torch.ones(x_t.shape[:2], dtype=torch.bool) if mask is None else mask  # None: no padding
     """A denoiser where every position reads the mean of the row's real positions (as attention does)."""
     weights = mask[..., None].to(x_t.dtype)
     mean = (x_t * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ldlm.model.config import preset
@@ -32,15 +33,11 @@ def denoise(x_t, t, x0_prev, mask):  # one op: the step's own work is what is co
     return x0_prev.neg()
 
 
-def step_ops(sampler: str, batch: int, fused: bool) -> Counter[str]:
-    """The ops of the third step of ``batch`` samples of 2 lengths in one table (the past filled by then)."""
+def step_ops(sampler: str, batch: int, fused: bool, length: int) -> Counter[str]:
+    """The ops of the third step of ``batch`` samples of ``length`` positions in a table of 16 (the past filled by then)."""
     engine = SamplingEngine(TangentSchedule())
     table = engine.table(16)
-    states = []
-    for length, n in ((16, (batch + 1) // 2), (11, batch // 2)):
-        if n:
-            states += engine.start(resolve(GenerateRequest(n, length, 20, length, sampler), CONFIG), 8)
-    table.run(states)
+    table.run(engine.start(resolve(GenerateRequest(batch, length, 20, 3, sampler), CONFIG), 8))
     run = (lambda: table.step_fused(fused_step(denoise))) if fused else (lambda: table.step(denoise))
     for _ in range(2):
         run()
@@ -49,8 +46,29 @@ def step_ops(sampler: str, batch: int, fused: bool) -> Counter[str]:
     return counted.ops
 
 
+@pytest.mark.parametrize("length", [16, 11], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("sampler", ["ddim", CONFIG.default_sampler])
-def test_a_step_runs_the_same_ops_at_batch_1_and_48(sampler: str, fused: bool) -> None:
-    one, many = step_ops(sampler, 1, fused), step_ops(sampler, 48, fused)
+def test_a_step_runs_the_same_ops_at_batch_1_and_48(sampler: str, fused: bool, length: int) -> None:
+    one, many = step_ops(sampler, 1, fused, length), step_ops(sampler, 48, fused, length)
     assert one == many, f"ops that grow with the batch: {(many - one) + (one - many)}"
+
+
+def test_an_unpadded_step_passes_no_mask_so_attention_may_take_flash_kernels() -> None:
+    """None where every running row fills the table's length; a mask as soon as one row is shorter, or guided."""
+    engine, masks = SamplingEngine(TangentSchedule()), []
+
+    def recording(x_t, t, x0_prev, mask):  # type: ignore[no-untyped-def]
+        masks.append(mask)
+        return x0_prev
+
+    full = engine.start(resolve(GenerateRequest(2, 16, 9, 1, "ddim"), CONFIG), 8)
+    short = engine.start(resolve(GenerateRequest(1, 12, 9, 2, "ddim"), CONFIG), 8)
+    guided = engine.start(resolve(GenerateRequest(1, 16, 9, 3, "ddim", prompt_strength=2.0), CONFIG), 8, torch.zeros(3, 8))
+    table = engine.table(16)
+    for running in (full, full + short, full, full + guided):
+        table.run(running)
+        table.step(recording)
+    assert masks[0] is None and masks[2] is None
+    assert masks[1].tolist() == [[True] * 16] * 2 + [[True] * 12 + [False] * 4]
+    assert masks[3].shape == (4, 16) and not masks[3][3, :3].any()  # the guided row's blind copy: the prompt out
