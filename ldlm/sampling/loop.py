@@ -30,7 +30,6 @@ sample and step. What it buys on the reference checkpoint is in docs/sampling.md
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -41,7 +40,7 @@ from ldlm.sampling.noise import BatchNoiseRows, NoiseSource, NoiseStream, sample
 from ldlm.sampling.request import SamplingPlan
 from ldlm.sampling.samplers import Sampler, get_sampler
 from ldlm.sampling.schedule import TangentSchedule
-from ldlm.sampling.slots import SlotTable
+from ldlm.sampling.slots import SampleState, SlotTable
 from ldlm.sampling.step import DenoiseFn, FusedStepFn, StepInputs, StepOutputs, fused_step, sampler_update
 
 __all__ = [
@@ -57,41 +56,6 @@ __all__ = [
     "run_sampler",
     "sampler_update",
 ]
-
-
-@dataclass(eq=False)  # a sample is itself, not its values (and tensors have no truth value)
-class SampleState:
-    """One sample: what it was started with, and where its running state lives (a ``SlotTable``'s slot)."""
-
-    sampler: Sampler
-    times: Tensor  # (steps + 1,) on the host, in the state's dtype: a step's times are read there (SlotTable)
-    noise: NoiseSource  # the prior came from it; the sde sampler draws from it every step
-    prior: Tensor  # (L, D) the state at t = 1
-    prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
-    prefix_noise: NoiseSource | None = None  # the forward noise of the inpainted prefix
-    guidance: Tensor | None = None  # (L, 1) a guided prompt's weights: 1 at the prompt's positions, w after
-    watch: int = 0  # its x0_hat is looked at every this many steps (previews; SlotTable.due); 0: never
-    table: SlotTable | None = None  # where its state lives while it is admitted
-    slot: int = -1
-    final_step: int = 0  # the steps it had taken when it left its table
-    latent: Tensor | None = None  # (L, D) what is decoded, once it reached t_min (SamplingEngine.latent)
-
-    @property
-    def length(self) -> int:
-        return self.prior.shape[0]
-
-    @property
-    def steps(self) -> int:
-        return len(self.times) - 1
-
-    @property
-    def step(self) -> int:
-        """Steps taken so far."""
-        return int(self.table.k[self.slot]) if self.table is not None else self.final_step
-
-    @property
-    def done(self) -> bool:
-        return self.step == self.steps
 
 
 class SamplingEngine:
@@ -153,7 +117,7 @@ class SamplingEngine:
 
     def table(self, length: int) -> SlotTable:
         """An empty persistent batch for samples of up to ``length`` positions (a length bucket)."""
-        return SlotTable(self, length)
+        return SlotTable(self.schedule, length, self.device, self.decode_final)
 
     @staticmethod
     def latent(state: SampleState) -> Tensor:

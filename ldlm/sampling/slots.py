@@ -26,23 +26,55 @@ numbers do not depend on the bucket or the other rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ldlm.sampling.noise import to_device
+from ldlm.model.config import DecodeFinal
+from ldlm.sampling.noise import NoiseSource, to_device
 from ldlm.sampling.samplers import SAMPLERS_BY_NAME, Sampler
-from ldlm.sampling.schedule import forward_noise
+from ldlm.sampling.schedule import TangentSchedule, forward_noise
 from ldlm.sampling.step import DenoiseFn, FusedStepFn, StepInputs, StepOutputs, sampler_update
-
-if TYPE_CHECKING:  # loop.py imports this module
-    from ldlm.sampling.loop import SampleState, SamplingEngine
 
 HISTORY = max(s.history for s in SAMPLERS_BY_NAME.values())  # past x0_hat kept per slot: the most any sampler reads
 FIRST_CAPACITY = 8
+
+
+@dataclass(eq=False)  # a sample is itself, not its values (and tensors have no truth value)
+class SampleState:
+    """One sample: what it was started with, and where its running state lives (a ``SlotTable``'s slot)."""
+
+    sampler: Sampler
+    times: Tensor  # (steps + 1,) on the host, in the state's dtype: a step's times are read there (SlotTable)
+    noise: NoiseSource  # the prior came from it; the sde sampler draws from it every step
+    prior: Tensor  # (L, D) the state at t = 1
+    prefix: Tensor | None = None  # (P, D) prompt latents to inpaint
+    prefix_noise: NoiseSource | None = None  # the forward noise of the inpainted prefix
+    guidance: Tensor | None = None  # (L, 1) a guided prompt's weights: 1 at the prompt's positions, w after
+    watch: int = 0  # its x0_hat is looked at every this many steps (previews; SlotTable.due); 0: never
+    table: SlotTable | None = None  # where its state lives while it is admitted
+    slot: int = -1
+    final_step: int = 0  # the steps it had taken when it left its table
+    latent: Tensor | None = None  # (L, D) what is decoded, once it reached t_min (SamplingEngine.latent)
+
+    @property
+    def length(self) -> int:
+        return self.prior.shape[0]
+
+    @property
+    def steps(self) -> int:
+        return len(self.times) - 1
+
+    @property
+    def step(self) -> int:
+        """Steps taken so far."""
+        return int(self.table.k[self.slot]) if self.table is not None else self.final_step
+
+    @property
+    def done(self) -> bool:
+        return self.step == self.steps
 
 
 @dataclass(frozen=True)
@@ -74,9 +106,13 @@ class _Layout:
 class SlotTable:
     """The persistent state of the samples of one row length (see the module's docstring)."""
 
-    def __init__(self, engine: SamplingEngine, length: int) -> None:
-        self.engine = engine
+    def __init__(
+        self, schedule: TangentSchedule, length: int, device: torch.device | str = "cpu", decode_final: DecodeFinal = "mean"
+    ) -> None:
+        self.schedule = schedule
         self.length = length
+        self.device = torch.device(device)
+        self.decode_final = decode_final
         self.capacity = 0
         self.state: dict[str, Tensor] = {}  # per slot, batch first
         self.owner: list[SampleState | None] = []
@@ -162,7 +198,7 @@ class SlotTable:
             rows = inputs if group.pos is None else _rows(inputs, group.pos)
             group_x0 = x0_hat if group.pos is None else x0_hat[group.pos]
             group_inputs, past = self._group_inputs(group, rows)
-            self._store(group, sampler_update(group.sampler, self.engine.schedule, group_inputs, group_x0), past)
+            self._store(group, sampler_update(group.sampler, self.schedule, group_inputs, group_x0), past)
         return self._advance(layout)
 
     def step_fused(self, fused: FusedStepFn) -> list[SampleState]:
@@ -179,7 +215,7 @@ class SlotTable:
         group = layout.groups[0]
         inputs, past = self._group_inputs(group, self._inputs(layout))
         try:
-            out = fused(group.sampler, self.engine.schedule, inputs)
+            out = fused(group.sampler, self.schedule, inputs)
         except Exception:
             self._held.update(self._drawn)  # the step is not taken: whatever runs it again must draw the same noise
             raise
@@ -195,7 +231,7 @@ class SlotTable:
 
     def rows(self, name: str, states: list[SampleState]) -> Tensor:
         """Copies of ``states``' rows of one state tensor (``x0_hat``, ``x_mean``, ``mask``, ...), in their order."""
-        index = to_device(torch.tensor([s.slot for s in states]), self.engine.device)
+        index = to_device(torch.tensor([s.slot for s in states]), self.device)
         return self.state[name].index_select(0, index)
 
     # --- the step's parts -------------------------------------------------------------------------
@@ -206,7 +242,7 @@ class SlotTable:
         k = self.k[slots]
         self._drawn = {}
         times = np.stack([self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]])
-        t, t_next, t_prev = to_device(torch.from_numpy(times), self.engine.device)  # one copy, in the state's dtype
+        t, t_next, t_prev = to_device(torch.from_numpy(times), self.device)  # one copy, in the state's dtype
         if len(layout.prompted):
             self._inpaint(layout, t if layout.prompted_pos is None else t.index_select(0, layout.prompted_pos))
         s = self.state
@@ -248,9 +284,9 @@ class SlotTable:
         done = slots[self.k[slots] >= self.steps[slots]]
         if not len(done):
             return []
-        index = to_device(torch.from_numpy(done), self.engine.device)
+        index = to_device(torch.from_numpy(done), self.device)
         s = self.state
-        latents = s["x_mean" if self.engine.decode_final == "mean" else "x0_hat"].index_select(0, index)
+        latents = s["x_mean" if self.decode_final == "mean" else "x0_hat"].index_select(0, index)
         if self.prompted[done].any():  # the prompt's latents exactly at the prompt's positions
             latents = torch.where(s["prefix_mask"].index_select(0, index)[..., None], s["prefix"].index_select(0, index), latents)
         finished: list[SampleState] = [self.owner[slot] for slot in done.tolist()]
@@ -270,14 +306,14 @@ class SlotTable:
         """x_t of the prompted slots with the prompt's positions reset to its latents forward-noised to t."""
         slots, s = layout.prompted_slots, self.state
         draws = [self._draw("prefix", slot) for slot in layout.slots_np[layout.prompted].tolist()]
-        noise = self._pad(draws).to(self.engine.device)
-        noised = forward_noise(self.engine.schedule, s["prefix"].index_select(0, slots), t, noise)  # type: ignore[arg-type]
+        noise = self._pad(draws).to(self.device)
+        noised = forward_noise(self.schedule, s["prefix"].index_select(0, slots), t, noise)  # type: ignore[arg-type]
         x = torch.where(s["prefix_mask"].index_select(0, slots)[..., None], noised.to(self.dtype), s["x"].index_select(0, slots))  # type: ignore[arg-type]
         s["x"].index_copy_(0, slots, x)  # type: ignore[arg-type]
 
     def _noise(self, slots: np.ndarray) -> Tensor:
         """This step's noise of each of ``slots`` (the stochastic sampler's)."""
-        return self._pad([self._draw("noise", slot) for slot in slots.tolist()]).to(self.engine.device, self.dtype)
+        return self._pad([self._draw("noise", slot) for slot in slots.tolist()]).to(self.device, self.dtype)
 
     def _draw(self, stream: str, slot: int) -> Tensor:
         """The next draw of a slot's ``stream`` ("noise" or the prompt's "prefix"): a failed fused step's held
@@ -302,7 +338,7 @@ class SlotTable:
 
     def _make_layout(self) -> _Layout:
         """Index tensors of the running set: its slots, its sampler groups, its prompted and guided rows."""
-        device, slots = self.engine.device, self._running
+        device, slots = self.device, self._running
         codes = self.codes[slots]
         groups = []
         for code in np.unique(codes).tolist():
@@ -346,7 +382,7 @@ class SlotTable:
 
     def _grow(self, capacity: int, d_model: int) -> None:
         old, self.capacity = self.capacity, capacity
-        length, dtype, device = self.length, self.dtype, self.engine.device
+        length, dtype, device = self.length, self.dtype, self.device
         shapes: dict[str, tuple[tuple[int, ...], torch.dtype, float | bool]] = {
             **{n: ((length, d_model), dtype, 0.0) for n in ("x", "x_mean", "x0_hat", "x0_prev", "x_prev", "prefix")},  # type: ignore[misc]
             "past_x0": ((HISTORY, length, d_model), dtype, 0.0),  # type: ignore[dict-item]
@@ -371,9 +407,9 @@ class SlotTable:
 
     def _write_rows(self, states: list[SampleState], slots: list[int]) -> None:
         """The device state of new samples at step 0: the prior, empty self-conditioning, no past."""
-        s, device = self.state, self.engine.device
+        s, device = self.state, self.device
         index = to_device(torch.tensor(slots), device)
-        prior = self._pad([st.prior for st in states]).to(self.engine.device)
+        prior = self._pad([st.prior for st in states]).to(self.device)
         for name in ("x", "x_mean"):
             s[name].index_copy_(0, index, prior)
         for name in ("x0_hat", "x0_prev", "x_prev", "past_x0", "prefix", "guidance"):

@@ -124,8 +124,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "scheduler-decodes-wrong-latent",
         "ldlm.sampling.slots:SlotTable._advance",
-        's["x_mean" if self.engine.decode_final == "mean" else "x0_hat"]',
-        's["x0_hat" if self.engine.decode_final == "mean" else "x_mean"]',
+        's["x_mean" if self.decode_final == "mean" else "x0_hat"]',
+        's["x0_hat" if self.decode_final == "mean" else "x_mean"]',
         ("tests/ldlm/sampling/test_loop.py", "tests/serve/runtime/test_scheduler_values.py", "tests/serve/runtime/test_scheduler.py"),
         "served generations differ from the pipeline's",
     ),
