@@ -215,7 +215,7 @@ def push_past(past: Past, x0_hat: Tensor, lam: Tensor, keep: int) -> list[tuple[
 def _bcast(values: Tensor, like: Tensor) -> Tensor:
     """(B,) float64 or bool -> (B, 1, 1) in ``like``'s dtype (bool stays bool)."""
     out = per_sample(values)
-    return out if out.dtype == torch.bool else out.to(like.dtype)
+    return out if out.dtype in (torch.bool, like.dtype) else out.to(like.dtype)
 
 
 def sde_step(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: Tensor, t_next: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:

@@ -135,5 +135,5 @@ def predicted_noise(schedule: TangentSchedule, x_t: Tensor, x0_hat: Tensor, t: T
 
 
 def per_sample(values: Tensor) -> Tensor:
-    """(B,) -> (B, 1, 1): one value per sample, broadcast over its (L, D) positions."""
-    return values[:, None, None]
+    """(B,) -> (B, 1, 1): one value per sample, broadcast over its (L, D) positions (one view, not two indexings)."""
+    return values.view(-1, 1, 1)
