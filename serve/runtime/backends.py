@@ -137,11 +137,12 @@ class BackendGraphs:
 
     def _with_mask(self, graph: str, feed: dict[str, Tensor], mask: Tensor | None, like: Tensor) -> dict[str, Tensor]:
         """``feed`` and its attention_mask. ``mask`` None (every position of every row real) leaves it out for a
-        GraphBackend (``graph_backend.MASK``: torch's then run attention with no mask, which SDPA's flash kernels
-        need; the others fill in ones) and gives any other runner (a batcher) ones on the host, as it takes arrays."""
+        runner of device tensors (``run_tensors``, ``graph_backend.MASK``: a torch backend then runs attention with no
+        mask, which SDPA's flash kernels need) and gives any other runner (ONNX Runtime, a batcher) ones on the host,
+        as it takes every input its graph declares."""
         if mask is not None:
             return {**feed, MASK: mask.long()}
-        if isinstance(self.graphs[graph], GraphBackend):
+        if hasattr(self.graphs[graph], "run_tensors"):
             return feed
         return {**feed, MASK: torch.ones(like.shape[:2], dtype=torch.int64)}
 

@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 NUMPY_DTYPES = {"FLOAT": np.float32, "INT64": np.int64, "FLOAT16": np.float16, "INT32": np.int32, "BOOL": np.bool_}
-# The one input a caller may leave out: no attention_mask means every position of every row is real. ``run`` (and
-# so ONNX Runtime and TensorRT's host path) fills in an all-ones mask; the torch backends' ``run_tensors`` then run
-# attention with no mask at all, so SDPA may take its flash kernels; TensorRT's builds an all-ones one on its GPU.
+# The one input a caller of ``run_tensors`` (the sampling loop's denoiser, through BackendGraphs) may leave out: no
+# attention_mask means every position of every row is real. The torch backends then run attention with no mask at
+# all, so SDPA may take its flash kernels; TensorRT's builds an all-ones one on its GPU. ``run`` (the arrays a client
+# sends, KServe's infer) takes every input the graph declares, as its metadata says.
 MASK = "attention_mask"
 
 
@@ -49,29 +50,25 @@ class GraphBackend(ABC):
         return contextlib.nullcontext()
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
-        """Names, dtypes and shapes against the contract; a consistent batch and sequence length. A left-out
-        ``attention_mask`` comes back as all ones (every position real), so every backend's ``_run`` gets one."""
-        self._check_names(inputs)
+        """Names, dtypes and shapes against the contract (every input the graph declares); a consistent batch and
+        sequence length."""
+        self._check_names(inputs, mask_optional=False)
         arrays: dict[str, np.ndarray] = {}
         sizes: dict[str, int] = {}
         for spec in self.inputs:
             name = spec["name"]
-            if name not in inputs:  # the mask, left out
-                continue
             value = inputs[name]
             array = value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
             dtype = NUMPY_DTYPES[spec["dtype"]]
             self._check_one(spec, array.dtype.kind, str(array.dtype), tuple(array.shape), sizes)
             arrays[name] = np.ascontiguousarray(array, dtype=dtype)
         self._check_sizes(sizes)
-        if MASK in self.input_names and MASK not in arrays:
-            arrays[MASK] = np.ones(self.mask_shape(arrays), dtype=np.int64)
         return arrays
 
     def check_tensors(self, inputs: Mapping[str, Tensor]) -> None:
         """``check_inputs`` for torch tensors on any device: shapes and dtypes only, no copy to the host. The
         mask may be left out; the caller decides what that means (``MASK``)."""
-        self._check_names(inputs)
+        self._check_names(inputs, mask_optional=True)
         sizes: dict[str, int] = {}
         for spec in self.inputs:
             if spec["name"] not in inputs:  # the mask, left out
@@ -81,14 +78,15 @@ class GraphBackend(ABC):
             self._check_one(spec, kind, str(value.dtype).removeprefix("torch."), tuple(value.shape), sizes)
         self._check_sizes(sizes)
 
-    def _check_names(self, inputs: Mapping[str, Any]) -> None:
-        """Exactly the graph's inputs, where ``attention_mask`` alone may be left out (``MASK``)."""
-        missing = [n for n in self.input_names if n not in inputs and n != MASK]
+    def _check_names(self, inputs: Mapping[str, Any], mask_optional: bool) -> None:
+        """Exactly the graph's inputs, where with ``mask_optional`` ``attention_mask`` may be left out (``MASK``)."""
+        missing = [n for n in self.input_names if n not in inputs and not (mask_optional and n == MASK)]
         unknown = [n for n in inputs if n not in self.input_names]
         if missing or unknown:
+            optional = mask_optional and MASK in self.input_names
             raise BackendError(
                 f"{self.graph}: inputs {sorted(inputs)} do not match; allowed: exactly {self.input_names}"
-                + (f" ({MASK} may be left out: every position real)" if MASK in self.input_names else "")
+                + (f" ({MASK} may be left out: every position real)" if optional else "")
             )
 
     def mask_shape(self, inputs: Mapping[str, Any]) -> tuple[int, int]:

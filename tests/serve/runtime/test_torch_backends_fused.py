@@ -104,7 +104,7 @@ def test_fused_steps_pad_lengths_below_the_bucket(compiled: tuple[CompiledBacken
             tables[0].step(BackendGraphs({"denoiser": backend}).denoise)
             tables[1].step_fused(steps)
             assert_tables_equal(*tables, exact=True, message=f"table {length}, step {k}")
-    assert sorted(key[:2] for key in steps.prepared) == [(1, 16)]
+    assert {key[:2] for key in steps.prepared} == {(1, 16)}  # one bucket (prepared with its mask, and without for the full table)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
