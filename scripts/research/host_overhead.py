@@ -13,13 +13,13 @@ denoiser call: the steps are counted and timed there.
 
 Per (path, sampler, batch): exactly ``batch`` samples of length 16 step together (the scheduler: ``batch``
 requests of --per-request samples and 100000 steps each, all queued before its worker starts, with max_batch =
-batch; lockstep: one plan of ``batch`` samples), and after 8 warm-up steps:
+batch; lockstep: one plan of ``batch`` samples), and after 5 warm-up steps:
 
-- op counts, from torch.profiler (CPU, every thread) over 6 steps, from one stub call to the one 6 steps later
-  (a marker recorded in the stub), on the thread that steps: ``torch_ops_per_step`` counts the dispatcher's
-  ``aten::`` ops at top level (not nested in another aten op, so a composite op counts once, not once per op it
-  calls); ``kernel_ops_per_step`` those of them that would launch a GPU kernel: the op or an op nested in it is
-  not in ``NO_KERNEL_OPS`` (views, metadata, allocations, and wrappers such as aten::to, clone, reshape or
+- op counts, from torch.profiler (CPU, every thread) over 6 steps on the thread that steps, each step from one stub
+  call to the next (a marker recorded in the stub), the median step's: ``torch_ops_per_step`` counts the
+  dispatcher's ``aten::`` ops at top level (not nested in another aten op, so a composite op counts once, not once
+  per op it calls); ``kernel_ops_per_step`` those of them that would launch a GPU kernel: the op or an op nested in
+  it is not in ``NO_KERNEL_OPS`` (views, metadata, allocations, and wrappers such as aten::to, clone, reshape or
   contiguous, which launch one only through a nested copy_); ``syncs_per_step`` those that wait for the device
   (``SYNC_OPS``: aten::item and the like). For the fused path, ``in_graph_*_per_step``: those of them inside
   ``FusedSteps.run``, the part of a fused step a CUDA graph captures: on a GPU one replay launches them and the
@@ -28,6 +28,10 @@ batch; lockstep: one plan of ``batch`` samples), and after 8 warm-up steps:
 - ``host_ms_per_step_p50``: a separate window without the profiler (--window-s, 10 to 400 steps): the wall time
   between the first and the last stub call over the steps between, median over --repeats runs. One intra-op
   thread (--threads), so the figure is the host's, not a thread pool's.
+- fused rows: ``in_graph_ms_per_step_p50``, the time inside ``FusedSteps.run`` in that window, and
+  ``host_ms_outside_graph_p50``, the rest: the host's work per step where a CUDA graph replays the in-graph part.
+- ``mean_batch``: samples per denoiser call over that window (the scheduler's ``samples_stepped`` over its
+  ``denoiser_calls``): ``batch`` where every sample ran every step.
 
 Each repeat runs in a fresh worker process (this script with a hidden --worker). With --against REV the same
 rows are measured for git revision REV's code too (a git worktree, fixed_costs.py's ``revision_tree``, its three
@@ -45,6 +49,7 @@ import collections
 import contextlib
 import dataclasses
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
@@ -60,7 +65,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import Tensor
-    from torch.autograd.profiler_util import FunctionEvent
 
     from ldlm.pipeline import LDLMPipeline
     from ldlm.sampling import DenoiseFn
@@ -73,7 +77,7 @@ PATHS = ("scheduler unfused", "scheduler fused", "lockstep")
 SAMPLERS = ("ddim", "dpm3m-psc")
 LENGTH = 16
 REQUEST_STEPS = 100_000  # a scheduler without limits takes any count: no request finishes while it is measured
-WARMUP_STEPS = 8  # past the samplers' history (dpm3m keeps 3 steps): every step after is alike
+WARMUP_STEPS = 5  # past the samplers' history (dpm3m keeps 3 steps, its corrector 1): every step after is alike
 PROFILE_STEPS = 6
 MIN_TIMED_STEPS, MAX_TIMED_STEPS = 10, 400
 TIMEOUT_S = 120.0  # for steps that should come within seconds
@@ -125,19 +129,20 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 class NetworkStub:
     """``CompiledBackend._module_outputs`` without the network: every output is the x0_prev input, and no op
-    runs. Each call (one denoiser call) is stamped, marked in a running profile while ``marking``, and wakes
-    ``wait_for``'s caller once the count it waits for is reached."""
+    runs. Each call (one denoiser call) is stamped, marked in a running profile while ``marking``, and tells
+    ``wait_for``'s caller; from call ``park_at`` on, the stepping thread waits in the stub (``hold``, ``release``)."""
 
     def __init__(self, output_names: Sequence[str]) -> None:
         self.outputs = len(output_names)
         self.stamps: list[float] = []
         self.marking = False
-        self.until = 0
-        self.reached = threading.Event()
+        self.park_at: int | None = None
+        self.parked = False
+        self.changed = threading.Condition()
 
     def reset(self) -> NetworkStub:
         """No calls yet: the stamps start again."""
-        self.stamps, self.until = [], 0
+        self.stamps = []
         return self
 
     def __call__(self, tensors: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
@@ -147,22 +152,32 @@ class NetworkStub:
         if self.marking:
             with torch.profiler.record_function(MARKER):
                 pass
-        if len(self.stamps) >= self.until:
-            self.reached.set()
+        with self.changed:
+            self.changed.notify_all()
+            while self.park_at is not None and len(self.stamps) >= self.park_at:
+                self.parked = True
+                self.changed.wait()
+            self.parked = False
         return (tensors["x0_prev"],) * self.outputs
 
     def wait_for(self, calls: int, timeout_s: float) -> bool:
         """Whether ``calls`` calls were made within ``timeout_s``."""
-        deadline = time.perf_counter() + timeout_s
-        self.until = calls
-        while len(self.stamps) < calls:
-            self.reached.clear()
-            if len(self.stamps) >= calls:
-                break
-            left = deadline - time.perf_counter()
-            if left <= 0 or not self.reached.wait(left):
-                return len(self.stamps) >= calls
-        return True
+        with self.changed:
+            return self.changed.wait_for(lambda: len(self.stamps) >= calls, timeout_s)
+
+    def hold(self, calls: int) -> None:
+        """Let the stepping thread make ``calls`` more calls, from where it runs or waits, then wait in the stub;
+        returns once it waits there (nothing of it runs while a profile starts or stops)."""
+        with self.changed:
+            self.park_at = len(self.stamps) + calls
+            self.changed.notify_all()
+            if not self.changed.wait_for(lambda: self.parked and len(self.stamps) >= self.park_at, TIMEOUT_S):  # type: ignore[operator]
+                raise RuntimeError(f"the stepping thread made {len(self.stamps)} calls, not {self.park_at}, in {TIMEOUT_S} s")
+
+    def release(self) -> None:
+        with self.changed:
+            self.park_at = None
+            self.changed.notify_all()
 
 
 @dataclasses.dataclass
@@ -195,8 +210,35 @@ def build_stack() -> Stack:
     return Stack(pipeline, backend, graphs.denoise, stub)
 
 
-def profiled(stub: NetworkStub, run: Callable[[], Any]) -> list[FunctionEvent]:
-    """The events of every thread while ``run`` runs, the stub marking each denoiser call."""
+@dataclasses.dataclass(eq=False)
+class Event:
+    """One recorded op or range on one thread (ns), and what it encloses."""
+
+    name: str
+    start: int
+    end: int
+    thread: int
+    parent: Event | None = None
+    children: list[Event] = dataclasses.field(default_factory=list)
+
+
+def nest(events: Iterable[Event]) -> list[Event]:
+    """``events`` with their parents and children: on one thread, what an op calls opens and closes inside it."""
+    ordered = sorted(events, key=lambda e: (e.thread, e.start, -e.end))
+    open_events: list[Event] = []
+    for event in ordered:
+        while open_events and (open_events[-1].thread != event.thread or open_events[-1].end <= event.start):
+            open_events.pop()
+        if open_events:
+            event.parent = open_events[-1]
+            event.parent.children.append(event)
+        open_events.append(event)
+    return ordered
+
+
+def profiled(stub: NetworkStub, run: Callable[[], Any]) -> list[Event]:
+    """The events of every thread while ``run`` runs, the stub marking each denoiser call. Read from the profile's
+    raw (Kineto) events: parsed into FunctionEvents, the 60000 events of a few steps at batch 256 take seconds."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -207,22 +249,23 @@ def profiled(stub: NetworkStub, run: Callable[[], Any]) -> list[FunctionEvent]:
             run()
         finally:
             stub.marking = False
-    return list(profiler.events())
+    raw = profiler.profiler.kineto_results.events()  # type: ignore[union-attr]
+    return nest(Event(e.name(), e.start_ns(), e.start_ns() + e.duration_ns(), e.start_thread_id()) for e in raw)
 
 
-def subtree(event: FunctionEvent) -> Iterator[str]:
+def subtree(event: Event) -> Iterator[str]:
     yield event.name
-    for child in event.cpu_children:
+    for child in event.children:
         yield from subtree(child)
 
 
-def nested_in(event: FunctionEvent, within: Callable[[str], bool]) -> bool:
+def nested_in(event: Event, within: Callable[[str], bool]) -> bool:
     """Whether an event that encloses ``event`` has a name ``within`` takes."""
-    parent = event.cpu_parent
+    parent = event.parent
     while parent is not None:
         if within(parent.name):
             return True
-        parent = parent.cpu_parent
+        parent = parent.parent
     return False
 
 
@@ -230,28 +273,32 @@ def is_aten(name: str) -> bool:
     return name.startswith("aten::")
 
 
-def op_counts(ops: Sequence[FunctionEvent], steps: int, prefix: str = "") -> dict[str, float]:
-    """Top-level ``ops`` per step, and those of them that launch a kernel or wait for the device."""
+def op_counts(ops: Sequence[Event], prefix: str = "") -> dict[str, int]:
+    """Top-level ``ops``, and those of them that launch a kernel or wait for the device."""
     kernels = sum(any(is_aten(n) and n not in NO_KERNEL_OPS for n in subtree(e)) for e in ops)
     syncs = sum(any(n in SYNC_OPS for n in subtree(e)) for e in ops)
-    counts = {"torch_ops_per_step": len(ops), "kernel_ops_per_step": kernels, "syncs_per_step": syncs}
-    return {prefix + name: round(count / steps, 2) for name, count in counts.items()}
+    return {f"{prefix}torch_ops_per_step": len(ops), f"{prefix}kernel_ops_per_step": kernels, f"{prefix}syncs_per_step": syncs}
 
 
-def step_counts(events: Sequence[FunctionEvent], skip: int) -> dict[str, Any]:
-    """Top-level aten ops per step on the stepping thread, between the first marker after ``skip`` and the last."""
-    markers = sorted((e for e in events if e.name == MARKER), key=lambda e: e.time_range.start)[skip:]
+def step_counts(events: Sequence[Event], skip: int) -> dict[str, Any]:
+    """Top-level aten ops on the stepping thread from each marked denoiser call to the next (after ``skip``): the
+    median step's counts (a step cut by the profile's start or end may lose the ranges its ops are nested in)."""
+    markers = sorted((e for e in events if e.name == MARKER), key=lambda e: e.start)[skip:]
     if len(markers) < 2 or len({m.thread for m in markers}) != 1:
         raise RuntimeError(f"{len(markers)} denoiser calls were marked on {len({m.thread for m in markers})} threads; need >= 2 on one")
-    thread, start, end = markers[0].thread, markers[0].time_range.start, markers[-1].time_range.start
-    top = [e for e in events if e.thread == thread and is_aten(e.name) and start <= e.time_range.start < end and not nested_in(e, is_aten)]
-    steps = len(markers) - 1
-    counts: dict[str, Any] = op_counts(top, steps)
-    if any(e.name == IN_GRAPH for e in events):  # a fused step: what of it a CUDA graph replays on a GPU
-        counts |= op_counts([e for e in top if nested_in(e, IN_GRAPH.__eq__)], steps, "in_graph_")
-    by_name = collections.Counter(e.name for e in top)
-    top_ops = {name: round(count / steps, 2) for name, count in by_name.most_common(12)}
-    return counts | {"steps_profiled": steps, "top_ops_per_step": top_ops}
+    thread, starts = markers[0].thread, [m.start for m in markers]
+    top = [e for e in events if e.thread == thread and is_aten(e.name) and not nested_in(e, is_aten)]
+    fused = any(e.name == IN_GRAPH for e in events)  # a fused step: what of it a CUDA graph replays on a GPU
+    per_step = []
+    for start, end in itertools.pairwise(starts):
+        ops = [e for e in top if start <= e.start < end]
+        in_graph = op_counts([e for e in ops if nested_in(e, IN_GRAPH.__eq__)], "in_graph_") if fused else {}
+        per_step.append(op_counts(ops) | in_graph)
+    counts: dict[str, Any] = {key: float(statistics.median(step[key] for step in per_step)) for key in per_step[0]}
+    by_name = collections.Counter(e.name for e in top if starts[0] <= e.start < starts[-1])
+    top_ops = {name: round(count / len(per_step), 2) for name, count in by_name.most_common(12)}
+    steps = {"steps_profiled": len(per_step), "torch_ops_each_step": [step["torch_ops_per_step"] for step in per_step]}
+    return counts | steps | {"top_ops_per_step": top_ops}
 
 
 @contextlib.contextmanager
@@ -274,6 +321,37 @@ def in_graph_marked(steps: Any) -> Iterator[None]:
         yield
     finally:
         del steps.run
+
+
+@contextlib.contextmanager
+def in_graph_timed(steps: Any) -> Iterator[list[float]]:
+    """The seconds of each ``steps.run`` call meanwhile (the part of a fused step a CUDA graph replays on a GPU)."""
+    spent: list[float] = []
+    run = getattr(steps, "run", None)
+    if run is None:
+        yield spent
+        return
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - started)
+
+    steps.run = timed
+    try:
+        yield spent
+    finally:
+        del steps.run
+
+
+def outside_graph(row: dict[str, Any], spent: Sequence[float]) -> dict[str, Any]:
+    """A fused row's host ms per step less its in-graph part: the host's share of a step where a CUDA graph replays."""
+    if not spent:
+        return {}
+    in_graph = 1000 * statistics.mean(spent)
+    return {"in_graph_ms_per_step": round(in_graph, 4), "host_ms_outside_graph": round(row["host_ms_per_step"] - in_graph, 4)}
 
 
 def per_step_ms(stamps: Sequence[float]) -> dict[str, Any]:
@@ -329,14 +407,19 @@ def scheduler_row(stack: Stack, sampler: str, batch: int, fused: bool, options: 
             if not stub.wait_for(WARMUP_STEPS, TIMEOUT_S):
                 raise RuntimeError(f"the network stub saw {len(stub.stamps)} calls in {TIMEOUT_S} s")
             if options.profile:
+                stub.hold(1)  # the profile starts and stops while the stepping thread waits in the stub
                 with in_graph_marked(steps):
-                    row |= step_counts(profiled(stub, lambda: stub.wait_for(len(stub.stamps) + PROFILE_STEPS + 1, TIMEOUT_S)), 0)
+                    row |= step_counts(profiled(stub, lambda: stub.hold(PROFILE_STEPS + 1)), 0)
+                stub.release()
             calls, stepped = scheduler.denoiser_calls, getattr(scheduler, "samples_stepped", None)
-            row |= timed_window(stub, options.window_s)
+            with in_graph_timed(steps) as spent:
+                row |= timed_window(stub, options.window_s)
+            row |= outside_graph(row, spent)
             if stepped is not None:
                 row["mean_batch"] = round((scheduler.samples_stepped - stepped) / (scheduler.denoiser_calls - calls), 2)
             check_requests(futures, scheduler.denoiser_calls, len(stub.stamps))
         finally:
+            stub.release()
             for future in futures:
                 future.cancel()
             scheduler.close()
@@ -396,10 +479,12 @@ def worker(options: argparse.Namespace) -> int:
     for batch in options.batches:
         for sampler in options.samplers:
             for path in options.paths:
+                started = time.perf_counter()
                 row = measure_row(stack, path, sampler, batch, options)
                 rows.append(row)
                 said = row.get("error") or f"{row['host_ms_per_step']:.3f} ms/step, {row.get('torch_ops_per_step', '-')} ops/step"
-                print(f"  {options.code}: {path}, {sampler}, batch {batch}: {said}", file=sys.stderr, flush=True)
+                took = f"({time.perf_counter() - started:.1f} s)"
+                print(f"  {options.code}: {path}, {sampler}, batch {batch}: {said} {took}", file=sys.stderr, flush=True)
     Path(options.worker).write_text(json.dumps(rows))
     return 0
 
@@ -462,12 +547,19 @@ def summarize(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         errors = sorted({run["error"] for run in group if "error" in run})
         timed = [run for run in group if "error" not in run]
         counted = next((run for run in timed if "torch_ops_per_step" in run), {})
-        row |= {key: value for key, value in counted.items() if key.endswith("_per_step") or key == "steps_profiled"}
+        row |= {
+            key: value
+            for key, value in counted.items()
+            if key.endswith("_per_step") or key.startswith(("steps_profiled", "torch_ops_each"))
+        }
         row.pop("host_ms_per_step", None)
         if timed:
             ms = [run["host_ms_per_step"] for run in timed]
             row |= {"host_ms_per_step_p50": round(statistics.median(ms), 4), "host_ms_per_step": ms}
             row |= {"steps_timed": [run["steps_timed"] for run in timed], "mean_batch": timed[0].get("mean_batch")}
+            for key in ("in_graph_ms_per_step", "host_ms_outside_graph"):
+                if all(key in run for run in timed):
+                    row[f"{key}_p50"] = round(statistics.median(run[key] for run in timed), 4)
         logs = sorted({line for run in timed for line in run.get("log", [])})
         rows.append(row | ({"errors": errors} if errors else {}) | ({"log": logs} if logs else {}))
     return rows
@@ -482,7 +574,7 @@ def compare(rows: Sequence[dict[str, Any]], against: str) -> list[dict[str, Any]
         if code != "now" or then is None:
             continue
         pair: dict[str, Any] = {"path": path, "sampler": sampler, "batch": batch}
-        for key in ("torch_ops_per_step", "kernel_ops_per_step", "host_ms_per_step_p50"):
+        for key in ("torch_ops_per_step", "kernel_ops_per_step", "host_ms_per_step_p50", "host_ms_outside_graph_p50"):
             pair |= {f"{key} now": now.get(key), f"{key} {against}": then.get(key)}
         if now.get("host_ms_per_step_p50") and then.get("host_ms_per_step_p50"):
             pair["ms_now_over_against"] = round(now["host_ms_per_step_p50"] / then["host_ms_per_step_p50"], 3)
@@ -507,7 +599,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=listed(int), default=[1, 8, 64, 256], help="samples per step, comma-separated (default: 1,8,64,256)")
     p.add_argument("--samplers", type=listed(str), default=list(SAMPLERS), help=f"comma-separated (default: {','.join(SAMPLERS)})")
     p.add_argument("--paths", type=listed(str, PATHS), default=list(PATHS), help=f"comma-separated (default: {','.join(PATHS)})")
-    p.add_argument("--repeats", type=int, default=3, help="timing windows per row, each by a fresh worker process (default: 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timing windows per row, each by a fresh worker process (default: 5)")
     p.add_argument("--window-s", type=float, default=0.4, help="seconds of steps per timing window (default: 0.4)")
     p.add_argument("--per-request", type=int, default=1, help="samples per scheduler request (default: 1)")
     p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (default: 1)")
