@@ -40,6 +40,7 @@ from ldlm.sampling.step import DenoiseFn, FusedStepFn, StepInputs, StepOutputs, 
 
 HISTORY = max(s.history for s in SAMPLERS_BY_NAME.values())  # past x0_hat kept per slot: the most any sampler reads
 FIRST_CAPACITY = 8
+COEFFICIENTS = max(len(s.coefficient_names) for s in SAMPLERS_BY_NAME.values())  # columns of a slot's coefficient table
 
 
 @dataclass(eq=False)  # a sample is itself, not its values (and tensors have no truth value)
@@ -126,6 +127,7 @@ class SlotTable:
         self.prompted = np.zeros(0, dtype=bool)
         self.guided = np.zeros(0, dtype=bool)
         self.times = np.zeros((0, 1))  # each slot's grid, in the state's precision
+        self.coef = np.zeros((0, 1, COEFFICIENTS))  # each slot's steps' coefficients (Sampler.coefficient_names)
         self._running = np.zeros(0, dtype=np.int64)
         self._layout: _Layout | None = None
         self._drawn: dict[tuple[str, int], Tensor] = {}  # this step's draws, by (stream, slot)
@@ -241,40 +243,47 @@ class SlotTable:
         slots = layout.slots_np
         k = self.k[slots]
         self._drawn = {}
-        times = np.stack([self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]])
-        t, t_next, t_prev = to_device(torch.from_numpy(times), self.device)  # one copy, in the state's dtype
+        times = [self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]]
+        sent = to_device(torch.from_numpy(np.concatenate([np.stack(times), self.coef[slots, k].T])), self.device)  # one copy
+        t, t_next, t_prev, coef = sent[0], sent[1], sent[2], sent[3:].T  # coef: (B, COEFFICIENTS)
         if len(layout.prompted):
             self._inpaint(layout, t if layout.prompted_pos is None else t.index_select(0, layout.prompted_pos))
         s = self.state
         x, x0_prev = s["x"].index_select(0, layout.slots), s["x0_prev"].index_select(0, layout.slots)
         mask = None if layout.full else s["mask"].index_select(0, layout.slots)  # None: attention may take flash kernels
-        return StepInputs(x, t, t_next, x0_prev, mask, t_prev=t_prev)
+        return StepInputs(x, t, t_next, x0_prev, mask, t_prev=t_prev, coef=coef)
 
-    def _group_inputs(self, group: _Group, rows: StepInputs) -> tuple[StepInputs, tuple[Tensor, Tensor] | None]:
-        """``rows`` with what ``group``'s sampler reads of its slots: its past (zeros and a NaN lambda where a
-        sample has no such step yet), the state the corrector redoes, and this step's noise."""
+    def _group_inputs(self, group: _Group, rows: StepInputs) -> tuple[StepInputs, tuple[Tensor, Tensor | None] | None]:
+        """``rows`` with what ``group``'s sampler reads of its slots: its past x0_hat (zeros where a sample has no
+        such step yet), the state the corrector redoes, and this step's noise. Its coefficients came with the
+        times; a sampler that computes its own (``Sampler.tabulated``) gets the past's lambdas (NaN: missing)
+        and the times instead."""
         sampler, s = group.sampler, self.state
         past = None
-        changes: dict[str, object] = {"t_prev": None}
+        changes: dict[str, object] = {"t_prev": None} if sampler.tabulated else {"t_prev": None, "coef": None}
         if sampler.history:
-            past = s["past_x0"].index_select(0, group.slots), s["past_lam"].index_select(0, group.slots)
+            lam = None if sampler.tabulated else s["past_lam"].index_select(0, group.slots)
+            past = s["past_x0"].index_select(0, group.slots), lam
             changes["past_x0"] = tuple(past[0][:, j] for j in range(sampler.history))
-            changes["past_lam"] = tuple(past[1][:, j] for j in range(sampler.history))
+            changes["past_lam"] = () if lam is None else tuple(lam[:, j] for j in range(sampler.history))
         if sampler.corrector:
-            changes["x_prev"], changes["t_prev"] = s["x_prev"].index_select(0, group.slots), rows.t_prev
+            changes["x_prev"] = s["x_prev"].index_select(0, group.slots)
+            changes["t_prev"] = None if sampler.tabulated else rows.t_prev
         if sampler.stochastic:
             changes["noise"] = self._noise(group.slots_np)
         return replace(rows, **changes), past  # type: ignore[arg-type]
 
-    def _store(self, group: _Group, out: StepOutputs, past: tuple[Tensor, Tensor] | None) -> None:
-        """The update's outputs into ``group``'s slots; this step's x0_hat and lambda pushed onto the past."""
+    def _store(self, group: _Group, out: StepOutputs, past: tuple[Tensor, Tensor | None] | None) -> None:
+        """The update's outputs into ``group``'s slots; this step's x0_hat (and its lambda, where the sampler reads
+        lambdas) pushed onto the past."""
         s, index = self.state, group.slots
         for name, value in (("x", out.x), ("x_mean", out.x_mean), ("x0_hat", out.x0_hat), ("x0_prev", out.x0_prev)):
             s[name].index_copy_(0, index, value.to(self.dtype))
         if group.sampler.corrector:
             s["x_prev"].index_copy_(0, index, out.x_start.to(self.dtype))
-        if out.lam is not None and past is not None:
+        if past is not None:
             s["past_x0"].index_copy_(0, index, torch.cat([out.x0_hat.to(self.dtype)[:, None], past[0][:, : HISTORY - 1]], 1))
+        if past is not None and past[1] is not None and out.lam is not None:
             s["past_lam"].index_copy_(0, index, torch.cat([out.lam[:, None], past[1][:, : HISTORY - 1]], 1))
 
     def _advance(self, layout: _Layout) -> list[SampleState]:
@@ -370,7 +379,8 @@ class SlotTable:
         """At least ``more`` free slots, the storage doubled as often as needed (its rows kept)."""
         if self.dtype is None:
             self.dtype = like.prior.dtype
-            self.times = self.times.astype(torch.empty(0, dtype=self.dtype).numpy().dtype)  # a step's times sent as they are
+            kind = torch.empty(0, dtype=self.dtype).numpy().dtype  # a step's times and coefficients sent as they are
+            self.times, self.coef = self.times.astype(kind), self.coef.astype(kind)
         elif like.prior.dtype != self.dtype:
             raise ValueError(f"a table holds one dtype; this one holds {self.dtype}, not {like.prior.dtype}")
         capacity = max(self.capacity, FIRST_CAPACITY)
@@ -401,6 +411,7 @@ class SlotTable:
             column = getattr(self, name)
             setattr(self, name, np.concatenate([column, np.zeros(more, dtype=column.dtype)]))
         self.times = np.concatenate([self.times, np.zeros((more, self.times.shape[1]), dtype=self.times.dtype)])
+        self.coef = np.concatenate([self.coef, np.zeros((more, *self.coef.shape[1:]), dtype=self.coef.dtype)])
         self.owner += [None] * more
         self._free += range(capacity - 1, old - 1, -1)  # lowest slot first
         self._layout = None
@@ -430,13 +441,27 @@ class SlotTable:
         longest = max(st.steps for st in states) + 1
         if longest > self.times.shape[1]:
             self.times = np.pad(self.times, ((0, 0), (0, longest - self.times.shape[1])))
+            self.coef = np.pad(self.coef, ((0, 0), (0, longest - 1 - self.coef.shape[1]), (0, 0)))
         for st, slot in zip(states, slots):
             grid = st.times.detach().to("cpu", self.dtype).numpy()  # a host tensor: no copy
             self.times[slot, : len(grid)] = grid
+            if st.sampler.tabulated:
+                self.coef[slot, : st.steps] = self._coefficients(st)
             self.k[slot], self.steps[slot], self.lengths[slot] = 0, st.steps, st.length
             self.codes[slot], self.watch[slot] = self._code(st.sampler), st.watch
             self.prompted[slot], self.guided[slot] = st.prefix is not None, st.guidance is not None
             self.owner[slot], st.table, st.slot = st, self, slot
+
+    def _coefficients(self, state: SampleState) -> np.ndarray:
+        """(steps, COEFFICIENTS) the sample's every step's coefficients, from its grid: step k's past log-SNR are
+        those of its grid's times k-1 and k-2 (NaN before the first), as its steps would push them."""
+        times, sampler = state.times.to(self.dtype), state.sampler
+        k = torch.arange(state.steps)
+        lam = self.schedule.log_snr(times)
+        past = [torch.where(k - 1 - j >= 0, lam[(k - 1 - j).clamp(min=0)], torch.full_like(lam[:-1], float("nan"))) for j in range(HISTORY)]
+        c = sampler.coefficients(self.schedule, times[:-1], times[1:], times[(k - 1).clamp(min=0)], past, self.dtype)  # type: ignore[arg-type]
+        columns = [c[name].to(self.dtype) for name in sampler.coefficient_names]
+        return torch.stack(columns + [torch.zeros(state.steps, dtype=self.dtype)] * (COEFFICIENTS - len(columns)), 1).numpy()
 
     def _code(self, sampler: Sampler) -> int:
         for code, known in enumerate(self.samplers):
@@ -447,10 +472,12 @@ class SlotTable:
 
 
 def _rows(inputs: StepInputs, pos: Tensor) -> StepInputs:
-    """``inputs`` at the rows ``pos`` (batch-first tensors; the mask and t_prev where there are)."""
+    """``inputs`` at the rows ``pos`` (batch-first tensors; the mask, t_prev and coefficients where there are)."""
 
     def pick(value: Tensor | None) -> Tensor | None:
         return None if value is None else value.index_select(0, pos)
 
     x, t, t_next, x0_prev = (v.index_select(0, pos) for v in (inputs.x, inputs.t, inputs.t_next, inputs.x0_prev))
-    return replace(inputs, x=x, t=t, t_next=t_next, x0_prev=x0_prev, mask=pick(inputs.mask), t_prev=pick(inputs.t_prev))
+    return replace(
+        inputs, x=x, t=t, t_next=t_next, x0_prev=x0_prev, mask=pick(inputs.mask), t_prev=pick(inputs.t_prev), coef=pick(inputs.coef)
+    )

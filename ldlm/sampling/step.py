@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ldlm.sampling.samplers import Sampler
+from ldlm.sampling.samplers import BOOL_COEFFICIENTS, Sampler
 from ldlm.sampling.schedule import StepSchedule, TangentSchedule
 
 DenoiseFn = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]  # (x_t, t, x0_prev, mask or None: no padding) -> x0_hat
@@ -35,6 +35,7 @@ class StepInputs:
     noise: Tensor | None = None  # (B, L, D) the stochastic sampler's draw for this step
     x_prev: Tensor | None = None  # (B, L, D) the corrector's: the state the last step started from
     t_prev: Tensor | None = None  # (B,) its time
+    coef: Tensor | None = None  # (B, C) the step's coefficients, tabulated at admission (Sampler.coefficient_names)
 
     def named(self) -> dict[str, Tensor]:
         """Every tensor by a flat name (the past's entries as past_x0.0, past_x0.1, ...), for static buffers."""
@@ -75,6 +76,8 @@ def sampler_update(sampler: Sampler, schedule: TangentSchedule, inputs: StepInpu
     padded batch: the persistent batch keeps its rows between steps, and padding must not drift."""
     if inputs.mask is not None:
         x0_hat = x0_hat * inputs.mask[..., None]
+    if inputs.coef is not None:
+        return _tabulated_update(sampler, inputs, x0_hat)
     schedule = StepSchedule(schedule)
     past = list(zip(inputs.past_x0, inputs.past_lam))
     x = inputs.x
@@ -83,6 +86,17 @@ def sampler_update(sampler: Sampler, schedule: TangentSchedule, inputs: StepInpu
     result = sampler.step(schedule, x, x0_hat, inputs.t, inputs.t_next, past, inputs.noise)
     lam = schedule.log_snr(inputs.t) if sampler.history else None
     return StepOutputs(result.x, result.x_mean, x0_hat, result.x0_prev, x, lam)
+
+
+def _tabulated_update(sampler: Sampler, inputs: StepInputs, x0_hat: Tensor) -> StepOutputs:
+    """``sampler_update`` with the step's coefficients looked up (``inputs.coef``), not computed: the same numbers."""
+    columns = inputs.coef.unbind(1)  # type: ignore[union-attr]
+    c = {name: columns[i] != 0 if name in BOOL_COEFFICIENTS else columns[i] for i, name in enumerate(sampler.coefficient_names)}
+    x = inputs.x
+    if sampler.corrector:
+        x = sampler.apply_correct(c, x, inputs.x_prev, x0_hat, inputs.past_x0)  # type: ignore[arg-type]
+    result = sampler.apply_step(c, x, x0_hat, inputs.past_x0, inputs.noise)
+    return StepOutputs(result.x, result.x_mean, x0_hat, result.x0_prev, x, None)
 
 
 def fused_step(denoise: DenoiseFn) -> FusedStepFn:

@@ -494,11 +494,18 @@ def fused_steps(graph: GraphBackend) -> FusedSteps | None:
     return FusedSteps(graph) if isinstance(graph, CompiledBackend) and graph.graph == "denoiser" else None
 
 
+PER_ROW_INPUTS = frozenset({"coef"})  # a step's (B, ...) inputs that are not per position (the rest are (B, L, ...))
+
+
 def _step_buffers(named: Mapping[str, Tensor], batch: int, length: int, device: torch.device) -> dict[str, Tensor]:
     """Zeros of the bucket's shape for each of a step's inputs (batch first; (B, L, ...) ones padded in length too)."""
-    return {
-        n: torch.zeros((batch, length, *t.shape[2:]) if t.ndim > 1 else (batch,), dtype=t.dtype, device=device) for n, t in named.items()
-    }
+    return {n: torch.zeros(_bucket_shape(n, t, batch, length), dtype=t.dtype, device=device) for n, t in named.items()}
+
+
+def _bucket_shape(name: str, value: Tensor, batch: int, length: int) -> tuple[int, ...]:
+    if value.ndim > 1 and name not in PER_ROW_INPUTS:
+        return (batch, length, *value.shape[2:])
+    return (batch, *value.shape[1:])
 
 
 def fill_step(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:

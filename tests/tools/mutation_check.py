@@ -142,7 +142,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm.sampling.slots:SlotTable.step",
         "x0_hat = denoise(x, t, x0_prev, mask)",
         "x0_hat = denoise(x, t, torch.zeros_like(x0_prev), mask)",
-        ("tests/serve/runtime/test_scheduler.py", "tests/serve/runtime/test_scheduler_values.py"),
+        ("tests/ldlm/sampling/test_loop_device.py", "tests/serve/runtime/test_scheduler.py"),
         "self-conditioning input always zero",
     ),
     Mutation(

@@ -6,14 +6,16 @@ and the default sampler. The denoiser here is a single op, so the count is the s
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ldlm.model.config import preset
+from ldlm.model.config import SAMPLERS, preset
 from ldlm.sampling import GenerateRequest, SamplingEngine, resolve
 from ldlm.sampling.loop import fused_step
+from ldlm.sampling.samplers import Sampler, get_sampler
 from ldlm.sampling.schedule import TangentSchedule
 
 CONFIG = preset("tiny")
@@ -72,3 +74,43 @@ def test_an_unpadded_step_passes_no_mask_so_attention_may_take_flash_kernels() -
     assert masks[0] is None and masks[2] is None
     assert masks[1].tolist() == [[True] * 16] * 2 + [[True] * 12 + [False] * 4]
     assert masks[3].shape == (4, 16) and not masks[3][3, :3].any()  # the guided row's blind copy: the prompt out
+
+
+@dataclass(frozen=True)
+class OnTheSpot(Sampler):
+    """A sampler that computes its coefficients at every step (it redefines ``step``): the reference of the table."""
+
+    def step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return super().step(*args, **kwargs)
+
+    def correct(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return super().correct(*args, **kwargs)
+
+
+def test_coefficients_tabulated_at_admission_are_the_ones_a_step_computes() -> None:
+    """Every sampler, in one mixed batch with samples joining late: the persistent batch's looked-up coefficients
+    give exactly the states of samplers that compute theirs at every step (the past's lambdas gathered, the
+    schedule evaluated), bit for bit."""
+    weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(5)) / 3
+
+    def denoise(x_t, t, x0_prev, mask):  # type: ignore[no-untyped-def]
+        return torch.tanh(x_t @ weight + 0.5 * x0_prev + t[:, None, None])
+
+    specs = [(name, steps, length) for steps, name in zip((3, 6, 5, 7, 4, 6), SAMPLERS) for length in (16, 9)]
+    latents = []
+    for tabulated in (True, False):
+        engine = SamplingEngine(TangentSchedule())
+        table, states = engine.table(16), []
+        for seed, (name, steps, length) in enumerate(specs):
+            sampler = get_sampler(name) if tabulated else OnTheSpot(**vars(get_sampler(name)))
+            assert sampler.tabulated == tabulated
+            plan = resolve(GenerateRequest(1, length, steps, seed, name), CONFIG)
+            states += [replace(s, sampler=sampler) for s in engine.start(plan, 8)]
+        for k in range(8):
+            table.run([s for s in states[: 4 + 2 * k] if not s.done])  # two more join at every step
+            table.step(denoise)
+        while table.running:
+            table.step(denoise)
+        latents.append([engine.latent(s) for s in states])
+    for name_steps_length, a, b in zip(specs, *latents):
+        assert torch.equal(a, b), name_steps_length
