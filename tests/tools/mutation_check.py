@@ -122,6 +122,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "samples in a padded bucket attend the padding",
     ),
     Mutation(
+        "slots-coefficients-one-step-late",
+        "ldlm.sampling.slots:SlotTable._coefficients",
+        "lam[(k - 1 - j).clamp(min=0)]",
+        "lam[(k - j).clamp(min=0)]",
+        ("tests/ldlm/sampling/test_slots.py",),
+        "a multistep sampler's tabulated coefficients read the past's log-SNR one step late: other latents than its steps'",
+    ),
+    Mutation(
+        "slots-padding-unmasked",
+        "ldlm.sampling.slots:SlotTable._inputs",
+        'mask = None if layout.full else s["mask"].index_select(0, layout.slots)',
+        "mask = None",
+        ("tests/ldlm/sampling/test_slots.py", "tests/ldlm/sampling/test_loop.py"),
+        "rows shorter than their bucket attend their padding",
+    ),
+    Mutation(
         "scheduler-decodes-wrong-latent",
         "ldlm.sampling.slots:SlotTable._advance",
         's["x_mean" if self.decode_final == "mean" else "x0_hat"]',
@@ -210,17 +226,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- sampler --------------------------------------------------------------------------------
     Mutation(
         "sde-drift-sign",
-        "ldlm.sampling.samplers:sde_step",
-        "x_mean = x_t + h * beta * (x_t / 2 - eps_hat",
-        "x_mean = x_t + h * beta * (x_t / 2 + eps_hat",
+        "ldlm.sampling.samplers:sde_apply",
+        'x_mean = x_t + per_sample(c["h_beta"]) * (x_t / 2 - eps_hat',
+        'x_mean = x_t + per_sample(c["h_beta"]) * (x_t / 2 + eps_hat',
         ("tests/ldlm/sampling/test_schedule.py",),
         "the reverse SDE pushes away from the data",
     ),
     Mutation(
         "ddim-alpha-at-t",
-        "ldlm.sampling.samplers:ddim_step",
-        "per_sample(schedule.alpha(t_next)) * x0_hat",
-        "per_sample(schedule.alpha(t)) * x0_hat",
+        "ldlm.sampling.samplers:ddim_coefficients",
+        '"a_next": schedule.alpha(t_next)',
+        '"a_next": schedule.alpha(t)',
         ("tests/ldlm/sampling/test_schedule.py", "tests/ldlm/test_pipeline_values.py"),
         "DDIM steps to the wrong noise level",
     ),
@@ -497,7 +513,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- the solvers, and the solver state the scheduler keeps per sample -----------------------------
     Mutation(
         "dpm3m-c2-sign",
-        "ldlm.sampling.samplers:multistep_x0",
+        "ldlm.sampling.samplers:multistep_coefficients",
         "c2 = (0.5 - (e - 1 + h) / h**2) / phi1",
         "c2 = (0.5 + (e - 1 + h) / h**2) / phi1",
         ("tests/ldlm/sampling/test_samplers.py",),
@@ -505,7 +521,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dpm-r0-reversed",
-        "ldlm.sampling.samplers:multistep_x0",
+        "ldlm.sampling.samplers:multistep_coefficients",
         "r0 = (lam - lam1) / h",
         "r0 = (lam1 - lam) / h",
         ("tests/ldlm/sampling/test_samplers.py",),
@@ -521,7 +537,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unic-trapezoid-weight",
-        "ldlm.sampling.samplers:corrected_x0",
+        "ldlm.sampling.samplers:corrector_apply",
         "trapezoid = m0 + 0.5 * (m_t - m0)",
         "trapezoid = m0 + 0.6 * (m_t - m0)",
         ("tests/ldlm/sampling/test_samplers.py",),
@@ -529,7 +545,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unic-rho1",
-        "ldlm.sampling.samplers:corrected_x0",
+        "ldlm.sampling.samplers:corrector_coefficients",
         "rho0, rho1 = (b1 - b2) / (1 - r), (b2 - r * b1) / (1 - r)",
         "rho0, rho1 = (b1 - b2) / (1 - r), (b2 - r * b2) / (1 - r)",
         ("tests/ldlm/sampling/test_samplers.py",),
@@ -537,9 +553,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unic-redone-from-the-wrong-time",
-        "ldlm.sampling.samplers:Sampler.correct",
-        "redone = ddim_step(schedule, x_prev, corrected_x0(x0_hat, lam, past), t_prev, t)",
-        "redone = ddim_step(schedule, x_prev, corrected_x0(x0_hat, lam, past), t, t)",
+        "ldlm.sampling.samplers:Sampler.correct_coefficients",
+        "ddim_coefficients(schedule, t_prev, t).items()",
+        "ddim_coefficients(schedule, t, t).items()",
         ("tests/ldlm/sampling/test_samplers.py",),
         "the corrector redoes the last step as if it had started at its end",
     ),
