@@ -102,6 +102,7 @@ class _Layout:
     blind_mask: Tensor | None  # the blind copies' mask: the prompt's positions out
     weights: Tensor | None  # (G, L, 1) the guided rows' guidance weights
     full: bool  # no padding: every running sample fills the table's length and no row is blind
+    watched: bool  # some running sample's x0_hat is watched (previews)
 
 
 class SlotTable:
@@ -227,6 +228,8 @@ class SlotTable:
     def due(self) -> list[SampleState]:
         """The running samples whose x0_hat is due to be watched now: a multiple of their ``watch`` steps, not the last."""
         slots = self._running
+        if not len(slots) or not self._current().watched:  # none watched: no per-step arithmetic
+            return []
         every, k = self.watch[slots], self.k[slots]
         hit = slots[(every > 0) & (k < self.steps[slots]) & (k % np.maximum(every, 1) == 0)]
         return [self.owner[s] for s in hit.tolist()]
@@ -276,15 +279,18 @@ class SlotTable:
     def _store(self, group: _Group, out: StepOutputs, past: tuple[Tensor, Tensor | None] | None) -> None:
         """The update's outputs into ``group``'s slots; this step's x0_hat (and its lambda, where the sampler reads
         lambdas) pushed onto the past."""
-        s, index = self.state, group.slots
+        s, index, own = self.state, group.slots, self._own_dtype
         for name, value in (("x", out.x), ("x_mean", out.x_mean), ("x0_hat", out.x0_hat), ("x0_prev", out.x0_prev)):
-            s[name].index_copy_(0, index, value.to(self.dtype))
+            s[name].index_copy_(0, index, own(value))
         if group.sampler.corrector:
-            s["x_prev"].index_copy_(0, index, out.x_start.to(self.dtype))
+            s["x_prev"].index_copy_(0, index, own(out.x_start))
         if past is not None:
-            s["past_x0"].index_copy_(0, index, torch.cat([out.x0_hat.to(self.dtype)[:, None], past[0][:, : HISTORY - 1]], 1))
+            s["past_x0"].index_copy_(0, index, torch.cat([own(out.x0_hat)[:, None], past[0][:, : HISTORY - 1]], 1))
         if past is not None and past[1] is not None and out.lam is not None:
             s["past_lam"].index_copy_(0, index, torch.cat([out.lam[:, None], past[1][:, : HISTORY - 1]], 1))
+
+    def _own_dtype(self, value: Tensor) -> Tensor:
+        return value if value.dtype == self.dtype else value.to(self.dtype)
 
     def _advance(self, layout: _Layout) -> list[SampleState]:
         """Count the step; the samples that finished leave with their latents (one gather for all of them)."""
@@ -369,8 +375,9 @@ class SlotTable:
             weights = s["guidance"].index_select(0, index)
         full = bool((self.lengths[slots] == self.length).all()) and not len(guided)
         all_slots = to_device(torch.from_numpy(slots.copy()), device)
+        watched = bool((self.watch[slots] > 0).any())
         return _Layout(
-            slots.copy(), all_slots, tuple(groups), prompted, prompted_pos, prompted_slots, guided_pos, blind_mask, weights, full
+            slots.copy(), all_slots, tuple(groups), prompted, prompted_pos, prompted_slots, guided_pos, blind_mask, weights, full, watched
         )
 
     # --- storage ----------------------------------------------------------------------------------
