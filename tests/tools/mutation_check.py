@@ -578,8 +578,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "unic-engine-keeps-no-start-state",
         "ldlm.sampling.slots:SlotTable._store",
-        's["x_prev"].index_copy_(0, index, out.x_start.to(self.dtype))',
-        's["x_prev"].index_copy_(0, index, out.x.to(self.dtype))',
+        's["x_prev"].index_copy_(0, index, own(out.x_start))',
+        's["x_prev"].index_copy_(0, index, own(out.x))',
         ("tests/ldlm/sampling/test_samplers.py",),
         "the corrector redoes the step from the wrong state",
     ),
