@@ -326,6 +326,11 @@ def revision_cli(tree: Path, *args: str) -> list[str]:
     return [sys.executable, "-P", "-c", REVISION_BOOT, str(tree), *args]
 
 
+def revision_script(tree: Path, script: Path, *args: str) -> list[str]:
+    """The command line of ``python SCRIPT ARGS`` run with the code in ``tree``."""
+    return [sys.executable, "-P", "-c", SCRIPT_BOOT, str(tree), str(script), *args]
+
+
 @contextlib.contextmanager
 def served_revision(tree: Path, source: Path) -> Iterator[str]:
     """``ldlm serve`` of ``source`` with the code in ``tree``."""
@@ -339,9 +344,9 @@ def served_revision(tree: Path, source: Path) -> Iterator[str]:
         stop_server(process)
 
 
-# The package from a worktree: its three source folders under the names the installed package maps them to
-# (pyproject's package-dir), found before the editable install's finder.
-REVISION_BOOT = """
+# The package from a worktree (the first argument): its three source folders under the names the installed package
+# maps them to (pyproject's package-dir), found before the editable install's finder.
+PACKAGE_FROM_TREE = """
 import sys
 from importlib.util import spec_from_file_location
 root = sys.argv.pop(1)
@@ -352,9 +357,9 @@ class Finder:
         home = homes.get(name)
         return spec_from_file_location(name, home + "/__init__.py", submodule_search_locations=[home]) if home else None
 sys.meta_path.insert(0, Finder)
-from ldlm.cli import main
-raise SystemExit(main(sys.argv[1:]))
 """
+REVISION_BOOT = PACKAGE_FROM_TREE + "from ldlm.cli import main\nraise SystemExit(main(sys.argv[1:]))\n"
+SCRIPT_BOOT = PACKAGE_FROM_TREE + "import runpy\nsys.argv.pop(0)\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
 
 
 @contextlib.contextmanager

@@ -176,7 +176,7 @@ from ldlm.serve.runtime.torch_backends import CompiledBackend, EagerBackend, Ind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_service import http_stage, previews_stage, probe_eps_stage  # noqa: E402
-from gpu_targets import SERVED, SERVED_EAGER, SERVED_INDUCTOR, SERVED_PRECISION, summary_markdown  # noqa: E402
+from gpu_targets import SERVED, SERVED_EAGER, SERVED_INDUCTOR, SERVED_PRECISION, STAGES, summary_markdown  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(
@@ -249,20 +249,6 @@ TORCH_CANDIDATES = {
     SERVED: (COMPILED, SERVED_PRECISION),
 }
 LATENCY_BACKENDS = ("eager", SERVED_EAGER, SERVED)
-STAGES = (
-    "parity",
-    "device_loop",
-    "latency",
-    "long_sample",
-    "reference",
-    "throughput",
-    "batching",
-    "fused",
-    "attention",
-    "http",
-    "previews",
-    "probe_eps",
-)
 REFERENCE_CHECKPOINT = Path(__file__).resolve().parents[2] / "models" / "ldlm-austen-tiny"
 
 

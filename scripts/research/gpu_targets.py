@@ -17,6 +17,22 @@ SERVED = f"{COMPILED}-{SERVED_PRECISION}"
 SERVED_EAGER = f"{EAGER}-{SERVED_PRECISION}"
 SERVED_INDUCTOR = f"{INDUCTOR}-{SERVED_PRECISION}"
 
+# gpu_check.py's stages, in the order they run (its --stages picks a subset; the summary reports them in this order).
+STAGES = (
+    "parity",
+    "device_loop",
+    "latency",
+    "long_sample",
+    "reference",
+    "throughput",
+    "batching",
+    "fused",
+    "attention",
+    "http",
+    "previews",
+    "probe_eps",
+)
+
 # (measure, target text, where the figure is in the report, comparison)
 Getter = Callable[[dict[str, Any]], Any]
 
@@ -251,19 +267,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | {100 * parity[name]['token_agreement']:.2f}% | {dec} |")
         lines.append("")
     lines += _latency_markdown(stages.get("latency", {}).get("graphs", {}))
-    for name in (
-        "device_loop",
-        "long_sample",
-        "reference",
-        "throughput",
-        "batching",
-        "fused",
-        "attention",
-        "http",
-        "previews",
-        "probe_eps",
-        "ort_gpu",
-    ):
+    for name in (*(s for s in STAGES if s not in ("parity", "latency")), "ort_gpu"):  # those two have tables above
         if name in stages:
             lines += [f"## {name}", "", "```", json.dumps(_brief(stages[name]), indent=1, default=str)[:4000], "```", ""]
     errors = {k: v["error"] for k, v in stages.items() if isinstance(v, dict) and "error" in v}

@@ -104,26 +104,6 @@ NO_KERNEL_OPS = frozenset(
 # Ops that wait for the device: a top-level op is a sync when it or an op nested in it is one of these.
 SYNC_OPS = frozenset({"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::equal"})
 
-# fixed_costs.py's REVISION_BOOT, running this script instead of the CLI: the package from the worktree given
-# first, its three source folders under the names the installed package maps them to (pyproject's package-dir),
-# found before the editable install's finder.
-WORKER_BOOT = """
-import runpy
-import sys
-from importlib.util import spec_from_file_location
-root = sys.argv.pop(1)
-homes = {"ldlm": root + "/ldlm", "ldlm.export": root + "/export", "ldlm.serve": root + "/serve"}
-class Finder:
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        home = homes.get(name)
-        return spec_from_file_location(name, home + "/__init__.py", submodule_search_locations=[home]) if home else None
-sys.meta_path.insert(0, Finder)
-sys.argv.pop(0)
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 # --- the worker: one repeat of every row, in this process --------------------------------------------------
 
 
@@ -492,12 +472,18 @@ def worker(options: argparse.Namespace) -> int:
 # --- the driver: workers of each code, alternating, and their medians --------------------------------------
 
 
+def fixed_costs() -> Any:
+    """fixed_costs.py, whose git worktree of a revision (``revision_tree``) and way of running a script with a
+    worktree's code (``revision_script``) this script shares."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.research import fixed_costs as module
+
+    return module
+
+
 def revision_tree(revision: str, work: Path) -> contextlib.AbstractContextManager[Path]:
     """fixed_costs.py's git worktree of ``revision`` (removed afterwards)."""
-    sys.path.insert(0, str(ROOT))
-    from scripts.research.fixed_costs import revision_tree as worktree
-
-    return worktree(revision, work)
+    return fixed_costs().revision_tree(revision, work)  # type: ignore[no-any-return]
 
 
 def described(tree: Path) -> str:
@@ -508,7 +494,7 @@ def described(tree: Path) -> str:
 
 def run_worker(label: str, tree: Path, args: argparse.Namespace, profile: bool, out: Path) -> list[dict[str, Any]]:
     """One repeat of every row by a worker process with the code in ``tree``."""
-    command = [sys.executable, "-P", "-c", WORKER_BOOT, str(tree), str(SCRIPT), "--worker", str(out), "--code", label]
+    command = fixed_costs().revision_script(tree, SCRIPT, "--worker", str(out), "--code", label)
     command += ["--batches", ",".join(map(str, args.batches)), "--samplers", ",".join(args.samplers), "--paths", ",".join(args.paths)]
     command += ["--window-s", str(args.window_s), "--per-request", str(args.per_request), "--threads", str(args.threads)]
     command += ["--profile"] if profile else []
