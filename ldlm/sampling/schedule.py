@@ -17,7 +17,6 @@ steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,35 +52,6 @@ class TangentSchedule:
     def beta(self, t: Tensor) -> Tensor:
         u = torch.tan(math.pi * t.clamp(max=self.beta_clip_t) / 2)
         return math.pi * self.d**2 * u * (1 + u**2) / (1 + self.d**2 * u**2)
-
-
-class StepSchedule(TangentSchedule):
-    """``schedule``'s functions over one step's time tensors, each computed once per tensor: a multistep step
-    asks alpha(t) four times and log_snr(t) three (ddim_step, the corrector, the past's lambda). The same
-    ops on the same inputs, so the same numbers, in a third of the ops; made anew for every step."""
-
-    def __init__(self, schedule: TangentSchedule) -> None:
-        super().__init__(schedule.d, schedule.beta_clip_t)
-        object.__setattr__(self, "_memo", {})  # (function, id of t) -> (t, value); t held so its id stays its own
-
-    def _once(self, name: str, t: Tensor, compute: Callable[[Tensor], Tensor]) -> Tensor:
-        memo: dict[tuple[str, int], tuple[Tensor, Tensor]] = self._memo  # type: ignore[attr-defined]
-        hit = memo.get((name, id(t)))
-        if hit is None or hit[0] is not t:
-            hit = memo[(name, id(t))] = (t, compute(t))
-        return hit[1]
-
-    def alpha(self, t: Tensor) -> Tensor:
-        return self._once("alpha", t, super().alpha)
-
-    def sigma(self, t: Tensor) -> Tensor:
-        return self._once("sigma", t, super().sigma)
-
-    def log_snr(self, t: Tensor) -> Tensor:
-        return self._once("log_snr", t, super().log_snr)
-
-    def beta(self, t: Tensor) -> Tensor:
-        return self._once("beta", t, super().beta)
 
 
 POWER_GRID_EXPONENT = 1.5  # the "power" grid's rho: measured best of 0.7, 1, 1.5, 2 (docs/measurements/solvers-*.json)

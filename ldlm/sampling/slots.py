@@ -6,7 +6,8 @@ step works on the slots as they stand. What changes between steps is which slots
 made again only when that set changes, never a copy of every sample's state. A step is a fixed number
 of tensor operations whatever the batch holds:
 
-  times    each running slot's t, t_next and t_prev, read on the host from its grid and sent in one copy;
+  times    each running slot's t, t_next and t_prev and the step's coefficients (everything the sampler
+           computes from times alone, tabulated per sample at admission), read on the host, sent in one copy;
   gather   the running rows of x, x0_prev and the mask (one index_select each);
   denoise  one call for the rows, plus a prompt-blind copy of each guided row (prompt guidance);
   update   one ``sampler_update`` per sampler in the batch, over its rows, its past gathered the same way;

@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor
 
 from ldlm.sampling.samplers import BOOL_COEFFICIENTS, Sampler
-from ldlm.sampling.schedule import StepSchedule, TangentSchedule
+from ldlm.sampling.schedule import TangentSchedule
 
 DenoiseFn = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]  # (x_t, t, x0_prev, mask or None: no padding) -> x0_hat
 
@@ -78,7 +78,6 @@ def sampler_update(sampler: Sampler, schedule: TangentSchedule, inputs: StepInpu
         x0_hat = x0_hat * inputs.mask[..., None]
     if inputs.coef is not None:
         return _tabulated_update(sampler, inputs, x0_hat)
-    schedule = StepSchedule(schedule)
     past = list(zip(inputs.past_x0, inputs.past_lam))
     x = inputs.x
     if sampler.corrector:

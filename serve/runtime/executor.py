@@ -24,7 +24,7 @@ StepObserver = Callable[[int, float, float], None]  # (batch size, 0, compute se
 
 
 @dataclass
-class StepResult:
+class Stepped:
     """What one step produced: the samples that reached t_min (their ``state.latent`` set, their slots
     freed) and the running samples due a preview now."""
 
@@ -77,10 +77,10 @@ class StepExecutor:
             self._samples.pop(id(sample.state), None)
 
     @torch.inference_mode()
-    def execute(self) -> StepResult:
+    def execute(self) -> Stepped:
         """Every running sample one step on. One denoiser call per length bucket: padding a 16-token sample to
         128 would cost more than the extra call."""
-        result = StepResult()
+        result = Stepped()
         for bucket, table in self.tables.items():
             size = table.running
             if not size:

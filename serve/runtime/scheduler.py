@@ -191,7 +191,6 @@ class GenerationScheduler(QueueWorker):
     # --- the worker ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        changed = False  # the running set must be chosen again (a failed step emptied it)
         while True:
             with self._cond:
                 while not self._waiting.count and not self._active and not self._stopping:
@@ -199,13 +198,12 @@ class GenerationScheduler(QueueWorker):
                 if self._stopping and not self._waiting.count and not self._active:
                     return
                 self._drop_done()  # a request that was cancelled or timed out frees its slots at once
-                if self._waiting or changed:  # otherwise the running set stands: nothing to decide
+                if self._waiting:  # otherwise the running set stands: nothing to decide
                     running = list(self._active.values())
                     chosen = self.policy.select(running, self._waiting, time.perf_counter())
-                    if chosen is not running:
+                    if chosen is not running:  # a policy hands back the list it was given when nothing changes
                         self._active = {id(s): s for s in chosen}
                         self.executor.run(chosen)
-                    changed = False
                 if not self._active:
                     continue
                 alone = len(self._requests) == 1  # the previewed request is the only generation in flight
@@ -215,12 +213,15 @@ class GenerationScheduler(QueueWorker):
                     del self._active[id(sample)]
                 self.delivery.previews(step.due, alone)
                 self.delivery.finish(step.finished)
+                for sample in step.finished:  # a request whose samples all finished is being answered: not in flight here
+                    if sample.request.remaining == 0:
+                        self._requests.pop(id(sample.request), None)
             except Exception as error:  # every request in the batch gets the error, none hangs
                 batch = list(self._active.values())
                 for sample in batch:
                     resolve_future(sample.request.future, error=error)
                 self.executor.release(batch)
-                self._active, changed = {}, True
+                self._active = {}
 
     def _live(self) -> list[Generation]:
         """Every request with a sample running or waiting (under the lock)."""

@@ -15,7 +15,7 @@ CPU) the same buckets and padding run the module directly, which is how CPU test
 
 ``FusedSteps`` goes one further for the denoiser: its call and the sampler's update (self-conditioning and the
 corrector included) as one step per (bucket, sampler), on CUDA one captured graph each, driven by
-``SamplingEngine.advance_fused``.
+``SlotTable.step_fused``.
 
 Without padding the encoder and the denoiser run attention with no mask at all (``MaskFree``), so on CUDA SDPA may
 take its flash or memory-efficient kernels: when the caller leaves ``attention_mask`` out (``BackendGraphs`` with a
@@ -402,15 +402,16 @@ class _PreparedStep:
 
 
 class FusedSteps:
-    """A compiled denoiser's fused steps (``ldlm.sampling.loop.advance_fused``'s ``step``): the denoiser call
+    """A compiled denoiser's fused steps (``SlotTable.step_fused``'s ``fused``): the denoiser call
     and the sampler's update (corrector and self-conditioning included) as one callable per (batch bucket,
     length bucket, sampler, schedule). On CUDA each is captured once as one CUDA graph, so a step is the
     copies into its static inputs, one replay and the copies out: the host only picks the graph. Without
     CUDA graphs (CPU) the same buckets, padding and math run uncaptured, which is how CPU tests check them.
 
-    Every sampler captures: the past enters as fixed-count inputs (a missing step: zeros and a NaN lambda)
-    and the sde sampler's noise is drawn before the replay by each sample's own stream. What is not fused:
-    a batch mixing samplers, and prompt guidance (``SamplingEngine.fusable``); those take ``advance``.
+    Every sampler captures: the past enters as fixed-count inputs (a missing step: zeros), the step's coefficients
+    as one (B, C) input looked up by the persistent batch (a missing step is in them), and the sde sampler's noise
+    is drawn before the replay by each sample's own stream. What is not fused:
+    a batch mixing samplers, and prompt guidance (``SlotTable.fusable``); those take ``SlotTable.step``.
 
     ``StepInputs.mask`` may be None: no row has padding. Where the length is its bucket's the step then runs the
     mask-free denoiser (no mask in attention), prepared apart from the masked step of the same bucket; where the
