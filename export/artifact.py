@@ -4,16 +4,22 @@ Reading a manifest lives here too (``read_manifest``, ``describe_io``, ``sha256_
 opens an export (the runtime, the checks) needs this module and never the exporter.
 
 One function, ``check_artifacts``, called wherever an export directory is opened (``open_graphs``
-for serve, parity and bench; ``verify_export`` for verify-onnx). It refuses:
+for serve, parity and bench; ``verify_export`` for verify-onnx; build-engine and triton-repo on their
+source). It refuses:
 - a file path that is absolute, or that leaves the directory (``../``, or a symlink out of it);
 - a file whose sha256 or size differs from the manifest (edited weights, a swapped graph);
 - an ONNX file whose external-data locations are not files of its own manifest entry;
 - a config.json whose hash differs from the manifest's ``config_sha256``;
-- a tokenizer.json without its sha256 on record, or that differs from it.
+- a tokenizer.json without its sha256 on record, or that differs from it;
+- a graph that fails ``ldlm verify-onnx``'s check against the LayerNorm specs its manifest records, or
+  specs whose eps is not config.json's ``layer_norm_eps`` (``verify_layer_norms``), with the verifier's message.
+An engine directory is opened through ``check_engine_dir``: each plan's record, and the LayerNorms its build
+checked against config.json's eps.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -22,6 +28,7 @@ from typing import Any
 
 import onnx
 
+from ldlm.export.layernorm.verify import LayerNormSpec, VerifyResult, config_eps_problems, verify_all, verify_onnx
 from ldlm.files import sha256_file
 from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from ldlm.model.config import LDLMConfig
@@ -88,8 +95,11 @@ def resolve_inside(directory: Path, name: object) -> Path:
     return path
 
 
-def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists: inside ``directory``, present, and with its recorded sha256 and size."""
+def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any], verify: bool = True) -> None:
+    """Every file the manifest lists: inside ``directory``, present, and with its recorded sha256 and size;
+    then, with ``verify``, every graph as ``ldlm verify-onnx`` checks it (``verify_layer_norms``), raising the
+    verifier's message on a failure. ``verify=False``: the files alone, for a caller that verifies the graphs
+    itself and reports each result."""
     directory = Path(directory)
     graphs = manifest.get("graphs")
     if not isinstance(graphs, dict) or not graphs:
@@ -120,6 +130,58 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any])
     config_path = directory / CONFIG_FILE
     if config_path.is_file() and "config_sha256" in manifest and LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
         raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
+    if verify:
+        check_layer_norms(directory, manifest)
+
+
+# Exports whose graphs passed verify_layer_norms in this process, by their manifest and config.json: every file a
+# manifest lists is hashed again at each check_artifacts before this is consulted, so the same key is the same bytes.
+_VERIFIED: set[str] = set()
+
+
+def check_layer_norms(directory: Path, manifest: dict[str, Any]) -> None:
+    """``verify_layer_norms`` on an export whose files were just checked, raising its message on a failure; an
+    export this process verified already, file for file, is not verified twice (a server opening its cached
+    export, parity opening one export per backend)."""
+    config = directory / CONFIG_FILE
+    key = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode() + (config.read_bytes() if config.is_file() else b"")).hexdigest()
+    if key in _VERIFIED:
+        return
+    verify_all(verify_layer_norms(directory, manifest))
+    _VERIFIED.add(key)
+
+
+def verify_layer_norms(directory: Path, manifest: dict[str, Any], graphs: Sequence[str] | None = None) -> list[VerifyResult]:
+    """``ldlm verify-onnx``'s check of an export from its manifest: each of ``graphs`` (default: all) and its
+    variants against the LayerNorm specs the manifest records (``verify_onnx``: one LayerNormalization per
+    module, with its eps, axis, scale and bias), and those specs against config.json's ``layer_norm_eps``,
+    which every nn.LayerNorm of the model is built with (a manifest edited to match an edited graph fails here).
+    An export without config.json (nothing can serve it) is checked against its manifest alone."""
+    config = directory / CONFIG_FILE
+    eps = LDLMConfig.load(config).layer_norm_eps if config.is_file() else None
+    results = []
+    for name in graphs or list(manifest["graphs"]):
+        entry = manifest["graphs"][name]
+        specs = recorded_specs(directory, name, entry.get("layer_norms"))
+        against_config = [] if eps is None else config_eps_problems(specs, eps, CONFIG_FILE)
+        files = [(name, entry["file"], "fp32")] + [(f"{name}.{p}", v["file"], p) for p, v in entry.get("variants", {}).items()]
+        for graph, file, precision in files:
+            result = verify_onnx(directory / file, specs, graph, precision)
+            result.problems[:0] = against_config
+            results.append(result)
+    return results
+
+
+def recorded_specs(
+    directory: Path, graph: str, records: object, manifest: str = MANIFEST_FILE, fix: str = "re-export with `ldlm export`"
+) -> list[LayerNormSpec]:
+    """The LayerNorm specs a manifest records for ``graph``, or an ArtifactError naming what is wrong with them."""
+    try:
+        if not isinstance(records, list):
+            raise TypeError(f"a {type(records).__name__}, not a list")
+        return [LayerNormSpec.from_dict(record) for record in records]
+    except TypeError as error:
+        raise ArtifactError(f"{directory / manifest}: graph {graph!r} has no LayerNorm specs to verify against ({error}); {fix}") from None
 
 
 def check_file(directory: Path, name: object, record: object, manifest: str = MANIFEST_FILE) -> None:
@@ -196,7 +258,28 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
             f"{config} does not match the config_sha256 in {directory / first} (missing, edited, or plans built "
             "before configs were recorded); rebuild with `ldlm build-engine`"
         )
+    for graph, record in manifests.items():
+        check_plan_layer_norms(directory, graph, record, LDLMConfig.load(config).layer_norm_eps)
     return manifests
+
+
+def check_plan_layer_norms(directory: Path, graph: str, record: dict[str, Any], eps: float) -> None:
+    """The LayerNorms a plan's build checked in the parsed network (its manifest's ``layer_norm_specs``, one per
+    INormalizationLayer): as many as it says it checked, each with config.json's ``layer_norm_eps``. A plan is
+    opaque without TensorRT's runtime, so its build's record is what is checked; the plan's own bytes are the
+    ones that build wrote (``plan_sha256``, checked as the plan is read)."""
+    name = f"{graph}{MANIFEST_SUFFIX}"
+    if "layer_norm_specs" not in record:
+        raise ArtifactError(
+            f"{directory / name} does not record the LayerNorms its build checked (a plan built before they were recorded); "
+            "rebuild with `ldlm build-engine`"
+        )
+    specs = recorded_specs(directory, graph, record["layer_norm_specs"], name, "rebuild with `ldlm build-engine`")
+    problems = config_eps_problems(specs, eps, CONFIG_FILE)
+    if len(specs) != record.get("layer_norms"):
+        problems.insert(0, f"{len(specs)} LayerNorm spec(s) recorded, but the build says it checked {record.get('layer_norms')}")
+    if problems:
+        raise ArtifactError(f"{directory / name}: FAILED {graph}:\n  - " + "\n  - ".join(problems) + "\nrebuild with `ldlm build-engine`")
 
 
 def check_from_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.PathLike[str]) -> None:

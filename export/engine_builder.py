@@ -97,13 +97,14 @@ def build_engines(
     overwrite: bool = False,
     progress: bool = False,
 ) -> EngineBuildResult:
-    """Build one plan per graph of the export in ``onnx_dir`` into ``out`` (atomically)."""
-    refuse_existing(out, overwrite, {"export": onnx_dir})  # before the export is hashed
+    """Build one plan per graph of the export in ``onnx_dir`` into ``out`` (atomically). ``overwrite`` replaces
+    only an earlier build's output, unchanged since (``ldlm.files.refuse_existing``)."""
+    refuse_existing(out, overwrite, {"export": onnx_dir}, BUILD_WRITER)  # before the export is hashed
     onnx_dir = Path(onnx_dir)
     if not onnx_dir.is_dir():
         raise ValueError(f"ONNX directory {onnx_dir} does not exist; make one with `ldlm export`")
     manifest = read_manifest(onnx_dir)
-    check_artifacts(onnx_dir, manifest)  # build only from files that match their sha256
+    check_artifacts(onnx_dir, manifest)  # build only from files that match their sha256 and pass verify-onnx
     config = LDLMConfig.load(onnx_dir / CONFIG_FILE)
     graphs = list(graphs or manifest["graphs"])
     unknown = [g for g in graphs if g not in manifest["graphs"]]
@@ -112,51 +113,72 @@ def build_engines(
     profiles = options.profiles or default_profiles(config)
     for profile in profiles:
         profile.check(config.max_seq_len)
-    chosen = load_flavor(flavor)
-    pipeline = None
+    build = _Build(load_flavor(flavor), options, profiles, onnx_dir, manifest, progress)
     if options.precision in QDQ_PRECISIONS and options.calibration_checkpoint is not None:
         # ONNX Runtime's quantization tools (the cpu extra), imported when a Q/DQ build is asked for
         from ldlm.export.calibration import calibration_pipeline
 
-        pipeline = calibration_pipeline(options.calibration_checkpoint, manifest)  # refused before any file is written
+        build.pipeline = calibration_pipeline(options.calibration_checkpoint, manifest)  # refused before any file is written
     result = EngineBuildResult(Path(out))
-    with atomic_directory(out, overwrite) as tmp:
+    with atomic_directory(out, overwrite, BUILD_WRITER) as tmp:
         shutil.copy(onnx_dir / CONFIG_FILE, tmp / CONFIG_FILE)
         if (onnx_dir / TOKENIZER_FILE).is_file():
             shutil.copy(onnx_dir / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
         for name in tqdm(graphs, desc="build-engine", unit="graph", disable=not progress):
             raise_if_interrupted()
-            entry = manifest["graphs"][name]
-            specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
-            source = onnx_dir / entry["file"]
-            verify_all([verify_onnx(source, specs, name)])
-            parsed, quantization = source, None
-            if pipeline is not None:
-                from ldlm.export.qdq import calibrated_qdq  # ONNX Runtime's quantizer (the cpu extra), for Q/DQ builds only
-
-                parsed = tmp / f"{name}.{options.precision}.onnx"
-                quantization = calibrated_qdq(source, parsed, name, specs, options.precision, pipeline, options.calibration)
-            elif options.precision != "fp32":
-                parsed = tmp / f"{name}.{options.precision}.onnx"
-                lower_precision(source, parsed, options.precision)
-                verify_all([verify_onnx(parsed, specs, f"{name} ({options.precision})")])
-            try:
-                plan_manifest = build_plan(chosen, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, profiles, options, progress)
-            except EngineBuildError as error:  # a Q/DQ graph the flavour refuses is reported as what it is
-                if quantization is None:
-                    raise
-                raise EngineBuildError(qdq_refusal(chosen, options.precision, error)) from error
-            if quantization is not None:
-                plan_manifest["quantization"] = quantization
-            plan_manifest["graph"] = name
-            plan_manifest["source_onnx"] = {"file": str(source), "sha256": entry["files"][entry["file"]]["sha256"]}
-            # the copies beside the plans are checked against these (artifact.check_engine_dir)
-            plan_manifest["tokenizer"] = manifest.get("tokenizer")
-            plan_manifest["config_sha256"] = manifest["config_sha256"]
-            plan_manifest["checkpoint_weights_sha256"] = manifest.get("checkpoint_weights_sha256")
-            (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(plan_manifest, indent=2) + "\n")
-            result.plans[name] = plan_manifest
+            result.plans[name] = _build_graph(build, name, tmp)
+            (tmp / f"{name}{MANIFEST_SUFFIX}").write_text(json.dumps(result.plans[name], indent=2) + "\n")
     return result
+
+
+BUILD_WRITER = "ldlm build-engine"  # what an engine directory is recorded as written by (ldlm.files.OUTPUT_RECORD)
+
+
+@dataclass
+class _Build:
+    """One build's flavour, options and source export, shared by its graphs."""
+
+    flavor: Flavor
+    options: BuildOptions
+    profiles: Sequence[EngineProfile]
+    onnx_dir: Path
+    manifest: dict[str, Any]  # the export's
+    progress: bool
+    pipeline: Any = None  # int8, fp8: the calibration pipeline (export/calibration.py)
+
+
+def _build_graph(build: _Build, name: str, tmp: Path) -> dict[str, Any]:
+    """One graph lowered to the build's precision (where asked), built into ``tmp``: its plan manifest."""
+    options, entry = build.options, build.manifest["graphs"][name]
+    specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
+    source = build.onnx_dir / entry["file"]  # verified with the export (check_artifacts)
+    parsed, quantization = source, None
+    if build.pipeline is not None:
+        from ldlm.export.qdq import calibrated_qdq  # ONNX Runtime's quantizer (the cpu extra), for Q/DQ builds only
+
+        parsed = tmp / f"{name}.{options.precision}.onnx"
+        quantization = calibrated_qdq(source, parsed, name, specs, options.precision, build.pipeline, options.calibration)
+    elif options.precision != "fp32":
+        parsed = tmp / f"{name}.{options.precision}.onnx"
+        lower_precision(source, parsed, options.precision)
+        verify_all([verify_onnx(parsed, specs, f"{name} ({options.precision})")])
+    try:
+        plan_manifest = build_plan(
+            build.flavor, parsed, tmp / f"{name}{PLAN_SUFFIX}", entry, specs, build.profiles, options, build.progress
+        )
+    except EngineBuildError as error:  # a Q/DQ graph the flavour refuses is reported as what it is
+        if quantization is None:
+            raise
+        raise EngineBuildError(qdq_refusal(build.flavor, options.precision, error)) from error
+    if quantization is not None:
+        plan_manifest["quantization"] = quantization
+    plan_manifest["graph"] = name
+    plan_manifest["source_onnx"] = {"file": str(source), "sha256": entry["files"][entry["file"]]["sha256"]}
+    # the copies beside the plans are checked against these (artifact.check_engine_dir)
+    plan_manifest["tokenizer"] = build.manifest.get("tokenizer")
+    plan_manifest["config_sha256"] = build.manifest["config_sha256"]
+    plan_manifest["checkpoint_weights_sha256"] = build.manifest.get("checkpoint_weights_sha256")
+    return plan_manifest
 
 
 def build_plan(
@@ -202,6 +224,8 @@ def build_plan(
         "build_host": {"gpu": gpu.name, "compute_capability": gpu.compute_capability, "description": gpu.description},
         "build_seconds": round(seconds, 3),
         "layer_norms": len(specs),
+        # what the parsed network's INormalizationLayers were checked against: a server checks them against config.json
+        "layer_norm_specs": [spec.to_dict() for spec in specs],
         "inputs": entry["inputs"],
         "outputs": entry["outputs"],
         "warnings": [m for s, m in messages if s == "WARNING"][:20],

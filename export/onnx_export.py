@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ldlm import __version__
-from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file
+from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, describe_io, read_manifest, sha256_file, verify_layer_norms
 from ldlm.export.graphs import GRAPH_NAMES, GraphIO, graph_io
 from ldlm.export.layernorm.verify import LayerNormSpec, VerifyResult, layer_norm_specs, verify_all, verify_onnx
 from ldlm.export.quantize import (
@@ -160,53 +160,29 @@ def export_graphs(
     """Export and verify ``graphs`` of ``checkpoint`` into ``out``; nothing is left there on failure.
     ``quantize="int8"`` adds an INT8 variant beside the fp32 file of each of ``quantize_graphs`` (export/quantize.py);
     the denoiser's keeps a worst per-sample cosine of ``min_cosine`` against fp32 along the default sampler's
-    trajectory (0: no floor)."""
+    trajectory (0: no floor). ``overwrite`` replaces only an earlier export, unchanged since (``ldlm.files.refuse_existing``)."""
     check_opset(opset)
     check_quantize(quantize, quantize_graphs, min_cosine)
-    refuse_existing(out, overwrite, {"checkpoint": checkpoint})  # before the checkpoint loads
+    refuse_existing(out, overwrite, {"checkpoint": checkpoint}, EXPORT_WRITER)  # before the checkpoint loads
     unknown = [g for g in graphs if g not in GRAPH_NAMES]
     if unknown or not graphs:
         raise ValueError(f"graphs={list(graphs)!r} is invalid; allowed: a non-empty subset of {', '.join(GRAPH_NAMES)}")
     model, tokenizer = load_checkpoint(checkpoint)
-    config = model.config
-    metadata = {
-        "ldlm.version": __version__,
-        "ldlm.config_sha256": config.config_hash(),
-        "ldlm.opset": str(opset),
-    }
+    weights = weights_sha256(Path(checkpoint) / WEIGHTS_FILE)
+    job = _ExportJob(
+        model,
+        tokenizer,
+        load_schedules(checkpoint, sha256=weights),  # tuned grids travel with the graphs (t is an input)
+        opset,
+        with_logits,
+        quantize,
+        tuple(g for g in graphs if quantize is not None and g in quantize_graphs),
+        min_cosine,
+        progress,
+    )
     try:
-        with atomic_directory(out, overwrite) as tmp:
-            config.save(tmp / CONFIG_FILE)
-            tokenizer.save(tmp)  # servers of this directory need the checkpoint's own tokenizer
-            weights = weights_sha256(Path(checkpoint) / WEIGHTS_FILE)
-            schedules = load_schedules(checkpoint, sha256=weights)  # tuned grids travel with the graphs (t is an input)
-            if schedules is not None:
-                schedules.save(tmp / SCHEDULES_FILE)
-            entries, results = {}, []
-            variants = [g for g in graphs if quantize is not None and g in quantize_graphs]
-            with tqdm(total=2 * len(graphs) + len(variants), desc="export", unit="stage", disable=not progress) as bar:
-                for name in graphs:
-                    raise_if_interrupted()  # a Ctrl-C Python dropped during the last stage ends the export here
-                    io = graph_io(model, name, with_logits)
-                    bar.set_postfix_str(f"{name}: torch.onnx")
-                    path = tmp / f"{name}.onnx"
-                    export_graph(io, path, opset, config.max_seq_len, {**metadata, "ldlm.graph": name})
-                    bar.update()
-                    raise_if_interrupted()
-                    bar.set_postfix_str(f"{name}: verify")
-                    specs = graph_layer_norm_specs(model, io)
-                    results.append(verify_onnx(path, specs, name))
-                    entries[name] = _manifest_entry(path, io, specs)
-                    bar.update()
-                    if name in variants and quantize is not None:
-                        bar.set_postfix_str(f"{name}: {quantize}")
-                        floor = denoiser_floor(model, tokenizer, schedules, min_cosine) if name == "denoiser" and min_cosine > 0 else None
-                        results.append(add_variant(tmp, name, entries[name], specs, quantize, floor, progress))
-                        bar.update()
-            raise_if_interrupted()
-            verify_all(results)  # raises before the rename: a failed export leaves nothing behind
-            manifest = _manifest(config, opset, entries, tmp / TOKENIZER_FILE, weights, tmp / SCHEDULES_FILE)
-            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        with atomic_directory(out, overwrite, EXPORT_WRITER) as tmp:
+            manifest, results = _write_export(tmp, job, graphs, weights)
     except PermissionError as error:
         raise ValueError(f"cannot write to {out}: {error}") from error
     except (NotADirectoryError, FileExistsError) as error:
@@ -216,6 +192,71 @@ def export_graphs(
     # verified in the temporary directory, which is gone now: point at the files where they are
     results = [dataclasses.replace(r, path=str(Path(out) / Path(r.path).name)) for r in results]
     return ExportResult(Path(out), manifest, results)
+
+
+EXPORT_WRITER = "ldlm export"  # what an export is recorded as written by (ldlm.files.OUTPUT_RECORD)
+
+
+@dataclass(frozen=True)
+class _ExportJob:
+    """One export's model and settings, shared by its graphs."""
+
+    model: LDLM
+    tokenizer: TextTokenizer
+    schedules: TunedSchedules | None
+    opset: int
+    with_logits: bool
+    quantize: str | None
+    variants: tuple[str, ...]  # the graphs that get a ``quantize`` variant
+    min_cosine: float
+    progress: bool
+
+    def metadata(self, graph: str) -> dict[str, str]:
+        """What each ONNX file records of where it came from."""
+        config_sha256 = self.model.config.config_hash()
+        return {"ldlm.version": __version__, "ldlm.config_sha256": config_sha256, "ldlm.opset": str(self.opset), "ldlm.graph": graph}
+
+
+def _write_export(tmp: Path, job: _ExportJob, graphs: Sequence[str], weights: str) -> tuple[dict[str, Any], list[VerifyResult]]:
+    """Everything an export holds, written into ``tmp`` and verified; raises before the rename on any failure."""
+    config = job.model.config
+    config.save(tmp / CONFIG_FILE)
+    job.tokenizer.save(tmp)  # servers of this directory need the checkpoint's own tokenizer
+    if job.schedules is not None:
+        job.schedules.save(tmp / SCHEDULES_FILE)
+    entries, results = {}, []
+    with tqdm(total=2 * len(graphs) + len(job.variants), desc="export", unit="stage", disable=not job.progress) as bar:
+        for name in graphs:
+            raise_if_interrupted()  # a Ctrl-C Python dropped during the last stage ends the export here
+            entries[name], verified = _export_one(tmp, job, name, bar)
+            results += verified
+    raise_if_interrupted()
+    verify_all(results)  # raises before the rename: a failed export leaves nothing behind
+    manifest = _manifest(config, job.opset, entries, tmp / TOKENIZER_FILE, weights, tmp / SCHEDULES_FILE)
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest, results
+
+
+def _export_one(tmp: Path, job: _ExportJob, name: str, bar: tqdm) -> tuple[dict[str, Any], list[VerifyResult]]:
+    """One graph exported and verified (and its variant made, where asked): its manifest entry and results."""
+    io = graph_io(job.model, name, job.with_logits)
+    bar.set_postfix_str(f"{name}: torch.onnx")
+    path = tmp / f"{name}.onnx"
+    export_graph(io, path, job.opset, job.model.config.max_seq_len, job.metadata(name))
+    bar.update()
+    raise_if_interrupted()
+    bar.set_postfix_str(f"{name}: verify")
+    specs = graph_layer_norm_specs(job.model, io)
+    results = [verify_onnx(path, specs, name)]
+    entry = _manifest_entry(path, io, specs)
+    bar.update()
+    if name in job.variants and job.quantize is not None:
+        bar.set_postfix_str(f"{name}: {job.quantize}")
+        floored = name == "denoiser" and job.min_cosine > 0
+        floor = denoiser_floor(job.model, job.tokenizer, job.schedules, job.min_cosine) if floored else None
+        results.append(add_variant(tmp, name, entry, specs, job.quantize, floor, job.progress))
+        bar.update()
+    return entry, results
 
 
 FLOOR_CALIBRATION = {"samples": 8, "length": 64}  # the floor's trajectories: the calibration's, at a serving length
@@ -304,8 +345,9 @@ def tokenizer_record(path: Path) -> dict[str, Any]:
 
 
 def verify_export(path: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None) -> list[VerifyResult]:
-    """Verify an export directory, or one ONNX file in it, against its manifest's LayerNorm specs,
-    or against the modules of ``checkpoint`` when given (which also compares weights by value)."""
+    """Verify an export directory, or one ONNX file in it, against its manifest's LayerNorm specs and config.json's
+    eps (``artifact.verify_layer_norms``, the check every server of it runs too), or against the modules of
+    ``checkpoint`` when given (which also compares weights by value)."""
     path = Path(path)
     allowed = "allowed: a directory written by `ldlm export`, or an .onnx file in one"
     if not path.exists():
@@ -316,22 +358,19 @@ def verify_export(path: str | os.PathLike[str], checkpoint: str | os.PathLike[st
     if not path.is_dir() and not (directory / MANIFEST_FILE).is_file():
         raise ValueError(f"{path} is not inside an export: {directory.resolve()} has no {MANIFEST_FILE}; {allowed}")
     manifest = read_manifest(directory)
-    check_artifacts(directory, manifest)  # paths inside the directory, sha256 of every file
+    check_artifacts(directory, manifest, verify=False)  # paths inside the directory, sha256 of every file
     names = list(manifest["graphs"]) if path.is_dir() else [path.stem]
     if path.is_file() and path.stem not in manifest["graphs"]:
         raise ValueError(f"{path.name} is not listed in {directory / MANIFEST_FILE}")
-    model = None
-    if checkpoint is not None:
-        model, _ = load_checkpoint(checkpoint)
-        if model.config.config_hash() != manifest["config_sha256"]:
-            raise ValueError(f"checkpoint {checkpoint} has another config than the export (config_sha256 differs)")
+    if checkpoint is None:
+        return verify_layer_norms(directory, manifest, names)
+    model, _ = load_checkpoint(checkpoint)
+    if model.config.config_hash() != manifest["config_sha256"]:
+        raise ValueError(f"checkpoint {checkpoint} has another config than the export (config_sha256 differs)")
     results = []
     for name in names:
         entry = manifest["graphs"][name]
-        if model is not None:
-            specs = graph_layer_norm_specs(model, graph_io(model, name))
-        else:
-            specs = [LayerNormSpec.from_dict(d) for d in entry["layer_norms"]]
+        specs = graph_layer_norm_specs(model, graph_io(model, name))
         results.append(verify_onnx(directory / entry["file"], specs, name))
         for precision, variant in entry.get("variants", {}).items():
             results.append(verify_onnx(directory / variant["file"], specs, f"{name}.{precision}", precision))

@@ -1,8 +1,12 @@
 """Files that appear whole or not at all: a directory built in a temporary sibling and renamed into
 place (checkpoints, exports, engine sets, Triton repositories), and single files written through a
-temporary name (reports, plan manifests, runtime and timing caches). An existing directory is replaced
-only on request and only when ldlm wrote it (``ldlm_output``): never someone's own files, the current
-directory or the input being read."""
+temporary name (reports, plan manifests, runtime and timing caches).
+
+Every directory written here carries a record of what wrote it (``OUTPUT_RECORD``: the writer, e.g.
+``ldlm export``, and each file's size and sha256). An existing directory is replaced only on request and
+only when it is the output of the same writer exactly as that writer left it: never someone's own files,
+another command's output, weights changed since, the current directory or the input being read. An empty
+directory is written into without asking: there is nothing in it to lose."""
 
 from __future__ import annotations
 
@@ -16,35 +20,76 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ldlm import __version__
+
+OUTPUT_RECORD = ".ldlm-output.json"  # beside what a writer wrote: who wrote it, and every file's size and sha256
+SHOWN_FILES = 5  # how many file names a refusal lists before "and N more"
+
+
+@dataclass(frozen=True)
+class OutputRecord:
+    """What ``OUTPUT_RECORD`` says: the writer (a command as typed, ``ldlm export``; None: a program through
+    ldlm's Python API that named none) and each file it wrote, by path inside the directory."""
+
+    writer: str | None
+    files: dict[str, dict[str, Any]]  # "encoder.onnx" -> {"bytes": 418164, "sha256": "..."}
+
 
 def refuse_existing(
-    out: str | os.PathLike[str], overwrite: bool = False, inputs: Mapping[str, str | os.PathLike[str] | None] | None = None
+    out: str | os.PathLike[str],
+    overwrite: bool = False,
+    inputs: Mapping[str, str | os.PathLike[str] | None] | None = None,
+    writer: str | None = None,
 ) -> None:
     """Fail early, before any work, when ``out`` may not be written: it has no name of its own, it is or
     holds the current directory or one of ``inputs`` (what the writer reads, by name: ``{"checkpoint":
-    path}``), or it exists and may not be replaced. ``overwrite`` replaces only what ldlm wrote
-    (``ldlm_output``) or an empty directory, never someone's own files."""
+    path}``), or it exists, is not an empty directory, and may not be replaced. ``overwrite`` replaces
+    only what ``writer`` wrote (its ``OUTPUT_RECORD``), holding nothing else and no file changed since.
+    ``writer`` None accepts any writer's record: for a check made before the writer is known (the CLI's,
+    before a command runs) and for programs that name no writer."""
     refuse_unsafe_target(out, inputs or {})
     out = Path(out)
-    if not (out.exists() or out.is_symlink()):
+    if not (out.exists() or out.is_symlink()) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
         return
     if not overwrite:
         raise FileExistsError(f"{out} already exists; pass overwrite=True (CLI: --force) to replace it")
-    replace_only = (
-        "--force replaces only a checkpoint, an export, an engine directory or a Triton repository that ldlm wrote; "
-        "remove it yourself, or choose another output directory"
-    )
     if out.is_symlink():
-        raise FileExistsError(f"{out} is a symbolic link (to {os.readlink(out)}), not a directory that ldlm wrote; {replace_only}")
+        raise FileExistsError(f"{out} is a symbolic link (to {os.readlink(out)}), not a directory that ldlm wrote; {replace_only(out)}")
     if not out.is_dir():
-        raise FileExistsError(f"{out} is a file, not a directory that ldlm wrote; {replace_only}")
-    entries = sorted(p.name for p in out.iterdir())
-    if entries and ldlm_output(out) is None:
-        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-        raise FileExistsError(f"{out} was not written by ldlm (it holds {shown}); {replace_only}")
+        raise FileExistsError(f"{out} is a file, not a directory that ldlm wrote; {replace_only(out)}")
+    record = ldlm_output(out)
+    if record is None:
+        shown = listed(sorted(p.name for p in out.iterdir()))
+        raise FileExistsError(f"{out} was not written by ldlm (it holds {shown}, and no {OUTPUT_RECORD}); {replace_only(out)}")
+    if writer is not None and record.writer != writer:
+        raise FileExistsError(f"{out} was written by {writer_words(record.writer)}, not {writer_words(writer)}; {replace_only(out)}")
+    added, changed = unrecorded_files(out, record)
+    problems = [f"files {writer_words(record.writer)} did not write: {listed(added)}"] if added else []
+    problems += [f"files changed since {writer_words(record.writer)} wrote them: {listed(changed)}"] if changed else []
+    if problems:
+        raise FileExistsError(f"{out} holds {'; and '.join(problems)}; {replace_only(out)}")
+
+
+def replace_only(out: Path) -> str:
+    """The rule and the way out, the end of every refusal to replace ``out``."""
+    return (
+        "--force replaces only the output of the same ldlm command, exactly as it wrote it; "
+        f"choose a new output directory, or delete {out} by hand if nothing in it is needed"
+    )
+
+
+def writer_words(writer: str | None) -> str:
+    return f"`{writer}`" if writer else "a program through ldlm's Python API"
+
+
+def listed(names: list[str]) -> str:
+    """``a, b, c`` (the first ``SHOWN_FILES``, then how many more)."""
+    more = len(names) - SHOWN_FILES
+    return ", ".join(names[:SHOWN_FILES]) + (f" and {more} more" if more > 0 else "")
 
 
 def refuse_unsafe_target(out: str | os.PathLike[str], inputs: Mapping[str, str | os.PathLike[str] | None]) -> None:
@@ -70,50 +115,58 @@ def refuse_unsafe_target(out: str | os.PathLike[str], inputs: Mapping[str, str |
             )
 
 
-# What each ldlm writer leaves in its output, so that a directory of someone's own files is never
-# taken for one (``manifest.json`` alone is a common name: its content must be ldlm's too).
-TRITON_GENERATE_CONFIG = "ldlm_generate/config.pbtxt"  # ldlm.serve.deploy.triton_repo's BLS model
-
-
-def ldlm_output(directory: Path) -> str | None:
-    """What ldlm wrote ``directory`` as (``"export"``, ``"engines"``, ``"checkpoint"``, ``"triton-repo"``), or None."""
-    if _written_by_ldlm(directory / "manifest.json"):
-        return "export"
-    if any(_written_by_ldlm(p) for p in directory.glob("*.plan.json")):
-        return "engines"
-    if (directory / "config.json").is_file() and "config_sha256" in _safetensors_metadata(directory / "model.safetensors"):
-        return "checkpoint"
-    if (directory / TRITON_GENERATE_CONFIG).is_file():
-        return "triton-repo"
-    return None
-
-
-def _written_by_ldlm(path: Path) -> bool:
-    """A JSON record (export or plan manifest) that ldlm wrote: an object with its ``ldlm_version``."""
+def ldlm_output(directory: Path) -> OutputRecord | None:
+    """The record ``directory``'s writer left (``OUTPUT_RECORD``), or None where there is none that reads as one."""
     try:
-        record = json.loads(path.read_bytes()[: 1 << 24])
+        data = json.loads((directory / OUTPUT_RECORD).read_bytes()[: 1 << 24])
     except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and "ldlm_version" in record
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return None
+    writer = data.get("writer")
+    files = {name: entry for name, entry in data["files"].items() if isinstance(entry, dict)}
+    return OutputRecord(writer if isinstance(writer, str) else None, files)
 
 
-def _safetensors_metadata(path: Path) -> dict[str, object]:
-    """The ``__metadata__`` of a safetensors header (8-byte little-endian length, then JSON), or {}."""
-    try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(min(size, 1 << 24)))
-    except (OSError, ValueError):
-        return {}
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return metadata if isinstance(metadata, dict) else {}
+def written_files(directory: Path) -> list[str]:
+    """Every file (or link, or other non-directory) under ``directory`` but its record, as relative POSIX paths.
+    Links are listed, never followed: a link to someone's files is not a file ldlm wrote."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        here = Path(root)
+        found += [(here / name).relative_to(directory).as_posix() for name in files]
+        found += [(here / name).relative_to(directory).as_posix() for name in dirs if (here / name).is_symlink()]
+    return sorted(name for name in found if name != OUTPUT_RECORD)
+
+
+def record_output(directory: Path, writer: str | None) -> None:
+    """Write ``OUTPUT_RECORD`` in ``directory``: ``writer`` and each file's size and sha256."""
+    files = {
+        name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)} for name in written_files(directory)
+    }
+    record = {"writer": writer, "ldlm_version": __version__, "files": files}
+    (directory / OUTPUT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def unrecorded_files(directory: Path, record: OutputRecord) -> tuple[list[str], list[str]]:
+    """(files the record does not list, files whose size or sha256 differ from it). A listed file that is
+    gone is neither: replacing the directory loses nothing of it."""
+    added, changed = [], []
+    for name in written_files(directory):
+        path, entry = directory / name, record.files.get(name)
+        if entry is None or path.is_symlink() or not path.is_file():
+            added.append(name)
+        elif path.stat().st_size != entry.get("bytes") or sha256_file(path) != entry.get("sha256"):
+            changed.append(name)
+    return added, changed
 
 
 @contextmanager
-def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``out`` only if the block completes."""
+def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False, writer: str | None = None) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``out`` only if the block completes, recorded as written
+    by ``writer`` (``OUTPUT_RECORD``). An existing ``out`` is replaced only as ``refuse_existing`` allows."""
     out = Path(out)
-    refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite, writer=writer)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent))
@@ -122,6 +175,7 @@ def atomic_directory(out: str | os.PathLike[str], overwrite: bool = False) -> It
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new directory
     try:
         yield tmp
+        record_output(tmp, writer)
         for path in tmp.rglob("*"):  # some writers (safetensors) create 0600 files
             path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         if out.exists():

@@ -46,6 +46,16 @@ def eps_matches(eps: float, module_eps: float) -> bool:
     return bool(np.float32(eps) == np.float32(module_eps))
 
 
+def config_eps_problems(specs: Iterable[LayerNormSpec], layer_norm_eps: float, config: str = "the config") -> list[str]:
+    """Each spec whose eps is not ``layer_norm_eps``, the eps every nn.LayerNorm of the model is built with
+    (``LDLMConfig.layer_norm_eps``): a record that disagrees with the config was edited, or is another model's."""
+    return [
+        f"module {s.name}: recorded eps {s.eps:g} != {config}'s layer_norm_eps {layer_norm_eps:g} (compared as float32)"
+        for s in specs
+        if not eps_matches(s.eps, layer_norm_eps)
+    ]
+
+
 def digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 

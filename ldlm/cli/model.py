@@ -12,18 +12,21 @@ from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, 
 from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS, PROMPT_STRENGTH
 from ldlm.model.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 
+INIT_WRITER = "ldlm init"  # what an init's output is recorded as written by (ldlm.files.OUTPUT_RECORD)
+
 
 def _cmd_init(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from tqdm.auto import tqdm
 
     from ldlm.files import refuse_existing
-    from ldlm.model.checkpoint import init_model, refuse_replacing_more_than_saved, save_checkpoint
+    from ldlm.model.checkpoint import init_model, save_checkpoint
     from ldlm.model.config import preset
     from ldlm.model.tokenizer import TextTokenizer
 
-    refuse_existing(args.out, args.force)  # before the model is built, which takes a while at base size
-    refuse_replacing_more_than_saved(args.out)  # a trained checkpoint is not replaced by random weights
+    # before the model is built, which takes a while at base size: only an earlier init's output is replaced
+    # by random weights, never a trained, imported or otherwise written checkpoint
+    refuse_existing(args.out, args.force, writer=INIT_WRITER)
     config = preset(args.preset)
     with tqdm(total=3, desc="init", unit="stage", disable=args.quiet) as bar:
         bar.set_postfix_str("building the model")
@@ -33,7 +36,7 @@ def _cmd_init(args: argparse.Namespace) -> None:
         tokenizer = TextTokenizer.from_directory(args.tokenizer_dir) if args.tokenizer_dir else TextTokenizer.gpt2()
         bar.update()
         bar.set_postfix_str("writing the checkpoint")
-        save_checkpoint(model, tokenizer, args.out, overwrite=args.force)
+        save_checkpoint(model, tokenizer, args.out, overwrite=args.force, writer=INIT_WRITER)
         bar.update()
     weights = "GPT-2 from " + str(args.gpt2_dir) if args.gpt2_dir else "random GPT-2"
     print(f"wrote {args.out} (preset {args.preset}, seed {args.seed}, {weights}, norm init {args.norm_init})")
@@ -151,9 +154,8 @@ def _add_init(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="replace OUT if it exists and holds nothing but what init writes (config.json, model.safetensors, "
-        "tokenizer.json); a directory with other files, such as a trained checkpoint's README, SHA256SUMS, "
-        "schedules.json or training.json, is refused",
+        help="replace OUT if an earlier `ldlm init` wrote it and nothing in it changed since; a trained or imported "
+        "checkpoint, another command's output and a directory holding files init did not write are refused",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_init)

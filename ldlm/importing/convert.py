@@ -42,6 +42,7 @@ from ldlm.model.tokenizer import TextTokenizer
 PICKLE_FILE = "pytorch_model.bin"  # what a Hugging Face directory holds when it has no safetensors
 DEFAULT_MAPPING = "hf-gpt2"  # a source whose keys are not ldlm's: most often a Hugging Face GPT-2
 OWN_MAPPING = "ldlm"  # the identity: weights already under ldlm's parameter names
+IMPORT_WRITER = "ldlm import-checkpoint"  # what an import's output is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
 def has_ldlm_names(keys: Collection[str]) -> bool:
@@ -202,9 +203,10 @@ def import_checkpoint(
     whose parameters may keep the random init of ``seed``. ``parity`` runs on the written checkpoint before it
     appears at ``out`` (``functools.partial(ldlm.serve.checks.parity.run_parity, progress=True)`` is what
     the CLI passes; None: no check). Raises ImportCheckpointError (with the report) on any problem, a failed
-    parity round included; then nothing is written.
+    parity round included; then nothing is written. ``overwrite`` replaces only an earlier import's output,
+    unchanged since (``ldlm.files.refuse_existing``).
     """
-    refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite, {"source": source}, IMPORT_WRITER)  # before the source is read
     allowed = compile_patterns(allow_missing)
     tensors, non_tensors = read_source(source)
     own_names = has_ldlm_names(tensors)
@@ -224,7 +226,7 @@ def import_checkpoint(
         raise ImportCheckpointError(report)
     model.load_state_dict(state)
     tokenizer = TextTokenizer.from_directory(tokenizer_dir) if tokenizer_dir else TextTokenizer.gpt2()
-    with atomic_directory(out, overwrite) as tmp:
+    with atomic_directory(out, overwrite, IMPORT_WRITER) as tmp:
         staged = save_checkpoint(model, tokenizer, tmp / "staged")
         if parity is not None:
             check_parity(report, staged, parity)

@@ -24,12 +24,12 @@ from ldlm.files import atomic_directory, sha256_file
 from ldlm.model.config import LDLMConfig
 from ldlm.model.layers import RMSNorm
 from ldlm.model.ldlm import LDLM
-from ldlm.model.tokenizer import TOKENIZER_FILE, TextTokenizer
+from ldlm.model.tokenizer import TextTokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUMS_FILE = "SHA256SUMS"
-SAVED_FILES = (CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE)  # what save_checkpoint writes, and nothing else
+SAVE_CHECKPOINT = "ldlm.save_checkpoint"  # the writer a checkpoint saved through the Python API is recorded as
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
@@ -37,29 +37,18 @@ class CheckpointError(ValueError):
     """A checkpoint or weights file that cannot be used; the message names the file or tensor."""
 
 
-def save_checkpoint(model: LDLM, tokenizer: TextTokenizer, out: str | os.PathLike[str], overwrite: bool = False) -> Path:
-    with atomic_directory(out, overwrite) as tmp:
+def save_checkpoint(
+    model: LDLM, tokenizer: TextTokenizer, out: str | os.PathLike[str], overwrite: bool = False, writer: str = SAVE_CHECKPOINT
+) -> Path:
+    """Write ``model`` and ``tokenizer`` as a checkpoint directory at ``out``, recorded as ``writer``'s output
+    (``ldlm.files.OUTPUT_RECORD``): ``overwrite`` replaces only an earlier checkpoint of the same writer,
+    unchanged since (``ldlm init --force`` never replaces trained or imported weights)."""
+    with atomic_directory(out, overwrite, writer) as tmp:
         model.config.save(tmp / CONFIG_FILE)
         state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "config_sha256": model.config.config_hash()})
         tokenizer.save(tmp)
     return Path(out)
-
-
-def refuse_replacing_more_than_saved(out: str | os.PathLike[str]) -> None:
-    """Refuse to replace a directory that holds files ``save_checkpoint`` does not write: replacing it
-    would delete them, and with a trained checkpoint's README, SHA256SUMS, schedules.json or
-    training.json its weights are someone's work, not a seeded init that can be made again."""
-    out = Path(out)
-    if not out.is_dir():
-        return
-    extra = sorted(p.name for p in out.iterdir() if p.name not in SAVED_FILES)
-    if extra:
-        raise FileExistsError(
-            f"{out} holds files a new checkpoint does not have: {', '.join(extra)} (a trained checkpoint's, or someone's "
-            f"own); --force replaces only a directory holding nothing but {', '.join(SAVED_FILES)}, and would delete "
-            "these and overwrite the weights. Choose another output directory, or move these files away first"
-        )
 
 
 def load_config(path: str | os.PathLike[str]) -> LDLMConfig:

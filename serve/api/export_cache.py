@@ -4,8 +4,9 @@ ONNX Runtime serves an export, not a checkpoint, and exporting takes from second
 (base). The verified export is kept under ``<cache>/exports/<key>/``, where the key is a sha256 of what
 the export is made from and by: the checkpoint's weights, its config hash, its tokenizer and tuned
 grids, and the exporter's versions as the manifest records them (ldlm, torch, onnx). A later start
-re-verifies the entry (every file against the sha256 its manifest records, the weights it was made
-from) before serving it; an entry that fails is exported again, never served.
+re-verifies the entry (every file against the sha256 its manifest records, its graphs as ``ldlm verify-onnx``
+checks them, the weights it was made from) before serving it; an entry that fails is removed and exported
+again, never served.
 
 Two servers starting at once take a lock per key: the second waits for the first's export and then
 reuses it. The entry itself is written through ``atomic_directory`` (by ``export_graphs``), so an
@@ -19,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,8 +120,12 @@ def cached_export(
             return CachedExport(entry, weights, reused=True)
         failed = "" if remade is None else f"the cached export in {entry} failed its check ({remade}); "
         say(f"{failed}exporting the checkpoint {checkpoint} to ONNX in {entry} (cached for the next start)")
+        if entry.exists():
+            # the cache's own entry, failed: removed here, since the exporter replaces only an export unchanged since
+            # it wrote it (an edited file, or an entry an older ldlm left without its record, is exactly what failed)
+            shutil.rmtree(entry)
         try:
-            export_graphs(checkpoint, entry, with_logits=with_logits, overwrite=True, progress=progress, quantize=quantize)
+            export_graphs(checkpoint, entry, with_logits=with_logits, progress=progress, quantize=quantize)
         except OSError as error:
             if error.errno != errno.ENOSPC:
                 raise

@@ -180,8 +180,8 @@ def triton_dims(spec: dict[str, Any]) -> list[int]:
 
 
 def check_source(source: Path, kind: str, cc_dirs: Sequence[Path] = ()) -> None:
-    """An export must match its manifest (every file, the tokenizer included); an engine directory
-    (and each extra --cc-plan one) its plans' records (artifact.check_engine_dir)."""
+    """An export must match its manifest (every file, the tokenizer included) and pass verify-onnx's LayerNorm
+    check; an engine directory (and each extra --cc-plan one) its plans' records (artifact.check_engine_dir)."""
     if kind == "onnx":
         check_artifacts(source, json.loads((source / MANIFEST_FILE).read_text()))
         return
@@ -257,6 +257,9 @@ def validate_config(text: str, io: dict[str, Any] | None, where: str) -> Any:
     return config
 
 
+TRITON_REPO_WRITER = "ldlm triton-repo"  # what a repository is recorded as written by (ldlm.files.OUTPUT_RECORD)
+
+
 def write_triton_repo(
     source: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -275,8 +278,10 @@ def write_triton_repo(
     bound ldlm_generate's N and STEPS (as ``ldlm serve`` bounds n and steps). ``graph_backend``
     "python" makes the graphs Python-backend models running ONNX Runtime (an export only).
     ``precision`` int8 writes an export's INT8 variants where it has them (fp32 graphs elsewhere);
-    every config.pbtxt names the precision its model runs in."""
-    refuse_existing(out, overwrite, {"source": source, **{f"--cc-plan {cc}": d for cc, d in (cc_plans or {}).items()}})
+    every config.pbtxt names the precision its model runs in. ``overwrite`` replaces only an earlier repository
+    written here, unchanged since (``ldlm.files.refuse_existing``)."""
+    inputs = {"source": source, **{f"--cc-plan {cc}": d for cc, d in (cc_plans or {}).items()}}
+    refuse_existing(out, overwrite, inputs, TRITON_REPO_WRITER)
     source = Path(source)
     if graph_backend not in GRAPH_BACKENDS:
         raise RepositoryError(f"graph_backend={graph_backend!r} is unknown; allowed: {', '.join(GRAPH_BACKENDS)}")
@@ -286,7 +291,7 @@ def write_triton_repo(
     config = LDLMConfig.load(source / CONFIG_FILE)
     load_model_config_schema()  # fail before writing anything
     batch_sizes: dict[str, int] = {}  # each graph's max_batch_size as written (a plan's profiles may lower it)
-    with atomic_directory(out, overwrite) as tmp:
+    with atomic_directory(out, overwrite, TRITON_REPO_WRITER) as tmp:
         for name, io in graphs.items():
             cc_files = copy_graph_model(tmp / name / "1", name, kind, io, cc_plans, graph_backend)
             text = model_config(name, kind, io, max_batch, queue_delay_us, gpu, cc_files, graph_backend)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.files import atomic_directory
+from ldlm.files import OUTPUT_RECORD, atomic_directory
 
-MANIFEST = json.dumps({"ldlm_version": "0", "graphs": {}})  # what marks an export as ldlm's own, replaceable with --force
+MANIFEST = json.dumps({"ldlm_version": "0", "graphs": {}})
 
 
 def write_export(out: Path, note: str, overwrite: bool = False, fail: bool = False) -> None:
@@ -34,6 +34,7 @@ def test_a_failed_replace_leaves_the_earlier_output_whole(tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match="halfway"):
         write_export(out, "second", overwrite=True, fail=True)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "note.txt"] and (out / "note.txt").read_text() == "first"
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_RECORD, "manifest.json", "note.txt"]
+    assert (out / "note.txt").read_text() == "first"
     write_export(out, "second", overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "note.txt").read_text() == "second"

@@ -1,7 +1,7 @@
-"""No function in ldlm/ or serve/ is longer than 60 lines (def to last line), none in export/ longer than 80:
-past that a handler or a stage hides several jobs, and a newcomer cannot see where a change belongs. The CLI
-included: a command's parser is one function per subcommand (``_add_<command>``), its option groups their own.
-Modules have no line cap: a module is as long as its one job needs, and splits when it holds two."""
+"""No function in ldlm/, serve/ or export/ is longer than 60 lines (def to last line): past that a handler or a
+stage hides several jobs, and a newcomer cannot see where a change belongs. The CLI included: a command's parser
+is one function per subcommand (``_add_<command>``), its option groups their own. Modules have no line cap: a
+module is as long as its one job needs, and splits when it holds two."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from tests import REPO
 
 ROOT = REPO
-FUNCTION_LIMITS = {"ldlm": 60, "serve": 60, "export": 80}  # lines per function, by top-level folder
+FUNCTION_LIMITS = {"ldlm": 60, "serve": 60, "export": 60}  # lines per function, by top-level folder
 
 
 def long_functions(source: str, name: str, limit: int) -> list[str]:
