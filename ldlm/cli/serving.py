@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 from ldlm.cli.options import capped_positive_int, device_options, float_in, in_range
@@ -93,6 +94,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         trt_cuda_graphs=args.trt_cuda_graphs,
     )
     if args.ray:
+        if args.grpc_port is not None:
+            raise ValueError(f"--grpc-port {args.grpc_port} applies without --ray only: Ray's proxy serves HTTP; leave it out")
         try:
             from ldlm.serve.deploy.ray_app import RayOptions, parse_autoscale, run_on_ray  # optional: Ray
         except ImportError as error:
@@ -108,7 +111,24 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         run_on_ray(args.source, settings, options, args.ray_address)
         return
     refuse_ray_only(args)
-    serve(args.source, settings, args.log_level)
+    with grpc_beside_http(args):
+        serve(args.source, settings, args.log_level)
+
+
+@contextlib.contextmanager
+def grpc_beside_http(args: argparse.Namespace) -> Iterator[None]:
+    """KServe v2 over gRPC on --grpc-port (default: --port + 1) for the server started within, unless --no-grpc;
+    a port another server holds is refused here, before anything loads, as the HTTP port is bound first."""
+    # per command: building the parser imports no grpc
+    from ldlm.serve.api.grpc_server import check_grpc_port, default_grpc_port, serving_grpc
+
+    if args.no_grpc and args.grpc_port is not None:
+        raise ValueError(f"--grpc-port {args.grpc_port} and --no-grpc contradict each other; leave one of them out")
+    port = None if args.no_grpc else default_grpc_port(args.port) if args.grpc_port is None else args.grpc_port
+    if port is not None:
+        check_grpc_port(args.host, port)
+    with serving_grpc(port):
+        yield
 
 
 def preview_options(p: argparse.ArgumentParser) -> None:
@@ -132,8 +152,9 @@ def preview_options(p: argparse.ArgumentParser) -> None:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve the graphs over HTTP (KServe v2) and a text API",
-        description="Serve KServe v2 (health, metadata, infer with JSON and binary tensors, so tritonclient works) for "
+        help="serve the graphs over HTTP and gRPC (KServe v2) and a text API",
+        description="Serve KServe v2 over HTTP and gRPC (health, metadata, config, statistics, infer with JSON and binary "
+        "tensors, so tritonclient's HTTP and gRPC clients work) for "
         "the encoder, denoiser and decoder graphs, plus POST /v1/generate, /v1/reconstruct and /v1/encode, with "
         "dynamic batching, continuous batching for generation, Prometheus /metrics and OpenAPI /docs. Binds "
         "127.0.0.1 unless told otherwise. SIGINT/SIGTERM finish in-flight requests before exiting.",
@@ -158,6 +179,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     device_options(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=setting("port"), default=8000, help="0..65535; 0 lets the OS pick one (default: 8000)")
+    p.add_argument(
+        "--grpc-port",
+        type=setting("port"),
+        help="KServe v2 over gRPC (tritonclient.grpc) on this port of --host, beside HTTP; 0 lets the OS pick one "
+        "(default: --port + 1, so 8001 beside 8000, as Triton)",
+    )
+    p.add_argument("--no-grpc", action="store_true", help="serve HTTP alone, no gRPC endpoint")
     p.add_argument(
         "--max-batch",
         type=setting("max_batch", " samples per execution (as ldlm serve's max_batch)"),

@@ -1,16 +1,31 @@
-"""Prometheus metrics in Triton's style, on a registry of the server's own.
+"""Prometheus metrics in Triton's style, on a registry of the server's own, and Triton's statistics
+extension (``model_statistics``) read from the same counters.
 
 inference_count / execution_count is the average batch size, as in Triton.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class InferClock:
+    """Marks along one infer request (``time.perf_counter``): started, its tensors decoded and checked
+    (``decoded``), its graph's answer in (``computed``); the request sets the last two as it passes them."""
+
+    started: float = field(default_factory=time.perf_counter)
+    decoded: float = 0.0
+    computed: float = 0.0
 
 
 class Metrics:
@@ -71,6 +86,32 @@ class Metrics:
         self.cancelled_samples = Counter(
             "ldlm_cancelled_samples", "Samples dropped unfinished because their request was cancelled (or failed)", ["model"], registry=r
         )
+        self._statistics(r)
+
+    def _statistics(self, r: CollectorRegistry) -> None:
+        """KServe v2 infer requests (HTTP and gRPC) stage by stage, and executions by batch size: what Triton's
+        statistics extension reports beside the counters above (``model_statistics``)."""
+        self.infer_seconds = Summary(
+            "ldlm_infer_duration_seconds",
+            "KServe v2 infer requests, from decoding their tensors to their encoded answer, by outcome",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.infer_input_seconds = Summary(
+            "ldlm_infer_input_duration_seconds",
+            "Decoding and checking the tensors of successful KServe v2 infer requests",
+            ["model"],
+            registry=r,
+        )
+        self.infer_output_seconds = Summary(
+            "ldlm_infer_output_duration_seconds", "Encoding the answers of successful KServe v2 infer requests", ["model"], registry=r
+        )
+        self.batch_compute_seconds = Summary(
+            "ldlm_batch_compute_duration_seconds", "Graph execution time per batch, by batch size", ["model", "batch_size"], registry=r
+        )
+        self.last_inference = Gauge(
+            "ldlm_last_inference_timestamp_seconds", "When a graph last ran a batch (Unix time)", ["model"], registry=r
+        )
 
     def observe_previews(self, decoded: int, skipped: int, seconds: float) -> None:
         """The scheduler's preview observer (serve/runtime/delivery.py): one decoder call for previews, or previews dropped."""
@@ -87,8 +128,85 @@ class Metrics:
             self.batch_size.labels(model).observe(batch)
             self.queue_seconds.labels(model).observe(queued_s)
             self.compute_seconds.labels(model).observe(compute_s)
+            self.batch_compute_seconds.labels(model, str(batch)).observe(compute_s)
+            self.last_inference.labels(model).set(time.time())
 
         return observe
+
+    def count_request(self, model: str, status: int, seconds: float, disconnected: bool = False) -> None:
+        """One answered request of ``model`` by its HTTP status (a gRPC call by the status its error maps to):
+        success or failure, its latency, and why it was cancelled if it was (its client left, its time ran out)."""
+        if disconnected:
+            self.request_cancelled.labels(model, "disconnect").inc()
+        if status == 504:
+            self.request_cancelled.labels(model, "timeout").inc()
+        if status < 400:
+            self.request_success.labels(model).inc()
+        else:
+            self.request_failure.labels(model, str(status)).inc()
+        self.request_seconds.labels(model).observe(seconds)
+
+    @contextlib.contextmanager
+    def timed_infer(self, model: str) -> Iterator[InferClock]:
+        """Time one KServe v2 infer request of ``model``, a served graph (never a name from the request: the label
+        set stays bounded). A block that raises counts as a failure; one that ends as a success, with its stages."""
+        clock = InferClock()
+        try:
+            yield clock
+        except BaseException:  # cancelled too (the client left): a request that got no answer
+            self.infer_seconds.labels(model, "failure").observe(time.perf_counter() - clock.started)
+            raise
+        ended = time.perf_counter()
+        self.infer_seconds.labels(model, "success").observe(ended - clock.started)
+        self.infer_input_seconds.labels(model).observe(clock.decoded - clock.started)
+        self.infer_output_seconds.labels(model).observe(ended - clock.computed)
+
+    def model_statistics(self, model: str, version: str) -> dict[str, Any]:
+        """Triton's statistics of ``model`` (its statistics extension's JSON). Requests count in success and fail,
+        compute_input (decoding) and compute_output (encoding); queue and compute_infer count executions, as the
+        queue and compute histograms above do: a batch's queue time is its oldest request's wait, and
+        compute_infer is the whole graph call, input assembly and output copies included."""
+        labels = {"model": model}
+        batches = {
+            int(sample.labels["batch_size"]): sample.labels
+            for metric in self.batch_compute_seconds.collect()
+            for sample in metric.samples
+            if sample.labels["model"] == model and sample.name.endswith("_count")
+        }
+        last = self.registry.get_sample_value("ldlm_last_inference_timestamp_seconds", labels)
+        return {
+            "name": model,
+            "version": version,
+            "last_inference": round(last * 1000) if last else 0,  # ms since the epoch, as Triton's
+            "inference_count": round(self._value("ldlm_inference_count_total", labels)),
+            "execution_count": round(self._value("ldlm_execution_count_total", labels)),
+            "inference_stats": {
+                "success": self._duration("ldlm_infer_duration_seconds", {**labels, "outcome": "success"}),
+                "fail": self._duration("ldlm_infer_duration_seconds", {**labels, "outcome": "failure"}),
+                "queue": self._duration("ldlm_queue_duration_seconds", labels),
+                "compute_input": self._duration("ldlm_infer_input_duration_seconds", labels),
+                "compute_infer": self._duration("ldlm_compute_duration_seconds", labels),
+                "compute_output": self._duration("ldlm_infer_output_duration_seconds", labels),
+                "cache_hit": {"count": 0, "ns": 0},  # no response cache
+                "cache_miss": {"count": 0, "ns": 0},
+            },
+            "batch_stats": [self._batch_statistics(size, labels) for size, labels in sorted(batches.items())],
+        }
+
+    def _batch_statistics(self, size: int, labels: dict[str, str]) -> dict[str, Any]:
+        """The executions of one batch size: their graph calls, input assembly and output copies included, are
+        compute_infer; compute_input and compute_output count the same executions with no time of their own."""
+        infer = self._duration("ldlm_batch_compute_duration_seconds", labels)
+        none = {"count": infer["count"], "ns": 0}
+        return {"batch_size": size, "compute_input": none, "compute_infer": infer, "compute_output": dict(none)}
+
+    def _value(self, sample: str, labels: dict[str, str]) -> float:
+        """A sample's value; 0 for a label set not seen yet."""
+        return self.registry.get_sample_value(sample, labels) or 0.0
+
+    def _duration(self, metric: str, labels: dict[str, str]) -> dict[str, int]:
+        """A histogram's or summary's count and sum, as Triton's StatisticDuration (count, ns)."""
+        return {"count": round(self._value(f"{metric}_count", labels)), "ns": round(self._value(f"{metric}_sum", labels) * 1e9)}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,45 +1,60 @@
-"""The KServe v2 (Open Inference Protocol) routes: one model per graph, as Triton serves them.
+"""The KServe v2 (Open Inference Protocol) routes: one model per graph, as Triton serves them, and the
+same protocol over gRPC beside them (``grpc_server``) for as long as the app runs, when one is asked for.
 
   GET  /v2, /v2/health/live, /v2/health/ready
-  GET  /v2/models/{model}[/versions/{v}], .../ready
+  GET  /v2/models/{model}[/versions/{v}], .../ready, .../config     metadata, readiness, Triton's model config
+  GET  /v2/models/stats, /v2/models/{model}[/versions/{v}]/stats     Triton's statistics
+  POST /v2/repository/index                                          the served models and their state
   POST /v2/models/{model}[/versions/{v}]/infer     JSON and binary tensors (tritonclient works as is)
 
-The codec is ``kserve``; each request runs through its graph's ``DynamicBatcher``. ``infer_shortcut``
-gives the guard the infer route as a bare ASGI app, which it runs in place of FastAPI's routing,
-dependency solving and response wrappers (about a third of a small request's time on the server);
-the FastAPI route stays for the OpenAPI schema and runs the same ``answer_infer``.
+The codec is ``kserve``, the answers about models ``kserve_models``; each infer request, over either
+transport, runs through ``serve_infer`` and its graph's ``DynamicBatcher``. ``infer_shortcut`` gives the
+guard the infer route as a bare ASGI app, which it runs in place of FastAPI's routing, dependency solving
+and response wrappers (about a third of a small request's time on the server); the FastAPI route stays
+for the OpenAPI schema and runs the same ``answer_infer``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ldlm import __version__
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.kserve import HEADER_LENGTH, InferRequest, kserve_datatype, tensor_metadata
+from ldlm.serve.api.grpc_server import grpc_endpoint
+from ldlm.serve.api.kserve import HEADER_LENGTH, InferRequest, kserve_datatype
+from ldlm.serve.api.kserve_models import (
+    MODEL_VERSION,
+    index_request,
+    model_config,
+    model_metadata,
+    repository_index,
+    served_graph,
+    server_metadata,
+    statistics,
+)
 from ldlm.serve.api.offload import decode_infer_body, encode_infer, wait
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from ldlm.serve.runtime.graph_backend import NUMPY_DTYPES, GraphBackend
 
-MODEL_VERSION = "1"
+T = TypeVar("T")
+# Token ids and masks come as INT32 from many Triton clients: an INT64 input takes them (the graph's contract
+# check widens them, GraphBackend.check_inputs), as Triton's models commonly do.
+ALSO_ACCEPTED: dict[np.dtype[Any], np.dtype[Any]] = {np.dtype(np.int64): np.dtype(np.int32)}
 
 
 def create_router(service: LDLMService) -> APIRouter:
-    router = APIRouter()
-
-    def model_or_404(name: str) -> str:
-        if name not in service.graphs:
-            raise HTTPError(404, f"unknown model {name!r}; available: {', '.join(service.graphs)}")
-        return name
+    router = APIRouter(lifespan=grpc_lifespan(service))
 
     @router.get("/v2")
-    async def server_metadata() -> dict[str, Any]:
-        return {"name": "ldlm", "version": __version__, "extensions": ["binary_tensor_data"]}
+    async def server_info() -> dict[str, Any]:
+        return server_metadata()
 
     @router.get("/v2/health/live")
     async def live() -> Response:
@@ -49,39 +64,94 @@ def create_router(service: LDLMService) -> APIRouter:
     async def ready() -> Response:
         return Response(status_code=200 if service.ready else 503)
 
+    @router.get("/v2/models/stats")  # before /v2/models/{model}, which would take "stats" for a model's name
+    async def all_statistics() -> dict[str, Any]:
+        """Triton's statistics of every model."""
+        return statistics(service)
+
     @router.get("/v2/models/{model}")
     @router.get("/v2/models/{model}/versions/{version}")
-    async def model_metadata(model: str, version: str = MODEL_VERSION) -> dict[str, Any]:
-        graph = service.graphs[model_or_404(model)]
-        return {
-            "name": model,
-            "versions": [MODEL_VERSION],
-            "platform": f"ldlm_{graph.backend}",
-            "precision": graph.precision,  # beside KServe's fields: an int8 variant or a cast graph is named as such
-            "inputs": tensor_metadata(graph.inputs),
-            "outputs": tensor_metadata(graph.outputs),
-        }
+    async def model_info(model: str, version: str = MODEL_VERSION) -> dict[str, Any]:
+        return model_metadata(service, model, version)
 
     @router.get("/v2/models/{model}/ready")
     @router.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(model: str, version: str = MODEL_VERSION) -> Response:
-        model_or_404(model)
+        served_graph(service, model, version)
         return Response(status_code=200 if service.ready else 503)
+
+    @router.get("/v2/models/{model}/config")
+    @router.get("/v2/models/{model}/versions/{version}/config")
+    async def config(model: str, version: str = MODEL_VERSION) -> dict[str, Any]:
+        """Triton's model configuration of the graph: dims without the batch axis, batching and queue limits."""
+        return model_config(service, model, version)
+
+    @router.get("/v2/models/{model}/stats")
+    @router.get("/v2/models/{model}/versions/{version}/stats")
+    async def model_statistics(model: str, version: str = MODEL_VERSION) -> dict[str, Any]:
+        """Triton's statistics of one model: requests, queue and compute times, executions by batch size."""
+        return statistics(service, model, version)
+
+    @router.post("/v2/repository/index")
+    async def index(request: Request) -> list[dict[str, str]]:
+        """The served models and their state; the body is empty or ``{"ready": true}`` (ready ones only)."""
+        return repository_index(service, index_request(await request.body()))
 
     @router.post("/v2/models/{model}/infer")
     @router.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str = MODEL_VERSION) -> Response:
         """KServe v2 inference: JSON or binary tensors in and out (tritonclient's default)."""
-        content, headers = await answer_infer(service, model, await request.body(), request.headers)
+        content, headers = await answer_infer(service, model, await request.body(), request.headers, version)
         return Response(content, headers=headers)
 
     return router
 
 
-async def answer_infer(service: LDLMService, model: str, body: bytes, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
-    """One infer request, body to answer: decoded and checked, run in its graph's batcher, encoded."""
-    if model not in service.graphs:
-        raise HTTPError(404, f"unknown model {model!r}; available: {', '.join(service.graphs)}")
+def grpc_lifespan(service: LDLMService) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
+    """The router's lifespan: the gRPC endpoint beside the routes while the app runs (when one is asked for)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        async with grpc_endpoint(service, functools.partial(serve_infer, service)):
+            yield
+
+    return lifespan
+
+
+async def answer_infer(
+    service: LDLMService, model: str, body: bytes, headers: Mapping[str, str], version: str = MODEL_VERSION
+) -> tuple[bytes, dict[str, str]]:
+    """One HTTP infer request, body to answer (body and headers)."""
+
+    async def encode(parsed: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+        return await encode_infer(service, model, MODEL_VERSION, parsed, outputs)
+
+    return await serve_infer(service, model, version, body, headers.get("content-encoding"), headers.get(HEADER_LENGTH.lower()), encode)
+
+
+async def serve_infer(
+    service: LDLMService,
+    model: str,
+    version: str,
+    body: bytes,
+    encoding: str | None,
+    header_length: str | None,
+    encode: Callable[[InferRequest, dict[str, np.ndarray]], Awaitable[T]],
+) -> T:
+    """One KServe v2 infer request, whichever transport brought it: ``body`` (an HTTP body, or the binary-tensor
+    body a gRPC request stands for) decoded and checked, run in its graph's batcher, and answered by ``encode``;
+    timed stage by stage for the statistics."""
+    served_graph(service, model, version)
+    with service.metrics.timed_infer(model) as clock:
+        parsed = await decode_infer_body(service, body, encoding, header_length, infer_check(service, model))
+        clock.decoded = time.perf_counter()
+        outputs = await wait(service.batchers[model].submit(parsed.inputs), service.settings.request_timeout_s)
+        clock.computed = time.perf_counter()
+        return await encode(parsed, outputs)
+
+
+def infer_check(service: LDLMService, model: str) -> Callable[[InferRequest], None]:
+    """What a decoded request of ``model`` must pass before it is queued: its inputs' values and caps, and outputs the graph has."""
     graph, settings = service.graphs[model], service.settings
 
     def check(parsed: InferRequest) -> None:
@@ -90,9 +160,7 @@ async def answer_infer(service: LDLMService, model: str, body: bytes, headers: M
         if unknown:
             raise HTTPError(400, f"unknown outputs {unknown}; {model} has {graph.output_names}")
 
-    parsed = await decode_infer_body(service, body, headers.get("content-encoding"), headers.get(HEADER_LENGTH.lower()), check)
-    outputs = await wait(service.batchers[model].submit(parsed.inputs), settings.request_timeout_s)
-    return await encode_infer(service, model, MODEL_VERSION, parsed, outputs)
+    return check
 
 
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -108,11 +176,12 @@ def infer_shortcut(service: LDLMService) -> Callable[[dict[str, Any]], ASGIApp |
             return None
         if len(parts) != 5 and not (len(parts) == 7 and parts[4] == "versions" and parts[5]):
             return None
+        version = parts[5] if len(parts) == 7 else MODEL_VERSION
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             message = await receive()  # the guard has read the whole body; it replays it in one message
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            content, extra = await answer_infer(service, parts[3], message["body"], headers)
+            content, extra = await answer_infer(service, parts[3], message["body"], headers, version)
             raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
             await send({"type": "http.response.start", "status": 200, "headers": [*raw, (b"content-length", str(len(content)).encode())]})
             await send({"type": "http.response.body", "body": content})
@@ -123,7 +192,7 @@ def infer_shortcut(service: LDLMService) -> Callable[[dict[str, Any]], ASGIApp |
 
 
 def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.ndarray], settings: ServerSettings, vocab: int) -> None:
-    """What the service needs beyond the graph's contract: exact datatypes (no BOOL for INT64),
+    """What the service needs beyond the graph's contract: exact datatypes (no BOOL for INT64; INT32 for INT64),
     masks of 0 and 1 with a real position in every row, times in [0, 1], ids in the vocabulary, and the
     per-request memory caps. Every backend's requests pass here; the graphs' internal calls do not."""
     for spec in graph.inputs:
@@ -131,8 +200,9 @@ def check_infer_inputs(model: str, graph: GraphBackend, inputs: dict[str, np.nda
         if array is None:
             continue  # the batcher names missing inputs
         want = np.dtype(NUMPY_DTYPES[spec["dtype"]])
-        if array.dtype != want:
-            raise HTTPError(400, f"{model}: input {name} has datatype {kserve_datatype(array.dtype)}; allowed: {kserve_datatype(want)}")
+        if array.dtype != want and array.dtype != ALSO_ACCEPTED.get(want):
+            allowed = " or ".join(kserve_datatype(d) for d in (want, ALSO_ACCEPTED.get(want)) if d is not None)
+            raise HTTPError(400, f"{model}: input {name} has datatype {kserve_datatype(array.dtype)}; allowed: {allowed}")
         if array.ndim >= 1 and array.shape[0] > settings.max_request_samples:
             raise HTTPError(
                 413,

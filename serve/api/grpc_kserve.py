@@ -1,0 +1,239 @@
+"""KServe v2 over gRPC (``inference.GRPCInferenceService``, the service tritonclient.grpc speaks): a thin
+adapter over what HTTP serves, never a second stack.
+
+Each call answers with what the HTTP route answers: the same dicts (``kserve_models``, parsed into the
+protobuf messages), the same infer path (``serve_infer``: the batchers, limits, checks and statistics), the
+same API key (``authorization: Bearer KEY`` metadata; health is open, as /v2/health/ is), and every refusal
+with HTTP's message under the gRPC code of its HTTP status (``GRPC_CODES``). An infer request is turned into
+the binary-tensor body it stands for (``binary_body``: raw_input_contents as the binary inputs, typed
+``contents`` as JSON data), so the one codec checks both transports alike; outputs come back in
+raw_output_contents, as Triton sends them. Infer calls count in /metrics and the request log as HTTP's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpc
+import numpy as np
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from ldlm.serve.api.errors import HTTPError, error_status
+from ldlm.serve.api.http_guard import CLIENT_CLOSED
+from ldlm.serve.api.kserve import InferRequest, kserve_datatype, requested_outputs
+from ldlm.serve.api.kserve_models import (
+    MODEL_VERSION,
+    as_message,
+    model_config,
+    model_metadata,
+    repository_index,
+    served_graph,
+    server_metadata,
+    statistics,
+)
+from ldlm.serve.api.kserve_tensors import ProtocolError
+from ldlm.serve.api.offload import INLINE_BINARY_BYTES, run_blocking
+from ldlm.serve.api.service import LDLMService
+
+log = logging.getLogger("ldlm.serve")
+T = TypeVar("T")
+SERVICE = "/inference.GRPCInferenceService/"
+
+# The one map from an error's HTTP status (errors.error_status) to its gRPC code.
+GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CLIENT_CLOSED: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# The typed field of InferTensorContents that holds each datatype's values (FP16 has none: raw only).
+CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents", "INT32": "int_contents", "BOOL": "bool_contents"}
+
+
+class Encode(Protocol):
+    def __call__(self, parsed: InferRequest, outputs: dict[str, np.ndarray]) -> Awaitable[service_pb2.ModelInferResponse]: ...
+
+
+class ServeInfer(Protocol):
+    """``routes.kserve.serve_infer`` with its service bound: one infer request, body to answer."""
+
+    def __call__(
+        self, model: str, version: str, body: bytes, encoding: str | None, header_length: str | None, encode: Encode
+    ) -> Awaitable[service_pb2.ModelInferResponse]: ...
+
+
+class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The KServe v2 gRPC methods a model server answers, over ``service``; infer requests go to ``infer``.
+    Methods it does not serve (load and unload, shared memory, trace and log settings) answer UNIMPLEMENTED."""
+
+    def __init__(self, service: LDLMService, infer: ServeInfer) -> None:
+        self.service, self.infer = service, infer
+        key = service.settings.api_key
+        self.expected_auth = f"Bearer {key}".encode() if key else None
+
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return service_pb2.ServerReadyResponse(ready=self.service.ready)
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def answer() -> Any:
+            served_graph(self.service, request.name, request.version)
+            return service_pb2.ModelReadyResponse(ready=self.service.ready)
+
+        return await self._answer(context, "ModelReady", answer)
+
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def answer() -> Any:
+            return as_message(server_metadata(), service_pb2.ServerMetadataResponse())
+
+        return await self._answer(context, "ServerMetadata", answer)
+
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def answer() -> Any:
+            return as_message(model_metadata(self.service, request.name, request.version), service_pb2.ModelMetadataResponse())
+
+        return await self._answer(context, "ModelMetadata", answer)
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def answer() -> Any:
+            config = as_message(model_config(self.service, request.name, request.version), model_config_pb2.ModelConfig())
+            return service_pb2.ModelConfigResponse(config=config)
+
+        return await self._answer(context, "ModelConfig", answer)
+
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def answer() -> Any:
+            return as_message(statistics(self.service, request.name, request.version), service_pb2.ModelStatisticsResponse())
+
+        return await self._answer(context, "ModelStatistics", answer)
+
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def answer() -> Any:
+            return as_message({"models": repository_index(self.service, request.ready)}, service_pb2.RepositoryIndexResponse())
+
+        return await self._answer(context, "RepositoryIndex", answer)
+
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        model = request.model_name
+        counted = model in self.service.graphs  # metrics are labelled by served models only (a bounded set)
+
+        async def answer() -> Any:
+            served_graph(self.service, model, request.model_version)  # an unknown model is 404 before the tensors are read
+            body, header_length = binary_body(request)
+            version = request.model_version or MODEL_VERSION
+
+            async def encode(parsed: InferRequest, outputs: dict[str, np.ndarray]) -> Any:
+                if sum(outputs[name].nbytes for name, _ in requested_outputs(parsed, outputs)) <= INLINE_BINARY_BYTES:
+                    return infer_response(model, version, parsed, outputs)
+                timeout_s = self.service.settings.request_timeout_s
+                return await run_blocking(infer_response, model, version, parsed, outputs, timeout_s=timeout_s)
+
+            return await self.infer(model, request.model_version, body, None, header_length, encode)
+
+        return await self._answer(context, "ModelInfer", answer, model if counted else None)
+
+    async def _answer(
+        self, context: grpc.aio.ServicerContext, method: str, answer: Callable[[], Awaitable[T]], model: str | None = None
+    ) -> T:
+        """``answer()`` once the caller's key is checked; an error is aborted with HTTP's message under its status's
+        gRPC code. Logged as HTTP requests are, and an infer call of a served ``model`` counted in its metrics."""
+        metadata = dict(context.invocation_metadata() or ())
+        request_id = str(metadata.get("x-request-id") or uuid.uuid4().hex)
+        started, status = time.perf_counter(), 200
+        try:
+            if self.expected_auth is not None and not hmac.compare_digest(
+                str(metadata.get("authorization", "")).encode(), self.expected_auth
+            ):
+                raise HTTPError(401, "missing or wrong bearer token")  # HTTP's words (http_guard)
+            return await answer()
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed: grpc cancels the handler
+            status = CLIENT_CLOSED
+            raise
+        except Exception as error:
+            status, message, headers = error_status(error)
+            if status == 500:  # the process survives; the client learns nothing internal
+                log.exception("unhandled error", extra={"request_id": request_id})
+                message = f"internal error ({type(error).__name__}); request id {request_id}"
+            trailers = (("x-request-id", request_id), *((k.lower(), v) for k, v in headers.items()))
+            await abort(context, GRPC_CODES.get(status, grpc.StatusCode.UNKNOWN), message, trailers)
+        finally:
+            elapsed = time.perf_counter() - started
+            if model is not None:
+                self.service.metrics.count_request(model, status, elapsed, disconnected=status == CLIENT_CLOSED)
+            log.info(
+                "request",
+                extra={
+                    "request_id": request_id,
+                    "method": "gRPC",
+                    "path": SERVICE + method,
+                    "status": status,
+                    "ms": round(1000 * elapsed, 3),
+                },
+            )
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...]) -> NoReturn:
+    """``context.abort``, which ends the call with ``code`` by raising, typed as never returning."""
+    await context.abort(code, message, trailers)
+    raise RuntimeError("grpc's context.abort returned")  # it raises, always
+
+
+def binary_body(request: Any) -> tuple[bytes, str]:
+    """The KServe v2 binary-tensor body a ModelInferRequest stands for, and its JSON header's length: each
+    ``raw_input_contents[i]`` is input i's binary data, each input's typed ``contents`` its JSON data."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise ProtocolError(
+            f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs; allowed: one per input, in input order"
+        )
+    inputs: list[dict[str, Any]] = []
+    for i, tensor in enumerate(request.inputs):
+        where = f"inputs[{i}] ({tensor.name})"
+        spec: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        if raw:
+            if tensor.HasField("contents"):
+                raise ProtocolError(f"{where}: has both contents and raw_input_contents; allowed: one of them for every input")
+            spec["parameters"] = {"binary_data_size": len(raw[i])}
+        elif tensor.HasField("contents"):
+            spec["data"] = typed_contents(tensor, where)
+        inputs.append(spec)
+    payload: dict[str, Any] = {"inputs": inputs, "outputs": [{"name": out.name} for out in request.outputs] or None}
+    if request.id:
+        payload["id"] = request.id
+    head = json.dumps(payload, separators=(",", ":")).encode()  # NaN written as NaN: the codec refuses it by name
+    return b"".join([head, *raw]), str(len(head))
+
+
+def typed_contents(tensor: Any, where: str) -> list[Any]:
+    """An input's values from the one typed field of ``contents`` its datatype reads."""
+    field = CONTENTS.get(tensor.datatype)
+    given = [descriptor.name for descriptor, _ in tensor.contents.ListFields()]
+    if field is None and tensor.datatype == "FP16":
+        raise ProtocolError(f"{where}: FP16 data has no contents field; allowed: raw_input_contents")
+    if field is not None and given not in ([field], []):
+        raise ProtocolError(f"{where}: {tensor.datatype} data is in contents.{', contents.'.join(given)}; allowed: contents.{field}")
+    return list(getattr(tensor.contents, field)) if field is not None else []
+
+
+def infer_response(model: str, version: str, parsed: InferRequest, outputs: dict[str, np.ndarray]) -> Any:
+    """The ModelInferResponse of ``outputs``: the outputs asked for (or all), in raw_output_contents."""
+    response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=parsed.id or "")
+    for name, _ in requested_outputs(parsed, outputs):
+        array = np.ascontiguousarray(outputs[name])
+        response.outputs.add(name=name, datatype=kserve_datatype(array.dtype), shape=array.shape)
+        response.raw_output_contents.append(array.tobytes())
+    return response

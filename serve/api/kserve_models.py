@@ -1,0 +1,130 @@
+"""What the KServe v2 endpoints say about the server and its models, as the JSON both transports send: HTTP
+as it is, gRPC as the protobuf message parsed from it (``as_message``), so the two never differ.
+
+  server_metadata       name, version, extensions
+  model_metadata        a graph's inputs and outputs (symbolic axes -1)
+  model_config          Triton's model configuration extension: dims without the batch axis, batching, limits
+  statistics            Triton's statistics extension, from the metrics' counters (``Metrics.model_statistics``)
+  repository_index      the model repository extension's index (the models are fixed at start: no load or unload)
+
+Every model is one graph of the served artifact, in one version, ``MODEL_VERSION``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from ldlm import __version__
+from ldlm.serve.api.errors import HTTPError
+from ldlm.serve.api.kserve import KSERVE_NAMES, load_json, refuse_unknown_fields, tensor_metadata
+from ldlm.serve.api.kserve_tensors import ProtocolError
+from ldlm.serve.api.service import LDLMService
+from ldlm.serve.runtime.graph_backend import GraphBackend
+
+MODEL_VERSION = "1"
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
+INDEX_FIELDS = ("ready",)
+
+M = TypeVar("M", bound=Message)
+
+
+def served_graph(service: LDLMService, model: str, version: str = "") -> GraphBackend:
+    """The graph ``model`` names, or 404 naming the models (or the version) there are. "" is the one version."""
+    if model not in service.graphs:
+        raise HTTPError(404, f"unknown model {model!r}; available: {', '.join(service.graphs)}")
+    if version not in ("", MODEL_VERSION):
+        raise HTTPError(404, f"model {model!r} has no version {version!r}; available: {MODEL_VERSION}")
+    return service.graphs[model]
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "ldlm", "version": __version__, "extensions": list(EXTENSIONS)}
+
+
+def model_metadata(service: LDLMService, model: str, version: str = "") -> dict[str, Any]:
+    graph = served_graph(service, model, version)
+    return {
+        "name": model,
+        "versions": [MODEL_VERSION],
+        "platform": f"ldlm_{graph.backend}",
+        "precision": graph.precision,  # beside KServe's fields: an int8 variant or a cast graph is named as such
+        "inputs": tensor_metadata(graph.inputs),
+        "outputs": tensor_metadata(graph.outputs),
+    }
+
+
+def model_config(service: LDLMService, model: str, version: str = "") -> dict[str, Any]:
+    """The graph as a Triton model configuration says it: ``max_batch_size`` is the most samples one request may
+    send (--max-request-samples), the dynamic batcher forms batches of up to ``preferred_batch_size`` (--max-batch,
+    or a TensorRT profile's limit), waits up to --max-delay-ms for them and holds up to --max-queue requests."""
+    graph = served_graph(service, model, version)
+    settings = service.settings
+    return {
+        "name": model,
+        "platform": f"ldlm_{graph.backend}",
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": settings.max_request_samples,
+        "input": [config_tensor(spec) for spec in graph.inputs],
+        "output": [config_tensor(spec) for spec in graph.outputs],
+        "dynamic_batching": {
+            "preferred_batch_size": [service.max_batch],
+            "max_queue_delay_microseconds": round(settings.max_delay_ms * 1000),
+            "default_queue_policy": {"max_queue_size": settings.max_queue},
+        },
+        "instance_group": [{"name": model, "count": 1, "kind": "KIND_CPU" if on_cpu(graph) else "KIND_GPU"}],
+        "parameters": {"precision": {"string_value": graph.precision}, "provider": {"string_value": graph.provider}},
+    }
+
+
+def config_tensor(spec: dict[str, Any]) -> dict[str, Any]:
+    """One input or output as Triton's config lists it: dims leave out the batch axis, symbolic axes are -1,
+    and a per-sample scalar (shape [batch]) is dims [1] reshaped to [] for the graph."""
+    dims = [d if isinstance(d, int) else -1 for d in spec["shape"][1:]]
+    entry: dict[str, Any] = {"name": spec["name"], "data_type": f"TYPE_{KSERVE_NAMES[spec['dtype']]}", "dims": dims or [1]}
+    if not dims:
+        entry["reshape"] = {"shape": []}
+    return entry
+
+
+def on_cpu(graph: GraphBackend) -> bool:
+    """Whether the graph runs on the host: ONNX Runtime's CPU provider, or a torch graph on the cpu device."""
+    return graph.provider == "CPUExecutionProvider" or str(getattr(graph, "device", "")).startswith("cpu")
+
+
+def statistics(service: LDLMService, model: str = "", version: str = "") -> dict[str, Any]:
+    """Triton's statistics of ``model``, or of every model when it is ""."""
+    models = [model] if model else list(service.graphs)
+    for name in models:
+        served_graph(service, name, version)
+    return {"model_stats": [service.metrics.model_statistics(name, MODEL_VERSION) for name in models]}
+
+
+def repository_index(service: LDLMService, ready_only: bool = False) -> list[dict[str, str]]:
+    """Every served model and its state; ``ready_only``: none while the server is not ready."""
+    state = "READY" if service.ready else "UNAVAILABLE"
+    return [
+        {"name": name, "version": MODEL_VERSION, "state": state, "reason": ""} for name in service.graphs if service.ready or not ready_only
+    ]
+
+
+def index_request(body: bytes) -> bool:
+    """The ``ready`` flag of a repository index request's body: none, or ``{"ready": true|false}``."""
+    if not body.strip():
+        return False
+    payload = load_json(body)
+    if not isinstance(payload, dict):
+        raise ProtocolError('the repository index request must be a JSON object, such as {"ready": true}, or empty')
+    refuse_unknown_fields(payload, INDEX_FIELDS, "the repository index request")
+    ready = payload.get("ready", False)
+    if not isinstance(ready, bool):
+        raise ProtocolError(f"field 'ready' is {ready!r}; allowed: true or false")
+    return ready
+
+
+def as_message(payload: dict[str, Any], message: M) -> M:
+    """``payload`` parsed into the protobuf ``message`` (gRPC's form of the same answer); fields the message
+    lacks (metadata's ``precision``) are left out."""
+    return json_format.ParseDict(payload, message, ignore_unknown_fields=True)
