@@ -40,6 +40,9 @@ def _cmd_parity(args: argparse.Namespace) -> None:
         device=args.device,
         provider=args.provider,
         sampler=args.sampler,
+        save_inputs=args.save_inputs,
+        load_inputs=args.load_inputs,
+        save_outputs=args.save_outputs,
     )
     if args.min_token_agreement is not None:
         report.accept_token_agreement(args.min_token_agreement, "--min-token-agreement")
@@ -57,6 +60,9 @@ def _cmd_parity(args: argparse.Namespace) -> None:
         print(report.eps_probes.summary())
     print(report.summary())
     print(f"reports: {', '.join(str(f) for f in files)}")
+    for what, path in (("inputs", args.save_inputs), ("outputs", args.save_outputs)):
+        if path is not None:
+            print(f"{what}: {path}")
     if not report.passed:
         raise SystemExit(1)
 
@@ -132,16 +138,39 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     device_options(p, precision=False)
     p.add_argument("--out", default="parity-report", help="report directory (default: parity-report)")
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of the inputs and the generation noise (default: 0)")
-    p.add_argument("--steps", type=STEPS, help=f"end-to-end sampler steps, 1..{MAX_STEPS} (default: 10; int8: the config's default)")
+    p.add_argument("--seed", type=seed_int, help="seed of the inputs and the generation noise (default: 0; --load-inputs: the file's)")
+    p.add_argument(
+        "--steps",
+        type=STEPS,
+        help=f"end-to-end sampler steps, 1..{MAX_STEPS} (default: 10; int8: the config's default; --load-inputs: the file's)",
+    )
     p.add_argument(
         "--sampler",
         choices=SAMPLERS,
-        help="solver of the end-to-end check; both sides draw the same CPU noise (default: ddim; int8: the config's default sampler)",
+        help="solver of the end-to-end check; both sides draw the same CPU noise (default: ddim; int8: the config's default sampler; "
+        "--load-inputs: the file's)",
     )
+    _add_parity_files(p)
     p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_parity)
+
+
+def _add_parity_files(p: argparse.ArgumentParser) -> None:
+    files = p.add_argument_group("inputs and outputs as files (safetensors with a JSON header; never pickle)")
+    files.add_argument(
+        "--save-inputs",
+        metavar="FILE",
+        help="write every input this run uses (each graph's input sets, the eps probes' rows, the end-to-end seeds and "
+        "prior noise) to FILE, before the comparisons run",
+    )
+    files.add_argument(
+        "--load-inputs",
+        metavar="FILE",
+        help="run on the inputs of FILE (from --save-inputs, on this backend or another) with its seed, steps and sampler; "
+        "refused when FILE does not fit the checkpoint",
+    )
+    files.add_argument("--save-outputs", metavar="FILE", help="write both sides' outputs (eager's and the backend's) to FILE")
 
 
 def _add_probe_eps(sub: argparse._SubParsersAction) -> None:

@@ -16,7 +16,7 @@ from ldlm.export.layernorm.compare import compare_outputs, min_cosine
 from ldlm.export.layernorm.verify import LayerNormSpec, pair_layer_norm_nodes
 from ldlm.model.ldlm import LDLM
 from ldlm.model.tokenizer import TextTokenizer
-from ldlm.serve.checks.parity_result import ParityReport
+from ldlm.serve.checks.parity_result import ParityOutputs, ParityReport
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.ort_backend import OrtBackend
 from ldlm.serve.runtime.torch_backends import EagerBackend
@@ -83,11 +83,16 @@ def compare_graph(
     atol: float,
     rtol: float,
     report: ParityReport,
+    outputs: ParityOutputs | None = None,
 ) -> None:
+    """Every output of ``candidate`` against ``eager`` on each input set, into ``report`` (and, as they came
+    out, into ``outputs``)."""
     for set_name, feed in sets.items():
         reference, got = eager.run(feed), candidate.run(feed)
         mask = feed["attention_mask"]
         for output in candidate.output_names:
+            if outputs is not None:
+                outputs.add(f"{name}/{set_name}/{output}", reference[output], got[output])
             if output == "token_ids":
                 valid = mask.astype(bool)
                 report.decoder_token_agreement[set_name] = float((got[output][valid] == reference[output][valid]).mean())
@@ -129,7 +134,10 @@ def compare_layer_norms(
     rtol: float,
     work: Path,
     report: ParityReport,
+    outputs: ParityOutputs | None = None,
 ) -> None:
+    """Every LayerNorm output of the ONNX graph at ``onnx_path`` against its eager module's, on the random
+    input set and the stress (or real-text) one, into ``report`` (and into ``outputs``)."""
     debug = work / f"{name}.layernorms.onnx"
     marked = layer_norm_debug_copy(onnx_path, specs, debug)
     if not marked:
@@ -144,9 +152,11 @@ def compare_layer_norms(
         finally:
             for hook in hooks:
                 hook.remove()
-        outputs = session.run([m[0] for m in marked], eager.check_inputs(feed))
+        found = session.run([m[0] for m in marked], eager.check_inputs(feed))
         mask = feed["attention_mask"]
-        for (_, spec), got in zip(marked, outputs):
+        for (_, spec), got in zip(marked, found):
+            if outputs is not None:
+                outputs.add(f"{name}:{spec.name}/{set_name}", captured[spec.name], got)
             report.layer_norms.append(
                 compare_outputs(
                     f"{name}:{spec.name}/{set_name}",

@@ -1,11 +1,13 @@
 """Writes a ParityReport as JSON, Markdown and PNG plots (an error histogram per graph, the
-largest error per LayerNorm against the tolerance)."""
+largest error per LayerNorm against the tolerance), into a report directory that gets all of them or none."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +19,42 @@ from matplotlib.patches import Patch
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.export.layernorm.compare import HISTOGRAM_EDGES
 from ldlm.export.layernorm.tolerances import bounded, gate_text
-from ldlm.files import save_figure, write_atomically
+from ldlm.files import atomic_directory, save_figure, write_atomically
+from ldlm.interrupts import deferred_interrupts, raise_if_interrupted
 from ldlm.serve.checks.parity_result import ParityReport
+
+REPORT_FILES = ("parity.json", "parity.md", "errors_by_graph.png", "errors_by_layernorm.png")
 
 
 def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> list[Path]:
+    """``out``/parity.json, parity.md and the plots, all or none: every file is written in a temporary sibling
+    of ``out`` first (the plots take seconds, and Ctrl-C may land there). A new ``out`` is that sibling renamed;
+    into an existing one (which may hold other files) the finished files are moved with Ctrl-C held back, and a
+    plot that an earlier report left and this one does not draw is removed."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "parity.json", out / "parity.md"]
-    write_atomically(files[0], json.dumps(report.to_dict(), indent=2) + "\n")
-    write_atomically(files[1], markdown(report))
-    files += plot(report, out)
-    return files
+    if not out.exists():
+        with atomic_directory(out) as tmp:
+            names = _write_report_files(report, tmp)
+        return [out / name for name in names]
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent))
+    try:
+        names = _write_report_files(report, staging)
+        with deferred_interrupts():  # the moves are quick; a Ctrl-C among them would leave two reports mixed
+            for name in names:
+                os.replace(staging / name, out / name)
+            for stale in set(REPORT_FILES) - set(names):
+                (out / stale).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise_if_interrupted()
+    return [out / name for name in names]
+
+
+def _write_report_files(report: ParityReport, out: Path) -> list[str]:
+    """The report's files into the directory ``out``, by name."""
+    write_atomically(out / "parity.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    write_atomically(out / "parity.md", markdown(report))
+    return ["parity.json", "parity.md", *(path.name for path in plot(report, out))]
 
 
 def markdown(report: ParityReport) -> str:

@@ -1,6 +1,7 @@
 """The parity check's result: ``ParityReport`` (per output pass/fail with its tolerances, the LayerNorm
 outputs, the decoder's token agreement, the end-to-end token agreement, the structural verifier and
-the eps probes), its one PASSED/FAILED line and JSON form, and ``first_divergence`` for ``bisect``."""
+the eps probes), its one PASSED/FAILED line and JSON form, ``ParityOutputs`` (both sides' outputs) and
+``first_divergence`` for ``bisect``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ldlm.export.layernorm.compare import Comparison
 from ldlm.export.layernorm.eps_probe import EpsProbeReport
 
 # the gate lives in ldlm.export.layernorm.tolerances with the others; the checks import it from here
 from ldlm.export.layernorm.tolerances import TOKEN_AGREEMENT_REQUIRED as TOKEN_AGREEMENT_REQUIRED
 from ldlm.export.layernorm.verify import VerifyResult
+
+END_TO_END_TOKENS = "end_to_end/token_ids"  # the end-to-end generation's outputs, in ``ParityOutputs``
 
 
 @dataclass
@@ -118,6 +123,18 @@ class ParityReport:
             "verification": [v.to_dict() for v in self.verification],
             "eps_probes": None if self.eps_probes is None else self.eps_probes.to_dict(),
         }
+
+
+@dataclass
+class ParityOutputs:
+    """Both sides' outputs of a parity run (``--save-outputs``), by the name the report gives the comparison
+    (``GRAPH/SET/OUTPUT``, ``GRAPH:MODULE/SET``), and the generated tokens as ``END_TO_END_TOKENS``."""
+
+    reference: dict[str, np.ndarray] = field(default_factory=dict)
+    candidate: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add(self, name: str, reference: np.ndarray, candidate: np.ndarray) -> None:
+        self.reference[name], self.candidate[name] = np.ascontiguousarray(reference), np.ascontiguousarray(candidate)
 
 
 def first_divergence(report: ParityReport) -> str:
