@@ -5,21 +5,27 @@ tokens at every position (ldlm/sampling/tokens.py); temperature 0, the default, 
 parameters that mean nothing to a diffusion sampler are accepted only at the value that asks
 for nothing, else refused (400) naming the parameter; LDLM's own (steps, sampler, t_min, timeout_s)
 are extra body fields. The body carries this server's limits, so ``completion_body`` builds it per app.
+
+``prompt`` takes OpenAI's four forms: a text, a list of texts, a list of token ids, a list of token-id
+lists; ``prompt_list`` reads them (the body types the field loosely, so that a mixed or empty list is
+refused with one message naming the forms, not with one per form). vLLM's additions to the API
+(/v1/tokenize, /v1/detokenize, /version) have their bodies here too, as vLLM keeps them beside its
+OpenAI protocol.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, StrictInt, WithJsonSchema, create_model
 
 from ldlm.limits import TEMPERATURE, TOP_LOGPROBS, TOP_P
 from ldlm.sampling import GenerateRequest
 from ldlm.sampling.tokens import TokenSampling
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, SamplingBody, ranged, sampling_fields, timeout_field
+from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, SamplingBody, ranged, sampling_fields, shown, timeout_field
 
 MODEL_ID = "ldlm"
 
@@ -40,6 +46,19 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "only prefix prompts (inpainting at the start) are supported"),
 }
 MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
+
+PROMPT_FORMS = "a text, a list of texts, a list of token ids, or a list of token-id lists"
+# What /docs shows for ``prompt``: OpenAI's four forms. The field itself takes any JSON, and ``prompt_list``
+# refuses what is none of them.
+TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": TOKEN_IDS_SCHEMA, "minItems": 1},
+    ]
+}
 
 
 # The token decoder's own: how each token is chosen from its distribution (ldlm/sampling/tokens.py).
@@ -91,10 +110,11 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
         __base__=CompletionFields,
         model=(str, Field(..., description=f"the served model's id: {MODEL_ID!r} (see GET /v1/models)")),
         prompt=(
-            str | list[str],
+            Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)],
             Field(
                 "",
-                description=f"text to continue; '' generates unconditionally; a list of 1..{limits.max_texts} prompts gives n choices each",
+                description=f"what to continue: {PROMPT_FORMS} (GPT-2 ids; see POST /v1/tokenize); '' generates "
+                f"unconditionally; a list of 1..{limits.max_texts} prompts gives n choices each, prompt by prompt",
             ),
         ),
         max_tokens=(
@@ -167,3 +187,113 @@ def token_sampling(body: Any, seed: int, has_logits: bool, prompt_ids: Sequence[
             param=name,
         )
     return sampling if sampling.needs_logits else None
+
+
+# --- prompts: OpenAI's four forms -----------------------------------------------------------------
+
+Prompt = str | list[int]  # one prompt: a text, or its token ids
+
+
+def prompt_list(prompt: Any, max_prompts: int, vocabulary: int) -> list[Prompt]:
+    """The request's prompts, each a text or its token ids, from any of OpenAI's four forms (a list of
+    token ids is one prompt). Refused (400) naming what is allowed: another JSON value, an empty list, a
+    list that mixes the forms, more than ``max_prompts`` prompts, a token id outside 0..vocabulary - 1."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise prompt_error(f"prompt is {kind_of(prompt)}", max_prompts)
+    if is_token_id(prompt[0]):
+        return [token_ids(prompt, "prompt", vocabulary)]
+    if len(prompt) > max_prompts:  # before a long list is walked
+        raise HTTPError(400, f"prompt has {len(prompt)} items; allowed: 1..{max_prompts}", param="prompt")
+    if isinstance(prompt[0], str):
+        for i, text in enumerate(prompt):
+            if not isinstance(text, str):
+                raise prompt_error(f"prompt[{i}] is {kind_of(text)} in a list of texts", max_prompts)
+        return list(prompt)
+    if isinstance(prompt[0], list):
+        rows: list[Prompt] = []
+        for i, row in enumerate(prompt):
+            if not isinstance(row, list) or not row:
+                raise prompt_error(f"prompt[{i}] is {kind_of(row)} in a list of token-id lists", max_prompts)
+            rows.append(token_ids(row, f"prompt[{i}]", vocabulary))
+        return rows
+    raise prompt_error(f"prompt[0] is {kind_of(prompt[0])}", max_prompts)
+
+
+def token_ids(values: list[Any], name: str, vocabulary: int) -> list[int]:
+    """``values``, each an integer token id in 0..vocabulary - 1, or 400 naming the first that is not
+    (``name``: how the request names the list, ``prompt[2]`` or ``tokens``)."""
+    param = name.split("[")[0]
+    for j, token in enumerate(values):
+        if not is_token_id(token):
+            raise HTTPError(400, f"{name}[{j}] is {kind_of(token)}; allowed: token ids, integers 0..{vocabulary - 1}", param=param)
+        if not 0 <= token < vocabulary:
+            raise HTTPError(400, f"{name}[{j}]={token} is out of the vocabulary; allowed: token ids 0..{vocabulary - 1}", param=param)
+    return values
+
+
+def is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is no token
+
+
+def kind_of(value: Any) -> str:
+    """A JSON value as a message names it: 'a number (1.5)', 'an empty list', 'a text ("Once up...")'."""
+    if isinstance(value, str):
+        return f"a text ({shown(value if len(value) <= 20 else value[:20] + '...')})"
+    if isinstance(value, list):
+        return "a list" if value else "an empty list"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else f"{'a boolean' if isinstance(value, bool) else 'a number'} ({shown(value)})"
+
+
+def prompt_error(problem: str, max_prompts: int) -> HTTPError:
+    return HTTPError(
+        400,
+        f"{problem}; allowed: a text, a list of 1..{max_prompts} texts, a list of token ids, or a list of 1..{max_prompts} "
+        'token-id lists, one form per request ("" samples unconditionally)',
+        param="prompt",
+    )
+
+
+# --- vLLM's additions: tokenize, detokenize, version -------------------------------------------------
+
+MODEL_FIELD = Field(None, description=f"the served model's id, {MODEL_ID!r}, or null")
+
+
+class TokenizeBody(BaseModel):
+    """POST /v1/tokenize, as vLLM takes it (its TokenizeCompletionRequest)."""
+
+    model_config = STRICT_BODY
+    model: str | None = MODEL_FIELD
+    prompt: str = Field(..., strict=True, description='the text; "" has no tokens, a blank text is refused as a prompt is')
+    add_special_tokens: bool = Field(
+        True, strict=True, description="as vLLM's; GPT-2's tokenizer adds no special tokens (no BOS), so either gives the same ids"
+    )
+    return_token_strs: bool | None = Field(
+        False, strict=True, description="also each token as the tokenizer's vocabulary spells it (byte-level BPE: 'Ġ' is a space)"
+    )
+
+
+class TokenizeResponse(BaseModel):
+    count: int = Field(..., description="how many tokens")
+    max_model_len: int = Field(..., description="the model's max_seq_len: prompt tokens + max_tokens must fit it")
+    tokens: list[int] = Field(..., description="the GPT-2 token ids /v1/completions conditions on for this prompt")
+    token_strs: list[str] | None = Field(None, description="with return_token_strs: each token's vocabulary entry")
+
+
+class DetokenizeBody(BaseModel):
+    """POST /v1/detokenize, as vLLM takes it (its DetokenizeRequest)."""
+
+    model_config = STRICT_BODY
+    model: str | None = MODEL_FIELD
+    tokens: list[StrictInt] = Field(..., description="GPT-2 token ids, each in the tokenizer's vocabulary")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str = Field(..., description="the ids' text, an end-of-text token as <|endoftext|>")
+
+
+class VersionResponse(BaseModel):
+    version: str = Field(..., description="the ldlm package's version")

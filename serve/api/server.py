@@ -5,6 +5,8 @@
   POST /v2/models/{model}[/versions/{v}]/infer     JSON and binary tensors (tritonclient works as is)
   POST /v1/generate, /v1/reconstruct, /v1/encode   text in, text / ids / latents out (routes.text)
   GET  /v1/models, POST /v1/completions            OpenAI-compatible (routes.openai)
+  GET  /health, /version                           vLLM's additions to that API (routes.openai)
+  POST /v1/tokenize, /v1/detokenize
   GET  /, /docs, /openapi.json                     the playground and OpenAPI (routes.playground)
   GET  /metrics                                    Prometheus (routes.metrics)
 

@@ -1,9 +1,20 @@
-"""OpenAI-compatible routes, so the official ``openai`` client works unchanged.
+"""OpenAI-compatible routes, so the official ``openai`` client works unchanged, and vLLM's additions to
+that API, so what its users call works too.
 
-  GET  /v1/models         the one served model
+  GET  /v1/models         the one served model (with ``max_model_len``, as vLLM lists it)
   POST /v1/completions    model, prompt, max_tokens, n, seed, stream, stream_options, stop, echo, user
                           (+ LDLM's steps, sampler, t_min as extra body fields:
                           ``client.completions.create(..., extra_body={"steps": 20})``)
+  GET  /health            200 when ready, 503 otherwise (an empty body, as vLLM's)
+  GET  /version           {"version"}
+  POST /v1/tokenize       {"model"?, "prompt", "add_special_tokens"?, "return_token_strs"?} -> {"count", "max_model_len", "tokens", "token_strs"}
+  POST /v1/detokenize     {"model"?, "tokens"} -> {"prompt"}
+
+``prompt`` takes OpenAI's four forms: a text, a list of texts, a list of token ids (one prompt), a list
+of token-id lists. Token ids pass through as given (a text is tokenized by GPT-2's BPE, as /v1/tokenize
+shows), so a prompt sent as ids and as its text give the same completion. Choices are indexed prompt
+by prompt (prompt i's n choices are i*n .. i*n + n-1), and ``usage`` counts as vLLM does: each prompt's
+tokens once, whatever ``n``, and the tokens generated (``echo`` adds none).
 
 A diffusion model writes all positions at once. An empty prompt samples unconditionally; a
 non-empty prompt conditions by prefix inpainting: its P tokens are encoded, and at every step
@@ -11,7 +22,7 @@ their positions are reset to those latents forward-noised to the step's time
 (``LDLMPipeline.inpaint_prefix``). The completion is the text decoded after the prompt, at most
 ``max_tokens`` tokens, cut at the first end-of-text token (``finish_reason: "stop"``; else
 ``"length"``); ``stop`` ends it before the first of up to 4 texts (``"stop"``), and ``echo`` puts
-the prompt before it. ``temperature`` (0, the default: the token decoder's argmax), ``top_p`` and
+the prompt before it (a token-id prompt decoded). ``temperature`` (0, the default: the token decoder's argmax), ``top_p`` and
 ``logprobs`` act where the model has a distribution over tokens, at the token decoder: each token
 is drawn from softmax(logits / temperature) within the nucleus, seeded by ``seed``, and ``logprobs``
 gives each completion token's log-probability and its top alternatives in OpenAI's legacy shape
@@ -32,26 +43,51 @@ Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from ldlm.model.tokenizer import TextTokenizer
+from ldlm import __version__
+from ldlm.model.tokenizer import END_OF_TEXT, TextTokenizer
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest
 from ldlm.sampling.tokens import TokenLogprobs, TokenSampling
 from ldlm.serve.api.errors import REQUEST_ERRORS, HTTPError, error_status, openai_error
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
-from ldlm.serve.api.openai_schemas import MODEL_ID, check_supported, completion_body, token_sampling
+from ldlm.serve.api.openai_schemas import (
+    MODEL_ID,
+    DetokenizeBody,
+    DetokenizeResponse,
+    TokenizeBody,
+    TokenizeResponse,
+    VersionResponse,
+    check_supported,
+    completion_body,
+    is_token_id,
+    prompt_list,
+    token_ids,
+    token_sampling,
+)
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
 
-# One prompt's token ids, its scheduler request, and how its tokens are chosen (None: argmax).
-Prepared = list[tuple[list[int], GenerateRequest, TokenSampling | None]]
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """One prompt of a completion request, ready to queue."""
+
+    ids: list[int]  # its token ids (none: unconditional)
+    text: str  # as ``echo`` shows it: the text given, or a token-id prompt decoded
+    request: GenerateRequest  # its n choices
+    decoding: TokenSampling | None  # how their tokens are chosen (None: argmax)
+
+
+Prepared = list[PreparedPrompt]
 
 
 def create_router(service: LDLMService) -> APIRouter:
@@ -63,7 +99,7 @@ def create_router(service: LDLMService) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """The served model, as OpenAI lists models."""
+        """The served model, as OpenAI lists models; ``max_model_len`` (its max_seq_len) as vLLM adds it."""
         return {
             "object": "list",
             "data": [{"id": MODEL_ID, "object": "model", "created": created, "owned_by": "ldlm", "max_model_len": config.max_seq_len}],
@@ -74,11 +110,63 @@ def create_router(service: LDLMService) -> APIRouter:
         """OpenAI completions by a diffusion model; see the module docs for how prompts condition."""
         return await completer.answer(body)
 
+    add_vllm_routes(router, service)
     return router
 
 
-def prompt_text(body: Any, i: int) -> str:
-    return body.prompt if isinstance(body.prompt, str) else body.prompt[i]
+def add_vllm_routes(router: APIRouter, service: LDLMService) -> None:
+    """vLLM's additions to the OpenAI API, which its clients, benchmarks and load balancers call."""
+    tokenizer, config, timeout_s = service.pipeline.tokenizer, service.config, service.settings.request_timeout_s
+
+    @router.get("/health", summary="200 when ready, else 503 (vLLM's probe)", responses={503: {"description": "not ready"}})
+    async def health() -> Response:
+        return Response(status_code=200 if service.ready else 503)
+
+    @router.get("/version", response_model=VersionResponse, summary="the server's version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @router.post("/v1/tokenize", response_model=TokenizeResponse, summary="a prompt's token ids, as /v1/completions reads it")
+    async def tokenize(body: TokenizeBody) -> Response:
+        check_model(body.model)
+        ids = await run_blocking(prompt_ids, tokenizer, body.prompt, "prompt", timeout_s=timeout_s)
+        spelled = [tokenizer.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return await json_response(service, {"count": len(ids), "max_model_len": config.max_seq_len, "tokens": ids, "token_strs": spelled})
+
+    @router.post("/v1/detokenize", response_model=DetokenizeResponse, summary="token ids' text")
+    async def detokenize(body: DetokenizeBody) -> Response:
+        check_model(body.model)
+
+        def text() -> str:
+            return ids_text(tokenizer, token_ids(body.tokens, "tokens", config.gpt2_vocab_size))
+
+        return await json_response(service, {"prompt": await run_blocking(text, timeout_s=timeout_s)})
+
+
+def check_model(model: str | None) -> None:
+    """404 for a model this server does not serve (None: the request names none, as vLLM's tokenize allows)."""
+    if model is not None and model != MODEL_ID:
+        raise HTTPError(404, f"model {model!r} does not exist; available: {MODEL_ID}", param="model")
+
+
+def prompt_ids(tokenizer: TextTokenizer, text: str, name: str) -> list[int]:
+    """A text prompt's GPT-2 token ids: none for "" (unconditional); a blank text is refused, named as the request names it."""
+    if text == "":
+        return []
+    if not text.strip():
+        raise HTTPError(400, f'{name}={text!r} is blank; allowed: text with a non-space character, or "" for none', param="prompt")
+    return tokenizer.encode([text])[0]
+
+
+def ids_text(tokenizer: TextTokenizer, ids: Sequence[int]) -> str:
+    """Token ids' whole text, each end-of-text token spelled ``<|endoftext|>`` (as its text tokenizes back to it);
+    ``TextTokenizer.decode`` alone stops at the first."""
+    eos, pieces, start = tokenizer.eos_token_id, [], 0
+    for k, token in enumerate(ids):
+        if token == eos:
+            pieces.append(tokenizer.decode(ids[start:k]))
+            start = k + 1
+    return END_OF_TEXT.join([*pieces, tokenizer.decode(ids[start:])])
 
 
 class Completions:
@@ -90,42 +178,41 @@ class Completions:
 
     def prepare(self, body: Any) -> Prepared:
         """Per prompt: its token ids and the scheduler request (off the loop: tokenizing is work)."""
-        settings, config = self.settings, self.config
-        if body.model != MODEL_ID:
-            raise HTTPError(404, f"model {body.model!r} does not exist; available: {MODEL_ID}", param="model")
+        settings, config, tokenizer = self.settings, self.config, self.pipeline.tokenizer
+        check_model(body.model)
         check_supported(body)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        if not 1 <= len(prompts) <= settings.max_texts:
-            raise HTTPError(400, f"prompt has {len(prompts)} items; allowed: 1..{settings.max_texts}")
+        prompts = prompt_list(body.prompt, settings.max_texts, config.gpt2_vocab_size)
         if len(prompts) * body.n > settings.max_n:
             raise HTTPError(
                 400, f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} choices; allowed: up to {settings.max_n} per request"
             )
-        ids = [[] if p == "" else self.pipeline.tokenizer.encode([p])[0] for p in prompts]
+        one = isinstance(body.prompt, str) or is_token_id(body.prompt[0])  # named "prompt", not "prompt[0]"
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
         has_logits = getattr(self.pipeline.graphs, "has_logits", True)
         prepared = []
-        for i, row in enumerate(ids):
+        for i, prompt in enumerate(prompts):
+            name = "prompt" if one else f"prompt[{i}]"
+            row = prompt_ids(tokenizer, prompt, name) if isinstance(prompt, str) else prompt
             if len(row) + body.max_tokens > config.max_seq_len:
-                name = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
                 raise HTTPError(
                     400,
                     f"{name} has {len(row)} tokens and max_tokens is {body.max_tokens}: {len(row) + body.max_tokens} "
                     f"tokens in all; allowed: up to {config.max_seq_len} (the model's max_seq_len)",
+                    param="prompt",
                 )
-            seed_i = (seed + i) % 2**63
-            spec = body.to_request(len(row), seed_i)
-            prepared.append((row, spec, token_sampling(body, spec.seed, has_logits, row)))
+            spec = body.to_request(len(row), (seed + i) % 2**63)
+            text = prompt if isinstance(prompt, str) else ids_text(tokenizer, prompt)
+            prepared.append(PreparedPrompt(row, text, spec, token_sampling(body, spec.seed, has_logits, row)))
         return prepared
 
-    def prefix_latents(self, rows: list[list[int]]) -> list[torch.Tensor | None]:
-        return [None if not row else self.pipeline.encode([row]).latents[0].cpu() for row in rows]
+    def prefix_latents(self, prepared: Prepared) -> list[torch.Tensor | None]:
+        return [None if not p.ids else self.pipeline.encode([p.ids]).latents[0].cpu() for p in prepared]
 
-    def choices(self, row: list[int], result: TextResult, first_index: int, body: Any, prompt: str) -> tuple[list[dict[str, Any]], int]:
+    def choices(self, prompt: PreparedPrompt, result: TextResult, first_index: int, body: Any) -> tuple[list[dict[str, Any]], int]:
         """The text after the prompt, cut at end-of-text and before the first stop text (``stop``),
         preceded by the prompt with ``echo``; and the completion tokens counted."""
         out, used = [], 0
-        eos = self.config.eos_token_id
+        eos, row = self.config.eos_token_id, prompt.ids
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         for j, ids in enumerate(result.token_ids[:, len(row) :].tolist()):
             stop = eos in ids
@@ -137,14 +224,14 @@ class Completions:
             used += self.pipeline.tokenizer.count_tokens(text) if cut >= 0 else len(ids)
             logprobs = None
             if body.logprobs is not None and result.logprobs is not None:
-                start = len(prompt) if body.echo else 0
+                start = len(prompt.text) if body.echo else 0
                 logprobs = choice_logprobs(self.pipeline.tokenizer, ids, result.logprobs, (j, len(row)), start, cut if cut >= 0 else None)
                 if body.echo:  # the prompt's tokens first, each with the decoder's log-probability at its position
                     echoed = choice_logprobs(self.pipeline.tokenizer, row, result.logprobs, (j, 0), 0, None)
                     logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
             out.append(
                 {
-                    "text": prompt + text if body.echo else text,
+                    "text": prompt.text + text if body.echo else text,
                     "index": first_index + j,
                     "logprobs": logprobs,
                     "finish_reason": "stop" if stop else "length",
@@ -158,8 +245,8 @@ class Completions:
         or they would run for nobody."""
         futures: list[Future[TextResult]] = []
         try:
-            for (_, spec, decoding), prefix in zip(prepared, prefixes):
-                futures.append(self.service.submit_generation(spec, prefix, deadline_s=deadline.left(), decoding=decoding))
+            for prompt, prefix in zip(prepared, prefixes):
+                futures.append(self.service.submit_generation(prompt.request, prefix, deadline_s=deadline.left(), decoding=prompt.decoding))
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -169,7 +256,7 @@ class Completions:
     async def start(self, body: Any, deadline: Deadline) -> tuple[Prepared, list[Future[TextResult]]]:
         try:
             prepared = await run_blocking(self.prepare, body, timeout_s=deadline.left())
-            prefixes = await run_blocking(self.prefix_latents, [row for row, _, _ in prepared], timeout_s=deadline.left())
+            prefixes = await run_blocking(self.prefix_latents, prepared, timeout_s=deadline.left())
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
         futures = await run_submit(
@@ -182,7 +269,7 @@ class Completions:
         deadline = Deadline(self.settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
         prepared, futures = await self.start(body, deadline)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
-        prompt_tokens = sum(len(row) for row, _, _ in prepared) * body.n
+        prompt_tokens = sum(len(prompt.ids) for prompt in prepared)  # once per prompt, whatever n (as vLLM counts)
         if body.stream:
             return StreamingResponse(
                 self.stream_chunks(head, prepared, futures, prompt_tokens, body, deadline),
@@ -195,8 +282,8 @@ class Completions:
             for future in futures:
                 future.cancel()  # no-op when finished; frees the slots when the client left or time ran out
         every, used = [], 0
-        for i, ((row, _, _), result) in enumerate(zip(prepared, results)):
-            got, n_used = self.choices(row, result, i * body.n, body, prompt_text(body, i))
+        for i, (prompt, result) in enumerate(zip(prepared, results)):
+            got, n_used = self.choices(prompt, result, i * body.n, body)
             every += got
             used += n_used
         plan = {"ldlm_plan": results[0].plan.summary()} if results and results[0].plan is not None else {}
@@ -213,7 +300,7 @@ class Completions:
                 for task in done:
                     i = pending.pop(task)
                     result = task.result()
-                    got, n_used = self.choices(prepared[i][0], result, i * body.n, body, prompt_text(body, i))
+                    got, n_used = self.choices(prepared[i], result, i * body.n, body)
                     used += n_used
                     plan = {} if result.plan is None else {"ldlm_plan": result.plan.summary()}
                     yield sse({**head, "choices": got, **plan})

@@ -215,7 +215,9 @@ def test_prompt_list_and_choices_at_their_limits(server: RunningServer) -> None:
     ok = post_completion(server, prompt=["", "", "", ""], n=2, max_tokens=1)
     assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == list(range(8))
     assert openai_message(post_completion(server, prompt=[""] * 5, max_tokens=1)) == "prompt has 5 items; allowed: 1..4"
-    assert openai_message(post_completion(server, prompt=[], max_tokens=1)) == "prompt has 0 items; allowed: 1..4"
+    assert openai_message(post_completion(server, prompt=[], max_tokens=1)).startswith(
+        "prompt is an empty list; allowed: a text, a list of 1..4 texts, a list of token ids, or a list of 1..4 token-id lists"
+    )
     assert (
         openai_message(post_completion(server, prompt=["", "", ""], n=3, max_tokens=1))
         == "3 prompts x n=3 is 9 choices; allowed: up to 8 per request"
@@ -234,7 +236,7 @@ def test_prompt_plus_max_tokens_fills_max_seq_len_exactly(server: RunningServer)
     assert openai_message(post_completion(server, prompt=["", prompt], max_tokens=9)).startswith("prompt[1] has 120 tokens")
     assert (
         openai_message(post_completion(server, prompt="   ", max_tokens=1))
-        == "texts[0]='   ' is empty; allowed: text with at least one non-space character"
+        == "prompt='   ' is blank; allowed: text with a non-space character, or \"\" for none"
     )
 
 
