@@ -8,10 +8,15 @@ of tensor operations whatever the batch holds:
 
   times    each running slot's t, t_next and t_prev and the step's coefficients (everything the sampler
            computes from times alone, tabulated per sample at admission), read on the host, sent in one copy;
-  gather   the running rows of x, x0_prev and the mask (one index_select each);
+  gather   the running rows of x, x0_prev and the mask (one index_select each; ``gather_inputs``);
   denoise  one call for the rows, plus a prompt-blind copy of each guided row (prompt guidance);
   update   one ``sampler_update`` per sampler in the batch, over its rows, its past gathered the same way;
-  scatter  the results back into their slots (one index_copy_ each).
+  scatter  the results back into their slots (one index_copy_ each; ``scatter_outputs``).
+
+A fused step (``step_fused``) hands the gather, the denoiser call, the update and the scatter to one callable
+(``SlotStep``): on CUDA one captured graph whose static inputs are the slot index and the sent times, so the
+host's part of a step is one copy and one replay. A padded batch bucket's extra rows read the first row's slot
+and write to a scratch slot no sample holds (each table keeps one past its capacity).
 
 Per-sample work is left only where a sample's own random stream draws: the sde sampler's noise and an
 inpainted prompt's forward noise, one draw per such sample and step (a generator per sample is what keeps a
@@ -26,6 +31,7 @@ numbers do not depend on the bucket or the other rows.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -37,11 +43,21 @@ from ldlm.model.config import DecodeFinal
 from ldlm.sampling.noise import NoiseSource, to_device
 from ldlm.sampling.samplers import SAMPLERS_BY_NAME, Sampler
 from ldlm.sampling.schedule import TangentSchedule, forward_noise
-from ldlm.sampling.step import DenoiseFn, FusedStepFn, StepInputs, StepOutputs, sampler_update
+from ldlm.sampling.step import (
+    DenoiseFn,
+    FusedStepFn,
+    SlotStep,
+    StepInputs,
+    gather_inputs,
+    gather_past,
+    sampler_update,
+    scatter_outputs,
+)
 
 HISTORY = max(s.history for s in SAMPLERS_BY_NAME.values())  # past x0_hat kept per slot: the most any sampler reads
 FIRST_CAPACITY = 8
 COEFFICIENTS = max(len(s.coefficient_names) for s in SAMPLERS_BY_NAME.values())  # columns of a slot's coefficient table
+_TABLES = itertools.count()  # each table's serial: with its storage generation, what a captured step is keyed by
 
 
 @dataclass(eq=False)  # a sample is itself, not its values (and tensors have no truth value)
@@ -117,7 +133,8 @@ class SlotTable:
         self.device = torch.device(device)
         self.decode_final = decode_final
         self.capacity = 0
-        self.state: dict[str, Tensor] = {}  # per slot, batch first
+        self.state: dict[str, Tensor] = {}  # per slot, batch first; one row more than capacity: the scratch slot
+        self.storage = (next(_TABLES), 0)  # (table, generation): the generation counts reallocations of self.state
         self.owner: list[SampleState | None] = []
         self._free: list[int] = []
         self.k = np.zeros(0, dtype=np.int64)  # steps taken
@@ -201,14 +218,17 @@ class SlotTable:
         for group in layout.groups:
             rows = inputs if group.pos is None else _rows(inputs, group.pos)
             group_x0 = x0_hat if group.pos is None else x0_hat[group.pos]
-            group_inputs, past = self._group_inputs(group, rows)
-            self._store(group, sampler_update(group.sampler, self.schedule, group_inputs, group_x0), past)
+            noise = self._noise(group.slots_np) if group.sampler.stochastic else None
+            group_inputs, past = gather_past(self.state, group.sampler, group.slots, rows, noise)
+            out = sampler_update(group.sampler, self.schedule, group_inputs, group_x0)
+            scatter_outputs(self.state, group.sampler, group.slots, out, past)
         return self._advance(layout)
 
     def step_fused(self, fused: FusedStepFn) -> list[SampleState]:
-        """``step`` with the denoiser call inside ``fused(sampler, schedule, inputs)`` (denoiser and update as
-        one; on CUDA one captured graph per bucket and sampler): the same numbers. Takes what ``fusable``
-        says. A ``fused`` that raises changes no sample: this step's noise is held for whatever runs it instead."""
+        """``step`` with the gather, the denoiser call, the update and the scatter inside ``fused(sampler,
+        schedule, rows)`` (on CUDA one captured graph per bucket and sampler): the same numbers. Takes what
+        ``fusable`` says. A ``fused`` that raises changes no sample: this step's noise is held for whatever runs
+        it instead."""
         layout = self._current()
         if not self.fusable():
             names = sorted({g.sampler.name for g in layout.groups})
@@ -217,13 +237,16 @@ class SlotTable:
                 f"a fused step takes one sampler and no prompt-guided rows; these rows have samplers {names} and {blind} guided"
             )
         group = layout.groups[0]
-        inputs, past = self._group_inputs(group, self._inputs(layout))
+        sent = self._sent(layout)
+        if len(layout.prompted):
+            self._inpaint(layout, to_device(torch.from_numpy(sent[0][layout.prompted]), self.device))
+        noise = self._noise(layout.slots_np) if group.sampler.stochastic else None
+        rows = SlotStep(self.state, layout.slots, layout.slots_np, sent, noise, layout.full, self.capacity, self.storage)
         try:
-            out = fused(group.sampler, self.schedule, inputs)
+            fused(group.sampler, self.schedule, rows)
         except Exception:
             self._held.update(self._drawn)  # the step is not taken: whatever runs it again must draw the same noise
             raise
-        self._store(group, out, past)
         return self._advance(layout)
 
     def due(self) -> list[SampleState]:
@@ -242,56 +265,22 @@ class SlotTable:
 
     # --- the step's parts -------------------------------------------------------------------------
 
-    def _inputs(self, layout: _Layout) -> StepInputs:
-        """The running rows' step inputs; a prompt's positions first reset by prefix inpainting."""
+    def _sent(self, layout: _Layout) -> np.ndarray:
+        """(3 + C, B) the running rows' t, t_next, t_prev and step coefficients, read on the host (``SlotStep.sent``).
+        A new step: its draws are not yet made."""
         slots = layout.slots_np
         k = self.k[slots]
         self._drawn = {}
         times = [self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]]
-        sent = to_device(torch.from_numpy(np.concatenate([np.stack(times), self.coef[slots, k].T])), self.device)  # one copy
-        t, t_next, t_prev, coef = sent[0], sent[1], sent[2], sent[3:].T  # coef: (B, COEFFICIENTS)
+        return np.concatenate([np.stack(times), self.coef[slots, k].T])
+
+    def _inputs(self, layout: _Layout) -> StepInputs:
+        """The running rows' step inputs; a prompt's positions first reset by prefix inpainting."""
+        sent = to_device(torch.from_numpy(self._sent(layout)), self.device)  # one copy
         if len(layout.prompted):
+            t = sent[0]
             self._inpaint(layout, t if layout.prompted_pos is None else t.index_select(0, layout.prompted_pos))
-        s = self.state
-        x, x0_prev = s["x"].index_select(0, layout.slots), s["x0_prev"].index_select(0, layout.slots)
-        mask = None if layout.full else s["mask"].index_select(0, layout.slots)  # None: attention may take flash kernels
-        return StepInputs(x, t, t_next, x0_prev, mask, t_prev=t_prev, coef=coef)
-
-    def _group_inputs(self, group: _Group, rows: StepInputs) -> tuple[StepInputs, tuple[Tensor, Tensor | None] | None]:
-        """``rows`` with what ``group``'s sampler reads of its slots: its past x0_hat (zeros where a sample has no
-        such step yet), the state the corrector redoes, and this step's noise. Its coefficients came with the
-        times; a sampler that computes its own (``Sampler.tabulated``) gets the past's lambdas (NaN: missing)
-        and the times instead."""
-        sampler, s = group.sampler, self.state
-        past = None
-        changes: dict[str, object] = {"t_prev": None} if sampler.tabulated else {"t_prev": None, "coef": None}
-        if sampler.history:
-            lam = None if sampler.tabulated else s["past_lam"].index_select(0, group.slots)
-            past = s["past_x0"].index_select(0, group.slots), lam
-            changes["past_x0"] = tuple(past[0][:, j] for j in range(sampler.history))
-            changes["past_lam"] = () if lam is None else tuple(lam[:, j] for j in range(sampler.history))
-        if sampler.corrector:
-            changes["x_prev"] = s["x_prev"].index_select(0, group.slots)
-            changes["t_prev"] = None if sampler.tabulated else rows.t_prev
-        if sampler.stochastic:
-            changes["noise"] = self._noise(group.slots_np)
-        return replace(rows, **changes), past  # type: ignore[arg-type]
-
-    def _store(self, group: _Group, out: StepOutputs, past: tuple[Tensor, Tensor | None] | None) -> None:
-        """The update's outputs into ``group``'s slots; this step's x0_hat (and its lambda, where the sampler reads
-        lambdas) pushed onto the past."""
-        s, index, own = self.state, group.slots, self._own_dtype
-        for name, value in (("x", out.x), ("x_mean", out.x_mean), ("x0_hat", out.x0_hat), ("x0_prev", out.x0_prev)):
-            s[name].index_copy_(0, index, own(value))
-        if group.sampler.corrector:
-            s["x_prev"].index_copy_(0, index, own(out.x_start))
-        if past is not None:
-            s["past_x0"].index_copy_(0, index, torch.cat([own(out.x0_hat)[:, None], past[0][:, : HISTORY - 1]], 1))
-        if past is not None and past[1] is not None and out.lam is not None:
-            s["past_lam"].index_copy_(0, index, torch.cat([out.lam[:, None], past[1][:, : HISTORY - 1]], 1))
-
-    def _own_dtype(self, value: Tensor) -> Tensor:
-        return value if value.dtype == self.dtype else value.to(self.dtype)
+        return gather_inputs(self.state, layout.slots, sent, layout.full)  # mask None: attention may take flash kernels
 
     def _advance(self, layout: _Layout) -> list[SampleState]:
         """Count the step; the samples that finished leave with their latents (one gather for all of them)."""
@@ -410,10 +399,11 @@ class SlotTable:
             "guidance": ((length, 1), dtype, 0.0),  # type: ignore[dict-item]
         }
         for name, (shape, kind, fill) in shapes.items():
-            grown = torch.full((capacity, *shape), fill, dtype=kind, device=device)
+            grown = torch.full((capacity + 1, *shape), fill, dtype=kind, device=device)  # the last row: the scratch slot
             if name in self.state:
-                grown[:old] = self.state[name]
+                grown[:old] = self.state[name][:old]
             self.state[name] = grown
+        self.storage = (self.storage[0], self.storage[1] + 1)
         more = capacity - old
         for name in ("k", "steps", "lengths", "codes", "watch", "prompted", "guided"):
             column = getattr(self, name)

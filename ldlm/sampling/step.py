@@ -1,7 +1,12 @@
 """One sampler step as tensors in and tensors out: what a step reads (``StepInputs``), what it gives back
 (``StepOutputs``), and the sampler's update between them (``sampler_update``). Batch-first with fixed
-shapes for a given (batch, length, sampler), so a step can be captured as one CUDA graph; the persistent
-batch (ldlm/sampling/slots.py) gathers them from its slots and scatters the outputs back."""
+shapes for a given (batch, length, sampler), so a step can be captured as one CUDA graph.
+
+The persistent batch (ldlm/sampling/slots.py) keeps every sample's state in rows ("slots") of a few tensors:
+``gather_inputs`` and ``gather_past`` read a step's rows from them and ``scatter_outputs`` writes the results
+back, in a fixed number of tensor operations whatever the batch holds. A fused step (``FusedStepFn``) takes
+the rows as a ``SlotStep`` and does all three itself, so a captured graph holds the gather, the denoiser, the
+update and the scatter, and the host only copies the step's times in."""
 
 from __future__ import annotations
 
@@ -9,8 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import numpy as np
+import torch
 from torch import Tensor
 
+from ldlm.sampling.noise import to_device
 from ldlm.sampling.samplers import BOOL_COEFFICIENTS, Sampler
 from ldlm.sampling.schedule import TangentSchedule
 
@@ -64,7 +72,82 @@ class StepOutputs:
     lam: Tensor | None  # (B,) float64 log-SNR at t, pushed onto the past; None for a sampler without one
 
 
-FusedStepFn = Callable[[Sampler, TangentSchedule, StepInputs], StepOutputs]
+@dataclass(frozen=True)
+class SlotStep:
+    """One fused step's rows, where they live: the callable gathers them from ``state`` at ``slots``, steps them
+    and scatters the results back into the same slots, in place (``fused_step``)."""
+
+    state: Mapping[str, Tensor]  # the persistent batch's tensors, slot first, read and written in place
+    slots: Tensor  # (B,) the running slots in row order, on the state's device
+    slots_host: np.ndarray  # the same on the host: one object while the running set holds (a new one: it changed)
+    sent: np.ndarray  # (3 + C, B) each row's t, t_next, t_prev, then its step's coefficients (Sampler.coefficient_names)
+    noise: Tensor | None  # (B, L, D) the stochastic sampler's draws for this step
+    full: bool  # no row has padding: the step passes mask=None
+    scratch: int  # a slot no sample holds: extra rows of a padded batch bucket may write there
+    storage: tuple[int, int]  # (table, generation): a new generation when the state tensors were reallocated
+
+    def rows(self, start: int, stop: int) -> SlotStep:
+        """The step of rows ``start:stop`` alone."""
+        noise = None if self.noise is None else self.noise[start:stop]
+        part = self.slots_host[start:stop]
+        return replace(self, slots=self.slots[start:stop], slots_host=part, sent=self.sent[:, start:stop], noise=noise)
+
+
+FusedStepFn = Callable[[Sampler, TangentSchedule, SlotStep], None]  # one step of a SlotStep's rows, in place
+
+
+def gather_inputs(state: Mapping[str, Tensor], slots: Tensor, sent: Tensor, full: bool) -> StepInputs:
+    """The step inputs of the rows at ``slots`` (one index_select each); ``sent`` (3 + C, B) on the device holds
+    their times and coefficients (``SlotStep.sent``). ``full``: no padding, so no mask (attention may take its
+    mask-free kernels)."""
+    x, x0_prev = state["x"].index_select(0, slots), state["x0_prev"].index_select(0, slots)
+    mask = None if full else state["mask"].index_select(0, slots)
+    return StepInputs(x, sent[0], sent[1], x0_prev, mask, t_prev=sent[2], coef=sent[3:].T)
+
+
+Past = tuple[Tensor, Tensor | None]  # the rows' gathered past x0_hat (B, H, L, D) and log-SNR (B, H) (None: tabulated)
+
+
+def gather_past(
+    state: Mapping[str, Tensor], sampler: Sampler, slots: Tensor, rows: StepInputs, noise: Tensor | None
+) -> tuple[StepInputs, Past | None]:
+    """``rows`` (at ``slots``) with what ``sampler`` reads of them: its past x0_hat (zeros where a sample has no
+    such step yet), the state the corrector redoes, and this step's noise. Coefficients came with the times; a
+    sampler that computes its own (``Sampler.tabulated`` false) gets the past's lambdas (NaN: missing) and the
+    times instead. Returns the inputs and the gathered past, which ``scatter_outputs`` pushes this step onto."""
+    past = None
+    changes: dict[str, object] = {"t_prev": None} if sampler.tabulated else {"t_prev": None, "coef": None}
+    if sampler.history:
+        lam = None if sampler.tabulated else state["past_lam"].index_select(0, slots)
+        past = state["past_x0"].index_select(0, slots), lam
+        changes["past_x0"] = tuple(past[0][:, j] for j in range(sampler.history))
+        changes["past_lam"] = () if lam is None else tuple(lam[:, j] for j in range(sampler.history))
+    if sampler.corrector:
+        changes["x_prev"] = state["x_prev"].index_select(0, slots)
+        changes["t_prev"] = None if sampler.tabulated else rows.t_prev
+    if sampler.stochastic:
+        changes["noise"] = noise
+    return replace(rows, **changes), past  # type: ignore[arg-type]
+
+
+def scatter_outputs(state: Mapping[str, Tensor], sampler: Sampler, slots: Tensor, out: StepOutputs, past: Past | None) -> None:
+    """The update's outputs into the rows at ``slots`` (one index_copy_ each); this step's x0_hat (and its lambda,
+    where the sampler reads lambdas) pushed onto the past."""
+    dtype = state["x"].dtype
+
+    def own(value: Tensor) -> Tensor:
+        return value if value.dtype == dtype else value.to(dtype)
+
+    for name, value in (("x", out.x), ("x_mean", out.x_mean), ("x0_hat", out.x0_hat), ("x0_prev", out.x0_prev)):
+        state[name].index_copy_(0, slots, own(value))
+    if sampler.corrector:
+        state["x_prev"].index_copy_(0, slots, own(out.x_start))
+    if past is None:
+        return
+    kept = past[0].shape[1] - 1
+    state["past_x0"].index_copy_(0, slots, torch.cat([own(out.x0_hat)[:, None], past[0][:, :kept]], 1))
+    if past[1] is not None and out.lam is not None:
+        state["past_lam"].index_copy_(0, slots, torch.cat([out.lam[:, None], past[1][:, :kept]], 1))
 
 
 def sampler_update(sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs, x0_hat: Tensor) -> StepOutputs:
@@ -99,11 +182,13 @@ def _tabulated_update(sampler: Sampler, inputs: StepInputs, x0_hat: Tensor) -> S
 
 
 def fused_step(denoise: DenoiseFn) -> FusedStepFn:
-    """One step as one callable: ``denoise`` then ``sampler_update``, uncaptured, at the inputs' own shape
-    (the reference of a captured step; ``SlotTable.step_fused`` takes it)."""
+    """One step as one callable: gather, ``denoise``, ``sampler_update``, scatter, uncaptured, at the rows' own
+    shape (the reference of a captured step; ``SlotTable.step_fused`` takes it)."""
 
-    def step(sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> StepOutputs:
+    def step(sampler: Sampler, schedule: TangentSchedule, rows: SlotStep) -> None:
+        sent = to_device(torch.from_numpy(rows.sent), rows.slots.device)
+        inputs, past = gather_past(rows.state, sampler, rows.slots, gather_inputs(rows.state, rows.slots, sent, rows.full), rows.noise)
         x0_hat = denoise(inputs.x, inputs.t, inputs.x0_prev, inputs.mask)
-        return sampler_update(sampler, schedule, inputs, x0_hat)
+        scatter_outputs(rows.state, sampler, rows.slots, sampler_update(sampler, schedule, inputs, x0_hat), past)
 
     return step

@@ -13,9 +13,9 @@ captured per (graph, batch bucket, length bucket, masked or not) on first use, s
 replay plus the copies into its static input buffers. With ``cuda_graphs=False`` (the default on
 CPU) the same buckets and padding run the module directly, which is how CPU tests check them.
 
-``FusedSteps`` goes one further for the denoiser: its call and the sampler's update (self-conditioning and the
-corrector included) as one step per (bucket, sampler), on CUDA one captured graph each, driven by
-``SlotTable.step_fused``.
+``FusedSteps`` goes one further for the denoiser: the gather of a step's rows from the persistent batch, its call,
+the sampler's update (self-conditioning and the corrector included) and the scatter back as one step per (bucket,
+sampler), on CUDA one captured graph each, driven by ``SlotTable.step_fused``.
 
 Without padding the encoder and the denoiser run attention with no mask at all (``MaskFree``), so on CUDA SDPA may
 take its flash or memory-efficient kernels: when the caller leaves ``attention_mask`` out (``BackendGraphs`` with a
@@ -32,12 +32,13 @@ import contextlib
 import threading
 import types
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ldlm.buckets import bucket_for
@@ -48,9 +49,9 @@ from ldlm.model.checkpoint import WEIGHTS_FILE, load_checkpoint
 from ldlm.model.config import LDLMConfig
 from ldlm.model.ldlm import LDLM
 from ldlm.model.tokenizer import TextTokenizer
-from ldlm.sampling.loop import StepInputs, StepOutputs, sampler_update
 from ldlm.sampling.samplers import Sampler
 from ldlm.sampling.schedule import TangentSchedule
+from ldlm.sampling.step import SlotStep, StepInputs, StepOutputs, gather_inputs, gather_past, sampler_update, scatter_outputs
 from ldlm.serve.runtime.graph_backend import MASK, BackendError, GraphBackend
 from ldlm.serve.runtime.registry import COMPILED, EAGER, INDUCTOR, TORCH_PRECISIONS
 
@@ -396,26 +397,33 @@ class InductorBackend(CompiledBackend):
 
 @dataclass
 class _PreparedStep:
+    """One (batch bucket, length bucket, sampler, ...) step over one table's storage."""
+
     graph: Any  # torch.cuda.CUDAGraph; None without CUDA graphs (the step runs uncaptured on the buffers)
-    inputs: dict[str, Tensor]  # static input buffers by StepInputs.named(), filled before each step
-    outputs: StepOutputs | None  # the graph's static output buffers, overwritten by each replay
+    state: Mapping[str, Tensor]  # the table's tensors the graph reads and writes (kept: the graph holds their addresses)
+    gather: Tensor  # (Bb,) the rows' slots; padded rows repeat the first row's (ordinary, finite steps)
+    scatter: Tensor  # (Bb,) where the rows' results go; padded rows' go to the scratch slot
+    sent: Tensor  # (3 + C, Bb) the rows' times and coefficients, copied in before each replay
+    noise: Tensor | None  # (Bb, L, D) the stochastic sampler's draws, copied in likewise
+    slots_host: np.ndarray | None = None  # the running set the indices were last filled from
 
 
 class FusedSteps:
-    """A compiled denoiser's fused steps (``SlotTable.step_fused``'s ``fused``): the denoiser call
-    and the sampler's update (corrector and self-conditioning included) as one callable per (batch bucket,
-    length bucket, sampler, schedule). On CUDA each is captured once as one CUDA graph, so a step is the
-    copies into its static inputs, one replay and the copies out: the host only picks the graph. Without
-    CUDA graphs (CPU) the same buckets, padding and math run uncaptured, which is how CPU tests check them.
+    """A compiled denoiser's fused steps (``SlotTable.step_fused``'s ``fused``): the gather of the running rows
+    from the persistent batch, the denoiser call, the sampler's update (corrector and self-conditioning included)
+    and the scatter back, as one callable per (batch bucket, length bucket, sampler, schedule, table storage). On
+    CUDA each is captured once as one CUDA graph whose static inputs are the rows' slot index, their times and
+    coefficients and the sde sampler's noise, so a step is one small copy and one replay whatever the batch
+    holds: the index is copied again only when the running set changes. Without CUDA graphs (CPU) the same
+    buckets, padding and math run uncaptured on the same buffers, which is how CPU tests check them.
 
-    Every sampler captures: the past enters as fixed-count inputs (a missing step: zeros), the step's coefficients
-    as one (B, C) input looked up by the persistent batch (a missing step is in them), and the sde sampler's noise
-    is drawn before the replay by each sample's own stream. What is not fused:
-    a batch mixing samplers, and prompt guidance (``SlotTable.fusable``); those take ``SlotTable.step``.
+    A batch bucket larger than the batch repeats the first row's slot and writes the extra rows' results to the
+    table's scratch slot; a length bucket longer than the table pads inside the step (zeros, masked out). What
+    is not fused: a batch mixing samplers, and prompt guidance (``SlotTable.fusable``); those take
+    ``SlotTable.step``. A table that grows reallocates its tensors, so its steps are captured again.
 
-    ``StepInputs.mask`` may be None: no row has padding. Where the length is its bucket's the step then runs the
-    mask-free denoiser (no mask in attention), prepared apart from the masked step of the same bucket; where the
-    length is padded up to its bucket, a mask of the real positions is made for it and the step is the masked one.
+    ``SlotStep.full``: no row has padding. Where the length is its bucket's the step then runs the mask-free
+    denoiser (no mask in attention), prepared apart from the masked step of the same bucket.
     """
 
     def __init__(self, backend: CompiledBackend) -> None:
@@ -425,35 +433,28 @@ class FusedSteps:
         self.prepared: dict[tuple[Any, ...], _PreparedStep] = {}
         self.output = backend.output_names.index("x0_hat")
 
-    def __call__(self, sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> StepOutputs:
+    def __call__(self, sampler: Sampler, schedule: TangentSchedule, rows: SlotStep) -> None:
         backend = self.backend
-        batch, length = inputs.x.shape[:2]
         top = backend.batch_buckets[-1]
-        if batch > top:  # as the backend's own calls: chunks of the largest bucket
-            named = inputs.named()
-            parts = [
-                self(sampler, schedule, inputs.with_named({n: t[i : i + top] for n, t in named.items()})) for i in range(0, batch, top)
-            ]
-            return _concat(parts)
-        batch_bucket, length_bucket = backend.bucket(batch, length)
-        if inputs.mask is None and length_bucket != length:  # the bucket's padding must be masked out
-            inputs = replace(inputs, mask=torch.ones(batch, length, dtype=torch.bool, device=inputs.x.device))
-        key = (batch_bucket, length_bucket, sampler, schedule, inputs.x.dtype, inputs.mask is not None)
+        chunks = [rows.rows(i, i + top) for i in range(0, len(rows.slots_host), top)]  # as the backend's own calls
         with backend.exclusive():  # the module, its pool and the static buffers are shared: one step at a time
-            prepared = self.prepared.get(key) or self._prepare(key, sampler, schedule, inputs)
-            fill_step(prepared.inputs, inputs.named())
-            if prepared.graph is not None:
-                prepared.graph.replay()
-                outputs = cast(StepOutputs, prepared.outputs)  # set wherever a graph is
-            else:  # the same static buffers, uncaptured: what CPU tests check
-                outputs = self.run(sampler, schedule, inputs.with_named(prepared.inputs))
-            # Always a copy: the next replay overwrites the static outputs.
-            cut = (None if o is None else _cut(o, batch, length, o.ndim > 1).clone() for o in _outputs(outputs))
-            return StepOutputs(*cut)  # type: ignore[arg-type]  # None only where the step gave None
+            # Every chunk's step prepared before any runs: a capture that fails then changes no row.
+            steps = [self._prepared(sampler, schedule, chunk) for chunk in chunks]
+            for (key, prepared), chunk in zip(steps, chunks):
+                self._fill(prepared, chunk)
+                if prepared.graph is not None:
+                    prepared.graph.replay()
+                else:  # the same static buffers, uncaptured: what CPU tests check
+                    self.run(sampler, schedule, prepared, key[1], key[5])
 
-    def run(self, sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> StepOutputs:
-        """One step at the buffers' (bucket) shape: the denoiser as ``BackendGraphs.denoise`` feeds it (FP32 in
-        and out; no mask: the mask-free module), then the sampler's update; what a CUDA graph captures."""
+    def run(self, sampler: Sampler, schedule: TangentSchedule, prepared: _PreparedStep, length_bucket: int, masked: bool) -> None:
+        """One step at the buffers' (bucket) shape, in place: gather, the denoiser as ``BackendGraphs.denoise``
+        feeds it (FP32 in and out), the sampler's update, scatter; what a CUDA graph captures."""
+        state, length = prepared.state, prepared.state["x"].shape[1]
+        rows = gather_inputs(state, prepared.gather, prepared.sent, full=not masked)
+        inputs, past = gather_past(state, sampler, prepared.gather, rows, prepared.noise)
+        if length_bucket != length:
+            inputs = _padded(inputs, length_bucket)
         backend = self.backend
         feed = {"x_t": inputs.x, "t": inputs.t, "x0_prev": inputs.x0_prev}
         if inputs.mask is not None:
@@ -464,75 +465,91 @@ class FusedSteps:
             if spec["name"] in feed
         }
         x0_hat = backend._module_outputs(tensors)[self.output].float().to(inputs.x.dtype)
-        return sampler_update(sampler, schedule, inputs, x0_hat)
+        out = sampler_update(sampler, schedule, inputs, x0_hat)
+        if length_bucket != length:
+            out = StepOutputs(*(o[:, :length] for o in (out.x, out.x_mean, out.x0_hat, out.x0_prev, out.x_start)), out.lam)
+        scatter_outputs(state, sampler, prepared.scatter, out, past)
 
-    def _prepare(self, key: tuple[Any, ...], sampler: Sampler, schedule: TangentSchedule, inputs: StepInputs) -> _PreparedStep:
-        """The bucket's static input buffers and, with CUDA graphs, the step captured on them."""
-        device = self.backend.device
-        static = _step_buffers(inputs.named(), key[0], key[1], device)
-        self.prepared[key] = _PreparedStep(None, static, None)
+    def _prepared(self, sampler: Sampler, schedule: TangentSchedule, rows: SlotStep) -> tuple[tuple[Any, ...], _PreparedStep]:
+        batch, length = len(rows.slots_host), rows.state["x"].shape[1]
+        batch_bucket, length_bucket = self.backend.bucket(batch, length)
+        masked = not rows.full or length_bucket != length  # the bucket's padding must be masked out
+        key = (batch_bucket, length_bucket, sampler, schedule, rows.state["x"].dtype, masked, rows.storage)
+        prepared = self.prepared.get(key)
+        if prepared is None:
+            self._forget(rows.storage)
+            prepared = self.prepared[key] = self._prepare(key, sampler, schedule, rows)
+        return key, prepared
+
+    def _forget(self, storage: tuple[int, int]) -> None:
+        """Drop the steps of the same table's older storage (it grew: their graphs hold freed addresses)."""
+        for key in [k for k in self.prepared if k[6][0] == storage[0] and k[6] != storage]:
+            del self.prepared[key]
+
+    def _prepare(self, key: tuple[Any, ...], sampler: Sampler, schedule: TangentSchedule, rows: SlotStep) -> _PreparedStep:
+        """The bucket's static buffers and, with CUDA graphs, the step captured on them."""
+        batch_bucket, device = key[0], rows.slots.device
+        index = torch.full((batch_bucket,), rows.scratch, dtype=torch.int64, device=device)
+        noise = None if rows.noise is None else torch.zeros((batch_bucket, *rows.noise.shape[1:]), dtype=rows.noise.dtype, device=device)
+        sent = torch.from_numpy(np.repeat(rows.sent[:, :1], batch_bucket, 1)).to(device)  # finite times for the warm-up
+        prepared = _PreparedStep(None, dict(rows.state), index, index.clone(), sent, noise)
         if not self.backend.cuda_graphs:
-            return self.prepared[key]
-        fill_step(static, inputs.named())  # the warm-up runs on real values
-        template = inputs.with_named(static)
+            return prepared
+        # The warm-up runs, so it must not touch a sample: every row reads and writes the scratch slot.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS handles, kernel choice, allocator
             for _ in range(2):
-                self.run(sampler, schedule, template)
+                self.run(sampler, schedule, prepared, key[1], key[5])
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may run CUDA work while this one captures.
         with torch.cuda.graph(graph, pool=self.backend.pool, capture_error_mode="thread_local"):
-            outputs = self.run(sampler, schedule, template)
-        self.prepared[key] = _PreparedStep(graph, static, outputs)
-        return self.prepared[key]
+            self.run(sampler, schedule, prepared, key[1], key[5])
+        prepared.graph = graph
+        return prepared
+
+    def _fill(self, prepared: _PreparedStep, rows: SlotStep) -> None:
+        """This step's values into the static buffers: the times always (one copy), the slot index only when the
+        running set changed since this step last ran, the noise where the sampler draws. Padded rows repeat
+        the first row (ordinary, finite steps: zeros would put them at t = 0, where sigma is 0)."""
+        batch, bucket = len(rows.slots_host), prepared.gather.shape[0]
+        sent = rows.sent if batch == bucket else np.concatenate([rows.sent, np.repeat(rows.sent[:, :1], bucket - batch, 1)], 1)
+        prepared.sent.copy_(torch.from_numpy(sent), non_blocking=True)
+        if prepared.slots_host is not rows.slots_host:
+            slots, extra = rows.slots_host, bucket - batch
+            prepared.gather.copy_(torch.from_numpy(np.concatenate([slots, np.full(extra, slots[0])])), non_blocking=True)
+            prepared.scatter.copy_(torch.from_numpy(np.concatenate([slots, np.full(extra, rows.scratch)])), non_blocking=True)
+            prepared.slots_host = slots
+        if rows.noise is not None:
+            prepared.noise[:batch].copy_(rows.noise)  # type: ignore[index]
+            if batch < bucket:
+                prepared.noise[batch:] = prepared.noise[:1]  # type: ignore[index]
+
+
+def _padded(inputs: StepInputs, length: int) -> StepInputs:
+    """``inputs`` padded to ``length`` positions: zeros, masked out (a mask of the real positions where there was none)."""
+    batch, real = inputs.x.shape[:2]
+
+    def pad(value: Tensor | None) -> Tensor | None:
+        return None if value is None else F.pad(value, (0, 0, 0, length - real))
+
+    mask = torch.ones(batch, real, dtype=torch.bool, device=inputs.x.device) if inputs.mask is None else inputs.mask
+    return replace(
+        inputs,
+        x=pad(inputs.x),
+        x0_prev=pad(inputs.x0_prev),
+        mask=F.pad(mask, (0, length - real)),
+        past_x0=tuple(pad(p) for p in inputs.past_x0),  # type: ignore[misc]
+        noise=pad(inputs.noise),
+        x_prev=pad(inputs.x_prev),
+    )
 
 
 def fused_steps(graph: GraphBackend) -> FusedSteps | None:
     """The fused steps a server's scheduler takes for this denoiser: a compiled one's (``compiled``, ``inductor``),
     none for the others, which run the denoiser and the sampler's update apart."""
     return FusedSteps(graph) if isinstance(graph, CompiledBackend) and graph.graph == "denoiser" else None
-
-
-PER_ROW_INPUTS = frozenset({"coef"})  # a step's (B, ...) inputs that are not per position (the rest are (B, L, ...))
-
-
-def _step_buffers(named: Mapping[str, Tensor], batch: int, length: int, device: torch.device) -> dict[str, Tensor]:
-    """Zeros of the bucket's shape for each of a step's inputs (batch first; (B, L, ...) ones padded in length too)."""
-    return {n: torch.zeros(_bucket_shape(n, t, batch, length), dtype=t.dtype, device=device) for n, t in named.items()}
-
-
-def _bucket_shape(name: str, value: Tensor, batch: int, length: int) -> tuple[int, ...]:
-    if value.ndim > 1 and name not in PER_ROW_INPUTS:
-        return (batch, length, *value.shape[2:])
-    return (batch, *value.shape[1:])
-
-
-def fill_step(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
-    """Copy a step's ``tensors`` into the top-left corner of the bucket-shaped ``buffers``. Padded positions
-    of real rows are zeros, masked out (every step's math is per position, the denoiser masks them as
-    keys); padded rows repeat the first row, so they are ordinary, finite steps whose outputs are dropped
-    (zeros would put them at t = 0, where sigma is 0)."""
-    for name, buffer in buffers.items():
-        value = tensors[name]
-        batch = value.shape[0]
-        if buffer.shape == value.shape:
-            buffer.copy_(value)
-            continue
-        buffer.zero_()
-        region = (slice(0, batch), slice(0, value.shape[1])) if value.ndim > 1 else (slice(0, batch),)
-        buffer[region].copy_(value)
-        buffer[batch:] = buffer[:1]
-
-
-def _outputs(out: StepOutputs) -> tuple[Tensor | None, ...]:
-    return tuple(getattr(out, f.name) for f in fields(StepOutputs))
-
-
-def _concat(parts: Sequence[StepOutputs]) -> StepOutputs:
-    columns = zip(*(_outputs(p) for p in parts))
-    return StepOutputs(*(None if column[0] is None else torch.cat(column) for column in columns))  # type: ignore[arg-type]
 
 
 def fill_padded(buffers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], seq_names: set[str]) -> None:

@@ -131,8 +131,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "slots-padding-unmasked",
-        "ldlm.sampling.slots:SlotTable._inputs",
-        'mask = None if layout.full else s["mask"].index_select(0, layout.slots)',
+        "ldlm.sampling.step:gather_inputs",
+        'mask = None if full else state["mask"].index_select(0, slots)',
         "mask = None",
         ("tests/ldlm/sampling/test_slots.py", "tests/ldlm/sampling/test_loop.py"),
         "rows shorter than their bucket attend their padding",
@@ -569,7 +569,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unic-engine-first-rows-time",
-        "ldlm.sampling.slots:SlotTable._inputs",
+        "ldlm.sampling.slots:SlotTable._sent",
         "self.times[slots, np.maximum(k - 1, 0)]",
         "self.times[slots, np.maximum(k - 1, 0)][:1].repeat(len(slots))",
         ("tests/ldlm/sampling/test_loop.py",),
@@ -577,17 +577,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unic-engine-keeps-no-start-state",
-        "ldlm.sampling.slots:SlotTable._store",
-        's["x_prev"].index_copy_(0, index, own(out.x_start))',
-        's["x_prev"].index_copy_(0, index, own(out.x))',
+        "ldlm.sampling.step:scatter_outputs",
+        'state["x_prev"].index_copy_(0, slots, own(out.x_start))',
+        'state["x_prev"].index_copy_(0, slots, own(out.x))',
         ("tests/ldlm/sampling/test_samplers.py",),
         "the corrector redoes the step from the wrong state",
     ),
     Mutation(
         "scheduler-past-lambda-of-first-row",
-        "ldlm.sampling.slots:SlotTable._store",
-        "torch.cat([out.lam[:, None], past[1][:, : HISTORY - 1]], 1)",
-        "torch.cat([out.lam[:1, None].expand(len(out.lam), 1), past[1][:, : HISTORY - 1]], 1)",
+        "ldlm.sampling.step:scatter_outputs",
+        "torch.cat([out.lam[:, None], past[1][:, :kept]], 1)",
+        "torch.cat([out.lam[:1, None].expand(len(out.lam), 1), past[1][:, :kept]], 1)",
         (
             "tests/ldlm/sampling/test_loop.py",
             "tests/ldlm/sampling/test_samplers.py",
@@ -596,7 +596,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scheduler-psc-x0-prev-dropped",
-        "ldlm.sampling.slots:SlotTable._store",
+        "ldlm.sampling.step:scatter_outputs",
         '("x0_prev", out.x0_prev)',
         '("x0_prev", out.x0_hat)',
         (
@@ -806,6 +806,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if False:",
         ("tests/serve/runtime/test_scheduler_fused.py",),
         "a compiled denoiser's steps run the denoiser and the sampler's update apart: one CUDA graph per step lost",
+    ),
+    Mutation(
+        "fused-slot-index-never-refreshed",
+        "ldlm.serve.runtime.torch_backends:FusedSteps._fill",
+        "if prepared.slots_host is not rows.slots_host:",
+        "if prepared.slots_host is None:",
+        ("tests/serve/runtime/test_torch_backends_fused.py",),
+        "a captured step keeps gathering the rows it first ran: samples that joined later are not stepped",
+    ),
+    Mutation(
+        "slots-storage-generation-kept",
+        "ldlm.sampling.slots:SlotTable._grow",
+        "self.storage = (self.storage[0], self.storage[1] + 1)",
+        "pass",
+        ("tests/serve/runtime/test_torch_backends_fused.py",),
+        "a table that grew is stepped by graphs captured on its freed tensors",
     ),
     Mutation(
         "fused-failure-loses-the-noise",

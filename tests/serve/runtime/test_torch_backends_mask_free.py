@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,7 @@ import torch.nn.functional as F
 
 from ldlm.model.config import LDLMConfig
 from ldlm.model.ldlm import LDLM
-from ldlm.sampling.loop import StepInputs, StepOutputs
-from ldlm.sampling.samplers import get_sampler
+from ldlm.sampling import GenerateRequest, SamplingEngine, SlotTable, resolve
 from ldlm.sampling.schedule import TangentSchedule
 from ldlm.serve.runtime.backends import BackendGraphs, open_graphs
 from ldlm.serve.runtime.graph_backend import MASK, BackendError, GraphBackend
@@ -167,49 +166,55 @@ def test_a_runner_that_is_no_graph_backend_gets_an_all_ones_mask_on_the_host(tin
 # --- fused steps ------------------------------------------------------------------------------------
 
 
-def step_inputs(config: LDLMConfig, length: int, mask: torch.Tensor | None) -> StepInputs:
-    """A first step (no past) of 3 samples of ``length`` positions from t = 0.9 to 0.7."""
-    x, _, x0_prev = denoiser_args(config, 3, length)
-    return StepInputs(x, torch.full((3,), 0.9), torch.full((3,), 0.7), x0_prev, mask)  # type: ignore[arg-type]
+def table_after_a_step(
+    config: LDLMConfig, table_length: int, length: int, step: Callable[[SlotTable], object], device: str = "cpu"
+) -> SlotTable:
+    """A table of ``table_length`` positions after the first step (no past) of 3 dpm2m samples of ``length``."""
+    engine = SamplingEngine(TangentSchedule(), device=device, noise_device="cpu")
+    table = engine.table(table_length)
+    plan = resolve(GenerateRequest(n=3, length=length, steps=5, seed=length, sampler="dpm2m"), config)
+    table.run(engine.start(plan, config.d_model))
+    step(table)
+    return table
 
 
-def assert_steps_close(a: StepOutputs, b: StepOutputs) -> None:
-    for name in ("x", "x_mean", "x0_hat", "x0_prev", "x_start"):
-        torch.testing.assert_close(getattr(a, name), getattr(b, name), **TOL)
+def assert_tables_close(a: SlotTable, b: SlotTable, **tolerance: float) -> None:
+    for name in ("x", "x_mean", "x0_hat", "x0_prev"):
+        torch.testing.assert_close(a.state[name][: a.capacity], b.state[name][: b.capacity], **(tolerance or TOL))
+
+
+def all_ones(backend: CompiledBackend) -> Callable[[SlotTable], object]:
+    """One unfused step whose denoiser call gets an all-ones mask where the table passes none."""
+    graphs = BackendGraphs({"denoiser": backend})
+    return lambda table: table.step(lambda x, t, x0_prev, mask: graphs.denoise(x, t, x0_prev, ones(*x.shape[:2]).to(x.device)))
 
 
 def test_fused_step_without_a_mask_runs_no_mask_and_matches_all_ones(tiny_model: LDLM, tiny_config: LDLMConfig, sdpa: list[Any]) -> None:
-    steps = FusedSteps(CompiledBackend(tiny_model, "denoiser", cuda_graphs=False))
-    sampler, schedule = get_sampler("dpm2m"), TangentSchedule()
-    free = steps(sampler, schedule, step_inputs(tiny_config, 16, None))  # batch 3 -> bucket 4, length = bucket
+    backend = CompiledBackend(tiny_model, "denoiser", cuda_graphs=False)
+    steps = FusedSteps(backend)
+    free = table_after_a_step(tiny_config, 16, 16, lambda table: table.step_fused(steps))  # batch 3 -> bucket 4, length = bucket
     assert len(sdpa) == tiny_config.denoiser_layers and all(m is None for m in sdpa)
     sdpa.clear()
-    masked = steps(sampler, schedule, step_inputs(tiny_config, 16, ones(3, 16)))
+    masked = table_after_a_step(tiny_config, 16, 16, all_ones(backend))
     assert sdpa and all(isinstance(m, torch.Tensor) for m in sdpa)
-    assert_steps_close(free, masked)
-    # prepared apart: the same bucket and sampler, with and without a mask
-    assert sorted(key[-1] for key in steps.prepared) == [False, True] and {key[:2] for key in steps.prepared} == {(4, 16)}
+    assert_tables_close(free, masked)
+    assert [key[:2] + (key[5],) for key in steps.prepared] == [(4, 16, False)]  # the mask-free step of its bucket
 
 
 def test_fused_step_without_a_mask_below_its_bucket_is_masked(tiny_model: LDLM, tiny_config: LDLMConfig, sdpa: list[Any]) -> None:
     steps = FusedSteps(CompiledBackend(tiny_model, "denoiser", cuda_graphs=False))
-    sampler, schedule = get_sampler("dpm2m"), TangentSchedule()
-    free = steps(sampler, schedule, step_inputs(tiny_config, 10, None))  # length 10 in the 16 bucket
+    free = table_after_a_step(tiny_config, 10, 10, lambda table: table.step_fused(steps))  # rows of 10 in the 16 bucket
     assert sdpa and all(isinstance(m, torch.Tensor) for m in sdpa)
-    assert [key[-1] for key in steps.prepared] == [True]
-    assert_steps_close(free, steps(sampler, schedule, step_inputs(tiny_config, 10, ones(3, 10))))
+    assert [key[5] for key in steps.prepared] == [True]
     reference = FusedSteps(CompiledBackend(tiny_model, "denoiser", batch_buckets=(3,), seq_buckets=(10,), cuda_graphs=False))
-    assert_steps_close(free, reference(sampler, schedule, step_inputs(tiny_config, 10, None)))  # unpadded, mask-free
+    assert_tables_close(free, table_after_a_step(tiny_config, 10, 10, lambda table: table.step_fused(reference)))  # unpadded, mask-free
 
 
 def test_fused_step_without_a_mask_in_fp16(tiny_model: LDLM, tiny_config: LDLMConfig) -> None:
     """The served precision: the mask-free module runs under the same autocast as the masked one."""
-    model = prepare_model(copy.deepcopy(tiny_model), torch.device("cpu"), "fp16")
-    steps = FusedSteps(CompiledBackend(model, "denoiser", cuda_graphs=False))
-    sampler, schedule = get_sampler("dpm2m"), TangentSchedule()
-    free = steps(sampler, schedule, step_inputs(tiny_config, 16, None))
-    masked = steps(sampler, schedule, step_inputs(tiny_config, 16, ones(3, 16)))
-    torch.testing.assert_close(free.x0_hat, masked.x0_hat, rtol=2e-2, atol=2e-2)
+    backend = CompiledBackend(prepare_model(copy.deepcopy(tiny_model), torch.device("cpu"), "fp16"), "denoiser", cuda_graphs=False)
+    free = table_after_a_step(tiny_config, 16, 16, lambda table: table.step_fused(FusedSteps(backend)))
+    assert_tables_close(free, table_after_a_step(tiny_config, 16, 16, all_ones(backend)), rtol=2e-2, atol=2e-2)
 
 
 # --- inductor, ONNX Runtime, TensorRT -----------------------------------------------------------------
@@ -281,14 +286,7 @@ def test_mask_free_batches_capture_graphs_of_their_own_on_cuda(tiny_model: LDLM)
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(again, free)
     steps = FusedSteps(backend)
-    sampler, schedule = get_sampler("dpm2m"), TangentSchedule()
-    step_free = steps(sampler, schedule, cuda_step(tiny_model.config, None))
-    step_masked = steps(sampler, schedule, cuda_step(tiny_model.config, full))
-    assert sorted(key[-1] for key in steps.prepared) == [False, True] and all(p.graph is not None for p in steps.prepared.values())
-    torch.testing.assert_close(step_free.x0_hat, step_masked.x0_hat, rtol=2e-2, atol=2e-2)
-
-
-def cuda_step(config: LDLMConfig, mask: torch.Tensor | None) -> StepInputs:
-    """``step_inputs`` at length 16 on the GPU, with ``mask``."""
-    inputs = step_inputs(config, 16, None)
-    return StepInputs(inputs.x.cuda(), inputs.t.cuda(), inputs.t_next.cuda(), inputs.x0_prev.cuda(), mask)  # type: ignore[arg-type]
+    step_free = table_after_a_step(tiny_model.config, 16, 16, lambda table: table.step_fused(steps), "cuda")
+    step_masked = table_after_a_step(tiny_model.config, 16, 16, all_ones(backend), "cuda")
+    assert [key[5] for key in steps.prepared] == [False] and all(p.graph is not None for p in steps.prepared.values())
+    assert_tables_close(step_free, step_masked, rtol=2e-2, atol=2e-2)
