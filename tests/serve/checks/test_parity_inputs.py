@@ -19,6 +19,8 @@ import torch
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model.checkpoint import init_model
 from ldlm.model.ldlm import LDLM
+from ldlm.model.tokenizer import TextTokenizer
+from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.checks.parity import run_parity
 from ldlm.serve.checks.parity_inputs import (
     EndToEndPlan,
@@ -64,7 +66,9 @@ def test_saved_on_ort_replays_the_same_numbers_on_ort_and_the_same_reference_on_
     original = run_parity(tiny_checkpoint, "ort", source=export_dir, seed=SEED, steps=2, save_inputs=saved, save_outputs=outputs)
     again = run_parity(tiny_checkpoint, "ort", source=export_dir, load_inputs=saved, save_outputs=tmp_path / "ort-again.safetensors")
     assert numbers(again) == numbers(original)
-    assert original.passed and len(original.graphs) == 3 * 3 and len(original.layer_norms) == 2 * 12  # graphs x input sets; 2 sets x 12
+    assert (
+        original.passed and len(original.graphs) == 3 * 3 and len(original.layer_norms) == 2 * 12
+    )  # graphs x input sets; 2 input sets x 12 LayerNorms
 
     on_eager = run_parity(tiny_checkpoint, "eager", load_inputs=saved, save_outputs=tmp_path / "eager.safetensors")
     _, ort_outputs = read_outputs(outputs)
@@ -112,8 +116,11 @@ def test_the_file_holds_every_input_with_a_header_that_describes_it(tiny_model: 
         assert np.array_equal(tensors["end_to_end/noise"][i], drawn)
 
 
-def test_the_graphs_run_the_files_tensors(tiny_checkpoint: Path, tiny_model: LDLM, tmp_path: Path) -> None:
-    """A file whose denoiser inputs differ from what its seed draws: the replay runs those, not the seed's."""
+def test_the_graphs_run_the_files_tensors_and_the_generation_its_plan(
+    tiny_checkpoint: Path, tiny_model: LDLM, tokenizer: TextTokenizer, tmp_path: Path
+) -> None:
+    """A file whose denoiser inputs differ from what its seed draws: the replay runs those, not the seed's; and
+    its generation is the file's seed, samples, length, steps and sampler, as the pipeline generates them."""
     inputs = generate_inputs(tiny_model, SEED, EndToEndPlan(SEED, 2, 8, 1, "ddim", False))
     edited = {**inputs.graphs["denoiser"]["random"], "x_t": inputs.graphs["denoiser"]["random"]["x_t"] * np.float32(0.5)}
     inputs.graphs["denoiser"]["random"] = edited
@@ -126,7 +133,8 @@ def test_the_graphs_run_the_files_tensors(tiny_checkpoint: Path, tiny_model: LDL
     assert not np.array_equal(
         expected, eager.run(generate_inputs(tiny_model, SEED, inputs.end_to_end).graphs["denoiser"]["random"])["x0_hat"]
     )
-    assert outputs.reference["end_to_end/token_ids"].shape == (2, 8)  # the file's plan: 2 samples of 8 tokens
+    generated = LDLMPipeline(tiny_model, tokenizer).generate(2, 8, 1, SEED, "ddim").token_ids
+    assert np.array_equal(outputs.reference["end_to_end/token_ids"], generated.numpy())
 
 
 @pytest.fixture(scope="module")
