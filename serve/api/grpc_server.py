@@ -44,6 +44,11 @@ def serving_grpc(port: int | None) -> Iterator[None]:
         _grpc_port[0] = previous
 
 
+def grpc_port() -> int | None:
+    """The gRPC port ``serving_grpc`` asks for now (None: no gRPC endpoint)."""
+    return _grpc_port[0]
+
+
 def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -74,7 +79,7 @@ async def grpc_endpoint(service: LDLMService, infer: ServeInfer) -> AsyncIterato
     """Serve KServe v2 over gRPC for ``service`` within the block, when ``serving_grpc`` asked for it, and give
     the bound port (None: no endpoint). Messages are capped as HTTP bodies are (--max-body-mb); at the end,
     calls in flight get the request timeout to finish before the app drains the batchers."""
-    port = _grpc_port[0]
+    port = grpc_port()
     if port is None:
         yield None
         return

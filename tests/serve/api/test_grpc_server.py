@@ -1,0 +1,90 @@
+"""``ldlm serve`` with its gRPC endpoint: on --port + 1 unless told otherwise (Triton's 8001 beside 8000), off
+with --no-grpc, a port another server holds refused before anything loads, and the real command serving
+tritonclient.grpc beside HTTP until SIGTERM, after which it exits 0 with both closed."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from ldlm.cli import main
+from ldlm.serve.api import grpc_server, server
+from scripts.harness.loopback import start_server, stop_server
+from tests.servers import free_port
+
+
+def grpc_port_served(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int | None:
+    """The gRPC port ``ldlm serve ARGV`` would serve beside HTTP (the server replaced by a recorder)."""
+    seen: list[int | None] = []
+    monkeypatch.delenv("LDLM_API_KEY", raising=False)
+    monkeypatch.setattr(server, "serve", lambda source, settings, log_level: seen.append(grpc_server.grpc_port()))
+    assert main(["serve", "export-dir", *argv]) == 0
+    assert grpc_server.grpc_port() is None  # asked for while the server runs, not after
+    return seen[0]
+
+
+def test_the_grpc_port_is_the_http_port_plus_one_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = free_port()
+    assert grpc_port_served(["--port", str(free - 1)], monkeypatch) == free
+    assert grpc_port_served(["--port", "0"], monkeypatch) == 0  # the OS picks both
+    assert grpc_port_served(["--port", str(free - 1), "--grpc-port", "0"], monkeypatch) == 0
+    assert grpc_port_served(["--port", str(free - 1), "--no-grpc"], monkeypatch) is None
+    assert grpc_server.default_grpc_port(8000) == 8001 and grpc_server.default_grpc_port(65535) == 0
+
+
+def test_a_held_grpc_port_is_refused_before_anything_loads(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.delenv("LDLM_API_KEY", raising=False)
+    monkeypatch.setattr(server, "serve", lambda source, settings, log_level: pytest.fail("the server started"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", "export-dir", "--grpc-port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"gRPC port {port} on 127.0.0.1 is already in use (another `ldlm serve`, or a Triton?); choose another with "
+        f"--grpc-port, e.g. --grpc-port {port + 1}, or serve HTTP alone with --no-grpc"
+    ) in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--grpc-port", "9001", "--no-grpc"], "--grpc-port 9001 and --no-grpc contradict each other; leave one of them out"),
+        (["--ray", "--grpc-port", "9001"], "--grpc-port 9001 applies without --ray only: Ray's proxy serves HTTP; leave it out"),
+    ],
+)
+def test_grpc_options_that_cannot_hold(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.delenv("LDLM_API_KEY", raising=False)
+    monkeypatch.setattr(server, "serve", lambda source, settings, log_level: pytest.fail("the server started"))
+    assert main(["serve", "export-dir", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ldlm_serve_answers_tritonclient_grpc_beside_http(export_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = start_server(export_dir, port, ["--threads", "1", "--log-level", "info"], log=out, log_path=log)
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+        assert client.is_server_ready() and client.is_model_ready("encoder")
+        ids = grpcclient.InferInput("input_ids", [1, 4], "INT32")
+        ids.set_data_from_numpy(np.array([[1, 2, 3, 4]], dtype=np.int32))
+        mask = grpcclient.InferInput("attention_mask", [1, 4], "INT64")
+        mask.set_data_from_numpy(np.ones((1, 4), dtype=np.int64))
+        assert client.infer("encoder", [ids, mask]).as_numpy("latents").shape == (1, 4, 64)
+    finally:
+        code = stop_server(process)
+    output = log.read_text()
+    assert code == 0, output
+    assert f"grpc: 127.0.0.1:{port + 1} (KServe v2" in output
+    assert '"method": "gRPC", "path": "/inference.GRPCInferenceService/ModelInfer", "status": 200' in output  # the request log
+    with pytest.raises(InferenceServerException):
+        grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}").is_server_live(client_timeout=2)
