@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ldlm.export.artifact import ArtifactError
+from ldlm.export.layernorm.verify import VerificationError
 from ldlm.export.onnx_export import verify_export
 from ldlm.files import atomic_directory
 from ldlm.model.config import FLOAT_RANGES, INT_RANGES, LDLMConfig, preset
@@ -179,8 +180,12 @@ def test_onnx_runtime_load_errors_name_the_file(export_copy: Path) -> None:
     model.graph.node[len(model.graph.node) // 2].op_type = "NoSuchOperator"
     onnx.save(model, str(export_copy / "encoder.onnx"))
     reseal_manifest(export_copy, "encoder")
+    with pytest.raises(VerificationError, match=r"encoder\.onnx: FAILED encoder: .*\n  - onnx\.checker full check failed: "):
+        open_graphs("ort", export_copy)  # the verifier refuses it before ONNX Runtime is asked
+    from ldlm.serve.runtime.ort_backend import OrtBackend  # ONNX Runtime's module, for the runtime's own message
+
     with pytest.raises(BackendError, match=r"ONNX Runtime cannot load .*encoder\.onnx: "):
-        open_graphs("ort", export_copy)
+        OrtBackend(export_copy / "encoder.onnx", "encoder", preset("tiny").max_seq_len)
 
 
 def test_leftovers_of_a_killed_writer_are_removed(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""--force replaces only what ldlm wrote: a directory of someone's own files, a plain file, the current
-directory, a parent of the input or a path without a name of its own is refused before any work,
-naming what is there. Expected messages are written out by hand."""
+"""--force replaces only what the same command wrote, unchanged since: a directory of someone's own files, another
+command's output, an export with a file added, a plain file, the current directory, a parent of the input or a
+path without a name of its own is refused before any work, naming what is there. Expected messages are written
+out by hand."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pytest
 
 import ldlm.export.onnx_export
 from ldlm.cli import main
+from ldlm.files import OUTPUT_RECORD, atomic_directory
+
+WAY_OUT = "--force replaces only the output of the same ldlm command, exactly as it wrote it; choose a new output directory"
 
 
 @pytest.fixture
@@ -42,9 +46,8 @@ def test_a_directory_of_the_users_files_is_not_replaced(
     assert export(tiny_checkpoint, out, "--force") == 2
     err = capsys.readouterr().err
     assert (
-        f"ldlm export: error: {out} was not written by ldlm (it holds a.txt, b.txt, c.txt, d.txt, e.txt and 1 more); "
-        "--force replaces only a checkpoint, an export, an engine directory or a Triton repository that ldlm wrote; "
-        "remove it yourself, or choose another output directory" in err
+        f"ldlm export: error: {out} was not written by ldlm (it holds a.txt, b.txt, c.txt, d.txt, e.txt and 1 more, "
+        f"and no {OUTPUT_RECORD}); {WAY_OUT}, or delete {out} by hand if nothing in it is needed" in err
     ), err
     assert (out / "thesis.txt").read_text() == "three years of work"
     assert no_work == []
@@ -92,7 +95,12 @@ def test_paths_that_would_remove_the_input_or_the_cwd_fail_before_any_work(
     assert f"ldlm export: error: output directory {out!r} {problem}" in err, err
     assert "empty name" not in err
     assert no_work == []
-    assert sorted(p.name for p in (here / "ckpt-parent" / "ckpt").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in (here / "ckpt-parent" / "ckpt").iterdir()) == [
+        OUTPUT_RECORD,
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
 
 
 def test_an_export_is_replaced_and_nothing_is_left_beside_it(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -102,6 +110,25 @@ def test_an_export_is_replaced_and_nothing_is_left_beside_it(tiny_checkpoint: Pa
     assert export(tiny_checkpoint, out, "--force") == 0
     assert (out / "manifest.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["onnx"]
+
+
+def test_an_export_with_a_file_added_or_another_commands_output_is_not_replaced(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "onnx"
+    assert export(tiny_checkpoint, out) == 0
+    (out / "notes.md").write_text("what I measured on this export")
+    capsys.readouterr()
+    assert export(tiny_checkpoint, out, "--force") == 2
+    err = capsys.readouterr().err
+    assert f"ldlm export: error: {out} holds files `ldlm export` did not write: notes.md; {WAY_OUT}" in err, err
+    assert (out / "notes.md").read_text() == "what I measured on this export" and (out / "decoder.onnx").is_file()
+    checkpoint = tmp_path / "ckpt"  # a checkpoint that ldlm wrote, given as OUT by mistake
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    assert export(tiny_checkpoint, checkpoint, "--force") == 2
+    err = capsys.readouterr().err
+    assert f"ldlm export: error: {checkpoint} was written by `ldlm.save_checkpoint`, not `ldlm export`; {WAY_OUT}" in err, err
+    assert (checkpoint / "model.safetensors").read_bytes() == (tiny_checkpoint / "model.safetensors").read_bytes()
 
 
 def test_an_empty_directory_is_replaced(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -127,8 +154,13 @@ def test_the_other_writers_refuse_the_same(
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.txt").write_text("")
     assert main([command, "onnx", "mine", "--force"]) == 2
-    assert f"ldlm {command}: error: mine was not written by ldlm (it holds thesis.txt);" in capsys.readouterr().err
+    assert f"ldlm {command}: error: mine was not written by ldlm (it holds thesis.txt, and no {OUTPUT_RECORD});" in capsys.readouterr().err
     assert (tmp_path / "mine" / "thesis.txt").is_file()
+    with atomic_directory(tmp_path / "exported", writer="ldlm export") as tmp:  # another command's output
+        (tmp / "manifest.json").write_text("{}")
+    assert main([command, "onnx", "exported", "--force"]) == 2
+    assert f"ldlm {command}: error: exported was written by `ldlm export`, not `ldlm {command}`; {WAY_OUT}" in capsys.readouterr().err
+    assert (tmp_path / "exported" / "manifest.json").read_text() == "{}"
 
 
 @pytest.mark.parametrize("command", ["parity", "probe-eps", "bench"])
@@ -144,7 +176,6 @@ def test_report_directories_that_are_files_fail_before_any_work(command: str, tm
 
 def test_the_python_api_refuses_before_loading(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ldlm.export.onnx_export import export_graphs
-    from ldlm.files import atomic_directory
 
     loads: list[object] = []
     monkeypatch.setattr(ldlm.export.onnx_export, "load_checkpoint", lambda *args: loads.append(args))
@@ -157,7 +188,7 @@ def test_the_python_api_refuses_before_loading(tiny_checkpoint: Path, tmp_path: 
     mine.mkdir()
     (mine / "thesis.txt").write_text("")
     with (
-        pytest.raises(FileExistsError, match=r"mine was not written by ldlm \(it holds thesis\.txt\)"),
+        pytest.raises(FileExistsError, match=r"mine was not written by ldlm \(it holds thesis\.txt, and no \.ldlm-output\.json\)"),
         atomic_directory(mine, overwrite=True),
     ):
         pass

@@ -77,9 +77,8 @@ def test_files_added_or_changed_since_are_refused_by_name(tmp_path: Path) -> Non
 
 def test_a_changed_file_of_the_same_size_is_found_by_its_sha256(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    write(out, "ldlm init", {"model.safetensors": "random weights"})
-    (out / "model.safetensors").write_text("trained weight")  # one byte shorter than before ...
-    (out / "model.safetensors").write_text("trained weights")  # ... and now as long as the recorded file
+    write(out, "ldlm init", {"model.safetensors": "weights at step 0"})
+    (out / "model.safetensors").write_text("weights at step 9")  # as long as the recorded file, other bytes
     with pytest.raises(FileExistsError, match="files changed since `ldlm init` wrote them: model.safetensors;"):
         refuse_existing(out, overwrite=True, writer="ldlm init")
 

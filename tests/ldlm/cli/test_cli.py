@@ -13,7 +13,7 @@ from ldlm.cli import main
 def test_init_generate_reconstruct(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tmp_path / "tiny"
     assert main(["init", str(ckpt), "--preset", "tiny", "--seed", "3", "--quiet"]) == 0
-    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".ldlm-output.json", "config.json", "model.safetensors", "tokenizer.json"]
     capsys.readouterr()
 
     args = ["generate", str(ckpt), "--n", "2", "--length", "6", "--steps", "3", "--sampler", "ddim", "--json", "--quiet"]

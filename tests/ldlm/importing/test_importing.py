@@ -231,7 +231,7 @@ def test_a_failed_parity_round_leaves_nothing(hf_sources: dict, tmp_path: Path) 
     source, _ = hf_sources["lm-safetensors"]
     with pytest.raises(ImportCheckpointError, match="parity round on the imported weights: FAILED parity ort"):
         tiny_import(source, tmp_path / "out", parity=nothing_compared)
-    assert seen == [["config.json", "model.safetensors", "tokenizer.json"]]
+    assert seen == [[".ldlm-output.json", "config.json", "model.safetensors", "tokenizer.json"]]
     refused(tmp_path, tmp_path / "out")
 
 
@@ -242,6 +242,6 @@ def test_the_command_runs_its_parity_round_before_writing(hf_sources: dict, tmp_
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["parity"]["passed"] and report["parity"]["token_agreement"] == 1.0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".ldlm-output.json", "config.json", "model.safetensors", "tokenizer.json"]
     assert main(args) == 2  # OUT exists now: refused without --force
     assert "already exists" in capsys.readouterr().err

@@ -28,7 +28,7 @@ def repo(export_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_layout_and_configs_validate(repo: Path, export_dir: Path) -> None:
-    assert sorted(p.name for p in repo.iterdir()) == ["decoder", "denoiser", "encoder", "ldlm_generate"]
+    assert sorted(p.name for p in repo.iterdir()) == [".ldlm-output.json", "decoder", "denoiser", "encoder", "ldlm_generate"]
     assert (repo / "encoder" / "1" / "model.onnx" / "model.onnx").is_file()  # external data: a directory
     assert (repo / "encoder" / "1" / "model.onnx" / "encoder.onnx.data").is_file()
     _, graphs = inspect_source(export_dir)
@@ -96,6 +96,7 @@ def test_bad_sources_and_existing_output(export_dir: Path, tmp_path: Path) -> No
     with pytest.raises(RepositoryError, match="mixed"):
         write_triton_repo(mixed, tmp_path / "r2")
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="--force"):
         write_triton_repo(export_dir, tmp_path / "taken")
     edited = tmp_path / "edited"
