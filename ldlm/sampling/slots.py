@@ -271,8 +271,10 @@ class SlotTable:
         slots = layout.slots_np
         k = self.k[slots]
         self._drawn = {}
-        times = [self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]]
-        return np.concatenate([np.stack(times), self.coef[slots, k].T])
+        sent = np.empty((3 + self.coef.shape[2], len(slots)), dtype=self.times.dtype)
+        sent[0], sent[1], sent[2] = self.times[slots, k], self.times[slots, k + 1], self.times[slots, np.maximum(k - 1, 0)]
+        sent[3:] = self.coef[slots, k].T
+        return sent
 
     def _inputs(self, layout: _Layout) -> StepInputs:
         """The running rows' step inputs; a prompt's positions first reset by prefix inpainting."""
