@@ -76,7 +76,8 @@ class ServeInfer(Protocol):
 
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The KServe v2 gRPC methods a model server answers, over ``service``; infer requests go to ``infer``.
-    Methods it does not serve (load and unload, shared memory, trace and log settings) answer UNIMPLEMENTED."""
+    Methods it does not serve (load and unload, which say why; shared memory, trace and log settings) answer
+    UNIMPLEMENTED."""
 
     def __init__(self, service: LDLMService, infer: ServeInfer) -> None:
         self.service, self.infer = service, infer
@@ -126,6 +127,12 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return as_message({"models": repository_index(self.service, request.ready)}, service_pb2.RepositoryIndexResponse())
 
         return await self._answer(context, "RepositoryIndex", answer)
+
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        message = f"model {request.model_name!r} cannot be loaded or unloaded: ldlm serve serves its artifact's graphs as started"
+        await abort(context, grpc.StatusCode.UNIMPLEMENTED, message + " (start another ldlm serve for another artifact)", ())
+
+    RepositoryModelUnload = RepositoryModelLoad
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         model = request.model_name

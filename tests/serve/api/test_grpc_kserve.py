@@ -157,6 +157,10 @@ def test_repository_index_lists_the_served_models(clients, served: RunningServer
         assert http.post("/v2/repository/index", json={"ready": True}).json() == expected
         refused = http.post("/v2/repository/index", json={"ready": 1})
         assert (refused.status_code, refused.json()) == (400, {"error": "field 'ready' is 1; allowed: true or false"})
+    for call in (over_grpc.load_model, over_grpc.unload_model):  # the models are fixed at start
+        with pytest.raises(InferenceServerException) as error:
+            call("encoder")
+        assert error.value.status() == str(grpc.StatusCode.UNIMPLEMENTED) and "cannot be loaded or unloaded" in error.value.message()
 
 
 # --- infer --------------------------------------------------------------------------------------------------
