@@ -155,6 +155,12 @@ def prompt_ids(tokenizer: TextTokenizer, text: str, name: str) -> list[int]:
         return []
     if not text.strip():
         raise HTTPError(400, f'{name}={text!r} is blank; allowed: text with a non-space character, or "" for none', param="prompt")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate, which JSON's \ud800 escape carries; the tokenizer raises a TypeError
+        raise HTTPError(
+            400, f"{name} is not valid Unicode ({error.reason} at character {error.start}); allowed: UTF-8 text", param="prompt"
+        ) from None
     return tokenizer.encode([text])[0]
 
 

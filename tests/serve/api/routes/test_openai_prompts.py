@@ -167,3 +167,14 @@ def test_a_blank_text_prompt_is_refused_by_its_name(server: RunningServer) -> No
     response = httpx.post(f"{server.url}/v1/completions", json={"model": "ldlm", "prompt": ["a", "  "], "max_tokens": 1}, timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "prompt[1]='  ' is blank; allowed: text with a non-space character, or \"\" for none"
+
+
+def test_a_prompt_that_is_not_unicode_is_refused_by_its_name(server: RunningServer) -> None:
+    """A lone surrogate (JSON's "\\ud800", which clients' encoders will not send, hence the raw body) is no text the
+    tokenizer takes: 400 naming where, not a 500."""
+    raw = b'{"model": "ldlm", "prompt": ["a", "b\\ud800"], "max_tokens": 1}'
+    response = httpx.post(f"{server.url}/v1/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == 400
+    assert (
+        response.json()["error"]["message"] == "prompt[1] is not valid Unicode (surrogates not allowed at character 1); allowed: UTF-8 text"
+    )

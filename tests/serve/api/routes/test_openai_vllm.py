@@ -107,6 +107,16 @@ def test_tokenize_and_detokenize_refuse_naming_what_is_allowed(
     assert (answer.status_code, refusal(answer)) == (status, message)
 
 
+def test_tokenize_refuses_a_text_that_is_not_unicode(server: RunningServer) -> None:
+    """A lone surrogate (JSON's "\\ud800", which clients' encoders will not send, hence the raw body) is no text: 400, not a 500."""
+    raw = b'{"prompt": "a\\ud800"}'
+    answer = httpx.post(f"{server.url}/v1/tokenize", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert (answer.status_code, refusal(answer)) == (
+        400,
+        "prompt is not valid Unicode (surrogates not allowed at character 1); allowed: UTF-8 text",
+    )
+
+
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
