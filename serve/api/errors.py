@@ -25,7 +25,7 @@ from ldlm.serve.api.schemas import field_name, validation_message
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 from ldlm.serve.runtime.queueing import QueueFullError
 
-OPENAI_PATHS = ("/v1/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/completions", "/v1/models", "/v1/tokenize", "/v1/detokenize")
 OPENAI_ROUTES = ("/v1/chat/", "/v1/embeddings", "/v1/engines", "/v1/edits", "/v1/moderations", "/v1/responses")  # what OpenAI clients call
 
 

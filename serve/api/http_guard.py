@@ -42,7 +42,7 @@ class GuardMiddleware:
     # /docs (the page, Swagger UI's assets, the schema /docs renders). Every route that runs the
     # model or tells about it (/v1, /v2 infer and metadata, /metrics) needs the key; the playground
     # sends the one typed into it.
-    OPEN_PATHS = frozenset({"/", "/docs", "/openapi.json"})
+    OPEN_PATHS = frozenset({"/", "/docs", "/openapi.json", "/health"})  # probes: Kubernetes manifests written for vLLM point at /health
     OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")
 
     @classmethod

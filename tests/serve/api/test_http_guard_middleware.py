@@ -84,14 +84,15 @@ def test_errors_map_to_statuses_and_one_shape() -> None:
 
 def test_bearer_key_guards_every_path_but_health() -> None:
     app, metrics = guarded(api_key="k3y")
-    for path in ("/v1/echo", "/v2/models/encoder/infer", "/metrics", "/v2/health-not", "/v2/healthy"):
+    for path in ("/v1/echo", "/v2/models/encoder/infer", "/metrics", "/v2/health-not", "/v2/healthy", "/healthz", "/health/x"):
         response = call(app, "POST", path, content=b"{}")
         assert response.status_code == 401 and response.json() == {"error": "missing or wrong bearer token"}, path
         assert response.headers["www-authenticate"] == "Bearer"
     assert call(app, "POST", "/v1/echo", content=b"{}", headers={"Authorization": "Bearer k3y "}).status_code == 401
     assert call(app, "POST", "/v1/echo", content=b"{}", headers={"Authorization": "bearer k3y"}).status_code == 401
     assert call(app, "POST", "/v1/echo", content=b"{}", headers={"Authorization": "Bearer k3y"}).status_code == 200
-    assert call(app, "GET", "/v2/health/live").status_code == 200  # probes stay open
+    assert call(app, "GET", "/v2/health/live").status_code == 200  # probes stay open: KServe's and vLLM's
+    assert call(app, "GET", "/health").status_code == 200
     rendered = metrics.render().decode()
     assert 'ldlm_request_failure_total{code="401",model="encoder"} 1.0' in rendered
     assert 'ldlm_request_success_total{model="echo"} 1.0' in rendered
