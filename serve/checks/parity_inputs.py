@@ -75,7 +75,8 @@ class EndToEndPlan:
 
 @dataclass
 class ParityInputs:
-    """Every input of one parity run. ``probe_rows``: by LayerNorm size, the rows the eps probes run."""
+    """Every input of one parity run: ``graphs`` and ``probe_rows`` (by LayerNorm size, the rows the eps probes
+    run) drawn from ``seed``, for the config ``config``; the generation's plan and its prior ``noise``."""
 
     config: dict[str, Any]
     config_sha256: str

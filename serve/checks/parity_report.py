@@ -23,7 +23,7 @@ from ldlm.files import atomic_directory, save_figure, write_atomically
 from ldlm.interrupts import deferred_interrupts, raise_if_interrupted
 from ldlm.serve.checks.parity_result import ParityReport
 
-REPORT_FILES = ("parity.json", "parity.md", "errors_by_graph.png", "errors_by_layernorm.png")
+JSON_FILE, MARKDOWN_FILE, GRAPH_PLOT, LAYER_NORM_PLOT = "parity.json", "parity.md", "errors_by_graph.png", "errors_by_layernorm.png"
 
 
 def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> list[Path]:
@@ -42,7 +42,7 @@ def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> li
         with deferred_interrupts():  # the moves are quick; a Ctrl-C among them would leave two reports mixed
             for name in names:
                 os.replace(staging / name, out / name)
-            for stale in set(REPORT_FILES) - set(names):
+            for stale in {GRAPH_PLOT, LAYER_NORM_PLOT} - set(names):
                 (out / stale).unlink(missing_ok=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -52,9 +52,9 @@ def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> li
 
 def _write_report_files(report: ParityReport, out: Path) -> list[str]:
     """The report's files into the directory ``out``, by name."""
-    write_atomically(out / "parity.json", json.dumps(report.to_dict(), indent=2) + "\n")
-    write_atomically(out / "parity.md", markdown(report))
-    return ["parity.json", "parity.md", *(path.name for path in plot(report, out))]
+    write_atomically(out / JSON_FILE, json.dumps(report.to_dict(), indent=2) + "\n")
+    write_atomically(out / MARKDOWN_FILE, markdown(report))
+    return [JSON_FILE, MARKDOWN_FILE, *(path.name for path in plot(report, out))]
 
 
 def markdown(report: ParityReport) -> str:
@@ -124,12 +124,12 @@ def plot(report: ParityReport, out: Path) -> list[Path]:
 
     files = []
     if report.graphs:
-        files.append(out / "errors_by_graph.png")
+        files.append(out / GRAPH_PLOT)
         fig = _plot_graphs(report, plt)
         save_figure(fig, files[-1])
         plt.close(fig)
     if report.layer_norms:
-        files.append(out / "errors_by_layernorm.png")
+        files.append(out / LAYER_NORM_PLOT)
         fig = _plot_layer_norms(report, plt)
         save_figure(fig, files[-1])
         plt.close(fig)
