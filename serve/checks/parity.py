@@ -46,6 +46,7 @@ from ldlm.serve.checks.parity_graphs import compare_layer_norms
 from ldlm.serve.checks.parity_inputs import (
     EndToEndPlan,
     ParityInputs,
+    check_files,
     check_inputs,
     check_replay_options,
     generate_inputs,
@@ -209,6 +210,7 @@ def run_parity(
         source = checkpoint  # the checkpoint's own modules: no artifact, so no verifier and no eps probes
     if source is None and info.opens != "export":
         raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only the ONNX Runtime backends export on the fly")
+    check_files(save_inputs, load_inputs, save_outputs)
     replayed = None if load_inputs is None else read_inputs(load_inputs)  # a file that is none: refused before any work
     if replayed is not None:
         check_replay_options(replayed, seed, steps, sampler)

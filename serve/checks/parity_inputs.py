@@ -192,6 +192,18 @@ def check_replay_options(inputs: ParityInputs, seed: int | None, steps: int | No
             )
 
 
+def check_files(
+    save_inputs: str | os.PathLike[str] | None, load_inputs: str | os.PathLike[str] | None, save_outputs: str | os.PathLike[str] | None
+) -> None:
+    """Refuse an outputs file that is also an inputs file: writing the outputs would replace the inputs."""
+    for option, path in (("save_inputs", save_inputs), ("load_inputs", load_inputs)):
+        if path is not None and save_outputs is not None and Path(path).resolve() == Path(save_outputs).resolve():
+            raise ValueError(
+                f"save_outputs={os.fspath(save_outputs)!r} is also {option}: the outputs would replace the inputs; "
+                "allowed: another file for the outputs"
+            )
+
+
 def _check_config(inputs: ParityInputs, config: LDLMConfig, where: str) -> None:
     if inputs.config_sha256 == config.config_hash():
         return

@@ -201,6 +201,9 @@ def test_a_changed_or_foreign_file_and_a_contradicting_option_are_refused(
         run_parity(tiny_checkpoint, "eager", seed=3, load_inputs=path)
     with pytest.raises(ValueError, match="steps=5 disagrees"):
         run_parity(tiny_checkpoint, "eager", steps=5, load_inputs=path)
+    with pytest.raises(ValueError, match="case.safetensors' is also load_inputs: the outputs would replace the inputs"):
+        run_parity(tiny_checkpoint, "eager", load_inputs=path, save_outputs=tmp_path / "." / "case.safetensors")
+    assert read_inputs(path).seed == SEED
     run_parity(tiny_checkpoint, "eager", seed=SEED, steps=1, save_outputs=tmp_path / "out.safetensors", load_inputs=path)
     with pytest.raises(
         ValueError, match="out.safetensors is format ldlm-parity-outputs version 1; allowed: a file written by `ldlm parity --save-inputs`"
