@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 
@@ -117,16 +118,23 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def grpc_beside_http(args: argparse.Namespace) -> Iterator[None]:
-    """KServe v2 over gRPC on --grpc-port (default: --port + 1) for the server started within, unless --no-grpc;
-    a port another server holds is refused here, before anything loads, as the HTTP port is bound first."""
+    """KServe v2 over gRPC for the server started within: on --grpc-port, or by default on --port + 1, unless
+    --no-grpc. Its port is checked here, before anything loads: one named by --grpc-port that another server
+    holds is an error; the default one, taken, is said on stderr and the server goes on over HTTP alone."""
     # per command: building the parser imports no grpc
-    from ldlm.serve.api.grpc_server import check_grpc_port, default_grpc_port, serving_grpc
+    from ldlm.serve.api.grpc_server import GrpcPortInUseError, check_grpc_port, default_grpc_port, serving_grpc
 
     if args.no_grpc and args.grpc_port is not None:
         raise ValueError(f"--grpc-port {args.grpc_port} and --no-grpc contradict each other; leave one of them out")
     port = None if args.no_grpc else default_grpc_port(args.port) if args.grpc_port is None else args.grpc_port
-    if port is not None:
-        check_grpc_port(args.host, port)
+    try:
+        if port is not None:
+            check_grpc_port(args.host, port)
+    except GrpcPortInUseError as error:
+        if args.grpc_port is not None:
+            raise
+        print(f"ldlm serve: warning: {error}; going on without a gRPC endpoint", file=sys.stderr, flush=True)
+        port = None
     with serving_grpc(port):
         yield
 
@@ -183,7 +191,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--grpc-port",
         type=setting("port"),
         help="KServe v2 over gRPC (tritonclient.grpc) on this port of --host, beside HTTP; 0 lets the OS pick one "
-        "(default: --port + 1, so 8001 beside 8000, as Triton)",
+        "(default: --port + 1, so 8001 beside 8000, as Triton; when that one is taken, HTTP alone, with a warning)",
     )
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP alone, no gRPC endpoint")
     p.add_argument(

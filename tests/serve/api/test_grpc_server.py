@@ -1,6 +1,7 @@
 """``ldlm serve`` with its gRPC endpoint: on --port + 1 unless told otherwise (Triton's 8001 beside 8000), off
-with --no-grpc, a port another server holds refused before anything loads, and the real command serving
-tritonclient.grpc beside HTTP until SIGTERM, after which it exits 0 with both closed."""
+with --no-grpc, a --grpc-port another server holds refused before anything loads (the default one, taken,
+leaves HTTP alone, said on stderr), and the real command serving tritonclient.grpc beside HTTP until SIGTERM,
+after which it exits 0 with both closed."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ def test_a_held_grpc_port_is_refused_before_anything_loads(monkeypatch: pytest.M
         f"gRPC port {port} on 127.0.0.1 is already in use (another `ldlm serve`, or a Triton?); choose another with "
         f"--grpc-port, e.g. --grpc-port {port + 1}, or serve HTTP alone with --no-grpc"
     ) in err, err
+
+
+def test_a_held_default_grpc_port_leaves_http_alone_and_says_so(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert grpc_port_served(["--port", str(port - 1)], monkeypatch) is None
+    err = capsys.readouterr().err
+    assert f"ldlm serve: warning: gRPC port {port} on 127.0.0.1 is already in use" in err
+    assert err.rstrip().endswith("going on without a gRPC endpoint"), err
 
 
 @pytest.mark.parametrize(
