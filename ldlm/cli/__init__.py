@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Arguments that name the user's files: an OS error is reported with the path the user typed, not
 # the temporary sibling a command was writing through (ldlm.files.atomic_directory).
-PATH_ARGUMENTS = ("out", "checkpoint", "source", "path", "onnx_dir", "engine_dir", "gpt2_dir", "tokenizer_dir", "timing_cache")
+PATH_ARGUMENTS = ("out", "checkpoint", "source", "path", "onnx_dir", "engine_dir", "gpt2_dir", "tokenizer_dir", "timing_cache", "save_inputs", "load_inputs", "save_outputs")
 INTERRUPTED = 130  # 128 + SIGINT, as shells report a command ended by Ctrl-C
 
 

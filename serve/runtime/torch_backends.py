@@ -467,7 +467,8 @@ class FusedSteps:
         x0_hat = backend._module_outputs(tensors)[self.output].float().to(inputs.x.dtype)
         out = sampler_update(sampler, schedule, inputs, x0_hat)
         if length_bucket != length:
-            out = StepOutputs(*(o[:, :length] for o in (out.x, out.x_mean, out.x0_hat, out.x0_prev, out.x_start)), out.lam)
+            x, x_mean, x0_hat, x0_prev, x_start = (o[:, :length] for o in (out.x, out.x_mean, out.x0_hat, out.x0_prev, out.x_start))
+            out = StepOutputs(x, x_mean, x0_hat, x0_prev, x_start, out.lam)
         scatter_outputs(state, sampler, prepared.scatter, out, past)
 
     def _prepared(self, sampler: Sampler, schedule: TangentSchedule, rows: SlotStep) -> tuple[tuple[Any, ...], _PreparedStep]:
@@ -531,8 +532,8 @@ def _padded(inputs: StepInputs, length: int) -> StepInputs:
     """``inputs`` padded to ``length`` positions: zeros, masked out (a mask of the real positions where there was none)."""
     batch, real = inputs.x.shape[:2]
 
-    def pad(value: Tensor | None) -> Tensor | None:
-        return None if value is None else F.pad(value, (0, 0, 0, length - real))
+    def pad(value: Tensor) -> Tensor:
+        return F.pad(value, (0, 0, 0, length - real))
 
     mask = torch.ones(batch, real, dtype=torch.bool, device=inputs.x.device) if inputs.mask is None else inputs.mask
     return replace(
@@ -540,9 +541,9 @@ def _padded(inputs: StepInputs, length: int) -> StepInputs:
         x=pad(inputs.x),
         x0_prev=pad(inputs.x0_prev),
         mask=F.pad(mask, (0, length - real)),
-        past_x0=tuple(pad(p) for p in inputs.past_x0),  # type: ignore[misc]
-        noise=pad(inputs.noise),
-        x_prev=pad(inputs.x_prev),
+        past_x0=tuple(pad(p) for p in inputs.past_x0),
+        noise=None if inputs.noise is None else pad(inputs.noise),
+        x_prev=None if inputs.x_prev is None else pad(inputs.x_prev),
     )
 
 
