@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ldlm import __version__
-
 OUTPUT_RECORD = ".ldlm-output.json"  # beside what a writer wrote: who wrote it, and every file's size and sha256
 SHOWN_FILES = 5  # how many file names a refusal lists before "and N more"
 
@@ -144,7 +142,7 @@ def record_output(directory: Path, writer: str | None) -> None:
     files = {
         name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)} for name in written_files(directory)
     }
-    record = {"writer": writer, "ldlm_version": __version__, "files": files}
+    record = {"writer": writer, "files": files}
     (directory / OUTPUT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
