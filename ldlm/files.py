@@ -51,7 +51,7 @@ def refuse_existing(
     before a command runs) and for programs that name no writer."""
     refuse_unsafe_target(out, inputs or {})
     out = Path(out)
-    if not (out.exists() or out.is_symlink()) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+    if not (out.exists() or out.is_symlink()) or empty_directory(out):
         return
     if not overwrite:
         raise FileExistsError(f"{out} already exists; pass overwrite=True (CLI: --force) to replace it")
@@ -70,6 +70,11 @@ def refuse_existing(
     problems += [f"files changed since {writer_words(record.writer)} wrote them: {listed(changed)}"] if changed else []
     if problems:
         raise FileExistsError(f"{out} holds {'; and '.join(problems)}; {replace_only(out)}")
+
+
+def empty_directory(path: Path) -> bool:
+    """A directory (not a link to one) with nothing in it: written into without ``overwrite``, as nothing is lost."""
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
 
 def replace_only(out: Path) -> str:
