@@ -131,7 +131,7 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any],
     if config_path.is_file() and "config_sha256" in manifest and LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
         raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
     if verify:
-        check_layer_norms(directory, manifest)
+        _check_layer_norms(directory, manifest)
 
 
 # Exports whose graphs passed verify_layer_norms in this process, by their manifest and config.json: every file a
@@ -139,7 +139,7 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any],
 _VERIFIED: set[str] = set()
 
 
-def check_layer_norms(directory: Path, manifest: dict[str, Any]) -> None:
+def _check_layer_norms(directory: Path, manifest: dict[str, Any]) -> None:
     """``verify_layer_norms`` on an export whose files were just checked, raising its message on a failure; an
     export this process verified already, file for file, is not verified twice (a server opening its cached
     export, parity opening one export per backend)."""
@@ -258,8 +258,9 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
             f"{config} does not match the config_sha256 in {directory / first} (missing, edited, or plans built "
             "before configs were recorded); rebuild with `ldlm build-engine`"
         )
+    eps = LDLMConfig.load(config).layer_norm_eps
     for graph, record in manifests.items():
-        check_plan_layer_norms(directory, graph, record, LDLMConfig.load(config).layer_norm_eps)
+        check_plan_layer_norms(directory, graph, record, eps)
     return manifests
 
 
