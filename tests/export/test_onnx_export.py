@@ -138,5 +138,6 @@ def test_bad_inputs_leave_nothing_behind(tiny_checkpoint: Path, tmp_path: Path) 
         export_graphs(tiny_checkpoint, tmp_path / "d", graphs=("vae",))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "notes.txt").write_text("mine")  # an empty directory would be written into
     with pytest.raises(FileExistsError, match="--force"):
         export_graphs(tiny_checkpoint, tmp_path / "e", graphs=("denoiser",))
