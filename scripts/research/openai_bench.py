@@ -326,7 +326,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             exit_code = stop_server(server)
     return {
-        "server": {"checkpoint": str(args.checkpoint), "flags": args.serve_flags, "ready_s": round(ready_s, 2), "exit": exit_code},
+        "server": {
+            "checkpoint": str(args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT) else args.checkpoint),
+            "flags": args.serve_flags,
+            "ready_s": round(ready_s, 2),
+            "exit": exit_code,
+        },
         "plan": quality["plan"],
         "plan_source": "the ldlm_plan of the answers to the default body (no sampler, steps or grid named, as the tools send it)",
         "notes": NOTES,
