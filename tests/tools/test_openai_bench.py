@@ -1,5 +1,5 @@
 """scripts/research/openai_bench.py, so it cannot rot: a few seconds of AIPerf against `ldlm serve` on the reference
-checkpoint (plain and streamed, concurrency 1, four requests each), the summary's shape checked against what the
+checkpoint (streamed, concurrency 1, four requests), the summary's shape checked against what the
 model card says the checkpoint runs (dpm3m-psc at 12 steps on its tuned grid) and against the request count and
 token budget the run was given; and the parsing of each tool's report on hand-written reports."""
 
@@ -84,7 +84,18 @@ def test_aiperf_run_names_the_plan_and_positive_figures(tmp_path: Path) -> None:
     installed_aiperf()  # on first use: a virtualenv under .cache/bench-env (minutes, once)
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--tools", "aiperf", "--concurrency", "1"]
-        + ["--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--seeds", "1", "--serve-flags", "--backend eager"],
+        + [
+            "--modes",
+            "stream",
+            "--requests",
+            str(REQUESTS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--seeds",
+            "1",
+            "--serve-flags",
+            "--backend eager",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -98,15 +109,13 @@ def test_aiperf_run_names_the_plan_and_positive_figures(tmp_path: Path) -> None:
     assert {k: quality["per_seed"][0]["reference_plan"][k] for k in ("sampler", "steps")} == {"sampler": "ddim", "steps": 200}
     assert 0 < quality["token_agreement_vs_ddim200"] <= 1
     assert round(quality["held_out"]["generated_words_in_corpus"], 3) == 0.898  # the model card's held-out table
-    rows = {row["mode"]: row for row in report["rows"]}
-    assert set(rows) == {"plain", "stream"} and report["tools"][0]["version"] == "0.13.0"
-    for row in rows.values():
-        assert row["plan"] == report["plan"] and row["token_agreement_vs_ddim200"] == quality["token_agreement_vs_ddim200"]
-        assert row["requests"] == REQUESTS and row["concurrency"] == 1
-        latency, rate = row["request_latency_ms"], row["output_tokens_per_s"]
-        assert 0 < latency["p50"] <= latency["p99"] and rate > 0
-        # one request at a time of at most MAX_TOKENS tokens: about MAX_TOKENS per request latency, never twice that
-        assert rate <= 2 * MAX_TOKENS / (latency["p50"] / 1000), (rate, latency)
-    stream = rows["stream"]
-    assert 0 < stream["ttft_ms"]["p50"] <= stream["request_latency_ms"]["p99"] and stream["itl_ms"]["p50"] >= 0
-    assert rows["plain"]["ttft_ms"] is None  # a plain answer has no first token to time
+    [row] = report["rows"]
+    assert row["tool"] == "aiperf" and row["mode"] == "stream" and report["tools"][0]["version"] == "0.13.0"
+    assert row["plan"] == report["plan"] and row["token_agreement_vs_ddim200"] == quality["token_agreement_vs_ddim200"]
+    assert row["requests"] == REQUESTS and row["concurrency"] == 1
+    latency, rate = row["request_latency_ms"], row["output_tokens_per_s"]
+    assert 0 < latency["p50"] <= latency["p99"] and rate > 0
+    # one request at a time of at most MAX_TOKENS tokens: about MAX_TOKENS per request latency, never twice that
+    assert rate <= 2 * MAX_TOKENS / (latency["p50"] / 1000), (rate, latency)
+    # one chunk per completion: the first token comes with the whole text
+    assert 0 < row["ttft_ms"]["p50"] <= latency["p99"] and row["itl_ms"]["p50"] >= 0
