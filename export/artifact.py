@@ -22,7 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -98,8 +100,8 @@ def resolve_inside(directory: Path, name: object) -> Path:
 def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any], verify: bool = True) -> None:
     """Every file the manifest lists: inside ``directory``, present, and with its recorded sha256 and size;
     then, with ``verify``, every graph as ``ldlm verify-onnx`` checks it (``verify_layer_norms``), raising the
-    verifier's message on a failure. ``verify=False``: the files alone, for a caller that verifies the graphs
-    itself and reports each result."""
+    verifier's message on a failure. ``verify=False`` (or inside ``verified_by_caller``): the files alone, for a
+    caller that verifies the graphs itself and reports each result."""
     directory = Path(directory)
     graphs = manifest.get("graphs")
     if not isinstance(graphs, dict) or not graphs:
@@ -130,8 +132,23 @@ def check_artifacts(directory: str | os.PathLike[str], manifest: dict[str, Any],
     config_path = directory / CONFIG_FILE
     if config_path.is_file() and "config_sha256" in manifest and LDLMConfig.load(config_path).config_hash() != manifest["config_sha256"]:
         raise ArtifactError(f"{config_path} does not match the config_sha256 in {directory / MANIFEST_FILE} (edited); re-export it")
-    if verify:
+    if verify and not _CALLER_VERIFIES.get():
         _check_layer_norms(directory, manifest)
+
+
+_CALLER_VERIFIES: ContextVar[bool] = ContextVar("caller_verifies", default=False)
+
+
+@contextmanager
+def verified_by_caller() -> Iterator[None]:
+    """Within the block, ``check_artifacts`` checks the files alone, however deep below the export is opened: for a
+    check that opens an export to diagnose it (``ldlm parity``) and runs the verifier itself, against the checkpoint's
+    own modules, reporting each failure rather than refusing to measure. Serving never runs inside it."""
+    token = _CALLER_VERIFIES.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_VERIFIES.reset(token)
 
 
 # Exports whose graphs passed verify_layer_norms in this process, by their manifest and config.json: every file a

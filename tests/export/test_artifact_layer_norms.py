@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ldlm.cli import main
-from ldlm.export.artifact import ArtifactError
+from ldlm.export.artifact import ArtifactError, verified_by_caller
 from ldlm.export.layernorm.verify import VerificationError
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from ldlm.serve.runtime.backends import open_graphs
@@ -124,6 +124,21 @@ def test_a_verified_export_is_verified_again_once_its_manifest_changes(
     edit_spec_eps(copy, ENCODER_LN, 1e-6)
     with pytest.raises(VerificationError, match=REFUSED_EPS.replace("(", r"\(").replace(")", r"\)")):
         open_graphs("ort", copy)
+
+
+def test_a_diagnosing_caller_opens_it_and_verifies_it_itself(tampered: Path, tmp_path: Path) -> None:
+    """``ldlm parity`` runs the verifier itself, against the checkpoint, and reports: inside ``verified_by_caller``
+    the export opens with its files checked alone (an edited file is still refused), and only there."""
+    with verified_by_caller():
+        graphs, _, _ = open_graphs("ort", tampered)
+        assert sorted(graphs) == ["decoder", "denoiser", "encoder"]
+        edited = tmp_path / "edited"
+        shutil.copytree(tampered, edited)
+        (edited / "config.json").write_text((edited / "config.json").read_text().replace("1e-05", "1e-06", 1))
+        with pytest.raises(ArtifactError, match=r"config\.json does not match the config_sha256"):
+            open_graphs("ort", edited)
+    with pytest.raises(VerificationError, match="FAILED encoder"):
+        open_graphs("ort", tampered)
 
 
 @pytest.fixture(scope="module")
