@@ -141,9 +141,10 @@ _CALLER_VERIFIES: ContextVar[bool] = ContextVar("caller_verifies", default=False
 
 @contextmanager
 def verified_by_caller() -> Iterator[None]:
-    """Within the block, ``check_artifacts`` checks the files alone, however deep below the export is opened: for a
-    check that opens an export to diagnose it (``ldlm parity``) and runs the verifier itself, against the checkpoint's
-    own modules, reporting each failure rather than refusing to measure. Serving never runs inside it."""
+    """Within the block, ``check_artifacts`` and ``check_engine_dir`` check the files alone, however deep below the
+    artifact is opened: for a check that opens one to diagnose it (``ldlm parity``) and runs the verifier itself,
+    against the checkpoint's own modules, reporting each failure rather than refusing to measure. Serving never
+    runs inside it."""
     token = _CALLER_VERIFIES.set(True)
     try:
         yield
@@ -277,7 +278,8 @@ def check_engine_dir(directory: str | os.PathLike[str], graphs: Sequence[str], p
         )
     eps = LDLMConfig.load(config).layer_norm_eps
     for graph, record in manifests.items():
-        check_plan_layer_norms(directory, graph, record, eps)
+        if not _CALLER_VERIFIES.get():
+            check_plan_layer_norms(directory, graph, record, eps)
     return manifests
 
 

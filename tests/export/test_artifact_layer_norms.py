@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ldlm.cli import main
-from ldlm.export.artifact import ArtifactError, verified_by_caller
+from ldlm.export.artifact import ArtifactError, check_engine_dir, verified_by_caller
 from ldlm.export.layernorm.verify import VerificationError
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from ldlm.serve.runtime.backends import open_graphs
@@ -164,6 +164,8 @@ def test_engines_are_refused_when_their_builds_layer_norm_record_is_not_the_conf
     with pytest.raises(ArtifactError) as refused:
         open_graphs("trt", copy)
     assert str(refused.value) == f"{copy / 'encoder.plan.json'}: FAILED encoder:\n  - {REFUSED_EPS}\nrebuild with `ldlm build-engine`"
+    with verified_by_caller():  # parity, which verifies the ONNX each plan was built from itself
+        assert sorted(check_engine_dir(copy, ["encoder", "denoiser", "decoder"])) == ["decoder", "denoiser", "encoder"]
     del edited["layer_norm_specs"]  # a plan built before the record was kept
     (copy / "encoder.plan.json").write_text(json.dumps(edited))
     with pytest.raises(ArtifactError, match=r"encoder\.plan\.json does not record the LayerNorms its build checked"):
