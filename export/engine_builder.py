@@ -42,7 +42,7 @@ from ldlm.export.trt_flavor import (
     layernorm_overflow_warnings,
     load_flavor,
 )
-from ldlm.files import atomic_directory, refuse_existing, write_atomically
+from ldlm.files import atomic_directory, command_writer, refuse_existing, write_atomically
 from ldlm.interrupts import deferred_interrupts, interrupted, raise_if_interrupted
 from ldlm.model.checkpoint import CONFIG_FILE
 from ldlm.model.config import LDLMConfig
@@ -131,7 +131,7 @@ def build_engines(
     return result
 
 
-BUILD_WRITER = "ldlm build-engine"  # what an engine directory is recorded as written by (ldlm.files.OUTPUT_RECORD)
+BUILD_WRITER = command_writer("build-engine")  # what an engine directory is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
 @dataclass

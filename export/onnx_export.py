@@ -41,7 +41,7 @@ from ldlm.export.quantize import (
     require_quantizer,
     variant_file,
 )
-from ldlm.files import atomic_directory, refuse_existing
+from ldlm.files import atomic_directory, command_writer, refuse_existing
 from ldlm.interrupts import raise_if_interrupted
 from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ldlm.model.config import LDLMConfig
@@ -194,7 +194,7 @@ def export_graphs(
     return ExportResult(Path(out), manifest, results)
 
 
-EXPORT_WRITER = "ldlm export"  # what an export is recorded as written by (ldlm.files.OUTPUT_RECORD)
+EXPORT_WRITER = command_writer("export")  # what an export is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
 @dataclass(frozen=True)

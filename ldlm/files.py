@@ -85,6 +85,19 @@ def replace_only(out: Path) -> str:
     )
 
 
+def command_writer(command: str) -> str:
+    """The writer an ``ldlm COMMAND`` output is recorded as: the command as typed, ``ldlm export``."""
+    return f"ldlm {command}"
+
+
+def force_help(command: str) -> str:
+    """The rule, as ``ldlm COMMAND --force``'s help says it."""
+    return (
+        f"replace OUT if an earlier `{command_writer(command)}` wrote it and nothing in it changed since; another command's "
+        "output, a directory holding anything else (a trained checkpoint, your own files) or one without ldlm's record is refused"
+    )
+
+
 def writer_words(writer: str | None) -> str:
     return f"`{writer}`" if writer else "a program through ldlm's Python API"
 

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ldlm.cli.options import float_in, in_range, int_in
+from ldlm.files import force_help
 from ldlm.limits import MAX_DELAY_MS, SETTINGS
 
 MIN_COSINE_DEFAULT_TEXT = "0.9999"  # export/quantize.py's DEFAULT_MIN_COSINE (the parser imports no torch)
@@ -156,7 +157,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         help="with --quantize: the int8 denoiser's worst per-sample cosine against fp32 along the default sampler's trajectory; "
         f"weight nodes whose quantization would break it stay float (default: {MIN_COSINE_DEFAULT_TEXT}; 0: quantize every weight node)",
     )
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true", help=force_help("export"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_export)
 
@@ -210,7 +211,7 @@ def _add_build_engine(sub: argparse._SubParsersAction) -> None:
         help=f"workspace memory limit in MiB, 1..{MAX_WORKSPACE_MB} (default: TensorRT's)",
     )
     p.add_argument("--timing-cache", help="timing cache file to read and update (NVIDIA TensorRT; a no-op in TensorRT-RTX)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true", help=force_help("build-engine"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_build_engine)
 
@@ -263,5 +264,5 @@ def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
         help="fp32 (default): the graphs as exported or built; int8: an export's INT8 variants where it has them "
         "(ldlm export --quantize int8), fp32 elsewhere. Plans keep the precision they were built in.",
     )
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true", help=force_help("triton-repo"))
     p.set_defaults(func=_cmd_triton_repo)

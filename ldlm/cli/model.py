@@ -9,10 +9,11 @@ import sys
 import time
 
 from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, in_range, open_unit_float, positive_int, seed_int
+from ldlm.files import command_writer, force_help
 from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS, PROMPT_STRENGTH
 from ldlm.model.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 
-INIT_WRITER = "ldlm init"  # what an init's output is recorded as written by (ldlm.files.OUTPUT_RECORD)
+INIT_WRITER = command_writer("init")  # what an init's output is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
 def _cmd_init(args: argparse.Namespace) -> None:
@@ -151,12 +152,7 @@ def _add_init(sub: argparse._SubParsersAction) -> None:
         "parameters (GPT-2 weights from --gpt2-dir are kept); default: scale 1, bias 0, identity statistics",
     )
     p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="replace OUT if an earlier `ldlm init` wrote it and nothing in it changed since; a trained or imported "
-        "checkpoint, another command's output and a directory holding files init did not write are refused",
-    )
+    p.add_argument("--force", action="store_true", help=force_help("init"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_init)
 
@@ -289,6 +285,6 @@ def _add_import_checkpoint(sub: argparse._SubParsersAction) -> None:
         "about a minute at tiny size and many at base size (run `ldlm parity OUT` later)",
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (also on failure)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true", help=force_help("import-checkpoint"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_import_checkpoint)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ldlm.files import atomic_directory, refuse_existing
+from ldlm.files import atomic_directory, command_writer, refuse_existing
 from ldlm.importing.config import resolve_config
 from ldlm.importing.key_mapping import Renamed, load_mapping, rename
 from ldlm.importing.report import CheckOutcome, ImportCheckpointError, ImportReport, Mismatch
@@ -42,7 +42,7 @@ from ldlm.model.tokenizer import TextTokenizer
 PICKLE_FILE = "pytorch_model.bin"  # what a Hugging Face directory holds when it has no safetensors
 DEFAULT_MAPPING = "hf-gpt2"  # a source whose keys are not ldlm's: most often a Hugging Face GPT-2
 OWN_MAPPING = "ldlm"  # the identity: weights already under ldlm's parameter names
-IMPORT_WRITER = "ldlm import-checkpoint"  # what an import's output is recorded as written by (ldlm.files.OUTPUT_RECORD)
+IMPORT_WRITER = command_writer("import-checkpoint")  # what an import's output is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
 def has_ldlm_names(keys: Collection[str]) -> bool:

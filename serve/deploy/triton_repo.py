@@ -32,7 +32,7 @@ from google.protobuf import text_format
 
 from ldlm.export.artifact import MANIFEST_FILE, check_artifacts, check_engine_dir, read_schedules, sha256_file
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.files import atomic_directory, refuse_existing
+from ldlm.files import atomic_directory, command_writer, refuse_existing
 from ldlm.limits import MAX_N, MAX_STEPS, SETTINGS
 from ldlm.model.checkpoint import CONFIG_FILE
 from ldlm.model.config import LDLMConfig
@@ -257,7 +257,7 @@ def validate_config(text: str, io: dict[str, Any] | None, where: str) -> Any:
     return config
 
 
-TRITON_REPO_WRITER = "ldlm triton-repo"  # what a repository is recorded as written by (ldlm.files.OUTPUT_RECORD)
+TRITON_REPO_WRITER = command_writer("triton-repo")  # what a repository is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
 def write_triton_repo(
