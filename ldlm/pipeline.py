@@ -226,7 +226,8 @@ class LDLMPipeline:
         ldlm/sampling/loop.py); without a prompt it changes nothing. Whatever is left out (None) is filled
         in by ``ldlm.sampling.resolve``, and the result's ``plan`` says what ran.
         """
-        ids = None if prompt is None else self.text_ids([prompt])[0] if isinstance(prompt, str) else [int(i) for i in prompt]
+        # "" (or no ids) is no prompt, as on every other path
+        ids = None if not prompt else self.text_ids([prompt])[0] if isinstance(prompt, str) else [int(i) for i in prompt]
         prefix = None if ids is None else self.prompt_latents(ids, length)
         request = GenerateRequest(n, length, steps, seed, sampler, t_min, grid, prior_temperature, prompt_strength)
         plan = resolve(request, self.config, schedules=self.schedules)
@@ -237,10 +238,7 @@ class LDLMPipeline:
     def keep_prompt(self, result: TextResult, ids: Sequence[int]) -> TextResult:
         """``result`` with its first positions the prompt's own tokens, as given: what the decoder makes of the
         prompt's latents is not the model's answer, and a prompt must come back verbatim."""
-        token_ids = result.token_ids.clone()
-        token_ids[:, : len(ids)] = torch.tensor(list(ids), dtype=token_ids.dtype)
-        texts = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, result.lengths)]
-        return TextResult(token_ids, texts, result.lengths, result.logprobs, result.plan)
+        return keep_prompt(result, ids, self.tokenizer)
 
     def prompt_latents(self, prompt: str | Sequence[int], length: int) -> Tensor:
         """A prompt's latents (P, D) to inpaint, P < ``length`` (the continuation needs a position)."""
@@ -272,3 +270,11 @@ class LDLMPipeline:
         states = self.engine.start(plan, self.config.d_model, prefix)
         with torch.inference_mode():
             return run_lockstep(self.engine, states, self.graphs.denoise, self.bucket_length(plan.length), progress)
+
+
+def keep_prompt(result: TextResult, ids: Sequence[int], tokenizer: TextTokenizer) -> TextResult:
+    """``LDLMPipeline.keep_prompt`` with the tokenizer given (the server's streams hold one, not a pipeline)."""
+    token_ids = result.token_ids.clone()
+    token_ids[:, : len(ids)] = torch.tensor(list(ids), dtype=token_ids.dtype)
+    texts = [tokenizer.decode(row[:n].tolist()) for row, n in zip(token_ids, result.lengths)]
+    return TextResult(token_ids, texts, result.lengths, result.logprobs, result.plan)

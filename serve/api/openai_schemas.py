@@ -126,7 +126,11 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
         n=(int, ranged(r["n"], 1, f"choices per prompt ({r['n']} in all)")),
         seed=(
             int | None,
-            ranged(r["seed"], None, f"noise seed ({r['seed']}; default: a random one, as OpenAI's); the same seed gives the same text"),
+            ranged(
+                r["seed"],
+                None,
+                f"noise seed ({r['seed']}; default: 0, as on every path, so a request names its answer; prompt i of a list runs seed + i)",
+            ),
         ),
         stream=(bool, Field(False, strict=True, description="OpenAI server-sent chunks, ending with data: [DONE]")),
         stream_options=(StreamOptions | None, Field(None, description="include_usage: a last chunk with usage")),

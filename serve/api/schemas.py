@@ -182,10 +182,10 @@ def request_models(limits: BodyLimits) -> RequestModels:
 class GenerateFields(SamplingBody):
     """/v1/generate's body, as the handler reads it."""
 
-    def to_request(self, kept: int) -> GenerateRequest:
-        """The request for ``n`` samples of ``length`` tokens after a prompt of ``kept`` tokens."""
+    def to_request(self) -> GenerateRequest:
+        """The request for ``n`` samples of ``length`` tokens, a prompt's included (serve/api/prompted.py)."""
         fields: Any = self
-        return self.sampling_request(fields.n, kept + fields.length, fields.seed)
+        return self.sampling_request(fields.n, fields.length, fields.seed)
 
 
 def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
@@ -195,7 +195,7 @@ def generate_body_model(limits: BodyLimits) -> type[BaseModel]:
         "GenerateBody",
         __base__=GenerateFields,
         n=(int, ranged(r["n"], 1, f"samples to generate ({r['n']})")),
-        length=(int, ranged(r["length"], 64, f"tokens per sample ({r['length']}, the model's max_seq_len)")),
+        length=(int, ranged(r["length"], 64, f"tokens per sample, a prompt's included ({r['length']}, the model's max_seq_len)")),
         seed=(int | None, ranged(r["seed"], None, f"noise seed ({r['seed']}; default: 0)")),
         **sampling_fields(limits),
         stream=(

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from torch import Tensor
 
 from ldlm.model.tokenizer import TextTokenizer
-from ldlm.pipeline import TextResult
+from ldlm.pipeline import TextResult, keep_prompt
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
-from ldlm.serve.api.prompted import after_prompt, text_after
+from ldlm.serve.api.prompted import with_prompt
 from ldlm.serve.runtime.generation import Preview
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -49,26 +49,30 @@ class GenerationStream:
         prefix: Tensor | None = None,
         *,
         loop: asyncio.AbstractEventLoop,
-        kept: int = 0,
+        prompt_ids: Sequence[int] = (),
         steps: int | None = None,
     ) -> None:
         """Submits at once, with ``submit`` (``GenerationScheduler.submit``'s signature). ``loop`` is the
         event loop that reads the events: construct this off that loop (submitting draws every sample's
-        prior noise, work that scales with n x length). ``kept``: the prompt's P tokens at the start of
-        ``prefix``; previews are of what follows them (serve/api/prompted.py), in ``tokenizer``'s text.
+        prior noise, work that scales with n x length). ``prompt_ids``: the prompt's tokens, whose latents
+        ``prefix`` holds; previews start with them as given (serve/api/prompted.py), in ``tokenizer``'s text.
         ``steps``: the request's resolved step count, which its previews name (None: the spec's own)."""
         self.loop = loop
         self.tokenizer = tokenizer
         self.spec = spec
         self.steps = spec.steps if steps is None else steps
-        self.kept = kept
+        self.prompt_ids = list(prompt_ids)
         self._decoded: list[dict[str, Any]] = []
         self._wake = asyncio.Event()
         self.future = submit(spec, prefix, self._hook if preview_every > 0 else None, preview_every)
 
     def _hook(self, previews: list[Preview]) -> None:  # on the scheduler's preview thread: hand over only
         shown = [
-            {"index": p.index, "step": p.step, "text": text_after(p.token_ids, self.kept, self.tokenizer) if self.kept else p.text}
+            {
+                "index": p.index,
+                "step": p.step,
+                "text": with_prompt(p.token_ids, self.prompt_ids, self.tokenizer) if self.prompt_ids else p.text,
+            }
             for p in previews
         ]
         self.loop.call_soon_threadsafe(self._put, shown)
@@ -114,13 +118,13 @@ def ran(result: TextResult) -> dict[str, Any] | None:
 async def generate_sse(stream: GenerationStream, timeout_s: float, tokenizer: TextTokenizer | None = None) -> AsyncIterator[bytes]:
     """/v1/generate with ``stream: true``: ``event: preview`` every k steps, then ``event: result``
     (the same JSON as the plain answer), or ``event: error`` with the one error shape. ``tokenizer``
-    cuts a prompted stream's result after its prompt (``stream.kept``)."""
+    puts a prompted stream's prompt back at the start of its result, as given (``stream.prompt_ids``)."""
     try:
         async for kind, payload in stream.events(timeout_s):
             if kind == "preview":
                 yield sse({"steps": stream.steps, "samples": payload}, "preview")
             else:
-                shown = after_prompt(payload, stream.kept, tokenizer) if stream.kept and tokenizer is not None else payload
+                shown = keep_prompt(payload, stream.prompt_ids, tokenizer) if stream.prompt_ids and tokenizer is not None else payload
                 yield sse({"texts": shown.texts, "token_ids": shown.ids(), "plan": ran(shown)}, "result")
     except REQUEST_ERRORS as error:  # the status line is sent: report in-band
         yield sse({"error": error_status(error)[1]}, "error")

@@ -125,12 +125,62 @@ def test_a_prompts_strength_reaches_every_path(served: tuple[Path, RunningServer
         assert main([*argv, "--prompt", prompt, "--prompt-strength", str(strength), "--json", "--quiet"]) == 0
     cli = json.loads(out.getvalue())
     assert (cli["token_ids"], cli["plan"]) == (python.ids(), python.plan.summary())
-    body = {"n": 1, "length": LENGTH, "seed": SEED, "prompt": prompt, "prompt_strength": strength}
+    body = {"n": 1, "length": len(ids) + LENGTH, "seed": SEED, "prompt": prompt, "prompt_strength": strength}
     http = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
-    assert (http["token_ids"], http["plan"]) == ([after], python.plan.summary())
+    assert (http["token_ids"], http["plan"]) == (python.ids(), python.plan.summary())
     with openai_client(server) as client:
         completion = client.completions.create(
             model="ldlm", prompt=prompt, max_tokens=LENGTH, seed=SEED, extra_body={"prompt_strength": strength}
         )
     assert completion.model_extra["ldlm_plan"] == python.plan.summary()
     assert completion.choices[0].text == pipeline.tokenizer.decode(after).split("<|endoftext|>")[0]
+
+
+PROMPT = "It is a truth"  # 4 GPT-2 tokens
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seed", "no seed"])
+@pytest.mark.parametrize("prompt", ["", PROMPT], ids=["no prompt", "prompt"])
+def test_a_prompt_and_a_missing_seed_mean_one_thing_on_every_path(served: tuple[Path, RunningServer], prompt: str, seeded: bool) -> None:
+    """``length`` counts the prompt and the answer starts with it verbatim, and a request naming no seed runs
+    seed 0, on every path: Python, the CLI, /v1/generate plain and streamed give the same tokens, texts and
+    plan; /v1/completions (OpenAI's meaning: max_tokens after the prompt, the text without it) the same
+    continuation."""
+    checkpoint, server = served
+    pipeline = LDLMPipeline.from_checkpoint(str(checkpoint))
+    length, seed = LENGTH + 4, ({"seed": SEED} if seeded else {})
+    python = pipeline.generate(1, length, prompt=prompt, **seed)
+    assert python.plan is not None and python.texts[0].startswith(prompt)
+    if not seeded:  # seed 0 is what a request without one runs
+        assert python.ids() == pipeline.generate(1, length, seed=0, prompt=prompt).ids()
+    expected = (python.ids(), python.texts, python.plan.summary())
+    argv = ["generate", str(checkpoint), "--n", "1", "--length", str(length), "--json", "--quiet"]
+    argv += ["--seed", str(SEED)] if seeded else []
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, *(["--prompt", prompt] if prompt else [])]) == 0
+    cli = json.loads(out.getvalue())
+    body = {"n": 1, "length": length, **seed, **({"prompt": prompt} if prompt else {})}
+    plain = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
+    stream = streamed_result(server.url, body)
+    for path, answer in (("cli", cli), ("http", plain), ("http stream", stream)):
+        assert (answer["token_ids"], answer["texts"], answer["plan"]) == expected, f"{path} differs from Python"
+    prompt_tokens = len(pipeline.tokenizer.encode([prompt])[0]) if prompt else 0
+    with openai_client(server) as client:
+        completion = client.completions.create(model="ldlm", prompt=prompt, max_tokens=length - prompt_tokens, **seed)
+    assert completion.model_extra["ldlm_plan"] == python.plan.summary()
+    assert completion.choices[0].text == python.texts[0][len(prompt) :]
+
+
+def test_a_prompt_that_leaves_no_room_is_refused_alike_on_every_path(served: tuple[Path, RunningServer]) -> None:
+    checkpoint, server = served
+    refusal = "the prompt is 4 tokens long; allowed: 1..3 tokens (fewer than length=4)"
+    with pytest.raises(ValueError) as python:
+        LDLMPipeline.from_checkpoint(str(checkpoint)).generate(1, 4, prompt=PROMPT)
+    assert str(python.value) == refusal
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["generate", str(checkpoint), "--length", "4", "--prompt", PROMPT, "--quiet"]) != 0
+    assert refusal in err.getvalue()
+    http = httpx.post(f"{server.url}/v1/generate", json={"length": 4, "prompt": PROMPT}, timeout=60)
+    assert (http.status_code, http.json()["error"]) == (400, refusal)

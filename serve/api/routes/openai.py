@@ -56,6 +56,7 @@ from ldlm import __version__
 from ldlm.model.tokenizer import END_OF_TEXT, TextTokenizer
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest
+from ldlm.sampling.request import DEFAULT_SEED
 from ldlm.sampling.tokens import TokenLogprobs, TokenSampling
 from ldlm.serve.api.errors import REQUEST_ERRORS, HTTPError, error_status, openai_error
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
@@ -193,7 +194,7 @@ class Completions:
                 400, f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} choices; allowed: up to {settings.max_n} per request"
             )
         one = isinstance(body.prompt, str) or is_token_id(body.prompt[0])  # named "prompt", not "prompt[0]"
-        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
+        seed = DEFAULT_SEED if body.seed is None else body.seed  # no seed: the same as on every path (ldlm.sampling.resolve)
         has_logits = getattr(self.pipeline.graphs, "has_logits", True)
         prepared = []
         for i, prompt in enumerate(prompts):

@@ -21,10 +21,10 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from ldlm.pipeline import LDLMPipeline
+from ldlm.pipeline import LDLMPipeline, keep_prompt
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
-from ldlm.serve.api.prompted import after_prompt, prompt_prefix
+from ldlm.serve.api.prompted import prompt_prefix
 from ldlm.serve.api.schemas import EncodeResponse, GenerateResponse, RequestModels, TextsResponse, request_models
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, generate_sse, ran
@@ -47,10 +47,10 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
         deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
         prompt, tokenizer = getattr(body, "prompt", ""), service.pipeline.tokenizer  # a body model without the field: none
-        prefix, kept = None, 0
+        prefix, ids = None, []
         if prompt:  # its tokens are encoded (the encoder runs): off the event loop
-            prefix, kept = await run_blocking(prompt_prefix, service.pipeline, prompt, body.length, timeout_s=deadline.left())
-        spec = body.to_request(kept)
+            prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, body.length, timeout_s=deadline.left())
+        spec = body.to_request()
         # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
         # scheduler refuses at once what it estimates cannot finish in the time left.
         submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
@@ -58,13 +58,21 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
             loop = asyncio.get_running_loop()
             steps = service.scheduler.plan(spec).steps  # what the previews name; bad input is refused here, before the stream
             start = functools.partial(
-                GenerationStream, submit, service.pipeline.tokenizer, spec, body.preview_every, prefix, loop=loop, kept=kept, steps=steps
+                GenerationStream,
+                submit,
+                service.pipeline.tokenizer,
+                spec,
+                body.preview_every,
+                prefix,
+                loop=loop,
+                prompt_ids=ids,
+                steps=steps,
             )
             stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
             return StreamingResponse(generate_sse(stream, deadline.left(), tokenizer), headers=SSE_HEADERS, media_type="text/event-stream")
         future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
         result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
-        shown = after_prompt(result, kept, tokenizer)
+        shown = keep_prompt(result, ids, tokenizer) if ids else result
         return await json_response(service, {"texts": shown.texts, "token_ids": shown.ids(), "plan": ran(shown)})
 
     async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[list[int]]], dict[str, Any]]) -> Response:

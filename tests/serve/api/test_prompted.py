@@ -1,6 +1,7 @@
-"""/v1/generate with a prompt (serve/api/prompted.py): the prompt is inpainted, and the answer, plain
-or streamed with its previews, is of what follows it, checked against the eager PyTorch pipeline of
-the checkpoint the served graphs were exported from; real server on 127.0.0.1, real httpx streams."""
+"""/v1/generate with a prompt (serve/api/prompted.py): the prompt is inpainted, ``length`` counts it, and the
+answer, plain or streamed with its previews, starts with it verbatim, as ``LDLMPipeline.generate(prompt=)``
+and ``ldlm generate --prompt`` answer: checked against the eager PyTorch pipeline of the checkpoint the served
+graphs were exported from; real server on 127.0.0.1, real httpx streams."""
 
 from __future__ import annotations
 
@@ -32,10 +33,9 @@ def server(export_dir: Path):
 
 
 def reference(pipeline: LDLMPipeline, length: int, steps: int, seed: int) -> tuple[list[int], str]:
-    """The continuation's token ids and text from the eager pipeline, the prompt's positions cut off."""
-    ids = pipeline.tokenizer.encode([PROMPT])[0]
-    row = pipeline.generate(1, len(ids) + length, steps, seed, "ddim", prompt=ids).token_ids[0, len(ids) :].tolist()
-    return row, pipeline.tokenizer.decode(row)
+    """The sample's token ids and text from the eager pipeline, given the prompt as text (as the CLI gives it)."""
+    result = pipeline.generate(1, length, steps, seed, "ddim", prompt=PROMPT)
+    return result.token_ids[0].tolist(), result.texts[0]
 
 
 PLAN = {
@@ -48,16 +48,18 @@ PLAN = {
 }  # what a ddim@20 request on the tiny config runs, as its answer names it
 
 
-def test_a_prompted_generation_answers_what_follows_the_prompt(server: RunningServer, pipeline: LDLMPipeline) -> None:
+def test_a_prompted_generation_answers_the_prompt_and_what_follows_it(server: RunningServer, pipeline: LDLMPipeline) -> None:
     body = {"n": 1, "length": 12, "steps": 20, "seed": 7, "sampler": "ddim", "prompt": PROMPT}
     answer = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
     ids, text = reference(pipeline, 12, 20, 7)
     assert answer == {"texts": [text], "token_ids": [ids], "plan": PLAN}
+    prompt_ids = pipeline.tokenizer.encode([PROMPT])[0]
+    assert len(ids) == 12 and ids[: len(prompt_ids)] == prompt_ids and text.startswith(PROMPT)  # length counts the prompt
     unprompted = httpx.post(f"{server.url}/v1/generate", json={**body, "prompt": ""}, timeout=60).json()
     assert len(unprompted["token_ids"][0]) == 12 and unprompted != answer  # "" is no prompt: 12 tokens, unconditioned
 
 
-def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServer, pipeline: LDLMPipeline, monkeypatch) -> None:
+def test_a_prompted_stream_previews_start_with_the_prompt(server: RunningServer, pipeline: LDLMPipeline, monkeypatch) -> None:
     offered: list[Any] = []  # the x0_hat of each preview call, in step order, decoded below by the eager pipeline
     decodes = server.service.scheduler.delivery.preview_decodes
     real = decodes.pipeline
@@ -76,16 +78,19 @@ def test_a_prompted_stream_previews_what_follows_the_prompt(server: RunningServe
     for x0, (_, event) in zip(offered, events[:-1], strict=True):
         sample = event["samples"][0]
         whole = pipeline.decode(x0.float()).token_ids[0].tolist()
-        assert sample["text"] == pipeline.tokenizer.decode(whole[kept:]), sample  # the positions after the prompt
+        prompt_ids = pipeline.tokenizer.encode([PROMPT])[0]
+        assert sample["text"] == pipeline.tokenizer.decode(prompt_ids + whole[kept:]), sample  # the prompt as given, then x0_hat's
 
 
-def test_a_prompt_too_long_for_the_length_is_refused_naming_both(server: RunningServer) -> None:
-    body = {"n": 1, "length": 126, "steps": 4, "prompt": PROMPT}  # 4 prompt tokens + 126 > 128
+def test_a_prompt_that_leaves_no_room_is_refused_naming_both(server: RunningServer) -> None:
+    body = {"n": 1, "length": 4, "steps": 4, "prompt": PROMPT}  # 4 prompt tokens: none left to write
     response = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60)
     assert response.status_code == 400
-    assert response.json()["error"] == (
-        "prompt has 4 tokens and length is 126: 130 tokens in all; allowed: up to 128 (the model's max_seq_len)"
-    )
+    assert response.json()["error"] == "the prompt is 4 tokens long; allowed: 1..3 tokens (fewer than length=4)"
+    assert httpx.post(f"{server.url}/v1/generate", json={**body, "length": 5}, timeout=60).status_code == 200  # the first that fits
+    lone = '{"length": 5, "steps": 4, "prompt": "a\\ud800"}'  # a lone surrogate, escaped: no client encodes it raw
+    surrogate = httpx.post(f"{server.url}/v1/generate", content=lone, headers={"Content-Type": "application/json"}, timeout=60)
+    assert surrogate.status_code == 400 and "prompt is not valid Unicode" in surrogate.json()["error"]
     blank = httpx.post(f"{server.url}/v1/generate", json={**body, "length": 8, "prompt": "  "}, timeout=60)
     assert blank.status_code == 400 and "is blank" in blank.json()["error"]
 
@@ -94,13 +99,12 @@ def test_a_prompt_strength_reaches_the_scheduler_plain_and_streamed(server: Runn
     """prompt_strength guides the served samples as the pipeline's: the scheduler's engine reads it from the plan."""
     body = {"n": 2, "length": 10, "steps": 6, "seed": 3, "sampler": "ddim", "prompt": PROMPT, "prompt_strength": 2.5}
     ids = pipeline.tokenizer.encode([PROMPT])[0]
-    guided = pipeline.generate(2, len(ids) + 10, 6, 3, "ddim", prompt=ids, prompt_strength=2.5)
-    inpainted = pipeline.generate(2, len(ids) + 10, 6, 3, "ddim", prompt=ids)
-    rows = [row[len(ids) :].tolist() for row in guided.token_ids]
-    assert rows != [row[len(ids) :].tolist() for row in inpainted.token_ids]  # the strength changes the continuation
+    guided = pipeline.generate(2, 10, 6, 3, "ddim", prompt=ids, prompt_strength=2.5)
+    inpainted = pipeline.generate(2, 10, 6, 3, "ddim", prompt=ids)
+    assert guided.ids() != inpainted.ids()  # the strength changes the continuation
     plan = {**PLAN, "steps": 6, "prompt_strength": 2.5}
     answer = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
-    assert answer == {"texts": [pipeline.tokenizer.decode(r) for r in rows], "token_ids": rows, "plan": plan}
+    assert answer == {"texts": guided.texts, "token_ids": guided.ids(), "plan": plan}
     with httpx.stream("POST", f"{server.url}/v1/generate", json={**body, "stream": True, "preview_every": 2}, timeout=60) as response:
         assert response.status_code == 200, response.read()
         assert sse_events(response.iter_lines())[-1][1] == answer

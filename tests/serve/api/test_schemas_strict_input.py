@@ -183,8 +183,8 @@ def test_the_plan_fields_default_to_not_given() -> None:
     """A body fills in none of the plan's fields: the request it makes leaves them to ldlm.sampling.resolve,
     and /docs shows what that gives (the service's words, passed in as ``defaults``)."""
     models = request_models(BodyLimits(4, 100, 2, 128, defaults="dpm3m-psc at 12 steps on the tuned grid"))
-    request = models.generate.model_validate({}).to_request(kept=3)
-    assert (request.n, request.length) == (1, 3 + 64)
+    request = models.generate.model_validate({}).to_request()
+    assert (request.n, request.length) == (1, 64)
     fields = (request.steps, request.sampler, request.seed, request.t_min, request.grid, request.prior_temperature, request.prompt_strength)
     assert fields == (None,) * 7
     steps = models.generate.model_json_schema()["properties"]["steps"]
