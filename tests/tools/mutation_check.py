@@ -1473,9 +1473,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "force-replaces-foreign-directory",
         "ldlm.files:refuse_existing",
-        "if entries and ldlm_output(out) is None:",
-        "if entries and ldlm_output(out) is None and not overwrite:",
-        ("tests/export/test_onnx_export_force.py",),
+        "if record is None:",
+        "if record is None and not overwrite:",
+        ("tests/export/test_onnx_export_force.py", "tests/ldlm/test_files_output_record.py"),
         "--force deletes a directory of someone's files",
     ),
     Mutation(
@@ -1521,7 +1521,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "export-refuses-late",
         "ldlm.export.onnx_export:export_graphs",
-        'refuse_existing(out, overwrite, {"checkpoint": checkpoint})  # before the checkpoint loads',
+        'refuse_existing(out, overwrite, {"checkpoint": checkpoint}, EXPORT_WRITER)  # before the checkpoint loads',
         "pass",
         ("tests/export/test_onnx_export_force.py",),
         "an unsafe output is refused only after the export",

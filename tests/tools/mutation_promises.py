@@ -52,8 +52,8 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     (
         "metrics-open-without-key",
         "ldlm.serve.api.http_guard:GuardMiddleware.OPEN_PATHS",
-        'frozenset({"/", "/docs", "/openapi.json"})',
-        'frozenset({"/", "/docs", "/openapi.json", "/metrics"})',
+        'frozenset({"/", "/docs", "/openapi.json", "/health"})',
+        'frozenset({"/", "/docs", "/openapi.json", "/health", "/metrics"})',
         (f"{GUARD_TEST}::test_bearer_key_guards_every_path_but_health",),
         "/metrics tells anyone about the served model though a key is set",
     ),
@@ -298,8 +298,8 @@ PROMISE_MUTATIONS: tuple[MutationFields, ...] = (
     (
         "force-removes-before-the-work",
         "ldlm.files:atomic_directory",
-        "    refuse_existing(out, overwrite)\n",
-        "    refuse_existing(out, overwrite)\n    shutil.rmtree(out, ignore_errors=True)\n",
+        "    refuse_existing(out, overwrite, writer=writer)\n",
+        "    refuse_existing(out, overwrite, writer=writer)\n    shutil.rmtree(out, ignore_errors=True)\n",
         ("tests/ldlm/test_files_atomic_directory.py",),
         "a --force replace that fails halfway has already deleted the earlier output",
     ),
