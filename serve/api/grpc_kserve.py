@@ -8,6 +8,7 @@ with HTTP's message under the gRPC code of its HTTP status (``GRPC_CODES``). An 
 the binary-tensor body it stands for (``binary_body``: raw_input_contents as the binary inputs, typed
 ``contents`` as JSON data), so the one codec checks both transports alike; outputs come back in
 raw_output_contents, as Triton sends them. Infer calls count in /metrics and the request log as HTTP's do.
+ModelStreamInfer streams generation, as the model ``ldlm_generate`` (grpc_generate).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from ldlm.serve.api.errors import HTTPError, error_status
+from ldlm.serve.api.grpc_generate import stream_generate
 from ldlm.serve.api.http_guard import CLIENT_CLOSED
 from ldlm.serve.api.kserve import InferRequest, kserve_datatype, requested_outputs
 from ldlm.serve.api.kserve_models import (
@@ -45,6 +47,7 @@ from ldlm.serve.api.service import LDLMService
 log = logging.getLogger("ldlm.serve")
 T = TypeVar("T")
 SERVICE = "/inference.GRPCInferenceService/"
+UNAUTHORIZED = "missing or wrong bearer token"  # HTTP's words (http_guard)
 
 # The one map from an error's HTTP status (errors.error_status) to its gRPC code.
 GRPC_CODES = {
@@ -153,6 +156,18 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, "ModelInfer", answer, model if counted else None)
 
+    async def ModelStreamInfer(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        """``ldlm_generate``'s previews and results, on a stream (grpc_generate)."""
+        if not self._authorized(dict(context.invocation_metadata() or ())):
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED, ())
+        async for response in stream_generate(self.service, request_iterator):
+            yield response
+
+    def _authorized(self, metadata: dict[str, Any]) -> bool:
+        """No key is set, or the call's ``authorization`` metadata is ``Bearer KEY`` (compared in constant time)."""
+        given = str(metadata.get("authorization", "")).encode()
+        return self.expected_auth is None or hmac.compare_digest(given, self.expected_auth)
+
     async def _answer(
         self, context: grpc.aio.ServicerContext, method: str, answer: Callable[[], Awaitable[T]], model: str | None = None
     ) -> T:
@@ -162,10 +177,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         request_id = str(metadata.get("x-request-id") or uuid.uuid4().hex)
         started, status = time.perf_counter(), 200
         try:
-            if self.expected_auth is not None and not hmac.compare_digest(
-                str(metadata.get("authorization", "")).encode(), self.expected_auth
-            ):
-                raise HTTPError(401, "missing or wrong bearer token")  # HTTP's words (http_guard)
+            if not self._authorized(metadata):
+                raise HTTPError(401, UNAUTHORIZED)
             return await answer()
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed: grpc cancels the handler
             status = CLIENT_CLOSED

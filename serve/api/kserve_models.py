@@ -25,6 +25,7 @@ from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.graph_backend import GraphBackend
 
 MODEL_VERSION = "1"
+GENERATE_MODEL = "ldlm_generate"  # generation, streamed over gRPC (grpc_generate), as Triton's decoupled model of that name
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
 INDEX_FIELDS = ("ready",)
 
