@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ldlm import __version__
 from ldlm.cli import artifacts, bench, checks, model, serving, tuning
-from ldlm.files import refuse_existing, refuse_unsafe_target
+from ldlm.files import empty_directory, refuse_existing, refuse_unsafe_target
 from ldlm.interrupts import remembered_interrupts
 
 
@@ -32,7 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Arguments that name the user's files: an OS error is reported with the path the user typed, not
 # the temporary sibling a command was writing through (ldlm.files.atomic_directory).
-PATH_ARGUMENTS = ("out", "checkpoint", "source", "path", "onnx_dir", "engine_dir", "gpt2_dir", "tokenizer_dir", "timing_cache", "save_inputs", "load_inputs", "save_outputs")
+PATH_ARGUMENTS = (
+    "out",
+    "checkpoint",
+    "source",
+    "path",
+    "onnx_dir",
+    "engine_dir",
+    "gpt2_dir",
+    "tokenizer_dir",
+    "timing_cache",
+    "save_inputs",
+    "load_inputs",
+    "save_outputs",
+)
 INTERRUPTED = 130  # 128 + SIGINT, as shells report a command ended by Ctrl-C
 
 
@@ -82,7 +95,7 @@ def refuse_existing_out(args: argparse.Namespace) -> None:
         return
     inputs = {words: getattr(args, name) for name, words in INPUT_ARGUMENTS.items() if isinstance(getattr(args, name, None), str)}
     refuse_unsafe_target(out, inputs)
-    if not args.force and Path(out).exists():
+    if not args.force and Path(out).exists() and not empty_directory(Path(out)):  # an empty directory is a new one
         raise FileExistsError(f"{out} already exists; pass --force to replace it, or choose another output directory")
     refuse_existing(out, args.force, inputs)
 

@@ -158,7 +158,10 @@ def _serve(source: str, settings: ServerSettings) -> None:
             flush=True,
         )
         print(f"docs: {url}/docs   metrics: {url}/metrics", flush=True)
-        GracefulServer(server_config(app, settings)).run(sockets=[sock])
+        server = GracefulServer(server_config(app, settings))
+        server.run(sockets=[sock])
+        if not server.started:  # the app's start-up failed (uvicorn logged why): not a clean exit
+            raise RuntimeError("the server did not start; see the log above")
     finally:
         sock.close()
 

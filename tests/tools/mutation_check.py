@@ -1519,6 +1519,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a report --out that is a file fails after the run",
     ),
     Mutation(
+        "force-ignores-the-writer",
+        "ldlm.files:refuse_existing",
+        "if writer is not None and record.writer != writer:",
+        "if False:",
+        ("tests/ldlm/cli/test_model.py", "tests/ldlm/test_files_output_record.py"),
+        "init --force replaces an imported checkpoint's weights with random ones",
+    ),
+    Mutation(
+        "served-export-unverified",
+        "ldlm.export.artifact:check_artifacts",
+        "if verify and not _CALLER_VERIFIES.get():",
+        "if False:",
+        ("tests/export/test_artifact_layer_norms.py",),
+        "ldlm serve runs an export whose LayerNorm eps was edited, which verify-onnx rejects",
+    ),
+    Mutation(
         "export-refuses-late",
         "ldlm.export.onnx_export:export_graphs",
         'refuse_existing(out, overwrite, {"checkpoint": checkpoint}, EXPORT_WRITER)  # before the checkpoint loads',

@@ -58,15 +58,7 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
             loop = asyncio.get_running_loop()
             steps = service.scheduler.plan(spec).steps  # what the previews name; bad input is refused here, before the stream
             start = functools.partial(
-                GenerationStream,
-                submit,
-                service.pipeline.tokenizer,
-                spec,
-                body.preview_every,
-                prefix,
-                loop=loop,
-                prompt_ids=ids,
-                steps=steps,
+                GenerationStream, submit, tokenizer, spec, body.preview_every, prefix, loop=loop, prompt_ids=ids, steps=steps
             )
             stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
             return StreamingResponse(generate_sse(stream, deadline.left(), tokenizer), headers=SSE_HEADERS, media_type="text/event-stream")

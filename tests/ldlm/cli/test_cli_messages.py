@@ -80,6 +80,14 @@ def test_bench_length_above_max_seq_len_is_an_error(tiny_checkpoint: Path, tmp_p
     assert not out.exists()
 
 
+def test_init_into_an_empty_directory_needs_no_force(tmp_path: Path) -> None:
+    """An empty directory is a new one (a mount point, a directory made for it), as for the Python API."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    assert main(["init", str(out), "--preset", "tiny", "--quiet"]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
 def test_init_on_an_existing_directory_refuses_before_building(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

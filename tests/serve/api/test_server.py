@@ -95,7 +95,7 @@ def test_tritonclient_health_and_metadata(client) -> None:
     meta = client.get_model_metadata("denoiser")
     assert [i["name"] for i in meta["inputs"]] == ["x_t", "t", "x0_prev", "attention_mask"]
     assert meta["inputs"][0] == {"name": "x_t", "datatype": "FP32", "shape": [-1, -1, 64]}
-    assert client.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    assert client.get_server_metadata()["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
