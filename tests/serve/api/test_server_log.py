@@ -21,6 +21,7 @@ def test_serve_logs_json_lines_while_it_serves_and_leaves_the_logger_as_it_was(
     before = (logger.handlers[:], logger.level, logger.propagate)
 
     def serve_one_request(self: server.GracefulServer, sockets: list) -> None:
+        self.started = True  # as uvicorn's run sets it once it listens
         logger.info("request", extra={"request_id": "r-1", "method": "POST", "path": "/v1/generate", "status": 200, "ms": 1.5})
         logger.debug("below the level")
 

@@ -42,13 +42,18 @@ def complete(client, prompt, **kwargs):
 
 
 def generated(server: RunningServer, text: str, n: int, length: int, seed: int) -> list[tuple[str, str, int]]:
-    """Per sample of /v1/generate with ``text`` as its prompt: (text, finish_reason, tokens before end-of-text)."""
-    body = {"prompt": text, "n": n, "length": length, "seed": seed, **PLAN}
+    """Per sample of /v1/generate with ``text`` as its prompt and ``length`` tokens after it: (what follows the
+    prompt, finish_reason, tokens before end-of-text). /v1/generate's length counts the prompt, and its answer
+    starts with it verbatim."""
+    kept = len(server.service.pipeline.tokenizer.encode([text])[0])
+    body = {"prompt": text, "n": n, "length": kept + length, "seed": seed, **PLAN}
     answer = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
     out = []
-    for text, ids in zip(answer["texts"], answer["token_ids"]):
-        stop = EOS in ids
-        out.append((text, "stop" if stop else "length", ids.index(EOS) if stop else len(ids)))
+    for whole, ids in zip(answer["texts"], answer["token_ids"]):
+        assert whole.startswith(text)
+        after = ids[kept:]
+        stop = EOS in after
+        out.append((whole[len(text) :], "stop" if stop else "length", after.index(EOS) if stop else len(after)))
     return out
 
 
