@@ -7,11 +7,17 @@ as it is, gRPC as the protobuf message parsed from it (``as_message``), so the t
   statistics            Triton's statistics extension, from the metrics' counters (``Metrics.model_statistics``)
   repository_index      the model repository extension's index (the models are fixed at start: no load or unload)
 
-Every model is one graph of the served artifact, in one version, ``MODEL_VERSION``.
+Every model is one graph of the served artifact, in one version, ``MODEL_VERSION``. Beside them, generation is the
+model ``ldlm_generate``; its inputs and outputs (``GENERATE_INPUTS``, ``GENERATE_OUTPUTS``) are defined here once, for
+Triton's model of that name (serve/deploy/triton_repo.py writes its config, triton_generate.py reads its inputs) and
+for ``ldlm serve``'s over gRPC (grpc_generate), so one client works against both. The dims rule of a model
+configuration (``triton_dims``, ``config_type``) is also this module's, for ``ldlm serve``'s answers and Triton's
+config.pbtxt alike.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from google.protobuf import json_format
@@ -25,11 +31,47 @@ from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.graph_backend import GraphBackend
 
 MODEL_VERSION = "1"
-GENERATE_MODEL = "ldlm_generate"  # generation, streamed over gRPC (grpc_generate), as Triton's decoupled model of that name
+GENERATE_MODEL = "ldlm_generate"  # generation: Triton's Python-backend model, and ldlm serve's over gRPC's stream (grpc_generate)
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
 INDEX_FIELDS = ("ready",)
 
 M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class GenerateTensor:
+    """One input or output of ``ldlm_generate``: its KServe datatype and Triton's dims (the model takes one request
+    at a time, ``max_batch_size: 0``: no batch axis). An input fills the ``ldlm.sampling.GenerateRequest`` field
+    ``field`` ("prompt": the text to continue, as /v1/generate's field of that name) and may be left out unless
+    it is required (then ``ldlm.sampling.resolve`` fills it in, as on /v1/generate)."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...] = (1,)
+    field: str = ""
+    required: bool = False
+
+
+# Each input is /v1/generate's field of the same name, in upper case, with the same meaning and range.
+GENERATE_INPUTS = (
+    GenerateTensor("N", "INT64", field="n", required=True),
+    GenerateTensor("LENGTH", "INT64", field="length", required=True),  # a prompt's tokens included
+    GenerateTensor("STEPS", "INT64", field="steps"),
+    GenerateTensor("SEED", "INT64", field="seed"),
+    GenerateTensor("SAMPLER", "BYTES", field="sampler"),
+    GenerateTensor("T_MIN", "FP32", field="t_min"),
+    GenerateTensor("PRIOR_TEMPERATURE", "FP32", field="prior_temperature"),
+    GenerateTensor("GRID", "BYTES", field="grid"),
+    GenerateTensor("PROMPT", "BYTES", field="prompt"),
+    GenerateTensor("PROMPT_STRENGTH", "FP32", field="prompt_strength"),
+)
+# /v1/generate's answer: texts [N], token_ids [N, LENGTH] (every row LENGTH long) and the plan that ran, as JSON
+GENERATE_OUTPUTS = (
+    GenerateTensor("TEXTS", "BYTES", (-1,)),
+    GenerateTensor("TOKEN_IDS", "INT64", (-1, -1)),
+    GenerateTensor("PLAN", "BYTES", (1,)),
+)
+GENERATE_NAMES = {tensor.field: tensor.name for tensor in GENERATE_INPUTS}  # a field as refusals name it (N=0, T_MIN=1.5)
 
 
 def served_graph(service: LDLMService, model: str, version: str = "") -> GraphBackend:
@@ -81,13 +123,23 @@ def model_config(service: LDLMService, model: str, version: str = "") -> dict[st
 
 
 def config_tensor(spec: dict[str, Any]) -> dict[str, Any]:
-    """One input or output as Triton's config lists it: dims leave out the batch axis, symbolic axes are -1,
-    and a per-sample scalar (shape [batch]) is dims [1] reshaped to [] for the graph."""
-    dims = [d if isinstance(d, int) else -1 for d in spec["shape"][1:]]
-    entry: dict[str, Any] = {"name": spec["name"], "data_type": f"TYPE_{KSERVE_NAMES[spec['dtype']]}", "dims": dims or [1]}
-    if not dims:
+    """One input or output as Triton's config lists it (``triton_dims``); a per-sample scalar (shape [batch]) is
+    dims [1] reshaped to [] for the graph."""
+    entry: dict[str, Any] = {"name": spec["name"], "data_type": config_type(KSERVE_NAMES[spec["dtype"]]), "dims": triton_dims(spec)}
+    if len(spec["shape"]) == 1:
         entry["reshape"] = {"shape": []}
     return entry
+
+
+def triton_dims(spec: dict[str, Any]) -> list[int]:
+    """A graph's input or output (a manifest spec) as Triton's dims: without the batch axis, symbolic axes -1,
+    and a bare [batch] (a per-sample scalar) as [1]."""
+    return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]] or [1]
+
+
+def config_type(datatype: str) -> str:
+    """A KServe datatype as a model configuration's ``data_type`` names it (BYTES is TYPE_STRING there)."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
 def on_cpu(graph: GraphBackend) -> bool:

@@ -1,14 +1,18 @@
-"""Triton Python-backend model ``ldlm_generate``: the sampling loop, calling the ``denoiser`` and
-``decoder`` models of the same repository through BLS.
+"""Triton Python-backend model ``ldlm_generate``: /v1/generate's generation, calling the ``encoder``,
+``denoiser`` and ``decoder`` models of the same repository through BLS.
 
-``ldlm triton-repo`` copies this file to ``ldlm_generate/1/model.py``. The sampling is not copied:
-the request is resolved and run by ``ldlm.sampling`` (the lockstep driver of the one sampling
-engine, with the same per-sample noise streams as our runner), so a seed gives the runner's tokens.
-The ``ldlm`` package must be importable in Triton's Python environment (see docs/scale-out.md).
+``ldlm triton-repo`` copies this file to ``ldlm_generate/1/model.py``. Nothing of the generation is
+copied: the model is an ``LDLMPipeline`` whose three graphs are BLS calls (``BLSGraphs``), so a request
+is resolved by ``ldlm.sampling.resolve`` (limits: config.pbtxt's ``max_n`` and ``max_steps``), a prompt
+is checked and encoded as /v1/generate does it (``ldlm.serve.api.prompted.prompt_prefix``), and the
+sampling runs the one sampling engine with our runner's per-sample noise streams: a seed gives the
+runner's tokens. The ``ldlm`` package must be importable in Triton's Python environment (see docs/scale-out.md).
 
-Inputs (one request each): N (1..max_n), LENGTH, STEPS (1..max_steps), SEED (INT64 [1]), SAMPLER
-(BYTES [1], a name of ldlm.model.config.SAMPLERS; default: the config's default_sampler), optional T_MIN
-(FP32 [1]) and PRIOR_TEMPERATURE (FP32 [1]). Outputs: TEXTS (BYTES [N]), TOKEN_IDS (INT64 [N, LENGTH]).
+Inputs and outputs: ``ldlm.serve.api.kserve_models.GENERATE_INPUTS`` and ``GENERATE_OUTPUTS``, each input
+/v1/generate's field of the same name (N, LENGTH, STEPS, SEED, SAMPLER, T_MIN, PRIOR_TEMPERATURE, GRID,
+PROMPT, PROMPT_STRENGTH; one value each, only N and LENGTH required), the outputs its answer (TEXTS [N],
+TOKEN_IDS [N, LENGTH], PLAN: the plan that ran, as JSON). A refused request is answered with Triton's
+INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT) and the message /v1/generate's checks give, under the input's name.
 """
 
 from __future__ import annotations
@@ -21,23 +25,17 @@ from typing import Any
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
+from torch import Tensor
 
 from ldlm.limits import MAX_N, MAX_STEPS
 from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
-from ldlm.sampling import GenerateRequest, RequestLimits, SamplingEngine, resolve, run_lockstep
-from ldlm.sampling.schedule import TangentSchedule
+from ldlm.pipeline import LDLMPipeline, TextResult, keep_prompt
+from ldlm.sampling import GenerateRequest, RequestLimits, resolve
 from ldlm.sampling.tuned_grids import load_schedules
-
-TRITON_NAMES = {
-    "n": "N",
-    "length": "LENGTH",
-    "steps": "STEPS",
-    "sampler": "SAMPLER",
-    "seed": "SEED",
-    "t_min": "T_MIN",
-    "prior_temperature": "PRIOR_TEMPERATURE",
-}  # its inputs' names
+from ldlm.serve.api.errors import error_status
+from ldlm.serve.api.kserve_models import GENERATE_INPUTS, GENERATE_NAMES
+from ldlm.serve.api.prompted import prompt_prefix
 
 
 class TritonPythonModel:
@@ -45,11 +43,10 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         parameters = json.loads(args["model_config"]).get("parameters", {})
         limits = {key: parameters.get(key, {}).get("string_value") for key in ("max_n", "max_steps", "bls_max_batch")}
-        self.max_n, self.max_steps = int(limits["max_n"] or MAX_N), int(limits["max_steps"] or MAX_STEPS)
-        # The denoiser's and decoder's max_batch_size: larger N runs in BLS calls of this many samples
-        # (without the parameter: one call per step).
+        self.limits = RequestLimits(int(limits["max_n"] or MAX_N), int(limits["max_steps"] or MAX_STEPS))
+        # The graphs' max_batch_size: larger N runs in BLS calls of this many samples (without the parameter: one call per step).
         self.bls_max_batch = int(limits["bls_max_batch"]) if limits["bls_max_batch"] else None
-        self.config = LDLMConfig.load(version_dir / "config.json")
+        config = LDLMConfig.load(version_dir / "config.json")
         tokenizer = version_dir / "tokenizer.json"
         if tokenizer.is_file():
             # `ldlm triton-repo` wrote its sha256 into config.pbtxt: an edited tokenizer would change every text
@@ -60,65 +57,91 @@ class TritonPythonModel:
                     f"{tokenizer} has sha256 {found}, but config.pbtxt's tokenizer_sha256 is {expected}; "
                     "rewrite the repository with `ldlm triton-repo`"
                 )
-        self.tokenizer = TextTokenizer.from_directory(version_dir) if tokenizer.is_file() else TextTokenizer.gpt2()
+        texts = TextTokenizer.from_directory(version_dir) if tokenizer.is_file() else TextTokenizer.gpt2()
         # the export's tuned grids, copied by `ldlm triton-repo`: the defaults where tuned, as in ldlm serve
-        self.schedules = load_schedules(version_dir)
-        self.engine = SamplingEngine(TangentSchedule(self.config.schedule_d, self.config.beta_clip_t), self.config.decode_final)
+        self.pipeline = LDLMPipeline(BLSGraphs(self.bls_max_batch), texts, config=config, schedules=load_schedules(version_dir))
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for request in requests:
             try:
-                texts, token_ids = self.generate(request)
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[
-                            pb_utils.Tensor("TEXTS", np.array([t.encode() for t in texts], dtype=np.object_)),
-                            pb_utils.Tensor("TOKEN_IDS", token_ids.astype(np.int64)),
-                        ]
-                    )
-                )
+                result = self.generate(request)
+                plan = json.dumps(None if result.plan is None else result.plan.summary())
+                outputs = {
+                    "TEXTS": np.array([t.encode() for t in result.texts], dtype=np.object_),
+                    "TOKEN_IDS": result.token_ids.numpy().astype(np.int64),
+                    "PLAN": np.array([plan.encode()], dtype=np.object_),
+                }
+                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()]))
             except Exception as error:  # one bad request never takes the others down
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
+                responses.append(pb_utils.InferenceResponse(error=triton_error(error)))
         return responses
 
-    def generate(self, request: Any) -> tuple[list[str], np.ndarray]:
-        def scalar(name: str, required: bool = True) -> Any:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is None:
-                if required:
-                    raise ValueError(f"input {name} is required")
-                return None  # not given: resolve fills it in
-            value = tensor.as_numpy().reshape(-1)[0]
-            return value.decode() if isinstance(value, bytes) else value.item()
+    def generate(self, request: Any) -> TextResult:
+        """One request's result, as /v1/generate answers it: the plan resolved and checked first (nothing runs for a
+        refused one), then the prompt, then the samples, which start with the prompt's own tokens."""
+        fields = request_fields(request)
+        prompt = fields.pop("prompt", None) or ""
+        plan = resolve(GenerateRequest(**fields), self.pipeline.config, self.limits, GENERATE_NAMES, self.pipeline.schedules)
+        prefix, ids = prompt_prefix(self.pipeline, prompt, plan.length)  # /v1/generate's checks and encoding
+        result = self.pipeline.decode(self.pipeline.run_plan(plan, prefix=prefix))
+        result.plan = plan
+        return keep_prompt(result, ids, self.pipeline.tokenizer) if ids else result
 
-        steps, seed = scalar("STEPS", False), scalar("SEED", False)
-        request = GenerateRequest(
-            int(scalar("N")),
-            int(scalar("LENGTH")),
-            None if steps is None else int(steps),
-            None if seed is None else int(seed),
-            scalar("SAMPLER", False),
-            scalar("T_MIN", False),
-            prior_temperature=scalar("PRIOR_TEMPERATURE", False),
+
+def request_fields(request: Any) -> dict[str, Any]:
+    """The GenerateRequest fields (and "prompt") of the inputs a request gives, each its one value as a Python
+    number or text; a required input left out is refused (Triton refuses it first, as config.pbtxt says)."""
+    fields: dict[str, Any] = {}
+    for spec in GENERATE_INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+        if tensor is None:
+            if spec.required:
+                raise ValueError(f"input {spec.name} is required")
+            continue  # not given: resolve fills it in (a prompt: none)
+        value = tensor.as_numpy().reshape(-1)[0]
+        if isinstance(value, bytes):
+            try:
+                fields[spec.field] = value.decode()
+            except UnicodeDecodeError:
+                raise ValueError(f"{spec.name} is not UTF-8 text; allowed: UTF-8 text") from None
+        else:
+            fields[spec.field] = value.item()
+    return fields
+
+
+def triton_error(error: Exception) -> Any:
+    """``error`` as Triton's: what /v1/generate answers 400 (a refused value) is INVALID_ARG, which Triton
+    answers with HTTP 400 and gRPC INVALID_ARGUMENT; anything else INTERNAL (500)."""
+    status, message, _ = error_status(error)
+    code = pb_utils.TritonError.INVALID_ARG if status == 400 else pb_utils.TritonError.INTERNAL
+    return pb_utils.TritonError(message, code)
+
+
+class BLSGraphs:
+    """The repository's encoder, denoiser and decoder as ``LDLMPipeline``'s graphs (``ldlm.pipeline.InferenceGraphs``):
+    each call a synchronous BLS request of at most ``max_batch`` samples (None: all at once)."""
+
+    def __init__(self, max_batch: int | None) -> None:
+        self.max_batch = max_batch
+
+    def encode_latents(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        feed = {"input_ids": input_ids.long().numpy(), "attention_mask": attention_mask.long().numpy()}
+        return torch.from_numpy(self.call("encoder", feed, "latents"))
+
+    def denoise(self, x_t: Tensor, t: Tensor, x0_prev: Tensor, mask: Tensor | None) -> Tensor:
+        # t is a per-sample scalar: config.pbtxt declares dims [1] (reshaped to [] for the model)
+        feed = {"x_t": x_t.float().numpy(), "t": t.float().numpy().reshape(-1, 1), "x0_prev": x0_prev.float().numpy()}
+        feed["attention_mask"] = np.ones(x_t.shape[:2], np.int64) if mask is None else mask.long().numpy()
+        return torch.from_numpy(self.call("denoiser", feed, "x0_hat"))
+
+    def decode_tokens(self, latents: Tensor, mask: Tensor) -> Tensor:
+        return torch.from_numpy(
+            self.call("decoder", {"latents": latents.float().numpy(), "attention_mask": mask.long().numpy()}, "token_ids")
         )
-        plan = resolve(request, self.config, RequestLimits(self.max_n, self.max_steps), TRITON_NAMES, self.schedules)
-        mask = np.ones((plan.n, plan.length), dtype=np.int64)
-        chunk = self.bls_max_batch or plan.n
 
-        def denoise(x_t: torch.Tensor, t: torch.Tensor, x0_prev: torch.Tensor, _: torch.Tensor | None) -> torch.Tensor:
-            # t is a per-sample scalar: config.pbtxt declares dims [1] (reshaped to [] for the model)
-            feed = {
-                "x_t": x_t.float().numpy(),
-                "t": t.float().numpy().reshape(-1, 1),
-                "x0_prev": x0_prev.float().numpy(),
-                "attention_mask": mask,
-            }
-            return torch.from_numpy(bls("denoiser", feed, ["x0_hat"], chunk)["x0_hat"])
-
-        latents = run_lockstep(self.engine, self.engine.start(plan, self.config.d_model), denoise)
-        token_ids = bls("decoder", {"latents": latents.float().numpy(), "attention_mask": mask}, ["token_ids"], chunk)["token_ids"]
-        return [self.tokenizer.decode(row.tolist()) for row in token_ids], token_ids
+    def call(self, model: str, inputs: dict[str, np.ndarray], output: str) -> np.ndarray:
+        return bls(model, inputs, [output], self.max_batch or len(next(iter(inputs.values()))))[output]
 
 
 def bls(model: str, inputs: dict[str, np.ndarray], outputs: list[str], max_batch: int) -> dict[str, np.ndarray]:

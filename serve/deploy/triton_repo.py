@@ -38,9 +38,9 @@ from ldlm.model.checkpoint import CONFIG_FILE
 from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TOKENIZER_FILE
 from ldlm.sampling.tuned_grids import SCHEDULES_FILE
+from ldlm.serve.api.kserve import KSERVE_NAMES
+from ldlm.serve.api.kserve_models import GENERATE_INPUTS, GENERATE_MODEL, GENERATE_OUTPUTS, GenerateTensor, config_type, triton_dims
 
-TRITON_TYPES = {"FLOAT": "TYPE_FP32", "INT64": "TYPE_INT64", "FLOAT16": "TYPE_FP16", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
-GENERATE_MODEL = "ldlm_generate"
 GRAPH_BACKENDS = ("native", "python")  # native: tensorrt_plan / onnxruntime_onnx; python: triton_onnx_model.py
 PRECISIONS = ("fp32", "int8")  # an export's graphs as exported, or its INT8 variants where it has them
 # The Python-backend models copied in as model.py: files beside this one, never imported here (they need Triton's pb_utils).
@@ -148,9 +148,7 @@ def model_config(
             dims = triton_dims(spec)
             # A per-sample scalar (shape [batch]) is dims [1] reshaped to [] for the model.
             reshape = " reshape: { shape: [ ] }" if len(spec["shape"]) == 1 else ""
-            entries.append(
-                f'  {{ name: "{spec["name"]}" data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ]{reshape} }}'
-            )
+            entries.append(f'  {{ name: "{spec["name"]}" data_type: {graph_type(spec)} dims: [ {", ".join(map(str, dims))} ]{reshape} }}')
         lines.append(f"{section} [\n" + ",\n".join(entries) + "\n]")
     lines.append(
         f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, preferred))} ] max_queue_delay_microseconds: {queue_delay_us} }}"
@@ -160,9 +158,7 @@ def model_config(
     for spec in io["inputs"]:
         dims = [16 if d == -1 else d for d in triton_dims(spec)]
         fill = "random_data: true" if spec["dtype"] == "FLOAT" else "zero_data: true"
-        warm.append(
-            f'    key: "{spec["name"]}" value: {{ data_type: {TRITON_TYPES[spec["dtype"]]} dims: [ {", ".join(map(str, dims))} ] {fill} }}'
-        )
+        warm.append(f'    key: "{spec["name"]}" value: {{ data_type: {graph_type(spec)} dims: [ {", ".join(map(str, dims))} ] {fill} }}')
     lines.append(
         'model_warmup [ {\n  name: "batch1_seq16"\n  batch_size: 1\n  inputs [\n'
         + ",\n".join("  {" + w.strip() + " }" for w in warm)
@@ -174,9 +170,9 @@ def model_config(
     return "\n".join(lines) + "\n"
 
 
-def triton_dims(spec: dict[str, Any]) -> list[int]:
-    """Triton's dims leave out the batch axis; symbolic axes are -1; a bare [batch] is [1]."""
-    return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]] or [1]
+def graph_type(spec: dict[str, Any]) -> str:
+    """A graph's input or output dtype (ONNX's name, as the manifest has it) as config.pbtxt's data_type."""
+    return config_type(KSERVE_NAMES[spec["dtype"]])
 
 
 def check_source(source: Path, kind: str, cc_dirs: Sequence[Path] = ()) -> None:
@@ -196,22 +192,11 @@ def generate_config(
     bls_max_batch: int | None = None,
     graph_precisions: dict[str, str] | None = None,
 ) -> str:
-    """ldlm_generate's config.pbtxt. Its parameters carry the limits the model enforces (max_n,
-    max_steps: the server's defaults), ``bls_max_batch``, the largest batch its denoiser and
-    decoder accept (their max_batch_size): it runs larger N in BLS calls of that many samples, and
-    the precision each graph it calls runs in (``graph_precisions``, as "encoder=fp32,denoiser=int8")."""
-    scalars = [  # name, type, optional (left out: filled in by ldlm.sampling.resolve, as for ldlm serve)
-        ("N", "TYPE_INT64", False),
-        ("LENGTH", "TYPE_INT64", False),
-        ("STEPS", "TYPE_INT64", True),
-        ("SEED", "TYPE_INT64", True),
-        ("SAMPLER", "TYPE_STRING", True),
-        ("T_MIN", "TYPE_FP32", True),
-        ("PRIOR_TEMPERATURE", "TYPE_FP32", True),
-    ]
-    inputs = ",\n".join(
-        f'  {{ name: "{n}" data_type: {t} dims: [ 1 ]{" optional: true" if optional else ""} }}' for n, t, optional in scalars
-    )
+    """ldlm_generate's config.pbtxt: its inputs and outputs as ``kserve_models.GENERATE_INPUTS`` and
+    ``GENERATE_OUTPUTS`` define them (an input not required is ``optional``). Its parameters carry the limits
+    the model enforces (max_n, max_steps: the server's defaults), ``bls_max_batch``, the largest batch its
+    encoder, denoiser and decoder accept (their max_batch_size): it runs larger N in BLS calls of that many
+    samples, and the precision each graph it calls runs in (``graph_precisions``, as "encoder=fp32,denoiser=int8")."""
     parameters: dict[str, object] = {"max_n": max_n, "max_steps": max_steps}
     if bls_max_batch is not None:
         parameters["bls_max_batch"] = bls_max_batch
@@ -219,12 +204,21 @@ def generate_config(
         parameters["graph_precisions"] = ",".join(f"{g}={p}" for g, p in graph_precisions.items())
     return (
         f'name: "{GENERATE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n'
-        f"input [\n{inputs}\n]\n"
-        'output [\n  { name: "TEXTS" data_type: TYPE_STRING dims: [ -1 ] },\n  { name: "TOKEN_IDS" data_type: TYPE_INT64 dims: [ -1, -1 ] }\n]\n'
+        f"input [\n{generate_tensors(GENERATE_INPUTS, inputs=True)}\n]\noutput [\n{generate_tensors(GENERATE_OUTPUTS)}\n]\n"
         "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
         + "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n' for key, value in parameters.items())
         # the model checks the tokenizer beside it against this before it decodes anything
         + (f'parameters {{ key: "tokenizer_sha256" value: {{ string_value: "{tokenizer_sha256}" }} }}\n' if tokenizer_sha256 else "")
+    )
+
+
+def generate_tensors(tensors: Sequence[GenerateTensor], inputs: bool = False) -> str:
+    """ldlm_generate's inputs (each one not required ``optional``) or outputs as config.pbtxt lists them."""
+    return ",\n".join(
+        f'  {{ name: "{t.name}" data_type: {config_type(t.datatype)} dims: [ {", ".join(map(str, t.dims))} ]'
+        + (" optional: true" if inputs and not t.required else "")
+        + " }"
+        for t in tensors
     )
 
 
@@ -246,7 +240,7 @@ def validate_config(text: str, io: dict[str, Any] | None, where: str) -> Any:
             want_type = (
                 schema.DESCRIPTOR.fields_by_name["input"]
                 .message_type.fields_by_name["data_type"]
-                .enum_type.values_by_name[TRITON_TYPES[spec["dtype"]]]
+                .enum_type.values_by_name[graph_type(spec)]
                 .number
             )
             want_dims = triton_dims(spec)
@@ -309,7 +303,7 @@ def write_triton_repo(
         if schedules is not None:
             schedules.save(generate / SCHEDULES_FILE)
         precisions = {name: io["precision"] for name, io in graphs.items()}
-        text = generate_config(max_n, tokenizer_sha256, max_steps, min(batch_sizes["denoiser"], batch_sizes["decoder"]), precisions)
+        text = generate_config(max_n, tokenizer_sha256, max_steps, min(batch_sizes.values()), precisions)
         validate_config(text, None, f"{GENERATE_MODEL}/config.pbtxt")
         (tmp / GENERATE_MODEL / "config.pbtxt").write_text(text)
     return Path(out)
@@ -354,3 +348,14 @@ def copy_graph_model(
 
 def list_models(repo: str | os.PathLike[str]) -> Sequence[str]:
     return sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
+
+
+def docker_run_line(repo: str, wheels: str, gpu: bool = True) -> str:
+    """The command that serves repository ``repo`` in NVIDIA's Triton container: ldlm_generate imports ``ldlm``,
+    so the ldlm wheel in ``wheels`` (``pip wheel --no-deps -w dist .``) is installed into the container's
+    Python first. ``gpu`` False (KIND_CPU instances): no ``--gpus all``."""
+    gpus = "--gpus all " if gpu else ""
+    return (
+        f"docker run {gpus}--rm -p8000:8000 -p8001:8001 -p8002:8002 -v {repo}:/models -v {wheels}:/wheels "
+        'nvcr.io/nvidia/tritonserver:<xx.yy>-py3 bash -c "pip install /wheels/ldlm-*.whl && tritonserver --model-repository=/models"'
+    )

@@ -22,7 +22,7 @@ ROOT = REPO
 
 class PbUtils(types.ModuleType):
     """The slice of triton_python_backend_utils that ldlm_generate uses. BLS calls are recorded
-    (model, batch) and answered with zeros: x0_hat = 0, token_ids = 383 (" The")."""
+    (model, batch) and answered with zeros: latents = 0, x0_hat = 0, token_ids = 383 (" The")."""
 
     def __init__(self) -> None:
         super().__init__("triton_python_backend_utils")
@@ -40,11 +40,16 @@ class PbUtils(types.ModuleType):
                 return self._array
 
         class TritonError:
-            def __init__(self, message):
-                self._message = message
+            INTERNAL, INVALID_ARG = "INTERNAL", "INVALID_ARG"  # the Python backend's codes (strings here)
+
+            def __init__(self, message, code=INTERNAL):
+                self._message, self._code = message, code
 
             def message(self):
                 return self._message
+
+            def code(self):
+                return self._code
 
         class InferenceResponse:
             def __init__(self, output_tensors=None, error=None):
@@ -65,6 +70,9 @@ class PbUtils(types.ModuleType):
                 utils.calls.append((self.model_name, len(first)))
                 if self.model_name == "denoiser":
                     return InferenceResponse([Tensor("x0_hat", np.zeros_like(self.inputs["x_t"]))])
+                if self.model_name == "encoder":
+                    ids = self.inputs["input_ids"]
+                    return InferenceResponse([Tensor("latents", np.zeros((*ids.shape, preset("tiny").d_model), np.float32))])
                 n, length = self.inputs["attention_mask"].shape
                 return InferenceResponse([Tensor("token_ids", np.full((n, length), 383, np.int64))])
 
@@ -148,8 +156,8 @@ def test_generate_refuses_each_input_outside_its_range(generate_model) -> None:
 def test_generate_takes_each_limit_itself_and_chunks_bls_calls(generate_model) -> None:
     make, pb = generate_model
     model = make(max_n="7", max_steps="3", bls_max_batch="3")
-    texts, ids = model.generate(inputs(pb, N=7, LENGTH=128, STEPS=3, SEED=1, SAMPLER="dpm2m"))
-    assert texts == [" The" * 128] * 7 and ids.shape == (7, 128)
+    result = model.generate(inputs(pb, N=7, LENGTH=128, STEPS=3, SEED=1, SAMPLER="dpm2m"))
+    assert result.texts == [" The" * 128] * 7 and result.token_ids.shape == (7, 128)
     assert pb.calls == [("denoiser", 3), ("denoiser", 3), ("denoiser", 1)] * 3 + [("decoder", 3), ("decoder", 3), ("decoder", 1)]
 
 
@@ -158,9 +166,9 @@ def test_generate_defaults_without_parameters(generate_model) -> None:
     SAMPLER and T_MIN optional (the config's defaults)."""
     make, pb = generate_model
     model = make()
-    assert (model.max_n, model.max_steps, model.bls_max_batch) == (64, 1000, None)
-    texts, ids = model.generate(inputs(pb, N=64, LENGTH=1, STEPS=2))
-    assert len(texts) == 64 and pb.calls == [("denoiser", 64)] * 2 + [("decoder", 64)]
+    assert (model.limits.max_n, model.limits.max_steps, model.bls_max_batch) == (64, 1000, None)
+    result = model.generate(inputs(pb, N=64, LENGTH=1, STEPS=2))
+    assert len(result.texts) == 64 and pb.calls == [("denoiser", 64)] * 2 + [("decoder", 64)]
     with pytest.raises(ValueError, match=re.escape("N=65 is out of range; allowed: 1..64")):
         model.generate(inputs(pb, N=65, LENGTH=1, STEPS=2))
 
@@ -172,8 +180,31 @@ def test_one_bad_request_gets_its_error_and_the_others_their_answers(generate_mo
     responses = model.execute([bad, good, bad])
     assert [r.has_error() for r in responses] == [True, False, True]
     assert responses[0].error().message() == "N=3 is out of range; allowed: 1..2"
-    texts, ids = (t.as_numpy() for t in responses[1].output_tensors)
+    assert responses[0].error().code() == pb.TritonError.INVALID_ARG  # Triton answers it 400, not 500
+    texts, ids, plan = (t.as_numpy() for t in responses[1].output_tensors)
     assert texts.tolist() == [b" The The"] * 2 and ids.dtype == np.int64 and ids.shape == (2, 2)
+    assert json.loads(plan[0])["steps"] == 1
+
+
+def test_prompt_and_grid_refusals_are_invalid_arguments_before_any_graph_runs(generate_model) -> None:
+    """/v1/generate's words for a prompt that leaves no room and for a blank one (serve/api/prompted.py), resolve's
+    for an unknown grid; each INVALID_ARG (Triton's 400). A prompt that fits is encoded once and comes back first."""
+    make, pb = generate_model
+    model = make(max_n="2", max_steps="2")
+    good = {"N": 1, "LENGTH": 3, "STEPS": 1}
+    for changes, message in (
+        ({"PROMPT": " The The The"}, "the prompt is 3 tokens long; allowed: 1..2 tokens (fewer than length=3)"),
+        ({"PROMPT": "  "}, "prompt='  ' is blank; allowed: text with a non-space character, or \"\" for none"),
+        ({"GRID": "zigzag"}, "grid='zigzag' is unknown; allowed: "),
+        ({"PROMPT_STRENGTH": 5.0}, "PROMPT_STRENGTH=5.0 is out of range; allowed: a number in [0, 4]"),
+    ):
+        (response,) = model.execute([inputs(pb, **good, **changes)])
+        assert message in response.error().message() and response.error().code() == pb.TritonError.INVALID_ARG, changes
+    assert pb.calls == []
+    (response,) = model.execute([inputs(pb, **good, PROMPT=" Hello")])
+    texts, ids, _ = (t.as_numpy() for t in response.output_tensors)
+    assert ids[0, 0] == 18435 and texts[0] == b" Hello The The"  # " Hello" verbatim, then the stand-in's tokens
+    assert pb.calls == [("encoder", 1), ("denoiser", 1), ("decoder", 1)]
 
 
 def test_an_edited_tokenizer_in_the_repository_is_refused(generate_model, tmp_path: Path) -> None:
@@ -185,7 +216,7 @@ def test_an_edited_tokenizer_in_the_repository_is_refused(generate_model, tmp_pa
 
     TextTokenizer.gpt2().save(tokenizer.parent)
     found = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
-    assert make(tokenizer_sha256=found).tokenizer.encode([" The"]) == [[383]]  # the recorded file loads
+    assert make(tokenizer_sha256=found).pipeline.tokenizer.encode([" The"]) == [[383]]  # the recorded file loads
     with pytest.raises(
         RuntimeError,
         match=re.escape(
