@@ -1,0 +1,365 @@
+"""Every bound of ldlm/limits.py at both edges (the last value allowed, the first refused) on every path that
+takes it: the Python API (``LDLMPipeline.generate``, the request plan, ``TokenSampling``, ``ServerSettings``),
+the CLI (``ldlm generate``, ``ldlm serve``, run in-process through ``main``), and the real server on 127.0.0.1
+(/v1/generate, its stream, /v1/completions through the official ``openai`` client, /v1/encode and
+/v1/reconstruct through httpx).
+
+The cases come from the table itself (``SETTINGS``, ``body_ranges``), so a new bound is tested on every path
+that has a field of its name; the edges come from ``DOCUMENTED`` below, the ranges written out by hand as
+docs/serving.md, docs/cli.md and OpenAI's API reference state them, never read from ``ldlm.limits``. A bound
+the table widens or narrows is then a value one path accepts or refuses against the documentation."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
+openai = pytest.importorskip("openai", reason="the OpenAI client (pip install -e .[test])")
+
+from ldlm.cli import build_parser, main  # noqa: E402
+from ldlm.limits import MAX_N, MAX_STEPS, SETTINGS, body_ranges  # noqa: E402
+from ldlm.pipeline import LDLMPipeline  # noqa: E402
+from ldlm.sampling import GenerateRequest, RequestLimits, resolve  # noqa: E402
+from ldlm.sampling.tokens import TokenSampling  # noqa: E402
+from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
+from tests.servers import RunningServer, free_port, openai_client  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Documented:
+    """An interval as the documentation states it; ``integer``: a count, else any real number in it."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = True
+
+    def edges(self) -> list[tuple[str, float, bool]]:
+        """(which edge, value, allowed) at each end: the last value inside, the first outside."""
+        if self.integer:
+            low, high = int(self.low), int(self.high)
+            return [("low", low, True), ("below low", low - 1, False), ("high", high, True), ("above high", high + 1, False)]
+        inner_low = math.nextafter(self.low, math.inf) if self.low_open else self.low
+        outer_low = self.low if self.low_open else math.nextafter(self.low, -math.inf)
+        inner_high = math.nextafter(self.high, -math.inf) if self.high_open else self.high
+        outer_high = self.high if self.high_open else math.nextafter(self.high, math.inf)
+        return [("low", inner_low, True), ("below low", outer_low, False), ("high", inner_high, True), ("above high", outer_high, False)]
+
+    def named(self) -> str:
+        """How a refusal names the interval: ``1..64``, ``(0, 1]``."""
+        if self.integer:
+            return f"{int(self.low)}..{int(self.high)}"
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+def number(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Documented:
+    return Documented(low, high, low_open, high_open, integer=False)
+
+
+# The caps of the server under test (small, so a request at a cap is cheap) and the tiny model's max_seq_len.
+CAPS = {"max_n": 3, "max_steps": 4, "max_texts": 2, "max_seq_len": 128, "max_timeout_s": 30.0}
+
+
+def documented_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, max_timeout_s: float) -> dict[str, Documented]:
+    """The request fields' ranges on a server with these caps (docs/serving.md; OpenAI's for its names)."""
+    return {
+        "n": Documented(1, max_n),
+        "length": Documented(1, max_seq_len),  # a prompt's tokens included
+        "max_tokens": Documented(1, max_seq_len),  # with an empty prompt
+        "steps": Documented(1, max_steps),
+        "preview_every": Documented(1, max_steps),  # a preview every k steps, k >= 1
+        "seed": Documented(0, 2**63 - 1),  # a signed 64-bit integer, as Triton's INT64 input
+        "texts": Documented(1, max_texts),
+        "t_min": number(0, 1, low_open=True, high_open=True),
+        "prior_temperature": number(0, 1, low_open=True),
+        "prompt_strength": number(0, 4),
+        "temperature": number(0, 2),  # OpenAI's range
+        "top_p": number(0, 1, low_open=True),
+        "logprobs": Documented(0, 5),  # OpenAI's legacy completions
+        "timeout_s": number(0, max_timeout_s, low_open=True),  # at most the server's request timeout
+    }
+
+
+SECONDS = number(0, 86400, low_open=True)  # finite, at most a day
+BUDGET = number(0, 1, low_open=True)  # a share of wall time
+DOCUMENTED_SETTINGS: dict[str, Documented] = {  # `ldlm serve --help`, docs/serving.md
+    "port": Documented(0, 65535),
+    "max_batch": Documented(1, 65536),
+    "max_queue": Documented(1, 2**20),
+    "max_body_bytes": Documented(1024, 2**31),
+    "max_n": Documented(1, 65536),
+    "max_steps": Documented(1, 2**20),
+    "max_texts": Documented(1, 65536),
+    "max_request_samples": Documented(1, 2**20),
+    "max_request_tokens": Documented(1, 2**30),
+    "max_connections": Documented(1, 2**20),
+    "max_delay_ms": number(0, 60000),
+    "request_timeout_s": SECONDS,
+    "header_timeout_s": SECONDS,
+    "body_timeout_s": SECONDS,
+    "keep_alive_s": SECONDS,
+    "preview_budget": BUDGET,
+    "preview_lone_budget": BUDGET,
+    "threads": Documented(1, 1024),
+}
+
+BODY_FIELDS = sorted(body_ranges(**CAPS))
+EDGES = ["low", "below low", "high", "above high"]
+
+
+def edge(allowed: Documented, which: str) -> tuple[float, bool]:
+    return next((value, inside) for name, value, inside in allowed.edges() if name == which)
+
+
+def body_bound(field: str, **caps: Any) -> Documented:
+    """The documented range of a request field, failing for a field of the table that the documentation lacks."""
+    documented = documented_body(**{**CAPS, **caps})
+    assert field in documented, f"ldlm.limits.body_ranges bounds {field!r}, which DOCUMENTED lacks: document it, then add it here"
+    return documented[field]
+
+
+def test_the_table_is_the_documented_ranges() -> None:
+    table = {**{f"body.{k}": v for k, v in body_ranges(**CAPS).items()}, **SETTINGS}
+    documented = {**{f"body.{k}": v for k, v in documented_body(**CAPS).items()}, **DOCUMENTED_SETTINGS}
+    assert set(table) == set(documented)
+    for name, allowed in table.items():
+        expected = documented[name]
+        found = (allowed.low, allowed.high, allowed.low_open, allowed.high_open, not allowed.number)
+        assert found == (expected.low, expected.high, expected.low_open, expected.high_open, expected.integer), name
+
+
+def refusal_names(message: str, value: float, allowed: Documented) -> None:
+    """A refusal names the value and both ends of the range."""
+    assert "out of range" in message and allowed.named() in message, message
+    shown = {json.dumps(value), repr(value), str(value)}
+    assert any(s in message for s in shown), f"{message!r} does not name {value!r}"
+
+
+# --- the Python API ------------------------------------------------------------------------------
+
+
+GENERATE_ARGS = set(inspect.signature(LDLMPipeline.generate).parameters)
+SAMPLING_ARGS = {"temperature": "temperature", "top_p": "top_p", "logprobs": "top_logprobs"}  # TokenSampling's names
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("field", [f for f in BODY_FIELDS if f in GENERATE_ARGS or f in SAMPLING_ARGS])
+def test_python_api(field: str, which: str, pipeline: LDLMPipeline) -> None:
+    """``LDLMPipeline.generate`` has no caller's caps: n and steps are bounded below only (their caps: the plan's)."""
+    allowed = body_bound(field, max_seq_len=pipeline.config.max_seq_len)
+    if field in ("n", "steps") and which in ("high", "above high"):
+        pytest.skip("a Python caller has no cap on n or steps; the request plan's test takes a caller's")
+    value, inside = edge(allowed, which)
+    if field in SAMPLING_ARGS:
+        run: Callable[[], Any] = lambda: TokenSampling(**{SAMPLING_ARGS[field]: value})  # noqa: E731
+    else:
+        run = lambda: pipeline.generate(**{"n": 1, "length": 4, "steps": 1, field: value})  # noqa: E731
+    if inside:
+        run()
+        return
+    with pytest.raises(ValueError) as refused:
+        run()
+    refusal_names(str(refused.value), value, allowed)
+
+
+PLAN_FIELDS = [f for f in BODY_FIELDS if f in {x.name for x in dataclasses.fields(GenerateRequest)}]
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("field", PLAN_FIELDS)
+def test_request_plan(field: str, which: str, tiny_config) -> None:
+    """``ldlm.sampling.resolve`` with a caller's caps, as the server's and Triton's are."""
+    allowed = body_bound(field, max_seq_len=tiny_config.max_seq_len)
+    value, inside = edge(allowed, which)
+    request = GenerateRequest(**{"n": 1, "length": 4, "steps": 1, field: value})
+    limits = RequestLimits(max_n=CAPS["max_n"], max_steps=CAPS["max_steps"])
+    if inside:
+        assert getattr(resolve(request, tiny_config, limits), field) == value
+        return
+    with pytest.raises(ValueError) as refused:
+        resolve(request, tiny_config, limits)
+    refusal_names(str(refused.value), value, allowed)
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_server_settings(name: str, which: str) -> None:
+    assert name in DOCUMENTED_SETTINGS, f"ldlm.limits.SETTINGS bounds {name!r}, which DOCUMENTED_SETTINGS lacks"
+    allowed = DOCUMENTED_SETTINGS[name]
+    value, inside = edge(allowed, which)
+    if inside:
+        assert getattr(ServerSettings(**{name: value}), name) == value
+        return
+    with pytest.raises(ValueError) as refused:
+        ServerSettings(**{name: value})
+    refusal_names(str(refused.value), value, allowed)
+
+
+# --- the CLI -------------------------------------------------------------------------------------
+
+
+def options_of(command: str) -> dict[str, str]:
+    """A subcommand's options by destination: {"prior_temperature": "--prior-temperature", ...}."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a.option_strings[-1] for a in sub.choices[command]._actions if a.option_strings}
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``ldlm ARGV`` in this process: its exit code (argparse's 2 included) and its stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = int(exit_info.code or 0)
+    return code, capsys.readouterr().err
+
+
+# What `ldlm generate` caps at: ldlm serve's default max_n and max_steps, and the checkpoint's max_seq_len.
+CLI_CAPS = {"max_n": MAX_N, "max_steps": MAX_STEPS}
+GENERATE_OPTIONS = options_of("generate")
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("field", [f for f in BODY_FIELDS if f in GENERATE_OPTIONS])
+def test_ldlm_generate(field: str, which: str, tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    allowed = body_bound(field, **CLI_CAPS)
+    value, inside = edge(allowed, which)
+    given = {"n": 1, "length": 4, "steps": 1, field: value}
+    argv = ["generate", str(tiny_checkpoint), "--quiet", "--json", *(f"{GENERATE_OPTIONS[k]}={v!r}" for k, v in given.items())]
+    code, err = run_cli(argv, capsys)
+    if inside:
+        assert code == 0, err
+        return
+    assert code == 2, err
+    refusal_names(err, value, allowed)
+
+
+# `ldlm serve`'s option for a setting, where its name differs; max_body_bytes is given in MiB.
+SERVE_ALIASES = {"request_timeout_s": "timeout_s", "max_body_bytes": "max_body_mb"}
+SERVE_OPTIONS = options_of("serve")
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("name", [n for n in sorted(SETTINGS) if SERVE_ALIASES.get(n, n) in SERVE_OPTIONS])
+def test_ldlm_serve(name: str, which: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Up to the server's start (replaced): the settings the options made, or the option's refusal."""
+    import ldlm.serve.api.server as server
+
+    started: dict[str, ServerSettings] = {}
+    monkeypatch.setattr(server, "serve", lambda source, settings, log_level: started.update(settings=settings))
+    monkeypatch.setenv("LDLM_CACHE_DIR", str(tmp_path))
+    allowed = DOCUMENTED_SETTINGS[name]
+    if name == "max_body_bytes":  # whole MiB: 1 MiB up to the setting's own cap
+        allowed = Documented(1, allowed.high // MIB)
+    value, inside = edge(allowed, which)
+    code, err = run_cli(["serve", "ckpt", f"{SERVE_OPTIONS[SERVE_ALIASES.get(name, name)]}={value!r}"], capsys)
+    if inside:
+        assert code == 0, err
+        assert getattr(started["settings"], name) == (value * MIB if name == "max_body_bytes" else value)
+        return
+    assert code == 2 and not started, err
+    refusal_names(err, value, allowed)
+
+
+# --- the HTTP API --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path) -> Iterator[RunningServer]:
+    """The tiny checkpoint on the eager backend (nothing to export), with small caps: a request at a cap is cheap."""
+    caps = {k: v for k, v in CAPS.items() if k in ("max_n", "max_steps", "max_texts")}
+    settings = ServerSettings(port=free_port(), backend="eager", request_timeout_s=CAPS["max_timeout_s"], **caps)  # type: ignore[arg-type]
+    running = RunningServer(LDLMService(str(tiny_checkpoint), settings))
+    yield running
+    running.stop()
+
+
+def schema_fields(server: RunningServer, body: str) -> set[str]:
+    """The fields of a request body as the server's /openapi.json lists them."""
+    schemas = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["components"]["schemas"]
+    return set(schemas[body]["properties"])
+
+
+GENERATE_FIELDS = [f for f in BODY_FIELDS if f not in ("texts", "max_tokens", "temperature", "top_p", "logprobs")]
+
+
+def check_http(response: httpx.Response, field: str, value: float, inside: bool, allowed: Documented) -> None:
+    if inside:
+        assert response.status_code == 200, response.text
+        return
+    assert response.status_code == 422, response.text
+    refusal_names(response.json()["error"], value, allowed)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("field", GENERATE_FIELDS)
+def test_v1_generate(field: str, which: str, stream: bool, server: RunningServer) -> None:
+    assert field in schema_fields(server, "GenerateBody"), f"/v1/generate has no field {field!r}"
+    if field == "preview_every" and not stream:
+        pytest.skip("previews are a stream's")
+    allowed = body_bound(field)
+    value, inside = edge(allowed, which)
+    body = {"n": 1, "length": 4, "steps": 1, "stream": stream, field: value}
+    if field == "timeout_s" and inside:  # a deadline of 5e-324 s is in range, and refused as unreachable
+        value = allowed.low + 10.0 if which == "low" else value
+        body[field] = value
+    response = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60)
+    check_http(response, field, value, inside, allowed)
+    if stream and inside:
+        assert "event: result" in response.text, response.text[-500:]
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("path", ["/v1/encode", "/v1/reconstruct"])
+def test_v1_texts(path: str, which: str, server: RunningServer) -> None:
+    allowed = body_bound("texts")
+    count, inside = edge(allowed, which)
+    response = httpx.post(f"{server.url}{path}", json={"texts": ["a b"] * int(count)}, timeout=60)
+    if inside:
+        assert response.status_code == 200, response.text
+        return
+    assert response.status_code == 422, response.text
+    assert f"texts: {int(count)} items is out of range; allowed: {allowed.named()}" in response.json()["error"]
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[Any]:
+    with openai_client(server) as client:
+        yield client
+
+
+# /v1/completions' own names for the bounds; the rest are LDLM's, sent as extra body fields.
+OPENAI_NAMED = ("n", "max_tokens", "seed", "temperature", "top_p", "logprobs")
+COMPLETION_FIELDS = [f for f in BODY_FIELDS if f not in ("length", "preview_every", "texts")]
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("field", COMPLETION_FIELDS)
+def test_v1_completions(field: str, which: str, server: RunningServer, client: Any) -> None:
+    assert field in schema_fields(server, "CompletionBody"), f"/v1/completions has no field {field!r}"
+    allowed = body_bound(field)
+    value, inside = edge(allowed, which)
+    if field == "timeout_s" and inside and which == "low":  # in range, and refused as unreachable
+        value = allowed.low + 10.0
+    named: dict[str, Any] = {"n": 1, "max_tokens": 4}
+    extra: dict[str, Any] = {"steps": 1}
+    (named if field in OPENAI_NAMED else extra)[field] = value
+    create = lambda: client.completions.create(model="ldlm", prompt="", extra_body=extra, **named)  # noqa: E731
+    if inside:
+        assert len(create().choices) == named["n"]
+        return
+    with pytest.raises(openai.BadRequestError) as refused:
+        create()
+    refusal_names(refused.value.message, value, allowed)
