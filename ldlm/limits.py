@@ -56,11 +56,26 @@ class Range:
     def check(self, name: str, value: object) -> None:
         """Refuse ``value`` outside the range, naming it and the range."""
         if value not in self:
-            raise ValueError(f"{name}={value!r} is out of range; allowed: {self}")
+            raise ValueError(self.refusal(f"{name}={value!r}"))
+
+    def refusal(self, given: str, why: str = "") -> str:
+        """What refuses ``given`` (the value as its caller names it: ``n=0``, ``--n 0``): both ends of the range,
+        then ``why`` (the unit, or where a limit comes from)."""
+        return out_of_range(given, f"{self}{why}")
 
     def field_bounds(self) -> dict[str, float]:
         """The range as pydantic's ``Field`` constraints (gt/ge, lt/le)."""
         return {"gt" if self.low_open else "ge": self.low, "lt" if self.high_open else "le": self.high}
+
+
+def out_of_range(given: str, allowed: str) -> str:
+    """The one sentence of every range refusal, on every front end: the value as given, then the whole range."""
+    return f"{given} is out of range; allowed: {allowed}"
+
+
+def sequence_lengths(max_seq_len: int) -> Range:
+    """A sample's tokens (a prompt's included) on a model of this ``max_seq_len``."""
+    return Range(1, max_seq_len)
 
 
 def number(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Range:
@@ -106,8 +121,8 @@ def body_ranges(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, ma
     and /v1/completions' fields (a field both bodies have is bounded alike)."""
     return {
         "n": Range(1, max_n),
-        "length": Range(1, max_seq_len),
-        "max_tokens": Range(1, max_seq_len),
+        "length": sequence_lengths(max_seq_len),
+        "max_tokens": sequence_lengths(max_seq_len),
         "steps": Range(1, max_steps),
         "preview_every": Range(1, max_steps),
         "seed": SEED,

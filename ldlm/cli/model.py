@@ -8,9 +8,9 @@ import json
 import sys
 import time
 
-from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, in_range, open_unit_float, positive_int, seed_int
+from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, in_range, integer, open_unit_float, seed_int
 from ldlm.files import command_writer, force_help
-from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS, PROMPT_STRENGTH
+from ldlm.limits import MAX_N, MAX_SEED, MAX_STEPS, PROMPT_STRENGTH, sequence_lengths
 from ldlm.model.config import GRIDS, SAMPLERS, TUNED_GRID, LDLMConfig
 
 INIT_WRITER = command_writer("init")  # what an init's output is recorded as written by (ldlm.files.OUTPUT_RECORD)
@@ -48,9 +48,10 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     from ldlm.model.checkpoint import load_config
     from ldlm.pipeline import LDLMPipeline
 
-    config = load_config(args.checkpoint)  # the length's limit, before the model is built
-    if args.length > config.max_seq_len:
-        raise ValueError(f"--length {args.length} is out of range; allowed: 1..{config.max_seq_len} (the checkpoint's max_seq_len)")
+    config = load_config(args.checkpoint)  # the length's range, before the model is built
+    lengths = sequence_lengths(config.max_seq_len)
+    if args.length not in lengths:
+        raise ValueError(lengths.refusal(f"--length {args.length}", " (the checkpoint's max_seq_len)"))
     pipeline = LDLMPipeline.from_checkpoint(args.checkpoint, args.device)
     start = time.perf_counter()
     # what is left out (None) is filled in by ldlm.sampling.resolve, as for a request over HTTP
@@ -171,7 +172,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=4,
         help=f"number of samples, 1..{MAX_N} (default: 4)",
     )
-    p.add_argument("--length", type=positive_int, default=64, help="tokens per sample, at most the checkpoint's max_seq_len (default: 64)")
+    # its range is the checkpoint's: checked, both ends named, once the config is read
+    p.add_argument("--length", type=integer, default=64, help="tokens per sample, 1..the checkpoint's max_seq_len (default: 64)")
     p.add_argument(
         "--steps",
         type=STEPS,

@@ -5,30 +5,27 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ldlm.limits import MAX_STEPS, PRIOR_TEMPERATURE, SEED, T_MIN, Range
+from ldlm.limits import MAX_STEPS, PRIOR_TEMPERATURE, SEED, T_MIN, Range, out_of_range
 from ldlm.serve.runtime.registry import CUDA_DEFAULT_PRECISION, DEFAULT_PRECISION, RUN_PRECISIONS
 
 
-def positive_int(text: str) -> int:
+def integer(text: str, expected: str = "an integer") -> int:
+    """``text`` as an integer, or a refusal naming it and what was ``expected``."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: an integer >= 1")
-    return value
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
 
 
-def int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
-    """An argparse type for an integer in ``low..high``; ``why`` says where the upper limit comes from."""
+def int_in(low: int, high: int, why: str = "", expected: str = "") -> Callable[[str], int]:
+    """An argparse type for an integer in ``low..high``; ``why`` says where the upper limit comes from;
+    ``expected``: what a text that is no integer is told (default: an integer in the range)."""
+    allowed = Range(low, high)
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high}, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: {low}..{high}{why}")
+        value = integer(text, expected or f"an integer in {allowed}")
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(allowed.refusal(str(value), why))
         return value
 
     parse.__name__ = "integer"  # argparse names the type in some messages
@@ -36,14 +33,8 @@ def int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
 
 
 def capped_positive_int(high: int, why: str) -> Callable[[str], int]:
-    """``positive_int`` with an upper limit: the same caps as the HTTP API (``ldlm.limits``)."""
-
-    def parse(text: str) -> int:
-        value = positive_int(text)
-        if value > high:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 1..{high}{why}")
-        return value
-
+    """An integer in ``1..high``: the same caps as the HTTP API (``ldlm.limits``)."""
+    parse = int_in(1, high, why, expected="a positive integer (1, 2, ...)")
     parse.__name__ = "positive integer"
     return parse
 
@@ -73,7 +64,7 @@ def float_in(low: float, high: float, why: str = "", low_open: bool = False, hig
         above_low = value > low if low_open else value >= low
         below_high = value < high if high_open else value <= high
         if not (above_low and below_high):  # also refuses nan, and inf beyond any finite end
-            raise argparse.ArgumentTypeError(f"{text} is out of range; allowed: {allowed}")
+            raise argparse.ArgumentTypeError(out_of_range(text, allowed))
         return value
 
     parse.__name__ = "number"  # argparse names the type in some messages
@@ -113,6 +104,7 @@ def add_prior_temperature(p: argparse.ArgumentParser) -> None:
 
 def capped_positive_int_list(high: int, why: str) -> Callable[[str], list[int]]:
     """Comma-separated integers, each in ``1..high`` (batch sizes, lengths)."""
+    allowed = Range(1, high)
 
     def parse(text: str) -> list[int]:
         try:
@@ -122,8 +114,8 @@ def capped_positive_int_list(high: int, why: str) -> Callable[[str], list[int]]:
         if not values or min(values) < 1:
             raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (e.g. 1,8), got {text!r}")
         for value in values:
-            if value > high:
-                raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 1..{high}{why}")
+            if value not in allowed:
+                raise argparse.ArgumentTypeError(allowed.refusal(str(value), why))
         return values
 
     parse.__name__ = "list of positive integers"
