@@ -10,11 +10,43 @@
 #      example, each asking only for what the server would not choose itself (Ctrl-C stops it)
 # The reference is a small model of Austen and Melville: it writes their words, not good prose.
 set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: bash scripts/demo.sh [--port N] [-h|--help]
+
+Sets up .venv (scripts/bootstrap.sh cpu), then on models/ldlm-austen-tiny: a short generation, ONNX export
+with verification and eps probes, TensorRT engines where .venv holds TensorRT, parity of ONNX Runtime
+against eager PyTorch, and `ldlm serve` on 127.0.0.1 until Ctrl-C. Everything it writes goes under runs/.
+
+  --port N     the port ldlm serve listens on, 1..65535 (default: $LDLM_PORT, else 8000)
+  -h, --help   print this and exit, changing nothing
+
+environment: LDLM_CHECKPOINT=DIR (another checkpoint; one that does not exist is made with ldlm init),
+LDLM_RUNS=DIR (instead of runs/), LDLM_API_KEY (the key the server asks clients for)
+EOF
+}
+
+port="${LDLM_PORT:-8000}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --port) [ $# -ge 2 ] || { echo "demo.sh: --port needs a value: a port, 1..65535" >&2; exit 2; }; port="$2"; shift 2 ;;
+    --port=*) port="${1#--port=}"; shift ;;
+    *) echo "demo.sh: unknown argument '$1'; allowed: --port N, --help" >&2; exit 2 ;;
+  esac
+done
+# checked before anything is installed or written; 10# reads 08 as eight, not as octal
+if ! [[ "$port" =~ ^[0-9]{1,5}$ ]] || (( 10#$port < 1 || 10#$port > 65535 )); then
+  echo "demo.sh: port '$port' is not a port; allowed: a whole number in 1..65535 (--port N, or LDLM_PORT)" >&2
+  exit 2
+fi
+port=$((10#$port))
+
 cd "$(dirname "$0")/.."
 ldlm=.venv/bin/ldlm
 runs="${LDLM_RUNS:-runs}"
 ckpt="${LDLM_CHECKPOINT:-models/ldlm-austen-tiny}"
-port="${LDLM_PORT:-8000}"
 
 # Which TensorRT flavour .venv holds decides stage 3. bootstrap.sh cpu (below) installs neither, so
 # the answer before it is the answer after; scripts/test.sh (or bootstrap.sh cpu,rtx) adds TensorRT-RTX.
