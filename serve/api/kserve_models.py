@@ -18,7 +18,7 @@ config.pbtxt alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -27,8 +27,11 @@ from ldlm import __version__
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.kserve import KSERVE_NAMES, load_json, refuse_unknown_fields, tensor_metadata
 from ldlm.serve.api.kserve_tensors import ProtocolError
-from ldlm.serve.api.service import LDLMService
-from ldlm.serve.runtime.graph_backend import GraphBackend
+
+if TYPE_CHECKING:  # for the annotations only: Triton's ldlm_generate imports this module for its inputs and outputs,
+    # and the Python embedded in Triton's backend stub cannot load the service's dependencies (prometheus_client's ssl)
+    from ldlm.serve.api.service import LDLMService
+    from ldlm.serve.runtime.graph_backend import GraphBackend
 
 MODEL_VERSION = "1"
 GENERATE_MODEL = "ldlm_generate"  # generation: Triton's Python-backend model, and ldlm serve's over gRPC's stream (grpc_generate)

@@ -207,6 +207,27 @@ def test_prompt_and_grid_refusals_are_invalid_arguments_before_any_graph_runs(ge
     assert pb.calls == [("encoder", 1), ("denoiser", 1), ("decoder", 1)]
 
 
+def test_the_model_loads_where_ssl_cannot(tmp_path: Path) -> None:
+    """The Python embedded in Triton's backend stub (nvidia-pytriton's) cannot load ``ssl``; a module the model
+    imports that needs it unguarded (prometheus_client, through the service) fails the model's load there. In a
+    child Python with ssl unloadable, the model file imports."""
+    import subprocess
+
+    (tmp_path / "triton_python_backend_utils.py").write_text("")
+    script = (
+        "import sys, importlib.util\n"
+        "class NoSsl:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name in ('ssl', '_ssl'):\n"
+        "            raise ImportError('ssl is unloadable here, as in the stub')\n"
+        "sys.meta_path.insert(0, NoSsl())\n"
+        f"spec = importlib.util.spec_from_file_location('model', {str(ROOT / 'serve' / 'deploy' / 'triton_generate.py')!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_an_edited_tokenizer_in_the_repository_is_refused(generate_model, tmp_path: Path) -> None:
     import hashlib
 

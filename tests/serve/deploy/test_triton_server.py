@@ -195,10 +195,14 @@ def test_metadata_and_config_report_the_graphs_shapes_and_datatypes(export_dir: 
         ("SAMPLER", "BYTES", [1]),
         ("T_MIN", "FP32", [1]),
         ("PRIOR_TEMPERATURE", "FP32", [1]),
+        ("GRID", "BYTES", [1]),
+        ("PROMPT", "BYTES", [1]),
+        ("PROMPT_STRENGTH", "FP32", [1]),
     ]
     assert [(t["name"], t["datatype"], t["shape"]) for t in generate["outputs"]] == [
         ("TEXTS", "BYTES", [-1]),
         ("TOKEN_IDS", "INT64", [-1, -1]),
+        ("PLAN", "BYTES", [1]),
     ]
 
 
