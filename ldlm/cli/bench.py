@@ -11,7 +11,7 @@ from pathlib import Path
 from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, capped_positive_int_list, device_options, float_in, int_in
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_THREADS, SETTINGS
 from ldlm.model.config import INT_RANGES, SAMPLERS
-from ldlm.serve.runtime.registry import DEFAULT_BACKEND, EAGER, default_precision
+from ldlm.serve.runtime.registry import DEFAULT_BACKEND, REFERENCE_BACKEND, backend_names, default_backend, resolve_run
 
 # The same caps as `ldlm serve` and `ldlm generate` where the bench does what they do; its own otherwise.
 # A length is checked against the checkpoint's max_seq_len before any work; here, against any config's.
@@ -22,6 +22,12 @@ MAX_WORKLOAD_REQUESTS = 10_000
 MAX_RATE_PER_S = 1e6
 
 
+def default_backends(device: str) -> list[str]:
+    """What bench times when no --backends are named: the reference, ONNX Runtime (it runs everywhere) and what
+    `ldlm serve` runs on ``device``, each once."""
+    return list(dict.fromkeys([REFERENCE_BACKEND, DEFAULT_BACKEND, resolve_run(device)[0]]))
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.files import write_atomically
@@ -29,13 +35,14 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from ldlm.serve.checks.bench_latency import busy_machine_warning, default_threads, parse_solver_specs
     from ldlm.serve.checks.bench_report import bench_summary, plot_bench
 
+    backends = args.backends.split(",") if args.backends else default_backends(args.device)
     threads = args.threads or default_threads()
     warning = busy_machine_warning(threads)
     if warning:
         print(f"ldlm bench: warning: {warning}", file=sys.stderr)
     report = run_bench(
         args.checkpoint,
-        args.backends.split(","),
+        backends,
         args.onnx_dir,
         args.engine_dir,
         args.batches,
@@ -46,12 +53,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         args.gen_steps,
         args.workload_requests,
         args.workload_rate,
-        args.workload_backend,
+        args.workload_backend or resolve_run(args.device)[0],
         args.max_batch,
         progress=not args.quiet,
         workload_lengths=args.workload_lengths,
         device=args.device,
-        precision=args.precision or default_precision(EAGER, args.device),  # the torch backends' default
+        precision=resolve_run(args.device, REFERENCE_BACKEND, args.precision)[1],  # every torch backend's, as `ldlm serve` runs it
         provider=args.provider,
         gen_sampler=args.gen_sampler,
         solver_specs=parse_solver_specs(args.solvers),
@@ -87,7 +94,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "Writes OUT/bench.json and OUT/bench.png.",
     )
     p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--backends", default="eager,ort", help="comma-separated: eager, compiled, inductor, ort, trt (default: eager,ort)")
+    p.add_argument(
+        "--backends",
+        default=None,
+        help=f"comma-separated: {', '.join(backend_names())} (default: {','.join(default_backends('cpu'))}, and with "
+        f"--device cuda {','.join(default_backends('cuda'))}: what `ldlm serve` runs there too)",
+    )
     p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
     p.add_argument(
         "--precisions",
@@ -162,7 +174,12 @@ def _bench_generation_options(p: argparse.ArgumentParser) -> None:
         default=20.0,
         help="mean arrivals per second, in (0, 1000000] (default: 20)",
     )
-    p.add_argument("--workload-backend", default=DEFAULT_BACKEND, help=f"backend for the workload (default: {DEFAULT_BACKEND})")
+    p.add_argument(
+        "--workload-backend",
+        default=None,
+        help=f"backend for the workload (default: what `ldlm serve` runs, {default_backend('cuda')} with --device cuda, "
+        f"else {default_backend()}); not among --backends: the last of them",
+    )
     p.add_argument(
         "--workload-lengths",
         type=capped_positive_int_list(MAX_LENGTH, TOKENS),

@@ -11,13 +11,13 @@ from ldlm.limits import MAX_STEPS
 from ldlm.model.config import SAMPLERS
 from ldlm.serve.runtime.registry import (
     CUDA_DEFAULT_PRECISION,
-    DEFAULT_BACKEND,
     DEFAULT_PRECISION,
     RUN_PRECISIONS,
     backend_help,
     backend_info,
     backend_names,
-    default_precision,
+    default_backend,
+    resolve_run,
 )
 
 
@@ -26,12 +26,13 @@ def _cmd_parity(args: argparse.Namespace) -> None:
     from ldlm.serve.checks.parity import run_parity
     from ldlm.serve.checks.parity_report import write_parity_report
 
+    backend, precision = resolve_run(args.device, args.backend, args.precision)  # what `ldlm serve` runs
     # the artifact the backend runs; the torch backends run the checkpoint itself
-    source = {"engines": args.engine_dir, "export": args.onnx_dir}.get(backend_info(args.backend).opens)
+    source = {"engines": args.engine_dir, "export": args.onnx_dir}.get(backend_info(backend).opens)
     report = run_parity(
         args.checkpoint,
-        args.backend,
-        args.precision or default_precision(args.backend, args.device),
+        backend,
+        precision,
         source,
         bisect=args.bisect,
         seed=args.seed,
@@ -114,8 +115,9 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend",
         choices=backend_names(),
-        default=DEFAULT_BACKEND,
-        help=f"{backend_help()}; the torch backends run on --device (default: {DEFAULT_BACKEND})",
+        default=None,
+        help=f"{backend_help()}; the torch backends run on --device (default: what `ldlm serve` runs, "
+        f"{default_backend('cuda')} with --device cuda, else {default_backend()})",
     )
     p.add_argument(
         "--precision",

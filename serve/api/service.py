@@ -33,7 +33,7 @@ from ldlm.serve.api.schemas import BodyLimits
 from ldlm.serve.runtime.backends import BackendGraphs, info_of, open_graphs, ort_providers, serving_limits
 from ldlm.serve.runtime.batcher import DynamicBatcher
 from ldlm.serve.runtime.graph_backend import GraphBackend
-from ldlm.serve.runtime.registry import default_backend, default_precision
+from ldlm.serve.runtime.registry import resolve_run
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import fused_steps, length_buckets
 
@@ -42,7 +42,7 @@ from ldlm.serve.runtime.torch_backends import fused_steps, length_buckets
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    backend: str = ""  # "": none named, registry.default_backend(device) runs (the fast path on CUDA)
+    backend: str = ""  # "": none named, registry.resolve_run's for the device (the fast path on CUDA)
     max_batch: int = 16  # samples per graph execution; larger requests run in chunks of this size
     max_delay_ms: float = 0.0  # how long a batch waits for company; 0: whatever queued while the last ran
     max_queue: int = 256  # requests waiting per graph before 503
@@ -60,7 +60,7 @@ class ServerSettings:
     api_key: str | None = None
     threads: int | None = None
     device: str = "cpu"  # torch backends (eager, compiled)
-    precision: str = ""  # "": none named, registry.default_precision(backend, device) (fp16 for torch on CUDA)
+    precision: str = ""  # "": none named, registry.resolve_run's for the backend and device (fp16 for torch on CUDA)
     provider: str = "cpu"  # backend ort's ONNX Runtime providers: cpu, cuda, tensorrt
     preview_budget: float = PREVIEW_BUDGET  # share of wall time that decoding streamed previews may take beside other work
     preview_lone_budget: float = PREVIEW_LONE_BUDGET  # the same while a stream's own generation is the only one
@@ -68,10 +68,9 @@ class ServerSettings:
     export_cache: str | None = None  # a checkpoint on an export backend: where its verified export is kept (None: a scratch export)
 
     def __post_init__(self) -> None:
-        if not self.backend:
-            object.__setattr__(self, "backend", default_backend(self.device))  # frozen: set once, here
-        if not self.precision:
-            object.__setattr__(self, "precision", default_precision(self.backend, self.device))
+        backend, precision = resolve_run(self.device, self.backend, self.precision)  # "": none named
+        object.__setattr__(self, "backend", backend)  # frozen: set once, here
+        object.__setattr__(self, "precision", precision)
         for name, allowed in SETTINGS.items():  # the ranges `ldlm serve`'s options parse with
             value = getattr(self, name)
             if value is not None or name != "threads":  # threads: None is ONNX Runtime's own choice

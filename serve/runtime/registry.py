@@ -129,6 +129,14 @@ def default_precision(backend: str, device: str = "cpu") -> str:
     return CUDA_DEFAULT_PRECISION if _on_cuda(device) and backend_info(backend).runs_checkpoint else DEFAULT_PRECISION
 
 
+def resolve_run(device: str = "cpu", backend: str | None = None, precision: str | None = None) -> tuple[str, str]:
+    """The backend and precision a command runs on ``device``, given what it names (None or "": not named):
+    ``default_backend(device)`` and ``default_precision(backend, device)``. ``ldlm serve`` (``ServerSettings``),
+    ``ldlm parity`` and ``ldlm bench`` all resolve here, so parity checks and bench times what serve runs."""
+    backend = backend or default_backend(device)
+    return backend, precision or default_precision(backend, device)
+
+
 def _on_cuda(device: str) -> bool:
     return device.split(":", 1)[0] == "cuda"
 
