@@ -54,6 +54,8 @@ def save_checkpoint(
 def load_config(path: str | os.PathLike[str]) -> LDLMConfig:
     """A checkpoint directory's config alone, without building the model."""
     directory = Path(path)
+    if not directory.exists():
+        raise CheckpointError(f"checkpoint {directory} does not exist; expected a directory with {CONFIG_FILE} + {WEIGHTS_FILE}")
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory} is not a directory (expected {CONFIG_FILE} + {WEIGHTS_FILE})")
     config_path = directory / CONFIG_FILE
@@ -82,24 +84,51 @@ def check_checksums(directory: Path) -> None:
             raise CheckpointError(f"checkpoint {directory}: {name} is listed in {CHECKSUMS_FILE} but missing")
         found = sha256_file(path)
         if found != expected:
-            raise CheckpointError(
-                f"checkpoint {directory}: {name} has sha256 {found}, {CHECKSUMS_FILE} says {expected}: the file is truncated "
-                "or corrupted; copy it again from its source"
+            raise CheckpointError(_changed_file(directory, name, f"{name} has sha256 {found}, {CHECKSUMS_FILE} says {expected}"))
+
+
+def _changed_file(directory: Path, name: str, said: str) -> str:
+    """Why a file differs from its SHA256SUMS line: JSON that still reads was edited, not damaged, and an edited
+    config is checked field by field, so a bad field is named with its allowed values; anything else is a damaged copy."""
+    path = directory / name
+    if path.suffix == ".json":
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):  # not JSON any more: damaged in the copy
+            pass
+        else:
+            if name == CONFIG_FILE:
+                try:
+                    LDLMConfig.load(path)
+                except ValueError as error:
+                    return f"{error} (checkpoint {directory}: {said})"
+            return (
+                f"checkpoint {directory}: {said}: it was edited (it is still valid JSON); restore it from the checkpoint's "
+                f"source, or, if the edit is meant, list its new sha256 in {CHECKSUMS_FILE} (sha256sum {name})"
             )
+    return f"checkpoint {directory}: {said}: the file is truncated or corrupted; copy it again from its source"
+
+
+def check_checkpoint_files(directory: Path) -> LDLMConfig:
+    """The checks a checkpoint's files pass before its weights are read, and its config: the directory, every
+    file ``SHA256SUMS`` lists, ``config.json`` and the weights (a pickle found instead is named, never loaded).
+    Every command that takes a checkpoint words a missing or damaged file the same way."""
+    if directory.is_dir():
+        check_checksums(directory)
+    config = load_config(directory)
+    if not (directory / WEIGHTS_FILE).is_file():
+        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        hint = f" ({', '.join(pickles)} found: pickle files are never loaded, convert them to safetensors)" if pickles else ""
+        raise CheckpointError(f"checkpoint {directory} has no {WEIGHTS_FILE}{hint}")
+    return config
 
 
 def load_checkpoint(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[LDLM, TextTokenizer]:
     """Load a checkpoint directory; the model comes back in eval mode on ``device``."""
     device = resolve_device(device)  # an absent GPU is named before any file is read
     directory = Path(path)
-    if directory.is_dir():
-        check_checksums(directory)
-    config = load_config(directory)
+    config = check_checkpoint_files(directory)
     weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        hint = f" ({', '.join(pickles)} found: pickle files are never loaded, convert them to safetensors)" if pickles else ""
-        raise CheckpointError(f"checkpoint {directory} has no {WEIGHTS_FILE}{hint}")
     with torch.device("meta"):
         model = LDLM(config)
     state = read_safetensors(weights, device)

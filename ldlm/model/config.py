@@ -146,8 +146,13 @@ class LDLMConfig:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LDLMConfig:
         try:
-            return cls.from_json(Path(path).read_text())
-        except (json.JSONDecodeError, TypeError, ValueError) as error:
+            text = Path(path).read_text()
+            json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:  # unreadable: no field to name
+            raise ValueError(f"{path} is not readable JSON ({error}): the file is truncated or corrupted; copy it again") from error
+        try:
+            return cls.from_json(text)
+        except (TypeError, ValueError) as error:  # readable, with a field that is unknown or out of its range
             raise ValueError(f"{path}: not a valid LDLM config: {error}") from error
 
     def config_hash(self) -> str:

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ldlm.export.artifact import MANIFEST_FILE, read_schedules
-from ldlm.model.checkpoint import WEIGHTS_FILE
+from ldlm.export.artifact import MANIFEST_FILE, built_plans, read_schedules
+from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_checkpoint_files
 from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
@@ -96,8 +96,15 @@ def _check_artifact_dir(info: BackendInfo, path: Path, device: str) -> None:
             f"backend {info.name!r} does not take device={device!r}; ONNX Runtime picks its device with its providers "
             "(--provider cuda|tensorrt, or backend ort-cuda), engines run on the GPU they were built for"
         )
-    if not (path / "config.json").is_file():
-        raise BackendError(f"{path} has no config.json; backend {info.name!r} needs a directory written by {ARTIFACT_COMMANDS[info.opens]}")
+    needs = f"backend {info.name!r} needs a directory written by {ARTIFACT_COMMANDS[info.opens]}"
+    if not path.exists():
+        raise BackendError(f"{path} does not exist; {needs}")
+    if not (path / CONFIG_FILE).is_file():
+        raise BackendError(f"{path} has no {CONFIG_FILE}; {needs}")
+    if not (path / MANIFEST_FILE).is_file() and not built_plans(path):
+        # neither an export nor engines, and a config: a checkpoint, which is served once it has its weights; a
+        # checkpoint short of a file is named as every command that loads one names it
+        check_checkpoint_files(path)
 
 
 def serving_limits(graphs: Mapping[str, GraphBackend], config: LDLMConfig, max_batch: int) -> tuple[LDLMConfig, int]:
