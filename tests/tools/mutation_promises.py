@@ -507,9 +507,11 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
     *pinned(SERVING, "SIGINT/SIGTERM finish the requests in flight, then exit 0.", "sigterm-kills-in-flight"),
     *pinned(SERVING, "gets exactly what `ldlm generate` and `LDLMPipeline.generate` give it", "http-body-fills-in-steps"),
     *pinned(SERVING, "Every answer names the plan that ran", "answer-names-no-plan"),
+    *pinned(SERVING, "`top_p` and `logprobs` (0..5) act at the", "top-logprobs-cap-narrowed"),
     *pinned(
         SERVING,
-        "A default above the server's `--max-steps` is refused (400, naming the default and the range), never cut.",
+        "A default step count above the server's cap (`max_steps`: 1000, `MAX_STEPS` in `ldlm/limits.py`, as for `ldlm generate`) "
+        "is refused (400, naming the default and the range), never cut.",
         "default-steps-cut-to-the-cap",
     ),
     *pinned(SERVING, "a short request is not stuck behind long ones", "short-request-waits-behind-long"),
@@ -528,7 +530,7 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
         "export-key-drops-tokenizer",
         "export-key-drops-tuned-grids",
     ),
-    *pinned(SERVING, "the exporter's versions and any `--quantize`", "export-key-drops-quantize"),
+    *pinned(SERVING, "the exporter's versions and whether it holds INT8 variants", "export-key-drops-quantize"),
     *pinned(SERVING, "`temperature` (0, the default, is the token decoder's argmax)", "temperature-zero-samples"),
     *pinned(SERVING, "seeded by `seed`", "token-draw-ignores-seed"),
     *pinned(SERVING, "`logprobs` (0..5)", "logprobs-above-five-accepted"),
@@ -648,6 +650,9 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
     ),
     # --- docs/gpu.md ------------------------------------------------------------------------------------
     *pinned(GPU, "the command says so (naming onnxruntime-gpu) instead of silently running on the CPU", "ort-cuda-runs-on-the-cpu"),
+    *pinned(
+        GPU, "on CUDA **fp16 is the default** (`ldlm serve`, `ldlm parity` and `ldlm bench` alike", "bench-times-torch-in-fp32-on-cuda"
+    ),
     *pinned(
         GPU,
         "The server caps the samples per execution and the request lengths at what the profiles take",
