@@ -1,16 +1,17 @@
 """Generation over gRPC's ModelStreamInfer: the model ``ldlm_generate``, as Triton serves the decoupled model
-of that name (serve/deploy/triton_generate.py's inputs and outputs), through the same scheduler, limits and
-previews as /v1/generate with ``stream: true`` (``GenerationStream``).
+of that name (serve/deploy/triton_generate.py), through the same scheduler, limits and previews as /v1/generate
+with ``stream: true`` (``GenerationStream``).
 
-Inputs, one value each (shape [1]): N and LENGTH (INT64, required), STEPS and SEED (INT64), SAMPLER (BYTES),
-T_MIN and PRIOR_TEMPERATURE (FP32); one left out is filled in by ``ldlm.sampling.resolve``, as on /v1/generate,
-and each is bounded by /v1/generate's ranges. The request parameter ``preview_every`` (k) asks for a preview
-every k steps. Each request is answered on the stream by one response per previewed step (TEXTS: the
-previewed samples' texts; parameters ``preview`` true, ``step``, ``steps`` and ``indices``, the samples'
-indices as "0,1,..."), then by its result (TEXTS, TOKEN_IDS; parameters ``plan``, the plan's JSON, and
-``triton_final_response`` true). A refused or failed request is one response with its ``error_message``,
-and the stream goes on. A client that cancels the stream, or leaves, cancels its requests: the scheduler
-drops their samples at its next step.
+Inputs and outputs are ``kserve_models.GENERATE_INPUTS`` and ``GENERATE_OUTPUTS``, Triton's model's own: one value
+per input (shape [1]), each /v1/generate's field of the same name in upper case, with its meaning and range. N and
+LENGTH are required; one left out is filled in by ``ldlm.sampling.resolve``, as on /v1/generate. PROMPT is text to
+continue: LENGTH counts its tokens, and the texts and token ids start with it verbatim. The request parameter
+``preview_every`` (k) asks for a preview every k steps. Each request is answered on the stream by one response per
+previewed step (TEXTS: the previewed samples' texts; parameters ``preview`` true, ``step``, ``steps`` and
+``indices``, the samples' indices as "0,1,..."), then by its result (TEXTS, TOKEN_IDS and PLAN, the plan's JSON, as
+Triton's model answers; parameters ``plan``, the same JSON, and ``triton_final_response`` true). A refused or
+failed request is one response with its ``error_message``, and the stream goes on. A client that cancels the
+stream, or leaves, cancels its requests: the scheduler drops their samples at its next step.
 """
 
 from __future__ import annotations
@@ -28,28 +29,19 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import deserialize_bytes_tensor
 
-from ldlm.pipeline import TextResult
+from ldlm.pipeline import TextResult, keep_prompt
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import error_status
 from ldlm.serve.api.http_guard import CLIENT_CLOSED
-from ldlm.serve.api.kserve_models import GENERATE_MODEL, MODEL_VERSION
+from ldlm.serve.api.kserve_models import GENERATE_INPUTS, GENERATE_MODEL, MODEL_VERSION
 from ldlm.serve.api.kserve_tensors import ProtocolError
-from ldlm.serve.api.offload import Deadline, run_submit
+from ldlm.serve.api.offload import Deadline, run_blocking, run_submit
+from ldlm.serve.api.prompted import prompt_prefix
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import GenerationStream, ran
 
 log = logging.getLogger("ldlm.serve")
-# input -> (its datatype, the GenerateRequest field it fills); N and LENGTH are required
-GENERATE_INPUTS = {
-    "N": ("INT64", "n"),
-    "LENGTH": ("INT64", "length"),
-    "STEPS": ("INT64", "steps"),
-    "SEED": ("INT64", "seed"),
-    "SAMPLER": ("BYTES", "sampler"),
-    "T_MIN": ("FP32", "t_min"),
-    "PRIOR_TEMPERATURE": ("FP32", "prior_temperature"),
-}
-REQUIRED = ("N", "LENGTH")
+INPUTS = {tensor.name: tensor for tensor in GENERATE_INPUTS}
 DTYPES = {"INT64": np.int64, "FP32": np.float32}  # of the raw numeric inputs
 CONTENTS = {"INT64": "int64_contents", "FP32": "fp32_contents", "BYTES": "bytes_contents"}  # the typed field of each datatype
 METRICS_MODEL = "generate"  # /v1/generate's label in /metrics: one count of generations, whichever way they came
@@ -110,23 +102,26 @@ async def generate(service: LDLMService, request: Any) -> AsyncIterator[Any]:
     """One generation's ModelInferResponses: a preview per previewed step, then the result."""
     if request.model_name != GENERATE_MODEL:
         raise ProtocolError(f"model {request.model_name!r} has no stream; allowed: {GENERATE_MODEL} (the others answer ModelInfer)")
-    spec, every = generate_request(service, request)
+    spec, prompt, every = generate_request(service, request)
     deadline = Deadline(service.settings.request_timeout_s)
     steps = service.scheduler.plan(spec).steps  # bad input is refused here, before anything is queued
+    prefix, ids = None, []
+    if prompt:  # its tokens are encoded (the encoder runs): off the event loop, as /v1/generate does
+        prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, spec.length, timeout_s=deadline.left())
     submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
-    loop = asyncio.get_running_loop()
-    start = functools.partial(GenerationStream, submit, service.pipeline.tokenizer, spec, every, None, loop=loop, steps=steps)
+    tokenizer, loop = service.pipeline.tokenizer, asyncio.get_running_loop()
+    start = functools.partial(GenerationStream, submit, tokenizer, spec, every, prefix, loop=loop, prompt_ids=ids, steps=steps)
     stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
     async for kind, payload in stream.events(deadline.left()):
         if kind == "preview":
             yield preview_response(request, steps, payload)
         else:
-            yield result_response(request, payload)
+            yield result_response(request, keep_prompt(payload, ids, tokenizer) if ids else payload)
 
 
-def generate_request(service: LDLMService, request: Any) -> tuple[GenerateRequest, int]:
-    """The GenerateRequest a ModelInferRequest for ``ldlm_generate`` asks for, and its preview cadence (0: none),
-    each value checked against /v1/generate's range under the input's own name."""
+def generate_request(service: LDLMService, request: Any) -> tuple[GenerateRequest, str, int]:
+    """The GenerateRequest a ModelInferRequest for ``ldlm_generate`` asks for, its prompt ("": none) and its preview
+    cadence (0: none), each value checked against /v1/generate's range under the input's own name."""
     ranges = service.body_limits().ranges()
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
@@ -136,22 +131,23 @@ def generate_request(service: LDLMService, request: Any) -> tuple[GenerateReques
     fields: dict[str, Any] = {}
     for i, tensor in enumerate(request.inputs):
         where = f"inputs[{i}] ({tensor.name})"
-        if tensor.name not in GENERATE_INPUTS:
-            raise ProtocolError(f"{where}: {GENERATE_MODEL} has no such input; allowed: {', '.join(GENERATE_INPUTS)}")
-        datatype, field = GENERATE_INPUTS[tensor.name]
-        if tensor.datatype != datatype:
-            raise ProtocolError(f"{where}: datatype {tensor.datatype!r}; allowed: {datatype}")
+        spec = INPUTS.get(tensor.name)
+        if spec is None:
+            raise ProtocolError(f"{where}: {GENERATE_MODEL} has no such input; allowed: {', '.join(INPUTS)}")
+        if tensor.datatype != spec.datatype:
+            raise ProtocolError(f"{where}: datatype {tensor.datatype!r}; allowed: {spec.datatype}")
         value = scalar(tensor, raw[i] if raw else None, where)
-        if field in ranges:
-            ranges[field].check(tensor.name, value)
-        fields[field] = value
-    missing = [name for name in REQUIRED if GENERATE_INPUTS[name][1] not in fields]
+        if spec.field in ranges:
+            ranges[spec.field].check(tensor.name, value)
+        fields[spec.field] = value
+    missing = [spec.name for spec in GENERATE_INPUTS if spec.required and spec.field not in fields]
     if missing:
         raise ProtocolError(f"{GENERATE_MODEL} needs input {' and '.join(missing)} (INT64, shape [1])")
     every = request.parameters["preview_every"].int64_param if "preview_every" in request.parameters else 0
     if every:
         ranges["preview_every"].check("preview_every", every)
-    return GenerateRequest(**fields), every
+    prompt = fields.pop("prompt", "")
+    return GenerateRequest(**fields), prompt, every
 
 
 def scalar(tensor: Any, raw: bytes | None, where: str) -> Any:
@@ -169,7 +165,7 @@ def scalar(tensor: Any, raw: bytes | None, where: str) -> Any:
         try:
             return bytes(value).decode()
         except UnicodeDecodeError:
-            raise ProtocolError(f"{where}: not UTF-8 text; allowed: a sampler's name") from None
+            raise ProtocolError(f"{where}: not UTF-8 text; allowed: UTF-8 text") from None
     number = float(value) if tensor.datatype == "FP32" else int(value)
     if not np.isfinite(number):
         raise ProtocolError(f"{where}: data holds NaN or Infinity; allowed: finite numbers")
@@ -187,10 +183,12 @@ def preview_response(request: Any, steps: int, previews: list[dict[str, Any]]) -
 
 
 def result_response(request: Any, result: TextResult) -> Any:
-    """The result, as serve/deploy/triton_generate.py's model answers: TEXTS and TOKEN_IDS, and the plan that ran."""
-    response = _response(request, {"TEXTS": result.texts, "TOKEN_IDS": result.token_ids.cpu().numpy().astype(np.int64)})
+    """The result, as serve/deploy/triton_generate.py's model answers: TEXTS, TOKEN_IDS and PLAN (the plan that ran,
+    as JSON; also the parameter ``plan``, which earlier clients read)."""
+    plan = json.dumps(ran(result))
+    response = _response(request, {"TEXTS": result.texts, "TOKEN_IDS": result.token_ids.cpu().numpy().astype(np.int64), "PLAN": [plan]})
     response.parameters["preview"].bool_param = False
-    response.parameters["plan"].string_param = json.dumps(ran(result))
+    response.parameters["plan"].string_param = plan
     response.parameters["triton_final_response"].bool_param = True  # what Triton marks a decoupled model's last response with
     return response
 

@@ -30,7 +30,7 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def served(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_n=8, max_steps=2000, request_timeout_s=60, api_key=KEY)
+    settings = ServerSettings(port=free_port(), max_n=8, max_steps=2000, request_timeout_s=300, api_key=KEY)
     grpc_port = free_port()
     with serving_grpc(grpc_port):
         running = RunningServer(LDLMService(str(export_dir), settings))
@@ -92,6 +92,24 @@ def test_previews_then_the_result_of_v1_generate(served: RunningServer) -> None:
     assert token_ids.dtype == np.int64 and token_ids.shape == (3, 10)
     assert [row[: len(ids)].tolist() for row, ids in zip(token_ids, body["token_ids"])] == body["token_ids"]
     assert json.loads(response.parameters["plan"].string_param) == body["plan"]
+    assert json.loads(final.as_numpy("PLAN")[0]) == body["plan"]  # the output Triton's model of that name answers
+
+
+def test_a_prompted_gridded_request_is_v1_generates(served: RunningServer) -> None:
+    """PROMPT, GRID and PROMPT_STRENGTH mean what /v1/generate's fields do: LENGTH counts the prompt, which the
+    texts and token ids start with verbatim; the plan names the grid."""
+    inputs = {"prompt": "It is a truth", "n": 2, "length": 12, "steps": 6, "seed": 3, "grid": "uniform", "prompt_strength": 1.5}
+    stream = Stream(served)
+    stream.send("p", preview_every=2, **{name.upper(): value for name, value in inputs.items()})
+    *previews, final = stream.until_final()
+    stream.client.stop_stream()
+    with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as http:
+        body = http.post("/v1/generate", json=inputs).json()
+    assert [t.decode() for t in final.as_numpy("TEXTS")] == body["texts"]
+    assert all(t.startswith("It is a truth") for t in body["texts"])
+    assert final.as_numpy("TOKEN_IDS").tolist() == body["token_ids"]
+    assert json.loads(final.as_numpy("PLAN")[0]) == body["plan"] and body["plan"]["grid"] == "uniform"
+    assert previews and all(t.decode().startswith("It is a truth") for p in previews for t in p.as_numpy("TEXTS"))
 
 
 def test_refusals_are_answered_in_the_stream_which_goes_on(served: RunningServer) -> None:
@@ -102,6 +120,9 @@ def test_refusals_are_answered_in_the_stream_which_goes_on(served: RunningServer
         ({"N": 1, "LENGTH": 8, "SAMPLER": "nope"}, "sampler='nope' is unknown; allowed:"),
         ({"N": 1, "LENGTH": 8, "T_MIN": 1.5}, "T_MIN=1.5 is out of range; allowed:"),
         ({"N": 1, "LENGTH": 8, "STEPS": 2001}, "STEPS=2001 is out of range; allowed: 1..2000"),
+        ({"N": 1, "LENGTH": 3, "PROMPT": "It is a truth universally"}, "allowed: 1..2 tokens (fewer than length=3)"),
+        ({"N": 1, "LENGTH": 8, "GRID": "nope"}, "grid='nope'"),
+        ({"N": 1, "LENGTH": 8, "PROMPT": "   "}, "is blank"),
     ]
     for i, (inputs, message) in enumerate(refusals):
         stream.send(f"bad{i}", **inputs)
@@ -125,7 +146,7 @@ def test_a_cancelled_stream_cancels_its_generation(served: RunningServer) -> Non
     stream = Stream(served)
     stream.send("long", preview_every=1, N=4, LENGTH=64, STEPS=2000)  # seconds of work on this model
     result, error = stream.next()
-    assert error is None and result.get_response().parameters["preview"].bool_param  # it runs
+    assert error is None and result.get_response().parameters["preview"].bool_param, error  # it runs (not refused as too long)
     stream.client.stop_stream(cancel_requests=True)
     deadline = time.monotonic() + 30
     while metric(served, "ldlm_generate_in_flight") and time.monotonic() < deadline:
