@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from ldlm.limits import PRIOR_TEMPERATURE, SETTINGS, T_MIN, Range, body_ranges
+from ldlm.limits import PRIOR_TEMPERATURE, SETTINGS, T_MIN, Range, body_ranges, out_of_range, sequence_lengths
 
 pytest.importorskip("fastapi", reason="the body models are the service's (pip install -e .)")
 
@@ -41,6 +41,15 @@ def test_a_range_names_itself_as_refusals_do() -> None:
     assert str(PRIOR_TEMPERATURE) == "a number in (0, 1]"
     with pytest.raises(ValueError, match=r"^t_min=1\.0 is out of range; allowed: a number in \(0, 1\), both ends excluded$"):
         T_MIN.check("t_min", 1.0)
+
+
+def test_a_refusal_names_the_value_both_ends_and_why() -> None:
+    """The one sentence every front end refuses with: the CLI's option values, the bodies' fields, the settings."""
+    assert Range(1, 64).refusal("--n 0", " samples") == "--n 0 is out of range; allowed: 1..64 samples"
+    assert sequence_lengths(128).refusal("--length 129") == "--length 129 is out of range; allowed: 1..128"
+    assert out_of_range("x=3", "a number in [0, 2]") == "x=3 is out of range; allowed: a number in [0, 2]"
+    with pytest.raises(ValueError, match=r"^n=0 is out of range; allowed: 1\.\.64$"):
+        Range(1, 64).check("n", 0)
 
 
 def bounds_in_schema(schema: dict) -> dict[str, float]:
