@@ -15,7 +15,7 @@ from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
 from ldlm.serve.runtime.graph_backend import MASK, BackendError, GraphBackend
-from ldlm.serve.runtime.registry import TRT
+from ldlm.serve.runtime.registry import TRT, default_precision
 from ldlm.serve.runtime.trt_runtime import TensorRTEngine
 
 if TYPE_CHECKING:
@@ -59,16 +59,24 @@ class TensorRTBackend(GraphBackend):
         self.engine.close()
 
 
+def precision_mismatch(path: Path, built: set[str | None], asked: str, default: str) -> str:
+    """Why engines built in ``built`` do not run at ``asked`` (``default``: what a command runs without
+    --precision), and the two ways out: run them as built, or build them again at what was asked."""
+    rebuild = f"`ldlm build-engine EXPORT {path} --precision {asked} --force` (EXPORT: the `ldlm export` directory they came from)"
+    said = f"engines in {path} are {sorted(map(str, built))}; asked for precision={asked!r} (--precision; {default} when not given)"
+    (only,) = built if len(built) == 1 else (None,)
+    if only is None:  # mixed, or plans from before manifests recorded their precision
+        return f"{said}; their graphs were not built in one known precision: rebuild them with {rebuild}"
+    return f"{said}. They run as built with --precision {only}; or rebuild them in {asked} with {rebuild}"
+
+
 def open_backend(info: BackendInfo, path: Path, options: OpenOptions) -> tuple[dict[str, GraphBackend], LDLMConfig, TextTokenizer]:
     """An ``ldlm build-engine`` directory's plans, once their manifests say they were built in the precision
     asked for (the plans themselves are hashed as TensorRTEngine reads them); ``options.cuda_graphs``
     replays CUDA graphs (TensorRT-RTX's own capture, or torch's for NVIDIA TensorRT)."""
     built = {m.get("precision") for m in check_engine_dir(path, GRAPH_NAMES, plans=False).values()}
     if built != {options.precision}:
-        raise BackendError(
-            f"engines in {path} are {sorted(map(str, built))}; asked for precision={options.precision!r}; "
-            f"rebuild with --precision {options.precision}"
-        )
+        raise BackendError(precision_mismatch(path, built, options.precision, default_precision(info.name, options.device)))
     config = LDLMConfig.load(path / "config.json")
     tokenizer = TextTokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else TextTokenizer.gpt2()
     graphs: dict[str, GraphBackend] = {
