@@ -63,19 +63,23 @@ class GenerationScheduler(QueueWorker):
         previews: PreviewShares | None = None,
         on_previews: PreviewObserver | None = None,
         fused: FusedStepFn | None = None,
+        max_queue_source: str = "",
     ) -> None:
         """``pipeline`` resolves requests against its config, encodes nothing and decodes the finished
         samples and the previews; ``engine`` and ``denoise`` (default: the pipeline's) are where the steps
         run, e.g. the graphs' device while the pipeline decodes through the server's batchers. ``limits``:
         the caps every request is resolved under (a server's max_n and max_steps). ``previews``: the share of
         wall time decoding previews may take (delivery.py); ``on_previews``: told of every preview call and drop.
-        ``fused``: the denoiser's fused steps, where its graph has them (``StepExecutor``)."""
+        ``fused``: the denoiser's fused steps, where its graph has them (``StepExecutor``). ``max_queue_source``:
+        how the owner's user set ``max_queue`` (samples), for a full queue's message to name, e.g. a server's
+        "--max-queue 2 requests x 16 samples": the user never typed the number of samples."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} is out of range; allowed: >= 1")
         self.pipeline = pipeline
         self.limits = limits or RequestLimits()
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.max_queue_source = max_queue_source
         cost = CostModel(max_batch)
         self.policy = make_policy(policy, cost, max_batch)
         self.admission = Admission(cost, self.policy)
@@ -90,6 +94,14 @@ class GenerationScheduler(QueueWorker):
         self.on_drop = on_drop  # samples of a cancelled or failed request dropped unfinished, for metrics
         self.dropped_samples = 0
         super().__init__("ldlm-generation", start)
+
+    def _queue_full(self, asked: int) -> str:
+        """A full queue, in the numbers of the setting that bounds it."""
+        source = f" ({self.max_queue_source})" if self.max_queue_source else ""
+        return (
+            f"generation queue is full: {self._waiting.count} samples waiting and {asked} asked, max {self.max_queue} samples{source}; "
+            "retry later, or raise the limit"
+        )
 
     # --- public API --------------------------------------------------------------------------
 
@@ -132,7 +144,7 @@ class GenerationScheduler(QueueWorker):
             if self._waiting.count + plan.n > self.max_queue:
                 self._count_drops(self._waiting.drop_done())  # cancelled requests' samples do not hold queue places
             if self._waiting.count + plan.n > self.max_queue:
-                raise QueueFullError(f"generation queue is full ({self._waiting.count} samples waiting, max {self.max_queue})")
+                raise QueueFullError(self._queue_full(plan.n))
             self._submitted += 1
             request.order = self._submitted
             request.bucket = self.pipeline.bucket_length(plan.length)

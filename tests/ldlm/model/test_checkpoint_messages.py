@@ -54,7 +54,10 @@ def edit_config(ckpt: Path, **fields: object) -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"default_sampler": "euler"}, "config field default_sampler='euler' is invalid; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc, dpm3m-psc-unic"),
+        (
+            {"default_sampler": "euler"},
+            "config field default_sampler='euler' is invalid; allowed: sde, ddim, dpm2m, dpm3m, dpm3m-psc, dpm3m-psc-unic",
+        ),
         ({"d_model": "big"}, "config field d_model='big' is invalid; allowed: an integer in 2..16384"),
         ({"wingspan": 3}, "unknown config field(s) ['wingspan']; known fields are"),
     ],
