@@ -17,7 +17,8 @@ import torch
 
 from ldlm.export.artifact import ArtifactError
 from ldlm.pipeline import LDLMPipeline
-from ldlm.serve.deploy.triton_repo import RepositoryError, inspect_source, validate_config, write_triton_repo
+from ldlm.serve.deploy.triton_repo import RepositoryError, docker_run_line, inspect_source, validate_config, write_triton_repo
+from tests import REPO
 
 pytest.importorskip("tritonclient.grpc", reason="the model_config schema ships with tritonclient[grpc]")
 
@@ -142,9 +143,9 @@ class StandInPbUtils(types.ModuleType):
         config = json.loads((repo / "ldlm_generate" / "1" / "config.json").read_text())
         self.models = {
             name: OrtBackend(repo / name / "1" / "model.onnx" / "model.onnx", name, config["max_seq_len"])
-            for name in ("denoiser", "decoder")
+            for name in ("encoder", "denoiser", "decoder")
         }
-        self.configs = {name: read_config(repo, name) for name in ("denoiser", "decoder")}
+        self.configs = {name: read_config(repo, name) for name in ("encoder", "denoiser", "decoder")}
         self.bls_calls = 0
         utils = self
 
@@ -159,7 +160,9 @@ class StandInPbUtils(types.ModuleType):
                 return self._array
 
         class TritonError:
-            def __init__(self, message: str) -> None:
+            INTERNAL, INVALID_ARG = "INTERNAL", "INVALID_ARG"  # the Python backend's codes (strings here)
+
+            def __init__(self, message: str, code: str = INTERNAL) -> None:
                 self._message = message
 
             def message(self) -> str:
@@ -380,3 +383,16 @@ def test_precision_is_refused_where_the_source_has_none_of_it(export_dir: Path, 
     with pytest.raises(RepositoryError, match="holds fp16 plans, not int8: a plan keeps the precision it was built in; build int8 engines"):
         write_triton_repo(engines, tmp_path / "r-plans", precision="int8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engines"]
+
+
+def test_the_docs_run_line_is_the_one_the_repository_prints() -> None:
+    """docs/scale-out.md's `docker run` (the wheel mounted and installed before tritonserver starts, since
+    ldlm_generate imports ldlm) is docker_run_line's, word for word; KIND_CPU repositories ask for no GPU."""
+    text = (REPO / "docs" / "scale-out.md").read_text()
+    block = text[text.index("## Run it") :].split("```bash\n", 1)[1].split("```", 1)[0]
+    documented = next(line for line in block.replace("\\\n  ", "").splitlines() if line.startswith("docker run"))
+    assert documented == docker_run_line("$PWD/runs/triton", "$PWD/dist")
+    assert "pip install /wheels/ldlm-*.whl && tritonserver --model-repository=/models" in documented
+    assert docker_run_line("/r", "/w", gpu=False).startswith("docker run --rm -p8000:8000") and "--gpus" not in docker_run_line(
+        "/r", "/w", False
+    )
