@@ -28,6 +28,13 @@ def default_backends(device: str) -> list[str]:
     return list(dict.fromkeys([REFERENCE_BACKEND, DEFAULT_BACKEND, resolve_run(device)[0]]))
 
 
+def backends_help() -> str:
+    return (
+        f"comma-separated: {', '.join(backend_names())} (default: {','.join(default_backends('cpu'))}, and with "
+        f"--device cuda {','.join(default_backends('cuda'))}: what `ldlm serve` runs there too)"
+    )
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
     from ldlm.files import write_atomically
@@ -94,12 +101,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "Writes OUT/bench.json and OUT/bench.png.",
     )
     p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument(
-        "--backends",
-        default=None,
-        help=f"comma-separated: {', '.join(backend_names())} (default: {','.join(default_backends('cpu'))}, and with "
-        f"--device cuda {','.join(default_backends('cuda'))}: what `ldlm serve` runs there too)",
-    )
+    p.add_argument("--backends", default=None, help=backends_help())
     p.add_argument("--onnx-dir", help="export to use for ort (default: export the checkpoint to a temporary one)")
     p.add_argument(
         "--precisions",
