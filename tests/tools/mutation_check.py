@@ -2147,6 +2147,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ldlm bench --device cuda times the torch backends in fp32, not the fp16 that ldlm serve runs there",
     ),
     Mutation(
+        "parity-checks-the-cpu-default-on-cuda",
+        "ldlm.cli.checks:_cmd_parity",
+        "resolve_run(args.device, args.backend, args.precision)",
+        'resolve_run("cpu", args.backend, args.precision)',
+        ("tests/serve/runtime/test_registry_resolution.py",),
+        "ldlm parity --device cuda checks ONNX Runtime in fp32 on the CPU, not the inductor fp16 that ldlm serve runs there",
+    ),
+    Mutation(
         "body-field-bound-from-a-literal",
         "ldlm.serve.api.openai_schemas:DECODING_FIELDS",
         "ranged(TOP_P, None,",

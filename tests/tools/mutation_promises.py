@@ -653,6 +653,7 @@ PROMISES: tuple[tuple[str, str, str], ...] = (
     *pinned(
         GPU, "on CUDA **fp16 is the default** (`ldlm serve`, `ldlm parity` and `ldlm bench` alike", "bench-times-torch-in-fp32-on-cuda"
     ),
+    *pinned(GPU, "`ldlm parity CKPT --device cuda` checks the default before you ship", "parity-checks-the-cpu-default-on-cuda"),
     *pinned(
         GPU,
         "The server caps the samples per execution and the request lengths at what the profiles take",
