@@ -46,7 +46,7 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
         sampler, tuple(args.steps), args.reference_steps, args.tune_seed, args.tune_n, args.tune_length,
         args.held_out_seed, args.held_out_n, tuple(args.held_out_lengths), args.evaluations, args.objective, args.validation_seed,
     )  # fmt: skip
-    tuner, grids = Tuner(pipeline, settings), []
+    tuner, grids = Tuner(pipeline, settings, progress=not args.quiet), []
     schedules: TunedSchedules | None = earlier
     for steps in settings.steps:
         try:

@@ -129,13 +129,19 @@ class SamplingEngine:
 
 
 def run_lockstep(
-    engine: SamplingEngine, states: list[SampleState], denoise: DenoiseFn, padded: int | None = None, progress: bool = False
+    engine: SamplingEngine,
+    states: list[SampleState],
+    denoise: DenoiseFn,
+    padded: int | None = None,
+    progress: bool = False,
+    desc: str = "denoising",
 ) -> Tensor:
     """Move ``states`` (one grid length) together to t_min in one persistent batch of ``padded`` positions
-    (default: the longest), one denoiser call per step; their latents (B, L, D)."""
+    (default: the longest), one denoiser call per step; their latents (B, L, D). ``progress``: a bar of the
+    steps, labelled ``desc``."""
     table = engine.table(padded or max(s.length for s in states))
     table.run(states)
-    for _ in tqdm(range(states[0].steps), desc="denoising", unit="step", disable=not progress):
+    for _ in tqdm(range(states[0].steps), desc=desc, unit="step", disable=not progress):
         table.step(denoise)
     return torch.stack([engine.latent(s) for s in states])
 

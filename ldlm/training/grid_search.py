@@ -120,23 +120,30 @@ class Tuner:
     references: dict[tuple[int, int, int], Samples] = field(default_factory=dict)
     # held-out scores by (sampler, steps, times): DDIM@50's and a default grid's are asked for at every step count
     held_out_scores: dict[tuple[str, int, tuple[float, ...] | None], dict[str, dict[str, float]]] = field(default_factory=dict)
+    # a bar per reference solve: at reference_steps (1000) each takes minutes, and the search shows nothing before it
+    progress: bool = False
 
     def samples(self, seed: int, n: int, length: int) -> Samples:
         key = (seed, n, length)
         if key not in self.references:
-            ref = self.latents(seed, n, length, "ddim", self.settings.reference_steps, None)
+            desc = f"reference ddim@{self.settings.reference_steps} ({n} x {length} tokens, seed {seed})"
+            ref = self.latents(seed, n, length, "ddim", self.settings.reference_steps, None, desc if self.progress else None)
             self.references[key] = Samples(seed, n, length, ref, self.pipeline.decode(ref).token_ids)
         return self.references[key]
 
-    def latents(self, seed: int, n: int, length: int, sampler: str, steps: int, times: Sequence[float] | None) -> Tensor:
-        """The final latents of one run; ``times`` None: the sampler's default grid."""
+    def latents(
+        self, seed: int, n: int, length: int, sampler: str, steps: int, times: Sequence[float] | None, progress: str | None = None
+    ) -> Tensor:
+        """The final latents of one run; ``times`` None: the sampler's default grid; ``progress``: a bar of its steps
+        with this label (None: no bar)."""
         plan = resolve(GenerateRequest(n, length, steps, seed, sampler, self.pipeline.config.t_min), self.pipeline.config)
         if times is not None:
             plan = replace(plan, grid="tuned", tuned_times=tuple(times))
         engine = self.pipeline.engine
         states = engine.start(plan, self.pipeline.config.d_model)
+        padded = self.pipeline.bucket_length(length)
         with torch.inference_mode():
-            return run_lockstep(engine, states, self.pipeline.graphs.denoise, self.pipeline.bucket_length(length))
+            return run_lockstep(engine, states, self.pipeline.graphs.denoise, padded, progress is not None, progress or "denoising")
 
     def score(self, samples: Samples, sampler: str, steps: int, times: Sequence[float] | None, tokens: bool = True) -> Score:
         x = self.latents(samples.seed, samples.n, samples.length, sampler, steps, times)
