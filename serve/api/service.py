@@ -37,6 +37,9 @@ from ldlm.serve.runtime.registry import resolve_run
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import fused_steps, length_buckets
 
+# The generation queue holds samples, not requests: --max-queue requests of this many samples each.
+QUEUED_SAMPLES_PER_REQUEST = 16
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -189,7 +192,7 @@ class LDLMService:
             self.pipeline,
             self.max_batch,
             "continuous",
-            self.settings.max_queue * 16,
+            self.settings.max_queue * QUEUED_SAMPLES_PER_REQUEST,
             observer=self.metrics.observer("generate"),
             on_drop=self.metrics.cancelled_samples.labels("generate").inc,
             engine=SamplingEngine(self.pipeline.schedule, config.decode_final, device),
@@ -198,6 +201,7 @@ class LDLMService:
             previews=PreviewShares(self.settings.preview_budget, self.settings.preview_lone_budget),
             on_previews=self.metrics.observe_previews,
             fused=fused_steps(graphs["denoiser"]),
+            max_queue_source=f"--max-queue {self.settings.max_queue} requests x {QUEUED_SAMPLES_PER_REQUEST} samples each",
         )
 
     def body_limits(self) -> BodyLimits:
