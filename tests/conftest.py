@@ -62,7 +62,12 @@ def int8_export_dir(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 
 
 # --- groups: `pytest -m "not slow"` for a quick loop, `-m e2e` for the whole-product runs, `-m gpu` on a GPU ---
-SLOW_MODULES = ("serve/deploy/test_triton_server.py", "serve/deploy/test_ray_app.py", "e2e/test_base_smoke.py")  # real servers, base size
+SLOW_MODULES = (
+    "serve/deploy/test_triton_server.py",
+    "serve/deploy/test_triton_server_clients.py",
+    "serve/deploy/test_ray_app.py",
+    "e2e/test_base_smoke.py",
+)  # real servers, base size
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from ldlm.cli.options import float_in, in_range, int_in
 from ldlm.files import force_help
@@ -81,7 +82,7 @@ def _cmd_build_engine(args: argparse.Namespace) -> None:
 
 def _cmd_triton_repo(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.serve.deploy.triton_repo import list_models, write_triton_repo
+    from ldlm.serve.deploy.triton_repo import docker_run_line, list_models, write_triton_repo
 
     cc_plans = {}
     for item in args.cc_plan or ():
@@ -110,11 +111,8 @@ def _cmd_triton_repo(args: argparse.Namespace) -> None:
             )
         print(f"run on this machine: python -P -m ldlm.serve.deploy.triton_local serve {out}   (see docs/scale-out.md)")
         return
-    gpus = "" if args.cpu else "--gpus all "  # KIND_CPU instances need no GPU in the container
-    print(
-        f"run: docker run {gpus}--rm -p8000:8000 -p8001:8001 -p8002:8002 -v {out.resolve()}:/models "
-        "nvcr.io/nvidia/tritonserver:<xx.yy>-py3 tritonserver --model-repository=/models   (see docs/scale-out.md)"
-    )
+    print("build the ldlm wheel first (ldlm_generate imports ldlm): pip wheel --no-deps -w dist .")
+    print(f"run: {docker_run_line(str(out.resolve()), os.path.abspath('dist'), gpu=not args.cpu)}   (see docs/scale-out.md)")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -80,6 +80,9 @@ def test_triton_repo(export_dir: Path, tmp_path: Path, capsys) -> None:
     assert "models decoder, denoiser, encoder, ldlm_generate" in printed
     # KIND_CPU instances: the docker hint asks for no GPU (it said --gpus all whatever --cpu said)
     assert "run: docker run --rm -p8000:8000" in printed and "--gpus" not in printed
+    # ldlm_generate imports ldlm: the printed line installs the wheel it names, which a line above says how to build
+    assert f"-v {Path('dist').resolve()}:/wheels" in printed and "pip install /wheels/ldlm-*.whl && tritonserver" in printed
+    assert "pip wheel --no-deps -w dist ." in printed
     assert run(["triton-repo", str(export_dir), str(tmp_path / "gpu"), "--max-batch", "4"]) == 0
     assert "run: docker run --gpus all --rm" in capsys.readouterr().out
     assert "max_batch_size: 4" in (out / "encoder" / "config.pbtxt").read_text()
