@@ -32,7 +32,7 @@ def test_steps_names_the_bad_value(value: str, capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_steps_names_the_allowed_range(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error(["generate", "CKPT", "--steps", value], capsys)
-    assert f"argument --steps: {value} is out of range; allowed: an integer >= 1" in err
+    assert f"argument --steps: {value} is out of range; allowed: 1..1000 denoising steps (as ldlm serve's max_steps)" in err
 
 
 @pytest.mark.parametrize("option", ["--batches", "--workload-lengths"])

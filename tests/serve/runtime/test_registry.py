@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ldlm.serve.runtime.registry import DEFAULT_BACKEND, REGISTRY, backend_info, backend_names
+from ldlm.serve.runtime.registry import REGISTRY, backend_info, backend_names
 from tests import REPO
 
 # The registry, and the modules that implement a backend: the only places a backend's name is written.
@@ -82,8 +82,8 @@ def test_the_cli_offers_the_registry(capsys: pytest.CaptureFixture[str]) -> None
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     for command in ("serve", "parity"):
         action = next(a for a in commands[command]._actions if "--backend" in a.option_strings)
-        # serve names none by default: the service picks for --device (test_registry_default.py)
-        assert tuple(action.choices) == backend_names() and action.default == (None if command == "serve" else DEFAULT_BACKEND)
+        # neither names one by default: each picks serve's for --device (test_registry_default.py)
+        assert tuple(action.choices) == backend_names() and action.default is None
 
 
 def test_ort_cuda_without_onnxruntime_gpu_names_it(export_dir: Path) -> None:

@@ -94,10 +94,11 @@ def test_a_cache_dir_set_by_the_user_stays(monkeypatch: pytest.MonkeyPatch, tmp_
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
-    [(["--backend", COMPILED, "--device", "cuda"], "fp16"), (["--backend", COMPILED], "fp32"), (["--device", "cuda"], "fp32")],
+    [(["--backend", COMPILED, "--device", "cuda"], "fp16"), (["--backend", COMPILED], "fp32"), (["--device", "cuda"], "fp16")],
 )
 def test_ldlm_parity_checks_the_precision_ldlm_serve_runs(monkeypatch: pytest.MonkeyPatch, argv: list[str], expected: str) -> None:
-    """Parity with no --precision checks what `ldlm serve` would run with the same backend and device (ort: fp32)."""
+    """Parity with no --precision checks what `ldlm serve` would run with the same backend and device; with no
+    --backend either, serve's own default for the device (on cuda: inductor in fp16)."""
     import ldlm.serve.checks.parity as parity
     from ldlm.cli import build_parser
 
