@@ -4,9 +4,10 @@ adapter over what HTTP serves, never a second stack.
 Each call answers with what the HTTP route answers: the same dicts (``kserve_models``, parsed into the
 protobuf messages), the same infer path (``serve_infer``: the batchers, limits, checks and statistics), the
 same API key (``authorization: Bearer KEY`` metadata; health is open, as /v2/health/ is), and every refusal
-with HTTP's message under the gRPC code of its HTTP status (``GRPC_CODES``). An infer request is turned into
-the binary-tensor body it stands for (``binary_body``: raw_input_contents as the binary inputs, typed
-``contents`` as JSON data), so the one codec checks both transports alike; outputs come back in
+with HTTP's message under the gRPC code of its HTTP status (``GRPC_CODES``). An infer request is read as the
+binary-tensor body it stands for (``infer_payload``: the header that body's JSON would decode to, typed
+``contents`` as its data, and raw_input_contents as its binary section), by the one codec that reads HTTP's
+(``kserve.infer_request_of``), so both transports are checked alike; outputs come back in
 raw_output_contents, as Triton sends them. Infer calls count in /metrics and the request log as HTTP's do.
 ModelStreamInfer streams generation, as the model ``ldlm_generate`` (grpc_generate).
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -41,7 +41,7 @@ from ldlm.serve.api.kserve_models import (
     statistics,
 )
 from ldlm.serve.api.kserve_tensors import ProtocolError
-from ldlm.serve.api.offload import INLINE_BINARY_BYTES, run_blocking
+from ldlm.serve.api.offload import INLINE_BINARY_BYTES, decode_infer_payload, run_blocking
 from ldlm.serve.api.service import LDLMService
 
 log = logging.getLogger("ldlm.serve")
@@ -69,12 +69,14 @@ class Encode(Protocol):
     def __call__(self, parsed: InferRequest, outputs: dict[str, np.ndarray]) -> Awaitable[service_pb2.ModelInferResponse]: ...
 
 
-class ServeInfer(Protocol):
-    """``routes.kserve.serve_infer`` with its service bound: one infer request, body to answer."""
+class Decode(Protocol):
+    def __call__(self, check: Callable[[InferRequest], None]) -> Awaitable[InferRequest]: ...
 
-    def __call__(
-        self, model: str, version: str, body: bytes, encoding: str | None, header_length: str | None, encode: Encode
-    ) -> Awaitable[service_pb2.ModelInferResponse]: ...
+
+class ServeInfer(Protocol):
+    """``routes.kserve.serve_infer`` with its service bound: one infer request, decoded to answered."""
+
+    def __call__(self, model: str, version: str, decode: Decode, encode: Encode) -> Awaitable[service_pb2.ModelInferResponse]: ...
 
 
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -143,8 +145,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def answer() -> Any:
             served_graph(self.service, model, request.model_version)  # an unknown model is 404 before the tensors are read
-            body, header_length = binary_body(request)
+            payload, binary, values = infer_payload(request)
             version = request.model_version or MODEL_VERSION
+
+            def decode(check: Callable[[InferRequest], None]) -> Awaitable[InferRequest]:
+                return decode_infer_payload(self.service, payload, binary, values, check)
 
             async def encode(parsed: InferRequest, outputs: dict[str, np.ndarray]) -> Any:
                 if sum(outputs[name].nbytes for name, _ in requested_outputs(parsed, outputs)) <= INLINE_BINARY_BYTES:
@@ -152,7 +157,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 timeout_s = self.service.settings.request_timeout_s
                 return await run_blocking(infer_response, model, version, parsed, outputs, timeout_s=timeout_s)
 
-            return await self.infer(model, request.model_version, body, None, header_length, encode)
+            return await self.infer(model, request.model_version, decode, encode)
 
         return await self._answer(context, "ModelInfer", answer, model if counted else None)
 
@@ -212,15 +217,17 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     raise RuntimeError("grpc's context.abort returned")  # it raises, always
 
 
-def binary_body(request: Any) -> tuple[bytes, str]:
-    """The KServe v2 binary-tensor body a ModelInferRequest stands for, and its JSON header's length: each
-    ``raw_input_contents[i]`` is input i's binary data, each input's typed ``contents`` its JSON data."""
+def infer_payload(request: Any) -> tuple[dict[str, Any], bytes, int]:
+    """What the KServe v2 binary-tensor body a ModelInferRequest stands for decodes to: its JSON header (each
+    ``raw_input_contents[i]`` input i's binary data, each input's typed ``contents`` its JSON data), its binary
+    section, and the number of typed values in the header."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(
             f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs; allowed: one per input, in input order"
         )
     inputs: list[dict[str, Any]] = []
+    values = 0
     for i, tensor in enumerate(request.inputs):
         where = f"inputs[{i}] ({tensor.name})"
         spec: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
@@ -230,12 +237,12 @@ def binary_body(request: Any) -> tuple[bytes, str]:
             spec["parameters"] = {"binary_data_size": len(raw[i])}
         elif tensor.HasField("contents"):
             spec["data"] = typed_contents(tensor, where)
+            values += len(spec["data"])
         inputs.append(spec)
     payload: dict[str, Any] = {"inputs": inputs, "outputs": [{"name": out.name} for out in request.outputs] or None}
     if request.id:
         payload["id"] = request.id
-    head = json.dumps(payload, separators=(",", ":")).encode()  # NaN written as NaN: the codec refuses it by name
-    return b"".join([head, *raw]), str(len(head))
+    return payload, b"".join(raw), values
 
 
 def typed_contents(tensor: Any, where: str) -> list[Any]:

@@ -63,7 +63,12 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     exact (no bool for an integer, no float silently cast to an int), integers fit their datatype,
     floats are finite, and the tensor names its place in the request (``inputs[1] (attention_mask)``)."""
     json_size = _json_header_size(body, header_length)
-    payload = load_json(body[:json_size])
+    return infer_request_of(load_json(body[:json_size]), memoryview(body)[json_size:])
+
+
+def infer_request_of(payload: Any, binary: memoryview) -> InferRequest:
+    """The checks of ``parse_infer_request`` on a header already decoded (``payload``, JSON's types) and the
+    binary section after it: what a gRPC request is read as, without writing and reading JSON text."""
     if not isinstance(payload, dict):
         raise ProtocolError("the request must be a JSON object with an 'inputs' list")
     refuse_unknown_fields(payload, REQUEST_FIELDS, "the request")
@@ -72,7 +77,6 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         raise ProtocolError("field 'inputs' must be a non-empty list")
     if payload.get("id") is not None and not isinstance(payload["id"], str):
         raise ProtocolError(f"field 'id' must be a string, not {type(payload['id']).__name__}")
-    binary = memoryview(body)[json_size:]
     offset = 0
     inputs: dict[str, np.ndarray] = {}
     for i, spec in enumerate(raw_inputs):

@@ -26,7 +26,7 @@ import numpy as np
 from fastapi.responses import Response
 
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.kserve import InferRequest, encode_infer_response, json_bytes, parse_body, requested_outputs
+from ldlm.serve.api.kserve import InferRequest, encode_infer_response, infer_request_of, json_bytes, parse_body, requested_outputs
 from ldlm.serve.api.service import LDLMService
 
 JSON_WORKER_BYTES = 1 << 18
@@ -124,6 +124,22 @@ async def decode_infer_body(
         return parsed
 
     return await run_blocking(parse_and_check, timeout_s=service.settings.request_timeout_s)
+
+
+async def decode_infer_payload(
+    service: LDLMService, payload: dict[str, Any], binary: bytes, values: int, check: Callable[[InferRequest], None]
+) -> InferRequest:
+    """A decoded infer header (a gRPC request's: ``values`` typed values in it) and its binary section, read by
+    the codec and ``check``-ed: on the loop when as small as an inline body, else in one thread hop."""
+
+    def read_and_check() -> InferRequest:
+        parsed = infer_request_of(payload, memoryview(binary))
+        check(parsed)
+        return parsed
+
+    if len(binary) <= INLINE_BODY_BYTES and values <= INLINE_JSON_VALUES:
+        return read_and_check()
+    return await run_blocking(read_and_check, timeout_s=service.settings.request_timeout_s)
 
 
 async def encode_infer(

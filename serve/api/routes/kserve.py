@@ -123,27 +123,28 @@ async def answer_infer(
 ) -> tuple[bytes, dict[str, str]]:
     """One HTTP infer request, body to answer (body and headers)."""
 
+    def decode(check: Callable[[InferRequest], None]) -> Awaitable[InferRequest]:
+        return decode_infer_body(service, body, headers.get("content-encoding"), headers.get(HEADER_LENGTH.lower()), check)
+
     async def encode(parsed: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
         return await encode_infer(service, model, MODEL_VERSION, parsed, outputs)
 
-    return await serve_infer(service, model, version, body, headers.get("content-encoding"), headers.get(HEADER_LENGTH.lower()), encode)
+    return await serve_infer(service, model, version, decode, encode)
 
 
 async def serve_infer(
     service: LDLMService,
     model: str,
     version: str,
-    body: bytes,
-    encoding: str | None,
-    header_length: str | None,
+    decode: Callable[[Callable[[InferRequest], None]], Awaitable[InferRequest]],
     encode: Callable[[InferRequest, dict[str, np.ndarray]], Awaitable[T]],
 ) -> T:
-    """One KServe v2 infer request, whichever transport brought it: ``body`` (an HTTP body, or the binary-tensor
-    body a gRPC request stands for) decoded and checked, run in its graph's batcher, and answered by ``encode``;
-    timed stage by stage for the statistics."""
+    """One KServe v2 infer request, whichever transport brought it: decoded by ``decode`` (an HTTP body's, or a
+    gRPC request's) and checked with the check it is given, run in its graph's batcher, and answered by
+    ``encode``; timed stage by stage for the statistics."""
     served_graph(service, model, version)
     with service.metrics.timed_infer(model) as clock:
-        parsed = await decode_infer_body(service, body, encoding, header_length, infer_check(service, model))
+        parsed = await decode(infer_check(service, model))
         clock.decoded = time.perf_counter()
         outputs = await wait(service.batchers[model].submit(parsed.inputs), service.settings.request_timeout_s)
         clock.computed = time.perf_counter()

@@ -1,4 +1,4 @@
-"""A gRPC infer request as the binary-tensor body it stands for (``binary_body``), read by the HTTP codec, and
+"""A gRPC infer request as the binary-tensor body it stands for (``infer_payload``), read by the HTTP codec, and
 the answer as tritonclient's gRPC result reads it back: raw and typed contents give the arrays written by
 hand, and each malformed request is refused naming the input at fault."""
 
@@ -14,8 +14,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient's gRP
 
 from tritonclient.grpc import service_pb2  # noqa: E402
 
-from ldlm.serve.api.grpc_kserve import binary_body, infer_response  # noqa: E402
-from ldlm.serve.api.kserve import InferRequest, parse_infer_request  # noqa: E402
+from ldlm.serve.api.grpc_kserve import infer_payload, infer_response  # noqa: E402
+from ldlm.serve.api.kserve import InferRequest, infer_request_of  # noqa: E402
 from ldlm.serve.api.kserve_tensors import ProtocolError  # noqa: E402
 
 
@@ -28,7 +28,8 @@ def request_of(*tensors: tuple[str, str, list[int]], raw: list[bytes] | None = N
 
 
 def decoded(request: service_pb2.ModelInferRequest) -> InferRequest:
-    return parse_infer_request(*binary_body(request))
+    payload, binary, _ = infer_payload(request)
+    return infer_request_of(payload, memoryview(binary))
 
 
 def refused(message: str, request: service_pb2.ModelInferRequest) -> None:
