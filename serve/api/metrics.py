@@ -112,6 +112,7 @@ class Metrics:
         self.last_inference = Gauge(
             "ldlm_last_inference_timestamp_seconds", "When a graph last ran a batch (Unix time)", ["model"], registry=r
         )
+        self._infer_series: dict[str, tuple[Any, Any, Any]] = {}  # a served graph's successful infer series
 
     def observe_previews(self, decoded: int, skipped: int, seconds: float) -> None:
         """The scheduler's preview observer (serve/runtime/delivery.py): one decoder call for previews, or previews dropped."""
@@ -122,14 +123,22 @@ class Metrics:
     def observer(self, model: str) -> Callable[[int, float, float], None]:
         """A DynamicBatcher observer recording one execution of ``model``."""
 
+        # the model's series, looked up once: this runs on the batcher's thread as its answer goes back
+        executions, inferences, batch_size = (
+            self.execution_count.labels(model),
+            self.inference_count.labels(model),
+            self.batch_size.labels(model),
+        )
+        queued, computed, last = self.queue_seconds.labels(model), self.compute_seconds.labels(model), self.last_inference.labels(model)
+
         def observe(batch: int, queued_s: float, compute_s: float) -> None:
-            self.execution_count.labels(model).inc()
-            self.inference_count.labels(model).inc(batch)
-            self.batch_size.labels(model).observe(batch)
-            self.queue_seconds.labels(model).observe(queued_s)
-            self.compute_seconds.labels(model).observe(compute_s)
+            executions.inc()
+            inferences.inc(batch)
+            batch_size.observe(batch)
+            queued.observe(queued_s)
+            computed.observe(compute_s)
             self.batch_compute_seconds.labels(model, str(batch)).observe(compute_s)
-            self.last_inference.labels(model).set(time.time())
+            last.set(time.time())
 
         return observe
 
@@ -157,9 +166,16 @@ class Metrics:
             self.infer_seconds.labels(model, "failure").observe(time.perf_counter() - clock.started)
             raise
         ended = time.perf_counter()
-        self.infer_seconds.labels(model, "success").observe(ended - clock.started)
-        self.infer_input_seconds.labels(model).observe(clock.decoded - clock.started)
-        self.infer_output_seconds.labels(model).observe(ended - clock.computed)
+        series = self._infer_series.get(model)
+        if series is None:  # looked up once per model: every infer request passes here
+            series = self._infer_series[model] = (
+                self.infer_seconds.labels(model, "success"),
+                self.infer_input_seconds.labels(model),
+                self.infer_output_seconds.labels(model),
+            )
+        series[0].observe(ended - clock.started)
+        series[1].observe(clock.decoded - clock.started)
+        series[2].observe(ended - clock.computed)
 
     def model_statistics(self, model: str, version: str) -> dict[str, Any]:
         """Triton's statistics of ``model`` (its statistics extension's JSON). Requests count in success and fail,
