@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ldlm.limits import MAX_SEED
+from ldlm.limits import SEED
 
 
 class NoiseSource(Protocol):
@@ -62,8 +62,9 @@ class _Row:
 
 
 def check_seed(seed: object, name: str = "seed") -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"{name}={seed!r} is invalid; allowed: an integer in [0, 2**63)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{name}={seed!r} is not an integer; allowed: {SEED}")
+    SEED.check(name, seed)  # the one range refusal, both ends named
     return seed
 
 

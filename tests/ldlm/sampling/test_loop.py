@@ -170,8 +170,8 @@ def test_resolve_fills_the_configs_defaults_and_the_samplers_grid() -> None:
             "t_min=nan is out of range; allowed: a number in (0, 1), both ends excluded",
         ),
         (GenerateRequest(1, 4, grid="cosine"), RequestLimits(), "grid='cosine' is unknown; allowed: uniform, power, logsnr, tuned"),
-        (GenerateRequest(1, 4, seed=-1), RequestLimits(), "seed=-1 is invalid; allowed: an integer in [0, 2**63)"),
-        (GenerateRequest(1, 4, seed=2**63), RequestLimits(), "seed=9223372036854775808 is invalid"),
+        (GenerateRequest(1, 4, seed=-1), RequestLimits(), "seed=-1 is out of range; allowed: 0..9223372036854775807"),
+        (GenerateRequest(1, 4, seed=2**63), RequestLimits(), "seed=9223372036854775808 is out of range; allowed: 0..9223372036854775807"),
     ],
 )
 def test_resolve_refuses_each_bad_setting_naming_it(request_: GenerateRequest, limits: RequestLimits, message: str) -> None:
