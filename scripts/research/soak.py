@@ -5,7 +5,12 @@ The server serves a checkpoint on ONNX Runtime from an export cache (the same co
 restart reuses the verified export). Locust, headless, drives the mix of scripts/research/soak_traffic.py:
 KServe v2 on each graph (JSON and binary), /v1/generate plain and streamed with previews, with and without a
 prompt, /v1/completions plain and streamed and through the openai client at temperature 0 and 0.8, 10% of
-clients leaving mid-request, bursts above the generation queue, hostile bodies. During the run, at known times:
+clients leaving mid-request, bursts above the generation queue, hostile bodies; and KServe v2 over gRPC on the
+server's --grpc-port (the same at every restart; none under --ray, whose proxy serves HTTP only): ModelInfer on
+the encoder, small ldlm_generate streams with previews and 10% cancelled mid-way, hostile messages (wrong
+datatype, shape and data apart, raw contents for one of two inputs, unknown model and input, NaN, a message
+above --max-body-mb, a stream request with N=0 and one without LENGTH), each of which must be refused 4xx.
+During the run, at known times:
 
   sigterm    SIGTERM with requests in flight: the process must exit 0; the same command restarts it
   sigkill    SIGKILL: the restart must find a clean cache (no temporary files) and reuse it (no export)
@@ -54,10 +59,11 @@ SAMPLE_S = 10.0
 class Server:
     """`ldlm serve CHECKPOINT` with ``LDLM_CACHE_DIR=CACHE`` as an operator runs it; restarted with the same command."""
 
-    def __init__(self, checkpoint: Path, cache: Path, port: int, log: Path, flags: list[str]) -> None:
-        self.command = serve_command(checkpoint, port, flags)
+    def __init__(self, checkpoint: Path, cache: Path, port: int, log: Path, flags: list[str], grpc_port: int | None = None) -> None:
+        self.command = serve_command(checkpoint, port, flags + ([] if grpc_port is None else ["--grpc-port", str(grpc_port)]))
         self.env = {**os.environ, "LDLM_CACHE_DIR": str(cache)}
         self.url, self.log, self.cache = f"http://127.0.0.1:{port}", log, cache
+        self.grpc = "" if grpc_port is None else f"127.0.0.1:{grpc_port}"  # "": no gRPC endpoint
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> dict[str, Any]:
@@ -140,10 +146,10 @@ def full_disk(checkpoint: Path, work: Path) -> dict[str, Any]:
         subprocess.run(["umount", str(mount)], capture_output=True)
 
 
-def start_traffic(url: str, users: int, seconds: float, out: Path, burst: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "SOAK_OUT": str(out), "SOAK_BURST": str(burst), "PYTHONUNBUFFERED": "1"}
+def start_traffic(server: Server, users: int, seconds: float, out: Path, burst: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SOAK_OUT": str(out), "SOAK_BURST": str(burst), "SOAK_GRPC": server.grpc, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "locust", "-f", str(TRAFFIC), "--headless", "-u", str(users), "-r", str(users)]
-    command += ["--run-time", f"{int(seconds)}s", "--stop-timeout", "60", "--host", url, "--only-summary", "--loglevel", "WARNING"]
+    command += ["--run-time", f"{int(seconds)}s", "--stop-timeout", "60", "--host", server.url, "--only-summary", "--loglevel", "WARNING"]
     log = (out / "locust.log").open("ab")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -222,10 +228,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "full-disk" in args.faults:
         report["faults"]["full-disk"] = full_disk(Path(args.checkpoint), out)
     flags = ["--max-queue", str(args.max_queue), *(["--ray", "--replicas", "2", "--threads", "1"] if args.ray else [])]
-    server = Server(Path(args.checkpoint), out / "cache", free_port(), out / "server.log", flags)
+    port = free_port()
+    grpc_port = None if args.ray else free_port({port})  # Ray's proxy serves HTTP alone
+    server = Server(Path(args.checkpoint), out / "cache", port, out / "server.log", flags, grpc_port)
+    report["grpc"] = server.grpc or None
     report["first_start"] = server.start()
     plan = {fault: args.duration_s * (i + 1) / (len(args.faults) + 1) for i, fault in enumerate(f for f in args.faults if f != "full-disk")}
-    traffic, began = start_traffic(server.url, args.users, args.duration_s, out, 16 * args.max_queue + 32), time.perf_counter()
+    traffic, began = start_traffic(server, args.users, args.duration_s, out, 16 * args.max_queue + 32), time.perf_counter()
     samples, last_epoch = [], time.time()
     while traffic.poll() is None:
         now = time.perf_counter() - began
@@ -273,7 +282,9 @@ def traffic_totals(out: Path, last_epoch: float, server_counts: Counter[str]) ->
         for route, minute, values in data["latencies"]:
             minutes[(route, minute)] += values
         reached = ("server down", "no connection")  # never reached a server
-        client.update(model for start, model, outcome in data["sent"] if start >= last_epoch and outcome not in reached)
+        client.update(
+            model for start, model, outcome in data["sent"] if start >= last_epoch and outcome not in reached and model is not None
+        )
     latency = {
         f"{route}@{minute}": {"n": len(v), "p50_ms": round(percentile(v, 50), 1), "p99_ms": round(percentile(v, 99), 1)}
         for (route, minute), v in sorted(minutes.items())
@@ -330,8 +341,27 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
             "value": replica,
             "met": replica.get("exercised") and replica["replicas_after"] >= 2 and replica["restored_s"] < 300,
         }
+    rows.update(refusals(report["traffic"]))
     rows.update(trends(report))
     return rows
+
+
+def refusals(traffic: dict[str, Any]) -> dict[str, Any]:
+    """gRPC's bad outcomes beside HTTP's (its INTERNAL is already a refused:500 among the 5xx): a code that stands
+    for no HTTP status (UNKNOWN: a handler that raised past its error map), and any hostile request, HTTP or gRPC,
+    that came back answered or refused with other than a 4xx."""
+    unmapped = sum(n for o, n in traffic["outcomes"].items() if o.startswith("refused:grpc-"))
+    hostile = {
+        f"{route}: {outcome}": n
+        for route, counts in traffic["per_route"].items()
+        if route.startswith(("hostile", "grpc hostile"))
+        for outcome, n in counts.items()
+        if outcome == "answered" or (outcome.startswith("refused:") and not outcome.startswith("refused:4"))
+    }
+    return {
+        "grpc_code_without_http_status": {"value": unmapped, "met": unmapped == 0},
+        "hostile_refused_4xx": {"value": hostile, "met": not hostile},
+    }
 
 
 def trends(report: dict[str, Any]) -> dict[str, Any]:
