@@ -96,6 +96,7 @@ BUDGET = number(0, 1, low_open=True)
 # ServerSettings field -> its range; ``ldlm serve``'s options parse with the same ranges
 SETTINGS: dict[str, Range] = {
     "port": Range(0, 65535),  # 0: the OS picks a free port
+    "grpc_port": Range(0, 65535),  # likewise; None: no gRPC endpoint
     "max_batch": Range(1, 1 << 16),
     "max_queue": Range(1, 1 << 20),
     "max_body_bytes": Range(1024, 1 << 31),

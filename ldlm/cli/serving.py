@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 from ldlm.cli.options import capped_positive_int, device_options, float_in, in_range
@@ -112,17 +112,15 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         run_on_ray(args.source, settings, options, args.ray_address)
         return
     refuse_ray_only(args)
-    with grpc_beside_http(args):
-        serve(args.source, settings, args.log_level)
+    serve(args.source, dataclasses.replace(settings, grpc_port=grpc_port(args)), args.log_level)
 
 
-@contextlib.contextmanager
-def grpc_beside_http(args: argparse.Namespace) -> Iterator[None]:
-    """KServe v2 over gRPC for the server started within: on --grpc-port, or by default on --port + 1, unless
-    --no-grpc. Its port is checked here, before anything loads: one named by --grpc-port that another server
-    holds is an error; the default one, taken, is said on stderr and the server goes on over HTTP alone."""
+def grpc_port(args: argparse.Namespace) -> int | None:
+    """Where KServe v2 over gRPC is served beside HTTP (None: nowhere): --grpc-port, or by default --port + 1,
+    unless --no-grpc. The port is checked here, before anything loads: one named by --grpc-port that another
+    server holds is an error; the default one, taken, is said on stderr and the server goes on over HTTP alone."""
     # per command: building the parser imports no grpc
-    from ldlm.serve.api.grpc_server import GrpcPortInUseError, check_grpc_port, default_grpc_port, serving_grpc
+    from ldlm.serve.api.grpc_server import GrpcPortInUseError, check_grpc_port, default_grpc_port
 
     if args.no_grpc and args.grpc_port is not None:
         raise ValueError(f"--grpc-port {args.grpc_port} and --no-grpc contradict each other; leave one of them out")
@@ -135,8 +133,7 @@ def grpc_beside_http(args: argparse.Namespace) -> Iterator[None]:
             raise
         print(f"ldlm serve: warning: {error}; going on without a gRPC endpoint", file=sys.stderr, flush=True)
         port = None
-    with serving_grpc(port):
-        yield
+    return port
 
 
 def preview_options(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,10 @@
 """The KServe v2 gRPC endpoint beside HTTP, as Triton serves gRPC on 8001 beside HTTP on 8000: started with
 the app and stopped before it drains (``grpc_endpoint``, the KServe router's lifespan), on the app's event
-loop, bound to the app's host.
+loop, bound to the app's host, on the settings' ``grpc_port`` (None: no endpoint).
 
-``ldlm serve`` asks for it with ``serving_grpc`` around the server's run: --grpc-port, by default the HTTP
-port + 1 (``default_grpc_port``). ``check_grpc_port`` refuses a port that another server listens on before
-anything loads, as the HTTP port is bound first.
+``ldlm serve`` sets it from --grpc-port, by default the HTTP port + 1 (``default_grpc_port``).
+``check_grpc_port`` refuses a port that another server listens on before anything loads, as the HTTP port is
+bound first.
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from ldlm.serve.api.grpc_kserve import KServeServicer, ServeInfer
 from ldlm.serve.api.service import LDLMService
-
-# The gRPC port of the apps this process starts (None: no gRPC endpoint), for the block ``serving_grpc`` runs.
-_grpc_port: list[int | None] = [None]
 
 
 class GrpcPortInUseError(RuntimeError):
@@ -31,22 +28,6 @@ class GrpcPortInUseError(RuntimeError):
 def default_grpc_port(http_port: int) -> int:
     """The HTTP port + 1, as Triton pairs 8001 with 8000; 0 (the OS picks) when HTTP's is 0 or the last port."""
     return http_port + 1 if 0 < http_port < 65535 else 0
-
-
-@contextlib.contextmanager
-def serving_grpc(port: int | None) -> Iterator[None]:
-    """Within the block, an app this process starts serves KServe v2 over gRPC on ``port`` of its HTTP host
-    (0: one the OS picks; None: no gRPC endpoint)."""
-    previous, _grpc_port[0] = _grpc_port[0], port
-    try:
-        yield
-    finally:
-        _grpc_port[0] = previous
-
-
-def grpc_port() -> int | None:
-    """The gRPC port ``serving_grpc`` asks for now (None: no gRPC endpoint)."""
-    return _grpc_port[0]
 
 
 def address(host: str, port: int) -> str:
@@ -76,14 +57,14 @@ def port_error(host: str, port: int, why: str | None) -> GrpcPortInUseError:
 
 @contextlib.asynccontextmanager
 async def grpc_endpoint(service: LDLMService, infer: ServeInfer) -> AsyncIterator[int | None]:
-    """Serve KServe v2 over gRPC for ``service`` within the block, when ``serving_grpc`` asked for it, and give
-    the bound port (None: no endpoint). Messages are capped as HTTP bodies are (--max-body-mb); at the end,
-    calls in flight get the request timeout to finish before the app drains the batchers."""
-    port = grpc_port()
+    """Serve KServe v2 over gRPC for ``service`` within the block, on its settings' ``grpc_port``, and give the
+    bound port (None: no endpoint). Messages are capped as HTTP bodies are (--max-body-mb); at the end, calls in
+    flight get the request timeout to finish before the app drains the batchers."""
+    settings = service.settings
+    port = settings.grpc_port
     if port is None:
         yield None
         return
-    settings = service.settings
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_body_bytes),

@@ -37,6 +37,8 @@ from ldlm.serve.runtime.registry import resolve_run
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import fused_steps, length_buckets
 
+# Settings that may be None: threads (ONNX Runtime's own choice), grpc_port (no gRPC endpoint).
+UNSET_ALLOWED = ("threads", "grpc_port")
 # The generation queue holds samples, not requests: --max-queue requests of this many samples each.
 QUEUED_SAMPLES_PER_REQUEST = 16
 
@@ -45,6 +47,7 @@ QUEUED_SAMPLES_PER_REQUEST = 16
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int | None = None  # KServe v2 over gRPC on this port of host beside HTTP (0: the OS picks one); None: none
     backend: str = ""  # "": none named, registry.resolve_run's for the device (the fast path on CUDA)
     max_batch: int = 16  # samples per graph execution; larger requests run in chunks of this size
     max_delay_ms: float = 0.0  # how long a batch waits for company; 0: whatever queued while the last ran
@@ -76,7 +79,7 @@ class ServerSettings:
         object.__setattr__(self, "precision", precision)
         for name, allowed in SETTINGS.items():  # the ranges `ldlm serve`'s options parse with
             value = getattr(self, name)
-            if value is not None or name != "threads":  # threads: None is ONNX Runtime's own choice
+            if value is not None or name not in UNSET_ALLOWED:
                 allowed.check(name, value)
 
 

@@ -102,6 +102,7 @@ SECONDS = number(0, 86400, low_open=True)  # finite, at most a day
 BUDGET = number(0, 1, low_open=True)  # a share of wall time
 DOCUMENTED_SETTINGS: dict[str, Documented] = {  # `ldlm serve --help`, docs/serving.md
     "port": Documented(0, 65535),
+    "grpc_port": Documented(0, 65535),
     "max_batch": Documented(1, 65536),
     "max_queue": Documented(1, 2**20),
     "max_body_bytes": Documented(1024, 2**31),

@@ -28,7 +28,10 @@ def served_settings(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> ServerS
 def test_options_left_out_are_the_servers_own_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = served_settings([str(tmp_path)], monkeypatch)
     assert settings.host == "127.0.0.1"
-    assert settings == dataclasses.replace(ServerSettings(), export_cache=str(cache_root()))
+    # gRPC beside HTTP on --port + 1, as Triton's 8001 beside 8000 (HTTP alone when another server holds 8001);
+    # settings made in Python serve no gRPC unless they name a port
+    assert settings.grpc_port in (8001, None) and ServerSettings().grpc_port is None
+    assert settings == dataclasses.replace(ServerSettings(), export_cache=str(cache_root()), grpc_port=settings.grpc_port)
 
 
 def test_another_address_is_bound_only_when_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,6 @@ from tritonclient.utils import InferenceServerException
 pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 
-from ldlm.serve.api.grpc_server import serving_grpc  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
@@ -30,10 +29,9 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def served(export_dir: Path):
-    settings = ServerSettings(port=free_port(), max_n=8, max_steps=2000, request_timeout_s=300, api_key=KEY)
     grpc_port = free_port()
-    with serving_grpc(grpc_port):
-        running = RunningServer(LDLMService(str(export_dir), settings))
+    settings = ServerSettings(grpc_port=grpc_port, port=free_port(), max_n=8, max_steps=2000, request_timeout_s=300, api_key=KEY)
+    running = RunningServer(LDLMService(str(export_dir), settings))
     running.grpc_url = f"127.0.0.1:{grpc_port}"
     yield running
     running.stop()

@@ -27,7 +27,6 @@ from tritonclient.grpc import model_config_pb2, service_pb2  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from ldlm.model.ldlm import LDLM  # noqa: E402
-from ldlm.serve.api.grpc_server import serving_grpc  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
 
@@ -48,12 +47,18 @@ class Bearer(InferenceServerClientPlugin):
 
 @pytest.fixture(scope="module")
 def served(export_dir: Path):
-    settings = ServerSettings(
-        port=free_port(), max_batch=8, max_delay_ms=0.0, request_timeout_s=30, max_request_samples=4, api_key=KEY, max_body_bytes=1 << 20
-    )
     grpc_port = free_port()
-    with serving_grpc(grpc_port):
-        running = RunningServer(LDLMService(str(export_dir), settings))
+    settings = ServerSettings(
+        grpc_port=grpc_port,
+        port=free_port(),
+        max_batch=8,
+        max_delay_ms=0.0,
+        request_timeout_s=30,
+        max_request_samples=4,
+        api_key=KEY,
+        max_body_bytes=1 << 20,
+    )
+    running = RunningServer(LDLMService(str(export_dir), settings))
     running.grpc_url = f"127.0.0.1:{grpc_port}"
     yield running
     running.stop()

@@ -24,7 +24,6 @@ import tritonclient.grpc as triton_grpc  # noqa: E402
 import tritonclient.http as triton_http  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from ldlm.serve.api.grpc_server import serving_grpc  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from ldlm.serve.deploy.triton_env import TritonEnv  # noqa: E402
 from ldlm.serve.deploy.triton_server import start_server  # noqa: E402
@@ -63,10 +62,11 @@ def servers(triton_env: TritonEnv, export_dir: Path, tmp_path_factory: pytest.Te
         export_dir, work / "repo", max_batch=MAX_BATCH, gpu=False, max_n=MAX_N, max_steps=MAX_STEPS, graph_backend="python"
     )
     triton = start_server(repo, triton_env, work / "server.log")
-    settings = ServerSettings(port=free_port(), max_batch=MAX_BATCH, max_n=MAX_N, max_steps=MAX_STEPS, max_request_samples=MAX_BATCH)
     grpc_port = free_port()
-    with serving_grpc(grpc_port):
-        serve = RunningServer(LDLMService(str(export_dir), settings))
+    settings = ServerSettings(
+        grpc_port=grpc_port, port=free_port(), max_batch=MAX_BATCH, max_n=MAX_N, max_steps=MAX_STEPS, max_request_samples=MAX_BATCH
+    )
+    serve = RunningServer(LDLMService(str(export_dir), settings))
     serve.grpc_url = f"127.0.0.1:{grpc_port}"
     yield Servers(triton, serve)
     serve.stop()
