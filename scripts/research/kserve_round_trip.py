@@ -3,10 +3,12 @@
 `ldlm serve` over gRPC and over HTTP (binary tensors), and a real tritonserver serving the same ONNX graphs.
 
 Graphs: the encoder and the denoiser of the checkpoint's export (default: the reference), batch 1 x --tokens.
-Every repeat makes one call of each kind below, for each graph, in an order shuffled anew each round (a seeded
-shuffle), so a drifting load on the machine, and whatever a call leaves behind for the next, hit them all
-alike; the report has p50 and p99 of each and, for the servers, the overhead over the in-process runner (p50
-minus the runner's p50):
+Calls go back to back, as perf_analyzer sends them at concurrency 1, in blocks of 10 calls of one kind; each
+round runs one block of every kind below, for each graph, in an order shuffled anew (a seeded shuffle), so a
+drifting load on the machine hits them all alike. A block's first call, which finds its server idle after the
+other kinds' calls, is reported apart ("after idle"): on this machine a process woken from idle answers later,
+and the more threads a request passes through, the more so. The report has p50 and p99 of each and, for the
+servers, the overhead over the in-process runner (p50 minus the runner's p50):
 
   graph          the ONNX Runtime session alone, in this process
   runner         the same graph through its DynamicBatcher, as `ldlm serve` runs it (the in-process runner)
@@ -65,6 +67,7 @@ from scripts.harness.loopback import free_port, start_server, stop_server  # noq
 REFERENCE = "models/ldlm-austen-tiny"
 GRAPHS = ("encoder", "denoiser")
 TARGET_GRPC_OVERHEAD_MS = 0.6  # over the in-process runner, p50, batch 1
+BLOCK = 10  # back-to-back calls of one kind in a row
 Call = Callable[[], Any]
 
 
@@ -138,17 +141,21 @@ def in_process_calls(export: Path, feeds: dict[str, dict[str, np.ndarray]], stac
     return calls
 
 
-def interleaved(calls: dict[str, Call], repeats: int, warmup: int = 20) -> dict[str, list[float]]:
-    """Milliseconds of each call, ``repeats`` times, one of each per round in a shuffled order (after ``warmup`` rounds)."""
+def interleaved(calls: dict[str, Call], repeats: int, block: int = BLOCK, warmup: int = 2) -> dict[str, list[float]]:
+    """Milliseconds of each call, ``repeats`` times, in blocks of ``block`` back-to-back calls of one kind (as
+    perf_analyzer sends at concurrency 1), the kinds' blocks in an order shuffled anew each round (after
+    ``warmup`` rounds). A block's first call, which follows another kind's and finds its server idle, is kept
+    apart under "<kind> after idle"."""
     times: dict[str, list[float]] = defaultdict(list)
     order, shuffle = list(calls.items()), random.Random(0).shuffle
-    for round_ in range(warmup + repeats):
+    for round_ in range(warmup + -(-repeats // (block - 1))):
         shuffle(order)
         for name, call in order:
-            started = time.perf_counter()
-            call()
-            if round_ >= warmup:
-                times[name].append(1000 * (time.perf_counter() - started))
+            for i in range(block):
+                started = time.perf_counter()
+                call()
+                if round_ >= warmup:
+                    times[name if i else f"{name} after idle"].append(1000 * (time.perf_counter() - started))
     return times
 
 
@@ -158,17 +165,19 @@ def percentile(values: list[float], q: float) -> float:
 
 def summary(times: dict[str, list[float]]) -> dict[str, Any]:
     """Per graph: each in-process kind and each server's kinds as p50/p99, and a server call's overhead over
-    the in-process runner (Triton's: over the graph alone, the work its stub does)."""
+    the in-process runner (Triton's: over the graph alone, the work its stub does), a first call after idle over
+    the runner's first call after idle."""
     out: dict[str, Any] = {}
     for key, values in times.items():
         server, name = key.split(": ", 1) if ": " in key else ("in process", key)
         subject, kind = name.split(" ", 1)
         out.setdefault(subject, {}).setdefault(server, {})[kind] = {"p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
     for graph in GRAPHS:
-        runner = {"ldlm serve": out[graph]["in process"]["runner"]["p50_ms"], "tritonserver": out[graph]["in process"]["graph"]["p50_ms"]}
-        for server, base in runner.items():
-            for entry in out[graph].get(server, {}).values():
-                entry["overhead_p50_ms"] = round(entry["p50_ms"] - base, 3)
+        local = out[graph]["in process"]
+        for server, base in (("ldlm serve", "runner"), ("tritonserver", "graph")):
+            for kind, entry in out[graph].get(server, {}).items():
+                idle = " after idle" if kind.endswith(" after idle") else ""  # compared with the runner's own, idle too
+                entry["overhead_p50_ms"] = round(entry["p50_ms"] - local[base + idle]["p50_ms"], 3)
     return out
 
 
