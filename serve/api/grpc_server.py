@@ -58,19 +58,21 @@ def port_error(host: str, port: int, why: str | None) -> GrpcPortInUseError:
 @contextlib.asynccontextmanager
 async def grpc_endpoint(service: LDLMService, infer: ServeInfer) -> AsyncIterator[int | None]:
     """Serve KServe v2 over gRPC for ``service`` within the block, on its settings' ``grpc_port``, and give the
-    bound port (None: no endpoint). Messages are capped as HTTP bodies are (--max-body-mb); at the end, calls in
-    flight get the request timeout to finish before the app drains the batchers."""
+    bound port (None: no endpoint). Messages are capped as HTTP bodies are (--max-body-mb), and calls in flight
+    as HTTP's connections are (--max-connections); at the end, calls in flight get the request timeout to finish
+    before the app drains the batchers."""
     settings = service.settings
     port = settings.grpc_port
     if port is None:
         yield None
         return
     server = grpc.aio.server(
+        maximum_concurrent_rpcs=settings.max_connections,  # beyond: RESOURCE_EXHAUSTED, as HTTP's limit answers 503
         options=[
             ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.max_send_message_length", -1),  # answers are as large as their outputs, as over HTTP
             ("grpc.so_reuseport", 0),  # a second server on the same port fails, not shares its calls
-        ]
+        ],
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(service, infer), server)
     try:

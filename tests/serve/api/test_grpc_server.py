@@ -1,12 +1,15 @@
 """``ldlm serve`` with its gRPC endpoint: on --port + 1 unless told otherwise (Triton's 8001 beside 8000), off
 with --no-grpc, a --grpc-port another server holds refused before anything loads (the default one, taken,
 leaves HTTP alone, said on stderr), and the real command serving tritonclient.grpc beside HTTP until SIGTERM,
-after which it exits 0 with both closed."""
+after which it exits 0 with both closed; its calls in flight capped by --max-connections."""
 
 from __future__ import annotations
 
+import queue
 import socket
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +18,9 @@ from tritonclient.utils import InferenceServerException
 
 from ldlm.cli import main
 from ldlm.serve.api import grpc_server, server
+from ldlm.serve.api.service import LDLMService, ServerSettings
 from scripts.harness.loopback import start_server, stop_server
-from tests.servers import free_port
+from tests.servers import RunningServer, free_port
 
 
 def grpc_port_served(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int | None:
@@ -99,3 +103,38 @@ def test_ldlm_serve_answers_tritonclient_grpc_beside_http(export_dir: Path, tmp_
     assert '"method": "gRPC", "path": "/inference.GRPCInferenceService/ModelInfer", "status": 200' in output  # the request log
     with pytest.raises(InferenceServerException):
         grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}").is_server_live(client_timeout=2)
+
+
+def test_calls_in_flight_are_capped_by_max_connections(export_dir: Path) -> None:
+    """--max-connections caps gRPC's calls in flight as it caps HTTP's connections: with one allowed, a call
+    beside an open generation stream is refused RESOURCE_EXHAUSTED, and answered once the stream closes."""
+    pytest.importorskip("onnxruntime", reason="the served graphs run on ONNX Runtime (pip install -e .[cpu])")
+    settings = ServerSettings(port=free_port(), grpc_port=free_port(), max_connections=1, max_steps=2000, request_timeout_s=300)
+    running = RunningServer(LDLMService(str(export_dir), settings))
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{settings.grpc_port}")
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        inputs = []
+        for name, value in (("N", 1), ("LENGTH", 64), ("STEPS", 2000)):
+            tensor = grpcclient.InferInput(name, [1], "INT64")
+            tensor.set_data_from_numpy(np.array([value], dtype=np.int64))
+            inputs.append(tensor)
+        client.async_stream_infer("ldlm_generate", inputs, parameters={"preview_every": 1})
+        result, error = answers.get(timeout=60)
+        assert error is None, error  # the stream's call is in flight: its first preview came
+        other = grpcclient.InferenceServerClient(f"127.0.0.1:{settings.grpc_port}")
+        with pytest.raises(InferenceServerException) as refused:
+            other.is_server_live()
+        assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
+        client.stop_stream(cancel_requests=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the stream's handler ends as its cancellation reaches the server
+            try:
+                assert other.is_server_live()
+                break
+            except InferenceServerException:
+                time.sleep(0.1)
+        assert other.is_server_live()
+    finally:
+        running.stop()
