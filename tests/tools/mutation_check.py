@@ -1159,7 +1159,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-duplicate-input-overwrites",
-        "ldlm.serve.api.kserve:parse_infer_request",
+        "ldlm.serve.api.kserve:infer_request_of",
         "if name in inputs:",
         "if name in raw_inputs:",
         ("tests/serve/api/test_kserve_guards.py",),
@@ -1208,7 +1208,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kserve-unknown-field-ignored",
-        "ldlm.serve.api.kserve:parse_infer_request",
+        "ldlm.serve.api.kserve:infer_request_of",
         '    refuse_unknown_fields(payload, REQUEST_FIELDS, "the request")\n',
         "",
         ("tests/serve/api/test_kserve_guards.py",),

@@ -128,8 +128,9 @@ def test_json_that_is_not_a_flat_object_is_named(tmp_path) -> None:
     path.write_text(json.dumps({"d_model": 0}))
     with pytest.raises(ValueError, match=re.escape(f"{path}: not a valid LDLM config: config field d_model=0 is invalid")):
         LDLMConfig.load(path)
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match=re.escape(f"{path}: not a valid LDLM config: Expecting property name")):
+    path.write_text("{not json")  # unreadable JSON, and only that, is called corrupted
+    with pytest.raises(ValueError, match=re.escape(f"{path} is not readable JSON (Expecting property name")) as refused:
         LDLMConfig.load(path)
+    assert str(refused.value).endswith("the file is truncated or corrupted; copy it again")
     with pytest.raises(ValueError, match=re.escape("unknown preset 'huge'; choose one of ['base', 'tiny']")):
         preset("huge")
