@@ -2,7 +2,8 @@
 takes it: the Python API (``LDLMPipeline.generate``, the request plan, ``TokenSampling``, ``ServerSettings``),
 the CLI (``ldlm generate``, ``ldlm serve``, run in-process through ``main``), and the real server on 127.0.0.1
 (/v1/generate, its stream, /v1/completions through the official ``openai`` client, /v1/encode and
-/v1/reconstruct through httpx).
+/v1/reconstruct through httpx, and gRPC's ``ldlm_generate`` stream through tritonclient, its FP32 inputs at
+float32's edges).
 
 The cases come from the table itself (``SETTINGS``, ``body_ranges``), so a new bound is tested on every path
 that has a field or option of its name; the edges come from ``documented_body`` and ``DOCUMENTED_SETTINGS``
@@ -17,16 +18,19 @@ import dataclasses
 import inspect
 import json
 import math
+import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client (pip install -e .[test])")
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient's gRPC client (pip install -e .[test])")
 
 from ldlm.cli import build_parser, main  # noqa: E402
 from ldlm.limits import MAX_N, MAX_STEPS, SETTINGS, body_ranges  # noqa: E402
@@ -34,6 +38,7 @@ from ldlm.model.config import LDLMConfig, preset  # noqa: E402
 from ldlm.pipeline import LDLMPipeline  # noqa: E402
 from ldlm.sampling import GenerateRequest, RequestLimits, resolve  # noqa: E402
 from ldlm.sampling.tokens import TokenSampling  # noqa: E402
+from ldlm.serve.api.kserve_models import GENERATE_INPUTS  # noqa: E402
 from ldlm.serve.api.openai_schemas import completion_body  # noqa: E402
 from ldlm.serve.api.schemas import BodyLimits, request_models  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
@@ -309,7 +314,13 @@ def test_ldlm_serve(name: str, which: str, monkeypatch: pytest.MonkeyPatch, tmp_
 def server(tiny_checkpoint: Path) -> Iterator[RunningServer]:
     """The tiny checkpoint on the eager backend (nothing to export), with small caps: a request at a cap is cheap."""
     caps = {k: v for k, v in CAPS.items() if k in ("max_n", "max_steps", "max_texts")}
-    settings = ServerSettings(port=free_port(), backend="eager", request_timeout_s=CAPS["max_timeout_s"], **caps)  # type: ignore[arg-type]
+    settings = ServerSettings(
+        port=free_port(),
+        grpc_port=free_port(),
+        backend="eager",
+        request_timeout_s=CAPS["max_timeout_s"],
+        **caps,  # type: ignore[arg-type]
+    )
     running = RunningServer(LDLMService(str(tiny_checkpoint), settings))
     yield running
     running.stop()
@@ -388,3 +399,56 @@ def test_v1_completions(field: str, which: str, server: RunningServer, client: A
         with pytest.raises(openai.BadRequestError) as refused:
             create()
         refusal_names(refused.value.message, value, allowed)
+
+
+# --- gRPC's ldlm_generate stream -----------------------------------------------------------------
+
+# Its inputs are /v1/generate's fields in upper case (kserve_models.GENERATE_INPUTS), one value each
+GRPC_INPUTS = {tensor.field: tensor for tensor in GENERATE_INPUTS}
+DATATYPES = {tensor.name: tensor.datatype for tensor in GENERATE_INPUTS}
+GRPC_FIELDS = [f for f in BODY_FIELDS if f in GRPC_INPUTS]
+
+
+def grpc_edge(allowed: Documented, which: str, datatype: str) -> tuple[float, bool] | None:
+    """The edge as the input's datatype holds it: an FP32 input's edges are float32's neighbours of the ends
+    (float64's would round onto the end itself); None where INT64 cannot hold the value at all."""
+    value, inside = edge(allowed, which)
+    if datatype == "FP32" and not allowed.integer:
+        end = np.float32(allowed.low if "low" in which else allowed.high)
+        toward = np.float32(np.inf if (which in ("low", "above high")) else -np.inf)
+        stays = (which == "low" and not allowed.low_open) or (which == "high" and not allowed.high_open)
+        outside_open = (which == "below low" and allowed.low_open) or (which == "above high" and allowed.high_open)
+        value = float(end if stays or outside_open else np.nextafter(end, toward))
+    if datatype == "INT64" and not -(2**63) <= value < 2**63:
+        return None
+    return value, inside
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("field", GRPC_FIELDS)
+def test_grpc_generate_stream(field: str, which: str, server: RunningServer) -> None:
+    spec = GRPC_INPUTS[field]
+    allowed = body_bound(field)
+    given = grpc_edge(allowed, which, spec.datatype)
+    if given is None:
+        pytest.skip(f"{spec.name}: {which} of {allowed.named()} does not fit {spec.datatype}; the transport cannot carry it")
+    value, inside = given
+    inputs = {"N": 1, "LENGTH": 4, "STEPS": 1, spec.name: value}
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.service.settings.grpc_port}")
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        tensors = []
+        for name, number in inputs.items():
+            tensor = grpcclient.InferInput(name, [1], DATATYPES[name])
+            tensor.set_data_from_numpy(np.array([number], dtype=np.int64 if DATATYPES[name] == "INT64" else np.float32))
+            tensors.append(tensor)
+        client.async_stream_infer("ldlm_generate", tensors)
+        result, error = answers.get(timeout=60)
+    finally:
+        client.stop_stream()
+    if inside:
+        assert error is None and result.get_response().parameters["triton_final_response"].bool_param, error
+        return
+    assert result is None and error is not None, (spec.name, value)
+    refusal_names(error.message(), value, allowed)
