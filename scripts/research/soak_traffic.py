@@ -67,10 +67,14 @@ sent_after: list[tuple[float, str | None, str]] = []  # (start wall time, model 
 started = time.time()
 
 
-def model_of(path: str) -> str:
-    """The label the server's request counters use for ``path`` (ldlm.serve.api.http_guard._model_of)."""
+def model_of(path: str) -> str | None:
+    """The label the server's request counters use for ``path`` (http_guard's ``GuardMiddleware.model_label``): a
+    served graph's name for its /v2 infer, a /v1 route's name (every /v1 path sent here is a route); None (not
+    counted) for an unknown model."""
     parts = path.split("/")
-    return parts[3] if path.startswith("/v2/models/") else parts[2]
+    if path.startswith("/v2/models/"):
+        return parts[3] if parts[3] in GRAPH_NAMES else None
+    return parts[2]
 
 
 def record(route: str, outcome: str, ms: float, label: str | None, start: float) -> None:

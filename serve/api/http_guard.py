@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import h11
@@ -49,10 +49,26 @@ class GuardMiddleware:
     def is_open(cls, path: str) -> bool:
         return path in cls.OPEN_PATHS or path.startswith(cls.OPEN_PREFIXES)
 
-    def __init__(self, app: Any, service: LDLMService, shortcut: Callable[[dict[str, Any]], Any] | None = None) -> None:
-        self.app, self.service, self.shortcut = app, service, shortcut
+    def __init__(
+        self, app: Any, service: LDLMService, shortcut: Callable[[dict[str, Any]], Any] | None = None, routes: Sequence[Any] = ()
+    ) -> None:
+        """``routes``: the app's routes (each with a ``path``), read at the first request, when all are in: the
+        /v1 routes among them are what requests to /v1 are counted under."""
+        self.app, self.service, self.shortcut, self.routes = app, service, shortcut, routes
         key = service.settings.api_key
         self.expected_auth = f"Bearer {key}".encode() if key else None
+        self._labels: frozenset[str] | None = None
+
+    def model_label(self, path: str) -> str | None:
+        """The label ``path``'s request is counted under in /metrics: a served graph's name for its /v2 infer, a /v1
+        route's name; None for any other path. Never a name only the request has (``/v2/models/x1/infer``,
+        ``/v1/x1``): the label set, and the memory /metrics takes, stay bounded whatever clients send."""
+        if self._labels is None:
+            self._labels = frozenset(route.path.split("/")[2] for route in self.routes if route.path.startswith("/v1/"))
+        name = _model_of(path)
+        if name is None:
+            return None
+        return name if name in (self.service.graphs if path.startswith("/v2/") else self._labels) else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -62,7 +78,7 @@ class GuardMiddleware:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         started = time.perf_counter()
         status = {"code": 500}
-        model = _model_of(scope["path"])
+        model = self.model_label(scope["path"])
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":

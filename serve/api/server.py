@@ -67,7 +67,7 @@ def create_app(service: LDLMService) -> FastAPI:
         "as in the request schemas.",
     )
     app.state.service = service
-    app.add_middleware(GuardMiddleware, service=service, shortcut=kserve.infer_shortcut(service))
+    app.add_middleware(GuardMiddleware, service=service, shortcut=kserve.infer_shortcut(service), routes=app.router.routes)
     add_error_handlers(app, text_models.limits)
     app.include_router(kserve.create_router(service))
     app.include_router(text.create_router(service, text_models))

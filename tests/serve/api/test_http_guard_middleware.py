@@ -42,10 +42,13 @@ async def stand_in_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+ROUTES = [types.SimpleNamespace(path=path) for path in (*RAISES, "/v1/echo")]  # the stand-in app's /v1 routes
+
+
 def guarded(**settings) -> tuple[GuardMiddleware, Metrics]:
     metrics = Metrics()
-    service = types.SimpleNamespace(settings=ServerSettings(**settings), metrics=metrics)
-    return GuardMiddleware(stand_in_app, service), metrics  # type: ignore[arg-type]
+    service = types.SimpleNamespace(settings=ServerSettings(**settings), metrics=metrics, graphs={"encoder": None})
+    return GuardMiddleware(stand_in_app, service, routes=ROUTES), metrics  # type: ignore[arg-type]
 
 
 def call(app, method: str, path: str, **kwargs) -> httpx.Response:
@@ -198,3 +201,18 @@ def test_sse_framing() -> None:
     assert sse({"a": 1, "b": [1, 2]}) == b'data: {"a":1,"b":[1,2]}\n\n'
     assert sse("[DONE]") == b"data: [DONE]\n\n"
     assert sse({"x": "y"}, "preview") == b'event: preview\ndata: {"x":"y"}\n\n'
+
+
+def test_requests_are_counted_under_served_graphs_and_routes_only() -> None:
+    """A name only the request has (an unknown model, a /v1 path no route serves) is no label: however many a
+    client sends, /metrics keeps the labels of the served graphs and the app's routes."""
+    app, metrics = guarded()
+    for i in range(20):
+        call(app, "POST", f"/v2/models/x{i}/infer", content=b"{}")
+        call(app, "POST", f"/v1/x{i}", content=b"{}")
+    call(app, "POST", "/v2/models/encoder/infer", content=b"{}")
+    call(app, "POST", "/v1/echo", content=b"{}")
+    rendered = metrics.render().decode()
+    assert 'model="x' not in rendered
+    assert 'ldlm_request_success_total{model="encoder"} 1.0' in rendered
+    assert 'ldlm_request_success_total{model="echo"} 1.0' in rendered
