@@ -43,8 +43,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor
 
 from ldlm.export.graphs import GRAPH_NAMES
-from ldlm.serve.api.grpc_generate import METRICS_MODEL
 from ldlm.serve.api.grpc_kserve import GRPC_CODES
+from ldlm.serve.api.kserve_models import GENERATE_LABEL
 from ldlm.serve.api.service import ServerSettings
 
 # Locust runs every user on gevent (it patched the standard library on import): grpc's own waits must yield to
@@ -306,7 +306,7 @@ def stream_call(client: GrpcClient, route: str, request: Any, leave: bool = Fals
         handled = handled or reached
         if not reached:
             client.reopen()
-    record(route, outcome, 1000 * (time.perf_counter() - clock), METRICS_MODEL if handled else None, start)
+    record(route, outcome, 1000 * (time.perf_counter() - clock), GENERATE_LABEL if handled else None, start)
 
 
 def encoder_grpc(seq: int = 16) -> Any:

@@ -28,19 +28,21 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from ldlm.serve.api.errors import HTTPError, error_status
 from ldlm.serve.api.grpc_generate import stream_generate
+from ldlm.serve.api.grpc_tensors import infer_payload, infer_response
 from ldlm.serve.api.http_guard import CLIENT_CLOSED
-from ldlm.serve.api.kserve import InferRequest, kserve_datatype, requested_outputs
+from ldlm.serve.api.kserve import InferRequest, requested_outputs
 from ldlm.serve.api.kserve_models import (
+    GENERATE_LABEL,
+    GENERATE_MODEL,
     MODEL_VERSION,
     as_message,
     model_config,
     model_metadata,
     repository_index,
-    served_graph,
+    served_model,
     server_metadata,
     statistics,
 )
-from ldlm.serve.api.kserve_tensors import ProtocolError
 from ldlm.serve.api.offload import INLINE_BINARY_BYTES, decode_infer_payload, run_blocking
 from ldlm.serve.api.service import LDLMService
 
@@ -61,8 +63,6 @@ GRPC_CODES = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-# The typed field of InferTensorContents that holds each datatype's values (FP16 has none: raw only).
-CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents", "INT32": "int_contents", "BOOL": "bool_contents"}
 
 
 class Encode(Protocol):
@@ -97,7 +97,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def answer() -> Any:
-            served_graph(self.service, request.name, request.version)
+            served_model(self.service, request.name, request.version)
             return service_pb2.ModelReadyResponse(ready=self.service.ready)
 
         return await self._answer(context, "ModelReady", answer)
@@ -141,10 +141,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         model = request.model_name
-        counted = model in self.service.graphs  # metrics are labelled by served models only (a bounded set)
+        # metrics are labelled by served graphs, and generations by one label, only: a bounded set
+        label = model if model in self.service.graphs else GENERATE_LABEL if model == GENERATE_MODEL else None
 
         async def answer() -> Any:
-            served_graph(self.service, model, request.model_version)  # an unknown model is 404 before the tensors are read
+            served_model(self.service, model, request.model_version)  # an unknown model is 404 before the tensors are read
             payload, binary, values = infer_payload(request)
             version = request.model_version or MODEL_VERSION
 
@@ -159,7 +160,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
             return await self.infer(model, request.model_version, decode, encode)
 
-        return await self._answer(context, "ModelInfer", answer, model if counted else None)
+        return await self._answer(context, "ModelInfer", answer, label)
 
     async def ModelStreamInfer(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         """``ldlm_generate``'s previews and results, on a stream (grpc_generate)."""
@@ -177,7 +178,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, context: grpc.aio.ServicerContext, method: str, answer: Callable[[], Awaitable[T]], model: str | None = None
     ) -> T:
         """``answer()`` once the caller's key is checked; an error is aborted with HTTP's message under its status's
-        gRPC code. Logged as HTTP requests are, and an infer call of a served ``model`` counted in its metrics."""
+        gRPC code. Logged as HTTP requests are, and an infer call counted in its metrics under ``model`` (its label)."""
         metadata = dict(context.invocation_metadata() or ())
         request_id = str(metadata.get("x-request-id") or uuid.uuid4().hex)
         started, status = time.perf_counter(), 200
@@ -215,52 +216,3 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     """``context.abort``, which ends the call with ``code`` by raising, typed as never returning."""
     await context.abort(code, message, trailers)
     raise RuntimeError("grpc's context.abort returned")  # it raises, always
-
-
-def infer_payload(request: Any) -> tuple[dict[str, Any], bytes, int]:
-    """What the KServe v2 binary-tensor body a ModelInferRequest stands for decodes to: its JSON header (each
-    ``raw_input_contents[i]`` input i's binary data, each input's typed ``contents`` its JSON data), its binary
-    section, and the number of typed values in the header."""
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise ProtocolError(
-            f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs; allowed: one per input, in input order"
-        )
-    inputs: list[dict[str, Any]] = []
-    values = 0
-    for i, tensor in enumerate(request.inputs):
-        where = f"inputs[{i}] ({tensor.name})"
-        spec: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if raw:
-            if tensor.HasField("contents"):
-                raise ProtocolError(f"{where}: has both contents and raw_input_contents; allowed: one of them for every input")
-            spec["parameters"] = {"binary_data_size": len(raw[i])}
-        elif tensor.HasField("contents"):
-            spec["data"] = typed_contents(tensor, where)
-            values += len(spec["data"])
-        inputs.append(spec)
-    payload: dict[str, Any] = {"inputs": inputs, "outputs": [{"name": out.name} for out in request.outputs] or None}
-    if request.id:
-        payload["id"] = request.id
-    return payload, b"".join(raw), values
-
-
-def typed_contents(tensor: Any, where: str) -> list[Any]:
-    """An input's values from the one typed field of ``contents`` its datatype reads."""
-    field = CONTENTS.get(tensor.datatype)
-    given = [descriptor.name for descriptor, _ in tensor.contents.ListFields()]
-    if field is None and tensor.datatype == "FP16":
-        raise ProtocolError(f"{where}: FP16 data has no contents field; allowed: raw_input_contents")
-    if field is not None and given not in ([field], []):
-        raise ProtocolError(f"{where}: {tensor.datatype} data is in contents.{', contents.'.join(given)}; allowed: contents.{field}")
-    return list(getattr(tensor.contents, field)) if field is not None else []
-
-
-def infer_response(model: str, version: str, parsed: InferRequest, outputs: dict[str, np.ndarray]) -> Any:
-    """The ModelInferResponse of ``outputs``: the outputs asked for (or all), in raw_output_contents."""
-    response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=parsed.id or "")
-    for name, _ in requested_outputs(parsed, outputs):
-        array = np.ascontiguousarray(outputs[name])
-        response.outputs.add(name=name, datatype=kserve_datatype(array.dtype), shape=array.shape)
-        response.raw_output_contents.append(array.tobytes())
-    return response

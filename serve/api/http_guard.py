@@ -30,6 +30,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ldlm.serve.api.errors import HTTPError, error_body, error_status
+from ldlm.serve.api.kserve_models import GENERATE_LABEL, GENERATE_MODEL
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 
@@ -52,23 +53,22 @@ class GuardMiddleware:
     def __init__(
         self, app: Any, service: LDLMService, shortcut: Callable[[dict[str, Any]], Any] | None = None, routes: Sequence[Any] = ()
     ) -> None:
-        """``routes``: the app's routes (each with a ``path``), read at the first request, when all are in: the
-        /v1 routes among them are what requests to /v1 are counted under."""
-        self.app, self.service, self.shortcut, self.routes = app, service, shortcut, routes
+        """``routes``: the app's routes (each with a ``path``): the /v1 routes among them are what requests to /v1
+        are counted under."""
+        self.app, self.service, self.shortcut = app, service, shortcut
         key = service.settings.api_key
         self.expected_auth = f"Bearer {key}".encode() if key else None
-        self._labels: frozenset[str] | None = None
+        self.v1_labels = frozenset(route.path.split("/")[2] for route in routes if route.path.startswith("/v1/"))
 
     def model_label(self, path: str) -> str | None:
-        """The label ``path``'s request is counted under in /metrics: a served graph's name for its /v2 infer, a /v1
-        route's name; None for any other path. Never a name only the request has (``/v2/models/x1/infer``,
-        ``/v1/x1``): the label set, and the memory /metrics takes, stay bounded whatever clients send."""
-        if self._labels is None:
-            self._labels = frozenset(route.path.split("/")[2] for route in self.routes if route.path.startswith("/v1/"))
+        """The label ``path``'s request is counted under in /metrics: a served graph's name for its /v2 infer (the
+        generations' label for ldlm_generate's), a /v1 route's name; None for any other path. Never a name only the
+        request has (``/v2/models/x1/infer``, ``/v1/x1``): the label set, and the memory /metrics takes, stay
+        bounded whatever clients send."""
         name = _model_of(path)
-        if name is None:
-            return None
-        return name if name in (self.service.graphs if path.startswith("/v2/") else self._labels) else None
+        if name is None or not path.startswith("/v2/"):
+            return name if name in self.v1_labels else None
+        return name if name in self.service.graphs else GENERATE_LABEL if name == GENERATE_MODEL else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

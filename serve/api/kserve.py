@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ldlm.serve.api.kserve_tensors import DATATYPES, ProtocolError, json_tensor
+from ldlm.serve.api.kserve_tensors import DATATYPES, ProtocolError, bytes_tensor, json_tensor, tensor_bytes
 
 KSERVE_NAMES = {"FLOAT": "FP32", "FLOAT16": "FP16", "INT64": "INT64", "INT32": "INT32", "BOOL": "BOOL"}
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -128,14 +128,18 @@ def _input_tensor(spec: dict[str, Any], where: str, binary: memoryview, offset: 
     count = math.prod(shape)
     size = _parameters(spec, where).get("binary_data_size")
     if size is not None:
-        if type(size) is not int or size != count * dtype.itemsize:
+        if dtype.kind == "O" and (type(size) is not int or size < 0):  # BYTES: elements of their own lengths
+            raise ProtocolError(f"{where}: binary_data_size {size!r} is invalid; allowed: the byte size of the BYTES data")
+        if dtype.kind != "O" and (type(size) is not int or size != count * dtype.itemsize):
             raise ProtocolError(
                 f"{where}: binary_data_size {size!r} is invalid; allowed: {count} elements x {dtype.itemsize} bytes "
                 f"= {count * dtype.itemsize}"
             )
         if offset + size > len(binary):
             raise ProtocolError(f"{where}: binary data is shorter than its binary_data_size {size}")
-        array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
+        data = binary[offset : offset + size]
+        array = bytes_tensor(data, count, where) if dtype.kind == "O" else np.frombuffer(data, dtype=dtype)
+        array = array.reshape(shape)
         offset += size
     else:
         if "data" not in spec:
@@ -200,8 +204,10 @@ def encode_infer_response(model: str, version: str, request: InferRequest, outpu
         array = np.ascontiguousarray(outputs[name])
         entry: dict[str, Any] = {"name": name, "datatype": kserve_datatype(array.dtype), "shape": list(array.shape)}
         if binary:
-            entry["parameters"] = {"binary_data_size": array.nbytes}
-            blobs.append(array.reshape(-1).view(np.uint8).data)  # a view: the join below is the one copy
+            # a view (the join below is the one copy); BYTES: its elements, each after its length
+            blob = memoryview(tensor_bytes(array)) if array.dtype.kind == "O" else array.reshape(-1).view(np.uint8).data
+            entry["parameters"] = {"binary_data_size": blob.nbytes}
+            blobs.append(blob)
             entries.append(json.dumps(entry, separators=(",", ":")))
         else:
             entries.append(json.dumps(entry, separators=(",", ":"))[:-1] + ',"data":' + json_data(array) + "}")
@@ -218,6 +224,8 @@ def json_data(array: np.ndarray) -> str:
     digits, which give back every float32 exactly, at a third of the cost of the shortest float64 form
     json.dumps writes (1 ms for 1024 values on a slow core); everything else as json.dumps writes it."""
     values = array.reshape(-1).tolist()
+    if array.dtype.kind == "O":  # BYTES: strings (the texts this server answers are UTF-8)
+        return json.dumps([v.decode() if isinstance(v, bytes) else v for v in values], separators=(",", ":"))
     if array.dtype in (np.float32, np.float16) and values and np.isfinite(array).all():
         return "[" + ",".join(["%.9g"] * len(values)) % tuple(values) + "]"
     return json.dumps(values, separators=(",", ":"))

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # for the annotations only: Triton's ldlm_generate imports th
     from ldlm.serve.runtime.graph_backend import GraphBackend
 
 MODEL_VERSION = "1"
-GENERATE_MODEL = "ldlm_generate"  # generation: Triton's Python-backend model, and ldlm serve's over gRPC's stream (grpc_generate)
+GENERATE_MODEL = "ldlm_generate"  # generation: Triton's Python-backend model, and ldlm serve's (generate_model, grpc_generate)
+GENERATE_LABEL = "generate"  # what generations count under in /metrics, whichever route or model brought them
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
 INDEX_FIELDS = ("ready",)
 
@@ -77,13 +78,14 @@ GENERATE_OUTPUTS = (
 GENERATE_NAMES = {tensor.field: tensor.name for tensor in GENERATE_INPUTS}  # a field as refusals name it (N=0, T_MIN=1.5)
 
 
-def served_graph(service: LDLMService, model: str, version: str = "") -> GraphBackend:
-    """The graph ``model`` names, or 404 naming the models (or the version) there are. "" is the one version."""
-    if model not in service.graphs:
-        raise HTTPError(404, f"unknown model {model!r}; available: {', '.join(service.graphs)}")
+def served_model(service: LDLMService, model: str, version: str = "") -> GraphBackend | None:
+    """The graph ``model`` names, None for ``ldlm_generate`` (the scheduler's generation), or 404 naming the models
+    (or the version) there are. "" is the one version."""
+    if model not in service.graphs and model != GENERATE_MODEL:
+        raise HTTPError(404, f"unknown model {model!r}; available: {', '.join([*service.graphs, GENERATE_MODEL])}")
     if version not in ("", MODEL_VERSION):
         raise HTTPError(404, f"model {model!r} has no version {version!r}; available: {MODEL_VERSION}")
-    return service.graphs[model]
+    return service.graphs.get(model)
 
 
 def server_metadata() -> dict[str, Any]:
@@ -91,7 +93,15 @@ def server_metadata() -> dict[str, Any]:
 
 
 def model_metadata(service: LDLMService, model: str, version: str = "") -> dict[str, Any]:
-    graph = served_graph(service, model, version)
+    graph = served_model(service, model, version)
+    if graph is None:
+        return {
+            "name": model,
+            "versions": [MODEL_VERSION],
+            "platform": "ldlm_generate",
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.dims)} for t in GENERATE_INPUTS],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.dims)} for t in GENERATE_OUTPUTS],
+        }
     return {
         "name": model,
         "versions": [MODEL_VERSION],
@@ -106,8 +116,10 @@ def model_config(service: LDLMService, model: str, version: str = "") -> dict[st
     """The graph as a Triton model configuration says it: ``max_batch_size`` is the most samples one request may
     send (--max-request-samples), the dynamic batcher forms batches of up to ``preferred_batch_size`` (--max-batch,
     or a TensorRT profile's limit), waits up to --max-delay-ms for them and holds up to --max-queue requests."""
-    graph = served_graph(service, model, version)
+    graph = served_model(service, model, version)
     settings = service.settings
+    if graph is None:
+        return generate_config(settings.max_n, settings.max_steps)
     return {
         "name": model,
         "platform": f"ldlm_{graph.backend}",
@@ -122,6 +134,22 @@ def model_config(service: LDLMService, model: str, version: str = "") -> dict[st
         },
         "instance_group": [{"name": model, "count": 1, "kind": "KIND_CPU" if on_cpu(graph) else "KIND_GPU"}],
         "parameters": {"precision": {"string_value": graph.precision}, "provider": {"string_value": graph.provider}},
+    }
+
+
+def generate_config(max_n: int, max_steps: int) -> dict[str, Any]:
+    """ldlm_generate as a Triton model configuration says it: one request at a time (``max_batch_size`` 0, no batch
+    axis), its inputs and outputs (an input not required is optional), and the limits it enforces."""
+    return {
+        "name": GENERATE_MODEL,
+        "platform": "ldlm_generate",
+        "max_batch_size": 0,
+        "input": [
+            {"name": t.name, "data_type": config_type(t.datatype), "dims": list(t.dims), **({} if t.required else {"optional": True})}
+            for t in GENERATE_INPUTS
+        ],
+        "output": [{"name": t.name, "data_type": config_type(t.datatype), "dims": list(t.dims)} for t in GENERATE_OUTPUTS],
+        "parameters": {"max_n": {"string_value": str(max_n)}, "max_steps": {"string_value": str(max_steps)}},
     }
 
 
@@ -152,17 +180,28 @@ def on_cpu(graph: GraphBackend) -> bool:
 
 def statistics(service: LDLMService, model: str = "", version: str = "") -> dict[str, Any]:
     """Triton's statistics of ``model``, or of every model when it is ""."""
-    models = [model] if model else list(service.graphs)
+    models = [model] if model else [*service.graphs, GENERATE_MODEL]
     for name in models:
-        served_graph(service, name, version)
-    return {"model_stats": [service.metrics.model_statistics(name, MODEL_VERSION) for name in models]}
+        served_model(service, name, version)
+    return {"model_stats": [model_statistics(service, name) for name in models]}
+
+
+def model_statistics(service: LDLMService, model: str) -> dict[str, Any]:
+    """One model's statistics. ldlm_generate's requests are its infer and stream requests; its executions are the
+    scheduler's denoising steps (their batch sizes, queue and compute times), which every generation shares,
+    whichever route sent it."""
+    if model != GENERATE_MODEL:
+        return service.metrics.model_statistics(model, MODEL_VERSION)
+    return {**service.metrics.model_statistics(GENERATE_LABEL, MODEL_VERSION), "name": GENERATE_MODEL}
 
 
 def repository_index(service: LDLMService, ready_only: bool = False) -> list[dict[str, str]]:
     """Every served model and its state; ``ready_only``: none while the server is not ready."""
     state = "READY" if service.ready else "UNAVAILABLE"
     return [
-        {"name": name, "version": MODEL_VERSION, "state": state, "reason": ""} for name in service.graphs if service.ready or not ready_only
+        {"name": name, "version": MODEL_VERSION, "state": state, "reason": ""}
+        for name in [*service.graphs, GENERATE_MODEL]
+        if service.ready or not ready_only
     ]
 
 

@@ -5,6 +5,7 @@ JSON value types each kind takes, and JSON tensor data decoded value by value (`
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ DATATYPES: dict[str, Any] = {
     "INT64": np.int64,
     "INT32": np.int32,
     "BOOL": np.bool_,
+    "BYTES": np.object_,  # each element bytes: text as UTF-8 (JSON: a string); only ldlm_generate takes and answers it
 }
 
 
@@ -24,7 +26,8 @@ class ProtocolError(ValueError):
 
 
 # The JSON value types each kind of datatype takes (JSON true/false are Python bools, never integers here).
-JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}
+JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}, "O": {str, bytes}}  # bytes: gRPC's bytes_contents
+LENGTH = struct.Struct("<I")  # a BYTES element's length before it, in the binary form (as tritonclient writes it)
 
 
 def json_tensor(data: Any, datatype: str, dtype: np.dtype, where: str) -> np.ndarray:
@@ -34,7 +37,7 @@ def json_tensor(data: Any, datatype: str, dtype: np.dtype, where: str) -> np.nda
     kinds = set(map(type, flat))
     allowed = JSON_TYPES[dtype.kind]
     if not kinds <= allowed:
-        names = {bool: "true/false", int: "integers", float: "numbers"}
+        names = {bool: "true/false", int: "integers", float: "numbers", str: "strings"}
         wrong = sorted(k.__name__ for k in kinds - allowed)
         raise ProtocolError(
             f"{where}: {datatype} data holds {', '.join(wrong)} values; allowed: {' or '.join(names[k] for k in names if k in allowed)}"
@@ -57,7 +60,45 @@ def json_tensor(data: Any, datatype: str, dtype: np.dtype, where: str) -> np.nda
         if wide.size and np.abs(wide).max() > limit:
             raise ProtocolError(f"{where}: {datatype} data holds {np.abs(wide).max():g}; allowed: magnitudes up to {limit:g}")
         return wide.astype(dtype)
+    if dtype.kind == "O":
+        return object_array([value.encode() if isinstance(value, str) else value for value in flat])
     return np.array(flat, dtype=dtype)
+
+
+def object_array(values: list[bytes]) -> np.ndarray:
+    """A 1-D BYTES tensor of ``values`` (np.array would make a fixed-width bytes array of them)."""
+    array = np.empty(len(values), dtype=np.object_)
+    array[:] = values
+    return array
+
+
+def bytes_tensor(data: memoryview, count: int, where: str) -> np.ndarray:
+    """A BYTES input's binary data: ``count`` elements, each its 4-byte little-endian length then its bytes,
+    filling ``data`` exactly."""
+    values: list[bytes] = []
+    offset = 0
+    while offset < len(data) and len(values) < count:
+        if offset + LENGTH.size > len(data):
+            break
+        (size,) = LENGTH.unpack_from(data, offset)
+        offset += LENGTH.size
+        if offset + size > len(data):
+            break
+        values.append(bytes(data[offset : offset + size]))
+        offset += size
+    if len(values) != count or offset != len(data):
+        raise ProtocolError(
+            f"{where}: BYTES binary data is not {count} elements; allowed: each element's 4-byte little-endian length, "
+            "then its bytes, filling binary_data_size exactly"
+        )
+    return object_array(values)
+
+
+def tensor_bytes(array: np.ndarray) -> bytes:
+    """A tensor's binary form: its values' bytes in C order; a BYTES element's 4-byte length before each one."""
+    if array.dtype.kind == "O":
+        return b"".join(LENGTH.pack(len(value)) + value for value in (v.encode() if isinstance(v, str) else v for v in array.reshape(-1)))
+    return np.ascontiguousarray(array).tobytes()
 
 
 def _flatten(data: Any, where: str) -> list[Any]:

@@ -67,13 +67,18 @@ def create_app(service: LDLMService) -> FastAPI:
         "as in the request schemas.",
     )
     app.state.service = service
-    app.add_middleware(GuardMiddleware, service=service, shortcut=kserve.infer_shortcut(service), routes=app.router.routes)
+    routers = [
+        kserve.create_router(service),
+        text.create_router(service, text_models),
+        openai.create_router(service),
+        playground.create_router(),
+        metrics.create_router(service),
+    ]
+    routes = [route for router in routers for route in router.routes]  # each an APIRoute, with its path
+    app.add_middleware(GuardMiddleware, service=service, shortcut=kserve.infer_shortcut(service), routes=routes)
     add_error_handlers(app, text_models.limits)
-    app.include_router(kserve.create_router(service))
-    app.include_router(text.create_router(service, text_models))
-    app.include_router(openai.create_router(service))
-    app.include_router(playground.create_router())
-    app.include_router(metrics.create_router(service))
+    for router in routers:
+        app.include_router(router)
     return app
 
 

@@ -14,6 +14,7 @@ future, and the scheduler drops its samples at its next step, and its previews w
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -25,7 +26,9 @@ from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import TextResult, keep_prompt
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
-from ldlm.serve.api.prompted import with_prompt
+from ldlm.serve.api.offload import Deadline, run_blocking, run_submit
+from ldlm.serve.api.prompted import prompt_prefix, with_prompt
+from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.generation import Preview
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -113,6 +116,25 @@ class GenerationStream:
 def ran(result: TextResult) -> dict[str, Any] | None:
     """The plan that produced ``result`` (sampler, steps, grid, t_min, prior temperature), as answers name it."""
     return None if result.plan is None else result.plan.summary()
+
+
+async def start_stream(
+    service: LDLMService, spec: GenerateRequest, prompt: str, every: int, deadline: Deadline
+) -> tuple[GenerationStream, list[int], int]:
+    """A generation started as a stream of a preview every ``every`` steps (0: none) then its result, as /v1/generate
+    with ``stream: true`` and gRPC's ldlm_generate stream start it: the prompt's tokens encoded (the encoder runs:
+    off the event loop), its steps planned (bad input is refused here, before the stream), and the request
+    submitted (which draws every sample's prior noise: off the event loop too; the scheduler refuses at once what
+    it estimates cannot finish in the time left). The stream, the prompt's token ids and the steps it runs."""
+    prefix, ids = None, []
+    if prompt:
+        prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, spec.length, timeout_s=deadline.left())
+    steps = service.scheduler.plan(spec).steps
+    submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
+    loop, tokenizer = asyncio.get_running_loop(), service.pipeline.tokenizer
+    start = functools.partial(GenerationStream, submit, tokenizer, spec, every, prefix, loop=loop, prompt_ids=ids, steps=steps)
+    stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
+    return stream, ids, steps
 
 
 async def generate_sse(stream: GenerationStream, timeout_s: float, tokenizer: TextTokenizer | None = None) -> AsyncIterator[bytes]:

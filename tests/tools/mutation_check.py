@@ -1136,8 +1136,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "kserve-bool-as-int",
         "ldlm.serve.api.kserve_tensors:JSON_TYPES",
-        'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "f": {int, float}}',
-        'JSON_TYPES: dict[str, set[type]] = {"b": {bool}, "i": {int, bool}, "f": {int, float}}',
+        '"i": {int}, "f": {int, float}',
+        '"i": {int, bool}, "f": {int, float}',
         ("tests/serve/api/test_kserve_guards.py",),
         "true/false accepted as token ids",
     ),
@@ -1673,9 +1673,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "prompted-answer-not-kept",
-        "ldlm.serve.api.routes.text:create_router",
-        "shown = keep_prompt(result, ids, tokenizer) if ids else result",
-        "shown = result",
+        "ldlm.serve.api.prompted:generate_texts",
+        "return keep_prompt(result, ids, service.pipeline.tokenizer) if ids else result",
+        "return result",
         ("tests/serve/api/test_prompted.py",),
         "a prompted generation answers with what the decoder makes of the prompt's latents, not the prompt",
     ),

@@ -1,5 +1,6 @@
-"""The KServe v2 (Open Inference Protocol) routes: one model per graph, as Triton serves them, and the
-same protocol over gRPC beside them (``grpc_server``) for as long as the app runs, when one is asked for.
+"""The KServe v2 (Open Inference Protocol) routes: one model per graph and ``ldlm_generate`` (generation), as
+Triton serves them from ``ldlm triton-repo``'s repository, and the same protocol over gRPC beside them
+(``grpc_server``) for as long as the app runs, when one is asked for.
 
   GET  /v2, /v2/health/live, /v2/health/ready
   GET  /v2/models/{model}[/versions/{v}], .../ready, .../config     metadata, readiness, Triton's model config
@@ -8,7 +9,7 @@ same protocol over gRPC beside them (``grpc_server``) for as long as the app run
   POST /v2/models/{model}[/versions/{v}]/infer     JSON and binary tensors (tritonclient works as is)
 
 The codec is ``kserve``, the answers about models ``kserve_models``; each infer request, over either
-transport, runs through ``serve_infer`` and its graph's ``DynamicBatcher``. ``infer_shortcut`` gives the
+transport, runs through ``serve_infer`` and its graph's ``DynamicBatcher`` (ldlm_generate's: the scheduler). ``infer_shortcut`` gives the
 guard the infer route as a bare ASGI app, which it runs in place of FastAPI's routing, dependency solving
 and response wrappers (about a third of a small request's time on the server); the FastAPI route stays
 for the OpenAPI schema and runs the same ``answer_infer``.
@@ -27,15 +28,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ldlm.serve.api.errors import HTTPError
+from ldlm.serve.api.generate_model import generate_check, infer_generate
 from ldlm.serve.api.grpc_server import grpc_endpoint
 from ldlm.serve.api.kserve import HEADER_LENGTH, InferRequest, kserve_datatype
 from ldlm.serve.api.kserve_models import (
+    GENERATE_LABEL,
     MODEL_VERSION,
     index_request,
     model_config,
     model_metadata,
     repository_index,
-    served_graph,
+    served_model,
     server_metadata,
     statistics,
 )
@@ -77,7 +80,7 @@ def create_router(service: LDLMService) -> APIRouter:
     @router.get("/v2/models/{model}/ready")
     @router.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(model: str, version: str = MODEL_VERSION) -> Response:
-        served_graph(service, model, version)
+        served_model(service, model, version)
         return Response(status_code=200 if service.ready else 503)
 
     @router.get("/v2/models/{model}/config")
@@ -141,8 +144,14 @@ async def serve_infer(
 ) -> T:
     """One KServe v2 infer request, whichever transport brought it: decoded by ``decode`` (an HTTP body's, or a
     gRPC request's) and checked with the check it is given, run in its graph's batcher, and answered by
-    ``encode``; timed stage by stage for the statistics."""
-    served_graph(service, model, version)
+    ``encode``; timed stage by stage for the statistics. ``ldlm_generate`` runs as /v1/generate does (generate_model)."""
+    if served_model(service, model, version) is None:
+        with service.metrics.timed_infer(GENERATE_LABEL) as clock:
+            parsed = await decode(generate_check(service))
+            clock.decoded = time.perf_counter()
+            outputs = await infer_generate(service, parsed)
+            clock.computed = time.perf_counter()
+            return await encode(parsed, outputs)
     with service.metrics.timed_infer(model) as clock:
         parsed = await decode(infer_check(service, model))
         clock.decoded = time.perf_counter()

@@ -12,22 +12,19 @@ graphs' dynamic batchers.
 # No `from __future__ import annotations`: the body models carry this server's limits, so they are
 # built per app, and FastAPI reads a handler's parameter types from its live annotations.
 
-import asyncio
-import functools
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from ldlm.pipeline import LDLMPipeline, keep_prompt
+from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.offload import Deadline, json_response, run_blocking, run_submit, wait
-from ldlm.serve.api.prompted import prompt_prefix
+from ldlm.serve.api.offload import Deadline, json_response, run_blocking
+from ldlm.serve.api.prompted import generate_texts
 from ldlm.serve.api.schemas import EncodeResponse, GenerateResponse, RequestModels, TextsResponse, request_models
 from ldlm.serve.api.service import LDLMService
-from ldlm.serve.api.streaming import SSE_HEADERS, GenerationStream, generate_sse, ran
+from ldlm.serve.api.streaming import SSE_HEADERS, generate_sse, ran, start_stream
 
 
 def text_request_models(service: LDLMService) -> RequestModels:
@@ -47,25 +44,11 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         """Sample texts. Random-init checkpoints give gibberish. With `stream: true`: Server-Sent Events."""
         deadline = Deadline(settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
         prompt, tokenizer = getattr(body, "prompt", ""), service.pipeline.tokenizer  # a body model without the field: none
-        prefix, ids = None, []
-        if prompt:  # its tokens are encoded (the encoder runs): off the event loop
-            prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, body.length, timeout_s=deadline.left())
-        spec = body.to_request()
-        # Submitting draws every sample's prior noise (n x length x d_model): off the event loop. The
-        # scheduler refuses at once what it estimates cannot finish in the time left.
-        submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
-        if body.stream:
-            loop = asyncio.get_running_loop()
-            steps = service.scheduler.plan(spec).steps  # what the previews name; bad input is refused here, before the stream
-            start = functools.partial(
-                GenerationStream, submit, tokenizer, spec, body.preview_every, prefix, loop=loop, prompt_ids=ids, steps=steps
-            )
-            stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
-            return StreamingResponse(generate_sse(stream, deadline.left(), tokenizer), headers=SSE_HEADERS, media_type="text/event-stream")
-        future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
-        result = await wait(future, deadline.left(), deadline.limit_s)  # cancelled here (disconnect, timeout): freed at the next step
-        shown = keep_prompt(result, ids, tokenizer) if ids else result
-        return await json_response(service, {"texts": shown.texts, "token_ids": shown.ids(), "plan": ran(shown)})
+        if not body.stream:
+            result = await generate_texts(service, body.to_request(), prompt, deadline)
+            return await json_response(service, {"texts": result.texts, "token_ids": result.ids(), "plan": ran(result)})
+        stream, _, _ = await start_stream(service, body.to_request(), prompt, body.preview_every, deadline)
+        return StreamingResponse(generate_sse(stream, deadline.left(), tokenizer), headers=SSE_HEADERS, media_type="text/event-stream")
 
     async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[list[int]]], dict[str, Any]]) -> Response:
         """Check and tokenize the body's texts and compute ``payload`` of their ids, in one call off the

@@ -155,7 +155,7 @@ def test_model_config_is_tritons_over_both(clients, served: RunningServer) -> No
 
 def test_repository_index_lists_the_served_models(clients, served: RunningServer) -> None:
     over_grpc, over_http = clients
-    expected = [{"name": m, "version": "1", "state": "READY", "reason": ""} for m in MODELS]
+    expected = [{"name": m, "version": "1", "state": "READY", "reason": ""} for m in (*MODELS, "ldlm_generate")]
     assert over_http.get_model_repository_index() == expected
     assert as_dict(over_grpc.get_model_repository_index()) == {"models": expected}
     with httpx.Client(base_url=served.url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as http:
@@ -276,7 +276,7 @@ def test_statistics_count_as_triton_does_from_the_metrics(clients, served: Runni
     over = over_grpc.get_inference_statistics("encoder", as_json=True)["model_stats"][0]
     assert int(over["execution_count"]) == after["execution_count"]
     every = over_http.get_inference_statistics()["model_stats"]
-    assert [s["name"] for s in every] == list(MODELS) and every[0]["execution_count"] == after["execution_count"]
+    assert [s["name"] for s in every] == [*MODELS, "ldlm_generate"] and every[0]["execution_count"] == after["execution_count"]
     assert over_http.get_inference_statistics("encoder", "1")["model_stats"][0]["execution_count"] == after["execution_count"]
 
 

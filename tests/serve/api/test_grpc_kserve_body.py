@@ -14,7 +14,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient's gRP
 
 from tritonclient.grpc import service_pb2  # noqa: E402
 
-from ldlm.serve.api.grpc_kserve import infer_payload, infer_response  # noqa: E402
+from ldlm.serve.api.grpc_tensors import infer_payload, infer_response  # noqa: E402
 from ldlm.serve.api.kserve import InferRequest, infer_request_of  # noqa: E402
 from ldlm.serve.api.kserve_tensors import ProtocolError  # noqa: E402
 

@@ -105,8 +105,7 @@ def test_health_metadata_config_statistics_and_index_agree(clients) -> None:
         assert {"statistics", "model_repository"} <= set(as_json(client.get_server_metadata(), client)["extensions"]), where
         index = as_json(client.get_model_repository_index(), client)
         names = {m["name"] for m in (index if isinstance(index, list) else index["models"])}
-        # ldlm serve's repository is the graphs; its ldlm_generate is gRPC's stream alone, not a model it indexes
-        assert names == set(GRAPHS) | ({"ldlm_generate"} if server == "triton" else set()), where
+        assert names == {*GRAPHS, "ldlm_generate"} and client.is_model_ready("ldlm_generate"), where
         stats = as_json(client.get_inference_statistics("denoiser"), client)["model_stats"]
         assert [s["name"] for s in stats] == ["denoiser"], where
     for kind in MODULES:
@@ -124,6 +123,15 @@ def test_health_metadata_config_statistics_and_index_agree(clients) -> None:
                 (t["name"], t["data_type"], [int(d) for d in t["dims"]], "reshape" in t) for t in s_conf["input"]
             ], (graph, kind)
             assert int(t_conf["max_batch_size"]) == int(s_conf["max_batch_size"]) == MAX_BATCH
+        triton, serve = (io_of(metadata(clients[(s, kind)], "ldlm_generate")) for s in ("triton", "serve"))
+        assert triton == serve, kind  # ldlm_generate's inputs and outputs: names, datatypes, shapes
+        t_conf, s_conf = (config_of(clients[(s, kind)], "ldlm_generate") for s in ("triton", "serve"))
+        described = [
+            [(t["name"], t["data_type"], [int(d) for d in t["dims"]], bool(t.get("optional"))) for t in conf[section]]
+            for conf in (t_conf, s_conf)
+            for section in ("input", "output")
+        ]
+        assert described[:2] == described[2:] and int(t_conf.get("max_batch_size", 0)) == int(s_conf.get("max_batch_size", 0)) == 0, kind
 
 
 def as_json(answer: Any, client: Any) -> Any:
@@ -219,13 +227,14 @@ REQUESTS = [
 
 @pytest.mark.parametrize("request_pair", REQUESTS, ids=["n6-ddim", "no-seed", "prompt-grid", "prompt-strength"])
 def test_ldlm_generate_answers_as_v1_generate(servers: Servers, clients, request_pair) -> None:
-    """Triton's ldlm_generate over HTTP, gRPC and gRPC's stream: /v1/generate's tokens, texts and plan."""
+    """ldlm_generate over HTTP, gRPC and gRPC's stream, Triton's and ldlm serve's: /v1/generate's tokens, texts and plan."""
     inputs, body = request_pair
     response = v1_generate(servers, **body)
     assert response.status_code == 200, response.text
     want = response.json()
-    for kind in MODULES:
-        assert triton_generate(clients[("triton", kind)], MODULES[kind], **inputs) == want, kind
+    for server in ("triton", "serve"):
+        for kind in MODULES:
+            assert triton_generate(clients[(server, kind)], MODULES[kind], **inputs) == want, (server, kind)
     if "PROMPT" in inputs:
         assert all(text.startswith(body["prompt"]) for text in want["texts"])  # the prompt verbatim, its tokens counted
     streamed = stream_answers(clients[("triton", "grpc")], inputs)
@@ -292,9 +301,10 @@ def test_the_same_bad_requests_get_the_same_codes(clients, pipeline) -> None:
 )
 def test_ldlm_generate_refusals_are_400_with_v1_generates_words(servers: Servers, clients, change, message) -> None:
     inputs = {"N": 1, "LENGTH": 5, "STEPS": 2, **change}
-    for kind, code in (("http", "400"), ("grpc", "StatusCode.INVALID_ARGUMENT")):
-        error = refused(clients[("triton", kind)].infer, "ldlm_generate", generate_tensors(MODULES[kind], **inputs))
-        assert status(error) == code and message in error.message(), (kind, error)
+    for server in ("triton", "serve"):
+        for kind, code in (("http", "400"), ("grpc", "StatusCode.INVALID_ARGUMENT")):
+            error = refused(clients[(server, kind)].infer, "ldlm_generate", generate_tensors(MODULES[kind], **inputs))
+            assert status(error) == code and message in error.message(), (server, kind, error)
     answer = v1_generate(servers, **{name.lower(): value for name, value in inputs.items()})
     if "N" in change or "STEPS" in change:
         # /v1/generate's body validation answers a field out of range 422 and names it as the body does ("n: 0");
