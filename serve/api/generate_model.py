@@ -8,7 +8,7 @@ required; one left out is filled in by ``ldlm.sampling.resolve``, as on /v1/gene
 continue: LENGTH counts its tokens, and the texts and token ids start with it verbatim. The answer is TEXTS
 [N] (BYTES, UTF-8), TOKEN_IDS [N, LENGTH] (INT64) and PLAN [1] (the plan that ran, as JSON). A request is read
 by the one KServe codec, whichever transport brought it, then checked here; it runs as /v1/generate's does
-(``prompted.generate_texts``).
+(``streaming.generate_texts``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from ldlm.serve.api.kserve import InferRequest, kserve_datatype
 from ldlm.serve.api.kserve_models import GENERATE_INPUTS, GENERATE_MODEL, GENERATE_OUTPUTS
 from ldlm.serve.api.kserve_tensors import ProtocolError, object_array
 from ldlm.serve.api.offload import Deadline
-from ldlm.serve.api.prompted import generate_texts
 from ldlm.serve.api.service import LDLMService
-from ldlm.serve.api.streaming import ran
+from ldlm.serve.api.streaming import generate_texts, ran
 
 INPUTS = {tensor.name: tensor for tensor in GENERATE_INPUTS}
 OUTPUTS = [tensor.name for tensor in GENERATE_OUTPUTS]

@@ -8,18 +8,13 @@ what follows the prompt, and the text is that alone unless ``echo``.)
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 from torch import Tensor
 
 from ldlm.model.tokenizer import TextTokenizer
-from ldlm.pipeline import LDLMPipeline, TextResult, keep_prompt
-from ldlm.sampling import GenerateRequest
+from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.offload import Deadline, run_blocking, run_submit, wait
-from ldlm.serve.api.service import LDLMService
 
 
 def prompt_prefix(pipeline: LDLMPipeline, prompt: str, length: int) -> tuple[Tensor | None, list[int]]:
@@ -43,17 +38,3 @@ def prompt_prefix(pipeline: LDLMPipeline, prompt: str, length: int) -> tuple[Ten
 def with_prompt(token_ids: Sequence[int], ids: Sequence[int], tokenizer: TextTokenizer) -> str:
     """The text of a row whose first positions are the prompt's ``ids``, as given (a preview's)."""
     return tokenizer.decode([*ids, *token_ids[len(ids) :]])
-
-
-async def generate_texts(service: LDLMService, spec: GenerateRequest, prompt: str, deadline: Deadline) -> TextResult:
-    """One generation's result, as /v1/generate answers it without a stream: the prompt's tokens encoded (the
-    encoder runs: off the event loop), the request submitted to the scheduler, which refuses at once what it
-    estimates cannot finish in the time left, and awaited (cancelled when left: freed at the next step). The
-    texts and token ids start with the prompt verbatim."""
-    prefix, ids = None, []
-    if prompt:
-        prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, spec.length, timeout_s=deadline.left())
-    submit = functools.partial(service.submit_generation, deadline_s=deadline.left())  # draws the prior noise: off the loop
-    future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
-    result = await wait(future, deadline.left(), deadline.limit_s)
-    return keep_prompt(result, ids, service.pipeline.tokenizer) if ids else result

@@ -26,7 +26,7 @@ from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import TextResult, keep_prompt
 from ldlm.sampling import GenerateRequest
 from ldlm.serve.api.errors import REQUEST_ERRORS, error_status
-from ldlm.serve.api.offload import Deadline, run_blocking, run_submit
+from ldlm.serve.api.offload import Deadline, run_blocking, run_submit, wait
 from ldlm.serve.api.prompted import prompt_prefix, with_prompt
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.generation import Preview
@@ -116,6 +116,20 @@ class GenerationStream:
 def ran(result: TextResult) -> dict[str, Any] | None:
     """The plan that produced ``result`` (sampler, steps, grid, t_min, prior temperature), as answers name it."""
     return None if result.plan is None else result.plan.summary()
+
+
+async def generate_texts(service: LDLMService, spec: GenerateRequest, prompt: str, deadline: Deadline) -> TextResult:
+    """One generation's result, as /v1/generate answers it without a stream: the prompt's tokens encoded (the
+    encoder runs: off the event loop), the request submitted to the scheduler, which refuses at once what it
+    estimates cannot finish in the time left, and awaited (cancelled when left: freed at the next step). The
+    texts and token ids start with the prompt verbatim."""
+    prefix, ids = None, []
+    if prompt:
+        prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, spec.length, timeout_s=deadline.left())
+    submit = functools.partial(service.submit_generation, deadline_s=deadline.left())  # draws the prior noise: off the loop
+    future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
+    result = await wait(future, deadline.left(), deadline.limit_s)
+    return keep_prompt(result, ids, service.pipeline.tokenizer) if ids else result
 
 
 async def start_stream(

@@ -1673,7 +1673,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "prompted-answer-not-kept",
-        "ldlm.serve.api.prompted:generate_texts",
+        "ldlm.serve.api.streaming:generate_texts",
         "return keep_prompt(result, ids, service.pipeline.tokenizer) if ids else result",
         "return result",
         ("tests/serve/api/test_prompted.py",),

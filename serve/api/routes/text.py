@@ -21,10 +21,9 @@ from fastapi.responses import Response, StreamingResponse
 from ldlm.pipeline import LDLMPipeline
 from ldlm.serve.api.errors import HTTPError
 from ldlm.serve.api.offload import Deadline, json_response, run_blocking
-from ldlm.serve.api.prompted import generate_texts
 from ldlm.serve.api.schemas import EncodeResponse, GenerateResponse, RequestModels, TextsResponse, request_models
 from ldlm.serve.api.service import LDLMService
-from ldlm.serve.api.streaming import SSE_HEADERS, generate_sse, ran, start_stream
+from ldlm.serve.api.streaming import SSE_HEADERS, generate_sse, generate_texts, ran, start_stream
 
 
 def text_request_models(service: LDLMService) -> RequestModels:
