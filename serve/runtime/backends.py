@@ -38,8 +38,8 @@ from ldlm.serve.runtime.registry import (
     OpenOptions,
     UnknownBackendError,
     backend_info,
-    default_precision,
     implementation,
+    resolve_run,
 )
 
 
@@ -187,16 +187,16 @@ def open_pipeline(
     buckets: Sequence[int] = (),
 ) -> LDLMPipeline:
     """The pipeline on another backend than eager PyTorch: ``path`` is an ``ldlm export`` directory
-    (``backend="ort"``, the default: ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an
-    ``ldlm build-engine`` directory (``"trt"``), or a checkpoint (``"eager"``, ``"compiled"``,
-    ``"inductor"``, on ``device`` in ``precision``; None: ``ldlm serve``'s default, fp16 for these on CUDA, else
-    fp32). Every file an export's manifest names is
+    (``backend="ort"``: ONNX Runtime on the CPU; ``precision="int8"`` runs its INT8 variants), an ``ldlm
+    build-engine`` directory (``"trt"``), or a checkpoint (``"eager"``, ``"compiled"``, ``"inductor"``, on
+    ``device`` in ``precision``). A backend or precision not named is ``ldlm serve``'s for ``device``
+    (``registry.resolve_run``): ONNX Runtime in fp32 on the CPU, the torch fast path in fp16 on CUDA.
+    Every file an export's manifest names is
     checked first; its tuned step grids, where it has them, are used as ``LDLMPipeline.from_checkpoint`` uses a
     checkpoint's. ``threads``: ONNX Runtime's intra-op threads (default: its own). Drawing tokens at
     a temperature needs the decoder's logits: an export made with ``ldlm export --with-logits``, or
     any torch backend."""
-    backend = backend or DEFAULT_BACKEND
-    precision = precision or default_precision(backend, device)
+    backend, precision = resolve_run(device, backend, precision)
     graphs, config, tokenizer = open_graphs(backend, path, precision, threads=threads, device=device, with_logits=True)
     if (Path(path) / WEIGHTS_FILE).is_file():
         schedules = checkpoint_schedules(path)

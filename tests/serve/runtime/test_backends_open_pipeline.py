@@ -85,3 +85,24 @@ def test_a_checkpoints_tuned_grids_come_with_a_torch_backend(tiny_checkpoint: Pa
 def test_an_unknown_backend_is_refused_naming_the_allowed_ones(export_dir: Path) -> None:
     with pytest.raises(BackendError, match=r"backend='onnx' is unknown; allowed: .*ort"):
         open_pipeline(export_dir, backend="onnx")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_what_is_not_named_is_what_serve_runs_on_the_device(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """No backend or precision named: the pipeline opens what ``ldlm serve`` runs on that device (one rule,
+    registry.resolve_run), not ONNX Runtime whatever the device. The graphs are not opened (no GPU here): the
+    call that would open them is what is checked."""
+    from ldlm.serve.runtime import backends
+    from ldlm.serve.runtime.registry import resolve_run
+
+    opened: list[tuple[str, str, str]] = []
+
+    def record(backend: str, path: object, precision: str, **options: object) -> None:
+        opened.append((backend, precision, str(options["device"])))
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(backends, "open_graphs", record)
+    with pytest.raises(RuntimeError, match="recorded"):
+        open_pipeline("somewhere", device=device)
+    assert opened == [(*resolve_run(device), device)]
+    assert opened[0][:2] == (("ort", "fp32") if device == "cpu" else ("inductor", "fp16"))
