@@ -1,7 +1,8 @@
 """One plan per request, whatever the path: for every sampler (and none), with and without t_min and
 prior_temperature, on a checkpoint with tuned grids and on one without, ``LDLMPipeline.generate``,
 ``ldlm generate --json``, /v1/generate (plain and streamed), and /v1/completions through the official
-``openai`` client produce the same tokens for the same seed and name the same plan.
+``openai`` client produce the same tokens for the same seed and name the same plan; with a prompt and without a
+seed, ldlm serve's KServe model ldlm_generate too.
 
 The tuned checkpoint tunes ddim at 3 steps and dpm3m-psc at 5 (its defaults), so a request naming no
 steps gets a different count for those samplers than for the others (the config's default_steps): a
@@ -73,6 +74,25 @@ def streamed_result(url: str, body: dict[str, Any]) -> dict[str, Any]:
     result = [e for e in events if e.startswith("event: result")]
     assert len(result) == 1, events
     return json.loads(result[0].split("data: ", 1)[1])
+
+
+def kserve_generate(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """/v1/generate's answer from ldlm serve's KServe model ``ldlm_generate``, through tritonclient's HTTP client:
+    each field one value of its input in upper case (INT64 and BYTES here: no float is exact in FP32)."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    inputs = []
+    for field, value in body.items():
+        tensor = httpclient.InferInput(field.upper(), [1], "BYTES" if isinstance(value, str) else "INT64")
+        tensor.set_data_from_numpy(
+            np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_ if isinstance(value, str) else np.int64)
+        )
+        inputs.append(tensor)
+    with httpclient.InferenceServerClient(url.removeprefix("http://")) as client:
+        result = client.infer("ldlm_generate", inputs)
+    texts = [text.decode() for text in result.as_numpy("TEXTS")]
+    return {"token_ids": result.as_numpy("TOKEN_IDS").tolist(), "texts": texts, "plan": json.loads(result.as_numpy("PLAN")[0])}
 
 
 @pytest.mark.parametrize("extra", EXTRAS, ids=["defaults", "t_min", "prior_temperature"])
@@ -163,7 +183,8 @@ def test_a_prompt_and_a_missing_seed_mean_one_thing_on_every_path(served: tuple[
     body = {"n": 1, "length": length, **seed, **({"prompt": prompt} if prompt else {})}
     plain = httpx.post(f"{server.url}/v1/generate", json=body, timeout=60).json()
     stream = streamed_result(server.url, body)
-    for path, answer in (("cli", cli), ("http", plain), ("http stream", stream)):
+    kserve = kserve_generate(server.url, body)
+    for path, answer in (("cli", cli), ("http", plain), ("http stream", stream), ("kserve ldlm_generate", kserve)):
         assert (answer["token_ids"], answer["texts"], answer["plan"]) == expected, f"{path} differs from Python"
     prompt_tokens = len(pipeline.tokenizer.encode([prompt])[0]) if prompt else 0
     with openai_client(server) as client:
@@ -184,3 +205,8 @@ def test_a_prompt_that_leaves_no_room_is_refused_alike_on_every_path(served: tup
     assert refusal in err.getvalue()
     http = httpx.post(f"{server.url}/v1/generate", json={"length": 4, "prompt": PROMPT}, timeout=60)
     assert (http.status_code, http.json()["error"]) == (400, refusal)
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as kserve:
+        kserve_generate(server.url, {"n": 1, "length": 4, "prompt": PROMPT})
+    assert (kserve.value.status(), kserve.value.message()) == ("400", refusal)
