@@ -14,7 +14,7 @@ by the one KServe codec, whichever transport brought it, then checked here; it r
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ def generate_fields(service: LDLMService, inputs: Mapping[str, np.ndarray]) -> t
     """The GenerateRequest an infer request's decoded ``inputs`` ask for, and its prompt ("": none): every input
     one of the model's, of its datatype and shape [1], each value checked against /v1/generate's range under the
     input's own name (N=0 is out of range ...)."""
-    ranges = service.body_limits().ranges()
+    ranges = service.request_ranges
     fields: dict[str, Any] = {}
     for name, array in inputs.items():
         spec = INPUTS.get(name)
@@ -69,20 +69,17 @@ def python_value(value: Any, name: str) -> Any:
     return value.item()
 
 
-def generate_check(service: LDLMService) -> Callable[[InferRequest], None]:
-    """What a decoded infer request of ldlm_generate must pass before it runs: its inputs, and outputs the model has."""
-
-    def check(parsed: InferRequest) -> None:
-        generate_fields(service, parsed.inputs)
-        unknown = [name for name, _ in parsed.outputs or [] if name not in OUTPUTS]
-        if unknown:
-            raise HTTPError(400, f"unknown outputs {unknown}; {GENERATE_MODEL} has {OUTPUTS}")
-
-    return check
+def check_outputs(parsed: InferRequest) -> None:
+    """What a decoded infer request of ldlm_generate must ask for: outputs the model has (its inputs are read, and
+    checked, once, as it runs: ``infer_generate``)."""
+    unknown = [name for name, _ in parsed.outputs or [] if name not in OUTPUTS]
+    if unknown:
+        raise HTTPError(400, f"unknown outputs {unknown}; {GENERATE_MODEL} has {OUTPUTS}")
 
 
 async def infer_generate(service: LDLMService, parsed: InferRequest) -> dict[str, np.ndarray]:
-    """One infer request of ldlm_generate (decoded and checked), run as /v1/generate runs it: its outputs."""
+    """One infer request of ldlm_generate (decoded, its outputs checked), its inputs read and checked
+    (``generate_fields``), run as /v1/generate runs it: its outputs."""
     spec, prompt = generate_fields(service, parsed.inputs)
     result = await generate_texts(service, spec, prompt, Deadline(service.settings.request_timeout_s))
     return result_outputs(result)

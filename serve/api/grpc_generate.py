@@ -115,7 +115,7 @@ def stream_request(service: LDLMService, request: Any) -> tuple[GenerateRequest,
     spec, prompt = generate_fields(service, infer_request_of(payload, memoryview(binary)).inputs)
     every = request.parameters["preview_every"].int64_param if "preview_every" in request.parameters else 0
     if every:
-        service.body_limits().ranges()["preview_every"].check("preview_every", every)
+        service.request_ranges["preview_every"].check("preview_every", every)
     return spec, prompt, every
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ldlm.export.artifact import MANIFEST_FILE, read_schedules
 from ldlm.export.onnx_export import export_graphs
-from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS
+from ldlm.limits import MAX_N, MAX_STEPS, MAX_TEXTS, PREVIEW_BUDGET, PREVIEW_LONE_BUDGET, SETTINGS, Range
 from ldlm.model.config import SAMPLERS, LDLMConfig
 from ldlm.model.tokenizer import TextTokenizer
 from ldlm.pipeline import LDLMPipeline
@@ -206,6 +206,12 @@ class LDLMService:
             fused=fused_steps(graphs["denoiser"]),
             max_queue_source=f"--max-queue {self.settings.max_queue} requests x {QUEUED_SAMPLES_PER_REQUEST} samples each",
         )
+
+    @functools.cached_property
+    def request_ranges(self) -> dict[str, Range]:
+        """Each bounded request field's range under this server's limits (``body_limits``'s), worked out once:
+        every ldlm_generate request is checked against them."""
+        return self.body_limits().ranges()
 
     def body_limits(self) -> BodyLimits:
         """The request bodies' limits (this server's settings, the model's max_seq_len) and, for /docs, what

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ldlm.serve.api.errors import HTTPError
-from ldlm.serve.api.generate_model import generate_check, infer_generate
+from ldlm.serve.api.generate_model import check_outputs, infer_generate
 from ldlm.serve.api.grpc_server import grpc_endpoint
 from ldlm.serve.api.kserve import HEADER_LENGTH, InferRequest, kserve_datatype
 from ldlm.serve.api.kserve_models import (
@@ -147,7 +147,7 @@ async def serve_infer(
     ``encode``; timed stage by stage for the statistics. ``ldlm_generate`` runs as /v1/generate does (generate_model)."""
     if served_model(service, model, version) is None:
         with service.metrics.timed_infer(GENERATE_LABEL) as clock:
-            parsed = await decode(generate_check(service))
+            parsed = await decode(check_outputs)
             clock.decoded = time.perf_counter()
             outputs = await infer_generate(service, parsed)
             clock.computed = time.perf_counter()

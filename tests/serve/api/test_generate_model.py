@@ -128,6 +128,11 @@ def test_refusals_are_v1_generates_words(served: RunningServer, kind: str) -> No
         wrong.set_data_from_numpy(np.array([1.0], dtype=np.float32))
         with pytest.raises(InferenceServerException, match=r"input N: datatype 'FP32'; allowed: INT64"):
             triton.infer("ldlm_generate", [wrong, *tensors(MODULES[kind], {"length": 8})])
+        outputs = [MODULES[kind].InferRequestedOutput("NOPE")]
+        with pytest.raises(
+            InferenceServerException, match=r"unknown outputs \['NOPE'\]; ldlm_generate has \['TEXTS', 'TOKEN_IDS', 'PLAN'\]"
+        ):
+            triton.infer("ldlm_generate", tensors(MODULES[kind], {"n": 1, "length": 4}), outputs=outputs)
 
 
 def metric(served: RunningServer, sample: str) -> float:
