@@ -32,10 +32,9 @@ from ldlm.serve.api.grpc_tensors import infer_payload, infer_response
 from ldlm.serve.api.http_guard import CLIENT_CLOSED
 from ldlm.serve.api.kserve import InferRequest, requested_outputs
 from ldlm.serve.api.kserve_models import (
-    GENERATE_LABEL,
-    GENERATE_MODEL,
     MODEL_VERSION,
     as_message,
+    metrics_label,
     model_config,
     model_metadata,
     repository_index,
@@ -141,8 +140,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         model = request.model_name
-        # metrics are labelled by served graphs, and generations by one label, only: a bounded set
-        label = model if model in self.service.graphs else GENERATE_LABEL if model == GENERATE_MODEL else None
+        label = metrics_label(self.service, model)
 
         async def answer() -> Any:
             served_model(self.service, model, request.model_version)  # an unknown model is 404 before the tensors are read

@@ -30,7 +30,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ldlm.serve.api.errors import HTTPError, error_body, error_status
-from ldlm.serve.api.kserve_models import GENERATE_LABEL, GENERATE_MODEL
+from ldlm.serve.api.kserve_models import metrics_label
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
 
@@ -61,14 +61,13 @@ class GuardMiddleware:
         self.v1_labels = frozenset(route.path.split("/")[2] for route in routes if route.path.startswith("/v1/"))
 
     def model_label(self, path: str) -> str | None:
-        """The label ``path``'s request is counted under in /metrics: a served graph's name for its /v2 infer (the
-        generations' label for ldlm_generate's), a /v1 route's name; None for any other path. Never a name only the
-        request has (``/v2/models/x1/infer``, ``/v1/x1``): the label set, and the memory /metrics takes, stay
-        bounded whatever clients send."""
+        """The label ``path``'s request is counted under in /metrics: its model's for a /v2 infer (``metrics_label``),
+        a /v1 route's name; None for any other path. Never a name only the request has (``/v2/models/x1/infer``,
+        ``/v1/x1``): the label set, and the memory /metrics takes, stay bounded whatever clients send."""
         name = _model_of(path)
         if name is None or not path.startswith("/v2/"):
             return name if name in self.v1_labels else None
-        return name if name in self.service.graphs else GENERATE_LABEL if name == GENERATE_MODEL else None
+        return metrics_label(self.service, name)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

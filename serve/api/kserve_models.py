@@ -88,6 +88,13 @@ def served_model(service: LDLMService, model: str, version: str = "") -> GraphBa
     return service.graphs.get(model)
 
 
+def metrics_label(service: LDLMService, model: str) -> str | None:
+    """What an infer request of ``model`` counts under in /metrics: a served graph's name, the generations' label
+    for ldlm_generate; None for any other name, so that no name only a request has becomes a label (the label set,
+    and the memory /metrics takes, stay bounded whatever clients send)."""
+    return model if model in service.graphs else GENERATE_LABEL if model == GENERATE_MODEL else None
+
+
 def server_metadata() -> dict[str, Any]:
     return {"name": "ldlm", "version": __version__, "extensions": list(EXTENSIONS)}
 
