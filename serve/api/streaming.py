@@ -118,14 +118,20 @@ def ran(result: TextResult) -> dict[str, Any] | None:
     return None if result.plan is None else result.plan.summary()
 
 
+async def encoded_prompt(service: LDLMService, prompt: str, length: int, deadline: Deadline) -> tuple[Tensor | None, list[int]]:
+    """A prompt's latents to inpaint and its token ids (``prompted.prompt_prefix``); (None, []) for no prompt. The
+    encoder runs: off the event loop."""
+    if not prompt:
+        return None, []
+    return await run_blocking(prompt_prefix, service.pipeline, prompt, length, timeout_s=deadline.left())
+
+
 async def generate_texts(service: LDLMService, spec: GenerateRequest, prompt: str, deadline: Deadline) -> TextResult:
     """One generation's result, as /v1/generate answers it without a stream: the prompt's tokens encoded (the
     encoder runs: off the event loop), the request submitted to the scheduler, which refuses at once what it
     estimates cannot finish in the time left, and awaited (cancelled when left: freed at the next step). The
     texts and token ids start with the prompt verbatim."""
-    prefix, ids = None, []
-    if prompt:
-        prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, spec.length, timeout_s=deadline.left())
+    prefix, ids = await encoded_prompt(service, prompt, spec.length, deadline)
     submit = functools.partial(service.submit_generation, deadline_s=deadline.left())  # draws the prior noise: off the loop
     future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
     result = await wait(future, deadline.left(), deadline.limit_s)
@@ -140,9 +146,7 @@ async def start_stream(
     off the event loop), its steps planned (bad input is refused here, before the stream), and the request
     submitted (which draws every sample's prior noise: off the event loop too; the scheduler refuses at once what
     it estimates cannot finish in the time left). The stream, the prompt's token ids and the steps it runs."""
-    prefix, ids = None, []
-    if prompt:
-        prefix, ids = await run_blocking(prompt_prefix, service.pipeline, prompt, spec.length, timeout_s=deadline.left())
+    prefix, ids = await encoded_prompt(service, prompt, spec.length, deadline)
     steps = service.scheduler.plan(spec).steps
     submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
     loop, tokenizer = asyncio.get_running_loop(), service.pipeline.tokenizer

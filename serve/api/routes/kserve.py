@@ -145,17 +145,19 @@ async def serve_infer(
     """One KServe v2 infer request, whichever transport brought it: decoded by ``decode`` (an HTTP body's, or a
     gRPC request's) and checked with the check it is given, run in its graph's batcher, and answered by
     ``encode``; timed stage by stage for the statistics. ``ldlm_generate`` runs as /v1/generate does (generate_model)."""
-    if served_model(service, model, version) is None:
-        with service.metrics.timed_infer(GENERATE_LABEL) as clock:
-            parsed = await decode(check_outputs)
-            clock.decoded = time.perf_counter()
-            outputs = await infer_generate(service, parsed)
-            clock.computed = time.perf_counter()
-            return await encode(parsed, outputs)
-    with service.metrics.timed_infer(model) as clock:
-        parsed = await decode(infer_check(service, model))
+    generation = served_model(service, model, version) is None
+    check: Callable[[InferRequest], None] = check_outputs if generation else infer_check(service, model)
+
+    def run(parsed: InferRequest) -> Awaitable[dict[str, np.ndarray]]:
+        if generation:
+            return infer_generate(service, parsed)
+        return wait(service.batchers[model].submit(parsed.inputs), service.settings.request_timeout_s)
+
+    label = GENERATE_LABEL if generation else model
+    with service.metrics.timed_infer(label) as clock:
+        parsed = await decode(check)
         clock.decoded = time.perf_counter()
-        outputs = await wait(service.batchers[model].submit(parsed.inputs), service.settings.request_timeout_s)
+        outputs = await run(parsed)
         clock.computed = time.perf_counter()
         return await encode(parsed, outputs)
 
