@@ -39,7 +39,8 @@ from ldlm.model.config import LDLMConfig
 from ldlm.model.tokenizer import TOKENIZER_FILE
 from ldlm.sampling.tuned_grids import SCHEDULES_FILE
 from ldlm.serve.api.kserve import KSERVE_NAMES
-from ldlm.serve.api.kserve_models import GENERATE_INPUTS, GENERATE_MODEL, GENERATE_OUTPUTS, GenerateTensor, config_type, triton_dims
+from ldlm.serve.api.kserve_models import GENERATE_MODEL, as_message, config_type, triton_dims
+from ldlm.serve.api.kserve_models import generate_config as served_generate_config
 
 GRAPH_BACKENDS = ("native", "python")  # native: tensorrt_plan / onnxruntime_onnx; python: triton_onnx_model.py
 PRECISIONS = ("fp32", "int8")  # an export's graphs as exported, or its INT8 variants where it has them
@@ -192,34 +193,19 @@ def generate_config(
     bls_max_batch: int | None = None,
     graph_precisions: dict[str, str] | None = None,
 ) -> str:
-    """ldlm_generate's config.pbtxt: its inputs and outputs as ``kserve_models.GENERATE_INPUTS`` and
-    ``GENERATE_OUTPUTS`` define them (an input not required is ``optional``). Its parameters carry the limits
-    the model enforces (max_n, max_steps: the server's defaults), ``bls_max_batch``, the largest batch its
-    encoder, denoiser and decoder accept (their max_batch_size): it runs larger N in BLS calls of that many
-    samples, and the precision each graph it calls runs in (``graph_precisions``, as "encoder=fp32,denoiser=int8")."""
-    parameters: dict[str, object] = {"max_n": max_n, "max_steps": max_steps}
-    if bls_max_batch is not None:
-        parameters["bls_max_batch"] = bls_max_batch
+    """ldlm_generate's config.pbtxt: the configuration ``ldlm serve``'s model of that name answers with
+    (``kserve_models.generate_config``: its inputs and outputs, an input not required ``optional``, and the limits
+    max_n and max_steps), run by the Python backend on the CPU. Its parameters add ``bls_max_batch``, the largest
+    batch its encoder, denoiser and decoder accept (their max_batch_size): it runs larger N in BLS calls of that
+    many samples; the precision each graph it calls runs in (``graph_precisions``, as "encoder=fp32,denoiser=int8");
+    and the tokenizer's sha256, which the model checks the tokenizer beside it against before it decodes anything."""
+    config = {key: value for key, value in served_generate_config(max_n, max_steps).items() if key != "platform"}
+    added = {"bls_max_batch": bls_max_batch, "tokenizer_sha256": tokenizer_sha256}
     if graph_precisions:
-        parameters["graph_precisions"] = ",".join(f"{g}={p}" for g, p in graph_precisions.items())
-    return (
-        f'name: "{GENERATE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n'
-        f"input [\n{generate_tensors(GENERATE_INPUTS, inputs=True)}\n]\noutput [\n{generate_tensors(GENERATE_OUTPUTS)}\n]\n"
-        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-        + "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n' for key, value in parameters.items())
-        # the model checks the tokenizer beside it against this before it decodes anything
-        + (f'parameters {{ key: "tokenizer_sha256" value: {{ string_value: "{tokenizer_sha256}" }} }}\n' if tokenizer_sha256 else "")
-    )
-
-
-def generate_tensors(tensors: Sequence[GenerateTensor], inputs: bool = False) -> str:
-    """ldlm_generate's inputs (each one not required ``optional``) or outputs as config.pbtxt lists them."""
-    return ",\n".join(
-        f'  {{ name: "{t.name}" data_type: {config_type(t.datatype)} dims: [ {", ".join(map(str, t.dims))} ]'
-        + (" optional: true" if inputs and not t.required else "")
-        + " }"
-        for t in tensors
-    )
+        added["graph_precisions"] = ",".join(f"{g}={p}" for g, p in graph_precisions.items())
+    config["parameters"].update({key: {"string_value": str(value)} for key, value in added.items() if value is not None})
+    config.update(backend="python", instance_group=[{"count": 1, "kind": "KIND_CPU"}])
+    return text_format.MessageToString(as_message(config, load_model_config_schema()()))
 
 
 def validate_config(text: str, io: dict[str, Any] | None, where: str) -> Any:
