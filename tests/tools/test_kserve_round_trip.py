@@ -5,15 +5,13 @@ the right base) on calls whose times are known."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests import REPO
+from tests import REPO, import_script
 
 pytest.importorskip("tritonclient.grpc", reason="the script's clients (tritonclient[grpc,http], the test extra)")
 pytest.importorskip("onnxruntime", reason="the in-process runner and the server run ONNX Runtime (pip install -e .[cpu])")
@@ -22,11 +20,7 @@ SCRIPT = REPO / "scripts" / "research" / "kserve_round_trip.py"
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kserve_round_trip_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # type: ignore[union-attr]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return import_script(SCRIPT)
 
 
 def test_blocks_keep_each_first_call_apart() -> None:

@@ -5,7 +5,6 @@ token budget the run was given; and the parsing of each tool's report on hand-wr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,18 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests import REPO
+from tests import REPO, import_script
 
 SCRIPT = REPO / "scripts" / "research" / "openai_bench.py"
 MAX_TOKENS, REQUESTS = 16, 4
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("openai_bench_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # type: ignore[union-attr]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return import_script(SCRIPT)
 
 
 def test_agreement_counts_equal_tokens_over_every_position() -> None:

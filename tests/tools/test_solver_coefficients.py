@@ -5,8 +5,7 @@ shipped sampler and its numbers mean what they say."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+from types import ModuleType
 
 import torch
 
@@ -15,21 +14,15 @@ from ldlm.sampling import SamplingEngine, run_lockstep
 from ldlm.sampling.noise import NoiseStream
 from ldlm.sampling.samplers import Sampler, get_sampler
 from ldlm.sampling.schedule import TangentSchedule, power_grid
-from tests import REPO
+from tests import REPO, import_script
 
 MU, S = 0.3, 0.5
 CONFIG = preset("tiny")
 GRID = tuple(power_grid(6, CONFIG.t_min, 2.0).tolist())
 
 
-def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "solver_coefficients_under_test", REPO / "scripts" / "research" / "solver_coefficients.py"
-    )
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # type: ignore[union-attr]  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+def load_script() -> ModuleType:
+    return import_script(REPO / "scripts" / "research" / "solver_coefficients.py")
 
 
 def run(sampler: Sampler, schedule: TangentSchedule) -> torch.Tensor:
