@@ -123,7 +123,8 @@ def test_refusals_are_v1_generates_words(served: RunningServer, kind: str) -> No
             with pytest.raises(InferenceServerException) as refused:
                 triton.infer("ldlm_generate", tensors(MODULES[kind], fields))
             status = refused.value.status()
-            assert status in ("400", "StatusCode.INVALID_ARGUMENT") and message in refused.value.message(), (fields, refused.value)
+            assert status == {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}[kind], (fields, refused.value)
+            assert message in refused.value.message(), (fields, refused.value)
         wrong = MODULES[kind].InferInput("N", [1], "FP32")
         wrong.set_data_from_numpy(np.array([1.0], dtype=np.float32))
         with pytest.raises(InferenceServerException, match=r"input N: datatype 'FP32'; allowed: INT64"):
