@@ -10,7 +10,8 @@ stubs to ``$SOAK_GRPC``; each is classified by what came back, never by what was
                   a gRPC error under the HTTP status its code stands for (the inverse of GRPC_CODES), a code
                   that stands for none as ``refused:grpc-<CODE>``; a stream's in-band error_message by its words
   left              the client itself gave up mid-request (10% of generations, completions and gRPC streams do, on purpose)
-  server down       no connection while the soak was stopping or had stopped the server (a marker file says so)
+  server down       no connection while the soak was stopping or had stopped the server (a marker file says so),
+                  or a gRPC call the stopping server refused to start (its GOAWAY: HTTP/2's "not processed")
   killed in flight  connected, then cut off by the soak's SIGKILL (expected of a killed process)
   no connection     no connection while the server was up
   no answer         connected and sent, then no status: a lost request (a SIGTERM must never cause one)
@@ -228,6 +229,10 @@ def grpc_lost(code: grpc.StatusCode, details: str) -> str:
     stopping = DOWN.read_text() if DOWN.exists() else ""
     if "failed to connect" in details.lower():  # grpc's words for a channel that never connected
         return "server down" if stopping else "no connection"
+    # A server stopping gracefully sends GOAWAY: calls it had started finish, one sent after is refused unstarted
+    # (its handler never saw it: no request id, and the server's counters, checked against these, have no count of it)
+    if stopping == "SIGTERM" and "goaway received" in details.lower():
+        return "server down"
     return "killed in flight" if stopping == "SIGKILL" else f"no answer (grpc {code.name}: {details[:60]})"
 
 
