@@ -1,6 +1,6 @@
 """``SlotTable.step_fused`` (the denoiser inside the step callable) against ``step`` (the denoiser called
-first): the same persistent state, bit for bit, for every sampler; and the rows it refuses (mixed samplers,
-prompt guidance), naming why. The compiled backend's captured steps are checked in
+first): the same persistent state, bit for bit, for every sampler; the rows it refuses (mixed samplers,
+prompt guidance), naming why; and a slot freed mid-run (a cancelled sample) handing none of its noise on. The compiled backend's captured steps are checked in
 tests/serve/runtime/test_torch_backends_fused.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ldlm.model.config import SAMPLERS, preset
-from ldlm.sampling import GenerateRequest, SamplingEngine, resolve
+from ldlm.sampling import GenerateRequest, SamplingEngine, SamplingPlan, resolve
 from ldlm.sampling.loop import fused_step
 from ldlm.sampling.schedule import TangentSchedule
 
@@ -84,3 +84,50 @@ def test_a_failed_fused_step_changes_no_sample_not_even_its_noise() -> None:
         tables[1].step(denoise)
     for a, b in zip(*lives):
         assert torch.equal(engines[0].latent(a), engines[1].latent(b))
+
+
+def mixing(x_t, t, x0_prev, mask):  # type: ignore[no-untyped-def]
+    """``denoise`` with every position seeing the mean of its row's real ones, as attention would: a prompt's forward
+    noise then reaches the continuation, which a position-wise denoiser never lets it."""
+    real = torch.ones(x_t.shape[:2], dtype=torch.bool) if mask is None else mask
+    context = (x_t * real[..., None]).sum(1, keepdim=True) / real.sum(1)[:, None, None]
+    return denoise(x_t + context, t, x0_prev, mask)
+
+
+def alone(plan: SamplingPlan, prompt: torch.Tensor) -> torch.Tensor:
+    """The latent of ``plan``'s one sample stepped in a table of its own."""
+    engine = SamplingEngine(SCHEDULE)
+    table, (sample,) = engine.table(8), engine.start(plan, CONFIG.d_model, prompt)
+    table.run([sample])
+    while table.running:
+        table.step(mixing)
+    return engine.latent(sample)
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["after-a-step", "after-a-failed-fused-step"])
+def test_a_slot_freed_by_a_cancelled_sample_gives_the_next_one_its_own_noise(failed: bool) -> None:
+    """A prompted sde sample cancelled (released) while it runs; a new one admitted into its slot draws its own sde
+    and prompt noise from its first step: the latent it gets alone. After a fused step that raised, the slot's held
+    draws were the cancelled sample's: only the sample that stays takes its own back."""
+    prompt = torch.randn(3, CONFIG.d_model, generator=torch.Generator().manual_seed(4))
+    plans = [resolve(GenerateRequest(n=1, length=7, steps=4, seed=seed, sampler="sde"), CONFIG) for seed in (1, 2, 3)]
+    engine = SamplingEngine(SCHEDULE)
+    table = engine.table(8)
+    stays, cancelled, late = (engine.start(plan, CONFIG.d_model, prompt)[0] for plan in plans)
+    table.run([stays, cancelled])
+    table.step(mixing)
+
+    def failing(sampler, schedule, inputs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("capture refused")
+
+    if failed:
+        with pytest.raises(RuntimeError, match="capture refused"):
+            table.step_fused(failing)
+    freed = cancelled.slot
+    table.release([cancelled])
+    table.run([stays, late])
+    assert late.slot == freed  # the freed slot is the one reused
+    while table.running:
+        table.step_fused(fused_step(mixing))
+    assert torch.equal(engine.latent(late), alone(plans[2], prompt)), "the sample in the freed slot did not draw its own noise"
+    assert torch.equal(engine.latent(stays), alone(plans[0], prompt)), "the sample that stayed did not get its own draws back"
