@@ -9,6 +9,8 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
+from torch import Tensor
 
 from ldlm.model.ldlm import LDLM
 from ldlm.pipeline import LDLMPipeline
@@ -88,3 +90,32 @@ def test_the_server_steps_a_compiled_denoiser_fused(tiny_checkpoint: Path, backe
         assert service.scheduler.executor.fused_steps == (3 if fused else 0)
     finally:
         service.close()
+
+
+def test_slots_freed_by_a_failed_step_give_the_next_request_its_own_noise(pipeline: LDLMPipeline) -> None:
+    """The fused step raised (its draws held for the step that runs it instead), then that unfused step raised too: the
+    request is answered with the error and its slots are freed. The next request's sde samples, admitted into those
+    slots, draw their own noise from their first step: the tokens the pipeline gives them alone."""
+    calls = []
+
+    def fails_once(*args: Tensor) -> Tensor:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return pipeline.graphs.denoise(*args)
+
+    def refused(*args: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    later = GenerateRequest(n=2, length=8, steps=3, seed=6, sampler="sde")
+    scheduler = GenerationScheduler(pipeline, max_batch=8, start=False, denoise=fails_once, fused=refused)
+    try:
+        failed = scheduler.submit(GenerateRequest(n=2, length=8, steps=3, seed=5, sampler="sde"))
+        scheduler.start()
+        with pytest.raises(RuntimeError, match="device lost"):
+            failed.result(timeout=120)
+        got = scheduler.submit(later).result(timeout=120)
+    finally:
+        scheduler.close()
+    expected = pipeline.generate(later.n, later.length, later.steps, later.seed, later.sampler)
+    assert torch.equal(got.token_ids, expected.token_ids)
