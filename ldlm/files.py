@@ -6,7 +6,14 @@ Every directory written here carries a record of what wrote it (``OUTPUT_RECORD`
 ``ldlm export``, and each file's size and sha256). An existing directory is replaced only on request and
 only when it is the output of the same writer exactly as that writer left it: never someone's own files,
 another command's output, weights changed since, the current directory or the input being read. An empty
-directory is written into without asking: there is nothing in it to lose."""
+directory is written into without asking: there is nothing in it to lose.
+
+A single file a command writes (parity's inputs and outputs, tune-schedule's grids) is guarded the same way
+(``refuse_existing_file``): an existing one is replaced only on request and only when the same command wrote
+it, and none is written inside a checkpoint or another writer's output directory. A file's writer is read
+from the format its own header declares (parity's safetensors metadata, schedules.json's grids), each written
+by one command only: the record travels with the file when it is copied or renamed, needs no second file
+beside it that could be lost or left behind, and a file someone else made cannot carry it by accident."""
 
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +136,71 @@ def refuse_unsafe_target(out: str | os.PathLike[str], inputs: Mapping[str, str |
             raise ValueError(
                 f"output directory {given!r} {relation} the {name} {os.fspath(source)}; allowed: a directory outside it, e.g. ./onnx"
             )
+
+
+def refuse_existing_file(
+    path: str | os.PathLike[str],
+    overwrite: bool,
+    writer: str,
+    written_by: Callable[[Path], str | None],
+    owned: Iterable[str] = (),
+) -> None:
+    """Fail early, before any work, when the file ``path`` may not be written by ``writer``: it is a directory
+    or a link, it lies inside a checkpoint or a directory an ldlm writer recorded (``holding_output``; a
+    checkpoint's files named in ``owned`` are this writer's own), or it exists and ``written_by`` (the writer
+    its header names, None for any other file) is not ``writer``, or is and ``overwrite`` is not given."""
+    path = Path(path)
+    if path.is_symlink():
+        raise FileExistsError(f"{path} is a symbolic link (to {os.readlink(path)}), not a file `{writer}` wrote; {replace_only_file(path)}")
+    if path.is_dir():
+        raise FileExistsError(f"{path} is a directory; allowed: a file path, a new file or one `{writer}` wrote")
+    holder = holding_output(path)
+    if holder is not None and not (holder.checkpoint and path.parent.resolve() == holder.directory and path.name in owned):
+        directory, what = holder.directory, holder.words
+        raise FileExistsError(
+            f"{path} is inside {directory}, {what}: a file written there changes it, and replacing it loses the file; "
+            f"allowed: a path outside {directory}"
+        )
+    if not path.exists():
+        return
+    found = written_by(path)
+    if found != writer:
+        wrote = f"was written by {writer_words(found)}, not `{writer}`" if found else f"was not written by `{writer}`"
+        raise FileExistsError(f"{path} {wrote}; {replace_only_file(path)}")
+    if not overwrite:
+        raise FileExistsError(f"{path} already exists; pass overwrite=True (CLI: --force) to replace it, or choose another file")
+
+
+def replace_only_file(path: Path) -> str:
+    """The rule and the way out, the end of every refusal to replace the file ``path``."""
+    return f"--force replaces only a file the same ldlm command wrote; choose another file, or delete {path} by hand if it is not needed"
+
+
+@dataclass(frozen=True)
+class HoldingDirectory:
+    """A directory a file must not be written into: ``checkpoint`` (its config and weights), else the output of a writer."""
+
+    directory: Path
+    checkpoint: bool
+    words: str  # "a checkpoint written by `ldlm init`", "the output of `ldlm export`"
+
+
+def holding_output(path: Path) -> HoldingDirectory | None:
+    """The nearest directory above ``path`` that a file must not be written into: one holding an ldlm writer's
+    ``OUTPUT_RECORD`` (its output, replaced whole and checked file by file), or a checkpoint (its config and
+    weights, with or without a record)."""
+    from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE  # here: the checkpoint module writes through this one
+
+    for directory in Path(path).resolve().parents:
+        checkpoint = (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
+        recorded = (directory / OUTPUT_RECORD).is_file()
+        record = ldlm_output(directory) if recorded else None
+        if checkpoint:
+            by = f" written by {writer_words(record.writer)}" if record is not None else ""
+            return HoldingDirectory(directory, True, f"a checkpoint{by}")
+        if recorded:
+            return HoldingDirectory(directory, False, f"the output of {writer_words(record.writer if record else None)}")
+    return None
 
 
 def ldlm_output(directory: Path) -> OutputRecord | None:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ldlm.export.layernorm.cases import FLOAT32_UNIT_ROUNDOFF, CaseProbe, check_case, float32_budget, layer_norm_cases
-from ldlm.files import write_atomically
+from ldlm.files import atomic_directory, command_writer
 
 SWEEP_VARIANCES: tuple[float, ...] = tuple(float(v) for v in np.logspace(-7, -4, 13))
 SWEEP_DRAWS = 3
@@ -51,6 +51,7 @@ CONSTANT_VALUES: tuple[float, ...] = (0.0, 1.0, -3.25, 1e4)
 LARGE_MEAN = 1e4
 LARGE_MEAN_VARIANCES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 FAMILIES: tuple[str, ...] = ("sweep", "constant", "large-mean")
+EPS_PROBE_WRITER = command_writer("probe-eps")  # what a report directory is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
 def eps_rtol(n: int, eps: float) -> float:
@@ -277,10 +278,11 @@ def run_cases(run: LayerNormRunner, dtypes: Sequence[str]) -> list[CaseProbe]:
     return results
 
 
-def write_eps_report(report: EpsProbeReport, out: str | os.PathLike[str]) -> list[Path]:
-    """OUT/eps_probes.json (the report) and OUT/eps_probes.md (summary, table, what did not run)."""
+def write_eps_report(report: EpsProbeReport, out: str | os.PathLike[str], overwrite: bool = False) -> list[Path]:
+    """OUT/eps_probes.json (the report) and OUT/eps_probes.md (summary, table, what did not run), both or neither,
+    recorded as ``EPS_PROBE_WRITER``'s. An existing ``out`` is replaced only with ``overwrite``, and only an earlier
+    report exactly as probe-eps wrote it (``ldlm.files.refuse_existing``)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     lines = [f"# {report.summary()}", "", report.table(), ""]
     lines += [
         f"- fixed case {c.case} ({c.dtype}): {'PASSED' if c.passed else 'NOT RUN' if not c.ran else 'FAILED'}"
@@ -288,7 +290,8 @@ def write_eps_report(report: EpsProbeReport, out: str | os.PathLike[str]) -> lis
         for c in report.cases
     ]
     lines += [f"- problem: {p}" for p in report.problems] + [f"- not exercised: {n}" for n in report.not_exercised]
-    files = []
-    for name, text in (("eps_probes.json", json.dumps(report.to_dict(), indent=2) + "\n"), ("eps_probes.md", "\n".join(lines) + "\n")):
-        files.append(write_atomically(out / name, text))
-    return files
+    texts = {"eps_probes.json": json.dumps(report.to_dict(), indent=2) + "\n", "eps_probes.md": "\n".join(lines) + "\n"}
+    with atomic_directory(out, overwrite, EPS_PROBE_WRITER) as tmp:
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+    return [out / name for name in texts]

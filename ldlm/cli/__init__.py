@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ldlm import __version__
 from ldlm.cli import artifacts, bench, checks, model, serving, tuning
-from ldlm.files import empty_directory, refuse_existing, refuse_unsafe_target
+from ldlm.files import command_writer, empty_directory, refuse_existing, refuse_unsafe_target
 from ldlm.interrupts import remembered_interrupts
 
 
@@ -83,21 +83,26 @@ INPUT_ARGUMENTS = {
 }
 
 
+# Files a command writes beside its output directory: never inside it, where replacing the directory removes them.
+FILE_OUTPUTS = {"save_inputs": "--save-inputs", "save_outputs": "--save-outputs"}
+
+
 def refuse_existing_out(args: argparse.Namespace) -> None:
-    """Before any work, in CLI words: a command that writes OUT and has --force refuses an OUT that it may
-    not replace (ldlm.files.refuse_existing); one that writes reports into --out refuses a file there."""
+    """Before any work, in CLI words: a command that writes the directory OUT refuses an OUT that it may not
+    replace (ldlm.files.refuse_existing: without --force any that is not empty, with it all but its own
+    earlier output), and a file it writes inside OUT."""
     out = getattr(args, "out", None)
     if out is None:
-        return
-    if not hasattr(args, "force"):  # parity, probe-eps, bench: their own files into a new or existing directory
-        if Path(out).exists() and not Path(out).is_dir():
-            raise ValueError(f"--out {out} is a file; allowed: a directory (new or existing) for the reports")
         return
     inputs = {words: getattr(args, name) for name, words in INPUT_ARGUMENTS.items() if isinstance(getattr(args, name, None), str)}
     refuse_unsafe_target(out, inputs)
     if not args.force and Path(out).exists() and not empty_directory(Path(out)):  # an empty directory is a new one
         raise FileExistsError(f"{out} already exists; pass --force to replace it, or choose another output directory")
-    refuse_existing(out, args.force, inputs)
+    for name, option in FILE_OUTPUTS.items():
+        path = getattr(args, name, None)
+        if path is not None and Path(out).resolve() in Path(path).resolve().parents:
+            raise ValueError(f"{option} {path} is inside --out {out}, which is written whole; allowed: a file outside {out}")
+    refuse_existing(out, args.force, inputs, writer=command_writer(args.command))
 
 
 def os_error_message(error: OSError, args: argparse.Namespace) -> str:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ldlm.cli.options import STEPS, add_prior_temperature, capped_positive_int, capped_positive_int_list, device_options, float_in, int_in
+from ldlm.files import force_help
 from ldlm.limits import MAX_N, MAX_STEPS, MAX_THREADS, SETTINGS
 from ldlm.model.config import INT_RANGES, SAMPLERS
 from ldlm.serve.runtime.registry import DEFAULT_BACKEND, REFERENCE_BACKEND, backend_names, default_backend, resolve_run
@@ -37,7 +38,7 @@ def backends_help() -> str:
 
 def _cmd_bench(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
-    from ldlm.files import write_atomically
+    from ldlm.files import atomic_directory, command_writer
     from ldlm.serve.checks.bench import run_bench
     from ldlm.serve.checks.bench_latency import busy_machine_warning, default_threads, parse_solver_specs
     from ldlm.serve.checks.bench_report import bench_summary, plot_bench
@@ -74,9 +75,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         prior_temperature=args.prior_temperature,
     )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomically(out / "bench.json", json.dumps(report, indent=2) + "\n")
-    plot_bench(report, str(out / "bench.png"))
+    with atomic_directory(out, args.force, command_writer("bench")) as tmp:  # both files or neither, recorded as bench's
+        (tmp / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot_bench(report, str(tmp / "bench.png"))
     print("\n".join(bench_summary(report)))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     if not report["reliable"]:
@@ -144,7 +145,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     _bench_generation_options(p)
     device_options(p)
-    p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
+    p.add_argument(
+        "--out", default="runs/bench", help="output directory to create; an existing one only with --force (default: runs/bench)"
+    )
+    p.add_argument("--force", action="store_true", help=force_help("bench"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_bench)
 

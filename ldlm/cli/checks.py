@@ -7,6 +7,7 @@ import json
 
 from ldlm.cli.options import STEPS, device_options, float_in, seed_int
 from ldlm.export.layernorm.tolerances import gates_help
+from ldlm.files import force_help
 from ldlm.limits import MAX_STEPS
 from ldlm.model.config import SAMPLERS
 from ldlm.serve.runtime.registry import (
@@ -44,10 +45,11 @@ def _cmd_parity(args: argparse.Namespace) -> None:
         save_inputs=args.save_inputs,
         load_inputs=args.load_inputs,
         save_outputs=args.save_outputs,
+        overwrite=args.force,
     )
     if args.min_token_agreement is not None:
         report.accept_token_agreement(args.min_token_agreement, "--min-token-agreement")
-    files = write_parity_report(report, args.out)
+    files = write_parity_report(report, args.out, args.force)
     for comparison in [*report.graphs, *report.layer_norms]:
         if args.verbose or not comparison.passed:
             print(comparison.summary())
@@ -77,7 +79,7 @@ def _cmd_probe_eps(args: argparse.Namespace) -> None:
         args.checkpoint, args.onnx_dir, args.engine_dir, seed=args.seed, flavor=args.flavor, progress=not args.quiet
     )
     if args.out:
-        print(f"wrote {', '.join(str(f) for f in write_eps_report(report, args.out))}")
+        print(f"wrote {', '.join(str(f) for f in write_eps_report(report, args.out, args.force))}")
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -138,7 +140,10 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--onnx-dir", help="ort: an `ldlm export` directory (default: export the checkpoint to a temporary one)")
     p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")
     device_options(p, precision=False)
-    p.add_argument("--out", default="parity-report", help="report directory (default: parity-report)")
+    p.add_argument(
+        "--out", default="parity-report", help="report directory to create; an existing one only with --force (default: parity-report)"
+    )
+    p.add_argument("--force", action="store_true", help=f"{force_help('parity')}; the same for --save-inputs and --save-outputs FILE")
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
     p.add_argument("--seed", type=seed_int, help="seed of the inputs and the generation noise (default: 0; --load-inputs: the file's)")
     p.add_argument(
@@ -164,7 +169,8 @@ def _add_parity_files(p: argparse.ArgumentParser) -> None:
         "--save-inputs",
         metavar="FILE",
         help="write every input this run uses (each graph's input sets, the eps probes' rows, the end-to-end seeds and "
-        "prior noise) to FILE, before the comparisons run",
+        "prior noise) to FILE, before the comparisons run. An existing FILE is replaced only with --force, and only one "
+        "--save-inputs wrote; none inside a checkpoint, an ldlm output directory or --out",
     )
     files.add_argument(
         "--load-inputs",
@@ -172,7 +178,12 @@ def _add_parity_files(p: argparse.ArgumentParser) -> None:
         help="run on the inputs of FILE (from --save-inputs, on this backend or another) with its seed, steps and sampler; "
         "refused when FILE does not fit the checkpoint",
     )
-    files.add_argument("--save-outputs", metavar="FILE", help="write both sides' outputs (eager's and the backend's) to FILE")
+    files.add_argument(
+        "--save-outputs",
+        metavar="FILE",
+        help="write both sides' outputs (eager's and the backend's) to FILE. An existing FILE is replaced only with --force, "
+        "and only one --save-outputs wrote; none inside a checkpoint, an ldlm output directory or --out",
+    )
 
 
 def _add_probe_eps(sub: argparse._SubParsersAction) -> None:
@@ -193,7 +204,10 @@ def _add_probe_eps(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-dir", help="an `ldlm build-engine` directory (TensorRT; runs on a GPU)")
     p.add_argument("--flavor", choices=["tensorrt", "tensorrt_rtx"], help="TensorRT flavour (default: the plans' own)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the probe rows (default: 0)")
-    p.add_argument("--out", help="also write eps_probes.json and eps_probes.md into this directory")
+    p.add_argument(
+        "--out", help="also write eps_probes.json and eps_probes.md into this directory, to create; an existing one only with --force"
+    )
+    p.add_argument("--force", action="store_true", help=force_help("probe-eps"))
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_probe_eps)

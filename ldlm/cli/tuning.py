@@ -74,8 +74,10 @@ def _cmd_tune_schedule(args: argparse.Namespace) -> None:
 def _target(args: argparse.Namespace) -> Path:
     """Where the grids go, checked before any work: ``--out``, or the checkpoint's own schedules.json, which sets
     the step count every generation from it takes by default, only with ``--force``. An existing file is
-    replaced only with ``--force``."""
-    from ldlm.sampling.tuned_grids import SCHEDULES_FILE  # per command: building the parser imports no torch
+    replaced only with ``--force``, and only a schedules file; none is written elsewhere in a checkpoint or
+    an ldlm output directory (``ldlm.files.refuse_existing_file``)."""
+    from ldlm.files import refuse_existing_file  # per command: building the parser imports no torch
+    from ldlm.sampling.tuned_grids import SCHEDULES_FILE, SCHEDULES_WRITER, written_by
 
     own = Path(args.checkpoint) / SCHEDULES_FILE
     if args.schedules_out is None and not args.force:
@@ -84,11 +86,11 @@ def _target(args: argparse.Namespace) -> Path:
             "pass --out FILE to write the grids elsewhere, or --force to replace the checkpoint's"
         )
     out = own if args.schedules_out is None else Path(args.schedules_out)
-    if out.is_dir():
+    if out.is_dir() and not out.is_symlink():
         raise ValueError(f"--out {out} is a directory; allowed: a file path, e.g. {out / SCHEDULES_FILE}")
-    if not args.force and (out.exists() or out.resolve() == own.resolve()):
-        what = "is the checkpoint's own schedules.json" if out.resolve() == own.resolve() else "already exists"
-        raise FileExistsError(f"--out {out} {what}; pass --force to replace it, or choose another --out")
+    if not args.force and out.resolve() == own.resolve():
+        raise FileExistsError(f"--out {out} is the checkpoint's own schedules.json; pass --force to replace it, or choose another --out")
+    refuse_existing_file(out, args.force, SCHEDULES_WRITER, written_by, owned=(SCHEDULES_FILE,))
     return out
 
 
@@ -225,7 +227,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "step counts). Without --out, the checkpoint's own schedules.json, and only with --force: it sets the default "
         "step count of every generation from the checkpoint",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing --out file, or without --out the checkpoint's schedules.json")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --out file that an earlier tune-schedule wrote (a schedules file), or without --out the checkpoint's "
+        "schedules.json; any other file, or one inside a checkpoint or an ldlm output directory, is refused",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_tune_schedule)

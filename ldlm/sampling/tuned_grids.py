@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ldlm.files import sha256_file, write_atomically
+from ldlm.files import command_writer, sha256_file, write_atomically
 from ldlm.limits import PRIOR_TEMPERATURE, T_MIN
 from ldlm.model.checkpoint import WEIGHTS_FILE
 
 SCHEDULES_FILE = "schedules.json"
 FORMAT = 1
+SCHEDULES_WRITER = command_writer("tune-schedule")  # the one command that writes a schedules file
 
 
 class ScheduleError(ValueError):
@@ -111,6 +112,18 @@ class TunedSchedules:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         return write_atomically(path, self.to_json())
+
+
+def written_by(path: Path) -> str | None:
+    """``SCHEDULES_WRITER`` for a file that reads as a schedules file (a JSON object of this format with its
+    weights' hash and grids, valid or not), None for any other: the format names its writer, in the shipped
+    checkpoints' files as in new ones."""
+    try:
+        data = json.loads(path.read_bytes()[: 1 << 24])
+    except (OSError, ValueError):
+        return None
+    schedules = isinstance(data, dict) and data.get("format") == FORMAT and "weights_sha256" in data and isinstance(data.get("grids"), list)
+    return SCHEDULES_WRITER if schedules else None
 
 
 def check_times(times: tuple[float, ...], steps: int, t_min: float, what: str) -> None:

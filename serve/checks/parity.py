@@ -200,20 +200,22 @@ def run_parity(
     save_inputs: str | Path | None = None,
     load_inputs: str | Path | None = None,
     save_outputs: str | Path | None = None,
+    overwrite: bool = False,
 ) -> ParityReport:
     """Compare ``backend`` (an export dir for ort, an engine dir for trt; ort exports the
     checkpoint itself when ``source`` is None; eager and compiled run the checkpoint on ``device``
     in ``precision``) against CPU fp32 eager on the checkpoint, on the inputs of ``seed`` (default 0). The
     end-to-end generation: ``end_to_end_plan``. ``save_inputs``: write every input to this file
     (``parity_inputs``); ``load_inputs``: run on a file's inputs instead (with its seed, steps and sampler; others
-    given are refused), refused unless it fits the checkpoint; ``save_outputs``: write both sides' outputs."""
+    given are refused), refused unless it fits the checkpoint; ``save_outputs``: write both sides' outputs. An
+    existing file of either is replaced only with ``overwrite``, and only a parity file of its kind."""
     info = info_of(backend)
     given = source is not None and not info.runs_checkpoint  # an artifact made beforehand: the structural verifier checks it
     if info.runs_checkpoint:
         source = checkpoint  # the checkpoint's own modules: no artifact, so no verifier and no eps probes
     if source is None and info.opens != "export":
         raise ValueError(f"backend {backend!r} needs its engine directory (--engine-dir); only the ONNX Runtime backends export on the fly")
-    check_files(save_inputs, load_inputs, save_outputs)
+    check_files(save_inputs, load_inputs, save_outputs, overwrite)
     replayed = None if load_inputs is None else read_inputs(load_inputs)  # a file that is none: refused before any work
     if replayed is not None:
         check_replay_options(replayed, seed, steps, sampler)

@@ -5,7 +5,8 @@ sets (random, padded, the outlier stress set or real text), the eps probes' rows
 generation's seeds with the prior noise they draw. The file's metadata holds one JSON header under
 ``HEADER_KEY``: the format and its version, the config the inputs were made for, the seeds and the options
 that shaped the inputs, what saved them, and every tensor's name, shape and dtype with a sha256 over all of
-them. ``read_inputs`` and ``check_inputs`` take a file back: the graphs run on its tensors as they are; the eps
+them; a second sha256 over the header itself seals the case (its seed, steps, sampler, checkpoint ...), so a
+header edited by hand is refused as a changed tensor is. ``read_inputs`` and ``check_inputs`` take a file back: the graphs run on its tensors as they are; the eps
 probes and the generation draw from their seeds, so the rows and the noise in the file are checked to be what
 those seeds draw here; a file that does not fit the checkpoint is refused, naming what differs.
 ``save_outputs`` writes both sides' outputs (reference and candidate) the same way. Nothing is pickled: a
@@ -36,18 +37,19 @@ from torch import nn
 from ldlm import __version__
 from ldlm.export.graphs import GRAPH_NAMES, graph_io
 from ldlm.export.layernorm.eps_probe import probe_rows
-from ldlm.files import write_atomically
+from ldlm.files import refuse_existing_file, write_atomically
 from ldlm.model.config import LDLMConfig
 from ldlm.model.ldlm import LDLM
 from ldlm.sampling.noise import NoiseStream, sample_seeds
 from ldlm.serve.checks.parity_graphs import input_sets
 from ldlm.serve.checks.parity_result import ParityOutputs
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header is sealed by its own sha256 (HEADER_SHA256)
 INPUTS_FORMAT = "ldlm-parity-inputs"
 OUTPUTS_FORMAT = "ldlm-parity-outputs"
 HEADER_KEY = "ldlm_parity"  # the safetensors metadata entry that holds the JSON header
 NOISE = "end_to_end/noise"
+HEADER_SHA256 = "header_sha256"  # the header entry that holds the sha256 of every other entry
 WRITTEN_BY = {INPUTS_FORMAT: "ldlm parity --save-inputs", OUTPUTS_FORMAT: "ldlm parity --save-outputs"}
 
 InputSets = dict[str, dict[str, dict[str, np.ndarray]]]  # graph -> input set -> input name -> array
@@ -193,15 +195,33 @@ def check_replay_options(inputs: ParityInputs, seed: int | None, steps: int | No
 
 
 def check_files(
-    save_inputs: str | os.PathLike[str] | None, load_inputs: str | os.PathLike[str] | None, save_outputs: str | os.PathLike[str] | None
+    save_inputs: str | os.PathLike[str] | None,
+    load_inputs: str | os.PathLike[str] | None,
+    save_outputs: str | os.PathLike[str] | None,
+    overwrite: bool = False,
 ) -> None:
-    """Refuse an outputs file that is also an inputs file: writing the outputs would replace the inputs."""
+    """Refuse, before any work, an outputs file that is also an inputs file (writing the outputs would replace
+    the inputs), and a file to write that may not be (``ldlm.files.refuse_existing_file``): an existing one is
+    replaced only with ``overwrite`` and only when it is a parity file of the same kind."""
     for option, path in (("save_inputs", save_inputs), ("load_inputs", load_inputs)):
         if path is not None and save_outputs is not None and Path(path).resolve() == Path(save_outputs).resolve():
             raise ValueError(
                 f"save_outputs={os.fspath(save_outputs)!r} is also {option}: the outputs would replace the inputs; "
                 "allowed: another file for the outputs"
             )
+    for path, format_name in ((save_inputs, INPUTS_FORMAT), (save_outputs, OUTPUTS_FORMAT)):
+        if path is not None:
+            refuse_existing_file(path, overwrite, WRITTEN_BY[format_name], written_by)
+
+
+def written_by(path: Path) -> str | None:
+    """The command that wrote a parity file, as its header's format names it (``WRITTEN_BY``); None for any other file."""
+    try:
+        with safe_open(os.fspath(path), framework="np") as f:
+            found = json.loads((f.metadata() or {})[HEADER_KEY])["format"]
+    except Exception:  # not safetensors, no parity header: safetensors raises its own error types
+        return None
+    return WRITTEN_BY.get(found) if isinstance(found, str) else None
 
 
 def _check_config(inputs: ParityInputs, config: LDLMConfig, where: str) -> None:
@@ -293,6 +313,12 @@ def tensors_sha256(tensors: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
+def header_sha256(header: Mapping[str, Any]) -> str:
+    """sha256 over every entry of a header but ``HEADER_SHA256`` itself, as canonical JSON (sorted keys)."""
+    sealed = {name: value for name, value in header.items() if name != HEADER_SHA256}
+    return hashlib.sha256(json.dumps(sealed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _listing(tensors: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
     return {name: {"shape": list(array.shape), "dtype": str(array.dtype)} for name, array in tensors.items()}
 
@@ -305,6 +331,7 @@ def _write(path: str | os.PathLike[str], header: Mapping[str, Any], tensors: Map
     versions = {"ldlm": __version__, "numpy": np.__version__, "torch": torch.__version__, "safetensors": safetensors.__version__}
     listing = {"tensors": _listing(tensors), "sha256": tensors_sha256(tensors)}
     full = {"format": header["format"], "version": FORMAT_VERSION, "versions": versions, **header, **listing}
+    full[HEADER_SHA256] = header_sha256(full)
     data = safetensors.numpy.save(dict(tensors), metadata={HEADER_KEY: json.dumps(full)})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return write_atomically(path, data)
@@ -327,6 +354,11 @@ def _read(path: str | os.PathLike[str], format_name: str) -> tuple[dict[str, Any
         raise ValueError(f"{os.fspath(path)} has no ldlm parity header ({HEADER_KEY!r} metadata); {_allowed(format_name)}") from None
     if found != (format_name, FORMAT_VERSION):
         raise ValueError(f"{os.fspath(path)} is format {found[0]} version {found[1]}; {_allowed(format_name)}")
+    if header.get(HEADER_SHA256) != header_sha256(header):
+        raise ValueError(
+            f"{os.fspath(path)}: its header was changed after it was written ({HEADER_SHA256} differs): the header defines the "
+            f"case (seed, steps, sampler, checkpoint ...); save the case again (--save-inputs) rather than edit it; {_allowed(format_name)}"
+        )
     listed, found_listing = header.get("tensors", {}), _listing(tensors)
     differ = sorted(name for name in set(listed) | set(found_listing) if listed.get(name) != found_listing.get(name))
     if differ:

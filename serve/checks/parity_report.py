@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,34 +17,21 @@ from matplotlib.patches import Patch
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.export.layernorm.compare import HISTOGRAM_EDGES
 from ldlm.export.layernorm.tolerances import bounded, gate_text
-from ldlm.files import atomic_directory, save_figure, write_atomically
-from ldlm.interrupts import deferred_interrupts, raise_if_interrupted
+from ldlm.files import atomic_directory, command_writer, save_figure, write_atomically
 from ldlm.serve.checks.parity_result import ParityReport
 
 JSON_FILE, MARKDOWN_FILE, GRAPH_PLOT, LAYER_NORM_PLOT = "parity.json", "parity.md", "errors_by_graph.png", "errors_by_layernorm.png"
+PARITY_WRITER = command_writer("parity")  # what a report directory is recorded as written by (ldlm.files.OUTPUT_RECORD)
 
 
-def write_parity_report(report: ParityReport, out: str | os.PathLike[str]) -> list[Path]:
+def write_parity_report(report: ParityReport, out: str | os.PathLike[str], overwrite: bool = False) -> list[Path]:
     """``out``/parity.json, parity.md and the plots, all or none: every file is written in a temporary sibling
-    of ``out`` first (the plots take seconds, and Ctrl-C may land there). A new ``out`` is that sibling renamed;
-    into an existing one (which may hold other files) the finished files are moved with Ctrl-C held back, and a
-    plot that an earlier report left and this one does not draw is removed."""
+    of ``out`` first (the plots take seconds, and Ctrl-C may land there), then renamed into place, recorded as
+    ``PARITY_WRITER``'s. An existing ``out`` is replaced only with ``overwrite``, and only an earlier report
+    exactly as parity wrote it (``ldlm.files.refuse_existing``): never a directory of someone's files."""
     out = Path(out)
-    if not out.exists():
-        with atomic_directory(out) as tmp:
-            names = _write_report_files(report, tmp)
-        return [out / name for name in names]
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent))
-    try:
-        names = _write_report_files(report, staging)
-        with deferred_interrupts():  # the moves are quick; a Ctrl-C among them would leave two reports mixed
-            for name in names:
-                os.replace(staging / name, out / name)
-            for stale in {GRAPH_PLOT, LAYER_NORM_PLOT} - set(names):
-                (out / stale).unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    raise_if_interrupted()
+    with atomic_directory(out, overwrite, PARITY_WRITER) as tmp:
+        names = _write_report_files(report, tmp)
     return [out / name for name in names]
 
 

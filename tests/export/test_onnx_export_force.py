@@ -165,12 +165,15 @@ def test_the_other_writers_refuse_the_same(
 
 @pytest.mark.parametrize("command", ["parity", "probe-eps", "bench"])
 def test_report_directories_that_are_files_fail_before_any_work(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The checks write their reports into --out (new or existing); a file there is named before the run."""
+    """The checks write their reports into a new --out (an existing one only with --force); a file there is named before the run."""
     blocker = tmp_path / "report"
     blocker.write_text("mine")
     assert main([command, str(tmp_path / "no-checkpoint"), "--out", str(blocker)]) == 2
     err = capsys.readouterr().err
-    assert f"ldlm {command}: error: --out {blocker} is a file; allowed: a directory (new or existing) for the reports" in err, err
+    assert f"ldlm {command}: error: {blocker} already exists; pass --force to replace it, or choose another output directory" in err, err
+    assert main([command, str(tmp_path / "no-checkpoint"), "--out", str(blocker), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert f"ldlm {command}: error: {blocker} is a file, not a directory that ldlm wrote; {WAY_OUT}" in err, err
     assert blocker.read_text() == "mine"
 
 

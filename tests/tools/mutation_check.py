@@ -1511,12 +1511,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a plot interrupted half-drawn leaves a torn PNG in place of the earlier one",
     ),
     Mutation(
-        "cli-report-out-file-accepted",
+        "cli-file-inside-out-accepted",
         "ldlm.cli:refuse_existing_out",
-        "if Path(out).exists() and not Path(out).is_dir():",
+        "if path is not None and Path(out).resolve() in Path(path).resolve().parents:",
         "if False:",
-        ("tests/export/test_onnx_export_force.py",),
-        "a report --out that is a file fails after the run",
+        ("tests/ldlm/cli/test_checks_files.py",),
+        "parity --save-inputs inside --out is refused after the run, its case written into the new report directory",
     ),
     Mutation(
         "force-ignores-the-writer",

@@ -47,7 +47,7 @@ def test_the_checkpoints_own_schedules_are_written_only_with_force(tiny_checkpoi
     for extra, message in (
         ([], f"no --out: tune-schedule writes the checkpoint's own {ckpt / 'schedules.json'} (its default step counts) only with --force"),
         (["--out", str(ckpt / "schedules.json")], "is the checkpoint's own schedules.json; pass --force to replace it"),
-        (["--out", str(other)], f"--out {other} already exists; pass --force to replace it, or choose another --out"),
+        (["--out", str(other)], f"{other} was not written by `ldlm tune-schedule`; --force replaces only a file the same ldlm command"),
         (["--out", str(tmp_path)], f"--out {tmp_path} is a directory; allowed: a file path"),
     ):
         assert main(base + extra) == 2, extra

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 import safetensors.numpy
 import torch
 
+from ldlm.cli import main
 from ldlm.export.graphs import GRAPH_NAMES
 from ldlm.model.checkpoint import init_model
 from ldlm.model.ldlm import LDLM
@@ -91,7 +93,7 @@ def test_the_file_holds_every_input_with_a_header_that_describes_it(tiny_model: 
     path = save_inputs(generate_inputs(tiny_model, SEED, plan), tmp_path / "case.safetensors")
     header = json.loads(header_of(path)["ldlm_parity"])
     tensors = safetensors.numpy.load_file(str(path))
-    assert header["format"] == "ldlm-parity-inputs" and header["version"] == 1 and header["seed"] == SEED
+    assert header["format"] == "ldlm-parity-inputs" and header["version"] == 2 and header["seed"] == SEED
     assert header["config_sha256"] == tiny_model.config.config_hash()
     assert header["tensors"]["graphs/denoiser/stress-outliers/x_t"] == {"shape": [3, 24, 64], "dtype": "float32"}
     assert header["tensors"]["graphs/encoder/padded/attention_mask"] == {"shape": [3, 24], "dtype": "int64"}
@@ -206,6 +208,41 @@ def test_a_changed_or_foreign_file_and_a_contradicting_option_are_refused(
     assert read_inputs(path).seed == SEED
     run_parity(tiny_checkpoint, "eager", seed=SEED, steps=1, save_outputs=tmp_path / "out.safetensors", load_inputs=path)
     with pytest.raises(
-        ValueError, match="out.safetensors is format ldlm-parity-outputs version 1; allowed: a file written by `ldlm parity --save-inputs`"
+        ValueError, match="out.safetensors is format ldlm-parity-outputs version 2; allowed: a file written by `ldlm parity --save-inputs`"
     ):
         read_inputs(tmp_path / "out.safetensors")
+
+
+def edited(path: Path, to: Path, edit: Any) -> Path:
+    """``path`` written again at ``to`` with the same tensors and its JSON header changed by ``edit``, its sha256s
+    as they were: what a hand edit of the header leaves."""
+    header = json.loads(header_of(path)["ldlm_parity"])
+    edit(header)
+    tensors = safetensors.numpy.load_file(str(path))
+    to.write_bytes(safetensors.numpy.save(tensors, metadata={"ldlm_parity": json.dumps(header)}))
+    return to
+
+
+@pytest.mark.parametrize(
+    ("field", "edit"),
+    [
+        ("steps 10 -> 11", lambda h: h["end_to_end"].update(steps=11)),
+        ("sampler ddim -> sde", lambda h: h["end_to_end"].update(sampler="sde")),
+    ],
+)
+def test_a_case_whose_header_was_edited_is_refused_on_replay(
+    field: str, edit: Any, tiny_checkpoint: Path, tiny_model: LDLM, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The header defines the case (the plan, the seeds, the checkpoint): an edit there is refused as a changed
+    tensor is, and the edited case is not run."""
+    case = save_inputs(generate_inputs(tiny_model, SEED, EndToEndPlan(SEED, 2, 8, 10, "ddim", False)), tmp_path / "case.safetensors")
+    changed = edited(case, tmp_path / "edited.safetensors", edit)
+    message = "edited.safetensors: its header was changed after it was written (header_sha256 differs)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_inputs(changed)
+    run = ["parity", str(tiny_checkpoint), "--backend", "eager", "--quiet", "--out", str(tmp_path / "report")]
+    assert main([*run, "--load-inputs", str(changed)]) == 2, field
+    err = capsys.readouterr().err
+    assert message in err and "save the case again (--save-inputs) rather than edit it" in err, err
+    assert not (tmp_path / "report").exists()
+    assert read_inputs(edited(case, tmp_path / "same.safetensors", lambda h: None)).end_to_end.steps == 10  # rewritten unedited: read

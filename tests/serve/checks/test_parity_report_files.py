@@ -1,11 +1,11 @@
 """The report directory gets every file of a report or none: Ctrl-C while the plots are drawn leaves no
-parity.json without its PNGs, in a new directory or in one that holds an earlier report."""
+parity.json without its PNGs, in a new directory or in place of an earlier report, which is replaced only on
+request and only as parity left it."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -46,39 +46,24 @@ def test_ctrl_c_during_the_plots_leaves_no_new_report_directory(tmp_path: Path, 
 def test_ctrl_c_during_the_plots_keeps_the_earlier_report_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "report"
     write_parity_report(report("earlier"), out)
-    (out / "notes.txt").write_text("mine\n")
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
     monkeypatch.setattr(parity_report, "_plot_layer_norms", interrupted_plot)
     with pytest.raises(KeyboardInterrupt):
-        write_parity_report(report("later"), out)
+        write_parity_report(report("later"), out, overwrite=True)
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
     assert os.listdir(tmp_path) == ["report"]
 
 
-def test_a_report_into_an_existing_directory_keeps_other_files_and_drops_its_stale_plot(tmp_path: Path) -> None:
+def test_an_earlier_report_is_replaced_only_on_request_and_as_parity_left_it(tmp_path: Path) -> None:
     out = tmp_path / "report"
     assert sorted(p.name for p in write_parity_report(report("earlier"), out)) == ALL_FILES
+    with pytest.raises(FileExistsError, match="report already exists; pass overwrite=True"):
+        write_parity_report(report("later"), out)
     (out / "notes.txt").write_text("mine\n")
-    files = write_parity_report(report("eager", with_layer_norms=False), out)
-    assert sorted(p.name for p in files) == ["errors_by_graph.png", "parity.json", "parity.md"]
-    assert visible(out) == ["errors_by_graph.png", "notes.txt", "parity.json", "parity.md"]
+    with pytest.raises(FileExistsError, match="holds files `ldlm parity` did not write: notes.txt"):
+        write_parity_report(report("later"), out, overwrite=True)
+    (out / "notes.txt").unlink()
+    files = write_parity_report(report("eager", with_layer_norms=False), out, overwrite=True)
+    assert sorted(p.name for p in files) == visible(out) == ["errors_by_graph.png", "parity.json", "parity.md"]  # no stale plot
     assert json.loads((out / "parity.json").read_text())["backend"] == "eager"
     assert os.listdir(tmp_path) == ["report"]
-
-
-def test_ctrl_c_while_the_files_move_in_is_delivered_after_the_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The moves into an existing directory hold Ctrl-C back: it arrives after them, with every file the new report's."""
-    out = tmp_path / "report"
-    write_parity_report(report("earlier"), out)
-    replace = os.replace
-
-    def ctrl_c_on_the_first_move(src: Any, dst: Any) -> None:
-        if Path(dst).parent == out and Path(dst).name == "parity.json":
-            os.kill(os.getpid(), signal.SIGINT)
-        replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", ctrl_c_on_the_first_move)
-    with pytest.raises(KeyboardInterrupt):
-        write_parity_report(report("later"), out)
-    assert json.loads((out / "parity.json").read_text())["backend"] == "later"
-    assert "later" in (out / "parity.md").read_text() and visible(out) == ALL_FILES
