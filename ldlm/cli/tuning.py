@@ -225,7 +225,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="where to write the grids, e.g. ./schedules.json (a file named schedules.json there keeps the grids of other "
         "step counts). Without --out, the checkpoint's own schedules.json, and only with --force: it sets the default "
-        "step count of every generation from the checkpoint",
+        "step count of every generation from the checkpoint. An existing FILE is replaced only with --force and only when "
+        "tune-schedule wrote it; no other path inside a checkpoint or an ldlm output directory",
     )
     p.add_argument(
         "--force",
