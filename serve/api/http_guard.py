@@ -39,11 +39,12 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection befo
 
 
 class GuardMiddleware:
-    # Open without the key: the health probes, and what a browser needs to show the playground and
-    # /docs (the page, Swagger UI's assets, the schema /docs renders). Every route that runs the
-    # model or tells about it (/v1, /v2 infer and metadata, /metrics) needs the key; the playground
-    # sends the one typed into it.
-    OPEN_PATHS = frozenset({"/", "/docs", "/openapi.json", "/health"})  # probes: Kubernetes manifests written for vLLM point at /health
+    # Open without the key: the health probes, /version (as vLLM's server guards only /v1: a load
+    # balancer or client reads the version before it is given a key), and what a browser needs to show
+    # the playground and /docs (the page, Swagger UI's assets, the schema /docs renders). Every route
+    # that runs the model or tells about it (/v1, /v2 infer and metadata, /metrics) needs the key; the
+    # playground sends the one typed into it. Kubernetes manifests written for vLLM probe /health.
+    OPEN_PATHS = frozenset({"/", "/docs", "/openapi.json", "/health", "/version"})
     OPEN_PREFIXES = ("/v2/health/", "/static/swagger/")
 
     @classmethod

@@ -5,6 +5,10 @@ tokens at every position (ldlm/sampling/tokens.py); temperature 0, the default, 
 parameters that mean nothing to a diffusion sampler are accepted only at the value that asks
 for nothing, else refused (400) naming the parameter; LDLM's own (steps, sampler, t_min, timeout_s)
 are extra body fields. The body carries this server's limits, so ``completion_body`` builds it per app.
+OpenAI documents its optional fields as "or null", and its client sends null for an argument given as
+None: null in any optional field is that field's default, as if left out (``NullIsDefault``). vLLM's
+extensions that benchmarks send (``ignore_eos``, ``min_tokens``, ``stream_options.continuous_usage_stats``)
+are taken with their meaning for a sampler that writes every position at once.
 
 ``prompt`` takes OpenAI's four forms: a text, a list of texts, a list of token ids, a list of token-id
 lists; ``prompt_list`` reads them (the body types the field loosely, so that a mixed or empty list is
@@ -19,7 +23,7 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, StrictInt, WithJsonSchema, create_model
+from pydantic import BaseModel, Field, StrictInt, WithJsonSchema, create_model, model_validator
 
 from ldlm.limits import TEMPERATURE, TOP_LOGPROBS, TOP_P
 from ldlm.sampling import GenerateRequest
@@ -30,9 +34,25 @@ from ldlm.serve.api.schemas import STRICT_BODY, BodyLimits, SamplingBody, ranged
 MODEL_ID = "ldlm"
 
 
-class StreamOptions(BaseModel):
+class NullIsDefault(BaseModel):
+    """A body whose optional fields take null as their default (a required field's null is still refused).
+    The default lives on the field alone; null is dropped before validation, so the field's own applies."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # not an object: refused by validation, naming what is allowed
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(NullIsDefault):
     model_config = STRICT_BODY
-    include_usage: bool = Field(False, strict=True)
+    include_usage: bool | None = Field(False, strict=True, description="a last chunk, before [DONE], with no choices and the usage")
+    continuous_usage_stats: bool | None = Field(
+        False, strict=True, description="vLLM's: every chunk also carries the usage so far (the request's prompt tokens, the tokens sent)"
+    )
 
 
 # OpenAI parameters a diffusion sampler has no use for. Each is accepted only at the value that asks
@@ -48,8 +68,8 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 MAX_STOP = 4  # as OpenAI: up to 4 stop sequences
 
 PROMPT_FORMS = "a text, a list of texts, a list of token ids, or a list of token-id lists"
-# What /docs shows for ``prompt``: OpenAI's four forms. The field itself takes any JSON, and ``prompt_list``
-# refuses what is none of them.
+# What /docs shows for ``prompt``: OpenAI's four forms, or null for the default. The field itself takes any
+# JSON, and ``prompt_list`` refuses what is none of them.
 TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPT_SCHEMA = {
     "anyOf": [
@@ -57,6 +77,7 @@ PROMPT_SCHEMA = {
         {"type": "array", "items": {"type": "string"}, "minItems": 1},
         TOKEN_IDS_SCHEMA,
         {"type": "array", "items": TOKEN_IDS_SCHEMA, "minItems": 1},
+        {"type": "null"},
     ]
 }
 
@@ -85,10 +106,32 @@ DECODING_FIELDS: dict[str, Any] = {
         ),
     ),
 }
+# vLLM's extensions that its clients and benchmarks send. The sampler writes all max_tokens positions at
+# once, so neither changes what is sampled: only where a choice's completion ends (``completion_end``).
+VLLM_FIELDS: dict[str, Any] = {
+    "ignore_eos": (
+        bool | None,
+        Field(
+            False,
+            strict=True,
+            description="vLLM's: true: an end-of-text token does not end a choice, which is then max_tokens tokens "
+            "(end-of-text tokens are counted, not shown in the text)",
+        ),
+    ),
+    "min_tokens": (
+        int | None,
+        Field(
+            0,
+            strict=True,
+            json_schema_extra={"minimum": 0},
+            description="vLLM's: an end-of-text token within a choice's first min_tokens tokens does not end it; allowed: 0..max_tokens",
+        ),
+    ),
+}
 OPENAI_ORDER = ("temperature", "top_p", "best_of", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "suffix")
 
 
-class CompletionFields(SamplingBody):
+class CompletionFields(SamplingBody, NullIsDefault):
     """/v1/completions' body, as the handler reads it (its fields are built per app by ``completion_body``)."""
 
     def to_request(self, prompt_tokens: int, seed: int) -> GenerateRequest:
@@ -118,12 +161,12 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
             ),
         ),
         max_tokens=(
-            int,
+            int | None,
             ranged(
                 r["max_tokens"], 16, f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({r['max_tokens']})"
             ),
         ),
-        n=(int, ranged(r["n"], 1, f"choices per prompt ({r['n']} in all)")),
+        n=(int | None, ranged(r["n"], 1, f"choices per prompt ({r['n']} in all)")),
         seed=(
             int | None,
             ranged(
@@ -132,14 +175,21 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
                 f"noise seed ({r['seed']}; default: 0, as on every path, so a request names its answer; prompt i of a list runs seed + i)",
             ),
         ),
-        stream=(bool, Field(False, strict=True, description="OpenAI server-sent chunks, ending with data: [DONE]")),
-        stream_options=(StreamOptions | None, Field(None, description="include_usage: a last chunk with usage")),
+        stream=(bool | None, Field(False, strict=True, description="OpenAI server-sent chunks, ending with data: [DONE]")),
+        stream_options=(
+            StreamOptions | None,
+            Field(
+                None,
+                description="with stream: true only; include_usage: a last chunk with usage; continuous_usage_stats: usage in every chunk",
+            ),
+        ),
         stop=(
             str | list[str] | None,
             Field(None, description=f'up to {MAX_STOP} texts: a choice ends before the first of them (finish_reason "stop")'),
         ),
-        echo=(bool, Field(False, strict=True, description="the prompt, then the completion, in each choice's text")),
+        echo=(bool | None, Field(False, strict=True, description="the prompt, then the completion, in each choice's text")),
         user=(str | None, Field(None, description="an end-user id, as OpenAI's; it does not change the output")),
+        **VLLM_FIELDS,
         **sampling_fields(limits, "LDLM: "),
         timeout_s=(float | None, timeout_field(limits)),
         **openai_fields,
@@ -156,7 +206,8 @@ def accepted(allowed: tuple[Any, ...]) -> str:
 
 
 def check_supported(body: Any) -> None:
-    """Refuse a parameter this model cannot honour, naming it (OpenAI's ``param``)."""
+    """Refuse a parameter this model cannot honour, or one out of range for the others (min_tokens past max_tokens,
+    stream_options without a stream), naming it (OpenAI's ``param``)."""
     for name, (allowed, why) in UNSUPPORTED.items():
         value = getattr(body, name)
         if not any(value == a and type(value) is not bool for a in allowed) and value is not None:
@@ -165,6 +216,18 @@ def check_supported(body: Any) -> None:
                 f"{name}={json.dumps(value)} is not supported by this diffusion model ({why}); allowed: {accepted(allowed)}",
                 param=name,
             )
+    if not 0 <= body.min_tokens <= body.max_tokens:  # as vLLM refuses min_tokens > max_tokens
+        raise HTTPError(
+            400,
+            f"min_tokens={body.min_tokens} is out of range; allowed: 0..{body.max_tokens} (max_tokens, the tokens each choice has)",
+            param="min_tokens",
+        )
+    if body.stream_options is not None and not body.stream:  # vLLM's refusal, in its words
+        raise HTTPError(
+            400,
+            f"Stream options can only be defined when `stream=True`; stream_options was given with stream={json.dumps(body.stream)}",
+            param="stream_options",
+        )
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOP or any(stop == "" for stop in stops):
         raise HTTPError(

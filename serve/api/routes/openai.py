@@ -3,10 +3,11 @@ that API, so what its users call works too.
 
   GET  /v1/models         the one served model (with ``max_model_len``, as vLLM lists it)
   POST /v1/completions    model, prompt, max_tokens, n, seed, stream, stream_options, stop, echo, user
-                          (+ LDLM's steps, sampler, t_min as extra body fields:
+                          (+ vLLM's ignore_eos, min_tokens, stream_options.continuous_usage_stats;
+                          + LDLM's steps, sampler, t_min as extra body fields:
                           ``client.completions.create(..., extra_body={"steps": 20})``)
   GET  /health            200 when ready, 503 otherwise (an empty body, as vLLM's)
-  GET  /version           {"version"}
+  GET  /version           {"version"} (open without the API key, as /health)
   POST /v1/tokenize       {"model"?, "prompt", "add_special_tokens"?, "return_token_strs"?} -> {"count", "max_model_len", "tokens", "token_strs"}
   POST /v1/detokenize     {"model"?, "tokens"} -> {"prompt"}
 
@@ -21,7 +22,8 @@ non-empty prompt conditions by prefix inpainting: its P tokens are encoded, and 
 their positions are reset to those latents forward-noised to the step's time
 (``LDLMPipeline.inpaint_prefix``). The completion is the text decoded after the prompt, at most
 ``max_tokens`` tokens, cut at the first end-of-text token (``finish_reason: "stop"``; else
-``"length"``); ``stop`` ends it before the first of up to 4 texts (``"stop"``), and ``echo`` puts
+``"length"``), unless that token comes before ``min_tokens`` or ``ignore_eos`` is true (vLLM's: every
+position was sampled anyway, so they change only where the completion ends); ``stop`` ends it before the first of up to 4 texts (``"stop"``), and ``echo`` puts
 the prompt before it (a token-id prompt decoded). ``temperature`` (0, the default: the token decoder's argmax), ``top_p`` and
 ``logprobs`` act where the model has a distribution over tokens, at the token decoder: each token
 is drawn from softmax(logits / temperature) within the nucleus, seeded by ``seed``, and ``logprobs``
@@ -30,10 +32,11 @@ gives each completion token's log-probability and its top alternatives in OpenAI
 log-probability of it at its position (every position has one here, the first included, where
 OpenAI's left-to-right models give null). OpenAI parameters that mean nothing to a diffusion sampler (best_of, the
 penalties, logit_bias, suffix) are accepted only at the value that asks for nothing, else refused
-(400) naming the parameter; unknown fields are refused too. How
+(400) naming the parameter; unknown fields are refused too, and null in an optional field is its default. How
 well a completion follows its prompt depends on the trained model: a random-init checkpoint gives
 gibberish. With ``stream: true`` every choice comes as one OpenAI
-chunk once its text is final (diffusion has no left-to-right deltas), then ``data: [DONE]``.
+chunk once its text is final (diffusion has no left-to-right deltas), then ``data: [DONE]``; with
+``stream_options.continuous_usage_stats`` each chunk carries the usage so far.
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -64,6 +67,7 @@ from ldlm.serve.api.openai_schemas import (
     MODEL_ID,
     DetokenizeBody,
     DetokenizeResponse,
+    StreamOptions,
     TokenizeBody,
     TokenizeResponse,
     VersionResponse,
@@ -222,9 +226,10 @@ class Completions:
         eos, row = self.config.eos_token_id, prompt.ids
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         for j, ids in enumerate(result.token_ids[:, len(row) :].tolist()):
-            stop = eos in ids
-            ids = ids[: ids.index(eos)] if stop else ids
-            text = self.pipeline.tokenizer.decode(ids)
+            end = completion_end(ids, eos, body)
+            stop = end is not None
+            ids = ids[:end]
+            text = self.pipeline.tokenizer.decode([token for token in ids if token != eos])  # as vLLM skips special tokens
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:  # the tokens counted are those of the text returned (which may be blank)
                 text, stop = text[:cut], True
@@ -299,7 +304,7 @@ class Completions:
     async def stream_chunks(
         self, head: dict[str, Any], prepared: Prepared, futures: list[Future[TextResult]], prompt_tokens: int, body: Any, deadline: Deadline
     ) -> AsyncIterator[bytes]:
-        used = 0
+        used, options = 0, body.stream_options or StreamOptions()
         pending = {asyncio.ensure_future(wait(asyncio.wrap_future(f), deadline.left(), deadline.limit_s)): i for i, f in enumerate(futures)}
         try:
             while pending:
@@ -310,8 +315,9 @@ class Completions:
                     got, n_used = self.choices(prepared[i], result, i * body.n, body)
                     used += n_used
                     plan = {} if result.plan is None else {"ldlm_plan": result.plan.summary()}
-                    yield sse({**head, "choices": got, **plan})
-            if body.stream_options is not None and body.stream_options.include_usage:
+                    so_far = {"usage": usage(prompt_tokens, used)} if options.continuous_usage_stats else {}
+                    yield sse({**head, "choices": got, **plan, **so_far})
+            if options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, used)})
         except REQUEST_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape
             status, message, _ = error_status(error)
@@ -322,6 +328,15 @@ class Completions:
             for task in pending:
                 task.cancel()
         yield sse("[DONE]")
+
+
+def completion_end(ids: list[int], eos: int, body: Any) -> int | None:
+    """Where a choice's completion ends: at its first end-of-text token from position ``min_tokens`` on (None: it
+    runs to max_tokens); with ``ignore_eos``, never there. Every position was sampled either way: an end-of-text token
+    that ends nothing stays in the choice's tokens, counted in usage as vLLM counts every token it generated."""
+    if body.ignore_eos or eos not in ids[body.min_tokens :]:
+        return None
+    return ids.index(eos, body.min_tokens)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
