@@ -84,7 +84,7 @@ INPUT_ARGUMENTS = {
 
 
 # Files a command writes beside its output directory: never inside it, where replacing the directory removes them.
-FILE_OUTPUTS = {"save_inputs": "--save-inputs", "save_outputs": "--save-outputs"}
+FILE_OUTPUTS = {"save_inputs": "--save-inputs", "save_outputs": "--save-outputs", "timing_cache": "--timing-cache"}
 
 
 def refuse_existing_out(args: argparse.Namespace) -> None:
@@ -101,7 +101,7 @@ def refuse_existing_out(args: argparse.Namespace) -> None:
     for name, option in FILE_OUTPUTS.items():
         path = getattr(args, name, None)
         if path is not None and Path(out).resolve() in Path(path).resolve().parents:
-            raise ValueError(f"{option} {path} is inside --out {out}, which is written whole; allowed: a file outside {out}")
+            raise ValueError(f"{option} {path} is inside the output directory {out}, which is written whole; allowed: a file outside it")
     refuse_existing(out, args.force, inputs, writer=command_writer(args.command))
 
 

@@ -208,7 +208,7 @@ def _add_build_engine(sub: argparse._SubParsersAction) -> None:
         type=int_in(1, MAX_WORKSPACE_MB, " MiB"),
         help=f"workspace memory limit in MiB, 1..{MAX_WORKSPACE_MB} (default: TensorRT's)",
     )
-    p.add_argument("--timing-cache", help="timing cache file to read and update (NVIDIA TensorRT; a no-op in TensorRT-RTX)")
+    p.add_argument("--timing-cache", help="timing cache file to read and update, outside OUT (NVIDIA TensorRT; a no-op in TensorRT-RTX)")
     p.add_argument("--force", action="store_true", help=force_help("build-engine"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_build_engine)

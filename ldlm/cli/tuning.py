@@ -217,6 +217,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "(default: cpu)",
     )
     p.add_argument("--threads", type=in_range(THREADS, " threads"), default=None, help=f"CPU threads, {THREADS} (default: torch's)")
+    _add_output_options(p)
+    p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_tune_schedule)
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Where the grids go, and when an existing file there is replaced (ldlm.files.refuse_existing_file)."""
     p.add_argument(
         "--out",
         # not "out": the CLI's checks of an output directory (ldlm.cli.refuse_existing_out) do not fit one file
@@ -234,9 +242,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="replace an existing --out file that an earlier tune-schedule wrote (a schedules file), or without --out the checkpoint's "
         "schedules.json; any other file, or one inside a checkpoint or an ldlm output directory, is refused",
     )
-    p.add_argument("--json", action="store_true", help="one JSON line per tuned step count")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_tune_schedule)
 
 
 def _add_sample_options(p: argparse.ArgumentParser) -> None:

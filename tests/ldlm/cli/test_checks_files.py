@@ -111,7 +111,8 @@ def test_an_existing_report_directory_is_replaced_only_when_parity_wrote_it(
         main(["parity", str(tiny_checkpoint), *FAST, "--out", str(tmp_path / "new"), "--save-inputs", str(tmp_path / "new" / "case")]) == 2
     )
     assert (
-        f"--save-inputs {tmp_path / 'new' / 'case'} is inside --out {tmp_path / 'new'}, which is written whole" in capsys.readouterr().err
+        f"--save-inputs {tmp_path / 'new' / 'case'} is inside the output directory {tmp_path / 'new'}, which is written whole"
+        in capsys.readouterr().err
     )
     assert sha256s(mine / "thesis.txt") == before and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
@@ -138,3 +139,11 @@ def test_every_report_directory_is_guarded_before_any_work(command: str, tmp_pat
         err = capsys.readouterr().err
         assert f"ldlm {command}: error: {mine} " in err and ("pass --force" in err if not force else DIRECTORY_WAY_OUT in err), err
     assert sha256s(mine / "bench.json") == before
+
+
+def test_a_timing_cache_inside_the_engine_directory_is_refused_before_the_build(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine directory is written whole (and replaced whole with --force): a cache inside it would be lost."""
+    engines = tmp_path / "engines"
+    assert main(["build-engine", str(tmp_path / "onnx"), str(engines), "--timing-cache", str(engines / "timing.cache")]) == 2
+    err = capsys.readouterr().err
+    assert f"--timing-cache {engines / 'timing.cache'} is inside the output directory {engines}, which is written whole" in err, err
