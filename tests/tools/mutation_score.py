@@ -64,7 +64,7 @@ SHARDS: tuple[Shard, ...] = (
     Shard(
         "slots",
         ("ldlm/sampling/slots.py",),
-        (S + "test_slots*.py", S + "test_loop_fused.py", R + "test_torch_backends_fused.py", R + "test_scheduler_fused.py"),
+        (S + "test_slots*.py", S + "test_loop_fused.py", R + "test_scheduler_fused.py"),
     ),
     Shard(
         "delivery",
