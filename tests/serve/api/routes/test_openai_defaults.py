@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[t
 openai = pytest.importorskip("openai", reason="the OpenAI client under test (pip install -e .[test])")
 
 from ldlm.pipeline import TextResult  # noqa: E402
+from ldlm.serve.api.openai_schemas import completion_body  # noqa: E402
 from ldlm.serve.api.service import LDLMService, ServerSettings  # noqa: E402
 from scripts.harness.traffic import sse_events  # noqa: E402
 from tests.servers import RunningServer, free_port  # noqa: E402
@@ -126,6 +127,18 @@ def test_max_tokens_echo_and_stream_null_together_are_the_defaults(server: Runni
     assert {k: sent[-1][k] for k in ("max_tokens", "echo", "stream")} == {"max_tokens": None, "echo": None, "stream": None}
     explicit = post(server, prompt="Once", seed=3, max_tokens=16, echo=False, stream=False, **PLAN).json()
     assert answered(got.model_dump(exclude_none=True)) == answered(explicit)
+
+
+def test_null_parses_as_each_fields_own_default(server: RunningServer) -> None:
+    """Not only an answer alike: the body the handler reads holds the field's default, as if the field were
+    left out, never a None that code testing ``is False`` would misread."""
+    body = completion_body(server.service.body_limits())
+    for field in CLIENT_FIELDS + EXTRA_FIELDS:
+        parsed = body.model_validate({"model": "ldlm", field: None})
+        assert getattr(parsed, field) == body.model_fields[field].default and field not in parsed.model_fields_set, field
+    for field in ("include_usage", "continuous_usage_stats"):
+        options = body.model_validate({"model": "ldlm", "stream": True, "stream_options": {field: None}}).stream_options
+        assert getattr(options, field) is False and field not in options.model_fields_set, field
 
 
 @pytest.mark.parametrize("field", ["include_usage", "continuous_usage_stats"])
