@@ -2,8 +2,9 @@
 takes it: the Python API (``LDLMPipeline.generate``, the request plan, ``TokenSampling``, ``ServerSettings``),
 the CLI (``ldlm generate``, ``ldlm serve``, run in-process through ``main``), and the real server on 127.0.0.1
 (/v1/generate, its stream, /v1/completions through the official ``openai`` client, /v1/encode and
-/v1/reconstruct through httpx, and gRPC's ``ldlm_generate`` stream through tritonclient, its FP32 inputs at
-float32's edges).
+/v1/reconstruct through httpx, and ``ldlm_generate`` through tritonclient: its gRPC stream, with its
+``preview_every`` parameter, and its infer requests over HTTP and gRPC, its FP32 inputs at float32's edges and
+each refusal naming the input as sent).
 
 The cases come from the table itself (``SETTINGS``, ``body_ranges``), so a new bound is tested on every path
 that has a field or option of its name; the edges come from ``documented_body`` and ``DOCUMENTED_SETTINGS``
@@ -31,6 +32,9 @@ import torch
 httpx = pytest.importorskip("httpx", reason="the test client (pip install -e .[test])")
 openai = pytest.importorskip("openai", reason="the OpenAI client (pip install -e .[test])")
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient's gRPC client (pip install -e .[test])")
+httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient's HTTP client (pip install -e .[test])")
+
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from ldlm.cli import build_parser, main  # noqa: E402
 from ldlm.limits import MAX_N, MAX_STEPS, SETTINGS, body_ranges  # noqa: E402
@@ -424,31 +428,89 @@ def grpc_edge(allowed: Documented, which: str, datatype: str) -> tuple[float, bo
     return value, inside
 
 
-@pytest.mark.parametrize("which", EDGES)
-@pytest.mark.parametrize("field", GRPC_FIELDS)
-def test_grpc_generate_stream(field: str, which: str, server: RunningServer) -> None:
+def edge_inputs(module: Any, field: str, which: str) -> tuple[list[Any], float, bool, Documented]:
+    """ldlm_generate's inputs for one edge of ``field`` as ``module``'s (tritonclient.grpc's or .http's) InferInputs:
+    the tensors, the value at the edge, whether it is inside, and the documented range; skipped where the input's
+    datatype cannot hold the value."""
     spec = GRPC_INPUTS[field]
     allowed = body_bound(field)
     given = grpc_edge(allowed, which, spec.datatype)
     if given is None:
         pytest.skip(f"{spec.name}: {which} of {allowed.named()} does not fit {spec.datatype}; the transport cannot carry it")
     value, inside = given
-    inputs = {"N": 1, "LENGTH": 4, "STEPS": 1, spec.name: value}
+    tensors = []
+    for name, number in {"N": 1, "LENGTH": 4, "STEPS": 1, spec.name: value}.items():
+        tensor = module.InferInput(name, [1], DATATYPES[name])
+        tensor.set_data_from_numpy(np.array([number], dtype=np.int64 if DATATYPES[name] == "INT64" else np.float32))
+        tensors.append(tensor)
+    return tensors, value, inside, allowed
+
+
+def refused_by_name(message: str, field: str, value: float, allowed: Documented) -> None:
+    """An ldlm_generate refusal names the input as the request did (N=0, T_MIN=1.0), then the whole range: the
+    model's own check, not a later one in /v1/generate's words."""
+    refusal_names(message, value, allowed)
+    assert f"{GRPC_INPUTS[field].name}={value!r} is out of range; allowed: " in message, message
+
+
+def stream_answer(server: RunningServer, tensors: list[Any], parameters: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """The first answer of one ldlm_generate request on a gRPC stream: (result, error)."""
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.service.settings.grpc_port}")
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
-        tensors = []
-        for name, number in inputs.items():
-            tensor = grpcclient.InferInput(name, [1], DATATYPES[name])
-            tensor.set_data_from_numpy(np.array([number], dtype=np.int64 if DATATYPES[name] == "INT64" else np.float32))
-            tensors.append(tensor)
-        client.async_stream_infer("ldlm_generate", tensors)
-        result, error = answers.get(timeout=60)
+        client.async_stream_infer("ldlm_generate", tensors, parameters=parameters)
+        return answers.get(timeout=60)
     finally:
         client.stop_stream()
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("field", GRPC_FIELDS)
+def test_grpc_generate_stream(field: str, which: str, server: RunningServer) -> None:
+    tensors, value, inside, allowed = edge_inputs(grpcclient, field, which)
+    result, error = stream_answer(server, tensors)
     if inside:
         assert error is None and result.get_response().parameters["triton_final_response"].bool_param, error
         return
-    assert result is None and error is not None, (spec.name, value)
-    refusal_names(error.message(), value, allowed)
+    assert result is None and error is not None, (field, value)
+    refused_by_name(error.message(), field, value, allowed)
+
+
+@pytest.mark.parametrize("which", EDGES)
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+@pytest.mark.parametrize("field", GRPC_FIELDS)
+def test_kserve_generate_infer(field: str, transport: str, which: str, server: RunningServer) -> None:
+    """ldlm_generate's ModelInfer, as tritonclient's HTTP and gRPC clients call it: 400 (INVALID_ARGUMENT) naming the range."""
+    module = httpclient if transport == "http" else grpcclient
+    tensors, value, inside, allowed = edge_inputs(module, field, which)
+    port = server.service.settings.port if transport == "http" else server.service.settings.grpc_port
+    client = module.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        if inside:
+            shape = (value if field == "n" else 1, value if field == "length" else 4)
+            assert client.infer("ldlm_generate", tensors).as_numpy("TOKEN_IDS").shape == shape
+            return
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("ldlm_generate", tensors)
+    finally:
+        client.close()
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), refused.value
+    refused_by_name(refused.value.message(), field, value, allowed)
+
+
+@pytest.mark.parametrize("case", ["below 0", "0", "low", "high", "above high"])
+def test_grpc_stream_preview_every(case: str, server: RunningServer) -> None:
+    """The stream's request parameter preview_every, in the range of /v1/generate's field, except that 0 (the
+    parameter's default) asks for none. At STEPS = the cap, a preview every k < STEPS steps comes first; at k = STEPS
+    the result does."""
+    allowed = body_bound("preview_every")
+    every = {"below 0": -1, "0": 0, **{which: int(edge(allowed, which)[0]) for which in ("low", "high", "above high")}}[case]
+    tensors, steps, *_ = edge_inputs(grpcclient, "steps", "high")
+    result, error = stream_answer(server, tensors, {"preview_every": every})
+    if case in ("below 0", "above high"):
+        assert result is None and error is not None, every
+        refusal_names(error.message(), every, allowed)
+        return
+    assert error is None, error
+    assert result.get_response().parameters["triton_final_response"].bool_param is (every in (0, steps))

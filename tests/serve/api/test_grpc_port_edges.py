@@ -38,7 +38,9 @@ def last_port_free() -> None:
         pytest.skip(f"port {LAST} on 127.0.0.1 is held by another process: the endpoint cannot be served there now")
 
 
-def serve_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[ServerSettings], str]:
+def serve_cli(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, list[ServerSettings], str]:
     """``ldlm serve export-dir ARGV`` up to the server's start (replaced by a recorder): exit code, settings it would
     serve with (none when refused), stderr."""
     started: list[ServerSettings] = []
