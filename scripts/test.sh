@@ -4,6 +4,8 @@
 # builds engines too) and, as root, the system gains chromium.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/install_steps.sh
+source scripts/install_steps.sh
 extras=cpu,rtx,test,ray,lint
 
 requirements() {  # one extra's requirements as pyproject.toml lists them (empty where python3 cannot read it)
@@ -36,22 +38,22 @@ if command -v chromium >/dev/null 2>&1; then
   chromium_plan=present
 elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   chromium_plan=install
-  echo "  system (apt-get, as root): chromium, for the playground's browser test (tests/serve/api/routes/test_playground.py)"
+  echo "  system (apt-get, as root): chromium, for the playground's browser test ($chromium_test)"
+  dpkg_interrupted | sed 's/^/  but /' || true
 else
   chromium_plan=skip
-  echo "  not installed: chromium (no apt-get as root); tests/serve/api/routes/test_playground.py will skip"
+  echo "  not installed: chromium (no apt-get as root); $chromium_test will skip"
 fi
 echo "  .cache/triton-env, on first use by tests/serve/deploy/test_triton_server.py: nvidia-pytriton's tritonserver (network once; it skips without)"
 
 bash scripts/bootstrap.sh "$extras"
 bash scripts/lint.sh
 # The playground's browser test drives Debian's chromium. Install it when missing; where apt cannot
-# (no root, no network) the test skips and says so.
+# (no root, no network, dpkg left interrupted) the test skips and says so.
 if [ "$chromium_plan" = install ]; then
-  { apt-get install -y --no-install-recommends chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }; } \
-    >/dev/null 2>&1 || echo "chromium could not be installed; tests/serve/api/routes/test_playground.py will skip" >&2
+  install_chromium
 elif [ "$chromium_plan" = skip ]; then
-  echo "no chromium and no apt-get as root; tests/serve/api/routes/test_playground.py will skip" >&2
+  echo "no chromium and no apt-get as root; $chromium_test will skip" >&2
 fi
 # Two workers, a test file each at a time (its module fixtures, such as a running server, built once):
 # most of the suite's time is single-threaded Python (torch.onnx tracing, servers, subprocesses), so on
