@@ -405,6 +405,24 @@ def test_v1_completions(field: str, which: str, server: RunningServer, client: A
         refusal_names(refused.value.message, value, allowed)
 
 
+@pytest.mark.parametrize("which", EDGES)
+def test_v1_completions_prompts(which: str, server: RunningServer, client: Any) -> None:
+    """A list of prompts is as long as /v1/encode's texts may be (max_texts): n choices each."""
+    allowed = body_bound("texts")
+    count, inside = edge(allowed, which)
+    create = lambda: client.completions.create(model="ldlm", prompt=["a"] * int(count), max_tokens=4, extra_body={"steps": 1})  # noqa: E731
+    if inside:
+        assert len(create().choices) == count
+        return
+    with pytest.raises(openai.BadRequestError) as refused:
+        create()
+    message, named = refused.value.message, allowed.named()
+    if count:
+        assert f"prompt has {int(count)} items; allowed: {named}" in message, message
+    else:
+        assert "prompt is an empty list;" in message and f"a list of {named} texts" in message, message
+
+
 # --- gRPC's ldlm_generate stream -----------------------------------------------------------------
 
 # Its inputs are /v1/generate's fields in upper case (kserve_models.GENERATE_INPUTS), one value each
