@@ -47,6 +47,7 @@ EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.txt")
 LINKED = ("ldlm", "export", "serve", "tests", "docs", "models", "scripts", "README.md")
 # A statement that raises carries a message: left out of mutation (see the module's docstring).
 MESSAGE_PATTERNS = (r"^\s*raise \w+(\.\w+)*\(",)
+TIMEOUT_MULTIPLIER, TIMEOUT_CONSTANT_S = 4.0, 10.0
 KILLED, SURVIVED, TIMEOUT, NO_TESTS = "killed", "survived", "timeout", "no tests"
 
 
@@ -145,10 +146,17 @@ def shard_config(shard: Shard) -> str:
         "also_copy": [name for name in LINKED if name != "tests"],
         "do_not_mutate_patterns": list(MESSAGE_PATTERNS),
         "pytest_add_cli_args": ["-p", "no:xdist", "-p", "no:cacheprovider"],
+        # Each mutant's tests run in a child of a fork server that has collected the tests but run none. A child
+        # forked from the process that ran them (mutmut's default) inherits torch's BLAS pool and the tests'
+        # threads mid-flight, and hangs in its first matrix product: a "timeout" the code under test never caused.
+        "process_isolation": "forkserver",
         "pytest_add_cli_args_test_selection": test_paths(shard),
-        # a mutant still running at this multiple of its tests' CPU time is stuck (mutmut's default, 15, lets one
-        # stuck mutant of a shard whose tests take a minute hold a core for half an hour)
-        "timeout_multiplier": 3.0,
+        # A mutant is stuck once it runs (its tests' time + TIMEOUT_CONSTANT_S) x TIMEOUT_MULTIPLIER. The constant is the
+        # forked pytest's own start (collection, the module's fixtures), which the tests' recorded times leave out:
+        # without it a mutant that a test kills a few seconds in reads as a timeout. mutmut's default multiplier, 15,
+        # would let one stuck mutant of a shard whose tests take a minute hold a core for a quarter of an hour.
+        "timeout_multiplier": TIMEOUT_MULTIPLIER,
+        "timeout_constant": TIMEOUT_CONSTANT_S,
     }
     lines = [f"{key} = {json.dumps(value)}" for key, value in section.items()]
     return (ROOT / "pyproject.toml").read_text() + "\n[tool.mutmut]\n" + "\n".join(lines) + "\n"
@@ -203,6 +211,7 @@ def run_shard(shard: Shard, children: int) -> float:
             cwd=work,
             stdout=log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},  # one thread a mutant: --children of them at once
         ).returncode
     seconds = time.monotonic() - started
     if code != 0:
