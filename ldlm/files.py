@@ -33,6 +33,7 @@ from typing import Any
 
 OUTPUT_RECORD = ".ldlm-output.json"  # beside what a writer wrote: who wrote it, and every file's size and sha256
 SHOWN_FILES = 5  # how many file names a refusal lists before "and N more"
+DEFAULT_EXAMPLE = "output"  # the directory a refusal suggests where the caller names none of its kind
 
 
 @dataclass(frozen=True)
@@ -115,27 +116,59 @@ def listed(names: list[str]) -> str:
     return ", ".join(names[:SHOWN_FILES]) + (f" and {more} more" if more > 0 else "")
 
 
-def refuse_unsafe_target(out: str | os.PathLike[str], inputs: Mapping[str, str | os.PathLike[str] | None]) -> None:
+def refuse_unsafe_target(
+    out: str | os.PathLike[str], inputs: Mapping[str, str | os.PathLike[str] | None], example: str = DEFAULT_EXAMPLE
+) -> None:
     """An output directory is renamed aside and removed when replaced: refuse one that has no name of its
-    own (``.``, ``/``, ``a/..``), that is or holds the current directory, or that is or holds an input."""
+    own (``.``, ``/``, ``a/..``), that is or holds the current directory, or that is or holds an input.
+    Each refusal suggests a directory named ``example`` (the kind the writer makes) where it may go."""
     given = os.fspath(out)
     path = Path(given)
     if path.name in ("", ".."):
         raise ValueError(
-            f"output directory {given!r} has no name of its own; allowed: a path ending in the new directory's name, e.g. ./onnx"
+            f"output directory {given!r} has no name of its own; allowed: a path ending in the new directory's name, "
+            f"e.g. {example_directory(example, inputs)}"
         )
     resolved = path.resolve()
     if resolved == Path.cwd().resolve() or resolved in Path.cwd().resolve().parents:
-        raise ValueError(f"output directory {given!r} is the current directory or holds it; allowed: a new directory, e.g. ./onnx")
+        raise ValueError(
+            f"output directory {given!r} is the current directory or holds it; allowed: a new directory, e.g. {example_directory(example, inputs)}"
+        )
     for name, source in inputs.items():
         if source is None:
             continue
         source_path = Path(source).resolve()
-        if resolved == source_path or resolved in source_path.parents:
+        if within(source_path, resolved):
             relation = "is" if resolved == source_path else "holds"
             raise ValueError(
-                f"output directory {given!r} {relation} the {name} {os.fspath(source)}; allowed: a directory outside it, e.g. ./onnx"
+                f"output directory {given!r} {relation} the {name} {os.fspath(source)}; allowed: a directory outside it, "
+                f"e.g. {example_directory(example, inputs)}"
             )
+
+
+def within(path: Path, directory: Path) -> bool:
+    """``path`` is ``directory`` or lies inside it (both resolved)."""
+    return path == directory or directory in path.parents
+
+
+def example_directory(name: str, inputs: Mapping[str, str | os.PathLike[str] | None]) -> str:
+    """Where a new output directory called ``name`` may go, as a path to type from here: ``./NAME``, or beside
+    the input that holds the current directory (``../NAME``), numbered (``NAME-2``) where ``NAME`` would be,
+    hold or lie inside an input, or hold the current directory."""
+    here = Path.cwd().resolve()
+    sources = [Path(source).resolve() for source in inputs.values() if source is not None]
+    base = here
+    while any(within(base, source) for source in sources):
+        if base == base.parent:  # an input is the root: nowhere lies outside it
+            return f"./{name}"
+        base = base.parent
+    number = 1
+    while True:
+        candidate = base / (name if number == 1 else f"{name}-{number}")
+        if not within(here, candidate) and not any(within(candidate, s) or within(s, candidate) for s in sources):
+            shown = os.path.relpath(candidate, here)
+            return shown if shown.startswith("..") else f"./{shown}"
+        number += 1
 
 
 def refuse_existing_file(

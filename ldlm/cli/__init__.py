@@ -95,7 +95,7 @@ def refuse_existing_out(args: argparse.Namespace) -> None:
     if out is None:
         return
     inputs = {words: getattr(args, name) for name, words in INPUT_ARGUMENTS.items() if isinstance(getattr(args, name, None), str)}
-    refuse_unsafe_target(out, inputs)
+    refuse_unsafe_target(out, inputs, example=args.out_example)  # each command's own kind of directory (its parser's default)
     if not args.force and Path(out).exists() and not empty_directory(Path(out)):  # an empty directory is a new one
         raise FileExistsError(f"{out} already exists; pass --force to replace it, or choose another output directory")
     for name, option in FILE_OUTPUTS.items():

@@ -157,7 +157,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--force", action="store_true", help=force_help("export"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_export)
+    p.set_defaults(func=_cmd_export, out_example="onnx")  # the directory a refused OUT's message suggests
 
 
 def _add_verify_onnx(sub: argparse._SubParsersAction) -> None:
@@ -211,7 +211,7 @@ def _add_build_engine(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timing-cache", help="timing cache file to read and update, outside OUT (NVIDIA TensorRT; a no-op in TensorRT-RTX)")
     p.add_argument("--force", action="store_true", help=force_help("build-engine"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_build_engine)
+    p.set_defaults(func=_cmd_build_engine, out_example="engines")  # the directory a refused OUT's message suggests
 
 
 def _add_calibration_options(p: argparse.ArgumentParser) -> None:
@@ -263,4 +263,4 @@ def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
         "(ldlm export --quantize int8), fp32 elsewhere. Plans keep the precision they were built in.",
     )
     p.add_argument("--force", action="store_true", help=force_help("triton-repo"))
-    p.set_defaults(func=_cmd_triton_repo)
+    p.set_defaults(func=_cmd_triton_repo, out_example="triton-repo")  # the directory a refused OUT's message suggests

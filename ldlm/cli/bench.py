@@ -18,6 +18,7 @@ from ldlm.serve.runtime.registry import DEFAULT_BACKEND, REFERENCE_BACKEND, back
 # A length is checked against the checkpoint's max_seq_len before any work; here, against any config's.
 MAX_LENGTH = INT_RANGES["max_seq_len"][1]
 TOKENS = " tokens (the largest max_seq_len a config may have)"
+BENCH_OUT = "runs/bench"  # --out's default, and the directory a refused one's message suggests
 MAX_RUNS = 10_000  # timed runs per cell: p99 is stable long before this
 MAX_WORKLOAD_REQUESTS = 10_000
 MAX_RATE_PER_S = 1e6
@@ -145,12 +146,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     _bench_generation_options(p)
     device_options(p)
-    p.add_argument(
-        "--out", default="runs/bench", help="output directory to create; an existing one only with --force (default: runs/bench)"
-    )
+    p.add_argument("--out", default=BENCH_OUT, help=f"output directory to create; an existing one only with --force (default: {BENCH_OUT})")
     p.add_argument("--force", action="store_true", help=force_help("bench"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_cmd_bench, out_example=BENCH_OUT)
 
 
 def _bench_generation_options(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,8 @@ from ldlm.serve.runtime.registry import (
     resolve_run,
 )
 
+PARITY_OUT = "parity-report"  # --out's default, and the directory a refused one's message suggests
+
 
 def _cmd_parity(args: argparse.Namespace) -> None:
     # per command, not at the top: building the parser (`ldlm --help`) imports no torch
@@ -141,7 +143,7 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-dir", help="trt: an `ldlm build-engine` directory (required for trt)")
     device_options(p, precision=False)
     p.add_argument(
-        "--out", default="parity-report", help="report directory to create; an existing one only with --force (default: parity-report)"
+        "--out", default=PARITY_OUT, help=f"report directory to create; an existing one only with --force (default: {PARITY_OUT})"
     )
     p.add_argument("--force", action="store_true", help=f"{force_help('parity')}; the same for --save-inputs and --save-outputs FILE")
     p.add_argument("--bisect", action="store_true", help="on failure, name the first diverging LayerNorm")
@@ -160,7 +162,7 @@ def _add_parity(sub: argparse._SubParsersAction) -> None:
     _add_parity_files(p)
     p.add_argument("--verbose", action="store_true", help="print every comparison, not just failures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_parity)
+    p.set_defaults(func=_cmd_parity, out_example=PARITY_OUT)
 
 
 def _add_parity_files(p: argparse.ArgumentParser) -> None:
@@ -210,4 +212,4 @@ def _add_probe_eps(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help=force_help("probe-eps"))
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_probe_eps)
+    p.set_defaults(func=_cmd_probe_eps, out_example="eps-probes")  # the directory a refused --out's message suggests

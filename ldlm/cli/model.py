@@ -155,7 +155,7 @@ def _add_init(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer-dir", help="local tokenizer directory (default: GPT-2 BPE shipped offline)")
     p.add_argument("--force", action="store_true", help=force_help("init"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_init)
+    p.set_defaults(func=_cmd_init, out_example="checkpoint")  # the directory a refused OUT's message suggests
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -289,4 +289,4 @@ def _add_import_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (also on failure)")
     p.add_argument("--force", action="store_true", help=force_help("import-checkpoint"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_import_checkpoint)
+    p.set_defaults(func=_cmd_import_checkpoint, out_example="checkpoint")  # the directory a refused OUT's message suggests
