@@ -1,5 +1,6 @@
 """Writes a ParityReport as JSON, Markdown and PNG plots (an error histogram per graph, the
-largest error per LayerNorm against the tolerance), into a report directory that gets all of them or none."""
+largest error per LayerNorm against the tolerance, drawn only where LayerNorm outputs were compared), into a
+report directory that gets the whole report or none of it."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ PARITY_WRITER = command_writer("parity")  # what a report directory is recorded 
 
 
 def write_parity_report(report: ParityReport, out: str | os.PathLike[str], overwrite: bool = False) -> list[Path]:
-    """``out``/parity.json, parity.md and the plots, all or none: every file is written in a temporary sibling
-    of ``out`` first (the plots take seconds, and Ctrl-C may land there), then renamed into place, recorded as
-    ``PARITY_WRITER``'s. An existing ``out`` is replaced only with ``overwrite``, and only an earlier report
+    """``out``/parity.json, parity.md and the plots the report has data for (``errors_by_layernorm.png`` only
+    with LayerNorm comparisons), all or none: every file is written in a temporary sibling of ``out`` first
+    (the plots take seconds, and Ctrl-C may land there), then renamed into place, recorded as ``PARITY_WRITER``'s. An existing ``out`` is replaced only with ``overwrite``, and only an earlier report
     exactly as parity wrote it (``ldlm.files.refuse_existing``): never a directory of someone's files."""
     out = Path(out)
     with atomic_directory(out, overwrite, PARITY_WRITER) as tmp:

@@ -67,3 +67,25 @@ def test_an_earlier_report_is_replaced_only_on_request_and_as_parity_left_it(tmp
     assert sorted(p.name for p in files) == visible(out) == ["errors_by_graph.png", "parity.json", "parity.md"]  # no stale plot
     assert json.loads((out / "parity.json").read_text())["backend"] == "eager"
     assert os.listdir(tmp_path) == ["report"]
+
+
+DOCS_OF_THE_REPORT = ("docs/cli.md", "docs/engines-and-parity.md")
+CONDITION = "only where LayerNorm outputs were compared"
+
+
+def test_the_docs_say_which_reports_get_the_layernorm_plot() -> None:
+    """eager's report has three files, ort's four (above): no doc may promise the LayerNorm plot of every
+    report, and the backends named as drawing none are exactly those that run no export."""
+    from ldlm.serve.runtime.registry import backend_names
+    from tests import REPO
+
+    for doc in DOCS_OF_THE_REPORT:
+        text = " ".join((REPO / doc).read_text().split())
+        mentions = [at for at in range(len(text)) if text.startswith("`errors_by_layernorm.png`", at)]
+        assert mentions, f"{doc} names no errors_by_layernorm.png"
+        for at in mentions:
+            before = text[max(0, at - 160) : at]
+            assert CONDITION in before, f"{doc} names the LayerNorm plot without its condition: {text[at - 120 : at + 30]!r}"
+    text = " ".join((REPO / "docs" / "engines-and-parity.md").read_text().split())
+    named = text.split("in fp32 or int8; not ", 1)[1].split(")", 1)[0].replace(" or ", ", ").split(", ")
+    assert set(named) == set(backend_names()) - set(backend_names("export"))
