@@ -54,6 +54,10 @@ FAULTS = ("sigterm", "sigkill", "full-disk", "ray-replica")
 REPLICA = "ServeReplica:ldlm"  # in a Ray Serve replica's process title
 CLEAN = {"answered", "left", "server down"}  # with "refused:<4xx>", "refused:503", "refused:504": clean answers
 SAMPLE_S = 10.0
+# RSS grows while a fresh server's caches and allocator pools fill: growth is judged from this long after a start,
+# over at least RSS_JUDGED_S, against RSS_GROWTH_MAX (+10% by the end).
+RSS_WARM_UP_S, RSS_JUDGED_S, RSS_GROWTH_MAX = 300.0, 120.0, 0.10
+DRIFT_RUN_S, P99_DRIFT_MAX = 600.0, 1.5  # a small generate's p99 drift is judged in runs this long, against this ratio
 
 
 class Server:
@@ -364,22 +368,42 @@ def refusals(traffic: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def not_judged(why: str) -> dict[str, Any]:
+    """A target a run cannot judge, and why: neither met nor missed."""
+    return {"value": None, "met": None, "not_judged": why}
+
+
 def trends(report: dict[str, Any]) -> dict[str, Any]:
-    """RSS growth within the last server lifetime, from 5 minutes after its start (warm-up) to the end, and a
-    small generate's p99 in the last minute against minute 5: only for runs of at least 10 minutes."""
-    if report["duration_s"] < 600:
-        return {"rss_growth": {"value": None, "met": None}, "p99_drift": {"value": None, "met": None}}
+    """RSS growth within the last server lifetime after its warm-up (``rss_growth``), and a small generate's
+    p99 in the last minute against minute 5's: only for runs of at least 10 minutes."""
     born = max([0.0, *(f["at_s"] for f in report["faults"].values() if "recovery_s" in f)])
-    rss = [s["rss_mb"] for s in report["samples"] if s["t_s"] >= born + 300]
-    growth = rss[-1] / rss[0] - 1 if len(rss) > 1 else float("nan")
+    rows = {"rss_growth": rss_growth(report["samples"], born, report["duration_s"])}
+    if report["duration_s"] < DRIFT_RUN_S:
+        return rows | {"p99_drift": not_judged(f"run shorter than {DRIFT_RUN_S:g} s (it ran {report['duration_s']:g} s)")}
     latency = report["traffic"]["latency"]
     last = int(report["duration_s"] // 60) - 1
     p5, pn = latency.get("generate small@5", {}).get("p99_ms"), latency.get(f"generate small@{last}", {}).get("p99_ms")
-    drift = pn / p5 if p5 and pn else float("nan")
-    return {
-        "rss_growth": {"value": round(growth, 3), "window_s": [born + 300, report["duration_s"]], "met": growth <= 0.10},
-        "p99_drift": {"value": round(drift, 2), "met": drift <= 1.5},
-    }
+    if not (p5 and pn):
+        return rows | {"p99_drift": not_judged(f"no small generate answered in minute {5 if not p5 else last}")}
+    return rows | {"p99_drift": {"value": round(pn / p5, 2), "met": pn / p5 <= P99_DRIFT_MAX}}
+
+
+def rss_growth(samples: list[dict[str, Any]], born: float, duration_s: float) -> dict[str, Any]:
+    """The server's RSS at the end against its first sample ``RSS_WARM_UP_S`` after its last start (``born``),
+    met within ``RSS_GROWTH_MAX``; not judged where the run leaves less than ``RSS_JUDGED_S`` after the warm-up
+    (a window that starts after the run ended judges nothing: it is not a miss)."""
+    start = born + RSS_WARM_UP_S
+    if duration_s - start < RSS_JUDGED_S:
+        needed = start + RSS_JUDGED_S
+        return not_judged(
+            f"run shorter than {needed:g} s: the server last started at {born:g} s, RSS is judged after {RSS_WARM_UP_S:g} s "
+            f"of warm-up over at least {RSS_JUDGED_S:g} s, and the run ended at {duration_s:g} s"
+        )
+    rss = [s["rss_mb"] for s in samples if start <= s["t_s"]]
+    if len(rss) < 2:
+        return not_judged(f"fewer than 2 RSS samples from {start:g} s to the end ({len(rss)})")
+    growth = rss[-1] / rss[0] - 1
+    return {"value": round(growth, 3), "window_s": [start, duration_s], "met": growth <= RSS_GROWTH_MAX}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -433,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"soak: {sum(report['traffic']['outcomes'].values())} requests, {report['traffic']['outcomes']}; targets missed: {missed or 'none'}"
     )
+    for name, row in report["targets"].items():
+        if "not_judged" in row:
+            print(f"soak: {name} not judged: {row['not_judged']}")
     return 1 if missed else 0
 
 
