@@ -49,9 +49,11 @@ class NullIsDefault(BaseModel):
 
 class StreamOptions(NullIsDefault):
     model_config = STRICT_BODY
-    include_usage: bool | None = Field(False, strict=True, description="a last chunk, before [DONE], with no choices and the usage")
+    include_usage: bool | None = Field(default=False, strict=True, description="a last chunk, before [DONE], with no choices and the usage")
     continuous_usage_stats: bool | None = Field(
-        False, strict=True, description="vLLM's: every chunk also carries the usage so far (the request's prompt tokens, the tokens sent)"
+        default=False,
+        strict=True,
+        description="vLLM's: every chunk also carries the usage so far (the request's prompt tokens, the tokens sent)",
     )
 
 

@@ -85,11 +85,11 @@ SHARDS: tuple[Shard, ...] = (
         ("ldlm/sampling/samplers.py",),
         (S + "test_samplers.py", S + "test_schedule.py", S + "test_slots.py", S + "test_loop.py"),
     ),
-    Shard("grpc-generate", ("serve/api/grpc_generate.py",), (A + "test_grpc_generate*.py", A + "test_stream_edges.py")),
+    Shard("grpc-generate", ("serve/api/grpc_generate.py",), (A + "test_grpc_generate*.py", A + "test_streaming_edges.py")),
     Shard(
         "streaming",
         ("serve/api/streaming.py",),
-        (A + "test_streaming_previews.py", A + "test_stream_edges.py", A + "test_grpc_generate*.py"),
+        (A + "test_streaming_previews.py", A + "test_streaming_edges.py", A + "test_grpc_generate*.py"),
     ),
     Shard(
         "parity-inputs",
