@@ -204,36 +204,48 @@ class GenerationScheduler(QueueWorker):
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not self._waiting.count and not self._active and not self._stopping:
-                    self._cond.wait()
-                if self._stopping and not self._waiting.count and not self._active:
-                    return
-                self._drop_done()  # a request that was cancelled or timed out frees its slots at once
-                if self._waiting:  # otherwise the running set stands: nothing to decide
-                    running = list(self._active.values())
-                    chosen = self.policy.select(running, self._waiting, time.perf_counter())
-                    if chosen is not running:  # a policy hands back the list it was given when nothing changes
-                        self._active = {id(s): s for s in chosen}
-                        self.executor.run(chosen)
-                if not self._active:
-                    continue
-                alone = len(self._requests) == 1  # the previewed request is the only generation in flight
             try:
-                step = self.executor.execute()
-                for sample in step.finished:
-                    del self._active[id(sample)]
-                self.delivery.previews(step.due, alone)
-                self.delivery.finish(step.finished)
-                for sample in step.finished:  # a request whose samples all finished is being answered: not in flight here
-                    if sample.request.remaining == 0:
-                        self._requests.pop(id(sample.request), None)
-            except Exception as error:  # every request in the batch gets the error, none hangs
-                batch = list(self._active.values())
-                for sample in batch:
-                    resolve_future(sample.request.future, error=error)
-                self.executor.release(batch)
-                self._active = {}
+                if not self._serve_once():
+                    return
+            except Exception as error:  # deciding, admitting or releasing failed: every request in flight gets it, none hangs
+                with self._cond:
+                    for request in self._live():
+                        resolve_future(request.future, error=error)
+                    self._active = {}  # their samples leave (and give their slots up) through _drop_done
+
+    def _serve_once(self) -> bool:
+        """Decide, execute and deliver one step; False once stopping with nothing left to answer."""
+        with self._cond:
+            while not self._waiting.count and not self._active and not self._stopping:
+                self._cond.wait()
+            if self._stopping and not self._waiting.count and not self._active:
+                return False
+            self._drop_done()  # a request that was cancelled or timed out frees its slots at once
+            if self._waiting:  # otherwise the running set stands: nothing to decide
+                running = list(self._active.values())
+                chosen = self.policy.select(running, self._waiting, time.perf_counter())
+                if chosen is not running:  # a policy hands back the list it was given when nothing changes
+                    self._active = {id(s): s for s in chosen}
+                    self.executor.run(chosen)
+            if not self._active:
+                return True
+            alone = len(self._requests) == 1  # the previewed request is the only generation in flight
+        try:
+            step = self.executor.execute()
+            for sample in step.finished:
+                del self._active[id(sample)]
+            self.delivery.previews(step.due, alone)
+            self.delivery.finish(step.finished)
+            for sample in step.finished:  # a request whose samples all finished is being answered: not in flight here
+                if sample.request.remaining == 0:
+                    self._requests.pop(id(sample.request), None)
+        except Exception as error:  # every request in the batch gets the error, none hangs
+            batch = list(self._active.values())
+            for sample in batch:
+                resolve_future(sample.request.future, error=error)
+            self.executor.release(batch)
+            self._active = {}
+        return True
 
     def _live(self) -> list[Generation]:
         """Every request with a sample running or waiting (under the lock)."""

@@ -79,6 +79,37 @@ def test_a_failing_denoiser_answers_every_request(pipeline: LDLMPipeline) -> Non
         scheduler.close(timeout_s=10)
 
 
+@pytest.mark.parametrize("stage", ["policy", "admission"])
+def test_a_failure_in_deciding_answers_every_request_in_flight_and_the_next_is_served(pipeline: LDLMPipeline, stage: str) -> None:
+    """A policy or the slot table raising while the worker decides (outside a step) reaches every request in
+    flight, running or waiting, as its answer: none waits forever on a worker that died. The worker goes on, and
+    the next request gets the tokens the pipeline gives it alone."""
+    scheduler = GenerationScheduler(pipeline, max_batch=2, start=False)
+    owner, name = (scheduler.policy, "select") if stage == "policy" else (scheduler.executor, "run")
+    real = getattr(owner, name)
+    calls = []
+
+    def fails_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(f"{stage} broke")
+        return real(*args, **kwargs)
+
+    setattr(owner, name, fails_once)
+    try:
+        futures = [scheduler.submit(GenerateRequest(n=2, length=4, steps=2, seed=s)) for s in range(3)]  # 6 samples, 2 run at once
+        scheduler.start()
+        for future in futures:
+            with pytest.raises(RuntimeError, match=f"{stage} broke"):
+                future.result(timeout=30)
+        spec = GenerateRequest(n=2, length=4, steps=2, seed=7)
+        result = scheduler.generate(spec, timeout_s=30)
+        assert torch.equal(result.token_ids, pipeline.generate(spec.n, spec.length, spec.steps, spec.seed).token_ids)
+        assert (scheduler.active_samples, scheduler.queued_samples) == (0, 0)
+    finally:
+        scheduler.close(timeout_s=10)
+
+
 def test_a_failing_preview_hook_ends_its_request_with_its_error(pipeline: LDLMPipeline, caplog: pytest.LogCaptureFixture) -> None:
     def broken_hook(previews: list[Preview]) -> None:
         raise ValueError("preview sink broke")
