@@ -246,3 +246,22 @@ def test_a_case_whose_header_was_edited_is_refused_on_replay(
     assert message in err and "save the case again (--save-inputs) rather than edit it" in err, err
     assert not (tmp_path / "report").exists()
     assert read_inputs(edited(case, tmp_path / "same.safetensors", lambda h: None)).end_to_end.steps == 10  # rewritten unedited: read
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_eps_probe_rows_one_ulp_from_their_seeds_are_refused(
+    saved_case: ParityInputs, tiny_model: LDLM, tmp_path: Path, where: str
+) -> None:
+    """The eps probes draw their rows from the seed, so a replay must hold exactly those rows: one value moved by
+    its last bit (a file saved with another numpy) is refused, not compared within a tolerance, which would let the
+    probes read a LayerNorm on rows the seed never drew."""
+    check_inputs(resaved(saved_case, tmp_path / "same.safetensors"), tiny_model)  # the file as saved replays
+    size, rows = next(iter(saved_case.probe_rows.items()))
+    moved = rows.copy()
+    flat = moved.reshape(-1)
+    i = 0 if where == "first" else flat.size - 1
+    flat[i] = np.nextafter(flat[i], np.inf, dtype=flat.dtype)
+    assert not np.array_equal(moved, rows) and np.allclose(moved, rows, atol=1e-6)  # what a tolerant comparison would take
+    changed = resaved(saved_case, tmp_path / "moved.safetensors", probe_rows={**saved_case.probe_rows, size: moved})
+    with pytest.raises(ValueError, match=f"seed {SEED} draws other eps-probe rows for LayerNorms of {size} values"):
+        check_inputs(changed, tiny_model)
