@@ -20,9 +20,8 @@ backend) on a free loopback port, then:
 Each tool runs from its own virtualenv, `.cache/bench-env/<tool>` under the repository (gitignored), made on
 first use with `python -m venv` and pip: in the project's .venv, AIPerf 0.13.0 would move transformers to
 5.24.0 and GuideLLM 0.8.1 torch to 2.14.1. A tool that cannot be installed, or a run that fails, is recorded
-with its error and the rest still run: GuideLLM's streamed runs are refused (400), as it sends vLLM's
-`stream_options.continuous_usage_stats`, which the server does not take; the script asks the server why and
-records its answer.
+with its error and the rest still run; when a GuideLLM streamed run fails, the script sends the body GuideLLM
+sends (with vLLM's `stream_options.continuous_usage_stats`, which the server takes) and records the server's answer.
 The tools read the checkpoint's own tokenizer.json (GPT-2's BPE) from a Hugging Face cache written under
 --out/hf (the tools' HF_HOME); HF_HUB_OFFLINE=1 keeps them from fetching anything. Their own reports stay under
 --out/<tool>/<mode>-c<concurrency>/; --out/openai_bench.json is the summary. Traffic goes to 127.0.0.1 only.
@@ -60,7 +59,7 @@ PROMPT = "It is a truth universally acknowledged, that a single man"
 MODEL = "ldlm"  # the served model's id on /v1/models
 NOTES = [
     "a streamed completion is one chunk once its text is final: TTFT is the request latency and ITL is 0 (AIPerf)",
-    "GuideLLM's output length is set by its backend's max_tokens: its data's output_tokens adds vLLM's ignore_eos, refused (400)",
+    "GuideLLM's output length is set by its backend's max_tokens (its data's output_tokens would add vLLM's ignore_eos)",
 ]
 
 
@@ -199,8 +198,8 @@ def aiperf_figures(out: Path) -> dict[str, Any]:
 
 def guidellm_command(exe: Path, url: str, tokenizer: Path, mode: str, concurrency: int, args: argparse.Namespace, out: Path) -> list[str]:
     """``guidellm run`` of one (mode, concurrency). The output length goes in the backend's ``max_tokens``,
-    not the data's ``output_tokens``: with the latter GuideLLM adds vLLM's ``ignore_eos``, which the server
-    refuses as an unknown field (400)."""
+    not the data's ``output_tokens``: with the latter GuideLLM adds vLLM's ``ignore_eos``, which here also runs a
+    choice past its end-of-text token; max_tokens alone asks for what the other tools ask for."""
     backend = f"kind=openai_http,target={url},model={MODEL},request_format=/v1/completions,stream={str(mode == 'stream').lower()}"
     # fmt: off
     return [
@@ -235,7 +234,7 @@ def guidellm_figures(out: Path) -> dict[str, Any]:
 
 
 # What GuideLLM 0.8.1 adds to a streamed /v1/completions body (its TextCompletions request handler):
-# vLLM's continuous_usage_stats, which the server refuses as an unknown field.
+# vLLM's continuous_usage_stats (usage in every chunk).
 GUIDELLM_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 
