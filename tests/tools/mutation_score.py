@@ -150,6 +150,9 @@ def shard_config(shard: Shard) -> str:
         # forked from the process that ran them (mutmut's default) inherits torch's BLAS pool and the tests'
         # threads mid-flight, and hangs in its first matrix product: a "timeout" the code under test never caused.
         "process_isolation": "forkserver",
+        # mutmut would otherwise start a shard over whenever any file that is not Python changed in git (a doc, this
+        # folder's list of equivalents); a changed source function reruns its own mutants all the same
+        "use_git_change_detection": False,
         "pytest_add_cli_args_test_selection": test_paths(shard),
         # A mutant is stuck once it runs (its tests' time + TIMEOUT_CONSTANT_S) x TIMEOUT_MULTIPLIER. The constant is the
         # forked pytest's own start (collection, the module's fixtures), which the tests' recorded times leave out:
@@ -199,15 +202,25 @@ def check_mapping(work: Path, shard: Shard) -> dict[str, str]:
     return {name: str(Path(file).resolve().relative_to(work.resolve())) for name, file in found.items()}
 
 
-def run_shard(shard: Shard, children: int) -> float:
-    """mutmut over one shard; its results stay in the shard's ``mutants/``. Returns the seconds it took."""
+def survivors(shard: Shard) -> list[str]:
+    """The shard's mutants that no test killed so far, equivalents included."""
+    work = WORK / shard.name
+    return sorted(name for module in shard.modules for name, status in statuses(work, module).items() if status in (SURVIVED, NO_TESTS))
+
+
+def run_shard(shard: Shard, children: int, only_survivors: bool = False) -> float:
+    """mutmut over one shard (or only its survivors, against tests added since); its results stay in the shard's
+    ``mutants/``. Returns the seconds it took."""
     work = prepare(shard)
+    names = survivors(shard) if only_survivors else []
+    if only_survivors and not names:
+        return 0.0
     started = time.monotonic()
     print(f"[{shard.name}] mutmut run over {', '.join(shard.modules)} ({len(shard.tests)} test paths)", flush=True)
     # mutmut draws a spinner on stdout; its own log goes to the shard's folder, the summary to ours
     with open(work / "mutmut-run.log", "w") as log:
         code = subprocess.run(
-            [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", str(children)],
+            [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", str(children), *names],
             cwd=work,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -352,6 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shard", action="append", choices=names, help="run only these shards (repeatable; default: all)")
     parser.add_argument("--children", type=int, default=2, help="mutants run at once (default: 2, this machine's cores)")
     parser.add_argument("--report-only", action="store_true", help="run nothing: write the report from the results so far")
+    parser.add_argument("--survivors", action="store_true", help="run again only the mutants no test killed (after adding tests)")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "docs" / "measurements" / f"mutation-score-cpu-{date.today()}.json", help="the JSON report"
     )
@@ -366,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = tuple(shard for shard in SHARDS if not args.shard or shard.name in args.shard)
     if not args.report_only:
         for shard in chosen:
-            seconds = run_shard(shard, args.children)
+            seconds = run_shard(shard, args.children, only_survivors=args.survivors)
             (WORK / shard.name / "seconds.json").write_text(json.dumps({"seconds": round(seconds + (shard_seconds(shard) or 0), 1)}))
     report = write_report(args.out, SHARDS)
     print_table(report, args.out)
