@@ -115,3 +115,31 @@ def test_a_finished_sample_s_latent_is_its_last_mean_state_or_its_x0_hat(decode_
     assert not torch.allclose(mean, const, atol=1e-3)  # the two choices are told apart
     expected = const if decode_final == "x0" else mean
     torch.testing.assert_close(sample.latent, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_due_names_a_sample_watched_every_step_at_each_step_but_its_last() -> None:
+    """watch 1 is the only watch in the table: the sample is due after 0, 1 and 2 of its 3 steps."""
+    watched, unwatched = replace(ddim_samples(1, 6, 3)[0], watch=1), ddim_samples(1, 6, 3, seed=1)[0]
+    table = SlotTable(SCHEDULE, 8)
+    table.run([watched, unwatched])
+    seen = []
+    while table.running:
+        seen.append(table.due())
+        table.step(zero)
+    assert seen == [[watched]] * 3
+
+
+def test_the_storage_generation_counts_the_reallocations_of_the_state() -> None:
+    """Nothing allocated at first (generation 0); 3 samples take the first 8 rows (1); 6 more double them (2); a
+    release and a readmission into the freed slot reallocate nothing. Each table has its own serial."""
+    table, other = SlotTable(SCHEDULE, 8), SlotTable(SCHEDULE, 8)
+    serial = table.storage[0]
+    assert table.storage == (serial, 0) and other.storage[0] != serial
+    samples = ddim_samples(9, 6, 3)
+    table.run(samples[:3])
+    assert table.storage == (serial, 1) and table.capacity == 8
+    table.run(samples)
+    assert table.storage == (serial, 2) and table.capacity == 16
+    table.release(samples[:1])
+    table.run(samples[1:] + ddim_samples(1, 6, 3, seed=5))
+    assert table.storage == (serial, 2)
