@@ -142,7 +142,7 @@ def test_paths(shard: Shard) -> list[str]:
 def shard_config(shard: Shard) -> str:
     """This project's pyproject.toml (pytest reads its options from it inside ``mutants/``) with the shard's section."""
     section = {
-        "source_paths": list(shard.modules),
+        "source_paths": [installed(module) for module in shard.modules],
         "also_copy": [name for name in LINKED if name != "tests"],
         "do_not_mutate_patterns": list(MESSAGE_PATTERNS),
         "pytest_add_cli_args": ["-p", "no:xdist", "-p", "no:cacheprovider"],
@@ -165,20 +165,36 @@ def shard_config(shard: Shard) -> str:
     return (ROOT / "pyproject.toml").read_text() + "\n[tool.mutmut]\n" + "\n".join(lines) + "\n"
 
 
+def installed(path: str) -> str:
+    """A source file's path as the package installs it (serve/api/x.py -> ldlm/serve/api/x.py): mutmut names each
+    mutant by its file's path, and the tests record calls by import name, so the two must agree."""
+    return path if path.startswith("ldlm/") else f"ldlm/{path}"
+
+
 def prepare(shard: Shard) -> Path:
-    """The shard's working directory: links to the checkout, its config, and the links that make ``ldlm.serve``
-    and ``ldlm.export`` inside ``mutants/`` the mutated copies (see the module's docstring)."""
+    """The shard's working directory: links to the checkout, with ``ldlm/`` laid out as installed (its own files,
+    ``serve/`` and ``export/``), its config, and the links that make ``ldlm.serve`` and ``ldlm.export`` inside
+    ``mutants/`` the mutated copies (see the module's docstring)."""
     work = WORK / shard.name
     (work / "mutants" / "ldlm").mkdir(parents=True, exist_ok=True)
     for name in LINKED:
         link = work / name
-        if not link.is_symlink():
+        if name != "ldlm" and not link.is_symlink():
             link.symlink_to(ROOT / name)
+    package = work / "ldlm"
+    if package.is_symlink():
+        package.unlink()
+    package.mkdir(exist_ok=True)
+    for entry in [*(ROOT / "ldlm").iterdir(), ROOT / "serve", ROOT / "export"]:
+        link = package / entry.name
+        if not link.is_symlink() and entry.name != "__pycache__":
+            link.symlink_to(entry)
     (work / "pyproject.toml").write_text(shard_config(shard))
-    for package in ("serve", "export"):
-        link = work / "mutants" / "ldlm" / package
+    for name in ("serve", "export"):
+        (work / "mutants" / name).mkdir(exist_ok=True)  # mutmut copies into the link before it copies the folder
+        link = work / "mutants" / "ldlm" / name
         if not link.is_symlink():
-            link.symlink_to(Path("..") / package)
+            link.symlink_to(Path("..") / name)
     return work
 
 
@@ -259,7 +275,7 @@ def statuses(work: Path, module: str) -> dict[str, str]:
     """Each mutant of ``module`` (a source path) and mutmut's verdict on it, from the shard's results."""
     from mutmut.stats import status_by_exit_code
 
-    meta = work / "mutants" / f"{module}.meta"
+    meta = work / "mutants" / f"{installed(module)}.meta"
     if not meta.exists():
         return {}
     codes = json.loads(meta.read_text())["exit_code_by_key"]
@@ -292,7 +308,7 @@ def module_report(module: str, verdicts: dict[str, str], facts: dict, listed: di
         "equivalent": len(equivalent),
         "not_run": sum(1 for value in verdicts.values() if value == "not checked"),
         "score": round(killed / scored, 4) if scored else None,
-        "message_mutants_left_out": facts["left_out"].get(module, 0),
+        "message_mutants_left_out": facts["left_out"].get(installed(module), 0),
         "survivors": [{"mutant": name, "status": verdicts[name], "diff": facts["diffs"].get(name, "")} for name in survived],
         "equivalents": [{"mutant": name, "why": listed[name]} for name in equivalent],
         "stale_equivalents": sorted(
@@ -304,10 +320,18 @@ def module_report(module: str, verdicts: dict[str, str], facts: dict, listed: di
 def shard_report(shard: Shard, listed: dict[str, str]) -> list[dict]:
     work = prepare(shard)
     verdicts = {module: statuses(work, module) for module in shard.modules}
-    survivors = [(name, module) for module in shard.modules for name, status in verdicts[module].items() if status in (SURVIVED, NO_TESTS)]
+    survivors = [
+        (name, installed(module)) for module in shard.modules for name, status in verdicts[module].items() if status in (SURVIVED, NO_TESTS)
+    ]
     facts = json.loads(
         subprocess.run(
-            [sys.executable, "-c", FACTS, json.dumps([list(shard.modules), survivors]), json.dumps(MESSAGE_PATTERNS)],
+            [
+                sys.executable,
+                "-c",
+                FACTS,
+                json.dumps([[installed(module) for module in shard.modules], survivors]),
+                json.dumps(MESSAGE_PATTERNS),
+            ],
             cwd=work,
             capture_output=True,
             text=True,
