@@ -219,9 +219,14 @@ def check_mapping(work: Path, shard: Shard) -> dict[str, str]:
 
 
 def survivors(shard: Shard) -> list[str]:
-    """The shard's mutants that no test killed so far, equivalents included."""
-    work = WORK / shard.name
-    return sorted(name for module in shard.modules for name, status in statuses(work, module).items() if status in (SURVIVED, NO_TESTS))
+    """The shard's mutants that no test killed so far, but those listed as equivalent (they would survive again)."""
+    work, listed = WORK / shard.name, equivalents()
+    return sorted(
+        name
+        for module in shard.modules
+        for name, status in statuses(work, module).items()
+        if status in (SURVIVED, NO_TESTS) and name not in listed
+    )
 
 
 def run_shard(shard: Shard, children: int, only_survivors: bool = False) -> float:
