@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Plant one-line bugs in the core modules, one at a time, and check that the test suite fails.
+"""Plant one-line bugs, one at a time, and check that the test suite fails: what the mutation-testing tool
+(tests/tools/mutation_score.py, mutmut over the hot path) cannot express. The promises README.md and docs/
+make (tests/tools/mutation_promises.py maps each quote to the bug that breaks it), files that are not Python,
+and modules outside the tool's scope; a module in its scope keeps here only the bugs that break a promise.
 
 Each mutation names its target by module and name, ``ldlm.serve.runtime.scheduler:GenerationScheduler._admit``:
 a function, a ``Class.method`` (nested definitions by their dotted path), a class, or a name a module or a
