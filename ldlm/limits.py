@@ -124,6 +124,7 @@ def body_ranges(max_n: int, max_steps: int, max_texts: int, max_seq_len: int, ma
         "n": Range(1, max_n),
         "length": sequence_lengths(max_seq_len),
         "max_tokens": sequence_lengths(max_seq_len),
+        "min_tokens": Range(0, max_seq_len),  # and at most the request's max_tokens, checked with the body
         "steps": Range(1, max_steps),
         "preview_every": Range(1, max_steps),
         "seed": SEED,

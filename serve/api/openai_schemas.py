@@ -120,15 +120,6 @@ VLLM_FIELDS: dict[str, Any] = {
             "(end-of-text tokens are counted, not shown in the text)",
         ),
     ),
-    "min_tokens": (
-        int | None,
-        Field(
-            0,
-            strict=True,
-            json_schema_extra={"minimum": 0},
-            description="vLLM's: an end-of-text token within a choice's first min_tokens tokens does not end it; allowed: 0..max_tokens",
-        ),
-    ),
 }
 OPENAI_ORDER = ("temperature", "top_p", "best_of", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "suffix")
 
@@ -166,6 +157,14 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
             int | None,
             ranged(
                 r["max_tokens"], 16, f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({r['max_tokens']})"
+            ),
+        ),
+        min_tokens=(
+            int | None,
+            ranged(
+                r["min_tokens"],
+                0,
+                "vLLM's: an end-of-text token within a choice's first min_tokens tokens does not end it; at most max_tokens",
             ),
         ),
         n=(int | None, ranged(r["n"], 1, f"choices per prompt ({r['n']} in all)")),

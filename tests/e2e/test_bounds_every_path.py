@@ -93,6 +93,7 @@ def documented_body(max_n: int, max_steps: int, max_texts: int, max_seq_len: int
         "n": Documented(1, max_n),
         "length": Documented(1, max_seq_len),  # a prompt's tokens included
         "max_tokens": Documented(1, max_seq_len),  # with an empty prompt
+        "min_tokens": Documented(0, max_seq_len),  # vLLM's; and at most the request's max_tokens
         "steps": Documented(1, max_steps),
         "preview_every": Documented(1, max_steps),  # a preview every k steps, k >= 1
         "seed": Documented(0, 2**63 - 1),  # a signed 64-bit integer, as Triton's INT64 input
@@ -391,6 +392,8 @@ def test_v1_completions(field: str, which: str, server: RunningServer, client: A
     value, inside = edge(allowed, which)
     named: dict[str, Any] = {"n": 1, "max_tokens": 4}
     extra: dict[str, Any] = {"steps": 1}
+    if field == "min_tokens":  # bounded by max_tokens too: ask for the most tokens, so the field's own bound is the edge
+        named["max_tokens"] = int(body_bound("max_tokens").high)
     (named if field in OPENAI_NAMED else extra)[field] = value
     create = lambda: client.completions.create(model="ldlm", prompt="", extra_body=extra, **named)  # noqa: E731
     if taken_as_deadline(field, which):

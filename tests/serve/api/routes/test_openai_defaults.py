@@ -220,13 +220,17 @@ def test_min_tokens_keeps_an_early_end_of_text_from_ending_the_choice(
     assert one_choice(server, ids, written, min_tokens=min_tokens) == expected
 
 
-@pytest.mark.parametrize("min_tokens", [7, 100, -1])
-def test_min_tokens_out_of_range_is_refused_naming_it_and_max_tokens(server: RunningServer, min_tokens: int) -> None:
-    assert refusal(post(server, prompt="", max_tokens=6, min_tokens=min_tokens)) == (
-        400,
-        f"min_tokens={min_tokens} is out of range; allowed: 0..6 (max_tokens, the tokens each choice has)",
-        "min_tokens",
-    )
+@pytest.mark.parametrize(
+    ("min_tokens", "allowed"),
+    [
+        (7, "min_tokens=7 is out of range; allowed: 0..6 (max_tokens, the tokens each choice has)"),
+        (100, "min_tokens=100 is out of range; allowed: 0..6 (max_tokens, the tokens each choice has)"),
+        (-1, "min_tokens: -1 is out of range; allowed: 0..128"),  # the schema's bound, as every bounded field's
+        (129, "min_tokens: 129 is out of range; allowed: 0..128"),  # past the model's max_seq_len, whatever max_tokens
+    ],
+)
+def test_min_tokens_out_of_range_is_refused_naming_it_and_max_tokens(server: RunningServer, min_tokens: int, allowed: str) -> None:
+    assert refusal(post(server, prompt="", max_tokens=6, min_tokens=min_tokens)) == (400, allowed, "min_tokens")
 
 
 def test_min_tokens_at_max_tokens_is_taken_with_the_default_max_tokens(server: RunningServer) -> None:
