@@ -73,7 +73,7 @@ SHARDS: tuple[Shard, ...] = (
         (R + "test_delivery_previews.py", R + "test_scheduler.py", R + "test_scheduler_cancellation.py"),
     ),
     Shard("scheduler", ("serve/runtime/scheduler.py",), (R + "test_scheduler*.py", R + "test_admission.py")),
-    Shard("admission", ("serve/runtime/admission.py",), (R + "test_admission.py", R + "test_scheduler_queue*.py")),
+    Shard("admission", ("serve/runtime/admission.py",), (R + "test_admission*.py", R + "test_scheduler_queue*.py")),
     Shard(
         "policy", ("serve/runtime/policy.py",), (R + "test_scheduler.py", R + "test_scheduler_fairness.py", R + "test_scheduler_values.py")
     ),
