@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # a checkpoint's two files (ldlm.model.checkpoint writes them)
 OUTPUT_RECORD = ".ldlm-output.json"  # beside what a writer wrote: who wrote it, and every file's size and sha256
 SHOWN_FILES = 5  # how many file names a refusal lists before "and N more"
 DEFAULT_EXAMPLE = "output"  # the directory a refusal suggests where the caller names none of its kind
@@ -222,8 +223,6 @@ def holding_output(path: Path) -> HoldingDirectory | None:
     """The nearest directory above ``path`` that a file must not be written into: one holding an ldlm writer's
     ``OUTPUT_RECORD`` (its output, replaced whole and checked file by file), or a checkpoint (its config and
     weights, with or without a record)."""
-    from ldlm.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE  # here: the checkpoint module writes through this one
-
     for directory in Path(path).resolve().parents:
         checkpoint = (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
         recorded = (directory / OUTPUT_RECORD).is_file()

@@ -77,7 +77,7 @@ def _target(args: argparse.Namespace) -> Path:
     replaced only with ``--force``, and only a schedules file; none is written elsewhere in a checkpoint or
     an ldlm output directory (``ldlm.files.refuse_existing_file``)."""
     from ldlm.files import refuse_existing_file  # per command: building the parser imports no torch
-    from ldlm.sampling.tuned_grids import SCHEDULES_FILE, SCHEDULES_WRITER, written_by
+    from ldlm.sampling.tuned_grids import SCHEDULES_FILE, SCHEDULES_WRITER, written_by  # per command, as above
 
     own = Path(args.checkpoint) / SCHEDULES_FILE
     if args.schedules_out is None and not args.force:

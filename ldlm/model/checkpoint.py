@@ -20,14 +20,12 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ldlm.device import resolve_device
-from ldlm.files import atomic_directory, sha256_file
+from ldlm.files import CONFIG_FILE, WEIGHTS_FILE, atomic_directory, sha256_file
 from ldlm.model.config import LDLMConfig
 from ldlm.model.layers import RMSNorm
 from ldlm.model.ldlm import LDLM
 from ldlm.model.tokenizer import TextTokenizer
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 CHECKSUMS_FILE = "SHA256SUMS"
 SAVE_CHECKPOINT = "ldlm.save_checkpoint"  # the writer a checkpoint saved through the Python API is recorded as
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

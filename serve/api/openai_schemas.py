@@ -159,14 +159,7 @@ def completion_body(limits: BodyLimits) -> type[BaseModel]:
                 r["max_tokens"], 16, f"completion tokens; prompt tokens + max_tokens must fit the model's max_seq_len ({r['max_tokens']})"
             ),
         ),
-        min_tokens=(
-            int | None,
-            ranged(
-                r["min_tokens"],
-                0,
-                "vLLM's: an end-of-text token within a choice's first min_tokens tokens does not end it; at most max_tokens",
-            ),
-        ),
+        min_tokens=(int | None, ranged(r["min_tokens"], 0, "vLLM's: an end-of-text token in a choice's first min_tokens ends nothing")),
         n=(int | None, ranged(r["n"], 1, f"choices per prompt ({r['n']} in all)")),
         seed=(
             int | None,

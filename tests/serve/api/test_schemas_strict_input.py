@@ -96,8 +96,8 @@ def test_loose_text_api_input_is_refused_naming_it(server: RunningServer, path: 
         (
             {"extra_body": {"temprature": 1}},
             "temprature",
-            "unknown field 'temprature'; allowed: model, prompt, max_tokens, n, seed, "
-            "stream, stream_options, stop, echo, user, steps, sampler, t_min, grid, prior_temperature, prompt_strength, timeout_s, temperature, "
+            "unknown field 'temprature'; allowed: model, prompt, max_tokens, min_tokens, n, seed, "
+            "stream, stream_options, stop, echo, user, ignore_eos, steps, sampler, t_min, grid, prior_temperature, prompt_strength, timeout_s, temperature, "
             "top_p, best_of, logprobs, frequency_penalty, presence_penalty, logit_bias, suffix",
         ),
         (
