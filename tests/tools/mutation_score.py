@@ -236,6 +236,7 @@ def run_shard(shard: Shard, children: int, only_survivors: bool = False) -> floa
     names = survivors(shard) if only_survivors else []
     if only_survivors and not names:
         return 0.0
+    before = {module: exit_codes(work, module) for module in shard.modules}
     started = time.monotonic()
     print(f"[{shard.name}] mutmut run over {', '.join(shard.modules)} ({len(shard.tests)} test paths)", flush=True)
     # mutmut draws a spinner on stdout; its own log goes to the shard's folder, the summary to ours
@@ -252,8 +253,28 @@ def run_shard(shard: Shard, children: int, only_survivors: bool = False) -> floa
         tail = (work / "mutmut-run.log").read_text(errors="replace")[-2000:]
         raise SystemExit(f"[{shard.name}] mutmut failed (exit {code}) after {seconds:.0f} s; the end of its log:\n{tail}")
     check_mapping(work, shard)
+    if names:
+        keep_verdicts(work, shard, before)
     print(f"[{shard.name}] done in {seconds:.0f} s", flush=True)
     return seconds
+
+
+def exit_codes(work: Path, module: str) -> dict[str, int | None]:
+    meta = work / "mutants" / f"{installed(module)}.meta"
+    return json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+
+
+def keep_verdicts(work: Path, shard: Shard, before: dict[str, dict[str, int | None]]) -> None:
+    """A run of named mutants leaves every other mutant of the file unchecked (mutmut writes its results file anew):
+    the verdicts they had before come back, the named ones keep their new ones."""
+    for module in shard.modules:
+        meta = work / "mutants" / f"{installed(module)}.meta"
+        data = json.loads(meta.read_text())
+        codes = data["exit_code_by_key"]
+        for name, code in before[module].items():
+            if codes.get(name, code) is None and code is not None:
+                codes[name] = code
+        meta.write_text(json.dumps(data, indent=4))
 
 
 # Run inside a shard's directory, where mutmut reads its configuration: each survivor's diff, and per module how

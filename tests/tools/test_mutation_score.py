@@ -5,6 +5,7 @@ survivor). Running mutmut takes hours and is not part of CI."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.tools import mutation_score as ms
@@ -53,3 +54,15 @@ def test_the_score_counts_timeouts_as_kills_and_leaves_equivalents_out() -> None
     assert row["survivors"][0]["diff"] == "-a\n+b"
     assert row["stale_equivalents"] == ["ldlm.m.x_f__mutmut_1"]
     assert ms.module_report("ldlm/m.py", {}, facts, {})["score"] is None  # nothing run is no score, not 0 or 100%
+
+
+def test_a_rerun_of_named_mutants_keeps_the_other_verdicts(tmp_path: Path) -> None:
+    """mutmut writes a file's results anew when it runs named mutants: the others' verdicts come back from before."""
+    shard = ms.Shard("s", ("serve/m.py",), ())
+    meta = tmp_path / "mutants" / "ldlm" / "serve" / "m.py.meta"
+    meta.parent.mkdir(parents=True)
+    before = {"serve/m.py": {"a": 1, "b": 0, "c": 36}}
+    meta.write_text(json.dumps({"exit_code_by_key": {"a": None, "b": 1, "c": None}, "other": 7}))
+    ms.keep_verdicts(tmp_path, shard, before)
+    data = json.loads(meta.read_text())
+    assert data == {"exit_code_by_key": {"a": 1, "b": 1, "c": 36}, "other": 7}  # b was run again: its new verdict stands
