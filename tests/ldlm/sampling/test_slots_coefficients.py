@@ -6,8 +6,6 @@ them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -16,20 +14,10 @@ from ldlm.sampling.noise import NoiseStream
 from ldlm.sampling.samplers import Sampler, get_sampler
 from ldlm.sampling.schedule import TangentSchedule
 from ldlm.sampling.slots import SlotTable
+from tests.ldlm.sampling.test_slots import OnTheSpot  # the reference that computes its coefficients every step
 
 SCHEDULE = TangentSchedule()
 L, D = 6, 4
-
-
-@dataclass(frozen=True)
-class OnTheSpot(Sampler):
-    """The same sampler, its coefficients computed at every step (it redefines ``step`` and ``correct``)."""
-
-    def step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return super().step(*args, **kwargs)
-
-    def correct(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return super().correct(*args, **kwargs)
 
 
 def context(x_t, t, x0_prev, mask):  # type: ignore[no-untyped-def]
