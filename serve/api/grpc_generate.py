@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from tritonclient.grpc import service_pb2
@@ -35,21 +35,23 @@ from ldlm.serve.api.metrics import InferClock
 from ldlm.serve.api.offload import Deadline
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import start_stream
+from ldlm.serve.runtime.tracing import CURRENT
 
 log = logging.getLogger("ldlm.serve")
+STREAM_PATH = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
-async def stream_generate(service: LDLMService, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def stream_generate(service: LDLMService, requests: AsyncIterator[Any], metadata: Mapping[str, Any]) -> AsyncIterator[Any]:
     """The ModelStreamInferResponses of a stream of ModelInferRequests for ``ldlm_generate``, each request run
     as it arrives and its answers sent as they come. Leaving the iteration (the client cancelled or left)
-    cancels every request still running."""
+    cancels every request still running. ``metadata``: the stream's (a ``traceparent`` in it is each request's parent)."""
     answers: asyncio.Queue[Any] = asyncio.Queue()
     running: set[asyncio.Task[None]] = set()
 
     async def read() -> None:
         try:
             async for request in requests:
-                running.add(asyncio.ensure_future(answer(service, request, answers)))
+                running.add(asyncio.ensure_future(answer(service, request, answers, metadata)))
             await asyncio.gather(*running)  # the client is done sending: its requests still finish
         finally:
             answers.put_nowait(None)
@@ -64,14 +66,19 @@ async def stream_generate(service: LDLMService, requests: AsyncIterator[Any]) ->
             task.cancel()
 
 
-async def answer(service: LDLMService, request: Any, answers: asyncio.Queue[Any]) -> None:
-    """One request's responses onto ``answers``: its previews and result, or its error; counted and logged
-    as a /v1/generate request is."""
+async def answer(service: LDLMService, request: Any, answers: asyncio.Queue[Any], metadata: Mapping[str, Any]) -> None:
+    """One request's responses onto ``answers``: its previews and result, or its error; counted, logged and traced
+    as a /v1/generate request is (its own task: the trace set here is its own)."""
     started, status = time.perf_counter(), 200
+    trace = None if service.tracing is None else service.tracing.rpc_request(STREAM_PATH, metadata, request.id, GENERATE_MODEL)
+    if trace is not None:
+        CURRENT.set(trace)
     try:
         with service.metrics.timed_infer(GENERATE_LABEL) as clock:
             async for response in generate(service, request, clock):
                 answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        if trace is not None:
+            trace.delivered = time.perf_counter()
     except asyncio.CancelledError:
         status = CLIENT_CLOSED
         raise
@@ -85,10 +92,12 @@ async def answer(service: LDLMService, request: Any, answers: asyncio.Queue[Any]
     finally:
         elapsed = time.perf_counter() - started
         service.metrics.count_request(GENERATE_LABEL, status, elapsed, disconnected=status == CLIENT_CLOSED)
-        path = "/inference.GRPCInferenceService/ModelStreamInfer"
         log.info(
-            "request", extra={"request_id": request.id, "method": "gRPC", "path": path, "status": status, "ms": round(1000 * elapsed, 3)}
+            "request",
+            extra={"request_id": request.id, "method": "gRPC", "path": STREAM_PATH, "status": status, "ms": round(1000 * elapsed, 3)},
         )
+        if trace is not None:
+            trace.end(status)  # a request on a stream has no gRPC status of its own: its error is in-band
 
 
 async def generate(service: LDLMService, request: Any, clock: InferClock) -> AsyncIterator[Any]:
@@ -99,7 +108,7 @@ async def generate(service: LDLMService, request: Any, clock: InferClock) -> Asy
     spec, prompt, every = stream_request(service, request)
     clock.decoded = time.perf_counter()
     deadline = Deadline(service.settings.request_timeout_s)
-    stream, ids, steps = await start_stream(service, spec, prompt, every, deadline)
+    stream, ids, steps = await start_stream(service, spec, prompt, every, deadline, STREAM_PATH)
     async for kind, payload in stream.events(deadline.left()):
         if kind == "preview":
             yield preview_response(request, steps, payload)

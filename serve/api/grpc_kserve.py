@@ -44,6 +44,7 @@ from ldlm.serve.api.kserve_models import (
 )
 from ldlm.serve.api.offload import INLINE_BINARY_BYTES, decode_infer_payload, run_blocking
 from ldlm.serve.api.service import LDLMService
+from ldlm.serve.runtime.tracing import CURRENT
 
 log = logging.getLogger("ldlm.serve")
 T = TypeVar("T")
@@ -52,6 +53,7 @@ UNAUTHORIZED = "missing or wrong bearer token"  # HTTP's words (http_guard)
 
 # The one map from an error's HTTP status (errors.error_status) to its gRPC code.
 GRPC_CODES = {
+    200: grpc.StatusCode.OK,
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
@@ -158,13 +160,14 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
             return await self.infer(model, request.model_version, decode, encode)
 
-        return await self._answer(context, "ModelInfer", answer, label)
+        return await self._answer(context, "ModelInfer", answer, label, traced=model)
 
     async def ModelStreamInfer(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         """``ldlm_generate``'s previews and results, on a stream (grpc_generate)."""
-        if not self._authorized(dict(context.invocation_metadata() or ())):
+        metadata = dict(context.invocation_metadata() or ())
+        if not self._authorized(metadata):
             await abort(context, grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED, ())
-        async for response in stream_generate(self.service, request_iterator):
+        async for response in stream_generate(self.service, request_iterator, metadata):
             yield response
 
     def _authorized(self, metadata: dict[str, Any]) -> bool:
@@ -173,13 +176,23 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return self.expected_auth is None or hmac.compare_digest(given, self.expected_auth)
 
     async def _answer(
-        self, context: grpc.aio.ServicerContext, method: str, answer: Callable[[], Awaitable[T]], model: str | None = None
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        answer: Callable[[], Awaitable[T]],
+        model: str | None = None,
+        traced: str | None = None,
     ) -> T:
         """``answer()`` once the caller's key is checked; an error is aborted with HTTP's message under its status's
-        gRPC code. Logged as HTTP requests are, and an infer call counted in its metrics under ``model`` (its label)."""
+        gRPC code. Logged as HTTP requests are, an infer call counted in its metrics under ``model`` (its label), and
+        one of the model ``traced`` (as the call names it) traced while tracing is on."""
         metadata = dict(context.invocation_metadata() or ())
         request_id = str(metadata.get("x-request-id") or uuid.uuid4().hex)
         started, status = time.perf_counter(), 200
+        tracing = self.service.tracing
+        trace = None if tracing is None or traced is None else tracing.rpc_request(SERVICE + method, metadata, request_id, traced)
+        if trace is not None:
+            CURRENT.set(trace)  # this call's own task: the handler's context ends with it
         try:
             if not self._authorized(metadata):
                 raise HTTPError(401, UNAUTHORIZED)
@@ -198,6 +211,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             elapsed = time.perf_counter() - started
             if model is not None:
                 self.service.metrics.count_request(model, status, elapsed, disconnected=status == CLIENT_CLOSED)
+            if trace is not None:
+                trace.attributes["rpc.grpc.status_code"] = GRPC_CODES.get(200 if status < 400 else status, grpc.StatusCode.UNKNOWN).value[0]
+                trace.end(status)
             log.info(
                 "request",
                 extra={

@@ -31,8 +31,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ldlm.serve.api.errors import HTTPError, error_body, error_status
 from ldlm.serve.api.kserve_models import metrics_label
+from ldlm.serve.api.openai_schemas import MODEL_ID
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
+from ldlm.serve.runtime.tracing import CURRENT, RequestTrace
 
 log = logging.getLogger("ldlm.serve")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer": logs and metrics only
@@ -79,6 +81,7 @@ class GuardMiddleware:
         started = time.perf_counter()
         status = {"code": 500}
         model = self.model_label(scope["path"])
+        trace = self._trace(scope, headers, request_id) if model is not None and self.service.tracing is not None else None
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -86,6 +89,8 @@ class GuardMiddleware:
                 message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 status["complete"] = True
+                if trace is not None:
+                    trace.delivered = time.perf_counter()
             await send(message)
 
         try:
@@ -120,6 +125,9 @@ class GuardMiddleware:
                 else:
                     self.service.metrics.request_failure.labels(model, str(code)).inc()
                 self.service.metrics.request_seconds.labels(model).observe(elapsed)
+            if trace is not None:
+                trace.attributes["http.response.status_code"] = code
+                trace.end(code)
             log.info(
                 "request",
                 extra={
@@ -130,6 +138,14 @@ class GuardMiddleware:
                     "ms": round(1000 * elapsed, 3),
                 },
             )
+
+    def _trace(self, scope: dict[str, Any], headers: dict[str, str], request_id: str) -> RequestTrace:
+        """A traced request's trace, made the current one of the task that serves it (``tracing.CURRENT``)."""
+        path = scope["path"]
+        model = _model_of(path) if path.startswith("/v2/") else MODEL_ID
+        trace = self.service.tracing.http_request(scope["method"], http_route(path), headers, request_id, model)  # type: ignore[union-attr, arg-type]
+        CURRENT.set(trace)  # the guard's own task: the app's task, made after this, inherits it
+        return trace
 
     async def _run_until_disconnect(
         self, app: Any, scope: dict[str, Any], body: bytes | bytearray, receive: Any, send: Any, status: dict[str, Any]
@@ -194,6 +210,13 @@ async def read_body(receive: Any, content_length: str | None, limit: int, timeou
             # one chunk as it came; several joined into a bytearray (the one copy a join makes anyway), whose
             # binary tensors are then writable views that reach the graph uncopied
             return parts[0] if len(parts) == 1 else bytearray().join(parts)
+
+
+def http_route(path: str) -> str:
+    """The route of a counted path (``model_label``'s): a /v1 route's path is its own; a /v2 infer path's names its model."""
+    if not path.startswith("/v2/"):
+        return path
+    return "/v2/models/{model}/versions/{version}/infer" if "/versions/" in path else "/v2/models/{model}/infer"
 
 
 def _model_of(path: str) -> str | None:

@@ -45,6 +45,13 @@ class Metrics:
         self.request_seconds = Histogram(
             "ldlm_request_duration_seconds", "End-to-end request latency", ["model"], buckets=LATENCY_BUCKETS, registry=r
         )
+        self.first_preview_seconds = Histogram(
+            "ldlm_time_to_first_preview_seconds",
+            "Time from a streamed generation's start (its request read) to its first preview sent",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.batch_size = Histogram("ldlm_batch_size", "Samples per execution", ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge(
             "ldlm_queue_depth",

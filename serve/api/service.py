@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import tempfile
 import threading
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.registry import resolve_run
 from ldlm.serve.runtime.scheduler import GenerationScheduler, PreviewShares
 from ldlm.serve.runtime.torch_backends import fused_steps, length_buckets
+from ldlm.serve.runtime.tracing import RequestTrace, Tracing
 
 # Settings that may be None: threads (ONNX Runtime's own choice), grpc_port (no gRPC endpoint).
 UNSET_ALLOWED = ("threads", "grpc_port")
@@ -72,6 +74,7 @@ class ServerSettings:
     preview_lone_budget: float = PREVIEW_LONE_BUDGET  # the same while a stream's own generation is the only one
     trt_cuda_graphs: bool = False  # TensorRT engines replay CUDA graphs
     export_cache: str | None = None  # a checkpoint on an export backend: where its verified export is kept (None: a scratch export)
+    otlp_traces_endpoint: str | None = None  # OTLP/gRPC collector for traces; None: the OTEL_EXPORTER_OTLP_* variables', else off
 
     def __post_init__(self) -> None:
         backend, precision = resolve_run(self.device, self.backend, self.precision)  # "": none named
@@ -90,6 +93,7 @@ class LDLMService:
         """``progress``: told (one line each) what preparing the service is doing, for a person waiting on ``ldlm serve``."""
         self.settings = settings
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        self.tracing = Tracing.start(settings.otlp_traces_endpoint, os.environ)  # first: a missing SDK fails before the graphs load
         say = progress or (lambda line: None)
         graphs, config, tokenizer = self._open_graphs(source, say, progress is not None)
         # Engines built with narrower profiles narrow what the service accepts (lengths) and how
@@ -239,10 +243,12 @@ class LDLMService:
         preview_every: int = 0,
         deadline_s: float | None = None,
         decoding: Any = None,
+        trace: RequestTrace | None = None,
     ) -> Future[Any]:
         """``scheduler.submit`` (which refuses what cannot meet ``deadline_s``), counted while in flight.
-        ``decoding``: its ``TokenSampling`` (None: argmax)."""
-        future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s, decoding)
+        ``decoding``: its ``TokenSampling`` (None: argmax). ``trace``: the traced request it is part of (None: untraced)."""
+        marks = trace.generation() if trace is not None else None
+        future = self.scheduler.submit(spec, prefix, on_preview, preview_every, deadline_s, decoding, marks)
         with self._in_flight_lock:
             self._in_flight += 1
         future.add_done_callback(self._generation_done)
@@ -276,6 +282,8 @@ class LDLMService:
         self.json_workers.shutdown(wait=True, cancel_futures=True)
         if self._scratch is not None:
             self._scratch.cleanup()
+        if self.tracing is not None:
+            self.tracing.close()  # after the drain: the last requests' spans go out too
 
 
 def is_checkpoint(source: str) -> bool:

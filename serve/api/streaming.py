@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -30,6 +31,7 @@ from ldlm.serve.api.offload import Deadline, run_blocking, run_submit, wait
 from ldlm.serve.api.prompted import prompt_prefix, with_prompt
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.generation import Preview
+from ldlm.serve.runtime.tracing import CURRENT, RequestTrace
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -54,13 +56,19 @@ class GenerationStream:
         loop: asyncio.AbstractEventLoop,
         prompt_ids: Sequence[int] = (),
         steps: int | None = None,
+        trace: RequestTrace | None = None,
+        first_preview: Callable[[float], None] | None = None,
+        started: float = 0.0,
     ) -> None:
         """Submits at once, with ``submit`` (``GenerationScheduler.submit``'s signature). ``loop`` is the
         event loop that reads the events: construct this off that loop (submitting draws every sample's
         prior noise, work that scales with n x length). ``prompt_ids``: the prompt's tokens, whose latents
         ``prefix`` holds; previews start with them as given (serve/api/prompted.py), in ``tokenizer``'s text.
-        ``steps``: the request's resolved step count, which its previews name (None: the spec's own)."""
+        ``steps``: the request's resolved step count, which its previews name (None: the spec's own). ``trace``: the
+        traced request it is (its previews become events of its span); ``first_preview``: told the seconds from ``started``
+        (``time.perf_counter``) to its first preview sent."""
         self.loop = loop
+        self.trace, self.first_preview, self.started = trace, first_preview, started
         self.tokenizer = tokenizer
         self.spec = spec
         self.steps = spec.steps if steps is None else steps
@@ -84,6 +92,14 @@ class GenerationStream:
         self._decoded += previews
         self._wake.set()
 
+    def _sent(self, step: int) -> None:
+        """A preview of ``step`` goes out: the first one is timed, and a traced request's span gets an event of each."""
+        if self.first_preview is not None:
+            self.first_preview(time.perf_counter() - self.started)
+            self.first_preview = None
+        if self.trace is not None:
+            self.trace.preview(step)
+
     async def events(self, timeout_s: float) -> AsyncIterator[tuple[str, Any]]:
         """("preview", [{index, step, text}, ...] of one step) any number of times, then ("result", TextResult).
         Raises TimeoutError after ``timeout_s``; always cancels the request when left early."""
@@ -97,6 +113,7 @@ class GenerationStream:
                 while self._decoded:
                     decoded, self._decoded = self._decoded, []
                     for step in sorted({p["step"] for p in decoded}):  # one event per step, in order
+                        self._sent(step)
                         yield "preview", [p for p in decoded if p["step"] == step]
                 if result.done():
                     final: TextResult = result.result()
@@ -132,25 +149,32 @@ async def generate_texts(service: LDLMService, spec: GenerateRequest, prompt: st
     estimates cannot finish in the time left, and awaited (cancelled when left: freed at the next step). The
     texts and token ids start with the prompt verbatim."""
     prefix, ids = await encoded_prompt(service, prompt, spec.length, deadline)
-    submit = functools.partial(service.submit_generation, deadline_s=deadline.left())  # draws the prior noise: off the loop
+    # draws the prior noise: off the loop, where the request's trace (a context variable) is not set: it is passed on
+    submit = functools.partial(service.submit_generation, deadline_s=deadline.left(), trace=CURRENT.get())
     future = await run_submit(submit, spec, prefix, cancel=Future.cancel, timeout_s=deadline.left())
     result = await wait(future, deadline.left(), deadline.limit_s)
     return keep_prompt(result, ids, service.pipeline.tokenizer) if ids else result
 
 
 async def start_stream(
-    service: LDLMService, spec: GenerateRequest, prompt: str, every: int, deadline: Deadline
+    service: LDLMService, spec: GenerateRequest, prompt: str, every: int, deadline: Deadline, route: str
 ) -> tuple[GenerationStream, list[int], int]:
     """A generation started as a stream of a preview every ``every`` steps (0: none) then its result, as /v1/generate
     with ``stream: true`` and gRPC's ldlm_generate stream start it: the prompt's tokens encoded (the encoder runs:
     off the event loop), its steps planned (bad input is refused here, before the stream), and the request
     submitted (which draws every sample's prior noise: off the event loop too; the scheduler refuses at once what
-    it estimates cannot finish in the time left). The stream, the prompt's token ids and the steps it runs."""
+    it estimates cannot finish in the time left). The stream, the prompt's token ids and the steps it runs. Its time to
+    the first preview counts under ``route`` in /metrics."""
+    started, trace = time.perf_counter(), CURRENT.get()
     prefix, ids = await encoded_prompt(service, prompt, spec.length, deadline)
     steps = service.scheduler.plan(spec).steps
-    submit = functools.partial(service.submit_generation, deadline_s=deadline.left())
+    submit = functools.partial(service.submit_generation, deadline_s=deadline.left(), trace=trace)
     loop, tokenizer = asyncio.get_running_loop(), service.pipeline.tokenizer
-    start = functools.partial(GenerationStream, submit, tokenizer, spec, every, prefix, loop=loop, prompt_ids=ids, steps=steps)
+    timed = service.metrics.first_preview_seconds.labels(route).observe
+    start = functools.partial(
+        GenerationStream, submit, tokenizer, spec, every, prefix, loop=loop, prompt_ids=ids, steps=steps,
+        trace=trace, first_preview=timed, started=started,
+    )  # fmt: skip
     stream = await run_submit(start, cancel=lambda s: s.future.cancel(), timeout_s=deadline.left())
     return stream, ids, steps
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from ldlm.serve.runtime.graph_backend import GraphBackend
 from ldlm.serve.runtime.queueing import QueueFullError, QueueWorker, resolve_future
+from ldlm.serve.runtime.tracing import BatchMarks
 
 BatchObserver = Callable[[int, float, float], None]  # (batch size, queue seconds of the oldest, compute seconds)
 DropObserver = Callable[[int], None]  # samples of a cancelled request dropped before they ran
@@ -66,6 +67,7 @@ class _Pending:
     future: Future[dict[str, np.ndarray]] = field(default_factory=Future)
     queued_at: float = field(default_factory=time.perf_counter)
     alone: bool = False  # arrived to an idle batcher: runs without waiting for company
+    trace: BatchMarks | None = None  # a traced request's marks (tracing.py; None: not traced)
 
 
 class DynamicBatcher(QueueWorker):
@@ -98,8 +100,9 @@ class DynamicBatcher(QueueWorker):
         self._out_seq_axes = {o["name"]: o["shape"].index("seq") for o in backend.outputs if "seq" in o["shape"]}
         super().__init__(f"ldlm-batcher-{backend.graph}")
 
-    def submit(self, inputs: Mapping[str, Any]) -> Future[dict[str, np.ndarray]]:
-        """Check ``inputs`` against the graph's contract (raises at once) and queue them."""
+    def submit(self, inputs: Mapping[str, Any], trace: BatchMarks | None = None) -> Future[dict[str, np.ndarray]]:
+        """Check ``inputs`` against the graph's contract (raises at once) and queue them; ``trace``: marks to set as
+        their batch leaves the queue, is assembled and runs (a chunked request's: its last chunk's)."""
         arrays = self.backend.check_inputs(inputs)
         first = arrays[self.backend.input_names[0]]
         lengths = {a.shape[self._seq_axes[n]] for n, a in arrays.items() if n in self._seq_axes}
@@ -115,7 +118,7 @@ class DynamicBatcher(QueueWorker):
                 raise QueueFullError(f"{self.backend.graph} queue is full ({len(self._queue)} requests waiting, max {self.max_queue})")
             alone = not self._queue and not self._running
             for chunk in chunks:
-                chunk.alone = alone
+                chunk.alone, chunk.trace = alone, trace
             self._queue.extend(chunks)
             self._cond.notify()
         for chunk in chunks:  # a cancelled request wakes the worker, which drops it (and stops waiting for it)
@@ -188,12 +191,16 @@ class DynamicBatcher(QueueWorker):
     def _run(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
         try:
-            outputs = self.backend.run(self._concatenate(batch))
+            inputs = self._concatenate(batch)
+            assembled = time.perf_counter()
+            outputs = self.backend.run(inputs)
             computed = time.perf_counter() - started
             offset = 0
             for pending in batch:
                 rows = slice(offset, offset + pending.batch)
                 offset += pending.batch
+                if pending.trace is not None:
+                    pending.trace.ran(started, assembled, started + computed, sum(p.batch for p in batch))  # before its answer
                 resolve_future(pending.future, {name: self._cut(name, value[rows], pending.length) for name, value in outputs.items()})
             if self.observer is not None:
                 self.observer(offset, started - batch[0].queued_at, computed)

@@ -196,12 +196,14 @@ class Delivery:
                 self._decode_sampled(request, calls[request])
         if not argmax:
             return
+        began = time.perf_counter()
         try:
             decoded = decode_ragged(self.pipeline, [z for r in argmax for z in r.latents])  # type: ignore[misc]
         except Exception as error:
             for request in argmax:
                 resolve_future(request.future, error=error)
             return
+        mark_decoded(argmax, began)
         start = 0
         for request in argmax:
             n, length = request.plan.n, request.plan.length
@@ -212,13 +214,23 @@ class Delivery:
 
     def _decode_sampled(self, request: Generation, previews: Future[None] | None) -> None:
         """One request whose tokens are drawn from the logits; its error (e.g. no logits output) is its own."""
+        began = time.perf_counter()
         try:
             result = self.pipeline.decode(torch.stack(request.latents), sampling=request.decoding)  # type: ignore[arg-type]
         except Exception as error:
             resolve_future(request.future, error=error)
             return
+        mark_decoded([request], began)
         result.plan = request.plan
         self.preview_decodes.after_previews(previews, functools.partial(resolve_future, request.future, result))
+
+
+def mark_decoded(requests: list[Generation], began: float) -> None:
+    """The traced ones among ``requests``, decoded in one call that began at ``began``, mark it (tracing.py)."""
+    ended = time.perf_counter()
+    for request in requests:
+        if request.trace is not None:
+            request.trace.decoding, request.trace.decoded = began, ended
 
 
 def ready_event(tensor: Tensor) -> Any:

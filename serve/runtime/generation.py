@@ -15,6 +15,7 @@ from torch import Tensor
 from ldlm.pipeline import TextResult
 from ldlm.sampling import GenerateRequest, SampleState, SamplingPlan
 from ldlm.sampling.tokens import TokenSampling
+from ldlm.serve.runtime.tracing import GenerationMarks
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Generation:
     solo_s: float | None = None  # its time alone, as estimated at submit
     waited_s: float = 0.0  # time with some sample waiting for a slot, before waiting_since
     waiting_since: float | None = None
+    trace: GenerationMarks | None = None  # where a traced request's marks go (None: not traced, nothing is marked)
 
     @property
     def work(self) -> int:

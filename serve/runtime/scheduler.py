@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Literal
 
@@ -42,6 +42,7 @@ from ldlm.serve.runtime.executor import StepExecutor, StepObserver
 from ldlm.serve.runtime.generation import Generation, PreviewHook, Sample, WaitingQueue
 from ldlm.serve.runtime.policy import make_policy
 from ldlm.serve.runtime.queueing import QueueFullError, QueueWorker, resolve_future
+from ldlm.serve.runtime.tracing import GenerationMarks
 
 Policy = Literal["continuous", "static"]
 __all__ = ["GenerateRequest", "GenerationScheduler", "Policy", "PreviewHook", "PreviewShares", "decode_ragged"]
@@ -90,6 +91,7 @@ class GenerationScheduler(QueueWorker):
         self._active: dict[int, Sample] = {}  # the running samples, by id, in the order the policy chose them
         self._requests: dict[int, Generation] = {}  # every request in flight (running or waiting), by id
         self._ended: deque[Generation] = deque()  # answered requests (done callbacks, any thread): the loop drops them
+        self._traced: dict[int, Generation] = {}  # traced requests in flight: only they are marked at each step
         self._submitted = 0
         self.on_drop = on_drop  # samples of a cancelled or failed request dropped unfinished, for metrics
         self.dropped_samples = 0
@@ -113,6 +115,7 @@ class GenerationScheduler(QueueWorker):
         preview_every: int = 0,
         deadline_s: float | None = None,
         decoding: TokenSampling | None = None,
+        trace: GenerationMarks | None = None,
     ) -> Future[TextResult]:
         """Queue a request; bad input raises here, at once, with the sampling engine's messages.
 
@@ -120,7 +123,8 @@ class GenerationScheduler(QueueWorker):
         positions. ``on_preview``: gets the request's previews of every ``preview_every``-th step (not
         the last), decoded, in step order and before its answer (delivery.py: when one is dropped).
         ``deadline_s``: refuse the request now if it is estimated to take longer (see ``admission``).
-        ``decoding``: a temperature, nucleus, seed and log-probabilities for its tokens (default: argmax)."""
+        ``decoding``: a temperature, nucleus, seed and log-probabilities for its tokens (default: argmax).
+        ``trace``: marks to set as the request passes queue, slot, steps and decode (tracing.py; None: untraced)."""
         plan = self.plan(spec)
         if preview_every < 0:
             raise ValueError(f"preview_every={preview_every} is out of range; allowed: >= 0 (0: no previews)")
@@ -137,6 +141,7 @@ class GenerationScheduler(QueueWorker):
             on_preview=on_preview,
             preview_every=preview_every,
             decoding=decoding,
+            trace=trace,
         )
         request.samples = [Sample(request, i, state) for i, state in enumerate(states)]
         with self._cond:
@@ -151,6 +156,10 @@ class GenerationScheduler(QueueWorker):
             self.admission.price(request, deadline_s, self._live())
             self._waiting.add(request, request.samples)
             self._requests[id(request)] = request
+            if trace is not None:
+                trace.plan = {**plan.summary(), "n": plan.n, "length": plan.length}
+                trace.queued = time.perf_counter()
+                self._traced[id(request)] = request
             self._cond.notify()
         request.future.add_done_callback(lambda _, request=request: self._ended.append(request))  # type: ignore[misc]
         return request.future
@@ -230,8 +239,11 @@ class GenerationScheduler(QueueWorker):
             if not self._active:
                 return True
             alone = len(self._requests) == 1  # the previewed request is the only generation in flight
+            traced = list(self._traced.values()) if self._traced else ()  # a copy: submit adds to it under the lock
         try:
             step = self.executor.execute()
+            if traced:
+                self._mark_step(traced)
             for sample in step.finished:
                 del self._active[id(sample)]
             self.delivery.previews(step.due, alone)
@@ -247,6 +259,14 @@ class GenerationScheduler(QueueWorker):
             self._active = {}
         return True
 
+    def _mark_step(self, traced: Sequence[Generation]) -> None:
+        """After a step, before its finished samples leave: each ``traced`` request that ran in it marks it (tracing.py)."""
+        ended, size = time.perf_counter(), len(self._active)
+        for request in traced:
+            if any(id(sample) in self._active for sample in request.samples):
+                request.trace.step(size, ended)  # type: ignore[union-attr]
+                request.trace.started = request.trace.started or request.started  # type: ignore[union-attr]
+
     def _live(self) -> list[Generation]:
         """Every request with a sample running or waiting (under the lock)."""
         return [r for r in self._requests.values() if not r.future.done()]
@@ -259,6 +279,7 @@ class GenerationScheduler(QueueWorker):
         while self._ended:
             request = self._ended.popleft()
             self._requests.pop(id(request), None)
+            self._traced.pop(id(request), None)
             running = [s for s in request.samples if self._active.pop(id(s), None) is not None]
             dropped += len(running)
             self.executor.release(request.samples)

@@ -45,6 +45,7 @@ from ldlm.serve.api.kserve_models import (
 from ldlm.serve.api.offload import decode_infer_body, encode_infer, wait
 from ldlm.serve.api.service import LDLMService, ServerSettings
 from ldlm.serve.runtime.graph_backend import NUMPY_DTYPES, GraphBackend
+from ldlm.serve.runtime.tracing import CURRENT
 
 T = TypeVar("T")
 # Token ids and masks come as INT32 from many Triton clients: an INT64 input takes them (the graph's contract
@@ -151,7 +152,9 @@ async def serve_infer(
     def run(parsed: InferRequest) -> Awaitable[dict[str, np.ndarray]]:
         if generation:
             return infer_generate(service, parsed)
-        return wait(service.batchers[model].submit(parsed.inputs), service.settings.request_timeout_s)
+        trace = CURRENT.get()
+        marks = trace.batch() if trace is not None else None
+        return wait(service.batchers[model].submit(parsed.inputs, marks), service.settings.request_timeout_s)
 
     label = GENERATE_LABEL if generation else model
     with service.metrics.timed_infer(label) as clock:

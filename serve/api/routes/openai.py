@@ -80,6 +80,7 @@ from ldlm.serve.api.openai_schemas import (
 )
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.api.streaming import SSE_HEADERS, sse
+from ldlm.serve.runtime.tracing import CURRENT, RequestTrace
 
 
 @dataclass(frozen=True)
@@ -251,14 +252,19 @@ class Completions:
             )
         return out, used
 
-    def submit(self, prepared: Prepared, prefixes: list[torch.Tensor | None], deadline: Deadline) -> list[Future[TextResult]]:
-        """Queue every prompt's request, all or none (off the loop: each draws its samples' prior noise).
-        When one fails (a full queue: 503 by GuardMiddleware), those already queued are cancelled,
-        or they would run for nobody."""
+    def submit(
+        self, prepared: Prepared, prefixes: list[torch.Tensor | None], deadline: Deadline, trace: RequestTrace | None = None
+    ) -> list[Future[TextResult]]:
+        """Queue every prompt's request, all or none (off the loop: each draws its samples' prior noise), as part of
+        ``trace``'s request (None: untraced). When one fails (a full queue: 503 by GuardMiddleware), those already
+        queued are cancelled, or they would run for nobody."""
         futures: list[Future[TextResult]] = []
         try:
             for prompt, prefix in zip(prepared, prefixes):
-                futures.append(self.service.submit_generation(prompt.request, prefix, deadline_s=deadline.left(), decoding=prompt.decoding))
+                left = deadline.left()
+                futures.append(
+                    self.service.submit_generation(prompt.request, prefix, deadline_s=left, decoding=prompt.decoding, trace=trace)
+                )
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -272,7 +278,13 @@ class Completions:
         except ValueError as error:  # the tokenizer's and pipeline's messages name the bad value
             raise HTTPError(400, str(error)) from None
         futures = await run_submit(
-            self.submit, prepared, prefixes, deadline, cancel=lambda queued: [f.cancel() for f in queued], timeout_s=deadline.left()
+            self.submit,
+            prepared,
+            prefixes,
+            deadline,
+            CURRENT.get(),
+            cancel=lambda queued: [f.cancel() for f in queued],
+            timeout_s=deadline.left(),
         )
         return prepared, futures
 
@@ -281,6 +293,9 @@ class Completions:
         deadline = Deadline(self.settings.request_timeout_s if body.timeout_s is None else body.timeout_s)
         prepared, futures = await self.start(body, deadline)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": MODEL_ID}
+        trace = CURRENT.get()
+        if trace is not None:
+            trace.attributes["gen_ai.response.id"] = head["id"]
         prompt_tokens = sum(len(prompt.ids) for prompt in prepared)  # once per prompt, whatever n (as vLLM counts)
         if body.stream:
             return StreamingResponse(
@@ -299,6 +314,7 @@ class Completions:
             every += got
             used += n_used
         plan = {"ldlm_plan": results[0].plan.summary()} if results and results[0].plan is not None else {}
+        traced_usage(prompt_tokens, used)
         return await json_response(self.service, {**head, "choices": every, "usage": usage(prompt_tokens, used), **plan})
 
     async def stream_chunks(
@@ -317,6 +333,7 @@ class Completions:
                     plan = {} if result.plan is None else {"ldlm_plan": result.plan.summary()}
                     so_far = {"usage": usage(prompt_tokens, used)} if options.continuous_usage_stats else {}
                     yield sse({**head, "choices": got, **plan, **so_far})
+            traced_usage(prompt_tokens, used)
             if options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, used)})
         except REQUEST_ERRORS as error:  # the status line is sent: report in-band, in OpenAI's shape
@@ -341,6 +358,13 @@ def completion_end(ids: list[int], eos: int, body: Any) -> int | None:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def traced_usage(prompt_tokens: int, completion_tokens: int) -> None:
+    """A traced completion's usage, as its span's GenAI attributes (the tokens of the texts returned, as ``usage``)."""
+    trace = CURRENT.get()
+    if trace is not None:
+        trace.attributes.update({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": completion_tokens})
 
 
 def choice_logprobs(

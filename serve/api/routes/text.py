@@ -46,7 +46,7 @@ def create_router(service: LDLMService, models: RequestModels) -> APIRouter:
         if not body.stream:
             result = await generate_texts(service, body.to_request(), prompt, deadline)
             return await json_response(service, {"texts": result.texts, "token_ids": result.ids(), "plan": ran(result)})
-        stream, _, _ = await start_stream(service, body.to_request(), prompt, body.preview_every, deadline)
+        stream, _, _ = await start_stream(service, body.to_request(), prompt, body.preview_every, deadline, "/v1/generate")
         return StreamingResponse(generate_sse(stream, deadline.left(), tokenizer), headers=SSE_HEADERS, media_type="text/event-stream")
 
     async def answer_texts(body: Any, payload: Callable[[LDLMPipeline, list[list[int]]], dict[str, Any]]) -> Response:
