@@ -38,6 +38,16 @@ def api_key(option: str | None, environ: Mapping[str, str]) -> str | None:
     return key
 
 
+def otlp_endpoint(url: str) -> str:
+    """The argparse type of --otlp-traces-endpoint: a collector's URL (``tracing.check_endpoint``), else the error naming it."""
+    from ldlm.serve.runtime.tracing import check_endpoint  # per use: building the parser imports no OpenTelemetry
+
+    try:
+        return check_endpoint(url)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def compile_cache(environ: MutableMapping[str, str], root: Path) -> None:
     """Keep torch.compile's caches (Inductor's FX graph and AOTAutograd caches, Triton's kernels) under the
     service's own cache, ``root``/torch-compile, unless $TORCHINDUCTOR_CACHE_DIR says where: torch's default is
@@ -93,6 +103,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         preview_budget=args.preview_budget,
         preview_lone_budget=args.preview_lone_budget,
         trt_cuda_graphs=args.trt_cuda_graphs,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     if args.ray:
         if args.grpc_port is not None:
@@ -254,6 +265,15 @@ def _serve_limit_options(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=setting("threads", " threads"),
         help=f"ONNX Runtime intra-op threads, 1..{MAX_THREADS} (default: its own)",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        type=otlp_endpoint,
+        metavar="URL",
+        help="send OpenTelemetry traces of every request over OTLP/gRPC to this collector (Jaeger, Tempo, the OpenTelemetry "
+        "Collector), e.g. http://localhost:4317; a caller's W3C traceparent header is each request's parent. Needs "
+        "pip install 'ldlm[otel]'. Default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else $OTEL_EXPORTER_OTLP_ENDPOINT, else off "
+        "(docs/serving.md, Tracing)",
     )
     p.add_argument(
         "--log-level",

@@ -34,7 +34,7 @@ from ldlm.serve.api.kserve_models import metrics_label
 from ldlm.serve.api.openai_schemas import MODEL_ID
 from ldlm.serve.api.service import LDLMService
 from ldlm.serve.runtime.cost import DeadlineUnreachableError, RequestTooLargeError
-from ldlm.serve.runtime.tracing import CURRENT, RequestTrace
+from ldlm.serve.runtime.tracing import CURRENT, RequestTrace, Tracing
 
 log = logging.getLogger("ldlm.serve")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer": logs and metrics only
@@ -54,11 +54,16 @@ class GuardMiddleware:
         return path in cls.OPEN_PATHS or path.startswith(cls.OPEN_PREFIXES)
 
     def __init__(
-        self, app: Any, service: LDLMService, shortcut: Callable[[dict[str, Any]], Any] | None = None, routes: Sequence[Any] = ()
+        self,
+        app: Any,
+        service: LDLMService,
+        shortcut: Callable[[dict[str, Any]], Any] | None = None,
+        routes: Sequence[Any] = (),
+        tracing: Tracing | None = None,
     ) -> None:
         """``routes``: the app's routes (each with a ``path``): the /v1 routes among them are what requests to /v1
-        are counted under."""
-        self.app, self.service, self.shortcut = app, service, shortcut
+        are counted under, and traced under while ``tracing`` is on (None: off)."""
+        self.app, self.service, self.shortcut, self.tracing = app, service, shortcut, tracing
         key = service.settings.api_key
         self.expected_auth = f"Bearer {key}".encode() if key else None
         self.v1_labels = frozenset(route.path.split("/")[2] for route in routes if route.path.startswith("/v1/"))
@@ -81,7 +86,7 @@ class GuardMiddleware:
         started = time.perf_counter()
         status = {"code": 500}
         model = self.model_label(scope["path"])
-        trace = self._trace(scope, headers, request_id) if model is not None and self.service.tracing is not None else None
+        trace = self._trace(scope, headers, request_id) if model is not None and self.tracing is not None else None
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -143,7 +148,7 @@ class GuardMiddleware:
         """A traced request's trace, made the current one of the task that serves it (``tracing.CURRENT``)."""
         path = scope["path"]
         model = _model_of(path) if path.startswith("/v2/") else MODEL_ID
-        trace = self.service.tracing.http_request(scope["method"], http_route(path), headers, request_id, model)  # type: ignore[union-attr, arg-type]
+        trace = self.tracing.http_request(scope["method"], http_route(path), headers, request_id, model)  # type: ignore[union-attr, arg-type]
         CURRENT.set(trace)  # the guard's own task: the app's task, made after this, inherits it
         return trace
 

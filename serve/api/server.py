@@ -75,7 +75,7 @@ def create_app(service: LDLMService) -> FastAPI:
         metrics.create_router(service),
     ]
     routes = [route for router in routers for route in router.routes]  # each an APIRoute, with its path
-    app.add_middleware(GuardMiddleware, service=service, shortcut=kserve.infer_shortcut(service), routes=routes)
+    app.add_middleware(GuardMiddleware, service=service, shortcut=kserve.infer_shortcut(service), routes=routes, tracing=service.tracing)
     add_error_handlers(app, text_models.limits)
     for router in routers:
         app.include_router(router)

@@ -82,7 +82,9 @@ def test_the_option_wins_over_the_variables_and_the_traces_variable_over_the_gen
     assert traces_endpoint("http://option:3", both) == "http://option:3"
     assert traces_endpoint(None, both) == "http://traces:1"
     assert traces_endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://all:2"}) == "http://all:2"
-    assert traces_endpoint(None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://all:2"}) == "http://all:2"
+    assert (
+        traces_endpoint(None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://all:2"}) == "http://all:2"
+    )
     assert traces_endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}) is None
     assert traces_endpoint(None, {}) is None
 
@@ -100,7 +102,10 @@ def test_only_the_grpc_protocol_is_taken(variable: str) -> None:
     check_protocol({variable: "grpc"})
     with pytest.raises(ValueError) as refused:
         check_protocol({variable: "http/protobuf"})
-    assert str(refused.value) == f"{variable}='http/protobuf' is unsupported; allowed: grpc (ldlm serve exports OTLP over gRPC), or leave it unset"
+    assert (
+        str(refused.value)
+        == f"{variable}='http/protobuf' is unsupported; allowed: grpc (ldlm serve exports OTLP over gRPC), or leave it unset"
+    )
 
 
 def test_off_without_an_endpoint_and_a_protocol_refused_before_anything_starts() -> None:
@@ -239,7 +244,10 @@ def test_previews_are_events_at_their_time_with_their_step(traces: Tracing, rece
     trace.preview(3)
     trace.preview(6)
     root, _ = sent(traces, receiver, trace, 200, 0)
-    assert [(name, attributes) for name, _, attributes in root.events] == [("ldlm.preview", {"ldlm.step": 3}), ("ldlm.preview", {"ldlm.step": 6})]
+    assert [(name, attributes) for name, _, attributes in root.events] == [
+        ("ldlm.preview", {"ldlm.step": 3}),
+        ("ldlm.preview", {"ldlm.step": 6}),
+    ]
     times = [at for _, at, _ in root.events]
     assert root.start_ns <= times[0] <= times[1] <= root.end_ns
     assert times[0] == trace.ns(trace.previews[0][0])
@@ -280,7 +288,12 @@ def test_marks_count_steps_and_batch_sizes() -> None:
     marks.step(2, 2.5)
     marks.step(4, 3.5)
     assert (marks.steps, marks.last_step, marks.batch_sizes) == (3, 3.5, {4: 2, 2: 1})
-    assert steps_attributes(marks) == {"ldlm.steps": 3, "ldlm.batch.sizes": [2, 4], "ldlm.batch.size.max": 4, "ldlm.batch.size.mean": 10 / 3}
+    assert steps_attributes(marks) == {
+        "ldlm.steps": 3,
+        "ldlm.batch.sizes": [2, 4],
+        "ldlm.batch.size.max": 4,
+        "ldlm.batch.size.mean": 10 / 3,
+    }
     batch = BatchMarks()
     batch.ran(1.0, 2.0, 3.0, 9)
     assert (batch.taken, batch.assembled, batch.computed, batch.size) == (1.0, 2.0, 3.0, 9)
