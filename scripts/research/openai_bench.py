@@ -10,21 +10,32 @@ backend) on a free loopback port, then:
   the same request (prompt, seed) at DDIM@200; the answers' `ldlm_plan` (sampler, steps, grid) and the
   fraction of equal tokens position by position (the tokens as `logprobs` names them; a completion cut
   short by end-of-text counts its missing positions as unequal);
-- speed, by each tool in `--tools`: `--requests` requests of `--prompt-tokens` synthetic prompt tokens and
-  `--max-tokens` output tokens per (mode, concurrency), modes plain and streamed: p50/p99 request latency,
-  time to first token (TTFT), inter-token latency (ITL) and output tokens per second, as the tool reports
-  them. A streamed completion arrives as one chunk once its text is final (diffusion writes every position at
-  once), so TTFT is about the request's latency and the tools' ITL is what they make of one chunk;
+- speed, by each tool in `--tools`, run as its documentation runs it against an OpenAI-compatible server:
+  `--requests` requests of `--prompt-tokens` synthetic prompt tokens and `--max-tokens` output tokens per
+  (mode, concurrency), modes plain and streamed: p50/p99 request latency, time to first token (TTFT),
+  inter-token latency (ITL) and output tokens per second, as the tool reports them. A streamed completion
+  arrives as one chunk once its text is final (diffusion writes every position at once), so TTFT is about the
+  request's latency and the tools' ITL is what they make of one chunk;
 - the held-out figures the checkpoint's training.json records (cited, not recomputed).
 
-Each tool runs from its own virtualenv, `.cache/bench-env/<tool>` under the repository (gitignored), made on
-first use with `python -m venv` and pip: in the project's .venv, AIPerf 0.13.0 would move transformers to
-5.24.0 and GuideLLM 0.8.1 torch to 2.14.1. A tool that cannot be installed, or a run that fails, is recorded
-with its error and the rest still run; when a GuideLLM streamed run fails, the script sends the body GuideLLM
-sends (with vLLM's `stream_options.continuous_usage_stats`, which the server takes) and records the server's answer.
-The tools read the checkpoint's own tokenizer.json (GPT-2's BPE) from a Hugging Face cache written under
---out/hf (the tools' HF_HOME); HF_HUB_OFFLINE=1 keeps them from fetching anything. Their own reports stay under
---out/<tool>/<mode>-c<concurrency>/; --out/openai_bench.json is the summary. Traffic goes to 127.0.0.1 only.
+GuideLLM runs with its own synthetic data (`prompt_tokens`, `output_tokens`) and, for the streamed mode, its
+streaming default; its requests then carry vLLM's `ignore_eos` and, streamed,
+`stream_options.continuous_usage_stats`, which the server takes. A diffusion model samples every one of
+`max_tokens` positions whatever `ignore_eos` says: it only keeps a choice from ending at an end-of-text token,
+so GuideLLM's completions always have `--max-tokens` tokens and AIPerf's may be shorter (the server's docs,
+docs/serving.md, say so).
+
+Each tool runs from its own virtualenv, `.cache/bench-env/<tool>` under the repository (gitignored, or
+`--env-root`), made on first use with `python -m venv` and pip: in the project's .venv, AIPerf 0.13.0 would move
+transformers to 5.24.0 and GuideLLM 0.8.1 torch to 2.14.1. A first install downloads and takes minutes and
+gigabytes (FIRST_INSTALL); a tool already installed is reused. A tool that cannot be installed, or a run that
+fails, is recorded with its error and the rest still run. The tools read the checkpoint's own tokenizer.json
+(GPT-2's BPE) from a Hugging Face cache written under --out/hf (the tools' HF_HOME); HF_HUB_OFFLINE=1 keeps them
+from fetching anything. Their own reports and console logs stay under --out/<tool>/<mode>-c<concurrency>/, the
+server's log in --out/server.log; --out/openai_bench.json is the summary, rewritten after every run that ends
+(`complete` is false until the last), so a stopped run leaves what finished. Each stage (an install, the server
+start, each run with its result) is a line on stderr as it starts, and a wait on a child process or the server
+says it is still going at least every 30 s. Traffic goes to 127.0.0.1 only.
 
     python scripts/research/openai_bench.py --out runs/openai-bench --tools aiperf,guidellm --concurrency 1,4 --requests 12
 """
@@ -35,12 +46,16 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import venv
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +64,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # scripts.harness, when this file runs as a script
 
+from ldlm.files import write_atomically  # noqa: E402
 from scripts.harness.loopback import free_port, start_server, stop_server  # noqa: E402
 
 OUT_FILE = "openai_bench.json"
@@ -57,9 +73,17 @@ MODES = ("plain", "stream")
 REFERENCE = {"sampler": "ddim", "steps": 200}  # the long run the served default is compared with
 PROMPT = "It is a truth universally acknowledged, that a single man"
 MODEL = "ldlm"  # the served model's id on /v1/models
+ENV_ROOT = ROOT / ".cache" / "bench-env"
+# A first install on this project's machine (Python 3.11, Linux x86-64, a shared 2-core CPU), said before an install
+# starts: the virtualenv's files (dir_size; `du -sh` says 1.2G and 6.0G) and the install's time, read from the
+# files' times. GuideLLM's torch comes with its CUDA libraries, 4 of its 6 GB.
+FIRST_INSTALL = {"aiperf": "about 1.1 GB on disk, about 2.5 min", "guidellm": "about 6.3 GB on disk (torch with CUDA), about 2 min"}
+HEARTBEAT_S = 30.0  # the longest a wait goes without a line on stderr
 NOTES = [
     "a streamed completion is one chunk once its text is final: TTFT is the request latency and ITL is 0 (AIPerf)",
-    "GuideLLM's output length is set by its backend's max_tokens (its data's output_tokens would add vLLM's ignore_eos)",
+    "GuideLLM runs with its synthetic data's prompt_tokens and output_tokens and its streaming default: its requests "
+    "carry vLLM's ignore_eos, which samples nothing more here (every position is sampled at once) and only keeps a "
+    "choice from ending at end-of-text, so its completions have max_tokens tokens; AIPerf's may end earlier",
 ]
 
 
@@ -67,18 +91,98 @@ class ToolUnavailable(RuntimeError):
     """A tool that could not be installed or run here; its message is the tool's or pip's own error."""
 
 
-def tool_env(name: str, root: Path = ROOT / ".cache" / "bench-env") -> Path:
+def stage(message: str) -> None:
+    """One progress line on stderr, flushed at once: a run of minutes says what it is doing as it goes."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def dir_size(path: Path) -> int:
+    """Bytes of the files under ``path``, links not followed: what an install takes on disk."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        total += sum((Path(folder) / name).lstat().st_size for name in files)
+    return total
+
+
+def size_text(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+
+
+ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a progress bar's terminal codes, kept out of a heartbeat line
+
+
+def last_line(log: Path, limit: int = 120) -> str:
+    """The last non-blank line a child wrote to ``log`` (progress bars redraw with carriage returns)."""
+    with log.open("rb") as file:
+        file.seek(max(0, log.stat().st_size - 4096))
+        tail = ESCAPES.sub("", file.read().decode(errors="replace"))
+    lines = [line.strip() for line in re.split(r"[\r\n]", tail) if line.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
+def run_watched(
+    argv: list[str], log: Path, label: str, timeout_s: float, env: dict[str, str] | None = None, every_s: float = HEARTBEAT_S
+) -> tuple[int, float]:
+    """``argv`` with its output in ``log``: its exit code and seconds. A line on stderr every ``every_s`` while it
+    runs (with its last output line), so a wait of minutes is never silent; killed, with its children (the tools
+    start workers), after ``timeout_s``, when the exit code is -9 and the log says so."""
+    started = time.perf_counter()
+    beat = started + every_s
+    with log.open("w") as output:
+        process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while process.poll() is None:
+            now = time.perf_counter()
+            if now - started > timeout_s:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                output.write(f"\nkilled after {timeout_s:g} s\n")
+                break
+            if now >= beat:
+                stage(f"{label}: still running after {now - started:.0f} s: {last_line(log) or '(no output yet)'}")
+                beat += every_s
+            time.sleep(min(0.2, every_s / 4))
+    return process.returncode, time.perf_counter() - started
+
+
+@contextmanager
+def heartbeat(label: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """A line on stderr every ``every_s`` until the block ends: for a wait that is no child of this script's
+    (the server's readiness, its answers)."""
+    done, started = threading.Event(), time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            stage(f"{label}: still waiting after {time.perf_counter() - started:.0f} s")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def shown(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def tool_env(name: str, root: Path = ENV_ROOT, timeout_s: float = 1800.0) -> Path:
     """The executable of ``name`` in its own virtualenv under ``root``, installed there on first use."""
     home = root / name
     exe = home / "bin" / name
     if exe.is_file():
+        stage(f"{name}: already installed in {shown(home)} ({size_text(dir_size(home))}), reused")
         return exe
-    print(f"installing {PINS[name]} into {home} (first use)", file=sys.stderr)
+    stage(f"{name}: installing {PINS[name]} into {shown(home)} (first use: {FIRST_INSTALL.get(name, 'a download')})")
     venv.EnvBuilder(with_pip=True, clear=True).create(home)
-    done = subprocess.run([str(home / "bin" / "python"), "-m", "pip", "install", "-q", PINS[name]], capture_output=True, text=True)
-    if done.returncode != 0 or not exe.is_file():
+    log = root / f"{name}-install.log"  # beside the env: a failed install removes the env, not why it failed
+    argv = [str(home / "bin" / "python"), "-m", "pip", "install", PINS[name]]
+    code, seconds = run_watched(argv, log, f"installing {PINS[name]}", timeout_s)
+    if code != 0 or not exe.is_file():
         shutil.rmtree(home, ignore_errors=True)  # a half-installed env would be taken for a good one next time
-        raise ToolUnavailable(f"pip install {PINS[name]} failed ({done.returncode}): {(done.stderr or done.stdout).strip()[-1500:]}")
+        raise ToolUnavailable(f"pip install {PINS[name]} failed ({code}): {log.read_text(errors='replace').strip()[-1500:]}")
+    stage(f"{name}: installed {PINS[name]} in {seconds:.0f} s, {size_text(dir_size(home))} in {shown(home)}")
     return exe
 
 
@@ -197,15 +301,16 @@ def aiperf_figures(out: Path) -> dict[str, Any]:
 
 
 def guidellm_command(exe: Path, url: str, tokenizer: Path, mode: str, concurrency: int, args: argparse.Namespace, out: Path) -> list[str]:
-    """``guidellm run`` of one (mode, concurrency). The output length goes in the backend's ``max_tokens``,
-    not the data's ``output_tokens``: with the latter GuideLLM adds vLLM's ``ignore_eos``, which here also runs a
-    choice past its end-of-text token; max_tokens alone asks for what the other tools ask for."""
-    backend = f"kind=openai_http,target={url},model={MODEL},request_format=/v1/completions,stream={str(mode == 'stream').lower()}"
+    """``guidellm run`` of one (mode, concurrency) as its documentation runs a server: its synthetic data of
+    --prompt-tokens and --max-tokens (it asks for max_tokens with vLLM's ignore_eos) and, streamed, its backend's
+    streaming default, which only the plain mode turns off."""
+    backend = f"kind=openai_http,target={url},model={MODEL},request_format=/v1/completions"
+    data = f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.max_tokens}"
     # fmt: off
     return [
-        str(exe), "run", "--backend", f"{backend},max_tokens={args.max_tokens}",
+        str(exe), "run", "--backend", backend + ("" if mode == "stream" else ",stream=false"),
         "--profile", f"kind=concurrent,streams={concurrency}", "--constraint", f"kind=max_requests,count={args.requests}",
-        "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens}",
+        "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--data", data,
         "--seed", "kind=static,value=0", "--output", f"kind=json,path={out / 'benchmarks.json'}", "--disable-console-interactive",
     ]
     # fmt: on
@@ -233,18 +338,6 @@ def guidellm_figures(out: Path) -> dict[str, Any]:
     }
 
 
-# What GuideLLM 0.8.1 adds to a streamed /v1/completions body (its TextCompletions request handler):
-# vLLM's continuous_usage_stats (usage in every chunk).
-GUIDELLM_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
-
-
-def guidellm_stream_answer(url: str, max_tokens: int) -> dict[str, Any]:
-    """The server's answer to the stream options GuideLLM sends, to name why its streamed runs fail."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "stream_options": GUIDELLM_STREAM_OPTIONS}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-    return {"body": body, "status": response.status_code, "answer": response.text[:600]}
-
-
 Command = Callable[[Path, str, Path, str, int, argparse.Namespace, Path], list[str]]
 TOOLS: dict[str, tuple[Command, Callable[[Path], dict[str, Any]]]] = {
     "aiperf": (aiperf_command, aiperf_figures),
@@ -253,40 +346,67 @@ TOOLS: dict[str, tuple[Command, Callable[[Path], dict[str, Any]]]] = {
 
 
 def tool_version(exe: Path, name: str) -> str:
-    done = subprocess.run(
-        [str(exe.parent / "python"), "-c", f"import importlib.metadata as m; print(m.version({name!r}))"], capture_output=True, text=True
-    )
+    """The installed version as its env's metadata says (the pin where that cannot be read)."""
+    try:
+        done = subprocess.run(
+            [str(exe.parent / "python"), "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return PINS[name]
     return done.stdout.strip() or PINS[name]
 
 
-def run_tool(name: str, url: str, tokenizer: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Every (mode, concurrency) of ``args`` by one tool: its figures, or why it could not run."""
-    try:
-        exe = tool_env(name)
-    except ToolUnavailable as error:
-        return {"tool": name, "available": False, "why": str(error)}
+def tool_run(name: str, exe: Path, url: str, tokenizer: Path, mode: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One (mode, concurrency) by one tool: its figures, or why it failed; said on stderr as it starts and ends."""
     command, figures = TOOLS[name]
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env = {**os.environ, **offline, "HF_HOME": str(tokenizer.parents[3])}  # the cache tokenizer_cache made
-    runs = []
+    out = args.out / name / f"{mode}-c{concurrency}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    label = f"{name} {mode} c{concurrency}"
+    stage(f"{label}: {args.requests} requests of {args.prompt_tokens} + {args.max_tokens} tokens ...")
+    argv = command(exe, url, tokenizer, mode, concurrency, args, out)
+    code, seconds = run_watched(argv, out / "console.log", label, args.tool_timeout_s, env)
+    row: dict[str, Any] = {"mode": mode, "concurrency": concurrency, "wall_s": round(seconds, 2)}
+    try:
+        if code != 0:
+            raise RuntimeError(f"exit {code}: {(out / 'console.log').read_text(errors='replace').strip()[-1500:]}")
+        row |= figures(out)
+    except (RuntimeError, KeyError, IndexError, json.JSONDecodeError) as error:
+        row |= {"failed": f"{type(error).__name__}: {error}"}
+    outcome = f"failed ({row['failed'][:200]})" if "failed" in row else f"{row['requests']:g} requests, {row['errors']:g} errors"
+    stage(f"{label}: done in {seconds:.1f} s, {outcome}")
+    row["argv"] = [Path(argv[0]).name, *argv[1:]]
+    return row
+
+
+def run_tool(name: str, url: str, tokenizer: Path, args: argparse.Namespace, entry: dict[str, Any], save: Callable[[], None]) -> None:
+    """Every (mode, concurrency) of ``args`` by one tool into ``entry`` (its figures, or why it could not run),
+    ``save`` called after each run ends, so a stopped benchmark keeps the runs that finished."""
+    try:
+        exe = tool_env(name, args.env_root)
+    except ToolUnavailable as error:
+        entry |= {"available": False, "why": str(error)}
+        save()
+        return
+    entry |= {"available": True, "version": tool_version(exe, name), "runs": []}
     for mode in args.modes:
         for concurrency in args.concurrency:
-            out = args.out / name / f"{mode}-c{concurrency}"
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir(parents=True)
-            argv = command(exe, url, tokenizer, mode, concurrency, args, out)
-            started = time.perf_counter()
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.tool_timeout_s)
-            (out / "console.log").write_text(done.stdout + done.stderr)
-            row: dict[str, Any] = {"mode": mode, "concurrency": concurrency, "wall_s": round(time.perf_counter() - started, 2)}
-            try:
-                if done.returncode != 0:
-                    raise RuntimeError(f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-1500:]}")
-                row |= figures(out)
-            except (RuntimeError, KeyError, IndexError, json.JSONDecodeError) as error:
-                row |= {"failed": f"{type(error).__name__}: {error}"}
-            runs.append(row)
-    return {"tool": name, "available": True, "version": tool_version(exe, name), "command": [Path(argv[0]).name, *argv[1:]], "runs": runs}
+            row = tool_run(name, exe, url, tokenizer, mode, concurrency, args)
+            entry["command"] = row.pop("argv")  # the last run's, as an example of how the tool was called
+            entry["runs"].append(row)
+            save()
+
+
+def run_tools(url: str, tokenizer: Path, args: argparse.Namespace, report: dict[str, Any], save: Callable[[], None]) -> None:
+    """Each tool of ``args.tools`` in turn, its entry in ``report["tools"]`` from its start."""
+    for name in args.tools:
+        entry: dict[str, Any] = {"tool": name}
+        report.setdefault("tools", []).append(entry)
+        run_tool(name, url, tokenizer, args, entry, save)
 
 
 def speed_rows(tools: list[dict[str, Any]], plan: dict[str, Any], agreement_figure: float) -> list[dict[str, Any]]:
@@ -306,38 +426,49 @@ def speed_rows(tools: list[dict[str, Any]], plan: dict[str, Any], agreement_figu
     return rows
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Serve the checkpoint, take its plan and quality, run each tool; the summary."""
+def save_summary(path: Path, report: dict[str, Any]) -> None:
+    """``report`` with its speed rows made from the runs so far, written whole (never a torn file)."""
+    if "plan" in report:
+        report["rows"] = speed_rows(report.get("tools", []), report["plan"], report["quality"]["token_agreement_vs_ddim200"])
+    write_atomically(path, json.dumps(report, indent=2) + "\n")
+
+
+def quality_stage(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """The plan and quality part of the summary, said on stderr as it starts and ends."""
+    stage(f"plan and quality: {args.seeds} seeds, the served default beside DDIM@200 ...")
+    with heartbeat("plan and quality"):
+        quality = plan_and_quality(url, args.seeds, args.max_tokens)
+    plan, figure = quality["plan"], quality["token_agreement_vs_ddim200"]
+    stage(f"plan and quality: {plan['sampler']}@{plan['steps']}, {figure:.1%} of DDIM@200's tokens")
+    return {
+        "plan": plan,
+        "plan_source": "the ldlm_plan of the answers to the default body (no sampler, steps or grid named, as the tools send it)",
+        "notes": NOTES,
+        "quality": {**{k: v for k, v in quality.items() if k != "plan"}, "held_out": held_out(args.checkpoint)},
+    }
+
+
+def measure(args: argparse.Namespace, report: dict[str, Any], save: Callable[[], None]) -> None:
+    """Serve the checkpoint, take its plan and quality, run each tool, into ``report``; ``save`` after each step."""
     tokenizer = tokenizer_cache(args.checkpoint, args.out / "hf", args.prompt_tokens + args.max_tokens)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = args.out / "server.log"
+    stage(f"server: starting ldlm serve {shown(args.checkpoint)} on port {port} ({url}), its log in {log_path}")
+    report["server"] = {"checkpoint": shown(args.checkpoint), "flags": args.serve_flags, "url": url}
     with log_path.open("w") as log:
         started = time.perf_counter()
-        server = start_server(args.checkpoint, port, args.serve_flags, log=log, log_path=log_path, timeout_s=args.ready_timeout_s)
-        ready_s = time.perf_counter() - started
+        with heartbeat("server: starting"):
+            server = start_server(args.checkpoint, port, args.serve_flags, log=log, log_path=log_path, timeout_s=args.ready_timeout_s)
+        report["server"]["ready_s"] = round(time.perf_counter() - started, 2)
+        stage(f"server: ready in {report['server']['ready_s']:.1f} s at {url}")
         try:
-            quality = plan_and_quality(url, args.seeds, args.max_tokens)
-            tools = [run_tool(name, url, tokenizer, args) for name in args.tools]
-            for tool in tools:
-                if tool["tool"] == "guidellm" and any("failed" in run and run["mode"] == "stream" for run in tool.get("runs", [])):
-                    tool["stream_refused"] = guidellm_stream_answer(url, args.max_tokens)
+            report |= quality_stage(args, url)
+            save()
+            run_tools(url, tokenizer, args, report, save)
         finally:
-            exit_code = stop_server(server)
-    return {
-        "server": {
-            "checkpoint": str(args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT) else args.checkpoint),
-            "flags": args.serve_flags,
-            "ready_s": round(ready_s, 2),
-            "exit": exit_code,
-        },
-        "plan": quality["plan"],
-        "plan_source": "the ldlm_plan of the answers to the default body (no sampler, steps or grid named, as the tools send it)",
-        "notes": NOTES,
-        "quality": {**{k: v for k, v in quality.items() if k != "plan"}, "held_out": held_out(args.checkpoint)},
-        "rows": speed_rows(tools, quality["plan"], quality["token_agreement_vs_ddim200"]),
-        "tools": tools,
-    }
+            stage("server: stopping")
+            report["server"]["exit"] = stop_server(server)
 
 
 def listed(kind: Callable[[str], Any], allowed: Sequence[Any] | None = None) -> Callable[[str], list[Any]]:
@@ -366,6 +497,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=4, help="seeds of the served default against DDIM@200 (default: 4)")
     p.add_argument("--ready-timeout-s", type=float, default=900.0, help="wait for the server, its first export included (default: 900)")
     p.add_argument("--tool-timeout-s", type=float, default=600.0, help="one tool run's limit (default: 600)")
+    p.add_argument(
+        "--env-root", type=Path, default=ENV_ROOT, metavar="DIR", help="the tools' virtualenvs, DIR/<tool> (default: .cache/bench-env)"
+    )
     args = p.parse_args(argv)
     if min([args.requests, args.prompt_tokens, args.max_tokens, args.seeds, *args.concurrency]) < 1:
         p.error("--requests, --prompt-tokens, --max-tokens, --seeds and every concurrency: allowed >= 1")
@@ -375,12 +509,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from ldlm.files import write_atomically
-
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "what": "ldlm serve's /v1/completions under AIPerf and GuideLLM, beside the plan that ran and its token agreement with DDIM@200",
         "command": ["scripts/research/openai_bench.py", *(argv if argv is not None else sys.argv[1:])],
+        "complete": False,  # true once every run has ended; until then the file holds the runs that did
         "machine": {
             "cpu": f"shared {os.cpu_count()}-core CPU (other jobs ran beside it)",
             "platform": platform.platform(),
@@ -394,11 +527,14 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": args.concurrency,
         },
     }
-    report |= measure(args)
+    path = args.out / OUT_FILE
+    measure(args, report, lambda: save_summary(path, report))
     report["machine"]["load_average_end"] = list(os.getloadavg())
-    write_atomically(args.out / OUT_FILE, json.dumps(report, indent=2) + "\n")
+    report["complete"] = True
+    save_summary(path, report)
+    stage(f"summary: {path}")
     print(json.dumps(report["rows"], indent=1))
-    failed = [t["tool"] for t in report["tools"] if not t["available"] or any("failed" in r for r in t["runs"])]
+    failed = [t["tool"] for t in report.get("tools", []) if not t["available"] or any("failed" in r for r in t["runs"])]
     return 1 if failed and not report["rows"] else 0
 
 

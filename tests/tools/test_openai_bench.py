@@ -1,13 +1,21 @@
 """scripts/research/openai_bench.py, so it cannot rot: a few seconds of AIPerf against `ldlm serve` on the reference
 checkpoint (streamed, concurrency 1, four requests), the summary's shape checked against what the
 model card says the checkpoint runs (dpm3m-psc at 12 steps on its tuned grid) and against the request count and
-token budget the run was given; and the parsing of each tool's report on hand-written reports."""
+token budget the run was given; the parsing of each tool's report on hand-written reports; GuideLLM called with
+its own defaults; and what a user watches during a run of minutes: each stage said on stderr as it starts, a tool
+installed into its own env once (from a wheel built here, offline) and reused after, a line at least every
+heartbeat while a child runs, and a summary on disk after every run, so a stopped run keeps what finished. The tools
+there are stand-ins: small programs that write the report the real tool would."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import subprocess
 import sys
+import time
+import zipfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -114,3 +122,124 @@ def test_aiperf_run_names_the_plan_and_positive_figures(tmp_path: Path) -> None:
     assert rate <= 2 * MAX_TOKENS / (latency["p50"] / 1000), (rate, latency)
     # one chunk per completion: the first token comes with the whole text
     assert 0 < row["ttft_ms"]["p50"] <= latency["p99"] and row["itl_ms"]["p50"] >= 0
+
+
+def test_guidellm_runs_with_its_own_synthetic_lengths_and_streaming_default(tmp_path: Path) -> None:
+    bench = load_script()
+    args = bench.parse_args(["--out", str(tmp_path)])
+    argv = {mode: bench.guidellm_command(Path("guidellm"), "http://h", tmp_path, mode, 4, args, tmp_path) for mode in bench.MODES}
+    backends = {mode: argv[mode][argv[mode].index("--backend") + 1] for mode in bench.MODES}
+    assert "stream" not in backends["stream"]  # GuideLLM streams by default, as a user runs it
+    assert backends["plain"].endswith(",stream=false") and "max_tokens" not in backends["plain"]
+    for mode in bench.MODES:
+        assert argv[mode][argv[mode].index("--data") + 1] == "kind=synthetic_text,prompt_tokens=16,output_tokens=32"
+
+
+def test_a_child_that_runs_long_is_heard_from_every_heartbeat(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script()
+    child = "import time; print('warming up', flush=True); time.sleep(1.3); print('finished')"
+    code, seconds = bench.run_watched([sys.executable, "-c", child], tmp_path / "child.log", "fake tool", 60, every_s=0.3)
+    assert code == 0 and seconds >= 1.3
+    beats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fake tool: still running after")]
+    assert len(beats) >= 3, beats  # 1.3 s at one line every 0.3 s
+    assert "warming up" in beats[-1]  # the child's last words, as progress
+    assert (tmp_path / "child.log").read_text() == "warming up\nfinished\n"
+
+
+def test_a_child_past_its_limit_is_killed_and_says_so(tmp_path: Path) -> None:
+    bench = load_script()
+    started = time.perf_counter()
+    code, _ = bench.run_watched([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "child.log", "slow", 0.5)
+    assert code == -9 and time.perf_counter() - started < 10
+    assert "killed after 0.5 s" in (tmp_path / "child.log").read_text()
+
+
+def fake_wheel(folder: Path, name: str, version: str) -> Path:
+    """A wheel of ``name`` whose console script ``name`` prints its name: what pip installs, offline."""
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"fake_{name}.py": f"def main():\n    print({name!r})\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/entry_points.txt": f"[console_scripts]\n{name} = fake_{name}:main\n",
+    }
+
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{path},sha256={digest(text)},{len(text.encode())}\n" for path, text in files.items()) + f"{info}/RECORD,,\n"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in {**files, f"{info}/RECORD": record}.items():
+            archive.writestr(path, text)
+    return wheel
+
+
+def test_a_tool_is_installed_once_with_its_size_then_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = load_script()
+    monkeypatch.setitem(bench.PINS, "aiperf", str(fake_wheel(tmp_path, "aiperf", "0.13.0")))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the wheel is all pip needs; nothing is fetched
+    monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    root = tmp_path / "envs"
+    exe = bench.tool_env("aiperf", root)
+    assert subprocess.run([str(exe)], capture_output=True, text=True).stdout == "aiperf\n"
+    assert bench.tool_version(exe, "aiperf") == "0.13.0"
+    first = capsys.readouterr().err.splitlines()
+    assert first[0].startswith("aiperf: installing ") and f"(first use: {bench.FIRST_INSTALL['aiperf']})" in first[0]
+    size = bench.size_text(bench.dir_size(root / "aiperf"))
+    assert first[-1].startswith("aiperf: installed ") and first[-1].endswith(f", {size} in {root / 'aiperf'}"), first
+    assert size.endswith(" MB") and 1 <= float(size.split()[0]) < 1000  # a venv with pip: tens of MB
+    created = (root / "aiperf" / "pyvenv.cfg").stat().st_mtime_ns
+    assert bench.tool_env("aiperf", root) == exe
+    assert capsys.readouterr().err == f"aiperf: already installed in {root / 'aiperf'} ({size}), reused\n"
+    assert (root / "aiperf" / "pyvenv.cfg").stat().st_mtime_ns == created  # not made again
+
+
+# A stand-in for `aiperf profile`: its report for --request-count requests, after it copies the summary on disk as
+# the run starts into its artifact dir (what a run stopped now would leave).
+FAKE_AIPERF = """#!{python}
+import json, shutil, sys
+from pathlib import Path
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--artifact-dir") + 1])
+summary = out.parents[1] / "openai_bench.json"
+if summary.exists():
+    shutil.copyfile(summary, out / "summary_at_start.json")
+count = int(argv[argv.index("--request-count") + 1])
+stats = {{"p50": 100.0, "p99": 120.0, "avg": 105.0}}
+report = {{"request_count": {{"avg": count}}, "request_latency": stats, "output_token_throughput": {{"avg": 300.0}}}}
+(out / "profile_export_aiperf.json").write_text(json.dumps(report))
+print("fake aiperf done")
+"""
+
+
+def test_each_run_is_announced_and_saved_as_it_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script()
+    exe = tmp_path / "envs" / "aiperf" / "bin" / "aiperf"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(FAKE_AIPERF.format(python=sys.executable))
+    exe.chmod(0o755)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--env-root", str(tmp_path / "envs"), "--tools", "aiperf", "--modes", "plain", "--concurrency", "1,4"]
+    args = bench.parse_args([*argv, "--requests", "3"])
+    plan = {"sampler": "dpm3m-psc", "steps": 12}
+    report = {"complete": False, "plan": plan, "quality": {"token_agreement_vs_ddim200": 0.9}}
+    summary = out / bench.OUT_FILE
+    tokenizer = out / "hf" / "hub" / "models--ldlm--gpt2-bpe" / "snapshots" / "local"  # HF_HOME is out/hf
+    bench.run_tools("http://127.0.0.1:9", tokenizer, args, report, lambda: bench.save_summary(summary, report))
+
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("aiperf: already installed in ") and err[0].endswith(", reused")
+    assert err[1] == "aiperf plain c1: 3 requests of 16 + 32 tokens ..."
+    assert err[2].startswith("aiperf plain c1: done in ") and err[2].endswith(" s, 3 requests, 0 errors")
+    assert err[3] == "aiperf plain c4: 3 requests of 16 + 32 tokens ..." and err[4].startswith("aiperf plain c4: done in ")
+    # when the second run started, the first was on disk already, its row beside the plan
+    at_start = json.loads((out / "aiperf" / "plain-c4" / "summary_at_start.json").read_text())
+    assert [run["concurrency"] for run in at_start["tools"][0]["runs"]] == [1]
+    assert [(row["concurrency"], row["plan"]) for row in at_start["rows"]] == [(1, plan)]
+    final = json.loads(summary.read_text())
+    assert [row["concurrency"] for row in final["rows"]] == [1, 4] and final["complete"] is False  # main sets it at the end
+    assert final["rows"][1]["request_latency_ms"] == {"p50": 100.0, "p99": 120.0} and final["rows"][1]["requests"] == 3
+    assert (out / "aiperf" / "plain-c4" / "console.log").read_text() == "fake aiperf done\n"
