@@ -219,22 +219,21 @@ def check_mapping(work: Path, shard: Shard) -> dict[str, str]:
     return {name: str(Path(file).resolve().relative_to(work.resolve())) for name, file in found.items()}
 
 
-def survivors(shard: Shard) -> list[str]:
-    """The shard's mutants that no test killed so far, but those listed as equivalent (they would survive again)."""
-    work, listed = WORK / shard.name, equivalents()
+def survivors(shard: Shard, timeouts: bool = False) -> list[str]:
+    """The shard's mutants that no test killed so far, but those listed as equivalent (they would survive again);
+    with ``timeouts``, also those that ran out of time (on a loaded machine a slow test can, a mutant's kill
+    unproven)."""
+    work, listed, again = WORK / shard.name, equivalents(), (SURVIVED, NO_TESTS, TIMEOUT) if timeouts else (SURVIVED, NO_TESTS)
     return sorted(
-        name
-        for module in shard.modules
-        for name, status in statuses(work, module).items()
-        if status in (SURVIVED, NO_TESTS) and name not in listed
+        name for module in shard.modules for name, status in statuses(work, module).items() if status in again and name not in listed
     )
 
 
-def run_shard(shard: Shard, children: int, only_survivors: bool = False) -> float:
+def run_shard(shard: Shard, children: int, only_survivors: bool = False, timeouts: bool = False) -> float:
     """mutmut over one shard (or only its survivors, against tests added since); its results stay in the shard's
     ``mutants/``. Returns the seconds it took."""
     work = prepare(shard)
-    names = survivors(shard) if only_survivors else []
+    names = survivors(shard, timeouts) if only_survivors else []
     if only_survivors and not names:
         return 0.0
     before = {module: exit_codes(work, module) for module in shard.modules}
@@ -417,12 +416,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--children", type=int, default=2, help="mutants run at once (default: 2, this machine's cores)")
     parser.add_argument("--report-only", action="store_true", help="run nothing: write the report from the results so far")
     parser.add_argument("--survivors", action="store_true", help="run again only the mutants no test killed (after adding tests)")
+    parser.add_argument("--timeouts", action="store_true", help="with --survivors: also the mutants that ran out of time")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "docs" / "measurements" / f"mutation-score-cpu-{date.today()}.json", help="the JSON report"
     )
     args = parser.parse_args(argv)
     if args.children < 1:
         parser.error(f"--children {args.children}: allowed: 1 or more")
+    if args.timeouts and not args.survivors:
+        parser.error("--timeouts: allowed only with --survivors")
     return args
 
 
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = tuple(shard for shard in SHARDS if not args.shard or shard.name in args.shard)
     if not args.report_only:
         for shard in chosen:
-            seconds = run_shard(shard, args.children, only_survivors=args.survivors)
+            seconds = run_shard(shard, args.children, only_survivors=args.survivors, timeouts=args.timeouts)
             (WORK / shard.name / "seconds.json").write_text(json.dumps({"seconds": round(seconds + (shard_seconds(shard) or 0), 1)}))
     report = write_report(args.out, SHARDS)
     print_table(report, args.out)

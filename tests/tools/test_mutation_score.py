@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.tools import mutation_score as ms
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,3 +68,23 @@ def test_a_rerun_of_named_mutants_keeps_the_other_verdicts(tmp_path: Path) -> No
     ms.keep_verdicts(tmp_path, shard, before)
     data = json.loads(meta.read_text())
     assert data == {"exit_code_by_key": {"a": 1, "b": 1, "c": 36}, "other": 7}  # b was run again: its new verdict stands
+
+
+def test_a_rerun_takes_the_survivors_and_with_timeouts_those_that_ran_out_of_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Survived and reached by no test: run again; timed out: only when asked; killed and listed as equivalent: never."""
+    from mutmut.stats import status_by_exit_code
+
+    code = {
+        status: next(c for c, s in status_by_exit_code.items() if s == status)
+        for status in (ms.KILLED, ms.SURVIVED, ms.TIMEOUT, ms.NO_TESTS)
+    }
+    meta = tmp_path / "s" / "mutants" / "ldlm" / "serve" / "m.py.meta"
+    meta.parent.mkdir(parents=True)
+    names = {"k": ms.KILLED, "s": ms.SURVIVED, "t": ms.TIMEOUT, "n": ms.NO_TESTS, "e": ms.SURVIVED}
+    meta.write_text(json.dumps({"exit_code_by_key": {f"ldlm.serve.m.x_f__mutmut_{n}": code[s] for n, s in names.items()}}))
+    monkeypatch.setattr(ms, "WORK", tmp_path)
+    monkeypatch.setattr(ms, "equivalents", lambda: {"ldlm.serve.m.x_f__mutmut_e": "why"})
+    shard = ms.Shard("s", ("serve/m.py",), ())
+    assert [name[-1] for name in ms.survivors(shard)] == ["n", "s"]
+    assert [name[-1] for name in ms.survivors(shard, timeouts=True)] == ["n", "s", "t"]
+    assert ms.parse_args(["--survivors", "--timeouts"]).timeouts
