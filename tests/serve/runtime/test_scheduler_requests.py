@@ -1,0 +1,190 @@
+"""What a request asks of the scheduler and gets: a prompt prefix and a token sampling give the tokens the
+pipeline's own run gives; previews come only to a hook, at the interval asked, within the scheduler's preview
+shares and told to its preview observer; requests of a static batch run in submission order; the estimate
+prices a request's n x steps sample-steps; and the waits of ``generate`` and ``close`` end at their timeouts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling.tokens import TokenSampling
+from ldlm.serve.runtime.cost import CostModel
+from ldlm.serve.runtime.delivery import PreviewShares
+from ldlm.serve.runtime.generation import Preview
+from ldlm.serve.runtime.queueing import QueueFullError
+from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+
+SPEC = GenerateRequest(n=2, length=8, steps=3, seed=7, sampler="ddim")
+
+
+def in_thread(call: Callable[[], Any], wait_s: float = 10.0) -> tuple[bool, list[BaseException]]:
+    """Run ``call`` on a daemon thread for up to ``wait_s``: (whether it returned by then, what it raised)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as error:  # handed back to the test
+            raised.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return not thread.is_alive(), raised
+
+
+def test_a_prompt_prefix_gives_the_pipelines_own_prompted_tokens(pipeline: LDLMPipeline) -> None:
+    prefix = pipeline.prompt_latents([464, 3290, 318], SPEC.length)
+    scheduler = GenerationScheduler(pipeline, max_batch=4)
+    try:
+        prompted = scheduler.submit(SPEC, prefix=prefix).result(timeout=60)
+    finally:
+        scheduler.close(timeout_s=30)
+    alone = pipeline.sample_latents(SPEC.n, SPEC.length, SPEC.steps, SPEC.seed, SPEC.sampler, prefix=prefix)
+    expected = pipeline.decode(alone).token_ids
+    assert torch.equal(prompted.token_ids, expected)
+    unprompted = pipeline.generate(SPEC.n, SPEC.length, SPEC.steps, SPEC.seed, SPEC.sampler).token_ids
+    assert not torch.equal(expected, unprompted)  # the prefix matters to these tokens
+
+
+def test_a_token_sampling_gives_the_pipelines_own_sampled_tokens(pipeline: LDLMPipeline) -> None:
+    sampling = TokenSampling(temperature=1.5, top_p=0.95, seed=3)
+    scheduler = GenerationScheduler(pipeline, max_batch=4)
+    try:
+        sampled = scheduler.submit(SPEC, decoding=sampling).result(timeout=60)
+    finally:
+        scheduler.close(timeout_s=30)
+    latents = pipeline.sample_latents(SPEC.n, SPEC.length, SPEC.steps, SPEC.seed, SPEC.sampler)
+    assert torch.equal(sampled.token_ids, pipeline.decode(latents, sampling=sampling).token_ids)
+    assert not torch.equal(sampled.token_ids, pipeline.decode(latents).token_ids)  # not the argmax
+
+
+def test_previews_come_to_a_hook_at_the_interval_asked_and_none_without_one(pipeline: LDLMPipeline) -> None:
+    """preview_every defaults to 0: a hook given no interval gets no previews. (A busy share of 1: none is dropped.)"""
+    spec = GenerateRequest(n=1, length=6, steps=7, seed=5, sampler="ddim")
+    every: list[int] = []
+    unasked: list[int] = []
+    scheduler = GenerationScheduler(pipeline, max_batch=4, start=False, previews=PreviewShares(busy=1.0))
+    try:
+        futures = [
+            scheduler.submit(spec, on_preview=lambda previews: every.extend(p.step for p in previews), preview_every=2),
+            scheduler.submit(spec, on_preview=lambda previews: unasked.extend(p.step for p in previews)),
+        ]
+        scheduler.start()
+        for future in futures:
+            future.result(timeout=60)
+    finally:
+        scheduler.close(timeout_s=30)
+    assert every == [2, 4, 6] and unasked == []
+
+
+def test_the_preview_shares_and_observer_reach_the_preview_decodes(pipeline: LDLMPipeline) -> None:
+    """A request alone under an ``alone`` share of 0.5: the previews due while the first call still runs are
+    dropped, and the observer is told of each drop and of the call. (The default ``alone`` share, 1, drops none.)"""
+    answered = threading.Event()
+
+    class Gated(LDLMPipeline):
+        def decode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            if threading.current_thread().name.startswith("ldlm-previews"):
+                assert answered.wait(30)  # held until the request's own decode: every later step has run
+            else:
+                answered.set()
+            return super().decode(*args, **kwargs)
+
+    gated = Gated(pipeline.graphs, pipeline.tokenizer, config=pipeline.config)
+    seen: list[tuple[int, int]] = []
+    got: list[Preview] = []
+    scheduler = GenerationScheduler(
+        gated,
+        max_batch=4,
+        previews=PreviewShares(busy=1.0, alone=0.5),
+        on_previews=lambda decoded, dropped, seconds: seen.append((decoded, dropped)),
+    )
+    try:
+        spec = GenerateRequest(n=1, length=6, steps=5, seed=2, sampler="ddim")
+        scheduler.submit(spec, on_preview=got.extend, preview_every=1).result(timeout=60)
+    finally:
+        scheduler.close(timeout_s=30)
+    assert [p.step for p in got] == [1]  # steps 2, 3 and 4 came while step 1's call was held
+    assert seen == [(0, 1), (0, 1), (0, 1), (1, 0)]
+
+
+def test_a_static_batch_takes_requests_in_submission_order(pipeline: LDLMPipeline) -> None:
+    done: list[int] = []
+    scheduler = GenerationScheduler(pipeline, max_batch=1, policy="static", start=False)
+    try:
+        futures = [scheduler.submit(GenerateRequest(n=1, length=4, steps=2, seed=k)) for k in range(3)]
+        for k, future in enumerate(futures):
+            future.add_done_callback(lambda _, k=k: done.append(k))
+        scheduler.start()
+        for future in futures:
+            future.result(timeout=60)
+    finally:
+        scheduler.close(timeout_s=30)
+    assert done == [0, 1, 2]
+
+
+def test_the_estimate_prices_n_times_steps_sample_steps(pipeline: LDLMPipeline) -> None:
+    """A queued request of 8 sample-steps runs before a newcomer of 2 x 10 (less work first): it is the work ahead."""
+    scheduler = GenerationScheduler(pipeline, max_batch=2, start=False)
+    bucket = pipeline.bucket_length(4)
+    cost = CostModel(max_batch=2)
+    cost.observe(bucket, 2, 2.0)  # 1 s per sample-step: waiting never outweighs the work
+    scheduler.cost = cost
+    price = cost.sample_step_s(bucket)
+    assert price == 1.0
+    scheduler.submit(GenerateRequest(n=1, length=4, steps=8))
+    newcomer = GenerateRequest(n=2, length=4, steps=10)
+    assert scheduler.estimate_s(newcomer) == (8 * price, cost.solo_s(2, 10, bucket))
+
+
+def test_a_full_queue_of_an_owner_naming_no_setting_names_none(pipeline: LDLMPipeline) -> None:
+    scheduler = GenerationScheduler(pipeline, max_queue=2, start=False)
+    with pytest.raises(QueueFullError) as refused:
+        scheduler.submit(GenerateRequest(n=3, length=4, steps=2))
+    assert str(refused.value).endswith("max 2 samples; retry later, or raise the limit")
+
+
+def test_a_closed_scheduler_refuses_new_requests_by_name(pipeline: LDLMPipeline) -> None:
+    scheduler = GenerationScheduler(pipeline, max_batch=2)
+    scheduler.close(timeout_s=30)
+    with pytest.raises(RuntimeError, match="^the scheduler is shut down$"):
+        scheduler.submit(GenerateRequest(n=1, length=4, steps=2))
+
+
+def test_generate_gives_up_at_its_timeout(pipeline: LDLMPipeline) -> None:
+    scheduler = GenerationScheduler(pipeline, max_batch=2, start=False)  # nothing steps: no answer comes
+    try:
+        returned, raised = in_thread(lambda: scheduler.generate(GenerateRequest(n=1, length=4, steps=2), timeout_s=0.2))
+        assert returned and len(raised) == 1 and isinstance(raised[0], TimeoutError), raised
+    finally:
+        scheduler.start()
+        scheduler.close(timeout_s=30)
+
+
+def test_close_waits_for_the_worker_only_up_to_its_timeout(pipeline: LDLMPipeline) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        return pipeline.graphs.denoise(*args, **kwargs)
+
+    scheduler = GenerationScheduler(pipeline, max_batch=2, denoise=held)
+    try:
+        scheduler.submit(GenerateRequest(n=1, length=4, steps=2))
+        assert entered.wait(30)  # the worker is inside a step that does not end
+        returned, raised = in_thread(lambda: scheduler.close(timeout_s=0.2))
+        assert returned and not raised, raised
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30
+    while scheduler.active_samples and time.monotonic() < deadline:  # the worker goes on once the step does
+        time.sleep(0.01)
