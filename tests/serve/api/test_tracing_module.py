@@ -27,6 +27,7 @@ from ldlm.serve.runtime.tracing import (  # noqa: E402
     steps_attributes,
     traces_endpoint,
 )
+from scripts.harness.loopback import free_port  # noqa: E402
 from scripts.harness.otlp_receiver import OtlpReceiver  # noqa: E402
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -150,6 +151,21 @@ def test_closing_sends_what_is_queued(receiver: OtlpReceiver, monkeypatch: pytes
     assert root.resource["service.name"] == "ldlm"
 
 
+def test_a_request_never_waits_on_a_collector_that_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spans are queued for the exporter's own thread: ending a request's trace costs no export, even one that fails."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "1")  # the exporter tries, and fails, while the traces end
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "2")
+    traces = Tracing.start(f"http://127.0.0.1:{free_port()}", {})  # nothing listens there
+    assert traces is not None
+    started = time.perf_counter()
+    for i in range(20):
+        trace = request(traces, f"down-{i}")
+        trace.generation().plan = dict(PLAN)
+        trace.end(200)
+    assert time.perf_counter() - started < 0.5  # one failed export alone takes seconds
+    traces.close()
+
+
 # --- a request's spans ---------------------------------------------------------------------------------
 
 
@@ -269,16 +285,17 @@ def test_what_the_route_set_wins_over_what_the_generations_tell(traces: Tracing,
 
 
 def test_the_generations_of_a_request_add_up() -> None:
-    one, two, none = GenerationMarks(), GenerationMarks(), GenerationMarks()
+    one, two, three, none = GenerationMarks(), GenerationMarks(), GenerationMarks(), GenerationMarks()
     one.plan = {**PLAN, "n": 2, "length": 8}
-    two.plan = {**PLAN, "n": 3, "length": 12, "sampler": "euler"}
+    two.plan = {**PLAN, "n": 3, "length": 12, "sampler": "euler"}  # the longest, neither first nor last
+    three.plan = {**PLAN, "n": 1, "length": 4}
     assert generation_attributes([none]) == {}
-    assert generation_attributes([none, one, two]) == {
+    assert generation_attributes([none, one, two, three]) == {
         "gen_ai.operation.name": "text_completion",
-        "gen_ai.request.choice.count": 5,
+        "gen_ai.request.choice.count": 6,
         "gen_ai.request.max_tokens": 12,
         "ldlm.plan": '{"grid": "uniform", "sampler": "ddim", "steps": 4}',  # the first's
-        "gen_ai.usage.output_tokens": 2 * 8 + 3 * 12,
+        "gen_ai.usage.output_tokens": 2 * 8 + 3 * 12 + 1 * 4,
     }
 
 

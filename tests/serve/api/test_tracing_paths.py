@@ -57,13 +57,15 @@ def served(tiny_checkpoint: Path, receiver: OtlpReceiver) -> Iterator[RunningSer
     running.stop()
 
 
-def check_generation(root: ReceivedSpan, children: list[ReceivedSpan], steps: int, samples: int) -> None:
-    """A generation's five stages in order, one after another, within the request's span; its steps in one span."""
+def check_generation(root: ReceivedSpan, children: list[ReceivedSpan], steps: int, samples: int, delivered: bool = True) -> None:
+    """A generation's five stages in order, one after another, within the request's span; its steps in one span.
+    ``delivered``: its transport marks when the answer's last byte went (a gRPC unary call's answer goes after the handler)."""
     assert [c.name for c in children] == GENERATION
     assert all(root.start_ns <= c.start_ns <= c.end_ns <= root.end_ns for c in children)
     admission, queued, stepping, decode, delivery = children
     assert (admission.end_ns, queued.end_ns, decode.end_ns) == (queued.start_ns, stepping.start_ns, delivery.start_ns)  # one mark each
     assert stepping.end_ns <= decode.start_ns  # then the answers' thread takes it up
+    assert (delivery.end_ns < root.end_ns) == delivered
     assert children[2].attributes == {
         "ldlm.steps": steps,
         "ldlm.batch.sizes": [samples],
@@ -190,7 +192,7 @@ def test_infer_over_grpc(served: RunningServer, receiver: OtlpReceiver) -> None:
     client.infer("ldlm_generate", [scalar("N", 1), scalar("LENGTH", 6), scalar("STEPS", 3)], headers={"x-request-id": "gen-grpc"})
     root, children = receiver.request("gen-grpc", 5)
     check_request(root, "gen-grpc", "ldlm_generate", parent="")
-    check_generation(root, children, 3, 1)
+    check_generation(root, children, 3, 1, delivered=False)
     with pytest.raises(Exception, match="N=0 is out of range"):
         client.infer("ldlm_generate", [scalar("N", 0), scalar("LENGTH", 6)], headers={"x-request-id": "bad-grpc"})
     root, children = receiver.request("bad-grpc", 0)
@@ -227,3 +229,22 @@ def test_a_refused_request_is_its_span_alone(served: RunningServer, receiver: Ot
     root, _ = receiver.request("refused", 0)
     check_request(root, "refused", "ldlm", status=422, parent="")
     assert root.status == 0 and "ldlm.plan" not in root.attributes  # a client's error is no server error
+
+
+def test_the_steps_span_counts_the_steps_the_request_ran_and_the_batches_it_shared(served: RunningServer, receiver: OtlpReceiver) -> None:
+    """Beside a long generation that steps before, during and after it: its own 4 steps, in batches of its sample
+    alone or with the other's two."""
+    from ldlm.sampling import GenerateRequest
+
+    long = served.service.submit_generation(GenerateRequest(2, 8, 200, 0, "ddim"))
+    try:
+        response = httpx.post(
+            f"{served.url}/v1/generate", json={"n": 1, "length": 8, "steps": 4}, headers={"x-request-id": "beside"}, timeout=60
+        )
+        assert response.status_code == 200 and not long.done()
+    finally:
+        long.cancel()
+    _, children = receiver.request("beside", 5)
+    stepping = children[2].attributes
+    assert stepping["ldlm.steps"] == 4
+    assert set(stepping["ldlm.batch.sizes"]) <= {1, 3} and stepping["ldlm.batch.size.max"] == max(stepping["ldlm.batch.sizes"])
