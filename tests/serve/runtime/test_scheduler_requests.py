@@ -188,3 +188,45 @@ def test_close_waits_for_the_worker_only_up_to_its_timeout(pipeline: LDLMPipelin
     deadline = time.monotonic() + 30
     while scheduler.active_samples and time.monotonic() < deadline:  # the worker goes on once the step does
         time.sleep(0.01)
+
+
+def test_close_answers_every_request_still_queued_or_running(pipeline: LDLMPipeline) -> None:
+    """Closed while a step is held and more requests wait: each still gets the pipeline's own tokens."""
+    entered, release = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        return pipeline.graphs.denoise(*args, **kwargs)
+
+    specs = [GenerateRequest(n=1, length=4, steps=3, seed=k, sampler="ddim") for k in range(3)]
+    scheduler = GenerationScheduler(pipeline, max_batch=1, denoise=held)
+    closing = threading.Thread(target=scheduler.close, daemon=True)
+    try:
+        futures = [scheduler.submit(spec) for spec in specs]
+        assert entered.wait(30)
+        closing.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the close is under way: new requests are refused
+            try:
+                scheduler.submit(specs[0]).cancel()
+            except RuntimeError:
+                break
+            time.sleep(0.01)
+    finally:
+        release.set()
+    for spec, future in zip(specs, futures):
+        expected = pipeline.generate(spec.n, spec.length, spec.steps, spec.seed, spec.sampler).token_ids
+        assert torch.equal(future.result(timeout=10).token_ids, expected)
+    closing.join(30)
+    assert not closing.is_alive()
+
+
+def test_dropped_samples_add_up_over_the_requests_that_left(pipeline: LDLMPipeline) -> None:
+    """Cancelled requests' waiting samples leave the queue when a new request needs their places: every drop counts."""
+    dropped: list[int] = []
+    scheduler = GenerationScheduler(pipeline, max_queue=4, start=False, on_drop=dropped.append)  # nothing steps
+    for n in (2, 3):
+        assert scheduler.submit(GenerateRequest(n=n, length=4, steps=2)).cancel()
+        scheduler.submit(GenerateRequest(n=4, length=4, steps=2)).cancel()  # needs the places: the cancelled leave
+    assert dropped == [2, 4, 3] and scheduler.dropped_samples == 9  # the last cancelled 4 still wait: nothing needed them
