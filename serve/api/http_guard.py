@@ -117,19 +117,10 @@ class GuardMiddleware:
             await _reply(send_wrapper, code, message, extra, scope["path"], getattr(error, "param", None))
         finally:
             elapsed = time.perf_counter() - started
-            code = status["code"]
-            if status.get("disconnected"):
-                code = status["code"] = CLIENT_CLOSED
-                if model is not None:
-                    self.service.metrics.request_cancelled.labels(model, "disconnect").inc()
+            disconnected = bool(status.get("disconnected"))
+            code = status["code"] = CLIENT_CLOSED if disconnected else status["code"]
             if model is not None:
-                if code == 504:
-                    self.service.metrics.request_cancelled.labels(model, "timeout").inc()
-                if code < 400:
-                    self.service.metrics.request_success.labels(model).inc()
-                else:
-                    self.service.metrics.request_failure.labels(model, str(code)).inc()
-                self.service.metrics.request_seconds.labels(model).observe(elapsed)
+                self.service.metrics.count_request(model, code, elapsed, disconnected)
             if trace is not None:
                 trace.attributes["http.response.status_code"] = code
                 trace.end(code)
