@@ -1,7 +1,9 @@
 """What a request asks of the scheduler and gets: a prompt prefix and a token sampling give the tokens the
 pipeline's own run gives; previews come only to a hook, at the interval asked, within the scheduler's preview
-shares and told to its preview observer; requests of a static batch run in submission order; the estimate
-prices a request's n x steps sample-steps; and the waits of ``generate`` and ``close`` end at their timeouts."""
+shares (``busy`` beside other generations, ``alone`` without) and told to its preview observer; requests of a
+static batch run in submission order; the estimate prices a request's n x steps sample-steps and counts the
+samples of a request still to run; dropped samples add up; ``close`` answers what is in flight; and the waits
+of ``generate`` and ``close`` end at their timeouts."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ldlm.serve.runtime.delivery import PreviewShares
 from ldlm.serve.runtime.generation import Preview
 from ldlm.serve.runtime.queueing import QueueFullError
 from ldlm.serve.runtime.scheduler import GenerateRequest, GenerationScheduler
+from tests.serve.runtime.test_scheduler_fairness import FixedCost
 
 SPEC = GenerateRequest(n=2, length=8, steps=3, seed=7, sampler="ddim")
 
@@ -85,35 +88,63 @@ def test_previews_come_to_a_hook_at_the_interval_asked_and_none_without_one(pipe
     assert every == [2, 4, 6] and unasked == []
 
 
-def test_the_preview_shares_and_observer_reach_the_preview_decodes(pipeline: LDLMPipeline) -> None:
-    """A request alone under an ``alone`` share of 0.5: the previews due while the first call still runs are
-    dropped, and the observer is told of each drop and of the call. (The default ``alone`` share, 1, drops none.)"""
-    answered = threading.Event()
+class HeldPreviews(LDLMPipeline):
+    """Each preview call is held until a request's own decode: every step before that has run meanwhile."""
 
-    class Gated(LDLMPipeline):
-        def decode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-            if threading.current_thread().name.startswith("ldlm-previews"):
-                assert answered.wait(30)  # held until the request's own decode: every later step has run
-            else:
-                answered.set()
-            return super().decode(*args, **kwargs)
+    def __init__(self, pipeline: LDLMPipeline) -> None:
+        super().__init__(pipeline.graphs, pipeline.tokenizer, config=pipeline.config)
+        self.answered = threading.Event()
 
-    gated = Gated(pipeline.graphs, pipeline.tokenizer, config=pipeline.config)
+    def decode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if threading.current_thread().name.startswith("ldlm-previews"):
+            assert self.answered.wait(30)
+        else:
+            self.answered.set()
+        return super().decode(*args, **kwargs)
+
+
+def held_previews(
+    pipeline: LDLMPipeline, shares: PreviewShares, alongside: GenerateRequest | None = None
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """A request of 5 steps previewed at every step (the steps 1 to 4), beside ``alongside`` (no previews) if
+    given, each preview call held: (the steps its hook got, the observer's (decoded, dropped) counts)."""
     seen: list[tuple[int, int]] = []
     got: list[Preview] = []
     scheduler = GenerationScheduler(
-        gated,
+        HeldPreviews(pipeline),
         max_batch=4,
-        previews=PreviewShares(busy=1.0, alone=0.5),
+        start=False,
+        previews=shares,
         on_previews=lambda decoded, dropped, seconds: seen.append((decoded, dropped)),
     )
     try:
         spec = GenerateRequest(n=1, length=6, steps=5, seed=2, sampler="ddim")
-        scheduler.submit(spec, on_preview=got.extend, preview_every=1).result(timeout=60)
+        futures = [scheduler.submit(spec, on_preview=got.extend, preview_every=1)]
+        if alongside is not None:
+            futures.append(scheduler.submit(alongside))
+        scheduler.start()
+        for future in futures:
+            future.result(timeout=60)
     finally:
         scheduler.close(timeout_s=30)
-    assert [p.step for p in got] == [1]  # steps 2, 3 and 4 came while step 1's call was held
+    return [p.step for p in got], seen
+
+
+def test_the_preview_shares_and_observer_reach_the_preview_decodes(pipeline: LDLMPipeline) -> None:
+    """A request alone under an ``alone`` share of 0.5: the previews due while the first call still runs are
+    dropped, and the observer is told of each drop and of the call. (The default ``alone`` share, 1, drops none.)"""
+    steps, seen = held_previews(pipeline, PreviewShares(busy=1.0, alone=0.5))
+    assert steps == [1]  # steps 2, 3 and 4 came while step 1's call was held
     assert seen == [(0, 1), (0, 1), (0, 1), (1, 0)]
+
+
+def test_the_busy_share_holds_while_another_generation_is_in_flight(pipeline: LDLMPipeline) -> None:
+    """Beside a longer request the ``busy`` share (0.5) applies, not the ``alone`` one (1)."""
+    beside = GenerateRequest(n=1, length=6, steps=12, seed=3, sampler="ddim")
+    steps, seen = held_previews(pipeline, PreviewShares(busy=0.5, alone=1.0), alongside=beside)
+    assert steps == [1] and seen == [(0, 1), (0, 1), (0, 1), (1, 0)]
+    steps, seen = held_previews(pipeline, PreviewShares(busy=0.5, alone=1.0))  # and alone, the alone one
+    assert steps == [1, 2, 3, 4] and seen == [(1, 0)] * 4
 
 
 def test_a_static_batch_takes_requests_in_submission_order(pipeline: LDLMPipeline) -> None:
@@ -230,3 +261,31 @@ def test_dropped_samples_add_up_over_the_requests_that_left(pipeline: LDLMPipeli
         assert scheduler.submit(GenerateRequest(n=n, length=4, steps=2)).cancel()
         scheduler.submit(GenerateRequest(n=4, length=4, steps=2)).cancel()  # needs the places: the cancelled leave
     assert dropped == [2, 4, 3] and scheduler.dropped_samples == 9  # the last cancelled 4 still wait: nothing needed them
+
+
+def test_a_request_with_samples_still_to_run_is_work_ahead_in_the_estimate(pipeline: LDLMPipeline) -> None:
+    """One slot, a request of 2 samples x 2 steps: once its first sample finished, its second (2 steps left)
+    is still work that runs before a newcomer of 4 sample-steps."""
+    entered, go = threading.Semaphore(0), threading.Semaphore(0)
+
+    def stepwise(*args: Any, **kwargs: Any) -> Any:
+        entered.release()
+        assert go.acquire(timeout=30)
+        return pipeline.graphs.denoise(*args, **kwargs)
+
+    bucket = pipeline.bucket_length(4)
+    scheduler = GenerationScheduler(pipeline, max_batch=1, denoise=stepwise, start=False)
+    scheduler.cost = FixedCost(1, 0.0, 1.0, bucket)  # 1 s per sample-step: waiting never outweighs the work
+    try:
+        future = scheduler.submit(GenerateRequest(n=2, length=4, steps=2, seed=1))
+        scheduler.start()
+        for _ in range(2):  # the first sample's two steps
+            assert entered.acquire(timeout=30)
+            go.release()
+        assert entered.acquire(timeout=30)  # the second sample's first step: the first one's end was handled
+        assert scheduler.estimate_s(GenerateRequest(n=1, length=4, steps=4)) == (2.0, 4.0)
+        go.release(2)
+        future.result(timeout=30)
+    finally:
+        go.release(10)
+        scheduler.close(timeout_s=30)
