@@ -119,7 +119,7 @@ SHARDS: tuple[Shard, ...] = (
     ),
     Shard("grpc-kserve", ("serve/api/grpc_kserve.py",), (A + "test_grpc_kserve*.py", A + "test_grpc_server.py")),
     Shard("openai", ("serve/api/routes/openai.py",), ("tests/serve/api/routes/test_openai*.py",)),
-    Shard("tracing", ("serve/runtime/tracing.py",), (A + "test_tracing_*.py",)),
+    Shard("tracing", ("serve/runtime/tracing.py",), (R + "test_tracing_*.py",)),
 )
 
 

@@ -89,7 +89,7 @@ def test_off_a_serving_process_imports_no_sdk(tiny_checkpoint: Path) -> None:
     (this module imports none: the test that needs the SDK asks for it itself)."""
     script = f"""
 import sys
-from tests.serve.api.test_tracing_off import exercise, serving
+from tests.serve.runtime.test_tracing_off import exercise, serving
 server, grpc_port = serving({str(tiny_checkpoint)!r}, None)
 exercise(server, grpc_port)
 server.stop()
