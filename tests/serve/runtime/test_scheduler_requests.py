@@ -2,8 +2,9 @@
 pipeline's own run gives; previews come only to a hook, at the interval asked, within the scheduler's preview
 shares (``busy`` beside other generations, ``alone`` without) and told to its preview observer; requests of a
 static batch run in submission order; the estimate prices a request's n x steps sample-steps and counts the
-samples of a request still to run; dropped samples add up; ``close`` answers what is in flight; and the waits
-of ``generate`` and ``close`` end at their timeouts."""
+samples of a request still to run; requests resolve under the scheduler's limits and its pipeline's tuned grids; a
+failed step answers its batch and the rest are served; dropped samples add up; ``close`` answers what is in
+flight; and the waits of ``generate`` and ``close`` end at their timeouts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 from ldlm.pipeline import LDLMPipeline
+from ldlm.sampling import RequestLimits
 from ldlm.sampling.tokens import TokenSampling
+from ldlm.sampling.tuned_grids import TunedGrid, TunedSchedules
 from ldlm.serve.runtime.cost import CostModel
 from ldlm.serve.runtime.delivery import PreviewShares
 from ldlm.serve.runtime.generation import Preview
@@ -288,4 +291,55 @@ def test_a_request_with_samples_still_to_run_is_work_ahead_in_the_estimate(pipel
         future.result(timeout=30)
     finally:
         go.release(10)
+        scheduler.close(timeout_s=30)
+
+
+def test_requests_are_resolved_under_the_schedulers_limits(pipeline: LDLMPipeline) -> None:
+    scheduler = GenerationScheduler(pipeline, max_batch=2, start=False, limits=RequestLimits(max_n=2, max_steps=5))
+    with pytest.raises(ValueError, match=r"^n=3 is out of range; allowed: 1\.\.2$"):
+        scheduler.submit(GenerateRequest(n=3, length=4, steps=2))
+    with pytest.raises(ValueError, match=r"^steps=6 is out of range; allowed: 1\.\.5$"):
+        scheduler.submit(GenerateRequest(n=1, length=4, steps=6))
+    assert scheduler.queued_samples == 0
+
+
+def test_a_request_naming_no_steps_runs_the_pipelines_tuned_grid(pipeline: LDLMPipeline) -> None:
+    """A checkpoint's tuned grids: its default step count and its grid, the tokens the tuned pipeline gives."""
+    config = pipeline.config
+    times = (1.0, 0.5, 0.2, config.t_min)
+    tuned = TunedSchedules("0" * 64, config.t_min, (TunedGrid("ddim", 3, times),), {"ddim": 3}, config.prior_temperature_for(None))
+    tuned_pipeline = LDLMPipeline(pipeline.graphs, pipeline.tokenizer, config=config, schedules=tuned)
+    spec = GenerateRequest(n=1, length=6, seed=4, sampler="ddim")
+    scheduler = GenerationScheduler(tuned_pipeline, max_batch=2)
+    try:
+        plan = scheduler.plan(spec)
+        result = scheduler.submit(spec).result(timeout=60)
+    finally:
+        scheduler.close(timeout_s=30)
+    assert (plan.grid, plan.steps, plan.tuned_times) == ("tuned", 3, times)
+    expected = tuned_pipeline.generate(spec.n, spec.length, seed=spec.seed, sampler=spec.sampler)
+    assert torch.equal(result.token_ids, expected.token_ids)
+
+
+def test_a_failed_step_answers_its_batch_and_the_waiting_requests_are_served_after_it(pipeline: LDLMPipeline) -> None:
+    """One slot; the first step fails: its request gets the error, the two still waiting their own tokens."""
+    calls: list[int] = []
+
+    def fails_first(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("step lost")
+        return pipeline.graphs.denoise(*args, **kwargs)
+
+    specs = [GenerateRequest(n=1, length=4, steps=2, seed=k, sampler="ddim") for k in range(3)]
+    scheduler = GenerationScheduler(pipeline, max_batch=1, denoise=fails_first, start=False)
+    try:
+        futures = [scheduler.submit(spec) for spec in specs]
+        scheduler.start()
+        with pytest.raises(RuntimeError, match="^step lost$"):
+            futures[0].result(timeout=30)
+        for spec, future in zip(specs[1:], futures[1:]):
+            expected = pipeline.generate(spec.n, spec.length, spec.steps, spec.seed, spec.sampler).token_ids
+            assert torch.equal(future.result(timeout=30).token_ids, expected)
+    finally:
         scheduler.close(timeout_s=30)
