@@ -49,6 +49,9 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         self.receiver = receiver
 
     def Export(self, request: Any, context: Any) -> Any:
+        if not self.receiver.keep:  # counted only: a measurement leaves a collector's work out of the service's
+            self.receiver.add([], sum(len(scope.spans) for r in request.resource_spans for scope in r.scope_spans))
+            return trace_service_pb2.ExportTraceServiceResponse()
         spans = []
         for resource_spans in request.resource_spans:
             resource = {a.key: plain(a.value) for a in resource_spans.resource.attributes}
@@ -77,8 +80,10 @@ def received(span: Any, resource: dict[str, Any]) -> ReceivedSpan:
 class OtlpReceiver:
     """OTLP/gRPC's TraceService on a free port of 127.0.0.1 while open; ``spans``: every span received, in arrival order."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep  # False: spans are counted, not kept (nor read back)
         self.spans: list[ReceivedSpan] = []
+        self.count = 0  # spans received
         self.exports = 0  # Export calls answered
         self._cond = threading.Condition()
         self.server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -86,9 +91,10 @@ class OtlpReceiver:
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
-    def add(self, spans: list[ReceivedSpan]) -> None:
+    def add(self, spans: list[ReceivedSpan], count: int | None = None) -> None:
         with self._cond:
             self.spans += spans
+            self.count += len(spans) if count is None else count
             self.exports += 1
             self._cond.notify_all()
 

@@ -176,6 +176,25 @@ def test_a_traceparent_is_the_parent_and_none_starts_a_trace(traces: Tracing, re
     assert own.parent_id == "" and own.trace_id != TRACE_ID and len(own.trace_id) == 32
 
 
+def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_and_a_sampled_ones_children_share_its_trace(
+    traces: Tracing, receiver: OtlpReceiver
+) -> None:
+    """The caller's decision holds (``traceparent`` flags 00: not sampled), as the SDK's default sampler decides; a
+    sampled request's children carry its trace, name it their parent and have ids of their own."""
+    for request_id, flags in (("unsampled", "00"), ("sampled", "01")):
+        trace = request(traces, request_id, {"traceparent": TRACEPARENT[:-2] + flags})
+        marks, base = trace.generation(), trace.started
+        marks.submitted, marks.queued, marks.started = base + 0.001, base + 0.002, base + 0.003
+        marks.step(1, base + 0.004)
+        marks.decoding, marks.decoded = base + 0.005, base + 0.006
+        trace.end(200)
+    root, children = sent(traces, receiver, request(traces, "last"), 200, 0)  # every span of the two sent before it is in
+    assert not [s for s in receiver.spans if s.attributes.get("ldlm.request_id") == "unsampled"]
+    root, children = receiver.request("sampled", 5, timeout_s=10)
+    assert root.trace_id == TRACE_ID and {(c.trace_id, c.parent_id, c.kind) for c in children} == {(TRACE_ID, root.span_id, 1)}
+    assert len({c.span_id for c in children} | {root.span_id, CALLER}) == 7  # SPAN_KIND_INTERNAL children, ids their own
+
+
 def test_the_request_span_is_a_server_span_named_as_http_and_rpc_servers_name_theirs(traces: Tracing, receiver: OtlpReceiver) -> None:
     root, _ = sent(traces, receiver, traces.http_request("GET", "/v1/models", {}, "http-1", "ldlm"), 200, 0)
     assert (root.name, root.kind) == ("GET /v1/models", 2)  # SPAN_KIND_SERVER
