@@ -205,22 +205,25 @@ class GenerationScheduler(QueueWorker):
             return self.admission.estimate(plan.n * plan.steps, bucket, solo_s, self._live(), time.perf_counter())
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Answer everything queued or running (QueueWorker.close), then stop the preview decoder."""
+        """Answer everything queued or running (QueueWorker.close); the worker stops delivery's threads after its last
+        step. A close that stops waiting at ``timeout_s`` leaves the worker to finish: what still runs is answered."""
         super().close(timeout_s)
-        self.delivery.close()
 
     # --- the worker ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            try:
-                if not self._serve_once():
-                    return
-            except Exception as error:  # deciding, admitting or releasing failed: every request in flight gets it, none hangs
-                with self._cond:
-                    for request in self._live():
-                        resolve_future(request.future, error=error)
-                    self._active = {}  # their samples leave (and give their slots up) through _drop_done
+        try:
+            while True:
+                try:
+                    if not self._serve_once():
+                        return
+                except Exception as error:  # deciding, admitting or releasing failed: every request in flight gets it, none hangs
+                    with self._cond:
+                        for request in self._live():
+                            resolve_future(request.future, error=error)
+                        self._active = {}  # their samples leave (and give their slots up) through _drop_done
+        finally:
+            self.delivery.close()  # its answers and previews go out first
 
     def _serve_once(self) -> bool:
         """Decide, execute and deliver one step; False once stopping with nothing left to answer."""
