@@ -42,6 +42,8 @@ class ReceivedSpan:
     events: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)  # (name, time ns, attributes)
     status: int = 0  # OTLP's status code: 0 unset, 1 ok, 2 error
     resource: dict[str, Any] = field(default_factory=dict)
+    scope: str = ""  # the instrumentation scope's name
+    trace_state: str = ""  # W3C tracestate, as the span carries it
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
@@ -56,12 +58,12 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         for resource_spans in request.resource_spans:
             resource = {a.key: plain(a.value) for a in resource_spans.resource.attributes}
             for scope in resource_spans.scope_spans:
-                spans += [received(span, resource) for span in scope.spans]
+                spans += [received(span, resource, scope.scope.name) for span in scope.spans]
         self.receiver.add(spans)
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def received(span: Any, resource: dict[str, Any]) -> ReceivedSpan:
+def received(span: Any, resource: dict[str, Any], scope: str) -> ReceivedSpan:
     return ReceivedSpan(
         span.name,
         span.trace_id.hex(),
@@ -74,6 +76,8 @@ def received(span: Any, resource: dict[str, Any]) -> ReceivedSpan:
         [(e.name, e.time_unix_nano, {a.key: plain(a.value) for a in e.attributes}) for e in span.events],
         span.status.code,
         resource,
+        scope,
+        span.trace_state,
     )
 
 

@@ -182,7 +182,7 @@ def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_and_a_sampled_one
     """The caller's decision holds (``traceparent`` flags 00: not sampled), as the SDK's default sampler decides; a
     sampled request's children carry its trace, name it their parent and have ids of their own."""
     for request_id, flags in (("unsampled", "00"), ("sampled", "01")):
-        trace = request(traces, request_id, {"traceparent": TRACEPARENT[:-2] + flags})
+        trace = request(traces, request_id, {"traceparent": TRACEPARENT[:-2] + flags, "tracestate": "vendor=7"})
         marks, base = trace.generation(), trace.started
         marks.submitted, marks.queued, marks.started = base + 0.001, base + 0.002, base + 0.003
         marks.step(1, base + 0.004)
@@ -191,6 +191,7 @@ def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_and_a_sampled_one
     root, children = sent(traces, receiver, request(traces, "last"), 200, 0)  # every span of the two sent before it is in
     assert not [s for s in receiver.spans if s.attributes.get("ldlm.request_id") == "unsampled"]
     root, children = receiver.request("sampled", 5, timeout_s=10)
+    assert {(s.scope, s.trace_state) for s in [root, *children]} == {("ldlm.serve", "vendor=7")}  # the caller's tracestate kept
     assert root.trace_id == TRACE_ID and {(c.trace_id, c.parent_id, c.kind) for c in children} == {(TRACE_ID, root.span_id, 1)}
     assert len({c.span_id for c in children} | {root.span_id, CALLER}) == 7  # SPAN_KIND_INTERNAL children, ids their own
 
