@@ -173,7 +173,7 @@ def test_a_traceparent_is_the_parent_and_none_starts_a_trace(traces: Tracing, re
     child, _ = sent(traces, receiver, request(traces, "child", {"traceparent": TRACEPARENT}), 200, 0)
     assert (child.trace_id, child.parent_id) == (TRACE_ID, CALLER)
     own, _ = sent(traces, receiver, request(traces, "own"), 200, 0)
-    assert own.parent_id == "" and own.trace_id != TRACE_ID and len(own.trace_id) == 32
+    assert own.parent_id == "" and own.trace_id != TRACE_ID and len(own.trace_id) == 32 and int(own.trace_id, 16) != 0
 
 
 def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_and_a_sampled_ones_children_share_its_trace(
@@ -194,6 +194,47 @@ def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_and_a_sampled_one
     assert {(s.scope, s.trace_state) for s in [root, *children]} == {("ldlm.serve", "vendor=7")}  # the caller's tracestate kept
     assert root.trace_id == TRACE_ID and {(c.trace_id, c.parent_id, c.kind) for c in children} == {(TRACE_ID, root.span_id, 1)}
     assert len({c.span_id for c in children} | {root.span_id, CALLER}) == 7  # SPAN_KIND_INTERNAL children, ids their own
+
+
+def test_the_providers_sampler_is_asked_once_per_request_with_its_trace_name_kind_and_attributes(receiver: OtlpReceiver) -> None:
+    """A sampler set on the provider (as ``OTEL_TRACES_SAMPLER`` sets one) decides for the request's span, told what the
+    SDK's tracer would tell it; its children follow without asking again."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler
+
+    asked: list[tuple[Any, ...]] = []
+
+    class Recording(Sampler):
+        def should_sample(self, parent: Any, trace_id: int, name: str, kind: Any = None, attributes: Any = None, *rest: Any) -> Any:
+            asked.append((trace_id, name, kind, dict(attributes or {})))
+            return ALWAYS_ON.should_sample(parent, trace_id, name, kind, attributes)
+
+        def get_description(self) -> str:
+            return "recording"
+
+    provider = TracerProvider(sampler=Recording())
+    processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True))
+    provider.add_span_processor(processor)
+    traces = Tracing(provider, processor)
+    try:
+        trace = request(traces, "asked")
+        marks, base = trace.generation(), trace.started
+        marks.submitted, marks.queued = base + 0.001, base + 0.002
+        root, _ = sent(traces, receiver, trace, 200, 1)
+    finally:
+        traces.close()
+    assert asked == [(int(root.trace_id, 16), "POST /v1/generate", tracing.trace.SpanKind.SERVER, {**root.attributes})]
+
+
+def test_marks_become_unix_nanoseconds_exactly(traces: Tracing, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mark's time is the wall clock at the trace's start plus the perf_counter seconds since, to the nanosecond."""
+    monkeypatch.setattr(tracing.time, "perf_counter", lambda: 1_000_000.0)
+    monkeypatch.setattr(tracing.time, "time_ns", lambda: 1_700_000_000_000_000_000)
+    trace = request(traces, "clock")
+    assert trace.ns(trace.started) == 1_700_000_000_000_000_000
+    assert trace.ns(trace.started + 0.25) == 1_700_000_000_250_000_000
 
 
 def test_the_request_span_is_a_server_span_named_as_http_and_rpc_servers_name_theirs(traces: Tracing, receiver: OtlpReceiver) -> None:
