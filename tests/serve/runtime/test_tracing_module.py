@@ -226,6 +226,7 @@ def test_the_providers_sampler_is_asked_once_per_request_with_its_trace_name_kin
     finally:
         traces.close()
     assert asked == [(int(root.trace_id, 16), "POST /v1/generate", tracing.trace.SpanKind.SERVER, {**root.attributes})]
+    assert root.scope == "ldlm.serve"  # the instrumentation scope each span is sent under
 
 
 def test_marks_become_unix_nanoseconds_exactly(traces: Tracing, monkeypatch: pytest.MonkeyPatch) -> None:
