@@ -6,6 +6,7 @@ decode answers that request with its error."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
@@ -19,8 +20,9 @@ from ldlm.sampling.samplers import get_sampler
 from ldlm.sampling.schedule import TangentSchedule, time_grid
 from ldlm.sampling.tokens import TokenSampling
 from ldlm.serve.runtime import delivery as delivery_module
-from ldlm.serve.runtime.delivery import Delivery, PreviewDecodes, slot_rows
+from ldlm.serve.runtime.delivery import Delivery, PreviewDecodes, PreviewShares, ragged_batch, slot_rows
 from ldlm.serve.runtime.generation import Generation, Preview, Sample
+from ldlm.serve.runtime.tracing import GenerationMarks
 from tests.serve.runtime.test_delivery_previews import Clock, FakeDecoder, due_sample
 
 D = 3  # latent width of the hand-made states
@@ -218,3 +220,43 @@ def test_a_sampled_answer_comes_after_its_previews() -> None:
         decoder.gate.set()
         delivery.close()
     assert order == ["preview", "answer"]
+
+
+def test_ragged_latents_are_padded_to_the_longest_with_a_boolean_mask() -> None:
+    batch, mask = ragged_batch([torch.ones(3, 5), 2 * torch.ones(2, 5)])
+    assert batch.shape == (2, 3, 5) and torch.equal(batch[1, 2], torch.zeros(5)) and torch.equal(batch[1, :2], 2 * torch.ones(2, 5))
+    assert mask.dtype == torch.bool and mask.tolist() == [[True] * 3, [True, True, False]]
+
+
+@pytest.mark.parametrize("decoding", [None, TokenSampling(temperature=0.5)])
+def test_a_traced_request_is_marked_with_its_decode_and_its_plan_answered(decoding: TokenSampling | None) -> None:
+    delivery = Delivery(FakeEngine(), FakePipeline())  # type: ignore[arg-type]
+    request = generation(6.0, decoding)
+    request.trace = GenerationMarks()
+    try:
+        before = time.perf_counter()
+        delivery.finish(finished(request, 6.0))
+        result = request.future.result(timeout=10)
+        after = time.perf_counter()
+    finally:
+        delivery.close()
+    assert before <= request.trace.decoding <= request.trace.decoded <= after
+    assert result.plan is request.plan
+
+
+def test_previews_without_a_share_named_are_those_of_a_request_alone() -> None:
+    """``Delivery.previews`` defaults to the alone share (1 here): a preview due while a call runs is not dropped."""
+    decoder = FakeDecoder(Clock(), 0.0)
+    decodes = PreviewDecodes(decoder, PreviewShares(busy=0.5, alone=1.0))  # type: ignore[arg-type]
+    delivery = Delivery(FakeEngine(), FakePipeline(), decodes)  # type: ignore[arg-type]
+    got: list[int] = []
+    try:
+        decoder.gate.clear()
+        delivery.previews([due_sample(1, lambda previews: got.extend(p.step for p in previews))])
+        delivery.previews([due_sample(2, lambda previews: got.extend(p.step for p in previews))])  # the first call still runs
+        decoder.gate.set()
+        decodes.wait()
+    finally:
+        decoder.gate.set()
+        delivery.close()
+    assert got == [1, 2]
