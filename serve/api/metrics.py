@@ -45,13 +45,6 @@ class Metrics:
         self.request_seconds = Histogram(
             "ldlm_request_duration_seconds", "End-to-end request latency", ["model"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.first_preview_seconds = Histogram(
-            "ldlm_time_to_first_preview_seconds",
-            "Time from a streamed generation's start (its request read) to its first preview sent",
-            ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
         self.batch_size = Histogram("ldlm_batch_size", "Samples per execution", ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge(
             "ldlm_queue_depth",
@@ -67,13 +60,6 @@ class Metrics:
         self.request_cancelled = Counter(
             "ldlm_request_cancelled", "Requests cancelled before their answer", ["model", "reason"], registry=r
         )
-        self.previews_sent = Counter("ldlm_previews_sent", "Streamed previews decoded and sent", registry=r)
-        self.previews_skipped = Counter(
-            "ldlm_previews_skipped",
-            "Streamed previews dropped undecoded: beyond the preview budget, or their request already answered",
-            registry=r,
-        )
-        self.preview_seconds = Counter("ldlm_preview_decode_seconds", "Time spent decoding previews", registry=r)
         self.request_refused = Counter(
             "ldlm_request_refused",
             "Generations refused up front: estimated past their deadline behind the "
@@ -93,7 +79,25 @@ class Metrics:
         self.cancelled_samples = Counter(
             "ldlm_cancelled_samples", "Samples dropped unfinished because their request was cancelled (or failed)", ["model"], registry=r
         )
+        self._previews(r)
         self._statistics(r)
+
+    def _previews(self, r: CollectorRegistry) -> None:
+        """Streamed previews: how soon the first comes, how many are sent or dropped, and their decoding time."""
+        self.first_preview_seconds = Histogram(
+            "ldlm_time_to_first_preview_seconds",
+            "Time from a streamed generation's start (its request read) to its first preview sent",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.previews_sent = Counter("ldlm_previews_sent", "Streamed previews decoded and sent", registry=r)
+        self.previews_skipped = Counter(
+            "ldlm_previews_skipped",
+            "Streamed previews dropped undecoded: beyond the preview budget, or their request already answered",
+            registry=r,
+        )
+        self.preview_seconds = Counter("ldlm_preview_decode_seconds", "Time spent decoding previews", registry=r)
 
     def _statistics(self, r: CollectorRegistry) -> None:
         """KServe v2 infer requests (HTTP and gRPC) stage by stage, and executions by batch size: what Triton's

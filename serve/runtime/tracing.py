@@ -97,10 +97,10 @@ class Tracing:
             return None
         check_protocol(environ)
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # the SDK, only when tracing is on
+            from opentelemetry.sdk.resources import Resource  # the SDK, only when tracing is on
+            from opentelemetry.sdk.trace import TracerProvider  # the SDK, only when tracing is on
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor  # the SDK, only when tracing is on
         except ImportError as error:
             raise RuntimeError(f"tracing to {endpoint} needs the OpenTelemetry SDK and its OTLP exporter: {INSTALL} ({error})") from None
         provider = TracerProvider(resource=Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME}))
@@ -136,13 +136,13 @@ class SpanSink:
     The provider's sampler still decides, once per request, and its children follow."""
 
     def __init__(self, provider: Any, processor: Any) -> None:
-        from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.sdk.trace import Event, ReadableSpan  # the SDK, only when tracing is on
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator  # the SDK, only when tracing is on
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope  # the SDK, only when tracing is on
 
         self.sampler, self.resource, self.processor = provider.sampler, provider.resource, processor
         self.ids = RandomIdGenerator()
-        self.scope = InstrumentationScope("ldlm.serve")
+        self.scope = InstrumentationScope(__name__)  # the instrumentation scope: this module, as OpenTelemetry names one
         self.readable, self.event = ReadableSpan, Event
 
     def root(self, name: str, parent: Context, attributes: dict[str, Any]) -> tuple[trace.SpanContext, trace.SpanContext | None] | None:

@@ -72,17 +72,9 @@ def test_a_rerun_of_named_mutants_keeps_the_other_verdicts(tmp_path: Path) -> No
 
 def test_a_rerun_takes_the_survivors_and_with_timeouts_those_that_ran_out_of_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Survived and reached by no test: run again; timed out: only when asked; killed and listed as equivalent: never."""
-    from mutmut.stats import status_by_exit_code
-
-    code = {
-        status: next(c for c, s in status_by_exit_code.items() if s == status)
-        for status in (ms.KILLED, ms.SURVIVED, ms.TIMEOUT, ms.NO_TESTS)
-    }
-    meta = tmp_path / "s" / "mutants" / "ldlm" / "serve" / "m.py.meta"
-    meta.parent.mkdir(parents=True)
     names = {"k": ms.KILLED, "s": ms.SURVIVED, "t": ms.TIMEOUT, "n": ms.NO_TESTS, "e": ms.SURVIVED}
-    meta.write_text(json.dumps({"exit_code_by_key": {f"ldlm.serve.m.x_f__mutmut_{n}": code[s] for n, s in names.items()}}))
-    monkeypatch.setattr(ms, "WORK", tmp_path)
+    verdicts = {f"ldlm.serve.m.x_f__mutmut_{n}": status for n, status in names.items()}
+    monkeypatch.setattr(ms, "statuses", lambda work, module: verdicts if module == "serve/m.py" else {})
     monkeypatch.setattr(ms, "equivalents", lambda: {"ldlm.serve.m.x_f__mutmut_e": "why"})
     shard = ms.Shard("s", ("serve/m.py",), ())
     assert [name[-1] for name in ms.survivors(shard)] == ["n", "s"]

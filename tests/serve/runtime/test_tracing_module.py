@@ -191,7 +191,9 @@ def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_and_a_sampled_one
     root, children = sent(traces, receiver, request(traces, "last"), 200, 0)  # every span of the two sent before it is in
     assert not [s for s in receiver.spans if s.attributes.get("ldlm.request_id") == "unsampled"]
     root, children = receiver.request("sampled", 5, timeout_s=10)
-    assert {(s.scope, s.trace_state) for s in [root, *children]} == {("ldlm.serve", "vendor=7")}  # the caller's tracestate kept
+    assert {(s.scope, s.trace_state) for s in [root, *children]} == {
+        ("ldlm.serve.runtime.tracing", "vendor=7")
+    }  # the caller's tracestate kept
     assert root.trace_id == TRACE_ID and {(c.trace_id, c.parent_id, c.kind) for c in children} == {(TRACE_ID, root.span_id, 1)}
     assert len({c.span_id for c in children} | {root.span_id, CALLER}) == 7  # SPAN_KIND_INTERNAL children, ids their own
 
@@ -226,7 +228,7 @@ def test_the_providers_sampler_is_asked_once_per_request_with_its_trace_name_kin
     finally:
         traces.close()
     assert asked == [(int(root.trace_id, 16), "POST /v1/generate", tracing.trace.SpanKind.SERVER, {**root.attributes})]
-    assert root.scope == "ldlm.serve"  # the instrumentation scope each span is sent under
+    assert root.scope == "ldlm.serve.runtime.tracing"  # the instrumentation scope each span is sent under
 
 
 def test_marks_become_unix_nanoseconds_exactly(traces: Tracing, monkeypatch: pytest.MonkeyPatch) -> None:
