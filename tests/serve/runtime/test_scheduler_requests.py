@@ -203,8 +203,8 @@ def test_generate_gives_up_at_its_timeout(pipeline: LDLMPipeline) -> None:
         scheduler.close(timeout_s=30)
 
 
-def test_close_waits_for_the_worker_only_up_to_its_timeout_and_the_request_running_is_still_answered(pipeline: LDLMPipeline) -> None:
-    """A close that stops waiting leaves the worker to finish: the request inside the held step gets its tokens after."""
+def held_denoiser(pipeline: LDLMPipeline) -> tuple[threading.Event, threading.Event, Callable[..., Any]]:
+    """The pipeline's denoiser held inside its first call: ``entered`` once a step is in it, which ends on ``release``."""
     entered, release = threading.Event(), threading.Event()
 
     def held(*args: Any, **kwargs: Any) -> Any:
@@ -212,6 +212,12 @@ def test_close_waits_for_the_worker_only_up_to_its_timeout_and_the_request_runni
         assert release.wait(30)
         return pipeline.graphs.denoise(*args, **kwargs)
 
+    return entered, release, held
+
+
+def test_close_waits_for_the_worker_only_up_to_its_timeout_and_the_request_running_is_still_answered(pipeline: LDLMPipeline) -> None:
+    """A close that stops waiting leaves the worker to finish: the request inside the held step gets its tokens after."""
+    entered, release, held = held_denoiser(pipeline)
     spec = GenerateRequest(n=1, length=4, steps=2, seed=5, sampler="ddim")
     scheduler = GenerationScheduler(pipeline, max_batch=2, denoise=held)
     try:
@@ -228,13 +234,7 @@ def test_close_waits_for_the_worker_only_up_to_its_timeout_and_the_request_runni
 
 def test_close_answers_every_request_still_queued_or_running(pipeline: LDLMPipeline) -> None:
     """Closed while a step is held and more requests wait: each still gets the pipeline's own tokens."""
-    entered, release = threading.Event(), threading.Event()
-
-    def held(*args: Any, **kwargs: Any) -> Any:
-        entered.set()
-        assert release.wait(30)
-        return pipeline.graphs.denoise(*args, **kwargs)
-
+    entered, release, held = held_denoiser(pipeline)
     specs = [GenerateRequest(n=1, length=4, steps=3, seed=k, sampler="ddim") for k in range(3)]
     scheduler = GenerationScheduler(pipeline, max_batch=1, denoise=held)
     closing = threading.Thread(target=scheduler.close, daemon=True)
